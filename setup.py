@@ -1,0 +1,21 @@
+from setuptools import find_packages, setup
+
+
+def _requirements():
+    with open("requirements.txt") as f:
+        return [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+
+setup(
+    name="slime",
+    version="0.1.0",
+    description="RL post-training for LLMs: megatron-core / FSDP training, SGLang / built-in engines, Ray.",
+    packages=find_packages(include=["slime", "slime.*"]),
+    python_requires=">=3.10",
+    install_requires=_requirements(),
+    extras_require={
+        "megatron": ["megatron-core>=0.16.0"],
+        "sglang": ["sglang>=0.5.0"],
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
+    },
+)

@@ -1,0 +1,146 @@
+"""Write a tiny, random-init Hugging Face model folder with no network access.
+
+The folder holds config.json, model.safetensors, generation_config.json and a word-level tokenizer
+(tokenizer.json + tokenizer_config.json with a Qwen-style chat template). The architecture is a real
+transformers one (Qwen3 by default) at a tiny size; everything is deterministic from --seed.
+
+Simplifications: the tokenizer is word-level over a small fixed English vocabulary plus single digits
+(unknown words map to <unk>; text is lower-cased), which is what the toy tasks under examples/ and tools/ need; it is not a
+BPE tokenizer and cannot round-trip arbitrary text.
+
+    python tools/make_tiny_model.py --out models/tiny-qwen3 --size tiny --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<think>", "</think>",
+                  "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+PUNCTUATION = list(".,:;?!+-*/=()[]{}<>'\"#_%$&@^|~`\\")
+WORDS = """
+system user assistant tool
+what which who how many much is are was be the a an of to in on at for from by with and or not no yes
+number numbers digit digits comes after before next previous plus minus times equals sum answer
+say reply repeat copy count add subtract multiply result question solve find give write output
+color colour red green blue yellow black white orange purple pink brown gray
+animal cat dog bird fish cow horse sheep mouse lion tiger
+one two three four five six seven eight nine ten zero
+first second third last word words letter letters only please then this that it its
+true false correct wrong call search query results result information
+you are helpful math tutor think step boxed
+""".split()
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+SIZES = {
+    # name: (hidden, layers, heads, kv_heads, head_dim, intermediate); "tiny" ~1M, "small" ~20M parameters
+    "tiny": (128, 4, 4, 2, 32, 512),
+    "small": (384, 8, 6, 2, 64, 1536),
+}
+
+
+def build_vocab() -> list[str]:
+    vocab: list[str] = []
+    for tok in SPECIAL_TOKENS + [str(d) for d in range(10)] + PUNCTUATION + WORDS:
+        if tok not in vocab:
+            vocab.append(tok)
+    return vocab
+
+
+def build_tokenizer(out: str):
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = build_vocab()
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
+    )
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>", "<unk>")],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return fast
+
+
+def build_config(arch: str, size: str, vocab_size: int, tokenizer):
+    hidden, layers, heads, kv_heads, head_dim, inter = SIZES[size]
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        bos_token_id=None,
+        initializer_range=0.02,
+    )
+    if arch == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(head_dim=head_dim, **common)
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(head_dim=head_dim, **common)
+    raise ValueError(f"--arch {arch}: supported architectures are qwen3, llama")
+
+
+def make_tiny_model(out: str, arch: str = "qwen3", size: str = "tiny", seed: int = 0) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if size not in SIZES:
+        raise ValueError(f"--size {size}: choose one of {sorted(SIZES)}")
+    os.makedirs(out, exist_ok=True)
+    tokenizer = build_tokenizer(out)
+    vocab_size = ((len(tokenizer) + 63) // 64) * 64
+    config = build_config(arch, size, vocab_size, tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(
+        eos_token_id=[config.eos_token_id, config.pad_token_id], pad_token_id=config.pad_token_id
+    ).save_pretrained(out)
+    n_params = sum(p.numel() for p in model.parameters())
+    with open(os.path.join(out, "tiny_model_info.json"), "w") as f:
+        json.dump({"arch": arch, "size": size, "seed": seed, "num_parameters": n_params}, f, indent=2)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    make_tiny_model(args.out, args.arch, args.size, args.seed)
+    with open(os.path.join(args.out, "tiny_model_info.json")) as f:
+        print(f"wrote {args.out}: {json.load(f)}")
+
+
+if __name__ == "__main__":
+    main()
