@@ -1,0 +1,89 @@
+"""The training-backend interface: one `TrainRayActor` per training rank (GPU, or CPU rank without GPUs).
+
+`RayTrainGroup` creates the actors on placement-group bundles, hands every rank the rendezvous address
+of rank 0 and calls the same methods on all ranks; backends (`fsdp`, `megatron`) subclass this and
+implement `init`, `train`, `update_weights`, `compute_log_probs` and `save`. The orchestration never
+branches on which backend it holds.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def get_node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray, loopback is the only address we need
+        return "127.0.0.1"
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TrainRayActor:
+    def __init__(self, world_size: int, rank: int, master_addr: str | None, master_port: int | None):
+        self.world_size = world_size
+        self.rank = rank
+        if rank == 0 and master_addr is None:
+            master_addr, master_port = get_node_ip(), find_free_port()
+        self.master_addr, self.master_port = master_addr, master_port
+        os.environ.update(
+            MASTER_ADDR=str(master_addr),
+            MASTER_PORT=str(master_port),
+            WORLD_SIZE=str(world_size),
+            RANK=str(rank),
+            # Ray pins one GPU per actor (CUDA_VISIBLE_DEVICES), so inside the actor it is always device 0.
+            LOCAL_RANK="0",
+        )
+
+    def get_master_addr_and_port(self) -> tuple[str, int]:
+        return self.master_addr, self.master_port
+
+    def init_process_group(self, backend: str, timeout_minutes: int) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        elif backend == "nccl":
+            backend = "gloo"
+        dist.init_process_group(
+            backend=backend,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(minutes=timeout_minutes),
+        )
+
+    # ---- the backend interface -------------------------------------------------------------------
+    def init(self, args: Any, role: str, with_ref: bool) -> int:
+        """Build model/optimizer (and reference model when `with_ref`), load checkpoints.
+        Returns the rollout id to start from."""
+        raise NotImplementedError
+
+    def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
+        """Train on one rollout's `TrainBatch`; returns `train/*` metrics (meaningful on rank 0)."""
+        raise NotImplementedError
+
+    def update_weights(self, engines: list[Any], weight_version: int) -> None:
+        """Push the current weights to every rollout engine, stamped with `weight_version`."""
+        raise NotImplementedError
+
+    def compute_log_probs(self, tokens: list[list[int]], response_lengths: list[int]) -> list[list[float]]:
+        """Per-response-token log-probs of the current policy (temperature-scaled like the rollout)."""
+        raise NotImplementedError
+
+    def save(self, rollout_id: int) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
