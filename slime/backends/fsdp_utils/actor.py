@@ -1,0 +1,319 @@
+"""`FSDPTrainRayActor`: one training rank of the `fsdp` backend (a transformers causal LM under FSDP2).
+
+Per rank: the policy model (and, with a KL term, a frozen reference model) loaded with
+`AutoModelForCausalLM.from_pretrained`, each decoder layer and the root wrapped with
+`torch.distributed.fsdp.fully_shard` on a 1-D mesh over all ranks (pure data parallel, parameters,
+gradients and optimizer state sharded), and AdamW. fp32 on CPU (gloo); on CUDA, bf16 compute with fp32
+master weights and fp32 gradient reduction (FSDP2 MixedPrecisionPolicy).
+
+One `train` call = one rollout: the batch's rows are cut into `num_steps = len(batch) // gbs` optimizer
+steps; each rank trains on a contiguous share of every step's rows, in micro-batches. Old-policy (and
+reference) log-probs are computed first, with the same micro-batches, so the first step's ppo_kl is 0.
+
+Simplifications (see docs/fsdp_backend.md): actor only (no critic, so no PPO); advantage estimators
+grpo / gspo; fixed-size padded micro-batches (no packing or dynamic batch size); dropout is kept off
+(eval mode) in every forward, so recomputed and training log-probs agree; no offloading between
+rollout and training (`--offload-train` is not acted on); no gradient checkpointing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.fsdp_utils import checkpoint, weight_sync
+from slime.backends.fsdp_utils.data import (
+    forward_response_log_probs,
+    make_micro_batch,
+    pad_per_token,
+    rows_per_step,
+    split_micro_batches,
+    unpad_per_token,
+)
+from slime.ray.train_actor import TrainRayActor
+from slime.utils import ppo_utils
+from slime.utils.types import TrainBatch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_UPDATE_WEIGHT_BUFFER_SIZE = 512 * 2**20
+
+
+def _fully_shard():
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError as e:
+        raise ImportError(
+            f"--train-backend fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6); "
+            f"this torch is {torch.__version__}: upgrade torch"
+        ) from e
+    return fully_shard, MixedPrecisionPolicy
+
+
+def lr_at(args: Any, step: int) -> float:
+    """Learning rate of optimizer step `step` (0-based): Megatron-style warm-up then decay."""
+    lr, min_lr = args.lr, getattr(args, "min_lr", 0.0)
+    warmup = getattr(args, "lr_warmup_iters", 0) or 0
+    if step < warmup:
+        init = getattr(args, "lr_warmup_init", 0.0) or 0.0
+        return init + (lr - init) * (step + 1) / warmup
+    style = getattr(args, "lr_decay_style", "constant") or "constant"
+    decay_iters = getattr(args, "lr_decay_iters", None)
+    if style == "constant" or not decay_iters:
+        return lr
+    ratio = min(1.0, max(0.0, (step - warmup) / max(1, decay_iters - warmup)))
+    if style == "linear":
+        return lr - (lr - min_lr) * ratio
+    if style == "cosine":
+        return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * ratio))
+    raise NotImplementedError(
+        f"--lr-decay-style {style}: the fsdp backend implements constant, linear and cosine; choose one of them"
+    )
+
+
+class FSDPTrainRayActor(TrainRayActor):
+    # ---- setup ------------------------------------------------------------------------------------------
+    def init(self, args: Any, role: str, with_ref: bool) -> int:
+        if role != "actor":
+            raise NotImplementedError(
+                f"fsdp backend: role {role!r} is not supported (only the actor; a critic is needed by "
+                "--advantage-estimator ppo, which this backend does not implement yet)"
+            )
+        self.args = args
+        torch.set_num_threads(int(os.environ.get("SLIME_TRAIN_NUM_THREADS", 1)))
+        if not dist.is_initialized():
+            backend = getattr(args, "distributed_backend", None) or ("nccl" if torch.cuda.is_available() else "gloo")
+            self.init_process_group(backend, getattr(args, "distributed_timeout_minutes", 10))
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(args.seed)
+        lr_at(args, 0)  # fail now, not at the first step, on an unsupported --lr-decay-style
+
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+
+        ckpt = checkpoint.find_checkpoint(getattr(args, "load", None))
+        self.model = self._build_model(ckpt.path if ckpt else args.hf_checkpoint, trainable=True)
+        self.ref_model = None
+        if with_ref:
+            ref_load = getattr(args, "ref_load", None)
+            self.ref_model = self._build_model(
+                ref_load if checkpoint.is_hf_folder(ref_load) else args.hf_checkpoint, trainable=False
+            )
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=args.lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_eps,
+            weight_decay=args.weight_decay,
+        )
+        self.global_step = 0
+        if ckpt is None:
+            return getattr(args, "start_rollout_id", None) or 0
+        if not getattr(args, "no_load_optim", False):
+            checkpoint.load_optimizer(self.model, self.optimizer, ckpt.path)
+        self.global_step = int(ckpt.trainer_state.get("global_step", 0))
+        logger.info("rank %d: resumed from %s (rollout %d)", self.rank, ckpt.path, ckpt.iteration)
+        return ckpt.iteration + 1
+
+    def _build_model(self, path: str, trainable: bool) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        if not checkpoint.is_hf_folder(path):
+            raise FileNotFoundError(f"--hf-checkpoint {path}: not an HF model folder (no config.json there)")
+        fully_shard, MixedPrecisionPolicy = _fully_shard()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.eval()  # dropout off in every forward: old-policy and training log-probs must agree
+        model.requires_grad_(trainable)
+        if self.device.type == "cuda":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        else:
+            policy = MixedPrecisionPolicy()
+        layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+        layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+        if not layers:
+            raise ValueError(f"{path}: cannot find the decoder layers to shard ({type(model).__name__} lists none "
+                             "in _no_split_modules)")
+        for layer in layers:
+            fully_shard(layer, mesh=self.mesh, mp_policy=policy)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy)  # moves the shards to the mesh's device
+        return model
+
+    # ---- log-probs --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _log_probs_of_rows(self, model, batch: TrainBatch, micro_batches: list[list[int]]) -> dict[int, torch.Tensor]:
+        out = {}
+        for rows in micro_batches:
+            mb = make_micro_batch([batch.tokens[r] for r in rows], [batch.response_lengths[r] for r in rows],
+                                  device=self.device)
+            lp, _ = forward_response_log_probs(model, mb, self.args.rollout_temperature)
+            for i, r in enumerate(rows):
+                out[r] = lp[i, : batch.response_lengths[r]]
+        return out
+
+    @torch.no_grad()
+    def compute_log_probs(self, tokens: list[list[int]], response_lengths: list[int]) -> list[list[float]]:
+        """All ranks run it on the same rows (FSDP forwards are collective); each returns all rows."""
+        result: list[list[float]] = []
+        for rows in split_micro_batches(range(len(tokens)), self.args.micro_batch_size):
+            mb = make_micro_batch([tokens[r] for r in rows], [response_lengths[r] for r in rows], device=self.device)
+            lp, _ = forward_response_log_probs(self.model, mb, self.args.rollout_temperature)
+            result.extend(unpad_per_token(lp, mb.response_lengths))
+        return result
+
+    # ---- training ---------------------------------------------------------------------------------------
+    def train(self, rollout_id: int, batch: TrainBatch) -> dict[str, float]:
+        args = self.args
+        steps = rows_per_step(len(batch), args.global_batch_size, self.world_size, self.rank)
+        plan = [split_micro_batches(rows, args.micro_batch_size) for rows in steps]
+        all_micro_batches = [mb for step in plan for mb in step]
+
+        advantages = ppo_utils.compute_advantages(args.advantage_estimator, batch.rewards, batch.response_lengths)
+        if getattr(args, "normalize_advantages", False):
+            advantages = self._whiten(advantages, batch)
+
+        rollout_lp = None
+        if batch.rollout_log_probs is not None:
+            rollout_lp = {r: torch.as_tensor(batch.rollout_log_probs[r], dtype=torch.float32, device=self.device)
+                          for mb in all_micro_batches for r in mb}
+        extra: dict[str, float] = {}
+        if getattr(args, "use_rollout_logprobs", False):
+            if rollout_lp is None:
+                raise ValueError("--use-rollout-logprobs: the train batch has no rollout log-probs (the rollout "
+                                 "function must fill Sample.rollout_log_probs); drop the flag or return them")
+            old_lp = rollout_lp
+        else:
+            old_lp = self._log_probs_of_rows(self.model, batch, all_micro_batches)
+            if rollout_lp is not None:
+                extra["train/train_rollout_logprob_abs_diff"] = self._logprob_abs_diff(old_lp, rollout_lp, batch)
+        use_kl_loss = getattr(args, "use_kl_loss", False)
+        ref_lp = None
+        if use_kl_loss:
+            if self.ref_model is None:
+                raise ValueError("--use-kl-loss needs the reference model, but the actor was initialised without "
+                                 "one (with_ref=False); the actor group must pass with_ref=True")
+            ref_lp = self._log_probs_of_rows(self.ref_model, batch, all_micro_batches)
+
+        totals: dict[str, float] = defaultdict(float)
+        for s, micro_batches in enumerate(plan):
+            global_rows = range(s * args.global_batch_size, (s + 1) * args.global_batch_size)
+            step_metrics = self._train_step(batch, micro_batches, global_rows, advantages, old_lp, ref_lp, rollout_lp)
+            for k, v in step_metrics.items():
+                totals[k] += v
+        metrics = {k: v / len(plan) for k, v in totals.items()}
+        metrics.update(extra)
+        return metrics
+
+    def _train_step(self, batch, micro_batches, global_rows, advantages, old_lp, ref_lp, rollout_lp) -> dict[str, float]:
+        args = self.args
+        per_token = getattr(args, "calculate_per_token_loss", False)
+        if per_token:
+            denominator = max(1, sum(sum(batch.loss_masks[r]) for r in global_rows))
+        else:
+            denominator = len(global_rows)
+        entropy_coef = getattr(args, "entropy_coef", 0.0) or 0.0
+        kl_loss_coef = getattr(args, "kl_loss_coef", 0.0) or 0.0
+        use_tis = getattr(args, "use_tis", False)
+        eps_clip_high = args.eps_clip if getattr(args, "eps_clip_high", None) is None else args.eps_clip_high
+        eps_clip_c = getattr(args, "eps_clip_c", None)
+        lr = lr_at(args, self.global_step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+        local: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
+        self.optimizer.zero_grad(set_to_none=True)
+        for rows in micro_batches:
+            mb = make_micro_batch([batch.tokens[r] for r in rows], [batch.response_lengths[r] for r in rows],
+                                  device=self.device)
+            width = mb.max_response_len
+
+            def padded(per_row):
+                return pad_per_token([per_row[r] for r in rows], width, self.device)
+
+            log_probs, entropy = forward_response_log_probs(self.model, mb, args.rollout_temperature, with_entropy=True)
+            mask = mb.response_mask * pad_per_token([batch.loss_masks[r] for r in rows], width, self.device)
+            old, adv = padded(old_lp), padded(advantages)
+            if args.advantage_estimator == "gspo":
+                pg, clipfrac, ppo_kl = ppo_utils.compute_gspo_policy_loss(
+                    log_probs, old, adv, mask, args.eps_clip, eps_clip_high, eps_clip_c)
+            else:
+                pg, clipfrac, ppo_kl = ppo_utils.compute_policy_loss(
+                    log_probs, old, adv, args.eps_clip, eps_clip_high, eps_clip_c)
+
+            def agg(values):
+                return ppo_utils.aggregate_loss(values, mask, per_token, denominator)
+
+            if use_tis:
+                weights, tis_clipped = ppo_utils.compute_tis_weights(
+                    old, padded(rollout_lp), args.tis_clip, getattr(args, "tis_clip_low", 0.0))
+                pg = pg * weights
+                local["train/tis"] += agg(weights).detach()
+                local["train/tis_clipfrac"] += agg(tis_clipped)
+            pg_loss = agg(pg)
+            entropy_loss = agg(entropy if entropy_coef else entropy.detach())
+            loss = pg_loss - entropy_coef * entropy_loss
+            if ref_lp is not None:
+                kl = ppo_utils.compute_approx_kl(log_probs, padded(ref_lp), args.kl_loss_type)
+                if getattr(args, "use_unbiased_kl", False):
+                    kl = kl * torch.exp(log_probs - old).detach()  # importance-weight the KL to the sampling policy
+                kl_loss = agg(kl)
+                loss = loss + kl_loss_coef * kl_loss
+                local["train/kl_loss"] += kl_loss.detach()
+            # FSDP averages gradients over ranks; each rank's loss is its share of a global sum, so undo that.
+            (loss * self.world_size).backward()
+            local["train/loss"] += loss.detach()
+            local["train/pg_loss"] += pg_loss.detach()
+            local["train/entropy_loss"] += entropy_loss.detach()
+            local["train/pg_clipfrac"] += agg(clipfrac)
+            local["train/ppo_kl"] += agg(ppo_kl).detach()
+
+        max_norm = args.clip_grad if args.clip_grad and args.clip_grad > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.global_step += 1
+
+        names = sorted(local)
+        summed = torch.stack([local[k] for k in names]).float()
+        dist.all_reduce(summed)  # shares of global means: the sum over ranks is the global value
+        metrics = dict(zip(names, summed.tolist()))
+        metrics["train/grad_norm"] = float(grad_norm)
+        metrics["train/lr"] = lr
+        return metrics
+
+    def _whiten(self, advantages: list[torch.Tensor], batch: TrainBatch) -> list[torch.Tensor]:
+        """--normalize-advantages over the whole rollout batch (every rank holds it, so no collective)."""
+        flat = torch.cat(advantages) if advantages else torch.zeros(0)
+        mask = torch.cat([torch.as_tensor(m, dtype=torch.float32) for m in batch.loss_masks]) if advantages else flat
+        whitened = ppo_utils.masked_whiten(flat, mask)
+        return list(torch.split(whitened, [len(a) for a in advantages]))
+
+    def _logprob_abs_diff(self, old_lp, rollout_lp, batch: TrainBatch) -> float:
+        """Mean |recomputed − rollout| log-prob over loss-masked response tokens of the whole batch."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for r, lp in old_lp.items():
+            mask = torch.as_tensor(batch.loss_masks[r], dtype=torch.float32, device=self.device)
+            total[0] += ((lp - rollout_lp[r]).abs() * mask).sum().double()
+            total[1] += mask.sum().double()
+        dist.all_reduce(total)
+        return float(total[0] / total[1].clamp_min(1.0))
+
+    # ---- weights and checkpoints ------------------------------------------------------------------------
+    def update_weights(self, engines: list[Any], weight_version: int) -> None:
+        buffer_size = getattr(self.args, "update_weight_buffer_size", None) or DEFAULT_UPDATE_WEIGHT_BUFFER_SIZE
+        weight_sync.update_weights(self.model, engines, weight_version, buffer_size)
+
+    def save(self, rollout_id: int) -> None:
+        if not getattr(self.args, "save", None):
+            raise ValueError("save() called without --save; pass --save DIR to write checkpoints")
+        optimizer = None if getattr(self.args, "no_save_optim", False) else self.optimizer
+        checkpoint.save_checkpoint(self.model, optimizer, self.args.save, rollout_id, self.args.hf_checkpoint,
+                                   {"global_step": self.global_step})

@@ -1,0 +1,181 @@
+"""Checkpoints of the fsdp backend.
+
+Layout (slime's, with HF weights instead of Megatron's torch_dist):
+
+    <save>/latest_checkpointed_iteration.txt      the last complete rollout id, written last
+    <save>/iter_0000007/config.json, model.safetensors, tokenizer files   an HF folder (`from_pretrained`)
+    <save>/iter_0000007/optimizer/                 torch.distributed.checkpoint of the AdamW state (sharded)
+    <save>/iter_0000007/trainer_state.json         rollout id, optimizer step count, world size
+
+Loading builds the model from the iteration's HF folder (so `--load` weights replace `--hf-checkpoint`)
+and restores the optimizer through DCP, which re-shards when the number of ranks changes.
+
+Simplifications: the weights are written as a single safetensors file by rank 0 after a full-state-dict
+gather (fine up to a few billion parameters); RNG state is not saved (training uses no dropout or
+sampling; --no-load-rng has nothing to skip).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+TRAINER_STATE_FILE = "trainer_state.json"
+OPTIMIZER_DIR = "optimizer"
+# Files copied from --hf-checkpoint so that each iteration folder is a complete HF model folder.
+_HF_SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+@dataclass
+class Checkpoint:
+    iteration: int
+    path: str
+    trainer_state: dict
+
+
+def iteration_dir(root: str, rollout_id: int) -> str:
+    return os.path.join(root, f"iter_{rollout_id:07d}")
+
+
+def is_hf_folder(path: str | None) -> bool:
+    return bool(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def find_checkpoint(load_dir: str | None) -> Checkpoint | None:
+    """The checkpoint `--load` points at, or None when the folder holds none (a fresh run)."""
+    if not load_dir:
+        return None
+    latest = os.path.join(load_dir, LATEST_FILE)
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        text = f.read().strip()
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise ValueError(f"{latest}:1: expected a rollout id, found {text!r}; fix or delete the file") from None
+    path = iteration_dir(load_dir, iteration)
+    if not is_hf_folder(path):
+        raise FileNotFoundError(
+            f"--load {load_dir}: {LATEST_FILE} names iteration {iteration} but {path}/config.json is missing; "
+            "point --load at a complete checkpoint folder or fix the file"
+        )
+    state = {}
+    state_file = os.path.join(path, TRAINER_STATE_FILE)
+    if os.path.isfile(state_file):
+        with open(state_file) as f:
+            state = json.load(f)
+    return Checkpoint(iteration, path, state)
+
+
+def save_checkpoint(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    save_dir: str,
+    rollout_id: int,
+    hf_checkpoint: str | None,
+    trainer_state: dict,
+) -> str:
+    """Collective: every rank must call it. Returns the iteration folder."""
+    rank = dist.get_rank()
+    path = iteration_dir(save_dir, rollout_id)
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        _write_hf_folder(model, full, path, hf_checkpoint)
+    del full
+
+    if optimizer is not None:
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(path, OPTIMIZER_DIR))
+    if rank == 0:
+        state = dict(trainer_state, rollout_id=rollout_id, world_size=dist.get_world_size())
+        with open(os.path.join(path, TRAINER_STATE_FILE), "w") as f:
+            json.dump(state, f, indent=2)
+    dist.barrier()
+    if rank == 0:
+        # Written last, atomically: a crash mid-save leaves the previous checkpoint as the latest.
+        tmp = os.path.join(save_dir, LATEST_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(rollout_id))
+        os.replace(tmp, os.path.join(save_dir, LATEST_FILE))
+        logger.info("saved checkpoint %s", path)
+    dist.barrier()
+    return path
+
+
+def _write_hf_folder(model: torch.nn.Module, state: dict[str, torch.Tensor], path: str, hf_checkpoint: str | None):
+    from safetensors.torch import save_file
+
+    config = model.config
+    tied = bool(getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                        "tie_word_embeddings", False))
+    if tied and "lm_head.weight" in state:
+        # from_pretrained re-ties it; safetensors refuses two names for one storage.
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    config.save_pretrained(path)
+    if hf_checkpoint and os.path.isdir(hf_checkpoint):
+        for name in _HF_SIDE_FILES:
+            src = os.path.join(hf_checkpoint, name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(path, name))
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Materialise AdamW's per-parameter state (step, moments) so a DCP load has tensors to fill.
+
+    A step with zero gradients and lr 0 leaves the parameters unchanged (decoupled weight decay is
+    scaled by lr too)."""
+    saved_lrs = [g["lr"] for g in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, saved_lrs):
+        group["lr"] = lr
+
+
+def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_path: str) -> bool:
+    """Collective. Restores the optimizer saved under `checkpoint_path`; False when none was saved."""
+    folder = os.path.join(checkpoint_path, OPTIMIZER_DIR)
+    if not os.path.isdir(folder):
+        logger.warning("%s has no optimizer state (saved with --no-save-optim?); starting a fresh optimizer", checkpoint_path)
+        return False
+    init_optimizer_state(optimizer)
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=folder)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    return True

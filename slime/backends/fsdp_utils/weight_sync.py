@@ -1,0 +1,75 @@
+"""Pushing the trainer's weights to rollout engines (same host, `update_weights_from_tensor`).
+
+Every rank joins a full-state-dict gather (HF parameter names: FSDP2 keeps the module's names); rank 0
+splits the tensors into buckets of at most `--update-weight-buffer-size` bytes and, bucket by bucket,
+hands every engine a flattened, handle-pickled copy (slime/utils/weight_transfer.py) and waits for all
+of them to load it before the next bucket. The flattened buffer of a bucket is kept referenced until
+the engines have answered, because the payload carries a handle to it, not the data.
+
+Simplifications: the whole state dict is gathered to rank 0's CPU memory first (bounded by the model
+size, not the bucket size), and buffers travel as CPU shared memory (the `hf` engine copies them onto
+its device); CUDA IPC hand-over and the NCCL broadcast path of disaggregated runs are not implemented.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from slime.utils.weight_transfer import flatten_bucket, serialize_bucket, split_into_buckets
+
+logger = logging.getLogger(__name__)
+
+
+def gather_full_state_dict(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Collective: full, unsharded tensors on rank 0's CPU (HF names, in module order); [] elsewhere."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return list(state.items())
+
+
+def _call_engine(engine: Any, payload: str, weight_version: str):
+    method = engine.update_weights_from_tensor
+    if hasattr(method, "remote"):  # a Ray actor handle
+        return method.remote(payload, weight_version)
+    return method(payload, weight_version)  # an in-process engine object
+
+
+def push_to_engines(
+    named_tensors: list[tuple[str, torch.Tensor]], engines: Sequence[Any], weight_version: str, buffer_size: int
+) -> int:
+    """Send buckets to every engine in turn; returns the number of buckets sent."""
+    import ray
+
+    buckets = split_into_buckets(named_tensors, buffer_size)
+    for i, bucket in enumerate(buckets):
+        flat = flatten_bucket(bucket)
+        payload = serialize_bucket(flat)
+        results = [_call_engine(e, payload, weight_version) for e in engines]
+        refs = [r for r in results if isinstance(r, ray.ObjectRef)]
+        if refs:
+            ray.get(refs)
+        del flat, payload  # the engines hold their copies now; release the shared buffer
+        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+        logger.info("update_weights v%s: bucket %d/%d (%d tensors, %.1f MiB)", weight_version, i + 1,
+                    len(buckets), len(bucket), nbytes / 2**20)
+    return len(buckets)
+
+
+def update_weights(
+    model: torch.nn.Module, engines: Sequence[Any], weight_version: int | str, buffer_size: int
+) -> int:
+    """Collective: gather on all ranks, push from rank 0, barrier. Returns buckets sent (0 off rank 0)."""
+    named = gather_full_state_dict(model)
+    sent = 0
+    try:
+        if dist.get_rank() == 0 and engines:
+            sent = push_to_engines(named, engines, str(weight_version), buffer_size)
+    finally:
+        del named
+        # Other ranks wait here so that no rank starts training while engines are still loading.
+        dist.barrier()
+    return sent

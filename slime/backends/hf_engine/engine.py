@@ -1,0 +1,44 @@
+"""`HFEngine`: the `ServerEngine` that launches the built-in hf engine server (server.py).
+
+Launch settings come from slime's args: `--hf-checkpoint` (model), `--rollout-seed` + rank (sampling
+seed), `--sglang-server-concurrency` (largest running batch, 64 when absent). Device is CUDA when
+visible, else CPU; dtype is float32 on CPU (so engine and trainer log-probs agree to ~1e-5) and
+bfloat16 on CUDA. Torch threads per server: env `SLIME_ENGINE_NUM_THREADS` (default 1, so several
+engines and a trainer can share a small CPU machine).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from slime.backends.server_engine import ServerEngine
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+class HFEngine(ServerEngine):
+    name = "hf-engine"
+
+    def launch_command(self, host: str, port: int) -> list[str]:
+        import torch
+
+        checkpoint = getattr(self.args, "hf_checkpoint", None)
+        if not checkpoint:
+            raise ValueError("--hf-checkpoint is required for the hf rollout engine (an HF model folder)")
+        cuda = torch.cuda.is_available()
+        seed = getattr(self.args, "rollout_seed", None)
+        seed = (42 if seed is None else seed) + self.rank
+        return [sys.executable, "-m", "slime.backends.hf_engine",
+                "--model-path", str(checkpoint), "--host", host, "--port", str(port),
+                "--device", "cuda" if cuda else "cpu", "--dtype", "bfloat16" if cuda else "float32",
+                "--max-running-requests", str(getattr(self.args, "sglang_server_concurrency", None) or 64),
+                "--random-seed", str(seed),
+                "--num-threads", os.environ.get("SLIME_ENGINE_NUM_THREADS", "1")]
+
+    def launch_env(self) -> dict[str, str]:
+        env = super().launch_env()
+        # The server imports `slime` by module path; make that work from any working directory.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH")) if p)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        return env

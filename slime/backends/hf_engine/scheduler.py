@@ -1,0 +1,571 @@
+"""Continuous batching on a transformers causal LM: the engine's scheduler.
+
+One scheduler thread owns the model. Each iteration is one forward pass, taken under `step_lock`:
+- new requests waiting (up to `max_running_requests` in total) are prefilled together: left-padded to a
+  common length, with an explicit attention mask and position ids, into a fresh `DynamicCache`; their
+  first token is sampled from the last position and the rows are merged into the running batch (the two
+  caches are left-padded to a common length and concatenated along the batch dimension);
+- otherwise the running batch takes one decode step: each row feeds its last sampled token.
+Finished rows leave the batch after every step, and cache columns that have become padding for every
+remaining row are trimmed away, so the cache never grows past the longest live sequence.
+
+Sampling is per request: temperature (0 = greedy), top-p, top-k and one `torch.Generator` per request,
+seeded from the engine's seed and the request's arrival number, so a request's random stream does not
+depend on which other requests share its batch. Logits, log-probs and sampling are fp32. The reported
+log-prob is `log_softmax(logits / temperature)` at the chosen token, before top-p / top-k truncation
+(raw logits for greedy), the quantity a trainer recomputes from `logits / temperature`.
+
+Simplified, compared with SGLang: no prefix (radix) cache, no paged KV memory, no chunked prefill,
+no CUDA graphs; a prefill pauses the running batch for one forward. Prompts that ask for prompt
+log-probs are prefilled apart from the others because they need logits at every position. Stop strings
+are detected on a decoded tail window of the output; a stop string spread over more tokens than the
+window (only possible with tokens that decode to nothing) is missed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+
+logger = logging.getLogger(__name__)
+
+GREEDY_EPS = 1e-6  # temperatures at or below this are greedy, as in SGLang
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+_SEED_STRIDE = 1_000_003  # keeps (seed, request number) pairs from colliding for any realistic count
+
+
+# SGLang sampling knobs this engine does not implement, with the value that means "off". A request that
+# turns one on is refused rather than silently served differently.
+_UNSUPPORTED = {"n": 1, "min_p": 0.0, "min_new_tokens": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                "repetition_penalty": 1.0, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+                "logit_bias": None}
+
+
+@dataclass
+class SamplingParams:
+    """The subset of SGLang's `sampling_params` the engine honours; unknown keys are ignored."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SamplingParams":
+        """Parse and validate; raises ValueError naming the offending field."""
+        d = dict(d or {})
+        p = cls()
+        for key in ("temperature", "top_p"):
+            if d.get(key) is not None:
+                setattr(p, key, _number(d[key], key))
+        for key in ("top_k", "max_new_tokens", "sampling_seed"):
+            if d.get(key) is not None:
+                setattr(p, key, _integer(d[key], key))
+        for key in ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "ignore_eos"):
+            if d.get(key) is not None:
+                setattr(p, key, bool(d[key]))
+        stop = d.get("stop")
+        if stop is not None:
+            p.stop = [stop] if isinstance(stop, str) else list(stop)
+            if not all(isinstance(s, str) and s for s in p.stop):
+                raise ValueError(f"sampling_params.stop must be a non-empty string or a list of them, got {stop!r}")
+        if d.get("stop_token_ids") is not None:
+            p.stop_token_ids = [_integer(t, "stop_token_ids[]") for t in d["stop_token_ids"]]
+        if p.temperature < 0:
+            raise ValueError(f"sampling_params.temperature must be >= 0, got {p.temperature}")
+        if not 0 < p.top_p <= 1:
+            raise ValueError(f"sampling_params.top_p must be in (0, 1], got {p.top_p}")
+        if p.max_new_tokens < 0:
+            raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {p.max_new_tokens}")
+        for key, default in _UNSUPPORTED.items():
+            if d.get(key) is not None and d[key] != default:
+                raise ValueError(f"sampling_params.{key}={d[key]!r} is not supported by the hf engine "
+                                 f"(only {default!r}); drop it or use the sglang engine")
+        if p.top_k <= 0:
+            p.top_k = -1  # SGLang spells "no top-k" as -1; treat 0 the same way
+        return p
+
+
+def _number(v, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"sampling_params.{name} must be a number, got {v!r}")
+    return float(v)
+
+
+def _integer(v, name: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        raise ValueError(f"sampling_params.{name} must be an integer, got {v!r}")
+    return v
+
+
+@dataclass
+class Request:
+    """One generation request and, once finished, its result (read the fields after `on_finish`)."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    on_finish: Callable[["Request"], None] | None = None
+    # results
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    finish_reason: dict | None = None
+    error: str | None = None  # set when the engine failed while serving the request
+    # scheduler state
+    generator: torch.Generator | None = None
+    stop_ids: frozenset = frozenset()
+    abort_requested: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def needs_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+def default_stop_token_ids(model, tokenizer) -> set[int]:
+    """EOS ids from the generation config, the model config and the tokenizer."""
+    ids: set[int] = set()
+    sources = [getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+               getattr(model.config.get_text_config(), "eos_token_id", None),
+               getattr(tokenizer, "eos_token_id", None)]
+    for v in sources:
+        if v is None:
+            continue
+        ids.update([v] if isinstance(v, int) else list(v))
+    return ids
+
+
+def sample_tokens(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor,
+                  uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row; returns (tokens, log-probs of the chosen tokens), both [B].
+
+    logits [B, V] fp32; temps [B] (<= GREEDY_EPS: greedy); top_ps [B]; top_ks [B] (<= 0: off);
+    uniforms [B] in [0, 1), one draw per row from the row's own generator (ignored for greedy rows;
+    None when every row is greedy). Sampling is inverse-CDF on the (truncated, renormalised) distribution.
+    """
+    greedy = temps <= GREEDY_EPS
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1)
+    logp = torch.log_softmax(scaled, dim=-1)
+    tokens = logp.argmax(dim=-1)
+    if uniforms is not None and not bool(greedy.all()):
+        probs = logp.exp()
+        vocab = probs.shape[-1]
+        if bool((top_ps < 1).any()) or bool((top_ks > 0).any()):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly before each candidate
+            drop = before > top_ps.unsqueeze(-1)  # the top candidate always survives (before == 0)
+            ranks = torch.arange(vocab, device=logits.device)
+            drop |= (top_ks > 0).unsqueeze(-1) & (ranks.unsqueeze(0) >= top_ks.unsqueeze(-1))
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            cdf = sorted_p.cumsum(dim=-1)
+            pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).clamp_(max=vocab - 1)
+            sampled = order.gather(-1, pick).squeeze(-1)
+        else:
+            cdf = probs.cumsum(dim=-1)
+            pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).clamp_(max=vocab - 1)
+            sampled = pick.squeeze(-1)
+        tokens = torch.where(greedy, tokens, sampled)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+class _Batch:
+    """Rows being decoded: their KV cache (left-padded), mask, pending token and per-row sampling params."""
+
+    def __init__(self, reqs, cache, mask, next_tokens, next_pos):
+        self.reqs: list[Request] = reqs
+        self.cache: DynamicCache = cache  # layers hold keys/values [B, heads, L, head_dim]
+        self.mask = mask  # [B, L] long, 0 = padding
+        self.next_tokens = next_tokens  # [B] sampled, not yet in the cache
+        self.next_pos = next_pos  # [B] position id of next_tokens
+        self.refresh_params()
+
+    def refresh_params(self):
+        dev = self.mask.device
+        self.temps = torch.tensor([r.params.temperature for r in self.reqs], dtype=torch.float32, device=dev)
+        self.top_ps = torch.tensor([r.params.top_p for r in self.reqs], dtype=torch.float32, device=dev)
+        self.top_ks = torch.tensor([r.params.top_k for r in self.reqs], dtype=torch.long, device=dev)
+        self.sampling_rows = [i for i, r in enumerate(self.reqs) if r.params.temperature > GREEDY_EPS]
+
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+    def select(self, keep: list[int]) -> None:
+        idx = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+        self.reqs = [self.reqs[i] for i in keep]
+        self.mask, self.next_tokens, self.next_pos = self.mask[idx], self.next_tokens[idx], self.next_pos[idx]
+        # Columns that are padding in every remaining row are dead weight for every later step.
+        first = int(self.mask.any(dim=0).long().argmax())
+        self.mask = self.mask[:, first:]
+        self.cache = DynamicCache(ddp_cache_data=[(k[idx, :, first:], v[idx, :, first:]) for k, v in self.kv()])
+        self.refresh_params()
+
+    def merge(self, other: "_Batch") -> None:
+        a_len, b_len = self.mask.shape[1], other.mask.shape[1]
+        length = max(a_len, b_len)
+        kv = []
+        for (ka, va), (kb, vb) in zip(self.kv(), other.kv()):
+            kv.append((torch.cat([_left_pad(ka, length, 2), _left_pad(kb, length, 2)]),
+                       torch.cat([_left_pad(va, length, 2), _left_pad(vb, length, 2)])))
+        self.cache = DynamicCache(ddp_cache_data=kv)
+        self.mask = torch.cat([_left_pad(self.mask, length, 1), _left_pad(other.mask, length, 1)])
+        self.next_tokens = torch.cat([self.next_tokens, other.next_tokens])
+        self.next_pos = torch.cat([self.next_pos, other.next_pos])
+        self.reqs = self.reqs + other.reqs
+        self.refresh_params()
+
+
+def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+class Scheduler:
+    """Batches requests onto one model. Thread-safe `submit` / `abort` / `pause`; one worker thread.
+
+    Use `start()` for the threaded server; unit tests may instead call `run_until_idle()` in-process.
+    Weight changes must happen inside `with scheduler.exclusive():` (between two forward steps).
+    """
+
+    def __init__(self, model, tokenizer, *, max_running_requests: int = 64, random_seed: int = 0,
+                 stop_token_ids: set[int] | None = None, max_context_len: int | None = None,
+                 stop_window_tokens: int = 8):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.max_running_requests = max_running_requests
+        self.random_seed = random_seed
+        self.eos_ids = frozenset(default_stop_token_ids(model, tokenizer) if stop_token_ids is None else stop_token_ids)
+        self.max_context_len = max_context_len
+        self.stop_window_tokens = stop_window_tokens
+        self.step_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._batch: _Batch | None = None
+        self._paused_by: set[str] = set()
+        self._exclusive_waiters = 0
+        self._abort_pending = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._in_prefill: list[Request] = []  # admitted but not yet in the batch (failed together on error)
+        self._num_sampled_requests = 0
+        self.stats = {"max_batch_size_seen": 0, "num_forward_steps": 0, "num_prefill_steps": 0,
+                      "num_generated_tokens": 0, "num_finished_requests": 0}
+
+    # ---- public, any thread ----
+    def submit(self, req: Request) -> None:
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("scheduler is shutting down")
+            if req.params.temperature > GREEDY_EPS:
+                # Only sampled requests take a number, so greedy ones (e.g. health checks) do not shift
+                # the random streams of the requests after them.
+                seed = req.params.sampling_seed
+                if seed is None:
+                    seed = self.random_seed * _SEED_STRIDE + self._num_sampled_requests
+                    self._num_sampled_requests += 1
+                req.generator = torch.Generator().manual_seed(seed % (2**63))
+            req.stop_ids = frozenset(req.params.stop_token_ids) | (frozenset() if req.params.ignore_eos else self.eos_ids)
+            self._waiting.append(req)
+            self._cv.notify_all()
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+        """Mark matching requests aborted; waiting ones finish now, running ones at the next step."""
+        finished, count = [], 0
+        with self._cv:
+            for req in list(self._waiting):
+                if abort_all or req.rid == rid:
+                    self._waiting.remove(req)
+                    req.finish_reason = {"type": "abort", "message": "aborted by /abort_request"}
+                    finished.append(req)
+            # Rows being prefilled are in neither list's final place yet; mark them too (dropped next step).
+            live = {id(r): r for r in (self._batch.reqs if self._batch else []) + self._in_prefill}
+            for req in live.values():
+                if (abort_all or req.rid == rid) and not req.finished:
+                    req.abort_requested = True
+                    count += 1
+            self._abort_pending = count > 0
+            self._cv.notify_all()
+        for req in finished:
+            self._notify(req)
+        return len(finished) + count
+
+    def pause(self, reason: str = "user") -> None:
+        """Stop taking forward steps (requests keep waiting); returns once the current step has ended."""
+        with self._cv:
+            self._paused_by.add(reason)
+        with self.step_lock:
+            pass
+
+    def resume(self, reason: str = "user") -> None:
+        with self._cv:
+            self._paused_by.discard(reason)
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return bool(self._paused_by)
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Hold the model between two steps (for weight updates); the worker yields to waiters."""
+        with self._cv:
+            self._exclusive_waiters += 1
+        try:
+            with self.step_lock:
+                yield
+        finally:
+            with self._cv:
+                self._exclusive_waiters -= 1
+                self._cv.notify_all()
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) request counts."""
+        with self._cv:
+            return (len(self._batch.reqs) if self._batch else 0), len(self._waiting)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="hf-engine-scheduler", daemon=True)
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.abort(abort_all=True)
+        with self.step_lock:
+            self._drop_aborted()
+
+    def run_until_idle(self, max_steps: int = 100_000) -> None:
+        """Step in the calling thread until nothing is waiting or running (tests, no worker thread)."""
+        for _ in range(max_steps):
+            if not self._has_work():
+                return
+            with self.step_lock:
+                self.step()
+        raise RuntimeError(f"run_until_idle: still busy after {max_steps} steps")
+
+    # ---- worker ----
+    def _has_work(self) -> bool:
+        if self._abort_pending:
+            return True
+        return not self._paused_by and (bool(self._waiting) or self._batch is not None)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and (self._exclusive_waiters > 0 or not self._has_work()):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+            with self.step_lock:
+                try:
+                    self.step()
+                except Exception as e:  # keep serving: fail the affected requests, drop the batch
+                    logger.error("engine step failed:\n%s", traceback.format_exc())
+                    self._fail_all(f"{type(e).__name__}: {e}")
+
+    def step(self) -> None:
+        """One iteration: finish aborted rows; then one prefill of newcomers or one decode step."""
+        self._drop_aborted()
+        if self._paused_by:
+            return
+        with self._cv:
+            room = self.max_running_requests - (len(self._batch.reqs) if self._batch else 0)
+            new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            self._in_prefill = new
+        if new:
+            self._prefill(new)
+            self._in_prefill = []
+        elif self._batch is not None:
+            self._decode()
+
+    def _drop_aborted(self) -> None:
+        with self._cv:
+            self._abort_pending = False
+        if self._batch is None:
+            return
+        done = [r for r in self._batch.reqs if r.abort_requested]
+        for r in done:
+            r.finish_reason = {"type": "abort", "message": "aborted by /abort_request"}
+        if done:
+            self._remove_finished()
+            for r in done:
+                self._notify(r)
+
+    @torch.no_grad()
+    def _prefill(self, new: list[Request]) -> None:
+        ready = []
+        for r in new:
+            if r.params.max_new_tokens == 0 and not r.needs_input_logprobs:
+                r.finish_reason = {"type": "length", "length": 0}
+                self._notify(r)
+            else:
+                ready.append(r)
+        # Prompt log-probs need logits at every position; keep those rows apart so the rest stay cheap.
+        for group in ([r for r in ready if r.needs_input_logprobs], [r for r in ready if not r.needs_input_logprobs]):
+            if group:
+                self._prefill_group(group)
+
+    def _prefill_group(self, group: list[Request]) -> None:
+        dev = self.device
+        length = max(len(r.input_ids) for r in group)
+        ids = torch.zeros(len(group), length, dtype=torch.long)
+        mask = torch.zeros(len(group), length, dtype=torch.long)
+        for i, r in enumerate(group):
+            n = len(r.input_ids)
+            ids[i, length - n:] = torch.tensor(r.input_ids, dtype=torch.long)
+            mask[i, length - n:] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp_(min=0)
+        full = group[0].needs_input_logprobs
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=DynamicCache(),
+                         use_cache=True, logits_to_keep=0 if full else 1)
+        self.stats["num_forward_steps"] += 1
+        self.stats["num_prefill_steps"] += 1
+        logits = out.logits
+        if full:
+            for i, r in enumerate(group):
+                r.input_logprobs = self._prompt_logprobs(logits[i], r, length)
+        batch = _Batch(group, out.past_key_values, mask, ids[:, -1], pos[:, -1] + 1)
+        self._sample_and_advance(batch, logits[:, -1].float())
+        if not batch.reqs:
+            return
+        if self._batch is None:
+            self._batch = batch
+        else:
+            self._batch.merge(batch)
+        self.stats["max_batch_size_seen"] = max(self.stats["max_batch_size_seen"], len(self._batch.reqs))
+
+    def _prompt_logprobs(self, logits: torch.Tensor, r: Request, length: int) -> list[float | None]:
+        n, start = len(r.input_ids), r.logprob_start_len
+        offset = length - n
+        temp = r.params.temperature if r.params.temperature > GREEDY_EPS else 1.0
+        # logits at padded position offset+j-1 predict prompt token j; entries j = start+1 .. n-1
+        rows = logits[offset + start: length - 1].float() / temp
+        targets = torch.tensor(r.input_ids[start + 1:], dtype=torch.long, device=rows.device)
+        vals = torch.log_softmax(rows, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist()
+        return [None] + vals
+
+    @torch.no_grad()
+    def _decode(self) -> None:
+        b = self._batch
+        mask = torch.cat([b.mask, torch.ones_like(b.mask[:, :1])], dim=1)
+        out = self.model(input_ids=b.next_tokens.unsqueeze(-1), attention_mask=mask,
+                         position_ids=b.next_pos.unsqueeze(-1), past_key_values=b.cache, use_cache=True)
+        self.stats["num_forward_steps"] += 1
+        b.mask, b.cache = mask, out.past_key_values
+        b.next_pos = b.next_pos + 1
+        self._sample_and_advance(b, out.logits[:, -1].float())
+        if not b.reqs:
+            self._batch = None
+
+    def _sample_and_advance(self, b: _Batch, logits: torch.Tensor) -> None:
+        """Sample one token per row of `b`, record it, finish rows that are done, drop them from `b`."""
+        uniforms = None
+        if b.sampling_rows:
+            draws = [0.0] * len(b.reqs)
+            for i in b.sampling_rows:
+                draws[i] = float(torch.rand((), generator=b.reqs[i].generator))
+            uniforms = torch.tensor(draws, dtype=torch.float32, device=logits.device)
+        tokens, logps = sample_tokens(logits, b.temps, b.top_ps, b.top_ks, uniforms)
+        b.next_tokens = tokens
+        finished = False
+        for r, tok, lp in zip(b.reqs, tokens.tolist(), logps.tolist()):
+            if r.params.max_new_tokens == 0:  # a scoring request: prefill only
+                r.finish_reason = {"type": "length", "length": 0}
+                finished = True
+                continue
+            r.output_ids.append(tok)
+            r.output_logprobs.append(lp)
+            self.stats["num_generated_tokens"] += 1
+            reason = self._finish_reason(r, tok)
+            if reason is not None:
+                r.finish_reason = reason
+                finished = True
+        if finished:
+            done = [r for r in b.reqs if r.finished]
+            keep = [i for i, r in enumerate(b.reqs) if not r.finished]
+            if keep:
+                b.select(keep)
+            else:
+                b.reqs = []
+            for r in done:
+                self._notify(r)
+
+    def _finish_reason(self, r: Request, tok: int) -> dict | None:
+        if tok in r.stop_ids:
+            return {"type": "stop", "matched": tok}
+        if r.params.stop:
+            tail = self.tokenizer.decode(r.output_ids[-self._stop_window(r):],
+                                         skip_special_tokens=r.params.skip_special_tokens)
+            for s in r.params.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        if len(r.output_ids) >= r.params.max_new_tokens:
+            return {"type": "length", "length": r.params.max_new_tokens}
+        if self.max_context_len is not None and len(r.input_ids) + len(r.output_ids) >= self.max_context_len:
+            return {"type": "length", "length": len(r.output_ids)}
+        return None
+
+    def _stop_window(self, r: Request) -> int:
+        # a stop string of k characters spans at most k tokens that each decode to >= 1 character
+        return max(len(s) for s in r.params.stop) + self.stop_window_tokens
+
+    def _remove_finished(self) -> None:
+        b = self._batch
+        keep = [i for i, r in enumerate(b.reqs) if not r.finished]
+        if keep:
+            b.select(keep)
+        else:
+            self._batch = None
+
+    def _fail_all(self, message: str) -> None:
+        reqs = (self._batch.reqs if self._batch else []) + self._in_prefill
+        self._batch = None
+        self._in_prefill = []
+        for r in reqs:
+            if not r.finished:
+                r.error = message
+                self._notify(r)
+
+    def _notify(self, req: Request) -> None:
+        self.stats["num_finished_requests"] += 1
+        if req.on_finish is not None:
+            try:
+                req.on_finish(req)
+            except Exception:
+                logger.error("on_finish callback failed:\n%s", traceback.format_exc())

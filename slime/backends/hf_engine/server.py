@@ -1,0 +1,410 @@
+"""HTTP front of the `hf` engine: the subset of SGLang's native API that slime and sglang-router use.
+
+`python -m slime.backends.hf_engine --model-path DIR --port N` loads a transformers causal LM, starts the
+batching `Scheduler` (scheduler.py) in a thread and serves FastAPI on uvicorn. Request and response
+shapes follow SGLang's; docs/hf_engine.md lists the endpoints and what is simplified.
+
+Weight updates (`/update_weights_from_tensor`, `/update_weights_from_disk`) validate every name first
+and then copy into the model's parameters inside `Scheduler.exclusive()`, i.e. between two forward
+steps, never during one. Names are the model's own parameter names (`model.named_parameters()`, which
+for dense transformers models are the HF checkpoint names).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+
+import torch
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
+from slime.utils.weight_transfer import deserialize_bucket
+
+logger = logging.getLogger("slime.hf_engine")
+
+ENGINE_VERSION = "slime-hf-engine 0.1"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+class EngineState:
+    """Everything the endpoints share: model, tokenizer, scheduler, weight version, released tags."""
+
+    def __init__(self, model, tokenizer, scheduler: Scheduler, *, model_path: str, device: str, dtype: str,
+                 weight_version: str = "default"):
+        self.model, self.tokenizer, self.scheduler = model, tokenizer, scheduler
+        self.model_path, self.device, self.dtype = model_path, device, dtype
+        self.weight_version = weight_version
+        self.released: set[str] = set()
+        self.memory_lock = threading.Lock()  # serialises release / resume / weight loading
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.params.update(dict(model.named_buffers(remove_duplicate=False)))
+
+    def load_named_tensors(self, named: list[tuple[str, torch.Tensor]], source: str) -> int:
+        """Copy tensors into the model by name (dtype/device cast); all-or-nothing on bad names/shapes."""
+        unknown = [n for n, _ in named if n not in self.params]
+        if unknown:
+            valid = sorted(self.params)[:5]
+            raise ValueError(f"{source}: unknown parameter name(s) {unknown[:5]}"
+                             f"{' and %d more' % (len(unknown) - 5) if len(unknown) > 5 else ''}; "
+                             f"names must be the model's parameter names, e.g. {valid}")
+        bad = [f"{n}: got {tuple(t.shape)}, model has {tuple(self.params[n].shape)}"
+               for n, t in named if tuple(t.shape) != tuple(self.params[n].shape)]
+        if bad:
+            raise ValueError(f"{source}: shape mismatch for {bad[:5]}")
+        with self.scheduler.exclusive(), torch.no_grad():
+            for name, tensor in named:
+                self.params[name].copy_(tensor)
+        return len(named)
+
+
+def load_model(model_path: str, dtype: str, device: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).to(device).eval()
+    return model, tokenizer
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}, "message": message, "success": False}, status_code=status)
+
+
+def _per_item(value, n: int, name: str) -> list:
+    """SGLang batches by making every field a list; a scalar (or a single dict) applies to every item."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries but the batch has {n} prompts")
+        return value
+    return [value] * n
+
+
+def parse_generate(body: dict, state: EngineState) -> tuple[list[Request], bool]:
+    """Build scheduler requests from a /generate body; raises ValueError with a client-facing message."""
+    if body.get("stream"):
+        raise ValueError("stream=true is not supported by the hf engine; send a non-streaming request")
+    if body.get("input_ids") is not None:
+        ids = body["input_ids"]
+        batched = bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batched else [ids]
+    elif body.get("text") is not None:
+        text = body["text"]
+        batched = isinstance(text, list)
+        prompts = [state.tokenizer(t)["input_ids"] for t in (text if batched else [text])]
+    else:
+        raise ValueError("/generate needs input_ids (list of token ids) or text")
+    n = len(prompts)
+    params = _per_item(body.get("sampling_params") or {}, n, "sampling_params")
+    return_logprob = _per_item(body.get("return_logprob") or False, n, "return_logprob")
+    start = body.get("logprob_start_len", -1)
+    starts = _per_item(-1 if start is None else start, n, "logprob_start_len")
+    rids = _per_item(body.get("rid") or None, n, "rid")
+    max_len = state.scheduler.max_context_len
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty")
+        if not all(isinstance(t, int) and 0 <= t < state.vocab_size for t in prompt):
+            raise ValueError(f"prompt {i}: input_ids must be integers in [0, {state.vocab_size})")
+        if max_len is not None and len(prompt) >= max_len:
+            raise ValueError(f"prompt {i} has {len(prompt)} tokens; the model's context length is {max_len}")
+        sp = SamplingParams.from_dict(params[i])
+        s = int(starts[i])
+        if return_logprob[i] and s >= len(prompt):
+            raise ValueError(f"logprob_start_len {s} must be < the prompt length {len(prompt)}")
+        reqs.append(Request(rid=str(rids[i]) if rids[i] is not None else uuid.uuid4().hex, input_ids=list(prompt),
+                            params=sp, return_logprob=bool(return_logprob[i]), logprob_start_len=s))
+    return reqs, batched
+
+
+def build_response(req: Request, state: EngineState, return_text_in_logprobs: bool = False) -> dict:
+    p, fr = req.params, req.finish_reason
+    ids = req.output_ids
+    trim_token = fr is not None and fr.get("type") == "stop" and isinstance(fr.get("matched"), int)
+    text_ids = ids[:-1] if trim_token and not p.no_stop_trim else ids
+    text = state.tokenizer.decode(text_ids, skip_special_tokens=p.skip_special_tokens,
+                                  spaces_between_special_tokens=p.spaces_between_special_tokens)
+    if fr is not None and fr.get("type") == "stop" and isinstance(fr.get("matched"), str) and not p.no_stop_trim:
+        cut = text.find(fr["matched"])
+        if cut >= 0:
+            text = text[:cut]
+    meta = {"id": req.rid, "finish_reason": fr, "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": state.weight_version}
+    if req.return_logprob:
+        tok_text = (lambda t: state.tokenizer.decode([t])) if return_text_in_logprobs else (lambda t: None)
+        meta["output_token_logprobs"] = [[lp, t, tok_text(t)] for lp, t in zip(req.output_logprobs, ids)]
+        if req.input_logprobs is not None:
+            meta["input_token_logprobs"] = [[lp, t, tok_text(t)] for lp, t in
+                                            zip(req.input_logprobs, req.input_ids[req.logprob_start_len:])]
+    return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+
+def build_app(state: EngineState) -> FastAPI:
+    app = FastAPI(title="slime hf engine")
+    sched = state.scheduler
+
+    async def run_requests(reqs: list[Request], http: HTTPRequest | None) -> bool:
+        """Submit, wait; abort them if the client goes away. Returns False on disconnect."""
+        loop = asyncio.get_running_loop()
+        futs = []
+        for r in reqs:
+            fut = loop.create_future()
+            r.on_finish = lambda req, fut=fut: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
+            futs.append(fut)
+            sched.submit(r)
+        pending = set(futs)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=1.0)
+            if pending and http is not None and await http.is_disconnected():
+                for r in reqs:
+                    sched.abort(rid=r.rid)
+                return False
+        return True
+
+    @app.post("/generate")
+    async def generate(http: HTTPRequest):
+        if "weights" in state.released:
+            return _error(503, "weights are released (POST /release_memory_occupation); "
+                               "POST /resume_memory_occupation before generating")
+        try:
+            body = await http.json()
+            reqs, batched = parse_generate(body, state)
+        except ValueError as e:
+            return _error(400, str(e))
+        if not await run_requests(reqs, http):
+            return _error(499, "client disconnected; request aborted")
+        failed = [r.error for r in reqs if r.error]
+        if failed:
+            return _error(500, f"engine error: {failed[0]}")
+        text_lp = bool(body.get("return_text_in_logprobs", False))
+        out = [build_response(r, state, text_lp) for r in reqs]
+        return out if batched else out[0]
+
+    @app.get("/health")
+    async def health():
+        if not sched.is_alive():
+            return _error(503, "scheduler thread is not running; see the server log")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health_generate")
+    async def health_generate():
+        if not sched.is_alive():
+            return _error(503, "scheduler thread is not running; see the server log")
+        if sched.paused or state.released:
+            # Paused on purpose (weight update, memory released): healthy, just not generating now.
+            return JSONResponse({"status": "ok", "paused": True})
+        req = Request(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
+                      params=SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True))
+        try:
+            await asyncio.wait_for(run_requests([req], None), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            sched.abort(rid=req.rid)
+            return _error(503, f"health generation did not finish in {HEALTH_GENERATE_TIMEOUT_S} s")
+        if req.error:
+            return _error(503, f"health generation failed: {req.error}")
+        return JSONResponse({"status": "ok"})
+
+    def model_info():
+        return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
+                "weight_version": state.weight_version, "preferred_sampling_params": None}
+
+    def server_info():
+        running, waiting = sched.counts()
+        return {"model_path": state.model_path, "tokenizer_path": state.model_path, "version": ENGINE_VERSION,
+                "engine": "hf", "device": state.device, "dtype": state.dtype,
+                "max_running_requests": sched.max_running_requests, "random_seed": sched.random_seed,
+                "weight_version": state.weight_version, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                "paused": sched.paused, "released_tags": sorted(state.released), "tp_size": 1, "dp_size": 1,
+                "context_length": sched.max_context_len, **sched.stats}
+
+    for path in ("/get_model_info", "/model_info"):
+        app.add_api_route(path, model_info, methods=["GET"])
+    for path in ("/get_server_info", "/server_info"):
+        app.add_api_route(path, server_info, methods=["GET"])
+
+    @app.get("/get_load")
+    async def get_load():
+        running, waiting = sched.counts()
+        return {"load": running + waiting, "num_running_reqs": running, "num_waiting_reqs": waiting}
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": state.weight_version}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        return {"success": True, "message": "the hf engine keeps no prefix cache; nothing to flush"}
+
+    @app.post("/abort_request")
+    async def abort_request(http: HTTPRequest):
+        body = await _json_or_empty(http)
+        if not body.get("abort_all") and not body.get("rid"):
+            return _error(400, "abort_request needs {\"rid\": ...} or {\"abort_all\": true}")
+        n = sched.abort(rid=body.get("rid"), abort_all=bool(body.get("abort_all")))
+        return {"success": True, "num_aborted": n}
+
+    @app.post("/pause_generation")
+    async def pause_generation(http: HTTPRequest):
+        body = await _json_or_empty(http)
+        if body.get("mode") == "abort":
+            sched.abort(abort_all=True)
+        await run_in_threadpool(sched.pause, "user")
+        return {"success": True, "message": "paused; requests wait until /continue_generation"}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        sched.resume("user")
+        return {"success": True, "message": "generation continues"}
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(http: HTTPRequest):
+        tags = (await _json_or_empty(http)).get("tags") or ["weights", "kv_cache"]
+        await run_in_threadpool(_release, state, set(tags))
+        return {"success": True, "message": f"released {sorted(tags)}", "released_tags": sorted(state.released)}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(http: HTTPRequest):
+        tags = (await _json_or_empty(http)).get("tags") or ["weights", "kv_cache"]
+        await run_in_threadpool(_resume, state, set(tags))
+        return {"success": True, "message": f"resumed {sorted(tags)}", "released_tags": sorted(state.released)}
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(http: HTTPRequest):
+        body = await http.json()
+        fmt = body.get("load_format") or "flattened_bucket"
+        if fmt != "flattened_bucket":
+            return _error(400, f"load_format {fmt!r} is not supported by the hf engine; use 'flattened_bucket' "
+                               "(slime.utils.weight_transfer.serialize_bucket(flatten_bucket(named)))")
+        payloads = body.get("serialized_named_tensors") or []
+        if not payloads:
+            return _error(400, "serialized_named_tensors is empty")
+        try:
+            # One entry per tensor-parallel rank in SGLang; this engine has a single rank.
+            n = await run_in_threadpool(
+                lambda: state.load_named_tensors(deserialize_bucket(payloads[0]).unflatten(), "update_weights_from_tensor"))
+        except (ValueError, TypeError) as e:
+            return _error(400, str(e))
+        if body.get("weight_version") is not None:
+            state.weight_version = str(body["weight_version"])
+        return {"success": True, "message": f"updated {n} tensors", "weight_version": state.weight_version}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(http: HTTPRequest):
+        body = await http.json()
+        path = body.get("model_path")
+        try:
+            n = await run_in_threadpool(_load_from_disk, state, path)
+        except (ValueError, FileNotFoundError) as e:
+            return _error(400, str(e))
+        if body.get("weight_version") is not None:
+            state.weight_version = str(body["weight_version"])
+        return {"success": True, "message": f"loaded {n} tensors from {path}", "weight_version": state.weight_version}
+
+    return app
+
+
+async def _json_or_empty(http: HTTPRequest) -> dict:
+    raw = await http.body()
+    if not raw:
+        return {}
+    data = json.loads(raw)
+    return data if isinstance(data, dict) else {}
+
+
+def _load_from_disk(state: EngineState, path: str | None) -> int:
+    from safetensors import safe_open
+
+    if not path or not os.path.isdir(path):
+        raise FileNotFoundError(f"update_weights_from_disk: model_path {path!r} is not a folder")
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"update_weights_from_disk: no *.safetensors files in {path}")
+    total = 0
+    for f in files:  # one file at a time keeps peak memory at one shard
+        with safe_open(f, framework="pt") as sf:
+            named = [(k, sf.get_tensor(k)) for k in sf.keys()]
+        total += state.load_named_tensors(named, f"update_weights_from_disk ({f})")
+    return total
+
+
+def _release(state: EngineState, tags: set[str]) -> None:
+    """Release memory. On CUDA, weights move to host memory and the allocator's cache is emptied.
+
+    On CPU nothing is freed: the weights stay resident (there is nowhere cheaper to put them) and the KV
+    cache of paused requests is kept so they can continue. Either way, while "weights" is released the
+    scheduler is paused and /generate answers 503.
+    """
+    with state.memory_lock:
+        if "weights" in tags and "weights" not in state.released:
+            state.scheduler.pause("released")
+            if state.device != "cpu":
+                with state.scheduler.exclusive():
+                    state.model.to("cpu")
+        state.released |= tags & {"weights", "kv_cache"}
+        if state.device != "cpu" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _resume(state: EngineState, tags: set[str]) -> None:
+    with state.memory_lock:
+        if "weights" in tags and "weights" in state.released:
+            if state.device != "cpu":
+                with state.scheduler.exclusive():
+                    state.model.to(state.device)
+            state.scheduler.resume("released")
+        state.released -= tags
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m slime.backends.hf_engine", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", required=True, help="HF model folder (config, safetensors, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--max-running-requests", type=int, default=64, help="most requests in one running batch")
+    p.add_argument("--random-seed", type=int, default=0, help="per-request generators derive from it")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    import uvicorn
+
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    t0 = time.time()
+    model, tokenizer = load_model(args.model_path, args.dtype, args.device)
+    with torch.no_grad():  # warm up kernels so the first request is not the slow one
+        model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=args.device))
+    max_ctx = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
+                          random_seed=args.random_seed, max_context_len=max_ctx)
+    state = EngineState(model, tokenizer, scheduler, model_path=args.model_path, device=args.device,
+                        dtype=args.dtype, weight_version=args.weight_version)
+    scheduler.start()
+    logger.info("loaded %s (%s, %s) in %.1f s; serving on http://%s:%d", args.model_path, args.device, args.dtype,
+                time.time() - t0, args.host, args.port)
+    try:
+        uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=3)
+    finally:
+        scheduler.stop()

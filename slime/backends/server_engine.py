@@ -1,0 +1,261 @@
+"""`ServerEngine`: one inference server process, driven over HTTP. The base of every rollout engine.
+
+Used as a Ray actor (`ray.remote(num_cpus=...)(HFEngine).remote(args, rank)`), or directly in-process.
+A subclass only says how to launch its server (`launch_command`); starting, health-waiting, control
+calls and shutdown are shared. Control calls go straight to the engine (sglang-router does not proxy
+weight updates, pause or abort); generation goes through the router.
+
+Process hygiene: the server runs in its own session (process group), so `shutdown` can signal every
+process it spawned; on Linux it also gets PR_SET_PDEATHSIG=SIGKILL, so it dies when the thread that
+started it dies (a killed Ray actor takes its server with it). Caveat of PDEATHSIG: it fires when the
+*starting thread* exits, so call `init` from a thread that lives as long as the engine (a Ray actor's
+method thread, or the main thread). `shutdown` is idempotent and also registered with `atexit`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+_PR_SET_PDEATHSIG = 1
+_STARTUP_RETRIES = 3  # a freshly picked free port can be taken by someone else before the server binds it
+
+
+class EngineHTTPError(RuntimeError):
+    """An engine answered a control call with an error; the message is the server's."""
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent_fn():
+    """A preexec_fn that sets PDEATHSIG; libc is resolved here, in the parent, so the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec():
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text.strip()[:2000]
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        for key in ("message", "detail", "error"):
+            if body.get(key):
+                return str(body[key])
+    return str(body)[:2000]
+
+
+class ServerEngine:
+    """Owns one inference server process; used as a Ray actor (ray.remote(...)(HFEngine)), also usable directly."""
+
+    name = "engine"
+    startup_timeout_s = 600.0
+    control_timeout_s = 120.0
+    weight_update_timeout_s = 1800.0
+    shutdown_grace_s = 10.0
+
+    def __init__(self, args, rank: int):
+        self.args = args
+        self.rank = rank
+        self.host = _node_ip()
+        self.port: int | None = None
+        self.process: subprocess.Popen | None = None
+        self.log_path: str | None = None
+        self._client: httpx.Client | None = None
+        atexit.register(self.shutdown)
+
+    # ---- subclass hooks ----
+    def launch_command(self, host: str, port: int) -> list[str]:
+        raise NotImplementedError(f"{type(self).__name__} must implement launch_command(host, port)")
+
+    def launch_env(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    # ---- lifecycle ----
+    def init(self) -> str:
+        """Start the server and wait for GET /health; returns its URL."""
+        if self.process is not None and self.process.poll() is None:
+            return self.get_url()
+        for attempt in range(_STARTUP_RETRIES):
+            self.port = _free_port(self.host)
+            self._start_process()
+            try:
+                self._wait_healthy()
+                return self.get_url()
+            except RuntimeError as e:
+                self.shutdown()
+                if "address already in use" in str(e).lower() and attempt + 1 < _STARTUP_RETRIES:
+                    continue
+                raise
+        raise AssertionError("unreachable")
+
+    def get_url(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"{self.name} rank {self.rank}: call init() first")
+        return f"http://{self.host}:{self.port}"
+
+    def shutdown(self) -> None:
+        """SIGTERM the server's process group, wait, then SIGKILL. Safe to call many times."""
+        proc, self.process = self.process, None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if proc is None:
+            return
+        self._signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(self.shutdown_grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # Also reaches children the server spawned, even once the leader has exited.
+        self._signal_group(proc, signal.SIGKILL)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _start_process(self) -> None:
+        cmd = self.launch_command(self.host, self.port)
+        log_dir = os.environ.get("SLIME_ENGINE_LOG_DIR") or os.path.join(tempfile.gettempdir(), "slime_engine_logs")
+        os.makedirs(log_dir, exist_ok=True)
+        self.log_path = os.path.join(log_dir, f"{self.name}-rank{self.rank}-port{self.port}.log")
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=self.launch_env(), start_new_session=True,
+                                            preexec_fn=_die_with_parent_fn())
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        url = self.get_url() + "/health"
+        while True:
+            rc = self.process.poll()
+            if rc is not None:
+                raise RuntimeError(f"{self.name} rank {self.rank} exited with code {rc} before answering "
+                                   f"{url}; log {self.log_path}:\n{self.log_tail()}")
+            try:
+                if httpx.get(url, timeout=5.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} rank {self.rank} did not answer {url} within "
+                                   f"{self.startup_timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def log_tail(self, n_bytes: int = 4000) -> str:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return "(no log)"
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(self.log_path) - n_bytes))
+            return f.read().decode(errors="replace")
+
+    @staticmethod
+    def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)  # start_new_session: the group id is the server's pid
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # ---- HTTP ----
+    def _http(self) -> httpx.Client:
+        if self._client is None:
+            self._client = httpx.Client(base_url=self.get_url(), timeout=self.control_timeout_s)
+        return self._client
+
+    def _call(self, method: str, path: str, json: dict | None = None, timeout: float | None = None):
+        try:
+            resp = self._http().request(method, path, json=json, timeout=timeout or self.control_timeout_s)
+        except httpx.TransportError as e:
+            raise EngineHTTPError(f"{self.name} rank {self.rank} {method} {self.get_url()}{path} failed: "
+                                  f"{type(e).__name__}: {e}") from e
+        if resp.status_code >= 400:
+            raise EngineHTTPError(f"{self.name} rank {self.rank} {method} {path} -> HTTP {resp.status_code}: "
+                                  f"{_error_message(resp)}")
+        try:
+            body = resp.json()
+        except ValueError:
+            return resp.text
+        if isinstance(body, dict) and body.get("success") is False:
+            raise EngineHTTPError(f"{self.name} rank {self.rank} {method} {path} failed: {_error_message(resp)}")
+        return body
+
+    # ---- control calls ----
+    def update_weights_from_tensor(self, serialized_bucket: str, weight_version: str,
+                                   load_format: str = "flattened_bucket", flush_cache: bool = False) -> dict:
+        return self._call("POST", "/update_weights_from_tensor", {
+            "serialized_named_tensors": [serialized_bucket], "load_format": load_format,
+            "flush_cache": flush_cache, "weight_version": weight_version}, timeout=self.weight_update_timeout_s)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str) -> dict:
+        return self._call("POST", "/update_weights_from_disk",
+                          {"model_path": model_path, "weight_version": weight_version},
+                          timeout=self.weight_update_timeout_s)
+
+    def get_weight_version(self) -> str:
+        return self._call("GET", "/get_weight_version")["weight_version"]
+
+    def get_server_info(self) -> dict:
+        return self._call("GET", "/get_server_info")
+
+    def flush_cache(self):
+        return self._call("POST", "/flush_cache")
+
+    def abort_all(self):
+        return self._call("POST", "/abort_request", {"abort_all": True})
+
+    def pause_generation(self):
+        return self._call("POST", "/pause_generation", {})
+
+    def continue_generation(self):
+        return self._call("POST", "/continue_generation", {})
+
+    def release_memory_occupation(self, tags=None):
+        return self._call("POST", "/release_memory_occupation", {"tags": tags} if tags else {})
+
+    def resume_memory_occupation(self, tags=None):
+        return self._call("POST", "/resume_memory_occupation", {"tags": tags} if tags else {})
+
+    def health_generate(self, timeout: float) -> bool:
+        """True when the server generated one token within `timeout` seconds."""
+        try:
+            return httpx.get(self.get_url() + "/health_generate", timeout=timeout).status_code == 200
+        except (httpx.HTTPError, RuntimeError):
+            return False

@@ -1,0 +1,97 @@
+"""Bring-up and teardown of the processes of one run (DESIGN §2), used by train.py and train_async.py.
+
+`Run` is a context manager: whatever has been started when an exception, Ctrl-C or SIGTERM arrives is shut
+down in reverse order (rollout manager → its engines and router; training ranks; Ray itself when we started it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+import ray
+
+from slime.ray.actor_group import RayTrainGroup
+from slime.ray.placement_group import create_placement_groups, num_actor_devices, num_rollout_devices
+
+logger = logging.getLogger("slime")
+
+
+def start_ray(args) -> bool:
+    """Connect to the cluster in RAY_ADDRESS, or start a local one sized for this run. Returns True if we started it."""
+    if ray.is_initialized():
+        return False
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    pythonpath = os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH")) if p)
+    os.environ["PYTHONPATH"] = pythonpath
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+        return False
+    needed = num_actor_devices(args) + num_rollout_devices(args) + 1
+    ray.init(
+        num_cpus=max(needed, os.cpu_count() or 1),
+        num_gpus=None if args.use_cuda else 0,
+        include_dashboard=False,
+        log_to_driver=True,
+        logging_level=logging.WARNING,
+    )
+    return True
+
+
+class Run:
+    """Owns the processes of one run and reaps them on every exit path."""
+
+    def __init__(self, args):
+        self.args = args
+        self.rollout_manager = None
+        self.actor: RayTrainGroup | None = None
+        self._started_ray = False
+        self._old_sigterm = None
+
+    def __enter__(self) -> "Run":
+        self._old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+        try:
+            self._started_ray = start_ray(self.args)
+            placements = create_placement_groups(self.args)
+            self.rollout_manager = create_rollout_manager(self.args, placements["rollout"])
+            self.actor = RayTrainGroup(self.args, placements["actor"], role="actor",
+                                       num_gpus_per_actor=0.4 if self.args.colocate else 1.0)
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.shutdown()
+        signal.signal(signal.SIGTERM, self._old_sigterm or signal.SIG_DFL)
+
+    def shutdown(self) -> None:
+        if self.rollout_manager is not None:
+            try:
+                ray.get(self.rollout_manager.shutdown.remote(), timeout=60)
+            except Exception as e:  # noqa: BLE001 - keep tearing down the rest
+                logger.warning("rollout manager shutdown failed: %s", e)
+            ray.kill(self.rollout_manager)
+            self.rollout_manager = None
+        if self.actor is not None:
+            try:
+                self.actor.shutdown()
+            except Exception as e:  # noqa: BLE001
+                logger.warning("training group shutdown failed: %s", e)
+            self.actor = None
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def create_rollout_manager(args, placement):
+    from slime.ray.rollout import RolloutManager
+
+    manager = ray.remote(num_cpus=0)(RolloutManager).remote(args, (placement.pg, placement.bundle_indices))
+    ray.get(manager.get_router_url.remote())  # surfaces start-up errors here, with their message
+    return manager
+
+
+def _raise_on_sigterm(signum, frame):
+    sys.exit(128 + signum)

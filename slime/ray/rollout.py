@@ -1,0 +1,355 @@
+"""RolloutManager: the Ray actor that owns generation (router, engines, data source, rollout function).
+
+Created by the driver as `ray.remote(num_cpus=0)(RolloutManager).remote(args, pg)`. It starts an
+sglang-router (or uses `--sglang-router-ip/--sglang-router-port`), one engine actor per
+`--rollout-num-gpus-per-engine` GPUs, registers every engine with the router, and turns each rollout's
+samples into a `TrainBatch` plus `rollout/*` metrics.
+
+Simplifications and choices:
+- Engines are created in one go and never replaced here (fault-tolerant restarts are not part of this
+  module); `shutdown()` is the single place that reaps them and the router.
+- Samples marked FAILED stay in the batch (so the batch size identity holds and groups stay whole) but
+  get an all-zero loss mask: a failed generation or reward never produces a gradient. They are counted
+  in `rollout/failed_count`.
+- `--debug-train-only` skips the router and engines; with `--load-debug-rollout-data` the samples of
+  each rollout are read from that file (a template with `{rollout_id}`) instead of being generated.
+- `--rollout-external-engine-addrs` registers already running engines (no engine actors are created).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import time
+from typing import Any
+
+import ray
+
+from slime.rollout.router import RouterClient, RouterProcess
+from slime.utils.metrics import compute_rollout_metrics
+from slime.utils.misc import load_function
+from slime.utils.types import Sample, TrainBatch
+
+logger = logging.getLogger(__name__)
+
+ENGINE_CLASSES = {
+    "hf": "slime.backends.hf_engine.engine.HFEngine",
+    "sglang": "slime.backends.sglang_utils.engine.SGLangEngine",
+}
+GROUP_NORMALIZED_ESTIMATORS = {"grpo", "gspo", "cispo", "reinforce_plus_plus_baseline"}
+# Names in `args` that start with "router_" but are ours, not sglang-router flags.
+_NOT_ROUTER_FLAGS = {"router_url"}
+
+
+class RolloutManager:
+    def __init__(self, args: Any, pg: tuple[Any, list[int]] | None):
+        self.args = args
+        self.pg = pg
+        self.engines: list[Any] = []
+        self.engine_urls: list[str] = []
+        self.router: RouterClient | None = None
+        self._owns_router = False
+        self._shut_down = False
+        try:
+            if not getattr(args, "debug_train_only", False):
+                self._start_router()
+                self._start_engines()
+                for url in self.engine_urls:
+                    self.router.add_worker(url)
+            args.router_url = self.router.url if self.router else None
+            args.engine_urls = list(self.engine_urls)
+            args.rollout_num_engines = len(self.engine_urls)
+            self.generate_rollout = load_function(args.rollout_function_path, "--rollout-function-path")
+            self.data_source = self._make_data_source()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- construction ---------------------------------------------------------------------------
+    def _start_router(self) -> None:
+        args = self.args
+        if getattr(args, "sglang_router_ip", None):
+            port = getattr(args, "sglang_router_port", None)
+            if not port:
+                raise ValueError(
+                    f"--sglang-router-ip={args.sglang_router_ip} names an external router but "
+                    "--sglang-router-port is not set; pass both"
+                )
+            self.router = RouterClient(f"http://{args.sglang_router_ip}:{port}")
+            if not self.router.is_alive():
+                raise ConnectionError(
+                    f"external router {self.router.url} (--sglang-router-ip/--sglang-router-port) does not "
+                    "answer GET /health; start it first or drop the flags to let slime start one"
+                )
+            return
+        router_args = router_args_from(args)
+        policy = router_args.pop("policy", None) or "round_robin"
+        self.router = RouterProcess(
+            host=ray.util.get_node_ip_address(),
+            port=getattr(args, "sglang_router_port", None),
+            policy=policy,
+            extra_args=router_args,
+        )
+        self._owns_router = True
+        self.router.start()
+        # Custom generate functions written for slime address the router through these two fields.
+        args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
+
+    def _start_engines(self) -> None:
+        args = self.args
+        external = getattr(args, "rollout_external_engine_addrs", None)
+        if external:
+            self.engine_urls = [a if "://" in a else f"http://{a}" for a in external]
+            return
+        per_engine = args.rollout_num_gpus_per_engine
+        num_engines = args.rollout_num_gpus // per_engine
+        if num_engines < 1:
+            raise ValueError(
+                f"--rollout-num-gpus={args.rollout_num_gpus} is smaller than "
+                f"--rollout-num-gpus-per-engine={per_engine}: no engine fits; raise the first or lower the second"
+            )
+        backend = getattr(args, "rollout_backend", "sglang") or "sglang"
+        if backend not in ENGINE_CLASSES:
+            raise ValueError(f"--rollout-backend={backend} is not one of {sorted(ENGINE_CLASSES)}")
+        engine_cls = ray.remote(load_function(ENGINE_CLASSES[backend], "--rollout-backend"))
+        for i in range(num_engines):
+            options = self._engine_options(i, per_engine)
+            self.engines.append(engine_cls.options(**options).remote(args, i))
+        self.engine_urls = ray.get([e.init.remote() for e in self.engines])
+
+    def _engine_options(self, i: int, per_engine: int) -> dict[str, Any]:
+        import torch
+
+        if torch.cuda.is_available():
+            # Colocated engines share their GPU with a training actor, so they take a fraction of it;
+            # within a placement group an actor lives in one bundle, the engine's other GPUs are
+            # reserved by the bundles that follow it.
+            num_gpus = 0.2 if getattr(self.args, "colocate", False) else (1 if self.pg else per_engine)
+            options: dict[str, Any] = {"num_cpus": 0.2, "num_gpus": num_gpus}
+        else:
+            options = {"num_cpus": 1, "num_gpus": 0}
+        if self.pg is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            pg, bundle_indices = self.pg
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=pg,
+                placement_group_bundle_index=bundle_indices[i * per_engine],
+                placement_group_capture_child_tasks=True,
+            )
+        return options
+
+    def _make_data_source(self) -> Any:
+        path = getattr(self.args, "data_source_path", None)
+        if path:
+            return load_function(path, "--data-source-path")(self.args)
+        from slime.rollout.data_source import RolloutDataSourceWithBuffer
+
+        return RolloutDataSourceWithBuffer(self.args)
+
+    # ---- queries --------------------------------------------------------------------------------
+    def get_engines(self) -> list[Any]:
+        return list(self.engines)
+
+    def get_router_url(self) -> str | None:
+        return self.router.url if self.router else None
+
+    def get_engine_urls(self) -> list[str]:
+        return list(self.engine_urls)
+
+    def dataset_size(self) -> int:
+        size = self.data_source.dataset_size
+        return int(size() if callable(size) else size)
+
+    # ---- generation -----------------------------------------------------------------------------
+    def generate(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
+        """One rollout: samples from the rollout function (or a debug dump) -> (TrainBatch, metrics)."""
+        args = self.args
+        start = time.perf_counter()
+        if getattr(args, "load_debug_rollout_data", None):
+            samples = load_debug_samples(args.load_debug_rollout_data, rollout_id)
+        else:
+            result = self.generate_rollout(args, rollout_id, self.data_source, evaluation=False)
+            if inspect.isawaitable(result):
+                result = asyncio.run(result)
+            samples = flatten_groups(result, args.rollout_function_path)
+        rollout_time = time.perf_counter() - start
+
+        expected = args.rollout_batch_size * args.n_samples_per_prompt
+        if len(samples) != expected:
+            raise RuntimeError(
+                f"rollout {rollout_id}: {args.rollout_function_path} returned {len(samples)} samples, expected "
+                f"--rollout-batch-size ({args.rollout_batch_size}) x --n-samples-per-prompt "
+                f"({args.n_samples_per_prompt}) = {expected}; the rollout function must return "
+                "rollout_batch_size groups of n_samples_per_prompt samples"
+            )
+        if getattr(args, "save_debug_rollout_data", None):
+            save_debug_samples(args.save_debug_rollout_data, rollout_id, samples)
+
+        batch = build_train_batch(args, samples)
+        failed = sum(s.status == Sample.Status.FAILED for s in samples)
+        metrics = compute_rollout_metrics(
+            batch.raw_rewards, batch.rewards, batch.response_lengths, batch.truncated, batch.group_indices,
+            failed_count=failed, rollout_time=rollout_time,
+        )  # fmt: skip
+        return batch, metrics
+
+    # ---- engine control (fan out to every engine) -----------------------------------------------
+    def _fan_out(self, method: str, *a, **kw) -> list[Any]:
+        return ray.get([getattr(e, method).remote(*a, **kw) for e in self.engines])
+
+    def pause_engines(self) -> None:
+        self._fan_out("pause_generation")
+
+    def continue_engines(self) -> None:
+        self._fan_out("continue_generation")
+
+    def flush_cache(self) -> None:
+        self._fan_out("flush_cache")
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        self._fan_out("release_memory_occupation", tags)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        self._fan_out("resume_memory_occupation", tags)
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def save(self, rollout_id: int) -> None:
+        self.data_source.save(rollout_id)
+
+    def load(self, rollout_id: int) -> None:
+        self.data_source.load(rollout_id)
+
+    # ---- teardown -------------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Deregister engines, shut them down, kill their actors, stop our router. Idempotent; every
+        step runs even if an earlier one fails, so nothing is left running."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        if self.router is not None:
+            for url in self.engine_urls:
+                _best_effort(f"deregister {url}", lambda u=url: self.router.remove_worker(u))
+        if self.engines:
+            refs = [e.shutdown.remote() for e in self.engines]
+            _best_effort("engine shutdown", lambda: ray.get(refs, timeout=timeout))
+            for e in self.engines:
+                _best_effort("kill engine actor", lambda a=e: ray.kill(a, no_restart=True))
+        if self._owns_router:
+            _best_effort("stop router", self.router.stop)
+        self.engines = []
+
+
+def router_args_from(args: Any) -> dict[str, Any]:
+    """sglang-router flags from `args`: every `--router-<flag>` (dest `router_<flag>`) that is set, plus
+    `--sglang-router-request-timeout-secs`."""
+    out = {
+        k[len("router_") :]: v
+        for k, v in vars(args).items()
+        if k.startswith("router_") and k not in _NOT_ROUTER_FLAGS and v is not None
+    }
+    timeout = getattr(args, "sglang_router_request_timeout_secs", None)
+    if timeout is not None:
+        out.setdefault("request_timeout_secs", timeout)
+    return out
+
+
+def flatten_groups(groups: Any, source: str) -> list[Sample]:
+    """Groups of samples in order -> one flat list (a bare Sample counts as a group of one)."""
+    if not isinstance(groups, (list, tuple)):
+        raise TypeError(
+            f"--rollout-function-path={source} returned {type(groups).__name__}, expected list[list[Sample]]"
+        )
+    flat: list[Sample] = []
+    for g in groups:
+        for s in [g] if isinstance(g, Sample) else g:
+            if not isinstance(s, Sample):
+                raise TypeError(
+                    f"--rollout-function-path={source} returned a {type(s).__name__} where a Sample was expected"
+                )
+            flat.append(s)
+    return flat
+
+
+def build_train_batch(args: Any, samples: list[Sample]) -> TrainBatch:
+    """Samples (in order) -> TrainBatch, with group-normalised rewards for GRPO-like estimators."""
+    raw = [s.get_reward_value(getattr(args, "reward_key", None)) for s in samples]
+    n = args.n_samples_per_prompt
+    group_indices = [s.group_index if s.group_index is not None else i // n for i, s in enumerate(samples)]
+    rewards = _normalized_rewards(args, samples, raw, group_indices)
+
+    loss_masks = []
+    for s in samples:
+        mask = list(s.loss_mask) if s.loss_mask is not None else [1] * s.response_length
+        if len(mask) != s.response_length:
+            raise ValueError(
+                f"sample {s.index} (group {s.group_index}): loss_mask has {len(mask)} entries but "
+                f"response_length={s.response_length}; a custom generate function must keep them equal"
+            )
+        loss_masks.append([0] * len(mask) if s.status == Sample.Status.FAILED else mask)
+
+    log_probs = None
+    if samples and all(s.rollout_log_probs is not None for s in samples):
+        log_probs = [list(s.rollout_log_probs) for s in samples]
+        for s, lp in zip(samples, log_probs):
+            if len(lp) != s.response_length:
+                raise ValueError(
+                    f"sample {s.index} (group {s.group_index}): {len(lp)} rollout log-probs for "
+                    f"response_length={s.response_length}"
+                )
+    return TrainBatch(
+        tokens=[list(s.tokens) for s in samples],
+        response_lengths=[s.response_length for s in samples],
+        loss_masks=loss_masks,
+        rewards=rewards,
+        raw_rewards=raw,
+        truncated=[s.status == Sample.Status.TRUNCATED for s in samples],
+        group_indices=group_indices,
+        rollout_log_probs=log_probs,
+    )
+
+
+def _normalized_rewards(args: Any, samples: list[Sample], raw: list[float], group_indices: list[int]) -> list[float]:
+    custom = getattr(args, "custom_reward_post_process_path", None)
+    if custom:
+        _, rewards = load_function(custom, "--custom-reward-post-process-path")(args, samples)
+        return [float(r) for r in rewards]
+    if args.advantage_estimator not in GROUP_NORMALIZED_ESTIMATORS:
+        return list(raw)
+    if getattr(args, "disable_rewards_normalization", False):
+        return list(raw)
+    from slime.utils.ppo_utils import group_normalize_rewards
+
+    std_normalize = not getattr(args, "disable_grpo_std_normalization", False)
+    return [float(r) for r in group_normalize_rewards(raw, group_indices, std_normalize)]
+
+
+def save_debug_samples(template: str, rollout_id: int, samples: list[Sample]) -> str:
+    import torch
+
+    path = template.format(rollout_id=rollout_id)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}, path)
+    logger.info("rollout %d: %d samples saved to %s", rollout_id, len(samples), path)
+    return path
+
+
+def load_debug_samples(template: str, rollout_id: int) -> list[Sample]:
+    import torch
+
+    path = template.format(rollout_id=rollout_id)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"--load-debug-rollout-data={template}: {path} does not exist for rollout {rollout_id}"
+        )
+    data = torch.load(path, weights_only=False)
+    return [Sample.from_dict(d) for d in data["samples"]]
+
+
+def _best_effort(what: str, fn) -> None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - teardown keeps going so every process is reaped
+        logger.warning("RolloutManager shutdown: %s failed: %s: %s", what, type(e).__name__, e)

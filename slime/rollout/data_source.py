@@ -1,0 +1,222 @@
+"""Where rollout prompts come from: the global dataset (`RolloutDataSource`) and, in front of it, a buffer
+of groups handed back by the rollout (`RolloutDataSourceWithBuffer`).
+
+A group is `n_samples_per_prompt` deep copies of one prompt `Sample`, numbered with a running
+`group_index` and a running sample `index`. Epochs wrap: when the dataset is used up the next epoch
+starts, reshuffled with `--rollout-seed + epoch` when `--rollout-shuffle` is set.
+
+State (dataset offset, epoch, counters and, unlike slime, the buffer) is written at each checkpoint as
+JSON to `{--save}/rollout/data_source_state_{rollout_id}.json` and read back from `--load`, so a resumed
+run is handed the same prompts it would have been handed without the interruption.
+
+With `--disable-rollout-global-dataset` (or no `--prompt-data`) there is no dataset: groups are copies
+of an empty `Sample` and a `--custom-generate-function-path` makes up the prompts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+
+def state_path(root: str, rollout_id: int) -> str:
+    return os.path.join(root, "rollout", f"data_source_state_{rollout_id}.json")
+
+
+class RolloutDataSource:
+    def __init__(self, args):
+        self.args = args
+        self.epoch_id = 0
+        self.sample_offset = 0
+        self.sample_group_index = 0
+        self.sample_index = 0
+        self.dataset = None
+        if getattr(args, "prompt_data", None) and not getattr(args, "disable_rollout_global_dataset", False):
+            self.dataset = self._load_dataset(args)
+            if len(self.dataset) == 0:
+                raise ValueError(
+                    f"--prompt-data {args.prompt_data}: no prompts left (empty file, or every prompt is longer "
+                    f"than --rollout-max-prompt-len={getattr(args, 'rollout_max_prompt_len', None)})"
+                )
+            if getattr(args, "rollout_shuffle", False):
+                self.dataset.shuffle(self.epoch_id)
+
+    @staticmethod
+    def _load_dataset(args):
+        from transformers import AutoTokenizer
+
+        from slime.utils.data import Dataset
+
+        tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
+        return Dataset(
+            args.prompt_data,
+            tokenizer=tokenizer,
+            max_prompt_len=getattr(args, "rollout_max_prompt_len", None),
+            input_key=getattr(args, "input_key", "input"),
+            label_key=getattr(args, "label_key", None),
+            metadata_key=getattr(args, "metadata_key", None),
+            tool_key=getattr(args, "tool_key", None),
+            apply_chat_template=getattr(args, "apply_chat_template", False),
+            apply_chat_template_kwargs=getattr(args, "apply_chat_template_kwargs", None),
+            seed=getattr(args, "rollout_seed", 42),
+        )
+
+    @property
+    def dataset_size(self) -> int:
+        return len(self.dataset) if self.dataset is not None else 0
+
+    def _next_prompts(self, num_groups: int) -> list[Sample]:
+        if self.dataset is None:
+            return [Sample() for _ in range(num_groups)]
+        prompts: list[Sample] = []
+        while len(prompts) < num_groups:
+            if self.sample_offset >= len(self.dataset):
+                self.epoch_id += 1
+                self.sample_offset = 0
+                if getattr(self.args, "rollout_shuffle", False):
+                    self.dataset.shuffle(self.epoch_id)
+            take = min(num_groups - len(prompts), len(self.dataset) - self.sample_offset)
+            prompts.extend(self.dataset.samples[self.sample_offset : self.sample_offset + take])
+            self.sample_offset += take
+        return prompts
+
+    def get_samples(self, num_groups: int) -> list[list[Sample]]:
+        """The next `num_groups` groups of `n_samples_per_prompt` fresh copies each."""
+        n = self.args.n_samples_per_prompt
+        groups = []
+        for prompt in self._next_prompts(num_groups):
+            group = []
+            for _ in range(n):
+                sample = copy.deepcopy(prompt)
+                sample.group_index = self.sample_group_index
+                sample.index = self.sample_index
+                self.sample_index += 1
+                group.append(sample)
+            self.sample_group_index += 1
+            groups.append(group)
+        return groups
+
+    def add_samples(self, groups: list[list[Sample]]) -> None:
+        raise RuntimeError(
+            f"{type(self).__name__} has no buffer; use RolloutDataSourceWithBuffer (the default --data-source-path) "
+            "to hand groups back (e.g. with --partial-rollout)"
+        )
+
+    # --- checkpointing -------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "sample_offset": self.sample_offset,
+            "epoch_id": self.epoch_id,
+            "sample_group_index": self.sample_group_index,
+            "sample_index": self.sample_index,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sample_offset = state["sample_offset"]
+        self.epoch_id = state["epoch_id"]
+        self.sample_group_index = state["sample_group_index"]
+        self.sample_index = state["sample_index"]
+        if self.dataset is not None and getattr(self.args, "rollout_shuffle", False):
+            self.dataset.shuffle(self.epoch_id)
+
+    def save(self, rollout_id: int) -> str | None:
+        """Write the state for `rollout_id` under `--save`; returns the path (None without --save)."""
+        root = getattr(self.args, "save", None)
+        if not root:
+            return None
+        path = state_path(root, rollout_id)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            text = json.dumps(self.state_dict())
+        except TypeError as e:
+            raise TypeError(
+                f"data source state for rollout {rollout_id} is not JSON-serialisable ({e}): keep Sample.metadata "
+                "and rewards of buffered groups to JSON types"
+            ) from e
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)  # atomic: a crash mid-write never leaves a half-written state behind
+        return path
+
+    def load(self, rollout_id: int | None = None) -> bool:
+        """Restore the state saved for `rollout_id` under `--load`; False (with a log line) when there is none."""
+        root = getattr(self.args, "load", None)
+        if not root or rollout_id is None:
+            return False
+        path = state_path(root, rollout_id)
+        if not os.path.exists(path):
+            logger.warning("no data source state at %s: starting from the beginning of --prompt-data", path)
+            return False
+        with open(path) as f:
+            self.load_state_dict(json.load(f))
+        logger.info("data source state restored from %s: %s", path, self.state_dict())
+        return True
+
+
+def pop_first(args, rollout_id, buffer: list[list[Sample]], num_samples: int) -> list[list[Sample]]:
+    """Default `--buffer-filter-path`: the oldest `num_samples` groups (FIFO), removed from the buffer."""
+    taken = buffer[:num_samples]
+    del buffer[:num_samples]
+    return taken
+
+
+class RolloutDataSourceWithBuffer(RolloutDataSource):
+    """Serves buffered groups first (through `--buffer-filter-path`), then fresh groups from the dataset."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.buffer: list[list[Sample]] = []
+        path = getattr(args, "buffer_filter_path", None)
+        if path:
+            from slime.utils.misc import load_function
+
+            self.buffer_filter = load_function(path, "--buffer-filter-path")
+        else:
+            self.buffer_filter = pop_first
+
+    def get_samples(self, num_groups: int) -> list[list[Sample]]:
+        groups = self._get_from_buffer(num_groups)
+        if len(groups) < num_groups:
+            groups += super().get_samples(num_groups - len(groups))
+        return groups
+
+    def _get_from_buffer(self, num_groups: int) -> list[list[Sample]]:
+        if not self.buffer or num_groups <= 0:
+            return []
+        groups = self.buffer_filter(self.args, None, self.buffer, num_groups)
+        if len(groups) > num_groups:
+            raise ValueError(f"--buffer-filter-path returned {len(groups)} groups; at most {num_groups} were asked for")
+        return groups
+
+    def add_samples(self, groups: list[list[Sample]]) -> None:
+        """Append complete groups (each exactly `n_samples_per_prompt` samples) to the buffer."""
+        n = self.args.n_samples_per_prompt
+        for i, group in enumerate(groups):
+            if not isinstance(group, list) or not all(isinstance(s, Sample) for s in group):
+                raise TypeError(f"add_samples: group {i} must be a list of Sample, got {type(group).__name__}")
+            if len(group) != n:
+                raise ValueError(
+                    f"add_samples: group {i} (group_index {group[0].group_index if group else None}) has "
+                    f"{len(group)} samples; the buffer takes only complete groups of --n-samples-per-prompt={n}"
+                )
+        self.buffer.extend(groups)
+
+    def get_buffer_length(self) -> int:
+        return len(self.buffer)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["buffer"] = [[s.to_dict() for s in group] for group in self.buffer]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.buffer = [[Sample.from_dict(d) for d in group] for group in state.get("buffer", [])]

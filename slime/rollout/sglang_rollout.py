@@ -1,0 +1,510 @@
+"""The default rollout: `generate_rollout` (`--rollout-function-path`), `generate_and_rm[_group]`, `generate`.
+
+Generation goes to the router (`args.router_url`, set by the RolloutManager) over SGLang's native
+`/generate` API; control (`/abort_request`) goes to every engine in `args.engine_urls` directly, because
+sglang-router does not proxy it.
+
+Choices and simplifications:
+- Dynamic sampling keeps `kept + in flight == --over-sampling-batch-size`: each group the filter drops is
+  replaced at once by one new group (slime refills in whole waves, issue #2217).
+- After `--rollout-batch-size` groups are kept, the rest is aborted on every engine and awaited for at
+  most `ABORT_WAIT_S`; with `--partial-rollout` those groups (finished or not) go back to the data
+  source's buffer, tagged with `metadata["start_rollout_id"]`.
+- A sample whose generate or reward function raises is marked FAILED (exception text in
+  `metadata["error"]`, reward 0.0) and kept in its group. A rollout fails once more than
+  `--max-failed-ratio` (default 0.05) of its `rollout_batch_size x n_samples_per_prompt` samples have
+  failed, counting dropped groups too, with an error quoting the first exception.
+- The abort flag is per rollout call (a context variable), so an eval running at the same time in the same
+  process is not marked aborted by a training rollout finishing (though the engines' `abort_all` still
+  hits its in-flight requests).
+- With `evaluation=True`, `generate_rollout` grades every prompt of each `--eval-prompt-data` dataset
+  (`--n-samples-per-eval-prompt` each, eval sampling flags falling back to the rollout's) and returns
+  `{name: {"rewards", "truncated", "samples"}}`, as slime does; `--eval-config` is not read here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import copy
+import functools
+import inspect
+import logging
+import weakref
+from typing import Any
+
+from slime.rollout.rm_hub import async_rm, batched_async_rm
+from slime.utils.http_utils import post, run_sync
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+ABORT_WAIT_S = 60.0
+DEFAULT_MAX_FAILED_RATIO = 0.05
+_FINISHED = (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
+_FINISH_REASONS = {"length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED, "stop": Sample.Status.COMPLETED}
+
+_abort_event: contextvars.ContextVar[asyncio.Event | None] = contextvars.ContextVar("slime_rollout_abort", default=None)
+_semaphores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[int, asyncio.Semaphore]] = (
+    weakref.WeakKeyDictionary()
+)
+_last_metrics: dict[str, float] = {}
+_eval_dataset_cache: dict[tuple, list] = {}
+
+
+# --- shared state ---------------------------------------------------------------------------------------
+
+
+def _aborted() -> bool:
+    event = _abort_event.get()
+    return event is not None and event.is_set()
+
+
+def _semaphore(args) -> asyncio.Semaphore:
+    """One semaphore per event loop bounding concurrent requests: concurrency per engine x engines."""
+    size = int(getattr(args, "sglang_server_concurrency", None) or 512) * max(
+        1, int(getattr(args, "rollout_num_engines", None) or 1)
+    )
+    loop = asyncio.get_running_loop()
+    entry = _semaphores.get(loop)
+    if entry is None or entry[0] != size:
+        entry = (size, asyncio.Semaphore(size))
+        _semaphores[loop] = entry
+    return entry[1]
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+
+
+def get_tokenizer(args):
+    if not getattr(args, "hf_checkpoint", None):
+        raise ValueError("generate needs --hf-checkpoint (its tokenizer turns prompts into input_ids)")
+    return _load_tokenizer(args.hf_checkpoint)
+
+
+@functools.lru_cache(maxsize=16)
+def _custom_generate(path: str):
+    from slime.utils.misc import load_function
+
+    fn = load_function(path, "--custom-generate-function-path")
+    takes_evaluation = "evaluation" in inspect.signature(fn).parameters
+    return fn, takes_evaluation
+
+
+def last_rollout_metrics() -> dict[str, float]:
+    """Counters of the last `generate_rollout` call: `rollout/dynamic_filter/drop_<reason>`,
+    `rollout/aborted_groups`, `rollout/failed_samples_all` (including dropped groups)."""
+    return dict(_last_metrics)
+
+
+# --- sampling parameters and one request -----------------------------------------------------------------
+
+
+def build_sampling_params(args, evaluation: bool = False) -> dict[str, Any]:
+    """SGLang sampling params from the rollout flags (eval flags override them when `evaluation`)."""
+
+    def pick(name: str, eval_name: str, default=None):
+        value = getattr(args, eval_name, None) if evaluation else None
+        if value is None:
+            value = getattr(args, name, None)
+        return default if value is None else value
+
+    max_new_tokens = pick("rollout_max_response_len", "eval_max_response_len")
+    if max_new_tokens is None:
+        raise ValueError("set --rollout-max-response-len (the max_new_tokens of every generation)")
+    params = {
+        "temperature": pick("rollout_temperature", "eval_temperature", 1.0),
+        "top_p": pick("rollout_top_p", "eval_top_p", 1.0),
+        "top_k": pick("rollout_top_k", "eval_top_k", -1),
+        "max_new_tokens": int(max_new_tokens),
+        "stop": getattr(args, "rollout_stop", None),
+        "stop_token_ids": getattr(args, "rollout_stop_token_ids", None),
+        "skip_special_tokens": bool(getattr(args, "rollout_skip_special_tokens", False)),
+        "no_stop_trim": True,
+        "spaces_between_special_tokens": False,
+    }
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def prompt_ids(args, prompt: str | list[dict]) -> list[int]:
+    """Token ids of a prompt string (no special tokens added), or of chat messages through the chat template."""
+    tokenizer = get_tokenizer(args)
+    if isinstance(prompt, list):
+        prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def _parse_generate_answer(url: str, answer: Any) -> tuple[str, list[int], list[float], Sample.Status, Any]:
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    if not isinstance(meta, dict) or not isinstance(meta.get("output_token_logprobs"), list):
+        got = sorted(answer) if isinstance(answer, dict) else type(answer).__name__
+        raise ValueError(
+            f"{url}: malformed /generate answer: expected meta_info.output_token_logprobs (return_logprob=true), got {got}"
+        )
+    try:
+        tokens = [int(e[1]) for e in meta["output_token_logprobs"]]
+        logprobs = [float(e[0]) for e in meta["output_token_logprobs"]]
+    except (TypeError, IndexError, ValueError) as e:
+        raise ValueError(
+            f"{url}: malformed output_token_logprobs entry (expected [logprob, token_id, ...]): {e}"
+        ) from e
+    reason = meta.get("finish_reason")
+    reason_type = reason.get("type") if isinstance(reason, dict) else reason
+    status = _FINISH_REASONS.get(reason_type, Sample.Status.COMPLETED)
+    return str(answer.get("text") or ""), tokens, logprobs, status, meta.get("weight_version")
+
+
+async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
+    """One /generate call that appends its tokens, text, log-probs and loss mask to `sample`.
+
+    A sample that already has a response (a partial rollout handed back, or an earlier turn) is continued
+    from all its tokens, with `max_new_tokens` reduced by what it already generated.
+    """
+    if _aborted():
+        sample.status = Sample.Status.ABORTED
+        return sample
+    resuming = sample.status == Sample.Status.ABORTED and sample.response_length > 0
+    if not sample.tokens:
+        sample.tokens = prompt_ids(args, sample.prompt)
+    if sample.loss_mask is None:
+        sample.loss_mask = []
+    if sample.rollout_log_probs is None:
+        sample.rollout_log_probs = []
+    if resuming and getattr(args, "mask_offpolicy_in_partial_rollout", False):
+        # tokens from an earlier rollout were sampled by older weights: keep them as context, not as targets
+        sample.loss_mask = [0] * sample.response_length
+
+    params = dict(sampling_params)
+    max_new = int(params["max_new_tokens"]) - sample.response_length
+    context_len = getattr(args, "rollout_max_context_len", None)
+    if context_len:
+        max_new = min(max_new, int(context_len) - len(sample.tokens))
+    if max_new <= 0:
+        sample.status = Sample.Status.TRUNCATED
+        return sample
+    params["max_new_tokens"] = max_new
+
+    url = f"{args.router_url}/generate"
+    payload = {"input_ids": list(sample.tokens), "sampling_params": params, "return_logprob": True}
+    retries = 60 if getattr(args, "use_fault_tolerance", False) else 3
+    answer = await post(url, payload, retries=retries, backoff=1.0)
+    text, tokens, logprobs, status, weight_version = _parse_generate_answer(url, answer)
+
+    sample.tokens = sample.tokens + tokens
+    sample.response += text
+    sample.response_length += len(tokens)
+    sample.loss_mask = sample.loss_mask + [1] * len(tokens)
+    sample.rollout_log_probs = sample.rollout_log_probs + logprobs
+    if weight_version is not None:
+        sample.weight_versions.append(str(weight_version))
+    sample.status = status
+    return sample
+
+
+# --- one sample, one group -------------------------------------------------------------------------------
+
+
+def _mark_failed(sample: Sample, error: BaseException, what: str) -> None:
+    sample.status = Sample.Status.FAILED
+    sample.reward = 0.0
+    sample.metadata = dict(sample.metadata or {})
+    sample.metadata["error"] = f"{what}: {type(error).__name__}: {error}"
+    logger.warning(
+        "sample %s (group %s) failed in %s: %s: %s", sample.index, sample.group_index, what, type(error).__name__, error
+    )
+
+
+async def _reward_one(args, sample: Sample) -> None:
+    try:
+        sample.reward = await async_rm(args, sample)
+    except Exception as e:  # noqa: BLE001 - a bad reward marks this sample; the rollout decides on the ratio
+        _mark_failed(sample, e, "reward")
+
+
+async def generate_and_rm(
+    args, sample: Sample, sampling_params: dict, evaluation: bool = False
+) -> Sample | list[Sample]:
+    """Generate (unless already finished) and grade one sample; errors mark it FAILED instead of raising."""
+    group_rm = getattr(args, "group_rm", False)
+    if sample.status == Sample.Status.FAILED:
+        return sample
+    if sample.status in _FINISHED:
+        if sample.reward is None and not group_rm:
+            await _reward_one(args, sample)
+        return sample
+
+    path = getattr(args, "custom_generate_function_path", None)
+    try:
+        async with _semaphore(args):
+            if _aborted():
+                sample.status = Sample.Status.ABORTED
+                return sample
+            params = copy.deepcopy(sampling_params)
+            if path:
+                fn, takes_evaluation = _custom_generate(path)
+                result = (
+                    fn(args, sample, params, evaluation=evaluation) if takes_evaluation else fn(args, sample, params)
+                )
+                result = await result if inspect.isawaitable(result) else result
+            else:
+                result = await generate(args, sample, params)
+    except Exception as e:  # noqa: BLE001 - see _mark_failed
+        _mark_failed(sample, e, path or "generate")
+        return sample
+
+    samples = result if isinstance(result, list) else [result]
+    if not group_rm:
+        for s in samples:
+            if s.status not in (Sample.Status.ABORTED, Sample.Status.FAILED) and s.reward is None:
+                await _reward_one(args, s)
+    return result
+
+
+async def generate_and_rm_group(
+    args, group: list[Sample], sampling_params: dict, evaluation: bool = False
+) -> list[Sample]:
+    """All samples of a group concurrently; with --group-rm the group is graded at once afterwards.
+    A custom generate function that returns several samples for one makes the group longer."""
+    results = await asyncio.gather(*(generate_and_rm(args, s, sampling_params, evaluation) for s in group))
+    flat: list[Sample] = []
+    for r in results:
+        flat.extend(r if isinstance(r, list) else [r])
+    if getattr(args, "group_rm", False) and not any(s.status == Sample.Status.ABORTED for s in flat):
+        targets = [s for s in flat if s.status != Sample.Status.FAILED]
+        if targets:
+            try:
+                rewards = await batched_async_rm(args, targets)
+            except Exception as e:  # noqa: BLE001 - see _mark_failed
+                for s in targets:
+                    _mark_failed(s, e, "group reward")
+            else:
+                for s, r in zip(targets, rewards):
+                    s.reward = r
+    return flat
+
+
+# --- failure accounting, abort ---------------------------------------------------------------------------
+
+
+def check_failed_ratio(args, failed: list[Sample], total: int, where: str) -> None:
+    """Raise when more than --max-failed-ratio of `total` samples failed, quoting the first error."""
+    ratio = getattr(args, "max_failed_ratio", None)
+    ratio = DEFAULT_MAX_FAILED_RATIO if ratio is None else float(ratio)
+    if failed and len(failed) > ratio * total:
+        first = failed[0].metadata.get("error", "unknown error")
+        raise RuntimeError(
+            f"{where}: {len(failed)} samples failed, more than --max-failed-ratio={ratio} of {total}; "
+            f"first error (sample {failed[0].index}): {first}. Fix the generate/reward function, or raise "
+            "--max-failed-ratio to tolerate more failures"
+        )
+
+
+async def abort_engines(args) -> None:
+    """POST /abort_request {"abort_all": true} to every engine (the router does not forward it)."""
+    urls = list(getattr(args, "engine_urls", None) or [])
+    results = await asyncio.gather(
+        *(post(f"{u}/abort_request", {"abort_all": True}, retries=2, timeout=30) for u in urls), return_exceptions=True
+    )
+    for url, r in zip(urls, results):
+        if isinstance(r, BaseException):
+            logger.warning("abort on %s failed: %s", url, r)
+
+
+def _filter_verdict(filter_fn, args, group: list[Sample]) -> tuple[bool, str | None]:
+    out = filter_fn(args, group)
+    if isinstance(out, bool):
+        return out, None
+    return bool(out.keep), getattr(out, "reason", None)
+
+
+# --- the rollout -----------------------------------------------------------------------------------------
+
+
+def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
+    """Default --rollout-function-path: `rollout_batch_size` kept groups sorted by group index
+    (with `evaluation`, the eval dict described in the module docstring). Synchronous."""
+    if evaluation:
+        return run_sync(eval_rollout_async(args, rollout_id))
+    return run_sync(generate_rollout_async(args, rollout_id, data_source))
+
+
+async def generate_rollout_async(args, rollout_id: int, data_source) -> list[list[Sample]]:
+    token = _abort_event.set(asyncio.Event())
+    try:
+        return await _generate_rollout(args, rollout_id, data_source)
+    finally:
+        _abort_event.reset(token)
+
+
+async def _generate_rollout(args, rollout_id: int, data_source) -> list[list[Sample]]:
+    from tqdm import tqdm
+
+    from slime.utils.misc import load_function
+
+    target = int(args.rollout_batch_size)
+    over = max(target, int(getattr(args, "over_sampling_batch_size", None) or target))
+    total_samples = target * int(args.n_samples_per_prompt)
+    filter_path = getattr(args, "dynamic_sampling_filter_path", None)
+    filter_fn = load_function(filter_path, "--dynamic-sampling-filter-path") if filter_path else None
+    params = build_sampling_params(args)
+
+    pending: set[asyncio.Task] = set()
+    kept: list[list[Sample]] = []
+    surplus: list[list[Sample]] = []  # finished after the target was met: treated like the aborted leftovers
+    failed: list[Sample] = []
+    drops: dict[str, int] = {}
+    where = f"rollout {rollout_id}"
+    progress = tqdm(total=target, desc=where, unit="group", leave=False)
+    try:
+        while len(kept) < target:
+            missing = over - len(kept) - len(pending)
+            if missing > 0:
+                for group in data_source.get_samples(missing):
+                    pending.add(asyncio.ensure_future(generate_and_rm_group(args, group, params)))
+            if not pending:
+                raise RuntimeError(
+                    f"{where}: the data source handed out no groups ({type(data_source).__name__}.get_samples)"
+                )
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                group = task.result()
+                failed.extend(s for s in group if s.status == Sample.Status.FAILED)
+                check_failed_ratio(args, failed, total_samples, where)
+                if filter_fn is not None and len(kept) < target:
+                    keep, reason = _filter_verdict(filter_fn, args, group)
+                    if not keep:
+                        key = f"rollout/dynamic_filter/drop_{reason or 'filtered'}"
+                        drops[key] = drops.get(key, 0) + 1
+                        continue
+                if len(kept) < target:
+                    kept.append(group)
+                    progress.update(1)
+                else:
+                    surplus.append(group)
+    finally:
+        progress.close()
+        leftovers = surplus + await _abort_and_collect(args, pending)
+    _recycle(args, rollout_id, data_source, leftovers)
+
+    _last_metrics.clear()
+    _last_metrics.update(drops)
+    _last_metrics["rollout/aborted_groups"] = float(len(leftovers))
+    _last_metrics["rollout/failed_samples_all"] = float(len(failed))
+    if drops:
+        logger.info("%s: dynamic filter dropped %s", where, drops)
+    return sorted(kept, key=lambda g: g[0].group_index if g and g[0].group_index is not None else -1)
+
+
+async def _abort_and_collect(args, pending: set[asyncio.Task]) -> list[list[Sample]]:
+    """Abort whatever is still running and return the groups the pending tasks end with."""
+    if not pending:
+        return []
+    event = _abort_event.get()
+    if event is not None:
+        event.set()
+    await abort_engines(args)
+    done, still = await asyncio.wait(pending, timeout=ABORT_WAIT_S)
+    for task in still:
+        task.cancel()
+    if still:
+        logger.warning("%d groups did not stop within %.0fs of the abort; cancelled", len(still), ABORT_WAIT_S)
+        await asyncio.gather(*still, return_exceptions=True)
+    groups = []
+    for task in done:
+        if not task.cancelled() and task.exception() is None:
+            groups.append(task.result())
+    return groups
+
+
+def _recycle(args, rollout_id: int, data_source, groups: list[list[Sample]]) -> None:
+    """With --partial-rollout, hand unfinished groups back to the buffer (complete groups only)."""
+    if not groups or not getattr(args, "partial_rollout", False):
+        return
+    n = int(args.n_samples_per_prompt)
+    whole = [g for g in groups if len(g) == n]
+    if len(whole) < len(groups):
+        logger.warning(
+            "%d leftover groups do not have n_samples_per_prompt=%d samples; not buffered", len(groups) - len(whole), n
+        )
+    for group in whole:
+        for s in group:
+            s.metadata = dict(s.metadata or {})
+            s.metadata.setdefault("start_rollout_id", rollout_id)
+    data_source.add_samples(whole)
+
+
+# --- evaluation ------------------------------------------------------------------------------------------
+
+
+def _eval_datasets(args) -> list[tuple[str, Any]]:
+    values = list(getattr(args, "eval_prompt_data", None) or [])
+    if len(values) == 1:
+        values = ["aime", values[0]]
+    key = (tuple(values), getattr(args, "hf_checkpoint", None))
+    cache = _eval_dataset_cache
+    if key not in cache:
+        from slime.utils.data import Dataset
+
+        cache[key] = [
+            (
+                name,
+                Dataset(
+                    path,
+                    tokenizer=get_tokenizer(args),
+                    max_prompt_len=getattr(args, "rollout_max_prompt_len", None),
+                    input_key=getattr(args, "eval_input_key", None) or getattr(args, "input_key", "input"),
+                    label_key=getattr(args, "eval_label_key", None) or getattr(args, "label_key", None),
+                    metadata_key=getattr(args, "metadata_key", None),
+                    tool_key=getattr(args, "tool_key", None),
+                    apply_chat_template=getattr(args, "apply_chat_template", False),
+                    apply_chat_template_kwargs=getattr(args, "apply_chat_template_kwargs", None),
+                ),
+            )
+            for name, path in zip(values[0::2], values[1::2])
+        ]
+    return cache[key]
+
+
+async def eval_rollout_async(args, rollout_id: int) -> dict[str, dict[str, list]]:
+    datasets = _eval_datasets(args)
+    if not datasets:
+        raise ValueError("evaluation needs --eval-prompt-data name path [name path ...]")
+    params = build_sampling_params(args, evaluation=True)
+    n = int(getattr(args, "n_samples_per_eval_prompt", None) or 1)
+    reward_key = getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None)
+
+    async def one(dataset) -> list[Sample]:
+        groups = []
+        for i, prompt in enumerate(dataset.samples):
+            group = []
+            for j in range(n):
+                s = copy.deepcopy(prompt)
+                s.group_index, s.index = i, i * n + j
+                group.append(s)
+            groups.append(group)
+        results = await asyncio.gather(*(generate_and_rm_group(args, g, params, evaluation=True) for g in groups))
+        return [s for g in results for s in g]
+
+    token = _abort_event.set(asyncio.Event())
+    try:
+        per_set = await asyncio.gather(*(one(d) for _, d in datasets))
+    finally:
+        _abort_event.reset(token)
+    out = {}
+    for (name, _), samples in zip(datasets, per_set):
+        check_failed_ratio(
+            args,
+            [s for s in samples if s.status == Sample.Status.FAILED],
+            len(samples),
+            f"eval {name} (rollout {rollout_id})",
+        )
+        out[name] = {
+            "rewards": [s.get_reward_value(reward_key) for s in samples],
+            "truncated": [s.status == Sample.Status.TRUNCATED for s in samples],
+            "samples": samples,
+        }
+    return out

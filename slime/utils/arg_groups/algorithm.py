@@ -1,0 +1,129 @@
+"""Algorithm: advantage estimator, policy/value loss terms, KL, off-policy corrections.
+
+`--disable-grpo-std-normalization` and `--disable-rewards-normalization` are stored under their own names
+and mirrored, after validation, as slime's positive fields `grpo_std_normalization` / `rewards_normalization`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from slime.utils.arg_groups._common import fail
+
+logger = logging.getLogger(__name__)
+
+FUNCTION_FLAGS = ("custom_loss_function_path", "custom_advantage_function_path", "custom_tis_function_path")
+
+ADVANTAGE_ESTIMATORS = ["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
+
+
+def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("algorithm", "Advantages, losses, KL and importance-sampling corrections.")
+    g.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="grpo")
+    g.add_argument(
+        "--custom-advantage-function-path",
+        type=str,
+        default=None,
+        help="fn replacing the built-in advantage/return computation.",
+    )
+    g.add_argument(
+        "--loss-type",
+        choices=["policy_loss", "sft_loss", "custom_loss"],
+        default="policy_loss",
+        help="custom_loss uses --custom-loss-function-path.",
+    )
+    g.add_argument("--custom-loss-function-path", type=str, default=None, help="Loss fn for --loss-type custom_loss.")
+    g.add_argument("--eps-clip", type=float, default=0.2, help="PPO clip range (lower side: 1 - eps).")
+    g.add_argument("--eps-clip-high", type=float, default=None, help="Upper clip range (default: --eps-clip).")
+    g.add_argument("--eps-clip-c", type=float, default=None, help="Dual-clip bound for negative advantages (> 1).")
+    g.add_argument("--value-clip", type=float, default=0.2, help="Clip range of the PPO value loss.")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty folded into the reward (PPO / REINFORCE++).")
+    g.add_argument("--use-kl-loss", action="store_true", help="Add kl_loss_coef × KL(actor || ref) to the loss.")
+    g.add_argument("--kl-loss-coef", type=float, default=0.0, help="Weight of the KL loss term.")
+    g.add_argument(
+        "--kl-loss-type",
+        choices=["k1", "k2", "k3", "low_var_kl"],
+        default="k1",
+        help="KL estimator of the KL loss (low_var_kl is k3 clamped to [-10, 10]).",
+    )
+    g.add_argument("--use-unbiased-kl", action="store_true", help="Importance-weight the KL estimate by the ratio.")
+    g.add_argument(
+        "--ref-update-interval", type=int, default=None, help="Copy the actor into the reference every N rollouts."
+    )
+    g.add_argument("--entropy-coef", type=float, default=0.0, help="Entropy bonus weight.")
+    g.add_argument("--gamma", type=float, default=1.0, help="Discount (PPO GAE, REINFORCE++ returns).")
+    g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda.")
+    g.add_argument("--normalize-advantages", action="store_true", help="Whiten advantages over the batch.")
+    g.add_argument(
+        "--disable-grpo-std-normalization",
+        action="store_true",
+        help="Do not divide group-centred rewards by the group std (Dr.GRPO).",
+    )
+    g.add_argument(
+        "--disable-rewards-normalization", action="store_true", help="Do not group-normalise rewards at all."
+    )
+    g.add_argument(
+        "--use-rollout-logprobs",
+        action="store_true",
+        help="Use the engines' log-probs as the old policy instead of recomputing them.",
+    )
+    g.add_argument(
+        "--use-tis", action="store_true", help="Truncated importance sampling between rollout and training log-probs."
+    )
+    g.add_argument("--tis-clip", type=float, default=2.0, help="Upper clamp of the TIS weight.")
+    g.add_argument("--tis-clip-low", type=float, default=0.0, help="Lower clamp of the TIS weight.")
+    g.add_argument("--custom-tis-function-path", type=str, default=None, help="fn computing custom TIS weights.")
+    g.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="Average the loss over all tokens of the step instead of per sample first.",
+    )
+    g.add_argument(
+        "--num-critic-only-steps", type=int, default=0, help="Initial rollouts that train only the PPO critic."
+    )
+
+
+def validate_algorithm(args: argparse.Namespace) -> None:
+    if args.eps_clip <= 0:
+        fail(f"--eps-clip {args.eps_clip}: must be > 0.")
+    if args.eps_clip_high is None:
+        args.eps_clip_high = args.eps_clip
+    elif args.eps_clip_high <= 0:
+        fail(f"--eps-clip-high {args.eps_clip_high}: must be > 0.")
+    if args.eps_clip_c is not None and args.eps_clip_c <= 1.0:
+        fail(f"--eps-clip-c {args.eps_clip_c}: the dual-clip bound must be > 1 (e.g. 3.0), or drop the flag.")
+
+    if args.kl_coef != 0 and args.kl_loss_coef != 0:
+        fail(
+            f"--kl-coef {args.kl_coef} (KL in the reward) and --kl-loss-coef {args.kl_loss_coef} (KL in the loss) "
+            "are both non-zero; keep only one of the two KL terms."
+        )
+    if args.kl_loss_coef != 0 and not args.use_kl_loss:
+        logger.warning("--kl-loss-coef %s has no effect without --use-kl-loss.", args.kl_loss_coef)
+
+    reinforce_pp = args.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+    if reinforce_pp and not args.normalize_advantages:
+        fail(f"--advantage-estimator {args.advantage_estimator} whitens its advantages: add --normalize-advantages.")
+    if args.use_rollout_logprobs and args.use_tis:
+        fail(
+            "--use-rollout-logprobs and --use-tis are both set: TIS corrects between rollout and recomputed "
+            "log-probs, which --use-rollout-logprobs makes identical; drop one of them."
+        )
+    if args.tis_clip_low < 0 or args.tis_clip_low > args.tis_clip:
+        fail(f"--tis-clip-low {args.tis_clip_low} / --tis-clip {args.tis_clip}: need 0 <= low <= high.")
+    if args.loss_type == "custom_loss" and args.custom_loss_function_path is None:
+        fail("--loss-type custom_loss needs --custom-loss-function-path pkg.module.fn.")
+    if args.ref_update_interval is not None and args.ref_update_interval <= 0:
+        fail(f"--ref-update-interval {args.ref_update_interval}: must be a positive number of rollouts.")
+    if args.num_critic_only_steps < 0:
+        fail(f"--num-critic-only-steps {args.num_critic_only_steps}: must be >= 0.")
+    if args.num_critic_only_steps and args.advantage_estimator != "ppo":
+        fail(f"--num-critic-only-steps {args.num_critic_only_steps} needs a critic: use --advantage-estimator ppo.")
+
+    if args.n_samples_per_prompt == 1 and not args.disable_grpo_std_normalization:
+        # The std of a one-sample group is 0: dividing by it would blow advantages up.
+        logger.info("--n-samples-per-prompt 1: group std normalisation is turned off.")
+        args.disable_grpo_std_normalization = True
+    args.grpo_std_normalization = not args.disable_grpo_std_normalization
+    args.rewards_normalization = not args.disable_rewards_normalization

@@ -1,0 +1,152 @@
+"""Resources: how many training ranks and rollout engines, where they sit, and how they share devices.
+
+Without CUDA the same flags count CPU processes: `--actor-num-gpus-per-node` is the number of CPU training
+ranks per node and `--rollout-num-gpus` the number of CPU engine slots, so the placement code is the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from slime.utils.arg_groups._common import fail, require_positive
+
+logger = logging.getLogger(__name__)
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "cluster",
+        "Training ranks, rollout engines and their placement. Without CUDA, the *-gpus* counts below count "
+        "CPU training ranks and CPU engine slots instead of GPUs.",
+    )
+    g.add_argument("--actor-num-nodes", type=int, default=1, help="Nodes for the training actor.")
+    g.add_argument(
+        "--actor-num-gpus-per-node",
+        type=int,
+        default=8,
+        help="GPUs per node for the training actor (without CUDA: CPU training ranks per node).",
+    )
+    g.add_argument(
+        "--critic-num-nodes", type=int, default=None, help="Nodes for the PPO critic; always set equal to the actor's."
+    )
+    g.add_argument(
+        "--critic-num-gpus-per-node",
+        type=int,
+        default=None,
+        help="GPUs per node for the PPO critic; always set equal to the actor's (the critic shares its GPUs).",
+    )
+    g.add_argument(
+        "--rollout-num-gpus",
+        type=int,
+        default=None,
+        help="GPUs for the rollout engines (without CUDA: CPU engine slots). With --colocate it defaults to the "
+        "actor's GPU count and must equal it.",
+    )
+    g.add_argument(
+        "--rollout-num-gpus-per-engine",
+        type=int,
+        default=1,
+        help="GPUs per rollout engine (SGLang tensor parallel size); must divide --rollout-num-gpus.",
+    )
+    g.add_argument("--num-gpus-per-node", type=int, default=8, help="GPUs per node available to the rollout engines.")
+    g.add_argument(
+        "--colocate",
+        action="store_true",
+        help="Training and engines share the same GPUs; turns on --offload-train and --offload-rollout.",
+    )
+    g.add_argument("--offload", action="store_true", help="Shorthand for --offload-train --offload-rollout.")
+    g.add_argument(
+        "--offload-train",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Move the training state off the GPU while engines generate (on with --colocate or PPO).",
+    )
+    g.add_argument(
+        "--offload-rollout",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Release the engines' weights and KV cache while training runs (on with --colocate).",
+    )
+    g.add_argument(
+        "--distributed-backend",
+        choices=["nccl", "gloo"],
+        default=None,
+        help="torch.distributed backend of the training ranks (default: nccl with CUDA, gloo without).",
+    )
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10, help="Collective timeout of the ranks.")
+
+
+def validate_cluster(args: argparse.Namespace) -> None:
+    require_positive(
+        args, "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine", "num_gpus_per_node"
+    )
+    require_positive(args, "distributed_timeout_minutes")
+    if args.rollout_num_gpus is not None and args.rollout_num_gpus < 0:
+        fail(f"--rollout-num-gpus {args.rollout_num_gpus}: must be >= 0 (0: no local engines, external ones only).")
+
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if args.use_cuda else "gloo"
+    elif args.distributed_backend == "nccl" and not args.use_cuda:
+        fail("--distributed-backend nccl needs CUDA, which this machine does not have; use --distributed-backend gloo.")
+
+    actor_gpus = args.actor_num_nodes * args.actor_num_gpus_per_node
+    external = getattr(args, "rollout_external_engine_addrs", None) is not None
+
+    if args.debug_rollout_only:
+        # No training: engines get the whole allocation, nothing is colocated or offloaded.
+        if args.rollout_num_gpus is None:
+            args.rollout_num_gpus = actor_gpus
+        args.colocate = False
+        args.offload = False
+        args.offload_train = args.offload_rollout = False
+
+    if args.offload:
+        args.offload_train = True if args.offload_train is None else args.offload_train
+        args.offload_rollout = True if args.offload_rollout is None else args.offload_rollout
+
+    if args.colocate:
+        for dest in ("offload_train", "offload_rollout"):
+            if getattr(args, dest) is False:
+                # slime honours an explicit opt-out; say that it is unusual rather than refuse it.
+                logger.warning(
+                    "--colocate with --no-%s: engines and training will hold GPU memory at the same time.",
+                    dest.replace("_", "-"),
+                )
+            else:
+                setattr(args, dest, True)
+        if args.rollout_num_gpus is None:
+            args.rollout_num_gpus = actor_gpus
+        elif args.rollout_num_gpus != actor_gpus and not (args.rollout_num_gpus == 0 and external):
+            fail(
+                f"--colocate puts the engines on the actor's GPUs, so --rollout-num-gpus {args.rollout_num_gpus} "
+                f"must equal --actor-num-nodes {args.actor_num_nodes} × --actor-num-gpus-per-node "
+                f"{args.actor_num_gpus_per_node} = {actor_gpus}; drop --rollout-num-gpus (it defaults to that)."
+            )
+
+    if args.rollout_num_gpus is None:
+        if args.debug_train_only or external:
+            args.rollout_num_gpus = 0
+        else:
+            fail(
+                "--rollout-num-gpus is not set: give the number of rollout GPUs (CPU engine slots without CUDA), "
+                "e.g. --rollout-num-gpus 8, or use --colocate to share the actor's."
+            )
+
+    if args.rollout_num_gpus % args.rollout_num_gpus_per_engine != 0:
+        fail(
+            f"--rollout-num-gpus {args.rollout_num_gpus} is not divisible by --rollout-num-gpus-per-engine "
+            f"{args.rollout_num_gpus_per_engine} (each engine takes that many); make it a multiple, e.g. "
+            f"{max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine) * args.rollout_num_gpus_per_engine}."
+        )
+
+    args.use_critic = args.advantage_estimator == "ppo"
+    # The critic shares the actor's GPUs (slime forces these equal).
+    args.critic_num_nodes = args.actor_num_nodes
+    args.critic_num_gpus_per_node = args.actor_num_gpus_per_node
+    if args.use_critic and not args.debug_rollout_only:
+        # Actor and critic alternate on the same GPUs, so training state must be offloadable.
+        args.offload_train = True
+
+    args.offload_train = bool(args.offload_train)
+    args.offload_rollout = bool(args.offload_rollout)

@@ -1,0 +1,300 @@
+"""Data: prompts, how many rollouts, and the batch sizes that tie generation to training steps.
+
+The batch identity (checked here, with the numbers and the nearest valid sizes in the error):
+    rollout_batch_size × n_samples_per_prompt == global_batch_size × num_steps_per_rollout
+Give one of --global-batch-size / --num-steps-per-rollout and the other is derived; give neither and each
+rollout is one training step (global batch = all samples of the rollout). Simplification: the training-side
+divisibility check reads Megatron's TP/PP/CP sizes from the raw `args.megatron_args` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from slime.utils.arg_groups._common import (
+    SlimeArgumentError,
+    fail,
+    json_object,
+    require_existing_file,
+    require_positive,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DATA_SOURCE = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
+
+FUNCTION_FLAGS = ("data_source_path",)
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data", "Prompt data, run length and batch sizes.")
+    g.add_argument(
+        "--num-rollout",
+        type=int,
+        default=None,
+        help="Rollouts to run (if unset: --num-epoch × dataset size ÷ --rollout-batch-size, once the data is read).",
+    )
+    g.add_argument("--num-epoch", type=int, default=None, help="Epochs over the prompts (ignored with --num-rollout).")
+    g.add_argument(
+        "--disable-rollout-global-dataset",
+        action="store_true",
+        help="Do not load --prompt-data into the data source (a custom rollout function brings its own prompts).",
+    )
+    g.add_argument(
+        "--data-source-path",
+        type=str,
+        default=DEFAULT_DATA_SOURCE,
+        help="Class handing out prompt groups (and holding the partial-rollout buffer).",
+    )
+    g.add_argument("--prompt-data", type=str, default=None, help="Prompt file: JSONL (or parquet).")
+    g.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        help="Render prompts (strings or messages) with the chat template.",
+    )
+    g.add_argument(
+        "--apply-chat-template-kwargs",
+        type=json_object,
+        default={},
+        help="Extra keyword arguments of apply_chat_template, as JSON (e.g. '{\"enable_thinking\": false}').",
+    )
+    g.add_argument("--input-key", type=str, default="input", help="Prompt key of each record.")
+    g.add_argument("--label-key", type=str, default=None, help="Label key of each record.")
+    g.add_argument("--metadata-key", type=str, default="metadata", help="Metadata key of each record.")
+    g.add_argument("--tool-key", type=str, default="tools", help="Key of the tool specs passed to the chat template.")
+    g.add_argument(
+        "--multimodal-keys",
+        type=json_object,
+        default=None,
+        help='Media type -> record key, as JSON (e.g. \'{"image": "image_file"}\').',
+    )
+    g.add_argument(
+        "--streaming-data",
+        action="store_true",
+        help="Read --prompt-data lazily instead of loading it all (for datasets larger than memory).",
+    )
+    g.add_argument("--num-data-workers", type=int, default=1, help="Processes reading and tokenising prompts.")
+    g.add_argument(
+        "--start-rollout-id",
+        type=int,
+        default=None,
+        help="First rollout id (default: the one after the checkpoint in --load, else 0).",
+    )
+    g.add_argument("--rollout-batch-size", type=int, default=None, help="Prompts per rollout (required).")
+    g.add_argument("--n-samples-per-prompt", type=int, default=1, help="Responses generated per prompt (group size).")
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Samples per optimizer step (default: rollout batch × n ÷ --num-steps-per-rollout).",
+    )
+    g.add_argument(
+        "--num-steps-per-rollout",
+        type=int,
+        default=None,
+        help="Optimizer steps per rollout (default: rollout batch × n ÷ --global-batch-size, else 1).",
+    )
+    g.add_argument(
+        "--balance-data", action="store_true", help="Balance tokens across data-parallel ranks (sorted partitioning)."
+    )
+    g.add_argument(
+        "--use-dynamic-batch-size",
+        action="store_true",
+        help="Pack micro-batches up to --max-tokens-per-gpu instead of --micro-batch-size samples.",
+    )
+    g.add_argument("--max-tokens-per-gpu", type=int, default=None, help="Token budget of a packed micro-batch.")
+    g.add_argument(
+        "--log-probs-max-tokens-per-gpu",
+        type=int,
+        default=None,
+        help="Token budget when only computing log-probs (default: --max-tokens-per-gpu).",
+    )
+
+
+def validate_data(args: argparse.Namespace) -> None:
+    if args.rollout_batch_size is None:
+        fail("--rollout-batch-size is required: the number of prompts per rollout, e.g. --rollout-batch-size 32.")
+    require_positive(
+        args,
+        "rollout_batch_size",
+        "n_samples_per_prompt",
+        "global_batch_size",
+        "num_steps_per_rollout",
+        "num_rollout",
+        "num_epoch",
+        "num_data_workers",
+        "max_tokens_per_gpu",
+        "log_probs_max_tokens_per_gpu",
+    )
+    args.rollout_global_dataset = not args.disable_rollout_global_dataset
+
+    if args.num_rollout is None and args.num_epoch is None:
+        fail("Neither --num-rollout nor --num-epoch is set; give one (e.g. --num-rollout 100).")
+    if args.num_rollout is not None and args.num_epoch is not None:
+        logger.info("Both --num-rollout and --num-epoch are set; --num-epoch is ignored.")
+    # With only --num-epoch, num_rollout stays None: the data source resolves it once it knows the dataset size.
+
+    if args.start_rollout_id is not None and args.start_rollout_id < 0:
+        fail(f"--start-rollout-id {args.start_rollout_id}: must be >= 0.")
+
+    needs_prompts = (
+        args.rollout_global_dataset and args.data_source_path == DEFAULT_DATA_SOURCE and not args.debug_train_only
+    )
+    if needs_prompts and args.prompt_data is None:
+        fail(
+            "--prompt-data is required by the default data source: a JSONL file of prompts "
+            "(or pass --disable-rollout-global-dataset / --data-source-path for a source of your own)."
+        )
+    if not args.debug_train_only:
+        require_existing_file("prompt_data", args.prompt_data)
+
+    if args.use_dynamic_batch_size:
+        if args.max_tokens_per_gpu is None:
+            fail("--use-dynamic-batch-size needs --max-tokens-per-gpu N (the token budget of a micro-batch).")
+        if args.log_probs_max_tokens_per_gpu is None:
+            args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
+
+    resolve_batch_identity(args)
+    if not args.debug_rollout_only:
+        check_training_divisibility(args)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest(value: float, candidates: list[int]) -> list[int]:
+    below = [c for c in candidates if c < value]
+    above = [c for c in candidates if c > value]
+    return ([max(below)] if below else []) + ([min(above)] if above else [])
+
+
+def _steps(k: int) -> str:
+    return f"{k} step{'s' if k != 1 else ''} per rollout"
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def resolve_batch_identity(args: argparse.Namespace) -> None:
+    """Derive the missing one of global_batch_size / num_steps_per_rollout, or check that the two agree."""
+    rbs, n = args.rollout_batch_size, args.n_samples_per_prompt
+    gbs, steps = args.global_batch_size, args.num_steps_per_rollout
+    total = rbs * n
+    head = f"--rollout-batch-size {rbs} × --n-samples-per-prompt {n} = {total} samples per rollout"
+    identity = "rollout_batch_size × n_samples_per_prompt must equal global_batch_size × num_steps_per_rollout"
+
+    if gbs is None and steps is None:
+        gbs, steps = total, 1
+    elif gbs is None:
+        if total % steps != 0:
+            near = " or ".join(f"{s} (--global-batch-size {total // s})" for s in _nearest(steps, _divisors(total)))
+            fail(
+                f"{head}, which cannot be split into --num-steps-per-rollout {steps} equal steps "
+                f"(global_batch_size would be {_fmt(total / steps)}). Nearest valid --num-steps-per-rollout: "
+                f"{near} ({identity})."
+            )
+        gbs = total // steps
+    elif steps is None:
+        if total % gbs != 0:
+            near = " or ".join(
+                f"{c} ({_steps(total // c)})" for c in _nearest(gbs, _valid_global_batch_sizes(args, total))
+            )
+            fail(
+                f"{head}, which --global-batch-size {gbs} does not divide (num_steps_per_rollout would be "
+                f"{_fmt(total / gbs)}). Nearest valid --global-batch-size: {near} ({identity}; "
+                "or give --num-steps-per-rollout instead and the global batch size follows)."
+            )
+        steps = total // gbs
+    elif gbs * steps != total:
+        if total % gbs == 0:
+            hint = f", e.g. --global-batch-size {gbs} with --num-steps-per-rollout {total // gbs}"
+        elif total % steps == 0:
+            hint = f", e.g. --num-steps-per-rollout {steps} with --global-batch-size {total // steps}"
+        else:
+            hint = ""
+        fail(
+            f"{head}, but --global-batch-size {gbs} × --num-steps-per-rollout {steps} = {gbs * steps} "
+            f"({identity}). Give only one of the two and the other is derived{hint}."
+        )
+    args.global_batch_size, args.num_steps_per_rollout = gbs, steps
+
+
+def _megatron_int(tokens: list[str], name: str, default: int = 1) -> int:
+    value = default
+    for i, tok in enumerate(tokens):
+        if tok == name and i + 1 < len(tokens):
+            raw = tokens[i + 1]
+        elif tok.startswith(name + "="):
+            raw = tok.split("=", 1)[1]
+        else:
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            fail(f"{name} {raw}: expected an integer.")
+    return value
+
+
+def data_parallel_size(args: argparse.Namespace) -> tuple[int, str]:
+    """Data-parallel world size of the actor, and a phrase explaining it (for error messages)."""
+    ranks = args.actor_num_nodes * args.actor_num_gpus_per_node
+    how = (
+        f"{ranks} actor ranks = --actor-num-nodes {args.actor_num_nodes} × "
+        f"--actor-num-gpus-per-node {args.actor_num_gpus_per_node}"
+    )
+    if args.train_backend != "megatron":
+        return ranks, how
+    tokens = getattr(args, "megatron_args", None) or []
+    tp = _megatron_int(tokens, "--tensor-model-parallel-size")
+    pp = _megatron_int(tokens, "--pipeline-model-parallel-size")
+    cp = _megatron_int(tokens, "--context-parallel-size")
+    if ranks % (tp * pp * cp) != 0:
+        fail(
+            f"{how}, which TP {tp} × PP {pp} × CP {cp} = {tp * pp * cp} does not divide; make the rank count a "
+            "multiple of the model-parallel size."
+        )
+    return ranks // (tp * pp * cp), f"{how}, ÷ (TP {tp} × PP {pp} × CP {cp})"
+
+
+def _step_unit(args: argparse.Namespace) -> int:
+    dp, _ = data_parallel_size(args)
+    return dp if args.use_dynamic_batch_size else dp * args.micro_batch_size
+
+
+def _valid_global_batch_sizes(args: argparse.Namespace, total: int) -> list[int]:
+    """Divisors of the rollout's sample count; those that also split evenly over the ranks first."""
+    divisors = _divisors(total)
+    if args.debug_rollout_only:
+        return divisors
+    try:
+        unit = _step_unit(args)
+    except SlimeArgumentError:  # a bad parallel layout is reported by its own check right after
+        return divisors
+    fitting = [d for d in divisors if d % unit == 0]
+    return fitting or divisors
+
+
+def check_training_divisibility(args: argparse.Namespace) -> None:
+    """The global batch must split evenly over data-parallel ranks (and into micro-batches per rank)."""
+    dp, how = data_parallel_size(args)
+    gbs, total = args.global_batch_size, args.rollout_batch_size * args.n_samples_per_prompt
+    unit = _step_unit(args)
+    if gbs % unit == 0:
+        return
+    what = f"data-parallel size {dp}" + (
+        "" if args.use_dynamic_batch_size else f" × --micro-batch-size {args.micro_batch_size} = {unit}"
+    )
+    valid = [d for d in _divisors(total) if d % unit == 0]
+    if valid:
+        fix = "Nearest valid --global-batch-size: " + " or ".join(
+            f"{c} ({_steps(total // c)})" for c in _nearest(gbs, valid)
+        )
+    else:
+        fix = (
+            f"No global batch size divides the {total} samples per rollout and splits over {unit}: change "
+            "--rollout-batch-size / --n-samples-per-prompt or the number of actor ranks"
+        )
+    fail(f"--global-batch-size {gbs} is not divisible by the {what} ({how}). {fix}.")

@@ -1,0 +1,57 @@
+"""Debug: run only one half of the loop, dump or replay rollout data, check weight pushes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from slime.utils.arg_groups._common import fail
+
+logger = logging.getLogger(__name__)
+
+
+def add_debug_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("debug", "Half-loop runs and rollout dumps.")
+    g.add_argument("--debug-rollout-only", action="store_true", help="Generate only; no training ranks.")
+    g.add_argument("--debug-train-only", action="store_true", help="Train only; no engines (needs rollout data).")
+    g.add_argument(
+        "--save-debug-rollout-data",
+        type=str,
+        default=None,
+        help="Save each rollout's data to this path; put {rollout_id} in it, e.g. /tmp/rollout_{rollout_id}.pt.",
+    )
+    g.add_argument(
+        "--load-debug-rollout-data",
+        type=str,
+        default=None,
+        help="Train on rollout data saved by --save-debug-rollout-data (same {rollout_id} path); implies "
+        "--debug-train-only.",
+    )
+    g.add_argument(
+        "--dump-details",
+        type=str,
+        default=None,
+        help="Folder for a full dump (rollout data under <dir>/rollout_data/{rollout_id}.pt) for post-hoc analysis.",
+    )
+    g.add_argument(
+        "--check-weight-update-equal",
+        action="store_true",
+        help="After each push, check that the engines hold exactly the trainer's weights.",
+    )
+
+
+def validate_debug(args: argparse.Namespace) -> None:
+    if args.load_debug_rollout_data is not None:
+        if args.debug_rollout_only:
+            fail("--load-debug-rollout-data (train on saved data) contradicts --debug-rollout-only; drop one.")
+        args.debug_train_only = True
+    if args.debug_rollout_only and args.debug_train_only:
+        fail("--debug-rollout-only and --debug-train-only are both set; choose one half of the loop.")
+    if args.dump_details is not None and args.save_debug_rollout_data is None:
+        args.save_debug_rollout_data = f"{args.dump_details}/rollout_data/{{rollout_id}}.pt"
+    for dest in ("save_debug_rollout_data", "load_debug_rollout_data"):
+        path = getattr(args, dest)
+        if path is not None and "{rollout_id}" not in path:
+            logger.warning(
+                "--%s %s has no {rollout_id}: every rollout uses the same file.", dest.replace("_", "-"), path
+            )

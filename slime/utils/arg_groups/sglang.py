@@ -1,0 +1,74 @@
+"""SGLang and sglang-router: slime's own `--sglang-*` flags, `--router-policy`, and checks on forwarded flags.
+
+Every other `--sglang-<field>` flag is collected by slime/utils/arguments.py into `args.sglang_args`
+(ServerArgs field -> raw value) and every other `--router-<field>` into `args.router_args`; the SGLang
+backend type-checks them against sglang's ServerArgs. Here we only refuse the fields slime sets itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from slime.utils.arg_groups._common import fail
+
+# ServerArgs fields slime computes per engine; forwarding them would fight slime's own choice.
+RESERVED_SGLANG_FIELDS = {
+    "model_path": "--hf-checkpoint",
+    "tp_size": "--rollout-num-gpus-per-engine",
+    "random_seed": "--seed (each engine uses seed + its rank)",
+    "enable_memory_saver": "--offload-rollout / --colocate",
+    "port": None,
+    "nccl_port": None,
+    "dist_init_addr": None,
+    "node_rank": None,
+    "nnodes": None,
+    "base_gpu_id": None,
+    "gpu_id_step": None,
+    "skip_server_warmup": None,
+    "trust_remote_code": None,
+}
+
+
+def add_sglang_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "sglang",
+        "slime's own SGLang/router flags. Any other --sglang-<field> is forwarded to every SGLang server "
+        "(ServerArgs field <field>, e.g. --sglang-mem-fraction-static 0.7) and any other --router-<field> "
+        "to sglang-router.",
+    )
+    g.add_argument(
+        "--sglang-server-concurrency",
+        type=int,
+        default=512,
+        help="Requests in flight per engine (the rollout semaphore is this × the number of engines).",
+    )
+    g.add_argument(
+        "--sglang-router-ip", type=str, default=None, help="Use a running router at this IP instead of starting one."
+    )
+    g.add_argument("--sglang-router-port", type=int, default=None, help="Port of that router (or of ours).")
+    g.add_argument(
+        "--sglang-router-request-timeout-secs",
+        type=int,
+        default=14400,
+        help="Seconds the router waits for an engine's answer to a request.",
+    )
+    g.add_argument(
+        "--router-policy",
+        type=str,
+        default="round_robin",
+        help="sglang-router load-balancing policy (round_robin, cache_aware, random, power_of_two, ...).",
+    )
+
+
+def validate_sglang(args: argparse.Namespace) -> None:
+    if args.sglang_server_concurrency <= 0:
+        fail(f"--sglang-server-concurrency {args.sglang_server_concurrency}: must be >= 1.")
+    if args.sglang_router_port is not None and not 0 < args.sglang_router_port < 65536:
+        fail(f"--sglang-router-port {args.sglang_router_port}: not a TCP port (1-65535).")
+    if args.sglang_router_request_timeout_secs <= 0:
+        fail(f"--sglang-router-request-timeout-secs {args.sglang_router_request_timeout_secs}: must be > 0.")
+    for field in sorted(getattr(args, "sglang_args", None) or {}):
+        if field in RESERVED_SGLANG_FIELDS:
+            instead = RESERVED_SGLANG_FIELDS[field]
+            fix = f"use {instead} instead" if instead else "slime sets it for each engine; drop the flag"
+            fail(f"--sglang-{field.replace('_', '-')}: slime computes this SGLang setting itself; {fix}.")

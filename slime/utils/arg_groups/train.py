@@ -1,0 +1,92 @@
+"""Training flags shared by the training backends (read by `fsdp` now, by `megatron` as well).
+
+Names and meanings follow Megatron-LM's, so the same command line works with either backend. Megatron's
+architecture and parallelism flags (--num-layers, --tensor-model-parallel-size, ...) are not defined here:
+they are kept raw in `args.megatron_args` (see slime/utils/arguments.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from slime.utils.arg_groups._common import fail, require_positive
+
+logger = logging.getLogger(__name__)
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("train", "Optimiser, precision and checkpoints of the training backend.")
+    g.add_argument(
+        "--train-backend",
+        choices=["megatron", "fsdp"],
+        default=None,
+        help="Training backend (default: megatron with CUDA, fsdp without).",
+    )
+    g.add_argument("--lr", type=float, default=1e-6, help="Peak learning rate.")
+    g.add_argument("--min-lr", type=float, default=0.0, help="Floor of the learning-rate decay.")
+    g.add_argument(
+        "--lr-decay-style",
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+        default="constant",
+        # Megatron defaults to linear, which needs a decay horizon RL runs rarely set; slime's scripts pass constant.
+        help="Learning-rate schedule after warm-up (default constant, as slime's scripts use).",
+    )
+    g.add_argument(
+        "--lr-decay-iters", type=int, default=None, help="Optimizer steps over which the lr decays to --min-lr."
+    )
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="Optimizer steps of linear warm-up.")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="Learning rate at the start of warm-up.")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled (AdamW) weight decay.")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="Optimizer (adam is AdamW).")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="Gradient-norm clip (0 disables it).")
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=1,
+        help="Samples per forward/backward pass (ignored with --use-dynamic-batch-size).",
+    )
+    g.add_argument("--seed", type=int, default=1234, help="Seed of the training ranks (and of the engines, + rank).")
+    g.add_argument("--bf16", action="store_true", help="Train in bfloat16 (fp32 master weights).")
+    g.add_argument("--fp16", action="store_true", help="Train in float16 with loss scaling.")
+    g.add_argument("--save", type=str, default=None, help="Checkpoint folder to write.")
+    g.add_argument("--load", type=str, default=None, help="Checkpoint folder to resume from (if it holds one).")
+    g.add_argument("--save-interval", type=int, default=None, help="Save after every N rollouts (needs --save).")
+    g.add_argument(
+        "--ref-load",
+        type=str,
+        default=None,
+        help="Reference-model checkpoint (also the initial weights when --load holds no checkpoint).",
+    )
+    g.add_argument("--no-load-optim", action="store_true", help="Do not restore the optimizer state on --load.")
+    g.add_argument("--no-load-rng", action="store_true", help="Do not restore the RNG state on --load.")
+    g.add_argument("--no-save-optim", action="store_true", help="Do not save the optimizer state.")
+
+
+def validate_train(args: argparse.Namespace) -> None:
+    if args.train_backend is None:
+        args.train_backend = "megatron" if args.use_cuda else "fsdp"
+    elif args.train_backend == "megatron" and not args.use_cuda:
+        logger.warning("--train-backend megatron without CUDA: megatron-core expects a GPU on every rank.")
+
+    if args.bf16 and args.fp16:
+        fail("--bf16 and --fp16 are both set; choose one precision.")
+    require_positive(args, "micro_batch_size", "save_interval", "lr_decay_iters")
+    if args.lr < 0 or args.min_lr < 0:
+        fail(f"--lr {args.lr} / --min-lr {args.min_lr}: learning rates must be >= 0.")
+    if args.min_lr > args.lr:
+        fail(f"--min-lr {args.min_lr} is above --lr {args.lr}; the decay floor must not exceed the peak.")
+    if args.lr_warmup_iters < 0:
+        fail(f"--lr-warmup-iters {args.lr_warmup_iters}: must be >= 0.")
+    if args.clip_grad < 0:
+        fail(f"--clip-grad {args.clip_grad}: must be >= 0 (0 disables clipping).")
+    if not (0.0 <= args.adam_beta1 < 1.0 and 0.0 <= args.adam_beta2 < 1.0):
+        fail(f"--adam-beta1 {args.adam_beta1} / --adam-beta2 {args.adam_beta2}: each must lie in [0, 1).")
+    if args.save_interval is not None and args.save is None:
+        fail(f"--save-interval {args.save_interval} needs --save DIR to know where to write checkpoints.")
+    if args.ref_load is not None and not args.debug_rollout_only and not os.path.exists(args.ref_load):
+        fail(f"--ref-load {args.ref_load}: no such checkpoint folder (cwd: {os.getcwd()}); fix the path.")

@@ -1,0 +1,262 @@
+"""slime's command line: assemble the per-area argument groups, parse, validate.
+
+Three families of flags share one command line:
+- slime's own flags, defined by the modules of `slime/utils/arg_groups/` and parsed normally;
+- `--sglang-<field>` flags forwarded to every SGLang server, kept raw in `args.sglang_args`
+  (`{"mem_fraction_static": "0.7"}`; a bare flag is True, several values a list) and `--router-<field>`
+  flags forwarded to sglang-router, kept in `args.router_args` (slime's own `--sglang-server-concurrency`,
+  `--sglang-router-ip/-port/-request-timeout-secs` and `--router-policy` are ordinary flags);
+- every other `--flag` (Megatron-LM's, e.g. `${MODEL_ARGS[@]}` from scripts/models), kept as raw tokens in
+  `args.megatron_args` for the Megatron backend.
+
+Simplifications: forwarded values stay strings until their backend type-checks them; the Megatron tokens
+are not checked here (the fsdp backend ignores them, with one warning). `--custom-config-path` YAML
+overrides the command line and is then validated like it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from slime.utils.arg_groups import FUNCTION_FLAGS, SlimeArgumentError, add_all_arguments, validate_all
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SlimeArgumentError", "build_parser", "parse_args", "split_argv", "validate_args"]
+
+_SGLANG_PREFIX = "--sglang-"
+_ROUTER_PREFIX = "--router-"
+
+_EPILOG = """\
+Flags not listed above:
+  --sglang-<field> VALUE   forwarded to every SGLang server as ServerArgs.<field>
+                           (e.g. --sglang-mem-fraction-static 0.7); kept in args.sglang_args
+  --router-<field> VALUE   forwarded to sglang-router; kept in args.router_args
+  any other --flag         Megatron-LM flags (e.g. ${MODEL_ARGS[@]} from scripts/models), kept in
+                           args.megatron_args for --train-backend megatron; ignored by fsdp
+Batch identity: rollout_batch_size x n_samples_per_prompt == global_batch_size x num_steps_per_rollout.
+Without CUDA, --actor-num-gpus-per-node counts CPU training ranks and --rollout-num-gpus CPU engines.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises SlimeArgumentError instead of printing usage and exiting."""
+
+    def error(self, message: str):
+        raise SlimeArgumentError(f"{message} (see --help)")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False: an unknown Megatron flag must never be taken for a prefix of one of ours.
+    parser = _Parser(
+        prog=os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py",
+        usage="%(prog)s [slime flags] [--sglang-<field> ...] [--router-<field> ...] [Megatron flags]",
+        description="slime: RL post-training of LLMs (training backend + rollout engines behind sglang-router).",
+        epilog=_EPILOG,
+        allow_abbrev=False,
+        formatter_class=_HelpFormatter,
+    )
+    add_all_arguments(parser)
+    parser.add_argument(
+        "--custom-config-path",
+        type=str,
+        default=None,
+        help="YAML mapping of argument names (rollout_batch_size or rollout-batch-size) to values; overrides "
+        "the command line, then everything is validated. Unknown names are an error.",
+    )
+    return parser
+
+
+@dataclass
+class SplitArgv:
+    """The command line sorted into the three families (see the module docstring)."""
+
+    known: list[str] = field(default_factory=list)
+    sglang_args: dict[str, Any] = field(default_factory=dict)
+    router_args: dict[str, Any] = field(default_factory=dict)
+    megatron_args: list[str] = field(default_factory=list)
+
+
+def _is_flag(token: str) -> bool:
+    if not token.startswith("-") or token == "-":
+        return False
+    try:
+        float(token)  # a negative number is a value, not a flag
+        return False
+    except ValueError:
+        return True
+
+
+def _max_values(action: argparse.Action) -> float:
+    nargs = action.nargs
+    if nargs is None or nargs == argparse.OPTIONAL:
+        return 1
+    if nargs in (argparse.ZERO_OR_MORE, argparse.ONE_OR_MORE, argparse.REMAINDER):
+        return math.inf
+    return int(nargs)
+
+
+def _forwarded_value(values: list[str]) -> str | bool | list[str]:
+    if not values:
+        return True
+    return values[0] if len(values) == 1 else list(values)
+
+
+def split_argv(parser: argparse.ArgumentParser, argv: list[str]) -> SplitArgv:
+    """Sort argv into our flags (with their values), --sglang-*, --router-* and Megatron tokens.
+
+    A value belongs to the flag before it; tokens a flag of ours cannot take, and tokens before any flag,
+    are stray positionals and an error.
+    """
+    out = SplitArgv()
+    options = parser._option_string_actions
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--" or not _is_flag(token):
+            where = f"after {argv[i - 1]!r}" if i else "before any flag"
+            raise SlimeArgumentError(
+                f"stray argument {token!r} ({where}): slime takes no positional arguments; "
+                "check for a missing flag name or an unquoted value with spaces."
+            )
+        name, has_inline, inline = token.partition("=") if token.startswith("--") else (token, "", "")
+        j = i + 1
+        while j < len(argv) and argv[j] != "--" and not _is_flag(argv[j]):
+            j += 1
+        values = argv[i + 1 : j]
+
+        if name in options:
+            most = _max_values(options[name])
+            room = max(most - (1 if has_inline else 0), 0)  # `--flag=v` on a no-value flag: argparse says so
+            if len(values) > room:
+                takes = "no value" if most == 0 else f"at most {most} value(s)"
+                raise SlimeArgumentError(
+                    f"stray argument {values[int(room)]!r} after {name} ({name} takes {takes}); "
+                    "remove it or add the flag it belongs to."
+                )
+            out.known += [token, *values]
+        elif name.startswith(_SGLANG_PREFIX):
+            key = name[len(_SGLANG_PREFIX) :].replace("-", "_")
+            out.sglang_args[key] = _forwarded_value(([inline] if has_inline else []) + values)
+        elif name.startswith(_ROUTER_PREFIX):
+            key = name[len(_ROUTER_PREFIX) :].replace("-", "_")
+            out.router_args[key] = _forwarded_value(([inline] if has_inline else []) + values)
+        else:
+            out.megatron_args += [token, *values]
+        i = j
+    return out
+
+
+@lru_cache(maxsize=1)
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def apply_custom_config(parser: argparse.ArgumentParser, args: argparse.Namespace, path: str) -> None:
+    """Override attributes of `args` from a YAML mapping; values given as strings are typed like the flag."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise SlimeArgumentError(f"--custom-config-path {path}: no such file (cwd: {os.getcwd()}).")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise SlimeArgumentError(f"--custom-config-path {path}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise SlimeArgumentError(f"--custom-config-path {path}: expected a mapping of argument names to values.")
+
+    actions = {a.dest: a for a in parser._actions}
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(k for k in data if not hasattr(args, k) or k == "custom_config_path")
+    if unknown:
+        raise SlimeArgumentError(
+            f"--custom-config-path {path}: unknown argument name(s) {unknown}; use names of slime flags "
+            "(e.g. rollout_batch_size), or sglang_args / router_args / megatron_args for forwarded flags."
+        )
+    for key, value in data.items():
+        action = actions.get(key)
+        if action is not None and isinstance(value, str) and callable(action.type):
+            try:
+                value = action.type(value)
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+                raise SlimeArgumentError(f"--custom-config-path {path}: {key}: {value!r} is not valid: {e}") from e
+        if action is not None and action.choices is not None and value is not None and value not in action.choices:
+            raise SlimeArgumentError(
+                f"--custom-config-path {path}: {key}: {value!r} is not one of {list(action.choices)}."
+            )
+        current = getattr(args, key)
+        if isinstance(current, dict) and isinstance(value, dict):
+            value = {**current, **value}  # YAML adds to forwarded flags given on the command line
+        if current is not None and current != value:
+            logger.info("--custom-config-path %s: %s %r -> %r", path, key, current, value)
+        setattr(args, key, value)
+
+
+def check_function_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Load every plugin function named by a `*-path` flag the user set, so typos fail before Ray starts.
+
+    Built-in defaults are not loaded here: they are loaded (and tested) by the code that uses them.
+    """
+    from slime.utils.misc import load_function
+
+    for dest in FUNCTION_FLAGS:
+        value = getattr(args, dest, None)
+        if value is None or value == parser.get_default(dest):
+            continue
+        if dest == "eval_function_path" and value == parser.get_default("rollout_function_path"):
+            continue  # derived from the default rollout function
+        try:
+            load_function(value, "--" + dest.replace("_", "-"))
+        except Exception as e:
+            raise SlimeArgumentError(str(e)) from e
+
+
+def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Run every area's validation (deriving defaults in place), then check the plugin paths."""
+    parser = parser or build_parser()
+    if not hasattr(args, "use_cuda"):
+        args.use_cuda = _cuda_available()
+    for name, empty in (("sglang_args", dict), ("router_args", dict), ("megatron_args", list)):
+        if getattr(args, name, None) is None:
+            setattr(args, name, empty())
+    validate_all(args)
+    check_function_flags(args, parser)
+    if args.megatron_args and args.train_backend == "fsdp":
+        flags = [t for t in args.megatron_args if _is_flag(t)]
+        logger.warning(
+            "--train-backend fsdp: %d Megatron flag(s) are not used by fsdp (the model comes from --hf-checkpoint): %s",
+            len(flags),
+            " ".join(flags),
+        )
+    return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and validate a slime command line (default: sys.argv[1:]); raises SlimeArgumentError."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    split = split_argv(parser, argv)
+    args = parser.parse_args(split.known)
+    args.sglang_args = split.sglang_args
+    args.router_args = split.router_args
+    args.megatron_args = split.megatron_args
+    args.use_cuda = _cuda_available()
+    if args.custom_config_path is not None:
+        apply_custom_config(parser, args, args.custom_config_path)
+    return validate_args(args, parser)

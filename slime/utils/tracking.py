@@ -1,0 +1,62 @@
+"""Metrics sinks: TensorBoard (`--use-tensorboard`), wandb (`--use-wandb`, offline works) and a console line.
+
+All metrics reach the driver, which is the only writer; the step is the rollout id.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger("slime")
+
+_CONSOLE_KEYS = (
+    "rollout/raw_reward",
+    "rollout/response_len/mean",
+    "train/loss",
+    "train/ppo_kl",
+    "train/kl_loss",
+    "train/grad_norm",
+    "perf/step_time",
+)
+
+
+class Tracker:
+    def __init__(self, args):
+        self._tb = None
+        self._wandb = None
+        if getattr(args, "use_tensorboard", False):
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(args.tensorboard_dir, exist_ok=True)
+            self._tb = SummaryWriter(log_dir=args.tensorboard_dir)
+            logger.info("TensorBoard logs: %s (view with `tensorboard --logdir %s`)", args.tensorboard_dir,
+                        os.path.dirname(args.tensorboard_dir.rstrip("/")) or ".")
+        if getattr(args, "use_wandb", False):
+            import wandb
+
+            self._wandb = wandb.init(
+                project=args.wandb_project or "slime",
+                group=getattr(args, "wandb_group", None),
+                dir=getattr(args, "wandb_dir", None),
+                mode=getattr(args, "wandb_mode", None) or "online",
+                config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
+            )
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({**scalars, "rollout_id": step}, step=step)
+        shown = " ".join(f"{k.split('/', 1)[1]}={scalars[k]:.4g}" for k in _CONSOLE_KEYS if k in scalars)
+        logger.info("rollout %d: %s", step, shown)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -1,0 +1,254 @@
+"""The hf engine as a real server process (started by `HFEngine`), alone and behind the real sglang-router."""
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from slime.backends.hf_engine.engine import HFEngine  # noqa: E402
+from slime.backends.server_engine import EngineHTTPError  # noqa: E402
+from slime.utils.weight_transfer import flatten_bucket, serialize_bucket, split_into_buckets  # noqa: E402
+
+SEQ = [56, 62, 137, 92, 138, 20, 21, 22, 23, 24, 25]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny")), size="tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    args = argparse.Namespace(hf_checkpoint=tiny_model, rollout_seed=1, sglang_server_concurrency=16)
+    eng = HFEngine(args, rank=0)
+    try:
+        eng.init()
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def generate(url, timeout=60.0, **body):
+    resp = httpx.post(url + "/generate", json=body, timeout=timeout)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def score(url, ids):
+    out = generate(url, input_ids=ids, sampling_params={"max_new_tokens": 0, "temperature": 1.0},
+                   return_logprob=True, logprob_start_len=0)
+    return [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]], out["meta_info"]["weight_version"]
+
+
+def reference_scores(model, ids):
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float()[:-1], dim=-1)
+    return logp.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def max_diff(a, b):
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@pytest.mark.timeout(120)
+def test_generate_and_info_endpoints(engine, tiny_model):
+    url = engine.get_url()
+    assert httpx.get(url + "/health").status_code == 200
+    assert engine.health_generate(timeout=30)
+    info = httpx.get(url + "/get_model_info").json()
+    assert info["model_path"] == tiny_model and info["is_generation"] is True
+    assert httpx.get(url + "/server_info").json()["max_running_requests"] == 16
+
+    out = generate(url, text="what is one plus two", return_logprob=True,
+                   sampling_params={"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
+    assert len(out["output_ids"]) == 6 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert [t for _, t, _ in out["meta_info"]["output_token_logprobs"]] == out["output_ids"]
+    assert out["meta_info"]["prompt_tokens"] == 5 and out["meta_info"]["weight_version"] == "default"
+
+    bad = httpx.post(url + "/generate", json={"input_ids": [5, 10**6]}, timeout=30)
+    assert bad.status_code == 400 and "input_ids" in bad.json()["error"]["message"]
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_requests_are_batched(engine):
+    url = engine.get_url()
+    params = {"temperature": 1.0, "max_new_tokens": 40, "ignore_eos": True}
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda i: generate(url, input_ids=SEQ[: 3 + i], sampling_params=params,
+                                                return_logprob=True), range(8)))
+    assert all(len(o["output_ids"]) == 40 for o in outs)
+    assert engine.get_server_info()["max_batch_size_seen"] > 1
+
+
+@pytest.mark.timeout(120)
+def test_update_weights_from_tensor_and_disk(engine, reference, tiny_model):
+    url = engine.get_url()
+    before, version = score(url, SEQ)
+    assert max_diff(before, reference_scores(reference, SEQ)) < TOL and version == "default"
+
+    gen = torch.Generator().manual_seed(3)
+    new = [(n, p.detach() + 0.05 * torch.randn(p.shape, generator=gen)) for n, p in reference.named_parameters()]
+    for bucket in split_into_buckets(new, max_bytes=1 << 20):
+        result = engine.update_weights_from_tensor(serialize_bucket(flatten_bucket(bucket)), weight_version="v1")
+        assert result["success"]
+    assert engine.get_weight_version() == "v1"
+    after, version = score(url, SEQ)
+    with torch.no_grad():
+        for (name, tensor), (_, param) in zip(new, reference.named_parameters()):
+            param.copy_(tensor)
+    assert version == "v1" and max_diff(after, before) > 1e-3
+    assert max_diff(after, reference_scores(reference, SEQ)) < TOL
+
+    # a bucket with one unknown name is refused whole: the valid tensor next to it is not applied either
+    bad = [new[0], ("model.layers.0.no_such.weight", torch.zeros(2))]
+    bad[0] = (bad[0][0], torch.zeros_like(bad[0][1]))
+    with pytest.raises(EngineHTTPError, match=r"no_such.*model\.") as err:
+        engine.update_weights_from_tensor(serialize_bucket(flatten_bucket(bad)), weight_version="v2")
+    assert "model.layers.0.no_such.weight" in str(err.value)
+    assert max_diff(score(url, SEQ)[0], after) == 0.0 and engine.get_weight_version() == "v1"
+
+    # back to the checkpoint on disk
+    engine.update_weights_from_disk(tiny_model, weight_version="v2")
+    restored, version = score(url, SEQ)
+    assert version == "v2" and max_diff(restored, before) < TOL
+
+
+@pytest.mark.timeout(120)
+def test_pause_abort_release(engine):
+    url = engine.get_url()
+    long = {"input_ids": SEQ, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+
+    engine.pause_generation()
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(out=generate(url, **long)))
+    worker.start()
+    time.sleep(1.0)
+    assert "out" not in box and engine.get_server_info()["num_waiting_reqs"] == 1
+    assert engine.health_generate(timeout=10)  # paused on purpose is still healthy
+    engine.continue_generation()
+    time.sleep(0.5)
+    engine.abort_all()
+    worker.join(60)
+    out = box["out"]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(out["output_ids"]) < 1500
+
+    engine.release_memory_occupation()
+    resp = httpx.post(url + "/generate", json={"input_ids": SEQ}, timeout=30)
+    assert resp.status_code == 503 and "resume_memory_occupation" in resp.json()["error"]["message"]
+    engine.resume_memory_occupation()
+    assert len(generate(url, input_ids=SEQ, sampling_params={"max_new_tokens": 2, "ignore_eos": True})["output_ids"]) == 2
+    engine.flush_cache()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+def test_through_sglang_router(engine):
+    port = _free_port()
+    router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                               "--port", str(port), "--policy", "round_robin", "--log-level", "warn"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(base + "/workers", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "router did not come up"
+            time.sleep(0.2)
+        resp = httpx.post(base + "/workers", json={"url": engine.get_url()}, timeout=10)
+        assert resp.status_code in (200, 202), resp.text
+        worker_id = _wait_workers(base, lambda ws: any(w["url"] == engine.get_url() for w in ws))
+        out = generate(base, input_ids=SEQ[:4], return_logprob=True,
+                       sampling_params={"temperature": 1.0, "max_new_tokens": 5, "ignore_eos": True,
+                                        "no_stop_trim": True, "spaces_between_special_tokens": False})
+        assert len(out["output_ids"]) == 5 and len(out["meta_info"]["output_token_logprobs"]) == 5
+        assert httpx.delete(f"{base}/workers/{worker_id}", timeout=10).status_code in (200, 202, 204)
+        _wait_workers(base, lambda ws: not ws)
+    finally:
+        os.killpg(router.pid, signal.SIGTERM)
+        try:
+            router.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(router.pid, signal.SIGKILL)
+            router.wait(10)
+
+
+def _wait_workers(base, predicate):
+    deadline = time.monotonic() + 30
+    while True:
+        workers = httpx.get(base + "/workers", timeout=5).json()["workers"]
+        if predicate(workers):
+            return workers[0]["id"] if workers else None
+        assert time.monotonic() < deadline, f"router workers never matched: {workers}"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(60)
+def test_bad_checkpoint_fails_fast_with_log(tmp_path):
+    eng = HFEngine(argparse.Namespace(hf_checkpoint=str(tmp_path / "missing"), rollout_seed=0), rank=3)
+    with pytest.raises(RuntimeError, match="exited with code") as err:
+        eng.init()
+    assert "missing" in str(err.value) and eng.process is None
+
+
+@pytest.mark.timeout(90)
+def test_server_dies_with_its_owner(tiny_model, tmp_path):
+    """PR_SET_PDEATHSIG: SIGKILL the process that started the engine; the server must follow."""
+    script = (f"import argparse, sys; sys.path.insert(0, {ROOT!r})\n"
+              "from slime.backends.hf_engine.engine import HFEngine\n"
+              f"e = HFEngine(argparse.Namespace(hf_checkpoint={tiny_model!r}), rank=0); e.init()\n"
+              "print(e.process.pid, flush=True)\nimport time; time.sleep(600)\n")
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(owner.stdout.readline())
+        assert psutil.pid_exists(server_pid)
+    finally:
+        owner.kill()
+        owner.wait(10)
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(server_pid) and psutil.Process(server_pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "engine server outlived its owner"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_reaps_server(engine):
+    pid = engine.process.pid
+    children = psutil.Process(pid).children(recursive=True)
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    assert not psutil.pid_exists(pid)
+    assert not any(c.is_running() for c in children)

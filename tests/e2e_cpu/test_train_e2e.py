@@ -1,0 +1,87 @@
+"""train.py end to end on CPU: real Ray, real sglang-router, real hf engine processes, real fsdp training (gloo)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
+
+CUSTOM_RM = '''
+async def my_reward(args, sample):
+    return 1.0 if sample.response.strip().split(" ")[:1] == [str(sample.label)] else 0.0
+'''
+
+
+def _train_cmd(model_dir, data_path, *extra):
+    return [
+        sys.executable, os.path.join(REPO_ROOT, "train.py"),
+        "--hf-checkpoint", model_dir, "--prompt-data", data_path, "--input-key", "prompt", "--label-key", "label",
+        "--apply-chat-template", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+        "--rollout-max-response-len", "4", "--lr", "1e-3", "--micro-batch-size", "4", *extra,
+    ]
+
+
+def _env():
+    return dict(os.environ, SLIME_TRAIN_NUM_THREADS="1", SLIME_ENGINE_NUM_THREADS="1", OMP_NUM_THREADS="1",
+                PYTHONPATH=REPO_ROOT)
+
+
+def _scalars(tb_dir: str, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = {}
+    for path in glob.glob(os.path.join(tb_dir, "**", "events.out.tfevents.*"), recursive=True):
+        acc = EventAccumulator(path)
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            values.update({e.step: e.value for e in acc.Scalars(tag)})
+    return values
+
+
+def test_batch_identity_error_names_the_numbers_before_ray_starts(tiny_model_dir, toy_data_path):
+    before = run_processes()
+    out = subprocess.run(
+        _train_cmd(tiny_model_dir, toy_data_path, "--global-batch-size", "5", "--num-rollout", "1",
+                   "--rm-type", "toy", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"),
+        capture_output=True, text=True, env=_env(), timeout=120,
+    )
+    assert out.returncode != 0
+    err = out.stderr
+    assert "--rollout-batch-size 4" in err and "--n-samples-per-prompt 4" in err and "--global-batch-size 5" in err
+    assert "4" in err and "8" in err, err  # nearest valid global batch sizes of 16 samples: 4 and 8
+    assert "Traceback" not in err, "a bad flag should be a clean error, not a stack trace"
+    assert wait_for_no_new_processes(before, timeout_s=5) == {}
+
+
+@pytest.mark.timeout(600)
+def test_grpo_two_ranks_two_engines_custom_rm_file(tiny_model_dir, toy_data_path, tmp_path):
+    rm_file = tmp_path / "my_rm.py"
+    rm_file.write_text(CUSTOM_RM)
+    tb_dir = tmp_path / "tb"
+    before = run_processes()
+    out = subprocess.run(
+        _train_cmd(
+            tiny_model_dir, toy_data_path,
+            "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2",
+            "--global-batch-size", "8", "--num-rollout", "3",
+            "--custom-rm-path", f"{rm_file}:my_reward",
+            "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl",
+            "--use-tensorboard", "--tensorboard-dir", str(tb_dir),
+            "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+        ),
+        capture_output=True, text=True, env=_env(), timeout=560, cwd=str(tmp_path),
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    rewards = _scalars(str(tb_dir), "rollout/raw_reward")
+    assert sorted(rewards) == [0, 1, 2], rewards
+    assert all(0.0 <= v <= 1.0 for v in rewards.values())
+    ppo_kl = _scalars(str(tb_dir), "train/ppo_kl")
+    assert sorted(ppo_kl) == [0, 1, 2] and abs(ppo_kl[0]) < 1e-6, ppo_kl
+    assert os.path.exists(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt")
+    assert wait_for_no_new_processes(before) == {}

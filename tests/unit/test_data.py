@@ -1,0 +1,227 @@
+"""Dataset (JSONL -> Samples) and the rollout data sources (groups, epochs, checkpoint state, buffer)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from slime.rollout.data_source import RolloutDataSource, RolloutDataSourceWithBuffer
+from slime.utils.data import Dataset
+from slime.utils.types import Sample
+
+HERE = __file__
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from tools.make_tiny_model import build_tokenizer
+
+    out = str(tmp_path_factory.mktemp("tok"))
+    build_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def _write(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+def _rows(n):
+    return [{"prompt": f"what comes after {i % 10}?", "label": str(i), "meta": {"i": i}} for i in range(n)]
+
+
+def lifo(args, rollout_id, buffer, num_samples):
+    """A --buffer-filter-path plugin: newest groups first."""
+    taken = buffer[-num_samples:][::-1]
+    del buffer[-num_samples:]
+    return taken
+
+
+# --- Dataset -------------------------------------------------------------------------------------------
+
+
+def test_dataset_plain_and_chat_template(tmp_path, tokenizer):
+    rows = [
+        {"prompt": "what comes after 3?", "label": "4", "meta": '{"rm_type": "toy"}', "tools": [{"name": "calc"}]},
+        {"prompt": [{"role": "system", "content": "you are helpful"}, {"role": "user", "content": "hi"}], "label": "x"},
+    ]
+    path = _write(tmp_path / "d.jsonl", rows)
+    plain = Dataset(path, tokenizer, None, "prompt", "label", metadata_key="meta", tool_key="tools")
+    assert plain[0].prompt == "what comes after 3?"
+    assert plain[0].metadata == {"rm_type": "toy", "tools": [{"name": "calc"}]}  # JSON-string metadata parsed
+    assert plain[1].prompt == rows[1]["prompt"]  # messages kept as given without the template
+    assert plain[0].tokens == [] and plain[0].status == Sample.Status.PENDING
+
+    chat = Dataset(path, tokenizer, None, "prompt", "label", apply_chat_template=True)
+    assert chat[0].prompt == "<|im_start|>user\nwhat comes after 3?<|im_end|>\n<|im_start|>assistant\n"
+    assert chat[1].prompt == (
+        "<|im_start|>system\nyou are helpful<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert [s.label for s in chat] == ["4", "x"]
+
+
+def test_dataset_errors_name_file_line_and_key(tmp_path, tokenizer):
+    path = _write(tmp_path / "bad.jsonl", [{"prompt": "a", "label": "1"}, "", '{"prompt": "b", "label": ', {}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: malformed JSON"):
+        Dataset(path, tokenizer, None, "prompt", "label")
+
+    path = _write(tmp_path / "missing.jsonl", [{"prompt": "a", "label": "1"}, {"question": "b", "label": "2"}])
+    with pytest.raises(
+        ValueError,
+        match=r"missing\.jsonl:2: missing key 'prompt' \(--input-key prompt\); keys present: \['label', 'question'\]",
+    ):
+        Dataset(path, tokenizer, None, "prompt", "label")
+    with pytest.raises(ValueError, match=r"missing\.jsonl:1: missing key 'answer' \(--label-key answer\)"):
+        Dataset(path, tokenizer, None, "prompt", "answer")
+
+    path = _write(tmp_path / "type.jsonl", [{"prompt": 5, "label": "1"}])
+    with pytest.raises(ValueError, match=r"type\.jsonl:1: 'prompt' must be a string or a list"):
+        Dataset(path, tokenizer, None, "prompt", "label")
+    with pytest.raises(FileNotFoundError, match="--prompt-data"):
+        Dataset(str(tmp_path / "nope.jsonl"), tokenizer, None, "prompt", "label")
+
+
+def test_dataset_drops_long_prompts(tmp_path, tokenizer, caplog):
+    rows = [{"prompt": "one two", "label": "a"}, {"prompt": "one two three four five", "label": "b"},
+            {"prompt": [{"role": "user", "content": "one"}], "label": "c"}]  # fmt: skip
+    path = _write(tmp_path / "len.jsonl", rows)
+    with caplog.at_level(logging.WARNING):
+        ds = Dataset(path, tokenizer, 4, "prompt", "label")
+    # "one two" is 2 tokens: kept; 5 words: dropped; the message is measured through the template (6 tokens): dropped
+    assert [s.label for s in ds] == ["a"]
+    assert "dropped 2 of 3 prompts longer than --rollout-max-prompt-len=4" in caplog.text
+    with_template = Dataset(path, tokenizer, 7, "prompt", "label", apply_chat_template=True)
+    # rendered: "one two" -> 7 tokens (kept), five words -> 10 (dropped), "one" -> 6 (kept)
+    assert [s.label for s in with_template] == ["a", "c"]
+
+
+def test_dataset_shuffle_is_deterministic(tmp_path, tokenizer):
+    path = _write(tmp_path / "s.jsonl", _rows(30))
+    a = Dataset(path, tokenizer, None, "prompt", "label", seed=5)
+    b = Dataset(path, tokenizer, None, "prompt", "label", seed=5)
+    file_order = [s.label for s in a]
+    a.shuffle(1)
+    b.shuffle(2)
+    b.shuffle(1)  # independent of earlier shuffles
+    assert [s.label for s in a] == [s.label for s in b] != file_order
+    assert sorted(s.label for s in a) == sorted(file_order)
+    a.shuffle(2)
+    assert [s.label for s in a] != [s.label for s in b]
+
+
+# --- data sources --------------------------------------------------------------------------------------
+
+
+def _ds_args(tokenizer_dir, prompt_data, **kw):
+    base = dict(
+        hf_checkpoint=tokenizer_dir, prompt_data=prompt_data, input_key="prompt", label_key="label",
+        metadata_key="meta", tool_key=None, apply_chat_template=False, apply_chat_template_kwargs=None,
+        rollout_max_prompt_len=None, rollout_shuffle=False, rollout_seed=42, n_samples_per_prompt=2,
+        save=None, load=None, buffer_filter_path=None, disable_rollout_global_dataset=False,
+    )  # fmt: skip
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_groups_indices_and_copies(tmp_path, tokenizer_dir):
+    ds = RolloutDataSource(_ds_args(tokenizer_dir, _write(tmp_path / "d.jsonl", _rows(5)), n_samples_per_prompt=3))
+    assert ds.dataset_size == 5
+    groups = ds.get_samples(2)
+    assert [[s.group_index for s in g] for g in groups] == [[0, 0, 0], [1, 1, 1]]
+    assert [[s.index for s in g] for g in groups] == [[0, 1, 2], [3, 4, 5]]
+    assert [g[0].label for g in groups] == ["0", "1"]
+    groups[0][0].metadata["i"] = 99  # deep copies: no aliasing between samples or with the dataset
+    assert groups[0][1].metadata["i"] == 0 and ds.dataset[0].metadata["i"] == 0
+    assert [g[0].group_index for g in ds.get_samples(1)] == [2]
+
+
+def test_epoch_wrap_reshuffles_with_seed_plus_epoch(tmp_path, tokenizer_dir):
+    path = _write(tmp_path / "d.jsonl", _rows(5))
+    ds = RolloutDataSource(_ds_args(tokenizer_dir, path, rollout_shuffle=True, rollout_seed=7, n_samples_per_prompt=1))
+    reference = Dataset(path, None, None, "prompt", "label", seed=7)
+    reference.shuffle(0)
+    epoch0 = [s.label for s in reference]
+    reference.shuffle(1)
+    epoch1 = [s.label for s in reference]
+    labels = [g[0].label for g in ds.get_samples(3)] + [g[0].label for g in ds.get_samples(4)]
+    assert labels == epoch0[:3] + epoch0[3:] + epoch1[:2]
+    assert (ds.epoch_id, ds.sample_offset) == (1, 2)
+    # more groups than the dataset holds in one call: wraps as often as needed
+    assert len(ds.get_samples(12)) == 12 and ds.epoch_id == 3
+
+
+def test_save_load_resumes_the_same_prompts(tmp_path, tokenizer_dir):
+    path = _write(tmp_path / "d.jsonl", _rows(7))
+    save = str(tmp_path / "ckpt")
+    a = RolloutDataSource(_ds_args(tokenizer_dir, path, rollout_shuffle=True, save=save))
+    a.get_samples(5)
+    a.get_samples(4)  # crosses into epoch 1
+    assert a.save(3) == os.path.join(save, "rollout", "data_source_state_3.json")
+    expected = [[(s.label, s.group_index, s.index) for s in g] for g in a.get_samples(6)]
+
+    b = RolloutDataSource(_ds_args(tokenizer_dir, path, rollout_shuffle=True, load=save))
+    assert b.load(3) is True
+    assert [[(s.label, s.group_index, s.index) for s in g] for g in b.get_samples(6)] == expected
+    assert b.load(4) is False  # no state for that rollout: keeps going, with a warning
+    assert RolloutDataSource(_ds_args(tokenizer_dir, path)).save(0) is None  # no --save: nothing written
+
+
+def test_buffer_first_complete_groups_and_checkpoint(tmp_path, tokenizer_dir):
+    path = _write(tmp_path / "d.jsonl", _rows(6))
+    save = str(tmp_path / "ckpt")
+    ds = RolloutDataSourceWithBuffer(_ds_args(tokenizer_dir, path, save=save))
+    first = ds.get_samples(3)
+    with pytest.raises(
+        ValueError, match="has 1 samples; the buffer takes only complete groups of --n-samples-per-prompt=2"
+    ):
+        ds.add_samples([first[0][:1]])
+    first[2][0].response, first[2][0].status, first[2][0].reward = "partial", Sample.Status.ABORTED, {"score": 1.0}
+    ds.add_samples([first[2], first[0]])
+    assert ds.get_buffer_length() == 2
+    ds.save(0)
+
+    # FIFO from the buffer, then fresh groups from the dataset
+    served = ds.get_samples(3)
+    assert [g[0].group_index for g in served] == [2, 0, 3]
+    assert served[0][0].response == "partial" and served[0][0].status == Sample.Status.ABORTED
+
+    restored = RolloutDataSourceWithBuffer(_ds_args(tokenizer_dir, path, load=save))
+    restored.load(0)
+    again = restored.get_samples(3)
+    assert [[s.to_dict() for s in g] for g in again] == [[s.to_dict() for s in g] for g in served]
+
+
+def test_custom_buffer_filter(tmp_path, tokenizer_dir):
+    path = _write(tmp_path / "d.jsonl", _rows(6))
+    ds = RolloutDataSourceWithBuffer(_ds_args(tokenizer_dir, path, buffer_filter_path=f"{HERE}:lifo"))
+    ds.add_samples(ds.get_samples(3))
+    assert [g[0].group_index for g in ds.get_samples(2)] == [2, 1]
+    assert [g[0].group_index for g in ds.get_samples(2)] == [0, 3]
+
+
+def test_without_global_dataset(tmp_path, tokenizer_dir):
+    ds = RolloutDataSource(_ds_args(tokenizer_dir, None))
+    assert ds.dataset_size == 0
+    groups = ds.get_samples(2)
+    assert [[(s.prompt, s.index) for s in g] for g in groups] == [[("", 0), ("", 1)], [("", 2), ("", 3)]]
+    with pytest.raises(RuntimeError, match="RolloutDataSourceWithBuffer"):
+        ds.add_samples(groups)
+    empty = _write(tmp_path / "empty.jsonl", [])
+    with pytest.raises(ValueError, match="no prompts left"):
+        RolloutDataSource(_ds_args(tokenizer_dir, empty))

@@ -1,0 +1,232 @@
+"""The hf engine's scheduler in-process (no HTTP): batching must not change tokens or log-probs."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler, sample_tokens  # noqa: E402
+
+TOL = 1e-5
+PROMPTS = [[56, 62, 137, 92, 138], [12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28], [30, 31, 32]]
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tools.make_tiny_model import make_tiny_model
+
+    torch.set_num_threads(1)
+    path = make_tiny_model(str(tmp_path_factory.mktemp("tiny")), size="tiny", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def make_request(i, prompt, return_logprob=True, logprob_start_len=-1, **params):
+    sp = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, **params}
+    return Request(rid=f"r{i}", input_ids=list(prompt), params=SamplingParams.from_dict(sp),
+                   return_logprob=return_logprob, logprob_start_len=logprob_start_len)
+
+
+def run(model_and_tokenizer, reqs, **kw):
+    sched = Scheduler(*model_and_tokenizer, **kw)
+    for r in reqs:
+        sched.submit(r)
+    sched.run_until_idle()
+    return sched
+
+
+def reference_logprobs(model, ids, temperature=1.0):
+    """log p(ids[j] | ids[:j]) for j >= 1 from one plain forward of the whole sequence."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits[:-1] / temperature, dim=-1)
+    return logp.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_batched_equals_single_and_full_forward(model_and_tokenizer, temperature):
+    model = model_and_tokenizer[0]
+    singles = []
+    for i, p in enumerate(PROMPTS):
+        r = make_request(i, p, temperature=temperature, sampling_seed=100 + i)
+        run(model_and_tokenizer, [r])
+        singles.append(r)
+
+    # Two requests start together; two more join the running batch after three decode steps, and rows
+    # of different lengths finish at different times (exercising cache merge and trim).
+    batched = [make_request(i, p, temperature=temperature, sampling_seed=100 + i, max_new_tokens=12 - 2 * i)
+               for i, p in enumerate(PROMPTS)]
+    sched = Scheduler(*model_and_tokenizer)
+    for r in batched[:2]:
+        sched.submit(r)
+    for _ in range(4):
+        with sched.step_lock:
+            sched.step()
+    for r in batched[2:]:
+        sched.submit(r)
+    sched.run_until_idle()
+    assert sched.stats["max_batch_size_seen"] == 4
+
+    for s, b in zip(singles, batched):
+        n = len(b.output_ids)
+        assert b.finish_reason == {"type": "length", "length": n}
+        assert b.output_ids == s.output_ids[:n]
+        assert max(abs(x - y) for x, y in zip(b.output_logprobs, s.output_logprobs[:n])) < TOL
+        ref = reference_logprobs(model, b.input_ids + b.output_ids, temperature or 1.0)[len(b.input_ids) - 1:]
+        assert max(abs(x - y) for x, y in zip(b.output_logprobs, ref)) < TOL
+
+
+def test_greedy_and_seeded_sampling_are_reproducible(model_and_tokenizer):
+    def outputs(seed, temperature):
+        reqs = [make_request(i, p, temperature=temperature) for i, p in enumerate(PROMPTS)]
+        run(model_and_tokenizer, reqs, random_seed=seed)
+        return [r.output_ids for r in reqs]
+
+    assert outputs(0, 0.0) == outputs(1, 0.0)
+    assert outputs(7, 1.0) == outputs(7, 1.0)
+    assert outputs(7, 1.0) != outputs(8, 1.0)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(model_and_tokenizer):
+    greedy = make_request(0, PROMPTS[0], temperature=0.0)
+    top_k = make_request(1, PROMPTS[0], temperature=0.7, top_k=1)
+    top_p = make_request(2, PROMPTS[0], temperature=0.7, top_p=1e-6)
+    run(model_and_tokenizer, [greedy, top_k, top_p])
+    assert top_k.output_ids == greedy.output_ids == top_p.output_ids
+    # the reported log-prob is the full temperature-scaled distribution's, not the truncated one's (0)
+    ref = reference_logprobs(model_and_tokenizer[0], top_k.input_ids + top_k.output_ids, 0.7)
+    assert max(abs(x - y) for x, y in zip(top_k.output_logprobs, ref[len(top_k.input_ids) - 1:])) < TOL
+    assert all(lp < -1e-3 for lp in top_k.output_logprobs)
+
+
+def test_stop_token_is_included_and_max_new_tokens_gives_length(model_and_tokenizer):
+    probe = make_request(0, PROMPTS[2], temperature=0.0, max_new_tokens=8)
+    run(model_and_tokenizer, [probe])
+    stop_at = next(i for i, t in enumerate(probe.output_ids) if i >= 2 and t not in probe.output_ids[:i])
+    stop_tok = probe.output_ids[stop_at]
+
+    stopped = make_request(1, PROMPTS[2], temperature=0.0, max_new_tokens=8, stop_token_ids=[stop_tok])
+    limited = make_request(2, PROMPTS[2], temperature=0.0, max_new_tokens=3)
+    run(model_and_tokenizer, [stopped, limited])
+    assert stopped.output_ids == probe.output_ids[: stop_at + 1]
+    assert stopped.finish_reason == {"type": "stop", "matched": stop_tok}
+    assert len(stopped.output_logprobs) == len(stopped.output_ids)
+    assert limited.finish_reason == {"type": "length", "length": 3}
+    assert limited.output_ids == probe.output_ids[:3]
+
+
+def test_eos_from_generation_config_stops(model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    sched = Scheduler(model, tok)
+    assert {tok.eos_token_id, 0} <= sched.eos_ids  # generation_config lists <|im_end|> and <|endoftext|>
+    probe = make_request(0, PROMPTS[1], temperature=0.0, max_new_tokens=4)
+    run(model_and_tokenizer, [probe])
+    eos_run = make_request(1, PROMPTS[1], temperature=0.0, max_new_tokens=4, ignore_eos=False)
+    run(model_and_tokenizer, [eos_run], stop_token_ids={probe.output_ids[1]})
+    assert eos_run.output_ids == probe.output_ids[:2] and eos_run.finish_reason["type"] == "stop"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_scoring_with_zero_new_tokens(model_and_tokenizer, temperature):
+    model = model_and_tokenizer[0]
+    seq = PROMPTS[0] + PROMPTS[2]
+    whole = make_request(0, seq, logprob_start_len=0, max_new_tokens=0, temperature=temperature)
+    tail = make_request(1, seq, logprob_start_len=4, max_new_tokens=0, temperature=temperature)
+    other = make_request(2, PROMPTS[1], temperature=0.0, max_new_tokens=5)  # shares the step, not the forward
+    run(model_and_tokenizer, [whole, tail, other])
+    ref = reference_logprobs(model, seq, temperature or 1.0)
+    assert whole.output_ids == [] and whole.finish_reason == {"type": "length", "length": 0}
+    assert whole.input_logprobs[0] is None and len(whole.input_logprobs) == len(seq)
+    assert max(abs(x - y) for x, y in zip(whole.input_logprobs[1:], ref)) < TOL
+    assert tail.input_logprobs[0] is None and len(tail.input_logprobs) == len(seq) - 4
+    assert max(abs(x - y) for x, y in zip(tail.input_logprobs[1:], ref[4:])) < TOL
+    assert len(other.output_ids) == 5
+
+
+def test_abort_returns_partial_output_and_spares_others(model_and_tokenizer):
+    victim = make_request(0, PROMPTS[0], max_new_tokens=50)
+    survivor = make_request(1, PROMPTS[1], max_new_tokens=10)
+    waiting = make_request(2, PROMPTS[2], max_new_tokens=10)
+    sched = Scheduler(*model_and_tokenizer, max_running_requests=2)
+    for r in (victim, survivor, waiting):
+        sched.submit(r)
+    for _ in range(4):
+        with sched.step_lock:
+            sched.step()
+    assert sched.abort(rid="r0") == 1
+    assert sched.abort(rid="r2") == 1  # still waiting: finishes at once, with nothing generated
+    assert waiting.finish_reason["type"] == "abort" and waiting.output_ids == []
+    sched.run_until_idle()
+    assert victim.finish_reason["type"] == "abort" and 1 <= len(victim.output_ids) < 50
+    assert len(victim.output_logprobs) == len(victim.output_ids)
+    assert survivor.finish_reason == {"type": "length", "length": 10}
+
+
+def test_pause_keeps_requests_waiting(model_and_tokenizer):
+    sched = Scheduler(*model_and_tokenizer)
+    sched.pause()
+    r = make_request(0, PROMPTS[0], max_new_tokens=3)
+    sched.submit(r)
+    sched.run_until_idle()
+    assert not r.finished and sched.counts() == (0, 1)
+    sched.resume()
+    sched.run_until_idle()
+    assert r.finish_reason == {"type": "length", "length": 3}
+
+
+def test_stop_string_and_response_text(model_and_tokenizer):
+    from slime.backends.hf_engine.server import EngineState, build_response
+
+    model, tok = model_and_tokenizer
+    probe = make_request(0, PROMPTS[3], temperature=0.0, max_new_tokens=10)
+    run(model_and_tokenizer, [probe])
+    words = [tok.decode([t]) for t in probe.output_ids]
+    k = next(i for i, w in enumerate(words) if i >= 2 and w.isalpha() and w not in "".join(words[:i]))
+    sched = Scheduler(model, tok)
+    state = EngineState(model, tok, sched, model_path="tiny", device="cpu", dtype="float32")
+    trimmed = make_request(1, PROMPTS[3], temperature=0.0, max_new_tokens=10, stop=words[k])
+    kept = make_request(2, PROMPTS[3], temperature=0.0, max_new_tokens=10, stop=[words[k]], no_stop_trim=True)
+    for r in (trimmed, kept):
+        sched.submit(r)
+    sched.run_until_idle()
+    assert trimmed.output_ids == probe.output_ids[: k + 1]
+    assert trimmed.finish_reason == {"type": "stop", "matched": words[k]}
+    out = build_response(trimmed, state)
+    full = tok.decode(probe.output_ids[: k + 1])
+    assert out["text"] == full[: full.find(words[k])] and words[k] not in out["text"]
+    assert build_response(kept, state)["text"].endswith(words[k])
+    assert out["meta_info"]["output_token_logprobs"][0][1] == probe.output_ids[0]
+
+
+def test_sample_tokens_follows_truncated_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    n = logits.shape[0]
+    u = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    ones = torch.ones(n)
+
+    def freqs(top_p, top_k):
+        toks, lps = sample_tokens(logits, ones, torch.full((n,), top_p), torch.full((n,), top_k, dtype=torch.long), u)
+        assert torch.allclose(lps, logits.gather(-1, toks.unsqueeze(-1)).squeeze(-1))
+        return torch.bincount(toks, minlength=4).float() / n
+
+    assert torch.allclose(freqs(1.0, -1), torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
+    assert torch.allclose(freqs(0.7, -1), torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=0.03)  # {0.5, 0.3}
+    assert torch.allclose(freqs(1.0, 3), torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, atol=0.03)
+    greedy, _ = sample_tokens(logits[:2], torch.zeros(2), torch.ones(2), torch.full((2,), -1), None)
+    assert greedy.tolist() == [0, 0]
+
+
+def test_sampling_params_validation():
+    assert SamplingParams.from_dict({"stop": "x", "top_k": 0, "unknown": 1}).stop == ["x"]
+    assert SamplingParams.from_dict({"top_k": 0}).top_k == -1
+    assert SamplingParams.from_dict({"n": 1, "repetition_penalty": 1.0}).top_k == -1  # "off" values pass
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"max_new_tokens": -2}, {"max_new_tokens": "8"}, {"n": 2},
+                {"repetition_penalty": 1.1}):
+        with pytest.raises(ValueError, match="sampling_params"):
+            SamplingParams.from_dict(bad)

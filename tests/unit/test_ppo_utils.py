@@ -1,0 +1,191 @@
+"""Closed-form checks of slime/utils/ppo_utils.py."""
+
+import math
+
+import pytest
+import torch
+
+from slime.utils import ppo_utils as pu
+
+
+# ---- KL ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("k1", lambda d: d),
+        ("k2", lambda d: d * d / 2),
+        ("k3", lambda d: math.exp(-d) - 1 + d),
+        ("low_var_kl", lambda d: math.exp(-d) - 1 + d),
+    ],
+)
+def test_kl_estimators_closed_form(kind, expected):
+    logp = torch.tensor([-1.0, -0.5, -2.0, -0.1])
+    ref = torch.tensor([-1.0, -1.5, -0.7, -0.6])
+    got = pu.compute_approx_kl(logp, ref, kind)
+    want = torch.tensor([expected(float(a - b)) for a, b in zip(logp, ref)])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_kl_is_zero_for_identical_policies_and_low_var_kl_is_clamped():
+    x = torch.tensor([-0.3, -2.0])
+    for kind in pu.KL_LOSS_TYPES:
+        assert torch.all(pu.compute_approx_kl(x, x, kind) == 0)
+    # Δ = -20: e^20 - 1 - 20 is huge for k3, clamped to 10 for low_var_kl.
+    logp, ref = torch.tensor([-25.0]), torch.tensor([-5.0])
+    assert pu.compute_approx_kl(logp, ref, "k3").item() > 1e8
+    assert pu.compute_approx_kl(logp, ref, "low_var_kl").item() == 10.0
+
+
+def test_kl_unknown_type_names_flag():
+    with pytest.raises(ValueError, match="--kl-loss-type"):
+        pu.compute_approx_kl(torch.zeros(1), torch.zeros(1), "k4")
+
+
+# ---- group normalisation -------------------------------------------------------------------------------------
+def test_group_normalize_by_group_index_not_position():
+    rewards = [1.0, 10.0, 0.0, 20.0, 2.0]
+    groups = [0, 1, 0, 1, 7]  # interleaved groups and a singleton
+    out = pu.group_normalize_rewards(rewards, groups, std_normalize=False)
+    assert out == pytest.approx([0.5, -5.0, -0.5, 5.0, 0.0])
+
+
+def test_group_normalize_std_unbiased():
+    rewards = [1.0, 0.0, 0.0, 0.0, 3.0, 3.0]
+    groups = [0, 0, 0, 0, 1, 1]
+    out = pu.group_normalize_rewards(rewards, groups, std_normalize=True)
+    mean, std = 0.25, math.sqrt(((0.75**2) + 3 * (0.25**2)) / 3)  # unbiased (n - 1)
+    assert out[:4] == pytest.approx([(r - mean) / (std + 1e-6) for r in rewards[:4]])
+    assert out[4:] == pytest.approx([0.0, 0.0])  # zero std: 0 / (0 + eps)
+    # singleton group with std_normalize: only centred (std undefined)
+    assert pu.group_normalize_rewards([5.0], [3], True) == [0.0]
+
+
+def test_group_normalize_length_mismatch():
+    with pytest.raises(ValueError, match="2 rewards but 1 group"):
+        pu.group_normalize_rewards([1.0, 2.0], [0], True)
+
+
+# ---- advantages ------------------------------------------------------------------------------------------------
+def test_grpo_advantages_broadcast():
+    adv = pu.get_grpo_advantages([0.5, -1.0, 2.0], [3, 1, 0])
+    assert [a.tolist() for a in adv] == [[0.5, 0.5, 0.5], [-1.0], []]
+    assert all(a.dtype == torch.float32 for a in adv)
+
+
+def test_advantage_dispatch():
+    for est in ("grpo", "gspo"):
+        assert [a.tolist() for a in pu.compute_advantages(est, [1.0], [2])] == [[1.0, 1.0]]
+    with pytest.raises(NotImplementedError, match="--advantage-estimator reinforce_plus_plus"):
+        pu.compute_advantages("reinforce_plus_plus", [1.0], [2])
+    with pytest.raises(NotImplementedError, match="--advantage-estimator ppo"):
+        pu.compute_advantages("ppo", [1.0], [2])
+    with pytest.raises(ValueError, match="--advantage-estimator 'nope'"):
+        pu.compute_advantages("nope", [1.0], [2])
+
+
+def test_masked_whiten():
+    values = torch.tensor([1.0, 2.0, 3.0, 100.0])
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    out = pu.masked_whiten(values, mask)
+    std = math.sqrt(2 / 3)  # population std of 1, 2, 3
+    torch.testing.assert_close(out[:3], torch.tensor([-1 / std, 0.0, 1 / std]), rtol=1e-5, atol=1e-5)
+    assert out[3].item() == 100.0
+
+
+# ---- policy loss ---------------------------------------------------------------------------------------------
+def _ppo_closed_form(r, a, lo, hi):
+    return max(-r * a, -min(max(r, 1 - lo), 1 + hi) * a)
+
+
+def test_policy_loss_closed_form():
+    ratios = [0.5, 0.9, 1.0, 1.1, 1.5, 0.5, 1.5]
+    advs = [1.0, 1.0, 2.0, -1.0, 1.0, -1.0, -1.0]
+    old = torch.full((len(ratios),), -1.0)
+    logp = old + torch.log(torch.tensor(ratios))
+    adv = torch.tensor(advs)
+    pg, clipfrac, ppo_kl = pu.compute_policy_loss(logp, old, adv, eps_clip=0.2, eps_clip_high=0.3)
+    want = [_ppo_closed_form(r, a, 0.2, 0.3) for r, a in zip(ratios, advs)]
+    torch.testing.assert_close(pg, torch.tensor(want), rtol=1e-6, atol=1e-6)
+    # clipped (the clipped term wins) exactly where r leaves the trust region in the direction of A
+    assert clipfrac.tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    torch.testing.assert_close(ppo_kl, old - logp)
+
+
+def test_policy_loss_at_ratio_one_has_advantage_gradient():
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    adv = torch.tensor([2.0, -3.0])
+    pg, _, ppo_kl = pu.compute_policy_loss(logp, logp.detach(), adv, 0.2, 0.2)
+    pg.sum().backward()
+    torch.testing.assert_close(pg.detach(), -adv)
+    torch.testing.assert_close(logp.grad, -adv)  # d(-r A)/dlogp = -A at r = 1
+    assert torch.all(ppo_kl == 0)
+
+
+def test_dual_clip():
+    # A < 0 and a huge ratio: the ordinary loss -r·A = 10 is capped at -c·A = 3.
+    old = torch.zeros(3)
+    logp = torch.log(torch.tensor([10.0, 10.0, 2.0]))
+    adv = torch.tensor([-1.0, 1.0, -1.0])
+    pg, _, _ = pu.compute_policy_loss(logp, old, adv, 0.2, 0.2, eps_clip_c=3.0)
+    torch.testing.assert_close(pg, torch.tensor([3.0, -1.2, 2.0]))
+    with pytest.raises(ValueError, match="--eps-clip-c"):
+        pu.compute_policy_loss(logp, old, adv, 0.2, 0.2, eps_clip_c=0.5)
+
+
+def test_gspo_sequence_ratio():
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.1, 0.3, 9.0], [0.2, -0.2, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    log_ratio = pu.sequence_log_ratio(logp, old, mask)
+    torch.testing.assert_close(log_ratio.detach(), torch.tensor([[0.2] * 3, [0.0] * 3]))
+    adv = torch.tensor([[1.0] * 3, [-1.0] * 3])
+    pg, clipfrac, ppo_kl = pu.compute_gspo_policy_loss(logp, old, adv, mask, 0.1, 0.1)
+    # row 0: r = e^0.2 ≈ 1.221 > 1.1 with A > 0 -> clipped loss -1.1, constant in logp
+    torch.testing.assert_close(pg[0].detach(), torch.full((3,), -1.1))
+    assert clipfrac[0].tolist() == [1.0, 1.0, 1.0]
+    torch.testing.assert_close(pg[1].detach(), torch.ones(3))
+    torch.testing.assert_close(ppo_kl.detach(), -log_ratio.detach())
+    (pg * mask).sum().backward()
+    # row 1 (unclipped): d/dlogp_t of Σ_t' (r·1) with r = exp(mean) is r / n_tokens per masked token
+    torch.testing.assert_close(logp.grad[1], torch.full((3,), 3 * 1.0 / 3))
+    assert torch.all(logp.grad[0] == 0)
+
+
+def test_tis_weights():
+    old = torch.log(torch.tensor([0.5, 0.5, 0.5]))
+    rollout = torch.log(torch.tensor([0.1, 0.5, 1.0]))
+    w, clipped = pu.compute_tis_weights(old, rollout, tis_clip=2.0, tis_clip_low=0.6)
+    torch.testing.assert_close(w, torch.tensor([2.0, 1.0, 0.6]))
+    assert clipped.tolist() == [1.0, 0.0, 1.0]
+
+
+def test_entropy_from_logits():
+    uniform = torch.zeros(2, 4)
+    torch.testing.assert_close(pu.compute_entropy_from_logits(uniform), torch.full((2,), math.log(4)))
+    peaked = torch.tensor([[100.0, 0.0, 0.0]])
+    assert pu.compute_entropy_from_logits(peaked).item() < 1e-6
+
+
+# ---- aggregation -------------------------------------------------------------------------------------------
+def test_aggregation_sample_mean_and_token_mean():
+    values = torch.tensor([[1.0, 3.0, 100.0], [4.0, 0.0, 0.0], [7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    torch.testing.assert_close(pu.per_sample_masked_mean(values, mask), torch.tensor([2.0, 4.0, 0.0]))
+    # default: Σ sample means / number of samples in the global batch (here 4: one lives on another rank)
+    assert pu.aggregate_loss(values, mask, per_token=False, global_denominator=4).item() == pytest.approx(6.0 / 4)
+    # per token: Σ masked tokens / global masked-token count
+    assert pu.aggregate_loss(values, mask, per_token=True, global_denominator=5).item() == pytest.approx(8.0 / 5)
+
+
+def test_aggregation_shares_sum_to_global_mean():
+    torch.manual_seed(0)
+    values = torch.randn(6, 5)
+    mask = (torch.rand(6, 5) > 0.3).float()
+    whole = pu.aggregate_loss(values, mask, False, 6)
+    parts = sum(pu.aggregate_loss(values[i : i + 2], mask[i : i + 2], False, 6) for i in (0, 2, 4))
+    torch.testing.assert_close(whole, parts)
+    n_tok = float(mask.sum())
+    whole_t = pu.aggregate_loss(values, mask, True, n_tok)
+    torch.testing.assert_close(whole_t, (values * mask).sum() / n_tok)
+    parts_t = sum(pu.aggregate_loss(values[i : i + 3], mask[i : i + 3], True, n_tok) for i in (0, 3))
+    torch.testing.assert_close(whole_t, parts_t)

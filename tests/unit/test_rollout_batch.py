@@ -1,0 +1,125 @@
+"""Pure helpers of the rollout manager: samples -> TrainBatch, router flag forwarding, debug dumps."""
+
+import argparse
+import math
+
+import pytest
+
+from slime.ray.rollout import (
+    build_train_batch,
+    flatten_groups,
+    load_debug_samples,
+    router_args_from,
+    save_debug_samples,
+)
+from slime.rollout.router import router_cli_args
+from slime.utils.types import Sample
+
+
+def _args(**kw):
+    base = dict(
+        n_samples_per_prompt=2, advantage_estimator="grpo", disable_grpo_std_normalization=False, reward_key=None
+    )
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def _sample(group, index, reward, response_length=2, status=Sample.Status.COMPLETED, **kw):
+    return Sample(
+        group_index=group,
+        index=index,
+        tokens=[5, 6, 7] + [9] * response_length,
+        response_length=response_length,
+        reward=reward,
+        status=status,
+        rollout_log_probs=[-0.5] * response_length,
+        **kw,
+    )
+
+
+def _groups():
+    return [
+        [_sample(0, 0, 1.0), _sample(0, 1, 0.0, status=Sample.Status.TRUNCATED)],
+        [_sample(1, 2, 1.0), _sample(1, 3, 1.0)],
+    ]
+
+
+def test_grpo_batch_is_group_normalised():
+    pytest.importorskip("slime.utils.ppo_utils")
+    batch = build_train_batch(_args(), flatten_groups(_groups(), "test"))
+    assert len(batch) == 4
+    assert batch.raw_rewards == [1.0, 0.0, 1.0, 1.0]
+    # group 0: mean 0.5, unbiased std sqrt(0.5); group 1: zero std -> 0
+    s = math.sqrt(0.5)
+    assert batch.rewards == pytest.approx([0.5 / (s + 1e-6), -0.5 / (s + 1e-6), 0.0, 0.0], abs=1e-6)
+    assert batch.truncated == [False, True, False, False]
+    assert batch.group_indices == [0, 0, 1, 1]
+    assert batch.loss_masks == [[1, 1]] * 4
+    assert batch.rollout_log_probs == [[-0.5, -0.5]] * 4
+    assert batch.tokens[0] == [5, 6, 7, 9, 9]
+
+
+def test_dr_grpo_only_subtracts_the_mean():
+    pytest.importorskip("slime.utils.ppo_utils")
+    batch = build_train_batch(_args(disable_grpo_std_normalization=True), flatten_groups(_groups(), "test"))
+    assert batch.rewards == pytest.approx([0.5, -0.5, 0.0, 0.0], abs=1e-6)
+
+
+def test_ppo_keeps_raw_rewards_and_dict_rewards_use_reward_key():
+    groups = [[_sample(0, 0, {"score": 2.0, "acc": 1}), _sample(0, 1, {"score": -1.0, "acc": 0})]]
+    batch = build_train_batch(_args(advantage_estimator="ppo", reward_key="score"), flatten_groups(groups, "t"))
+    assert batch.rewards == batch.raw_rewards == [2.0, -1.0]
+    with pytest.raises(ValueError, match="--reward-key"):
+        build_train_batch(_args(advantage_estimator="ppo"), flatten_groups(groups, "t"))
+
+
+def test_loss_mask_kept_failed_sample_masked_and_mismatch_named():
+    s0 = _sample(0, 0, 1.0, response_length=3, loss_mask=[1, 0, 1])
+    s1 = _sample(0, 1, None, response_length=3, status=Sample.Status.FAILED)
+    batch = build_train_batch(_args(advantage_estimator="ppo"), [s0, s1])
+    assert batch.loss_masks == [[1, 0, 1], [0, 0, 0]]
+    assert batch.raw_rewards == [1.0, 0.0]
+    bad = _sample(0, 0, 1.0, response_length=3, loss_mask=[1, 1])
+    with pytest.raises(ValueError, match="loss_mask has 2 entries but response_length=3"):
+        build_train_batch(_args(advantage_estimator="ppo"), [bad])
+
+
+def test_missing_log_probs_give_none():
+    s = _sample(0, 0, 1.0)
+    s.rollout_log_probs = None
+    batch = build_train_batch(_args(advantage_estimator="ppo"), [s, _sample(0, 1, 0.0)])
+    assert batch.rollout_log_probs is None
+
+
+def test_flatten_rejects_non_samples():
+    assert len(flatten_groups([_sample(0, 0, 1.0), [_sample(1, 1, 0.0)]], "t")) == 2
+    with pytest.raises(TypeError, match="--rollout-function-path=my.fn"):
+        flatten_groups([[{"not": "a sample"}]], "my.fn")
+    with pytest.raises(TypeError, match="expected list"):
+        flatten_groups(None, "my.fn")
+
+
+def test_router_flags():
+    assert router_cli_args({"request_timeout_secs": 30, "disable_retries": True, "dp_aware": False, "x": None}) == [
+        "--request-timeout-secs",
+        "30",
+        "--disable-retries",
+    ]
+    assert router_cli_args({"worker_urls": ["a", "b"]}) == ["--worker-urls", "a", "b"]
+    args = argparse.Namespace(
+        router_url="http://x",
+        router_policy="cache_aware",
+        router_balance_abs_threshold=None,
+        sglang_router_request_timeout_secs=99,
+    )
+    assert router_args_from(args) == {"policy": "cache_aware", "request_timeout_secs": 99}
+
+
+def test_debug_dump_round_trip(tmp_path):
+    samples = flatten_groups(_groups(), "t")
+    path = save_debug_samples(str(tmp_path / "dump" / "rollout_{rollout_id}.pt"), 3, samples)
+    assert path.endswith("rollout_3.pt")
+    back = load_debug_samples(str(tmp_path / "dump" / "rollout_{rollout_id}.pt"), 3)
+    assert [s.to_dict() for s in back] == [s.to_dict() for s in samples]
+    with pytest.raises(FileNotFoundError, match="--load-debug-rollout-data"):
+        load_debug_samples(str(tmp_path / "dump" / "rollout_{rollout_id}.pt"), 4)

@@ -1,0 +1,92 @@
+"""Synchronous RL training: generate → train → save → push weights, once per rollout (DESIGN §4).
+
+    source scripts/models/qwen3-4B.sh
+    python train.py --hf-checkpoint ... --prompt-data ... --rollout-batch-size 32 --n-samples-per-prompt 8 \
+        --global-batch-size 256 ${MODEL_ARGS[@]}
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+
+import ray
+
+from slime.ray.launcher import Run
+from slime.utils.arguments import SlimeArgumentError, parse_args
+from slime.utils.tracking import Tracker
+
+logger = logging.getLogger("slime")
+
+
+def train(args) -> None:
+    tracker = Tracker(args)
+    with Run(args) as run:
+        start_rollout_id = run.actor.init(with_ref=needs_reference_model(args))
+        resolve_num_rollout(args, run)
+        if start_rollout_id > 0:
+            ray.get(run.rollout_manager.load.remote(start_rollout_id - 1))
+        engines = ray.get(run.rollout_manager.get_engines.remote())
+        weight_version = push_weights(run, engines, 0)
+
+        for rollout_id in range(start_rollout_id, args.num_rollout):
+            step_start = time.time()
+            batch, metrics = ray.get(run.rollout_manager.generate.remote(rollout_id))
+            train_start = time.time()
+            metrics.update(run.actor.train(rollout_id, ray.put(batch)))
+            metrics["perf/train_time"] = time.time() - train_start
+            if should_save(args, rollout_id):
+                save(run, rollout_id)
+            push_start = time.time()
+            weight_version = push_weights(run, engines, weight_version)
+            metrics["perf/update_weights_time"] = time.time() - push_start
+            metrics["perf/step_time"] = time.time() - step_start
+            tracker.log(metrics, step=rollout_id)
+    tracker.close()
+
+
+def needs_reference_model(args) -> bool:
+    return bool(args.use_kl_loss or args.kl_coef)
+
+
+def resolve_num_rollout(args, run: Run) -> None:
+    """`--num-rollout` unset: num_epoch × dataset size ÷ rollout batch size."""
+    if args.num_rollout is None:
+        dataset_size = ray.get(run.rollout_manager.dataset_size.remote())
+        args.num_rollout = math.ceil((args.num_epoch or 1) * dataset_size / args.rollout_batch_size)
+        logger.info("--num-rollout resolved to %d (%s epochs of %d prompts)", args.num_rollout,
+                    args.num_epoch or 1, dataset_size)
+
+
+def push_weights(run: Run, engines: list, weight_version: int) -> int:
+    """Send the actor's weights to every engine; engines then stamp responses with the new version."""
+    weight_version += 1
+    run.actor.update_weights(engines, weight_version)
+    return weight_version
+
+
+def should_save(args, rollout_id: int) -> bool:
+    if not args.save:
+        return False
+    last = rollout_id + 1 == args.num_rollout
+    return last or (args.save_interval is not None and (rollout_id + 1) % args.save_interval == 0)
+
+
+def save(run: Run, rollout_id: int) -> None:
+    run.actor.save(rollout_id)
+    ray.get(run.rollout_manager.save.remote(rollout_id))
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        args = parse_args(argv)
+    except SlimeArgumentError as e:
+        sys.exit(f"error: {e}")
+    train(args)
+
+
+if __name__ == "__main__":
+    main()
