@@ -160,7 +160,7 @@ class ServerEngine:
             log.flush()
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             env=self.launch_env(), start_new_session=True,
-                                            preexec_fn=_die_with_parent_fn())
+                                            preexec_fn=_die_with_parent_fn())  # noqa: PLW1509 (see _die_with_parent_fn)
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -171,7 +171,7 @@ class ServerEngine:
                 raise RuntimeError(f"{self.name} rank {self.rank} exited with code {rc} before answering "
                                    f"{url}; log {self.log_path}:\n{self.log_tail()}")
             try:
-                if httpx.get(url, timeout=5.0).status_code == 200:
+                if httpx.get(url, timeout=5.0, trust_env=False).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -197,7 +197,8 @@ class ServerEngine:
     # ---- HTTP ----
     def _http(self) -> httpx.Client:
         if self._client is None:
-            self._client = httpx.Client(base_url=self.get_url(), timeout=self.control_timeout_s)
+            # trust_env=False: engines are reached directly, never through an HTTP(S)_PROXY from the env
+            self._client = httpx.Client(base_url=self.get_url(), timeout=self.control_timeout_s, trust_env=False)
         return self._client
 
     def _call(self, method: str, path: str, json: dict | None = None, timeout: float | None = None):
@@ -220,6 +221,8 @@ class ServerEngine:
     # ---- control calls ----
     def update_weights_from_tensor(self, serialized_bucket: str, weight_version: str,
                                    load_format: str = "flattened_bucket", flush_cache: bool = False) -> dict:
+        """Load one bucket (`serialize_bucket(flatten_bucket(named))`). The caller keeps the flattened
+        bucket alive until this returns: the payload holds handles to its memory, not a copy."""
         return self._call("POST", "/update_weights_from_tensor", {
             "serialized_named_tensors": [serialized_bucket], "load_format": load_format,
             "flush_cache": flush_cache, "weight_version": weight_version}, timeout=self.weight_update_timeout_s)
@@ -256,6 +259,7 @@ class ServerEngine:
     def health_generate(self, timeout: float) -> bool:
         """True when the server generated one token within `timeout` seconds."""
         try:
-            return httpx.get(self.get_url() + "/health_generate", timeout=timeout).status_code == 200
+            resp = httpx.get(self.get_url() + "/health_generate", timeout=timeout, trust_env=False)
+            return resp.status_code == 200
         except (httpx.HTTPError, RuntimeError):
             return False

@@ -22,13 +22,14 @@ import asyncio
 import inspect
 import logging
 import os
+import sys
 import time
 from typing import Any
 
 import ray
 
 from slime.rollout.router import RouterClient, RouterProcess
-from slime.utils.metrics import compute_rollout_metrics
+from slime.utils.metrics import compute_eval_metrics, compute_rollout_metrics
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, TrainBatch
 
@@ -39,8 +40,6 @@ ENGINE_CLASSES = {
     "sglang": "slime.backends.sglang_utils.engine.SGLangEngine",
 }
 GROUP_NORMALIZED_ESTIMATORS = {"grpo", "gspo", "cispo", "reinforce_plus_plus_baseline"}
-# Names in `args` that start with "router_" but are ours, not sglang-router flags.
-_NOT_ROUTER_FLAGS = {"router_url"}
 
 
 class RolloutManager:
@@ -53,6 +52,9 @@ class RolloutManager:
         self._owns_router = False
         self._shut_down = False
         try:
+            # The cheap, error-prone parts first, so a bad plugin path or dataset starts no process.
+            self.generate_rollout = load_function(args.rollout_function_path, "--rollout-function-path")
+            self.data_source = self._make_data_source()
             if not getattr(args, "debug_train_only", False):
                 self._start_router()
                 self._start_engines()
@@ -61,8 +63,6 @@ class RolloutManager:
             args.router_url = self.router.url if self.router else None
             args.engine_urls = list(self.engine_urls)
             args.rollout_num_engines = len(self.engine_urls)
-            self.generate_rollout = load_function(args.rollout_function_path, "--rollout-function-path")
-            self.data_source = self._make_data_source()
         except BaseException:
             self.shutdown()
             raise
@@ -120,14 +120,20 @@ class RolloutManager:
         self.engine_urls = ray.get([e.init.remote() for e in self.engines])
 
     def _engine_options(self, i: int, per_engine: int) -> dict[str, Any]:
-        import torch
-
-        if torch.cuda.is_available():
+        # Not torch.cuda.is_available(): this actor holds no GPU, so Ray hides every GPU from it.
+        use_cuda = getattr(self.args, "use_cuda", None)
+        if use_cuda is None:
+            use_cuda = ray.cluster_resources().get("GPU", 0) > 0
+        if use_cuda:
             # Colocated engines share their GPU with a training actor, so they take a fraction of it;
             # within a placement group an actor lives in one bundle, the engine's other GPUs are
             # reserved by the bundles that follow it.
             num_gpus = 0.2 if getattr(self.args, "colocate", False) else (1 if self.pg else per_engine)
             options: dict[str, Any] = {"num_cpus": 0.2, "num_gpus": num_gpus}
+        elif getattr(self.args, "colocate", False):
+            # A CPU bundle holds {CPU: 1}, taken by the training rank that shares it; the engine takes no
+            # CPU slot of its own, as a colocated engine takes no whole GPU above.
+            options = {"num_cpus": 0, "num_gpus": 0}
         else:
             options = {"num_cpus": 1, "num_gpus": 0}
         if self.pg is not None:
@@ -194,7 +200,33 @@ class RolloutManager:
             batch.raw_rewards, batch.rewards, batch.response_lengths, batch.truncated, batch.group_indices,
             failed_count=failed, rollout_time=rollout_time,
         )  # fmt: skip
+        metrics.update(_module_metrics(self.generate_rollout))
         return batch, metrics
+
+    def eval(self, rollout_id: int) -> dict[str, float]:
+        """Run the eval function (`--eval-function-path`, else the rollout function with `evaluation=True`),
+        which returns `{name: {"rewards": [...], "truncated": [...], "samples": [...]}}`, and turn each set
+        into `eval/<name>` metrics."""
+        args = self.args
+        path = getattr(args, "eval_function_path", None) or args.rollout_function_path
+        fn = load_function(path, "--eval-function-path")
+        result = fn(args, rollout_id, self.data_source, evaluation=True)
+        if inspect.isawaitable(result):
+            result = asyncio.run(result)
+        if not isinstance(result, dict):
+            raise TypeError(
+                f"eval function {path} returned {type(result).__name__}, expected {{name: {{rewards, ...}}}}"
+            )
+        metrics: dict[str, float] = {}
+        for name, data in result.items():
+            samples = data.get("samples")
+            groups = [s.group_index for s in samples] if samples else None
+            metrics.update(
+                compute_eval_metrics(
+                    name, data["rewards"], data.get("truncated", []), groups, getattr(args, "log_passrate", False)
+                )
+            )
+        return metrics
 
     # ---- engine control (fan out to every engine) -----------------------------------------------
     def _fan_out(self, method: str, *a, **kw) -> list[Any]:
@@ -243,13 +275,11 @@ class RolloutManager:
 
 
 def router_args_from(args: Any) -> dict[str, Any]:
-    """sglang-router flags from `args`: every `--router-<flag>` (dest `router_<flag>`) that is set, plus
-    `--sglang-router-request-timeout-secs`."""
-    out = {
-        k[len("router_") :]: v
-        for k, v in vars(args).items()
-        if k.startswith("router_") and k not in _NOT_ROUTER_FLAGS and v is not None
-    }
+    """sglang-router flags from `args`: the forwarded `--router-<field>` flags (`args.router_args`), plus
+    `--router-policy` and `--sglang-router-request-timeout-secs`, which are slime's own flags."""
+    out = dict(getattr(args, "router_args", None) or {})
+    if getattr(args, "router_policy", None):
+        out["policy"] = args.router_policy
     timeout = getattr(args, "sglang_router_request_timeout_secs", None)
     if timeout is not None:
         out.setdefault("request_timeout_secs", timeout)
@@ -346,6 +376,13 @@ def load_debug_samples(template: str, rollout_id: int) -> list[Sample]:
         )
     data = torch.load(path, weights_only=False)
     return [Sample.from_dict(d) for d in data["samples"]]
+
+
+def _module_metrics(fn: Any) -> dict[str, float]:
+    """Counters the rollout function's module exposes through `last_rollout_metrics()` (the default
+    rollout reports dynamic-filter drops, aborted groups and failures there)."""
+    hook = getattr(sys.modules.get(getattr(fn, "__module__", None) or ""), "last_rollout_metrics", None)
+    return {k: float(v) for k, v in hook().items()} if callable(hook) else {}
 
 
 def _best_effort(what: str, fn) -> None:

@@ -194,10 +194,15 @@ class RouterProcess(RouterClient):
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
         self._auto_port = not port
+        # The router also serves Prometheus metrics, on 29000 unless told otherwise: a second router on the
+        # same host would die on that port, so ours gets a free one unless the caller chose it.
+        self._auto_prometheus_port = "prometheus_port" not in self.extra_args
         self._set_port(port or _find_free_port(host))
 
     def _set_port(self, port: int) -> None:
         self.port = port
+        if self._auto_prometheus_port:
+            self._prometheus_port = _find_free_port(self.host)
         self.log_path = os.path.join(self.log_dir, f"sglang_router_{port}.log")
         connect_host = "127.0.0.1" if self.host in ("", "0.0.0.0") else self.host
         if ":" in connect_host and not connect_host.startswith("["):
@@ -207,15 +212,18 @@ class RouterProcess(RouterClient):
     def command(self) -> list[str]:
         extra = dict(self.extra_args)
         extra.setdefault("log_level", "warn")
+        if self._auto_prometheus_port:
+            extra["prometheus_host"] = extra.get("prometheus_host", self.host)
+            extra["prometheus_port"] = self._prometheus_port
         return [
             sys.executable, "-m", "sglang_router.launch_router",
             "--host", self.host, "--port", str(self.port), "--policy", self.policy,
             *router_cli_args(extra),
         ]  # fmt: skip
 
-    def start(self) -> "RouterProcess":
+    def start(self) -> RouterProcess:
         """Launch the router and wait until it answers GET /health. A port we picked ourselves can be taken
-        by someone else before the router binds it; then we retry on a fresh one."""
+        by someone else before the router binds it; then we retry on fresh ones."""
         if self.proc is not None:
             return self
         os.makedirs(self.log_dir, exist_ok=True)
@@ -224,36 +232,35 @@ class RouterProcess(RouterClient):
                 self._launch_and_wait()
                 return self
             except RuntimeError as e:
-                if not (self._auto_port and "address already in use" in str(e).lower()):
+                retry = self._auto_port or self._auto_prometheus_port
+                if not (retry and "address already in use" in str(e).lower()) or attempt + 1 == _STARTUP_ATTEMPTS:
                     raise
-                if attempt + 1 == _STARTUP_ATTEMPTS:
-                    raise
-                self._set_port(_find_free_port(self.host))
+                self._set_port(_find_free_port(self.host) if self._auto_port else self.port)
         return self
 
     def _launch_and_wait(self) -> None:
         cmd = self.command()
         with open(self.log_path, "wb") as log:
+            # preexec_fn only calls prctl/getppid/_exit (no locks, no allocation), safe after fork.
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=_die_with_parent_preexec(),
+                start_new_session=True, preexec_fn=_die_with_parent_preexec(),  # noqa: PLW1509
             )  # fmt: skip
         atexit.register(self.stop)
         deadline = time.monotonic() + self.startup_timeout
-        while not self.is_alive():
-            try:
+        try:
+            while not self.is_alive():
                 self._check_running()
-            except RuntimeError:
-                self.stop()
-                raise
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(
-                    f"sglang-router did not answer {self.url}/health within {self.startup_timeout:.0f}s "
-                    f"(command: {' '.join(cmd)}); log {self.log_path}:\n{self.log_tail()}"
-                )
-            time.sleep(0.1)
-        self._check_running()  # something else may answer on a port given to us; make sure ours is alive
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"sglang-router did not answer {self.url}/health within {self.startup_timeout:.0f}s "
+                        f"(command: {' '.join(cmd)}); log {self.log_path}:\n{self.log_tail()}"
+                    )
+                time.sleep(0.1)
+            self._check_running()  # something else may answer on a port given to us; make sure ours is alive
+        except BaseException:
+            self.stop()
+            raise
         logger.info("sglang-router up at %s (pid %d, log %s)", self.url, self.proc.pid, self.log_path)
 
     @property
@@ -287,12 +294,6 @@ class RouterProcess(RouterClient):
             except subprocess.TimeoutExpired:
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait()
-
-    def __enter__(self) -> "RouterProcess":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -1,11 +1,13 @@
 """Rollout metrics under slime's names: pure functions on plain lists (no Ray, no HTTP, no torch).
 
+`compute_eval_metrics` turns one eval set's rewards into `eval/<name>` (+ truncation, pass@k).
 `rollout/zero_std/count` counts groups (by group index) whose raw rewards are all equal: such groups
 carry no GRPO signal. `perf/rollout_tokens_per_sec` counts generated (response) tokens only.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 
@@ -52,4 +54,40 @@ def compute_rollout_metrics(
         metrics["perf/rollout_time"] = float(rollout_time)
         tokens = sum(response_lengths)
         metrics["perf/rollout_tokens_per_sec"] = tokens / rollout_time if rollout_time > 0 else 0.0
+    return metrics
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with `num_correct` of `num_samples` correct: 1 - C(n-c, k) / C(n, k)."""
+    if num_samples - num_correct < k:
+        return 1.0
+    return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
+
+
+def compute_eval_metrics(
+    name: str,
+    rewards: list[float],
+    truncated: list[bool],
+    group_indices: list[int] | None = None,
+    log_passrate: bool = False,
+) -> dict[str, float]:
+    """`eval/<name>` (mean reward), `eval/<name>-truncated_ratio` and, with `log_passrate`,
+    `eval/<name>-pass@k` for k = 1, 2, 4, ... up to the smallest group (a sample counts as correct when
+    its reward is > 0, which covers 0/1 and ±1 graders)."""
+    n = len(rewards)
+    metrics = {
+        f"eval/{name}": _mean(rewards),
+        f"eval/{name}-truncated_ratio": sum(map(bool, truncated)) / n if n else 0.0,
+    }
+    if log_passrate and n:
+        groups: dict[int, list[float]] = defaultdict(list)
+        for r, g in zip(rewards, group_indices if group_indices is not None else range(n)):
+            groups[g].append(r)
+        smallest = min(len(rs) for rs in groups.values())
+        k = 1
+        while k <= smallest:
+            metrics[f"eval/{name}-pass@{k}"] = _mean(
+                [pass_at_k(len(rs), sum(r > 0 for r in rs), k) for rs in groups.values()]
+            )
+            k *= 2
     return metrics

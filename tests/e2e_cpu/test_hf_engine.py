@@ -18,9 +18,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from slime.backends.hf_engine.engine import HFEngine  # noqa: E402
-from slime.backends.server_engine import EngineHTTPError  # noqa: E402
-from slime.utils.weight_transfer import flatten_bucket, serialize_bucket, split_into_buckets  # noqa: E402
+from slime.backends.hf_engine.engine import HFEngine
+from slime.backends.server_engine import EngineHTTPError
+from slime.utils.weight_transfer import flatten_bucket, serialize_bucket, split_into_buckets
 
 SEQ = [56, 62, 137, 92, 138, 20, 21, 22, 23, 24, 25]
 TOL = 1e-5
@@ -114,7 +114,8 @@ def test_update_weights_from_tensor_and_disk(engine, reference, tiny_model):
     gen = torch.Generator().manual_seed(3)
     new = [(n, p.detach() + 0.05 * torch.randn(p.shape, generator=gen)) for n, p in reference.named_parameters()]
     for bucket in split_into_buckets(new, max_bytes=1 << 20):
-        result = engine.update_weights_from_tensor(serialize_bucket(flatten_bucket(bucket)), weight_version="v1")
+        flat = flatten_bucket(bucket)  # kept alive until the engine has copied it (shared memory)
+        result = engine.update_weights_from_tensor(serialize_bucket(flat), weight_version="v1")
         assert result["success"]
     assert engine.get_weight_version() == "v1"
     after, version = score(url, SEQ)
@@ -127,13 +128,20 @@ def test_update_weights_from_tensor_and_disk(engine, reference, tiny_model):
     # a bucket with one unknown name is refused whole: the valid tensor next to it is not applied either
     bad = [new[0], ("model.layers.0.no_such.weight", torch.zeros(2))]
     bad[0] = (bad[0][0], torch.zeros_like(bad[0][1]))
+    flat = flatten_bucket(bad)
     with pytest.raises(EngineHTTPError, match=r"no_such.*model\.") as err:
-        engine.update_weights_from_tensor(serialize_bucket(flatten_bucket(bad)), weight_version="v2")
+        engine.update_weights_from_tensor(serialize_bucket(flat), weight_version="v2")
     assert "model.layers.0.no_such.weight" in str(err.value)
     assert max_diff(score(url, SEQ)[0], after) == 0.0 and engine.get_weight_version() == "v1"
 
-    # back to the checkpoint on disk
-    engine.update_weights_from_disk(tiny_model, weight_version="v2")
+    # back to the checkpoint on disk, while a generation is running (the update waits for a step boundary)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(generate, url, input_ids=SEQ,
+                              sampling_params={"max_new_tokens": 300, "ignore_eos": True})
+        time.sleep(0.2)
+        engine.update_weights_from_disk(tiny_model, weight_version="v2")
+        out = running.result(60)
+    assert len(out["output_ids"]) == 300 and out["meta_info"]["weight_version"] == "v2"
     restored, version = score(url, SEQ)
     assert version == "v2" and max_diff(restored, before) < TOL
 

@@ -125,3 +125,17 @@ def test_router_dies_with_its_owner(tmp_path):
         owner.kill()
         owner.wait(10)
     assert _wait_gone(router_pid), "sglang-router outlived its owner"
+
+
+@pytest.mark.timeout(60)
+def test_two_routers_on_one_host(tmp_path):
+    """Each router also serves Prometheus metrics (port 29000 by default); ours must not collide there."""
+    first = RouterProcess("127.0.0.1", None, log_dir=str(tmp_path)).start()
+    try:
+        second = RouterProcess("127.0.0.1", None, log_dir=str(tmp_path)).start()
+        try:
+            assert first.is_alive() and second.is_alive() and first.port != second.port
+        finally:
+            second.stop()
+    finally:
+        first.stop()

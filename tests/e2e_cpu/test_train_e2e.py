@@ -69,7 +69,7 @@ def test_grpo_two_ranks_two_engines_custom_rm_file(tiny_model_dir, toy_data_path
         _train_cmd(
             tiny_model_dir, toy_data_path,
             "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2",
-            "--global-batch-size", "8", "--num-rollout", "3",
+            "--global-batch-size", "16", "--num-rollout", "3",
             "--custom-rm-path", f"{rm_file}:my_reward",
             "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl",
             "--use-tensorboard", "--tensorboard-dir", str(tb_dir),

@@ -2,6 +2,8 @@
 
 import os
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler, sample_tokens  # noqa: E402
+from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler, sample_tokens
 
 TOL = 1e-5
 PROMPTS = [[56, 62, 137, 92, 138], [12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28], [30, 31, 32]]
@@ -149,6 +151,23 @@ def test_scoring_with_zero_new_tokens(model_and_tokenizer, temperature):
     assert len(other.output_ids) == 5
 
 
+def test_prefill_budgets_split_forwards_without_changing_results(model_and_tokenizer, monkeypatch):
+    import slime.backends.hf_engine.scheduler as scheduler_mod
+
+    def outputs(**kw):
+        gen = [make_request(i, p, temperature=0.0, max_new_tokens=6) for i, p in enumerate(PROMPTS)]
+        scored = [make_request(10 + i, p, logprob_start_len=0, max_new_tokens=0) for i, p in enumerate(PROMPTS)]
+        sched = run(model_and_tokenizer, gen + scored, **kw)
+        return [r.output_ids for r in gen], [r.input_logprobs for r in scored], sched.stats["num_prefill_steps"]
+
+    gen_ref, scored_ref, steps_ref = outputs()
+    monkeypatch.setattr(scheduler_mod, "MAX_FULL_LOGITS", 12 * model_and_tokenizer[0].config.vocab_size)
+    gen, scored, steps = outputs(max_prefill_tokens=10)
+    assert steps > steps_ref + 2 and gen == gen_ref
+    for a, b in zip(scored, scored_ref):
+        assert a[0] is None and b[0] is None and max(abs(x - y) for x, y in zip(a[1:], b[1:])) < TOL
+
+
 def test_abort_returns_partial_output_and_spares_others(model_and_tokenizer):
     victim = make_request(0, PROMPTS[0], max_new_tokens=50)
     survivor = make_request(1, PROMPTS[1], max_new_tokens=10)
@@ -178,6 +197,30 @@ def test_pause_keeps_requests_waiting(model_and_tokenizer):
     sched.resume()
     sched.run_until_idle()
     assert r.finish_reason == {"type": "length", "length": 3}
+
+
+@pytest.mark.timeout(60)
+def test_threaded_exclusive_holds_steps_and_abort_all(model_and_tokenizer):
+    sched = Scheduler(*model_and_tokenizer)
+    done = threading.Event()
+    r = make_request(0, PROMPTS[0], max_new_tokens=1500)
+    r.on_finish = lambda _: done.set()
+    sched.start()
+    try:
+        sched.submit(r)
+        while len(r.output_ids) < 3:
+            time.sleep(0.01)
+        with sched.exclusive():  # what a weight update holds: no forward step may run meanwhile
+            n = len(r.output_ids)
+            time.sleep(0.3)
+            assert len(r.output_ids) == n
+        while len(r.output_ids) == n:
+            time.sleep(0.01)
+        sched.abort(abort_all=True)
+        assert done.wait(10) and r.finish_reason["type"] == "abort"
+    finally:
+        sched.stop()
+    assert not sched.is_alive()
 
 
 def test_stop_string_and_response_text(model_and_tokenizer):

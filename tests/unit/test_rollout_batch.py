@@ -17,9 +17,8 @@ from slime.utils.types import Sample
 
 
 def _args(**kw):
-    base = dict(
-        n_samples_per_prompt=2, advantage_estimator="grpo", disable_grpo_std_normalization=False, reward_key=None
-    )
+    base = {"n_samples_per_prompt": 2, "advantage_estimator": "grpo", "disable_grpo_std_normalization": False}
+    base["reward_key"] = None
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -109,10 +108,15 @@ def test_router_flags():
     args = argparse.Namespace(
         router_url="http://x",
         router_policy="cache_aware",
-        router_balance_abs_threshold=None,
+        router_args={"balance_abs_threshold": "4", "disable_retries": True},
         sglang_router_request_timeout_secs=99,
     )
-    assert router_args_from(args) == {"policy": "cache_aware", "request_timeout_secs": 99}
+    assert router_args_from(args) == {
+        "balance_abs_threshold": "4",
+        "disable_retries": True,
+        "policy": "cache_aware",
+        "request_timeout_secs": 99,
+    }
 
 
 def test_debug_dump_round_trip(tmp_path):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from slime.utils.metrics import compute_rollout_metrics, zero_std_group_count
+from slime.utils.metrics import compute_eval_metrics, compute_rollout_metrics, pass_at_k, zero_std_group_count
 
 
 def test_rollout_metrics_closed_form():
@@ -46,3 +46,23 @@ def test_zero_std_groups_by_group_index_not_position():
 def test_empty_rollout_gives_zeros_not_nan():
     m = compute_rollout_metrics([], [], [], [], [], rollout_time=0.0)
     assert all(v == 0.0 for v in m.values()), m
+
+
+def test_pass_at_k_closed_form():
+    assert pass_at_k(4, 0, 1) == 0.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(4, 3, 2) == 1.0  # fewer wrong samples than k
+
+
+def test_eval_metrics_with_passrate():
+    # two prompts x 4 samples: prompt 0 has 1 correct, prompt 1 has 4 correct (±1 grader counts > 0)
+    rewards = [1, -1, -1, -1, 1, 1, 1, 1]
+    m = compute_eval_metrics("toy", rewards, [False] * 7 + [True], [0] * 4 + [1] * 4, log_passrate=True)
+    assert m["eval/toy"] == pytest.approx(2 / 8)
+    assert m["eval/toy-truncated_ratio"] == pytest.approx(1 / 8)
+    assert m["eval/toy-pass@1"] == pytest.approx((0.25 + 1) / 2)
+    assert m["eval/toy-pass@2"] == pytest.approx((0.5 + 1) / 2)
+    assert m["eval/toy-pass@4"] == pytest.approx(1.0)
+    assert "eval/toy-pass@8" not in m
+    assert set(compute_eval_metrics("x", [1.0], [False])) == {"eval/x", "eval/x-truncated_ratio"}

@@ -18,6 +18,7 @@ rollout and training (`--offload-train` is not acted on); no gradient checkpoint
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -56,6 +57,11 @@ def _fully_shard():
     return fully_shard, MixedPrecisionPolicy
 
 
+def _padded_rows(per_row, rows: list[int], width: int, device) -> torch.Tensor:
+    """[len(rows), width] fp32 from a per-row mapping of per-token values (list or dict by row index)."""
+    return pad_per_token([per_row[r] for r in rows], width, device)
+
+
 def lr_at(args: Any, step: int) -> float:
     """Learning rate of optimizer step `step` (0-based): Megatron-style warm-up then decay."""
     lr, min_lr = args.lr, getattr(args, "min_lr", 0.0)
@@ -86,17 +92,20 @@ class FSDPTrainRayActor(TrainRayActor):
                 "--advantage-estimator ppo, which this backend does not implement yet)"
             )
         self.args = args
-        torch.set_num_threads(int(os.environ.get("SLIME_TRAIN_NUM_THREADS", 1)))
+        torch.set_num_threads(int(os.environ.get("SLIME_TRAIN_NUM_THREADS", "1")))
         if not dist.is_initialized():
             backend = getattr(args, "distributed_backend", None) or ("nccl" if torch.cuda.is_available() else "gloo")
             self.init_process_group(backend, getattr(args, "distributed_timeout_minutes", 10))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(args.seed)
-        lr_at(args, 0)  # fail now, not at the first step, on an unsupported --lr-decay-style
+        # Fail now, not after the first rollout, on an unsupported --lr-decay-style / --advantage-estimator.
+        lr_at(args, 0)
+        ppo_utils.compute_advantages(args.advantage_estimator, [], [])
 
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
 
         ckpt = checkpoint.find_checkpoint(getattr(args, "load", None))
@@ -104,6 +113,9 @@ class FSDPTrainRayActor(TrainRayActor):
         self.ref_model = None
         if with_ref:
             ref_load = getattr(args, "ref_load", None)
+            if ref_load and not checkpoint.is_hf_folder(ref_load):
+                logger.warning("--ref-load %s is not an HF folder (no config.json); the fsdp backend takes the "
+                               "reference model from --hf-checkpoint %s", ref_load, args.hf_checkpoint)
             self.ref_model = self._build_model(
                 ref_load if checkpoint.is_hf_folder(ref_load) else args.hf_checkpoint, trainable=False
             )
@@ -183,6 +195,9 @@ class FSDPTrainRayActor(TrainRayActor):
         if batch.rollout_log_probs is not None:
             rollout_lp = {r: torch.as_tensor(batch.rollout_log_probs[r], dtype=torch.float32, device=self.device)
                           for mb in all_micro_batches for r in mb}
+        if getattr(args, "use_tis", False) and rollout_lp is None:
+            raise ValueError("--use-tis: the train batch has no rollout log-probs to weight by (the rollout function "
+                             "must fill Sample.rollout_log_probs); drop the flag or return them")
         extra: dict[str, float] = {}
         if getattr(args, "use_rollout_logprobs", False):
             if rollout_lp is None:
@@ -211,18 +226,15 @@ class FSDPTrainRayActor(TrainRayActor):
         metrics.update(extra)
         return metrics
 
-    def _train_step(self, batch, micro_batches, global_rows, advantages, old_lp, ref_lp, rollout_lp) -> dict[str, float]:
+    def _train_step(
+        self, batch, micro_batches, global_rows, advantages, old_lp, ref_lp, rollout_lp
+    ) -> dict[str, float]:
         args = self.args
         per_token = getattr(args, "calculate_per_token_loss", False)
         if per_token:
             denominator = max(1, sum(sum(batch.loss_masks[r]) for r in global_rows))
         else:
             denominator = len(global_rows)
-        entropy_coef = getattr(args, "entropy_coef", 0.0) or 0.0
-        kl_loss_coef = getattr(args, "kl_loss_coef", 0.0) or 0.0
-        use_tis = getattr(args, "use_tis", False)
-        eps_clip_high = args.eps_clip if getattr(args, "eps_clip_high", None) is None else args.eps_clip_high
-        eps_clip_c = getattr(args, "eps_clip_c", None)
         lr = lr_at(args, self.global_step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -230,49 +242,12 @@ class FSDPTrainRayActor(TrainRayActor):
         local: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         self.optimizer.zero_grad(set_to_none=True)
         for rows in micro_batches:
-            mb = make_micro_batch([batch.tokens[r] for r in rows], [batch.response_lengths[r] for r in rows],
-                                  device=self.device)
-            width = mb.max_response_len
-
-            def padded(per_row):
-                return pad_per_token([per_row[r] for r in rows], width, self.device)
-
-            log_probs, entropy = forward_response_log_probs(self.model, mb, args.rollout_temperature, with_entropy=True)
-            mask = mb.response_mask * pad_per_token([batch.loss_masks[r] for r in rows], width, self.device)
-            old, adv = padded(old_lp), padded(advantages)
-            if args.advantage_estimator == "gspo":
-                pg, clipfrac, ppo_kl = ppo_utils.compute_gspo_policy_loss(
-                    log_probs, old, adv, mask, args.eps_clip, eps_clip_high, eps_clip_c)
-            else:
-                pg, clipfrac, ppo_kl = ppo_utils.compute_policy_loss(
-                    log_probs, old, adv, args.eps_clip, eps_clip_high, eps_clip_c)
-
-            def agg(values):
-                return ppo_utils.aggregate_loss(values, mask, per_token, denominator)
-
-            if use_tis:
-                weights, tis_clipped = ppo_utils.compute_tis_weights(
-                    old, padded(rollout_lp), args.tis_clip, getattr(args, "tis_clip_low", 0.0))
-                pg = pg * weights
-                local["train/tis"] += agg(weights).detach()
-                local["train/tis_clipfrac"] += agg(tis_clipped)
-            pg_loss = agg(pg)
-            entropy_loss = agg(entropy if entropy_coef else entropy.detach())
-            loss = pg_loss - entropy_coef * entropy_loss
-            if ref_lp is not None:
-                kl = ppo_utils.compute_approx_kl(log_probs, padded(ref_lp), args.kl_loss_type)
-                if getattr(args, "use_unbiased_kl", False):
-                    kl = kl * torch.exp(log_probs - old).detach()  # importance-weight the KL to the sampling policy
-                kl_loss = agg(kl)
-                loss = loss + kl_loss_coef * kl_loss
-                local["train/kl_loss"] += kl_loss.detach()
+            loss, shares = self._micro_batch_loss(batch, rows, advantages, old_lp, ref_lp, rollout_lp,
+                                                  per_token, denominator)
             # FSDP averages gradients over ranks; each rank's loss is its share of a global sum, so undo that.
             (loss * self.world_size).backward()
-            local["train/loss"] += loss.detach()
-            local["train/pg_loss"] += pg_loss.detach()
-            local["train/entropy_loss"] += entropy_loss.detach()
-            local["train/pg_clipfrac"] += agg(clipfrac)
-            local["train/ppo_kl"] += agg(ppo_kl).detach()
+            for k, v in shares.items():
+                local[k] += v
 
         max_norm = args.clip_grad if args.clip_grad and args.clip_grad > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -288,6 +263,49 @@ class FSDPTrainRayActor(TrainRayActor):
         metrics["train/grad_norm"] = float(grad_norm)
         metrics["train/lr"] = lr
         return metrics
+
+    def _micro_batch_loss(
+        self, batch, rows, advantages, old_lp, ref_lp, rollout_lp, per_token: bool, denominator: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward one micro-batch: its share of the global-batch loss, and its (detached) metric shares."""
+        args = self.args
+        entropy_coef = getattr(args, "entropy_coef", 0.0) or 0.0
+        eps_clip_high = args.eps_clip if getattr(args, "eps_clip_high", None) is None else args.eps_clip_high
+        eps_clip_c = getattr(args, "eps_clip_c", None)
+        mb = make_micro_batch([batch.tokens[r] for r in rows], [batch.response_lengths[r] for r in rows],
+                              device=self.device)
+        padded = functools.partial(_padded_rows, rows=rows, width=mb.max_response_len, device=self.device)
+
+        log_probs, entropy = forward_response_log_probs(self.model, mb, args.rollout_temperature, with_entropy=True)
+        mask = mb.response_mask * padded(batch.loss_masks)
+        agg = functools.partial(ppo_utils.aggregate_loss, mask=mask, per_token=per_token,
+                                global_denominator=denominator)
+        old, adv = padded(old_lp), padded(advantages)
+        if args.advantage_estimator == "gspo":
+            pg, clipfrac, ppo_kl = ppo_utils.compute_gspo_policy_loss(
+                log_probs, old, adv, mask, args.eps_clip, eps_clip_high, eps_clip_c)
+        else:
+            pg, clipfrac, ppo_kl = ppo_utils.compute_policy_loss(
+                log_probs, old, adv, args.eps_clip, eps_clip_high, eps_clip_c)
+        shares = {"train/pg_clipfrac": agg(clipfrac), "train/ppo_kl": agg(ppo_kl).detach()}
+        if getattr(args, "use_tis", False):
+            weights, tis_clipped = ppo_utils.compute_tis_weights(
+                old, padded(rollout_lp), args.tis_clip, getattr(args, "tis_clip_low", 0.0))
+            pg = pg * weights
+            shares.update({"train/tis": agg(weights).detach(), "train/tis_clipfrac": agg(tis_clipped)})
+        pg_loss = agg(pg)
+        entropy_loss = agg(entropy if entropy_coef else entropy.detach())
+        loss = pg_loss - entropy_coef * entropy_loss
+        if ref_lp is not None:
+            kl = ppo_utils.compute_approx_kl(log_probs, padded(ref_lp), args.kl_loss_type)
+            if getattr(args, "use_unbiased_kl", False):
+                kl = kl * torch.exp(log_probs - old).detach()  # importance-weight the KL to the sampling policy
+            kl_loss = agg(kl)
+            loss = loss + (getattr(args, "kl_loss_coef", 0.0) or 0.0) * kl_loss
+            shares["train/kl_loss"] = kl_loss.detach()
+        shares.update({"train/loss": loss.detach(), "train/pg_loss": pg_loss.detach(),
+                       "train/entropy_loss": entropy_loss.detach()})
+        return loss, shares
 
     def _whiten(self, advantages: list[torch.Tensor], batch: TrainBatch) -> list[torch.Tensor]:
         """--normalize-advantages over the whole rollout batch (every rank holds it, so no collective)."""

@@ -115,7 +115,8 @@ def save_checkpoint(
     del full
 
     if optimizer is not None:
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(path, OPTIMIZER_DIR))
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+        dcp.save(state, checkpoint_id=os.path.join(path, OPTIMIZER_DIR))
     if rank == 0:
         state = dict(trainer_state, rollout_id=rollout_id, world_size=dist.get_world_size())
         with open(os.path.join(path, TRAINER_STATE_FILE), "w") as f:
@@ -172,7 +173,8 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, che
     """Collective. Restores the optimizer saved under `checkpoint_path`; False when none was saved."""
     folder = os.path.join(checkpoint_path, OPTIMIZER_DIR)
     if not os.path.isdir(folder):
-        logger.warning("%s has no optimizer state (saved with --no-save-optim?); starting a fresh optimizer", checkpoint_path)
+        logger.warning("%s has no optimizer state (saved with --no-save-optim?); starting a fresh optimizer",
+                       checkpoint_path)
         return False
     init_optimizer_state(optimizer)
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}

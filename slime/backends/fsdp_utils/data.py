@@ -10,8 +10,8 @@ padded row computes the same log-probs as the row alone.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -126,7 +126,7 @@ def extract_response_log_probs(
     of the same temperature-scaled distribution."""
     if temperature <= 0:
         raise ValueError(f"--rollout-temperature {temperature}: must be > 0")
-    batch, kept, vocab = logits.shape
+    _, kept, vocab = logits.shape
     device = logits.device
     t = torch.arange(mb.max_response_len, device=device).unsqueeze(0)
     starts = torch.as_tensor(mb.response_starts, device=device).unsqueeze(1)

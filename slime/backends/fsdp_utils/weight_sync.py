@@ -2,8 +2,8 @@
 
 Every rank joins a full-state-dict gather (HF parameter names: FSDP2 keeps the module's names); rank 0
 splits the tensors into buckets of at most `--update-weight-buffer-size` bytes and, bucket by bucket,
-hands every engine a flattened, handle-pickled copy (slime/utils/weight_transfer.py) and waits for all
-of them to load it before the next bucket. The flattened buffer of a bucket is kept referenced until
+flattens the bucket into one buffer, hands every engine a handle to it (slime/utils/weight_transfer.py)
+and waits for all of them to load it before the next bucket. The flattened buffer of a bucket is kept referenced until
 the engines have answered, because the payload carries a handle to it, not the data.
 
 Simplifications: the whole state dict is gathered to rank 0's CPU memory first (bounded by the model
@@ -14,7 +14,8 @@ its device); CUDA IPC hand-over and the NCCL broadcast path of disaggregated run
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,27 +32,30 @@ def gather_full_state_dict(model: torch.nn.Module) -> list[tuple[str, torch.Tens
     return list(state.items())
 
 
-def _call_engine(engine: Any, payload: str, weight_version: str):
-    method = engine.update_weights_from_tensor
-    if hasattr(method, "remote"):  # a Ray actor handle
-        return method.remote(payload, weight_version)
-    return method(payload, weight_version)  # an in-process engine object
+def _call_engines(engines: Sequence[Any], payload: str, weight_version: str) -> None:
+    """Call every engine (Ray actor handles run concurrently; in-process objects in turn) and wait."""
+    refs = []
+    for engine in engines:
+        method = engine.update_weights_from_tensor
+        if hasattr(method, "remote"):  # a Ray actor handle
+            refs.append(method.remote(payload, weight_version))
+        else:
+            method(payload, weight_version)
+    if refs:
+        import ray
+
+        ray.get(refs)
 
 
 def push_to_engines(
     named_tensors: list[tuple[str, torch.Tensor]], engines: Sequence[Any], weight_version: str, buffer_size: int
 ) -> int:
     """Send buckets to every engine in turn; returns the number of buckets sent."""
-    import ray
-
     buckets = split_into_buckets(named_tensors, buffer_size)
     for i, bucket in enumerate(buckets):
         flat = flatten_bucket(bucket)
         payload = serialize_bucket(flat)
-        results = [_call_engine(e, payload, weight_version) for e in engines]
-        refs = [r for r in results if isinstance(r, ray.ObjectRef)]
-        if refs:
-            ray.get(refs)
+        _call_engines(engines, payload, weight_version)
         del flat, payload  # the engines hold their copies now; release the shared buffer
         nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
         logger.info("update_weights v%s: bucket %d/%d (%d tensors, %.1f MiB)", weight_version, i + 1,

@@ -30,14 +30,15 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from transformers import DynamicCache
 
 logger = logging.getLogger(__name__)
 
+MAX_FULL_LOGITS = 2**28  # elements (1 GiB in fp32) of all-position logits in one prefill forward
 GREEDY_EPS = 1e-6  # temperatures at or below this are greedy, as in SGLang
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 _SEED_STRIDE = 1_000_003  # keeps (seed, request number) pairs from colliding for any realistic count
@@ -67,7 +68,7 @@ class SamplingParams:
     sampling_seed: int | None = None
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "SamplingParams":
+    def from_dict(cls, d: dict | None) -> SamplingParams:
         """Parse and validate; raises ValueError naming the offending field."""
         d = dict(d or {})
         p = cls()
@@ -104,7 +105,7 @@ class SamplingParams:
 
 def _number(v, name: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"sampling_params.{name} must be a number, got {v!r}")
+        raise ValueError(f"sampling_params.{name} must be a number, got {v!r}")  # noqa: TRY004 (answered as 400)
     return float(v)
 
 
@@ -125,7 +126,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     return_logprob: bool = False
     logprob_start_len: int = -1
-    on_finish: Callable[["Request"], None] | None = None
+    on_finish: Callable[[Request], None] | None = None
     # results
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -161,21 +162,25 @@ def default_stop_token_ids(model, tokenizer) -> set[int]:
 
 
 def sample_tokens(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor,
-                  uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  uniforms: torch.Tensor | None, truncate: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; returns (tokens, log-probs of the chosen tokens), both [B].
 
     logits [B, V] fp32; temps [B] (<= GREEDY_EPS: greedy); top_ps [B]; top_ks [B] (<= 0: off);
     uniforms [B] in [0, 1), one draw per row from the row's own generator (ignored for greedy rows;
     None when every row is greedy). Sampling is inverse-CDF on the (truncated, renormalised) distribution.
+    `truncate`: whether any row uses top-p / top-k (computed here when None; the scheduler passes it
+    to avoid device syncs).
     """
     greedy = temps <= GREEDY_EPS
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1)
     logp = torch.log_softmax(scaled, dim=-1)
     tokens = logp.argmax(dim=-1)
-    if uniforms is not None and not bool(greedy.all()):
+    if uniforms is not None:
         probs = logp.exp()
         vocab = probs.shape[-1]
-        if bool((top_ps < 1).any()) or bool((top_ks > 0).any()):
+        if truncate is None:
+            truncate = bool((top_ps < 1).any()) or bool((top_ks > 0).any())
+        if truncate:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly before each candidate
             drop = before > top_ps.unsqueeze(-1)  # the top candidate always survives (before == 0)
@@ -210,6 +215,7 @@ class _Batch:
         self.top_ps = torch.tensor([r.params.top_p for r in self.reqs], dtype=torch.float32, device=dev)
         self.top_ks = torch.tensor([r.params.top_k for r in self.reqs], dtype=torch.long, device=dev)
         self.sampling_rows = [i for i, r in enumerate(self.reqs) if r.params.temperature > GREEDY_EPS]
+        self.truncate = any(r.params.top_p < 1 or r.params.top_k > 0 for r in self.reqs)
 
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(layer.keys, layer.values) for layer in self.cache.layers]
@@ -224,7 +230,7 @@ class _Batch:
         self.cache = DynamicCache(ddp_cache_data=[(k[idx, :, first:], v[idx, :, first:]) for k, v in self.kv()])
         self.refresh_params()
 
-    def merge(self, other: "_Batch") -> None:
+    def merge(self, other: _Batch) -> None:
         a_len, b_len = self.mask.shape[1], other.mask.shape[1]
         length = max(a_len, b_len)
         kv = []
@@ -257,7 +263,7 @@ class Scheduler:
 
     def __init__(self, model, tokenizer, *, max_running_requests: int = 64, random_seed: int = 0,
                  stop_token_ids: set[int] | None = None, max_context_len: int | None = None,
-                 stop_window_tokens: int = 8):
+                 max_prefill_tokens: int = 16384, stop_window_tokens: int = 8):
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -265,6 +271,8 @@ class Scheduler:
         self.random_seed = random_seed
         self.eos_ids = frozenset(default_stop_token_ids(model, tokenizer) if stop_token_ids is None else stop_token_ids)
         self.max_context_len = max_context_len
+        self.max_prefill_tokens = max_prefill_tokens  # padded tokens per prefill forward (one prompt may exceed it)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.stop_window_tokens = stop_window_tokens
         self.step_lock = threading.Lock()
         self._cv = threading.Condition()
@@ -312,7 +320,7 @@ class Scheduler:
                 if (abort_all or req.rid == rid) and not req.finished:
                     req.abort_requested = True
                     count += 1
-            self._abort_pending = count > 0
+            self._abort_pending = self._abort_pending or count > 0
             self._cv.notify_all()
         for req in finished:
             self._notify(req)
@@ -394,7 +402,7 @@ class Scheduler:
             with self.step_lock:
                 try:
                     self.step()
-                except Exception as e:  # keep serving: fail the affected requests, drop the batch
+                except Exception as e:  # noqa: BLE001 (keep serving: fail the affected requests, drop the batch)
                     logger.error("engine step failed:\n%s", traceback.format_exc())
                     self._fail_all(f"{type(e).__name__}: {e}")
 
@@ -405,7 +413,14 @@ class Scheduler:
             return
         with self._cv:
             room = self.max_running_requests - (len(self._batch.reqs) if self._batch else 0)
-            new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            new, longest = [], 0
+            # Admit in arrival order while the left-padded prefill stays within the token budget.
+            while self._waiting and len(new) < room:
+                longest_next = max(longest, len(self._waiting[0].input_ids))
+                if new and longest_next * (len(new) + 1) > self.max_prefill_tokens:
+                    break
+                new.append(self._waiting.popleft())
+                longest = longest_next
             self._in_prefill = new
         if new:
             self._prefill(new)
@@ -435,10 +450,19 @@ class Scheduler:
                 self._notify(r)
             else:
                 ready.append(r)
-        # Prompt log-probs need logits at every position; keep those rows apart so the rest stay cheap.
-        for group in ([r for r in ready if r.needs_input_logprobs], [r for r in ready if not r.needs_input_logprobs]):
-            if group:
-                self._prefill_group(group)
+        # Prompt log-probs need logits at every position: keep those rows apart so the rest stay cheap,
+        # and split them so one forward's [rows, length, vocab] logits stay under MAX_FULL_LOGITS.
+        full, group, longest = [], [], 0
+        for r in (r for r in ready if r.needs_input_logprobs):
+            longest_next = max(longest, len(r.input_ids))
+            if group and (len(group) + 1) * longest_next * self.vocab_size > MAX_FULL_LOGITS:
+                full.append(group)
+                group, longest_next = [], len(r.input_ids)
+            group.append(r)
+            longest = longest_next
+        for g in full + [group, [r for r in ready if not r.needs_input_logprobs]]:
+            if g:
+                self._prefill_group(g)
 
     def _prefill_group(self, group: list[Request]) -> None:
         dev = self.device
@@ -501,7 +525,7 @@ class Scheduler:
             for i in b.sampling_rows:
                 draws[i] = float(torch.rand((), generator=b.reqs[i].generator))
             uniforms = torch.tensor(draws, dtype=torch.float32, device=logits.device)
-        tokens, logps = sample_tokens(logits, b.temps, b.top_ps, b.top_ks, uniforms)
+        tokens, logps = sample_tokens(logits, b.temps, b.top_ps, b.top_ks, uniforms, b.truncate)
         b.next_tokens = tokens
         finished = False
         for r, tok, lp in zip(b.reqs, tokens.tolist(), logps.tolist()):
@@ -567,5 +591,5 @@ class Scheduler:
         if req.on_finish is not None:
             try:
                 req.on_finish(req)
-            except Exception:
+            except Exception:  # noqa: BLE001 (a caller's callback must not kill the scheduler)
                 logger.error("on_finish callback failed:\n%s", traceback.format_exc())

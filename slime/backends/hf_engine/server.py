@@ -23,7 +23,8 @@ import time
 import uuid
 
 import torch
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -56,8 +57,8 @@ class EngineState:
         unknown = [n for n, _ in named if n not in self.params]
         if unknown:
             valid = sorted(self.params)[:5]
-            raise ValueError(f"{source}: unknown parameter name(s) {unknown[:5]}"
-                             f"{' and %d more' % (len(unknown) - 5) if len(unknown) > 5 else ''}; "
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            raise ValueError(f"{source}: unknown parameter name(s) {unknown[:5]}{more}; "
                              f"names must be the model's parameter names, e.g. {valid}")
         bad = [f"{n}: got {tuple(t.shape)}, model has {tuple(self.params[n].shape)}"
                for n, t in named if tuple(t.shape) != tuple(self.params[n].shape)]
@@ -210,7 +211,7 @@ def build_app(state: EngineState) -> FastAPI:
                       params=SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True))
         try:
             await asyncio.wait_for(run_requests([req], None), HEALTH_GENERATE_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             sched.abort(rid=req.rid)
             return _error(503, f"health generation did not finish in {HEALTH_GENERATE_TIMEOUT_S} s")
         if req.error:
@@ -335,7 +336,7 @@ def _load_from_disk(state: EngineState, path: str | None) -> int:
     total = 0
     for f in files:  # one file at a time keeps peak memory at one shard
         with safe_open(f, framework="pt") as sf:
-            named = [(k, sf.get_tensor(k)) for k in sf.keys()]
+            named = [(k, sf.get_tensor(k)) for k in sf.keys()]  # noqa: SIM118 (safe_open is not a dict)
         total += state.load_named_tensors(named, f"update_weights_from_disk ({f})")
     return total
 
@@ -377,6 +378,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-running-requests", type=int, default=64, help="most requests in one running batch")
+    p.add_argument("--max-prefill-tokens", type=int, default=16384,
+                   help="padded prompt tokens per prefill forward; newcomers beyond it join at the next step")
     p.add_argument("--random-seed", type=int, default=0, help="per-request generators derive from it")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--weight-version", default="default")
@@ -391,13 +394,18 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    if args.device.startswith("cuda"):
+        # cuDNN attention builds an execution plan per new (batch, length) shape, ~50 ms each (measured
+        # on an H200); decode shapes change every step, so take the other SDPA kernels.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     t0 = time.time()
     model, tokenizer = load_model(args.model_path, args.dtype, args.device)
     with torch.no_grad():  # warm up kernels so the first request is not the slow one
         model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=args.device))
     max_ctx = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
-                          random_seed=args.random_seed, max_context_len=max_ctx)
+                          random_seed=args.random_seed, max_context_len=max_ctx,
+                          max_prefill_tokens=args.max_prefill_tokens)
     state = EngineState(model, tokenizer, scheduler, model_path=args.model_path, device=args.device,
                         dtype=args.dtype, weight_version=args.weight_version)
     scheduler.start()
