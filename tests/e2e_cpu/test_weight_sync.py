@@ -28,7 +28,7 @@ def test_pushed_weights_reach_the_engine(tiny_model_dir, toy_data_path, monkeypa
     monkeypatch.setenv("SLIME_ENGINE_NUM_THREADS", "1")
     args = parse_args([
         "--hf-checkpoint", tiny_model_dir, "--prompt-data", toy_data_path, "--input-key", "prompt",
-        "--label-key", "label", "--apply-chat-template", "--rm-type", "toy",
+        "--label-key", "label", "--apply-chat-template", "--rm-type", "random",  # random 0/1: non-zero advantages
         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
         "--rollout-max-response-len", "4", "--lr", "1e-2", "--micro-batch-size", "16", "--num-rollout", "1",
