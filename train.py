@@ -30,6 +30,8 @@ def train(args) -> None:
             ray.get(run.rollout_manager.load.remote(start_rollout_id - 1))
         engines = ray.get(run.rollout_manager.get_engines.remote())
         weight_version = push_weights(run, engines, 0)
+        if should_eval_before_training(args, start_rollout_id):
+            tracker.log(evaluate(run, start_rollout_id), step=start_rollout_id)
 
         for rollout_id in range(start_rollout_id, args.num_rollout):
             step_start = time.time()
@@ -43,6 +45,8 @@ def train(args) -> None:
             weight_version = push_weights(run, engines, weight_version)
             metrics["perf/update_weights_time"] = time.time() - push_start
             metrics["perf/step_time"] = time.time() - step_start
+            if should_eval(args, rollout_id):
+                metrics.update(evaluate(run, rollout_id))
             tracker.log(metrics, step=rollout_id)
     tracker.close()
 
@@ -72,6 +76,21 @@ def should_save(args, rollout_id: int) -> bool:
         return False
     last = rollout_id + 1 == args.num_rollout
     return last or (args.save_interval is not None and (rollout_id + 1) % args.save_interval == 0)
+
+
+def should_eval_before_training(args, start_rollout_id: int) -> bool:
+    return bool(args.eval_interval) and start_rollout_id == 0 and not args.skip_eval_before_train
+
+
+def should_eval(args, rollout_id: int) -> bool:
+    return bool(args.eval_interval) and (rollout_id + 1) % args.eval_interval == 0
+
+
+def evaluate(run: Run, rollout_id: int) -> dict[str, float]:
+    start = time.time()
+    metrics = ray.get(run.rollout_manager.eval.remote(rollout_id))
+    metrics["perf/eval_time"] = time.time() - start
+    return metrics
 
 
 def save(run: Run, rollout_id: int) -> None:

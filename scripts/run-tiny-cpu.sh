@@ -22,13 +22,13 @@ ROLLOUT_ARGS=(
    --hf-checkpoint "$MODEL_DIR"
    --prompt-data "$DATA" --input-key prompt --label-key label --apply-chat-template --rollout-shuffle
    --rm-type toy
-   --num-rollout ${NUM_ROLLOUT:-200}
+   --num-rollout ${NUM_ROLLOUT:-400}
    --rollout-batch-size 16 --n-samples-per-prompt 8 --global-batch-size 128
    --rollout-max-response-len 4 --rollout-temperature 1.0
 )
 ALGO_ARGS=(--advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.001 --kl-loss-type low_var_kl
-           --entropy-coef 0.0 --eps-clip 0.2 --eps-clip-high 0.28)
-OPTIMIZER_ARGS=(--lr 1e-3 --weight-decay 0.0 --adam-beta1 0.9 --adam-beta2 0.98 --clip-grad 1.0)
+           --entropy-coef 0.01 --eps-clip 0.2 --eps-clip-high 0.28)
+OPTIMIZER_ARGS=(--lr 7e-4 --weight-decay 0.0 --adam-beta1 0.9 --adam-beta2 0.98 --clip-grad 1.0)
 
 python train.py "${CLUSTER_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${ALGO_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" \
    --use-tensorboard --micro-batch-size 32 ${MODEL_ARGS[@]} "$@"

@@ -1,30 +1,35 @@
-"""HTTP helpers for the rollout side: one shared `httpx.AsyncClient` per event loop, `post`/`get` with
+"""HTTP helpers for the rollout side: one shared `aiohttp.ClientSession` per event loop, `post`/`get` with
 retries, and a persistent background event loop so synchronous callers (Ray actor methods) can run
 coroutines without creating a fresh loop (and fresh connection pools) on every call.
 
 Simplifications: retries cover transport errors (connection refused/reset, timeouts) and 5xx answers;
 a 4xx answer is the caller's fault and fails at once. Backoff is exponential, capped at 5 s.
+
+Why aiohttp and not httpx here: with a rollout's burst of concurrent requests, httpx's async pool spread
+128 requests over 1-4 s (measured against one hf engine), so the engine prefilled them in dozens of small
+pieces; aiohttp delivered the same burst in 0.25 s. Synchronous control calls elsewhere use httpx.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import weakref
 from collections.abc import Coroutine
 from typing import Any
 
-import httpx
+import aiohttp
 
 logger = logging.getLogger(__name__)
 
 # Generous: the default rollout keeps sglang_server_concurrency x engines requests open at once.
-_LIMITS = httpx.Limits(max_connections=16384, max_keepalive_connections=1024)
+_MAX_CONNECTIONS = 16384
 # Generation can take minutes for long responses; only the connect phase gets a short limit.
-_TIMEOUT = httpx.Timeout(None, connect=30.0)
+_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=30.0)
 
-_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
+_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = weakref.WeakKeyDictionary()
 
 
 class HTTPRequestError(RuntimeError):
@@ -37,12 +42,14 @@ class HTTPRequestError(RuntimeError):
         super().__init__(message)
 
 
-def get_client() -> httpx.AsyncClient:
-    """The `httpx.AsyncClient` of the running event loop (created on first use)."""
+def get_client() -> aiohttp.ClientSession:
+    """The `aiohttp.ClientSession` of the running event loop (created on first use)."""
     loop = asyncio.get_running_loop()
     client = _clients.get(loop)
-    if client is None or client.is_closed:
-        client = httpx.AsyncClient(limits=_LIMITS, timeout=_TIMEOUT)
+    if client is None or client.closed:
+        client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=_MAX_CONNECTIONS), timeout=_TIMEOUT, trust_env=False
+        )
         _clients[loop] = client
     return client
 
@@ -51,7 +58,7 @@ async def close_client() -> None:
     """Close the running loop's client (call before the loop itself is closed to avoid warnings)."""
     client = _clients.pop(asyncio.get_running_loop(), None)
     if client is not None:
-        await client.aclose()
+        await client.close()
 
 
 async def post(
@@ -72,26 +79,25 @@ async def _request(method: str, url: str, payload: Any, retries: int, backoff: f
     if payload is not None:
         kwargs["json"] = payload
     if timeout is not None:
-        kwargs["timeout"] = httpx.Timeout(timeout, connect=min(timeout, 30.0))
+        kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout, connect=min(timeout, 30.0))
     attempts = max(1, retries + 1)
     last_error = ""
     for attempt in range(attempts):
         try:
-            response = await client.request(method, url, **kwargs)
-        except httpx.TransportError as e:
+            async with client.request(method, url, **kwargs) as response:
+                status, text = response.status, await response.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             last_error = f"{type(e).__name__}: {e}"
         else:
-            if response.status_code < 400:
+            if status < 400:
                 try:
-                    return response.json()
+                    return json.loads(text)
                 except ValueError:
-                    return response.text
-            text = response.text[:2000]
-            if response.status_code < 500:
-                raise HTTPRequestError(
-                    url, f"{method} {url} -> HTTP {response.status_code}: {text}", response.status_code, text
-                )
-            last_error = f"HTTP {response.status_code}: {text}"
+                    return text
+            text = text[:2000]
+            if status < 500:
+                raise HTTPRequestError(url, f"{method} {url} -> HTTP {status}: {text}", status, text)
+            last_error = f"HTTP {status}: {text}"
         if attempt + 1 < attempts:
             delay = min(backoff * (2**attempt), 5.0)
             logger.warning(

@@ -12,9 +12,9 @@ from typing import Any
 def load_function(path: str, flag: str | None = None) -> Any:
     """Load an attribute named by a `*-path` flag.
 
-    Accepted forms: `pkg.mod.fn` (dotted import path), `file.py` (the attribute named like the file's stem,
-    else the only callable defined there is not guessed: the stem must exist), `file.py:fn`, `pkg.mod:fn`.
-    Errors name the flag and the path.
+    Accepted forms: `pkg.mod.fn` (dotted import path, modules in the working directory included),
+    `file.py` (the attribute named like the file's stem, as in `--custom-generate-function-path
+    custom_generate.py`), `file.py:fn` and `pkg.mod:fn`. Errors name the flag, the path and what exists.
     """
     where = f"{flag}={path}" if flag else path
     module_part, attr = _split(path)

@@ -74,6 +74,7 @@ def test_grpo_two_ranks_two_engines_custom_rm_file(tiny_model_dir, toy_data_path
             "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl",
             "--use-tensorboard", "--tensorboard-dir", str(tb_dir),
             "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+            "--eval-prompt-data", "toy", toy_data_path, "--eval-interval", "2", "--n-samples-per-eval-prompt", "1",
         ),
         capture_output=True, text=True, env=_env(), timeout=560, cwd=str(tmp_path),
     )
@@ -84,4 +85,23 @@ def test_grpo_two_ranks_two_engines_custom_rm_file(tiny_model_dir, toy_data_path
     ppo_kl = _scalars(str(tb_dir), "train/ppo_kl")
     assert sorted(ppo_kl) == [0, 1, 2] and abs(ppo_kl[0]) < 1e-6, ppo_kl
     assert os.path.exists(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt")
+    evals = _scalars(str(tb_dir), "eval/toy")
+    assert sorted(evals) == [0, 1], evals  # before training, then after rollout 1 (--eval-interval 2)
+    assert wait_for_no_new_processes(before) == {}
+
+
+@pytest.mark.timeout(300)
+def test_failing_reward_function_stops_the_run_and_reaps_everything(tiny_model_dir, toy_data_path, tmp_path):
+    rm_file = tmp_path / "broken_rm.py"
+    rm_file.write_text("async def broken_rm(args, sample):\n    raise KeyError('no such field: answer')\n")
+    before = run_processes()
+    out = subprocess.run(
+        _train_cmd(
+            tiny_model_dir, toy_data_path, "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+            "--global-batch-size", "16", "--num-rollout", "2", "--custom-rm-path", str(rm_file),
+        ),
+        capture_output=True, text=True, env=_env(), timeout=280, cwd=str(tmp_path),
+    )
+    assert out.returncode != 0
+    assert "no such field: answer" in out.stderr, out.stderr[-3000:]
     assert wait_for_no_new_processes(before) == {}

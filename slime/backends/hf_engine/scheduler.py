@@ -42,6 +42,12 @@ MAX_FULL_LOGITS = 2**28  # elements (1 GiB in fp32) of all-position logits in on
 GREEDY_EPS = 1e-6  # temperatures at or below this are greedy, as in SGLang
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 _SEED_STRIDE = 1_000_003  # keeps (seed, request number) pairs from colliding for any realistic count
+# Requests of one rollout arrive as a burst spread over milliseconds. Prefilling each arrival on its own
+# costs one forward per handful of requests (measured: 432 forward steps instead of ~6 for 128 requests of
+# 4 tokens, 4 s instead of 1 s); so newcomers are admitted once arrivals pause for ADMIT_QUIET_S, or once
+# the oldest has waited ADMIT_MAX_WAIT_S, or when they fill the batch.
+ADMIT_QUIET_S = 0.005
+ADMIT_MAX_WAIT_S = 0.05
 
 
 # SGLang sampling knobs this engine does not implement, with the value that means "off". A request that
@@ -285,6 +291,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._in_prefill: list[Request] = []  # admitted but not yet in the batch (failed together on error)
         self._num_sampled_requests = 0
+        self._last_arrival = 0.0
         self.stats = {"max_batch_size_seen": 0, "num_forward_steps": 0, "num_prefill_steps": 0,
                       "num_generated_tokens": 0, "num_finished_requests": 0}
 
@@ -302,6 +309,7 @@ class Scheduler:
                     self._num_sampled_requests += 1
                 req.generator = torch.Generator().manual_seed(seed % (2**63))
             req.stop_ids = frozenset(req.params.stop_token_ids) | (frozenset() if req.params.ignore_eos else self.eos_ids)
+            req.arrival = self._last_arrival = time.monotonic()
             self._waiting.append(req)
             self._cv.notify_all()
 
@@ -392,11 +400,28 @@ class Scheduler:
             return True
         return not self._paused_by and (bool(self._waiting) or self._batch is not None)
 
+    def _admission_delay(self) -> float:
+        """Seconds to hold newcomers back so a burst is prefilled together (0: admit now). Holds _cv."""
+        if not self._waiting:
+            return 0.0
+        room = self.max_running_requests - (len(self._batch.reqs) if self._batch else 0)
+        if len(self._waiting) >= room:
+            return 0.0
+        now = time.monotonic()
+        quiet = self._last_arrival + ADMIT_QUIET_S - now
+        oldest = self._waiting[0].arrival + ADMIT_MAX_WAIT_S - now
+        return max(0.0, min(quiet, oldest))
+
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and (self._exclusive_waiters > 0 or not self._has_work()):
-                    self._cv.wait()
+                while not self._stopping:
+                    if self._exclusive_waiters > 0 or not self._has_work():
+                        self._cv.wait()
+                    elif self._batch is None and not self._abort_pending and self._admission_delay() > 0:
+                        self._cv.wait(timeout=self._admission_delay())
+                    else:
+                        break
                 if self._stopping:
                     return
             with self.step_lock:
@@ -413,6 +438,8 @@ class Scheduler:
             return
         with self._cv:
             room = self.max_running_requests - (len(self._batch.reqs) if self._batch else 0)
+            if self._batch is not None and self._admission_delay() > 0:
+                room = 0  # keep decoding the running batch while the burst of newcomers completes
             new, longest = [], 0
             # Admit in arrival order while the left-padded prefill stays within the token budget.
             while self._waiting and len(new) < room:

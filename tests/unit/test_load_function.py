@@ -1,0 +1,35 @@
+"""Every `*-path` flag goes through load_function: dotted paths, `file.py` and `file.py:fn`."""
+
+from __future__ import annotations
+
+import pytest
+
+from slime.utils.misc import load_function
+
+
+def test_dotted_path():
+    from slime.rollout.rm_hub.toy import toy_reward
+
+    assert load_function("slime.rollout.rm_hub.toy.toy_reward") is toy_reward
+    assert load_function("slime.rollout.rm_hub.toy:toy_reward") is toy_reward
+
+
+def test_python_file_forms(tmp_path, monkeypatch):
+    (tmp_path / "my_reward.py").write_text("def my_reward(args, sample):\n    return 1.0\n\ndef other():\n    return 2\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_function("my_reward.py")(None, None) == 1.0  # the function named like the file
+    assert load_function("my_reward.py:other")() == 2
+    assert load_function(str(tmp_path / "my_reward.py") + ":other")() == 2
+    assert load_function("my_reward.other")() == 2  # a module in the working directory
+
+
+def test_errors_name_the_flag_and_what_exists(tmp_path):
+    (tmp_path / "rm.py").write_text("def score(args, sample):\n    return 0.0\n")
+    with pytest.raises(AttributeError, match=r"--custom-rm-path=.*rm\.py:nope.*score"):
+        load_function(f"{tmp_path}/rm.py:nope", "--custom-rm-path")
+    with pytest.raises(ImportError, match=r"--custom-rm-path=.*missing\.py"):
+        load_function(f"{tmp_path}/missing.py", "--custom-rm-path")
+    with pytest.raises(ImportError, match="no_such_module"):
+        load_function("no_such_module.fn", "--rollout-function-path")
+    with pytest.raises(ValueError, match="not a dotted path"):
+        load_function("justaname")
