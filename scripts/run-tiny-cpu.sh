@@ -22,7 +22,7 @@ ROLLOUT_ARGS=(
    --hf-checkpoint "$MODEL_DIR"
    --prompt-data "$DATA" --input-key prompt --label-key label --apply-chat-template --rollout-shuffle
    --rm-type toy
-   --num-rollout ${NUM_ROLLOUT:-400}
+   --num-rollout ${NUM_ROLLOUT:-500}
    --rollout-batch-size 16 --n-samples-per-prompt 8 --global-batch-size 128
    --rollout-max-response-len 4 --rollout-temperature 1.0
 )

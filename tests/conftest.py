@@ -24,3 +24,13 @@ def toy_data_path(tmp_path_factory) -> str:
     from tools.make_toy_data import write_toy_data
 
     return write_toy_data(str(tmp_path_factory.mktemp("data") / "toy.jsonl"), num_samples=400, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """A folder with only the tiny models' tokenizer (fast: no weights)."""
+    from tools.make_tiny_model import build_tokenizer
+
+    out = str(tmp_path_factory.mktemp("tokenizer"))
+    build_tokenizer(out)
+    return out

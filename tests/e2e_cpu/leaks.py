@@ -1,23 +1,36 @@
-"""Find processes a run may leave behind: engine servers, routers, Ray daemons, training workers."""
+"""Find processes a run may leave behind: engine servers, routers, Ray daemons, training workers.
+
+Only processes started from this test session count: importing this module puts a random tag into the
+environment, which every child process (train.py runs, Ray daemons and workers, engine servers, routers)
+inherits. Other sessions running on the same machine carry another tag, or none, and are ignored.
+"""
 
 from __future__ import annotations
 
+import os
 import time
+import uuid
 
 import psutil
 
-MARKERS = ("slime.backends.hf_engine", "sglang_router", "raylet", "gcs_server", "ray::")
+TAG_VAR = "SLIME_TEST_SESSION_TAG"
+os.environ.setdefault(TAG_VAR, uuid.uuid4().hex)
+MARKERS = ("slime.backends.hf_engine", "sglang_router", "raylet", "gcs_server", "ray::", "train.py")
 
 
 def run_processes() -> dict[int, str]:
+    """This session's live run processes (pid -> command line), the calling process excluded."""
+    tag, me = os.environ[TAG_VAR], os.getpid()
     found = {}
     for p in psutil.process_iter(["pid", "cmdline", "name"]):
         try:
+            if p.info["pid"] == me or p.status() == psutil.STATUS_ZOMBIE:
+                continue
             cmd = " ".join(p.info["cmdline"] or []) or (p.info["name"] or "")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            if any(m in cmd for m in MARKERS) and p.environ().get(TAG_VAR) == tag:
+                found[p.info["pid"]] = cmd[:200]
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-        if any(m in cmd for m in MARKERS):
-            found[p.info["pid"]] = cmd[:200]
     return found
 
 

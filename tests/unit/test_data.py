@@ -20,15 +20,6 @@ HERE = __file__
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from tools.make_tiny_model import build_tokenizer
-
-    out = str(tmp_path_factory.mktemp("tok"))
-    build_tokenizer(out)
-    return out
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tokenizer_dir):
     from transformers import AutoTokenizer
 

@@ -121,15 +121,6 @@ def _answer(ids: list[int], reason: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from tools.make_tiny_model import build_tokenizer
-
-    out = str(tmp_path_factory.mktemp("tok"))
-    build_tokenizer(out)
-    return out
-
-
-@pytest.fixture(scope="module")
 def engine(tokenizer_dir):
     from transformers import AutoTokenizer
 
