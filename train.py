@@ -24,7 +24,7 @@ logger = logging.getLogger("slime")
 def train(args) -> None:
     tracker = Tracker(args)
     with Run(args) as run:
-        start_rollout_id = run.actor.init(with_ref=needs_reference_model(args))
+        start_rollout_id = init_training(args, run)
         resolve_num_rollout(args, run)
         if start_rollout_id > 0:
             ray.get(run.rollout_manager.load.remote(start_rollout_id - 1))
@@ -37,7 +37,7 @@ def train(args) -> None:
             step_start = time.time()
             batch, metrics = ray.get(run.rollout_manager.generate.remote(rollout_id))
             train_start = time.time()
-            metrics.update(run.actor.train(rollout_id, ray.put(batch)))
+            metrics.update(train_on(run, rollout_id, batch))
             metrics["perf/train_time"] = time.time() - train_start
             if should_save(args, rollout_id):
                 save(run, rollout_id)
@@ -51,8 +51,27 @@ def train(args) -> None:
     tracker.close()
 
 
+def init_training(args, run: Run) -> int:
+    """Build the actor (and PPO critic) models; returns the rollout id to start from."""
+    start_rollout_id = run.actor.init(with_ref=needs_reference_model(args))
+    if run.critic is not None:
+        run.critic.init(with_ref=False)
+    return start_rollout_id
+
+
 def needs_reference_model(args) -> bool:
     return bool(args.use_kl_loss or args.kl_coef)
+
+
+def train_on(run: Run, rollout_id: int, batch) -> dict[str, float]:
+    """One rollout's training. PPO: critic values → actor (advantages, returns, policy step) → critic step."""
+    batch_ref = ray.put(batch)
+    if run.critic is None:
+        return run.actor.train(rollout_id, batch_ref)
+    values_ref = run.critic.compute_values(batch_ref)
+    metrics = run.actor.train(rollout_id, batch_ref, values_ref)
+    metrics.update(run.critic.train(rollout_id, batch_ref, values_ref, run.actor.get_returns()))
+    return metrics
 
 
 def resolve_num_rollout(args, run: Run) -> None:
@@ -65,9 +84,12 @@ def resolve_num_rollout(args, run: Run) -> None:
 
 
 def push_weights(run: Run, engines: list, weight_version: int) -> int:
-    """Send the actor's weights to every engine; engines then stamp responses with the new version."""
+    """Send the actor's weights to every engine; engines then stamp responses with the new version.
+    The rollout manager is told before and after, so a background (fully async) rollout pauses meanwhile."""
     weight_version += 1
+    ray.get(run.rollout_manager.before_weight_update.remote())
     run.actor.update_weights(engines, weight_version)
+    ray.get(run.rollout_manager.after_weight_update.remote(weight_version))
     return weight_version
 
 

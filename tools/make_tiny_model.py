@@ -2,7 +2,9 @@
 
 The folder holds config.json, model.safetensors, generation_config.json and a word-level tokenizer
 (tokenizer.json + tokenizer_config.json with a Qwen-style chat template). The architecture is a real
-transformers one (Qwen3 by default) at a tiny size; everything is deterministic from --seed.
+transformers one (Qwen3 by default; also qwen2, llama, qwen3_moe, glm4, glm4_moe, deepseek_v3 for the
+HF<->Megatron converter tests) at a tiny size; everything is deterministic from --seed. Each arch has a
+matching `scripts/models/tiny-<arch>.sh` with its Megatron flags (for --size tiny).
 
 Simplifications: the tokenizer is word-level over a small fixed English vocabulary plus single digits
 (unknown words map to <unk>; text is lower-cased), which is what the toy tasks under examples/ and tools/ need; it is not a
@@ -44,6 +46,11 @@ SIZES = {
     "tiny": (128, 4, 4, 2, 32, 512),
     "small": (384, 8, 6, 2, 64, 1536),
 }
+# MoE / MLA sizes of the non-dense archs: (experts, top-k, expert ffn, shared-expert ffn) and
+# (q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+MOE = (4, 2, 64, 64)
+MLA = (64, 32, 16, 8, 16)
+ARCHS = ["qwen3", "qwen2", "llama", "qwen3_moe", "glm4", "glm4_moe", "deepseek_v3"]
 
 
 def build_vocab() -> list[str]:
@@ -105,7 +112,40 @@ def build_config(arch: str, size: str, vocab_size: int, tokenizer):
         from transformers import LlamaConfig
 
         return LlamaConfig(head_dim=head_dim, **common)
-    raise ValueError(f"--arch {arch}: supported architectures are qwen3, llama")
+    experts, topk, moe_ffn, shared_ffn = MOE
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common)  # Qwen2 has no head_dim field: hidden / heads (= 32 at tiny)
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        # layer 0 dense, the rest MoE: exercises both MLP kinds
+        return Qwen3MoeConfig(head_dim=head_dim, num_experts=experts, num_experts_per_tok=topk,
+                              moe_intermediate_size=moe_ffn, decoder_sparse_step=1, mlp_only_layers=[0],
+                              norm_topk_prob=True, **common)  # fmt: skip
+    if arch == "glm4":
+        from transformers import Glm4Config
+
+        return Glm4Config(head_dim=head_dim, attention_bias=True, partial_rotary_factor=0.5, **common)
+    if arch == "glm4_moe":
+        from transformers import Glm4MoeConfig
+
+        return Glm4MoeConfig(head_dim=head_dim, attention_bias=True, partial_rotary_factor=0.5, use_qk_norm=True,
+                             n_routed_experts=experts, num_experts_per_tok=topk, moe_intermediate_size=moe_ffn,
+                             n_shared_experts=shared_ffn // moe_ffn, first_k_dense_replace=1, n_group=1,
+                             topk_group=1, routed_scaling_factor=1.0, **common)  # fmt: skip
+    if arch == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        q_lora, kv_lora, nope, rope, v = MLA
+        common = {**common, "num_key_value_heads": heads}  # MLA: one latent shared by all heads
+        return DeepseekV3Config(q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope_head_dim=nope,
+                                qk_rope_head_dim=rope, v_head_dim=v, n_routed_experts=experts,
+                                num_experts_per_tok=topk, moe_intermediate_size=moe_ffn,
+                                n_shared_experts=shared_ffn // moe_ffn, first_k_dense_replace=1, n_group=1,
+                                topk_group=1, routed_scaling_factor=1.0, **common)  # fmt: skip
+    raise ValueError(f"--arch {arch}: supported architectures are {', '.join(ARCHS)}")
 
 
 def make_tiny_model(out: str, arch: str = "qwen3", size: str = "tiny", seed: int = 0) -> str:
@@ -133,7 +173,7 @@ def make_tiny_model(out: str, arch: str = "qwen3", size: str = "tiny", seed: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
+    parser.add_argument("--arch", default="qwen3", choices=ARCHS)
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

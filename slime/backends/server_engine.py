@@ -1,9 +1,10 @@
 """`ServerEngine`: one inference server process, driven over HTTP. The base of every rollout engine.
 
 Used as a Ray actor (`ray.remote(num_cpus=...)(HFEngine).remote(args, rank)`), or directly in-process.
-A subclass only says how to launch its server (`launch_command`); starting, health-waiting, control
-calls and shutdown are shared. Control calls go straight to the engine (sglang-router does not proxy
-weight updates, pause or abort); generation goes through the router.
+A subclass only says how to launch its server (`launch_command`) and which endpoint proves it ready
+(`health_path`); starting, health-waiting, control calls and shutdown are shared. Control calls go
+straight to the engine (sglang-router does not proxy weight updates, pause or abort); generation goes
+through the router.
 
 Process hygiene: the server runs in its own session (process group), so `shutdown` can signal every
 process it spawned; on Linux it also gets PR_SET_PDEATHSIG=SIGKILL, so it dies when the thread that
@@ -89,6 +90,8 @@ class ServerEngine:
     control_timeout_s = 120.0
     weight_update_timeout_s = 1800.0
     shutdown_grace_s = 10.0
+    health_path = "/health"  # polled until it answers 200 (SGLang: /health_generate)
+    health_probe_timeout_s = 5.0
 
     def __init__(self, args, rank: int):
         self.args = args
@@ -109,7 +112,7 @@ class ServerEngine:
 
     # ---- lifecycle ----
     def init(self) -> str:
-        """Start the server and wait for GET /health; returns its URL."""
+        """Start the server and wait for GET `health_path`; returns its URL."""
         if self.process is not None and self.process.poll() is None:
             return self.get_url()
         for attempt in range(_STARTUP_RETRIES):
@@ -164,14 +167,14 @@ class ServerEngine:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
-        url = self.get_url() + "/health"
+        url = self.get_url() + self.health_path
         while True:
             rc = self.process.poll()
             if rc is not None:
                 raise RuntimeError(f"{self.name} rank {self.rank} exited with code {rc} before answering "
                                    f"{url}; log {self.log_path}:\n{self.log_tail()}")
             try:
-                if httpx.get(url, timeout=5.0, trust_env=False).status_code == 200:
+                if httpx.get(url, timeout=self.health_probe_timeout_s, trust_env=False).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -219,13 +222,39 @@ class ServerEngine:
         return body
 
     # ---- control calls ----
-    def update_weights_from_tensor(self, serialized_bucket: str, weight_version: str,
+    def update_weights_from_tensor(self, serialized_bucket: str | list[str], weight_version: str,
                                    load_format: str = "flattened_bucket", flush_cache: bool = False) -> dict:
-        """Load one bucket (`serialize_bucket(flatten_bucket(named))`). The caller keeps the flattened
-        bucket alive until this returns: the payload holds handles to its memory, not a copy."""
+        """Load one bucket (`serialize_bucket(flatten_bucket(named))`; a list gives one payload per engine
+        TP rank, as SGLang takes them). The caller keeps the flattened bucket alive until this returns:
+        the payload holds handles to its memory, not a copy."""
+        payloads = [serialized_bucket] if isinstance(serialized_bucket, str) else list(serialized_bucket)
         return self._call("POST", "/update_weights_from_tensor", {
-            "serialized_named_tensors": [serialized_bucket], "load_format": load_format,
+            "serialized_named_tensors": payloads, "load_format": load_format,
             "flush_cache": flush_cache, "weight_version": weight_version}, timeout=self.weight_update_timeout_s)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> dict:
+        """Join the trainer's broadcast group (the trainer is rank 0 and must join at the same time: call
+        this asynchronously, e.g. as a Ray actor method, then join from the trainer). This engine's TP
+        ranks take group ranks `rank_offset ..`."""
+        return self._call("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend},
+            timeout=self.weight_update_timeout_s)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
+                                        group_name: str = "weight_update_group", flush_cache: bool = False,
+                                        weight_version: str | None = None) -> dict:
+        """Receive `names` (in this order) by broadcast from group rank 0; the trainer broadcasts them while
+        this call waits. `dtypes` are torch dtypes or their names ("bfloat16")."""
+        return self._call("POST", "/update_weights_from_distributed", {
+            "names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [list(s) for s in shapes], "group_name": group_name, "flush_cache": flush_cache,
+            "weight_version": None if weight_version is None else str(weight_version)},
+            timeout=self.weight_update_timeout_s)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> dict:
         return self._call("POST", "/update_weights_from_disk",

@@ -2,6 +2,8 @@
 
 Rank 0 is created first and picks the rendezvous address (its node IP and a free port); ranks 1..N-1 get it.
 Every call fans out to all ranks (torch.distributed collectives need all of them) and returns rank 0's result.
+The PPO critic group (role "critic") sits on the actor's bundles: without CUDA its ranks take no CPU of
+their own (num_cpus 0), with CUDA a share of each GPU next to the actor's rank.
 """
 
 from __future__ import annotations
@@ -23,8 +25,19 @@ TRAIN_BACKENDS = {
 _FORWARDED_ENV = ("SLIME_TRAIN_NUM_THREADS", "SLIME_ENGINE_NUM_THREADS", "PYTHONPATH")
 
 
-def load_backend_class(train_backend: str):
-    module_name, cls_name = TRAIN_BACKENDS[train_backend].split(":")
+CRITIC_BACKENDS = {
+    "fsdp": "slime.backends.fsdp_utils.critic:FSDPCriticRayActor",
+}
+
+
+def load_backend_class(train_backend: str, role: str = "actor"):
+    backends = CRITIC_BACKENDS if role == "critic" else TRAIN_BACKENDS
+    if train_backend not in backends:
+        raise ValueError(
+            f"--train-backend {train_backend} has no {role} implementation (there is one for: "
+            f"{', '.join(backends)}); use --train-backend {next(iter(backends))}"
+        )
+    module_name, cls_name = backends[train_backend].split(":")
     return getattr(importlib.import_module(module_name), cls_name)
 
 
@@ -35,13 +48,17 @@ class RayTrainGroup:
         world_size = len(placement.bundle_indices)
         if world_size == 0:
             raise ValueError(f"{role}: no training ranks (--actor-num-nodes x --actor-num-gpus-per-node is 0)")
-        remote_cls = ray.remote(load_backend_class(args.train_backend))
+        remote_cls = ray.remote(load_backend_class(args.train_backend, role))
+        if args.use_cuda:
+            num_cpus = 0.2
+        else:
+            num_cpus = 0 if role == "critic" else 1  # the critic shares the actor's CPU bundles
         env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
         self._actors = []
         master_addr = master_port = None
         for rank in range(world_size):
             actor = remote_cls.options(
-                num_cpus=1 if not args.use_cuda else 0.2,
+                num_cpus=num_cpus,
                 num_gpus=num_gpus_per_actor if args.use_cuda else 0,
                 scheduling_strategy=placement.strategy(rank),
                 runtime_env={"env_vars": env} if env else None,
@@ -62,8 +79,20 @@ class RayTrainGroup:
         """Build models on every rank; returns the rollout id to start from."""
         return self._all("init", self.args, self.role, with_ref)[0]
 
-    def train(self, rollout_id: int, batch_ref: ray.ObjectRef) -> dict[str, float]:
-        return self._all("train", rollout_id, batch_ref)[0]
+    def train(self, rollout_id: int, batch_ref: ray.ObjectRef, *per_row_refs: ray.ObjectRef) -> dict[str, float]:
+        """Train on one rollout. `per_row_refs`: the actor under ppo takes the critic's values; the critic
+        takes its values and the actor's returns."""
+        return self._all("train", rollout_id, batch_ref, *per_row_refs)[0]
+
+    def compute_values(self, batch_ref: ray.ObjectRef) -> ray.ObjectRef:
+        """Critic: per-token values of every row (a reference to rank 0's list, for the actor and critic)."""
+        refs = [a.compute_values.remote(batch_ref) for a in self._actors]
+        ray.get(refs[1:])
+        return refs[0]
+
+    def get_returns(self) -> ray.ObjectRef:
+        """Actor under ppo: the returns of every row from the last `train` (a reference, for the critic)."""
+        return self._actors[0].get_returns.remote()
 
     def update_weights(self, engines: list, weight_version: int) -> None:
         self._all("update_weights", engines, weight_version)

@@ -2,6 +2,7 @@
 
 `Run` is a context manager: whatever has been started when an exception, Ctrl-C or SIGTERM arrives is shut
 down in reverse order (rollout manager → its engines and router; training ranks; Ray itself when we started it).
+With `--advantage-estimator ppo` (`args.use_critic`) it also creates the critic group on the actor's bundles.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Run:
         self.args = args
         self.rollout_manager = None
         self.actor: RayTrainGroup | None = None
+        self.critic: RayTrainGroup | None = None
         self._started_ray = False
         self._old_sigterm = None
 
@@ -56,8 +58,12 @@ class Run:
             self._started_ray = start_ray(self.args)
             placements = create_placement_groups(self.args)
             self.rollout_manager = create_rollout_manager(self.args, placements["rollout"])
+            use_critic = bool(getattr(self.args, "use_critic", False))
+            # With a critic (or colocated engines) several processes share each GPU bundle.
             self.actor = RayTrainGroup(self.args, placements["actor"], role="actor",
-                                       num_gpus_per_actor=0.4 if self.args.colocate else 1.0)
+                                       num_gpus_per_actor=0.4 if self.args.colocate or use_critic else 1.0)
+            if use_critic:
+                self.critic = RayTrainGroup(self.args, placements["actor"], role="critic", num_gpus_per_actor=0.2)
         except BaseException:
             self.__exit__(*sys.exc_info())
             raise
@@ -75,12 +81,15 @@ class Run:
                 logger.warning("rollout manager shutdown failed: %s", e)
             ray.kill(self.rollout_manager)
             self.rollout_manager = None
-        if self.actor is not None:
+        for name in ("critic", "actor"):
+            group = getattr(self, name)
+            if group is None:
+                continue
             try:
-                self.actor.shutdown()
+                group.shutdown()
             except Exception as e:  # noqa: BLE001
-                logger.warning("training group shutdown failed: %s", e)
-            self.actor = None
+                logger.warning("%s group shutdown failed: %s", name, e)
+            setattr(self, name, None)
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
 

@@ -14,6 +14,11 @@ Simplifications and choices:
 - `--debug-train-only` skips the router and engines; with `--load-debug-rollout-data` the samples of
   each rollout are read from that file (a template with `{rollout_id}`) instead of being generated.
 - `--rollout-external-engine-addrs` registers already running engines (no engine actors are created).
+- Weight pushes: the driver brackets each push with `before_weight_update()` / `after_weight_update(v)`.
+  This actor runs one method at a time, so `before_weight_update` only starts once every `generate`
+  queued before it has returned: weights never change under the default rollout. A rollout function
+  whose module defines `before_weight_update(args)`, `after_weight_update(args, version)` or
+  `shutdown_rollout(args)` (the fully async rollout) is told about pushes and shutdown through them.
 """
 
 from __future__ import annotations
@@ -29,7 +34,12 @@ from typing import Any
 import ray
 
 from slime.rollout.router import RouterClient, RouterProcess
-from slime.utils.metrics import compute_eval_metrics, compute_rollout_metrics
+from slime.utils.metrics import (
+    compute_eval_metrics,
+    compute_rollout_metrics,
+    compute_weight_version_metrics,
+    wait_time_ratio,
+)
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, TrainBatch
 
@@ -51,6 +61,8 @@ class RolloutManager:
         self.router: RouterClient | None = None
         self._owns_router = False
         self._shut_down = False
+        self.weight_version: int | None = None  # the last version pushed to the engines (after_weight_update)
+        self._last_generate_end: float | None = None  # wall clock; idle time between generates = waiting
         try:
             # The cheap, error-prone parts first, so a bad plugin path or dataset starts no process.
             self.generate_rollout = load_function(args.rollout_function_path, "--rollout-function-path")
@@ -170,9 +182,14 @@ class RolloutManager:
         return int(size() if callable(size) else size)
 
     # ---- generation -----------------------------------------------------------------------------
-    def generate(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float]]:
-        """One rollout: samples from the rollout function (or a debug dump) -> (TrainBatch, metrics)."""
+    def generate(self, rollout_id: int, with_timing: bool = False):
+        """One rollout: samples from the rollout function (or a debug dump) -> (TrainBatch, metrics).
+
+        With `with_timing` (train_async.py) a third item `{"generate_start", "generate_end"}` (wall clock,
+        `time.time()`) comes back, so the driver can log when generation ran next to when training ran.
+        """
         args = self.args
+        wall_start = time.time()
         start = time.perf_counter()
         if getattr(args, "load_debug_rollout_data", None):
             samples = load_debug_samples(args.load_debug_rollout_data, rollout_id)
@@ -200,7 +217,15 @@ class RolloutManager:
             batch.raw_rewards, batch.rewards, batch.response_lengths, batch.truncated, batch.group_indices,
             failed_count=failed, rollout_time=rollout_time,
         )  # fmt: skip
-        metrics.update(_module_metrics(self.generate_rollout))
+        metrics.update(compute_weight_version_metrics([s.weight_versions for s in samples]))
+        if self._last_generate_end is not None:
+            # Generation side idle between the previous generate and this one (waiting on the trainer).
+            idle = max(0.0, wall_start - self._last_generate_end)
+            metrics["perf/rollout_wait_time_ratio"] = wait_time_ratio(idle, idle + rollout_time)
+        metrics.update(_module_metrics(self.generate_rollout))  # a background rollout reports its own ratio
+        self._last_generate_end = time.time()
+        if with_timing:
+            return batch, metrics, {"generate_start": wall_start, "generate_end": self._last_generate_end}
         return batch, metrics
 
     def eval(self, rollout_id: int) -> dict[str, float]:
@@ -247,6 +272,23 @@ class RolloutManager:
     def resume_memory(self, tags: list[str] | None = None) -> None:
         self._fan_out("resume_memory_occupation", tags)
 
+    # ---- weight pushes (the driver pushes; these bracket it) ---------------------------------------
+    def before_weight_update(self) -> None:
+        """Called right before a push; returns once no generation of ours is in flight."""
+        hook = _module_hook(self.generate_rollout, "before_weight_update")
+        if hook is not None:
+            hook(self.args)
+
+    def after_weight_update(self, weight_version: int) -> None:
+        """Called after a push: record the engines' new version and let a background rollout resume."""
+        self.weight_version = int(weight_version)
+        hook = _module_hook(self.generate_rollout, "after_weight_update")
+        if hook is not None:
+            hook(self.args, self.weight_version)
+
+    def get_weight_version(self) -> int | None:
+        return self.weight_version
+
     # ---- checkpoints ----------------------------------------------------------------------------
     def save(self, rollout_id: int) -> None:
         self.data_source.save(rollout_id)
@@ -261,6 +303,9 @@ class RolloutManager:
         if self._shut_down:
             return
         self._shut_down = True
+        hook = _module_hook(getattr(self, "generate_rollout", None), "shutdown_rollout")
+        if hook is not None:  # stop a background rollout before its engines go away
+            _best_effort("stop background rollout", lambda: hook(self.args))
         if self.router is not None:
             for url in self.engine_urls:
                 _best_effort(f"deregister {url}", lambda u=url: self.router.remove_worker(u))
@@ -352,7 +397,9 @@ def _normalized_rewards(args: Any, samples: list[Sample], raw: list[float], grou
         return list(raw)
     from slime.utils.ppo_utils import group_normalize_rewards
 
-    std_normalize = not getattr(args, "disable_grpo_std_normalization", False)
+    # REINFORCE++-baseline only subtracts the group mean; GRPO-like estimators also divide by the std.
+    std_normalize = (not getattr(args, "disable_grpo_std_normalization", False)
+                     and args.advantage_estimator != "reinforce_plus_plus_baseline")
     return [float(r) for r in group_normalize_rewards(raw, group_indices, std_normalize)]
 
 
@@ -383,6 +430,12 @@ def _module_metrics(fn: Any) -> dict[str, float]:
     rollout reports dynamic-filter drops, aborted groups and failures there)."""
     hook = getattr(sys.modules.get(getattr(fn, "__module__", None) or ""), "last_rollout_metrics", None)
     return {k: float(v) for k, v in hook().items()} if callable(hook) else {}
+
+
+def _module_hook(fn: Any, name: str):
+    """`name` from the rollout function's module when it defines one (see the module docstring)."""
+    hook = getattr(sys.modules.get(getattr(fn, "__module__", None) or ""), name, None)
+    return hook if callable(hook) else None
 
 
 def _best_effort(what: str, fn) -> None:

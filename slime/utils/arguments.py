@@ -6,11 +6,12 @@ Three families of flags share one command line:
   (`{"mem_fraction_static": "0.7"}`; a bare flag is True, several values a list) and `--router-<field>`
   flags forwarded to sglang-router, kept in `args.router_args` (slime's own `--sglang-server-concurrency`,
   `--sglang-router-ip/-port/-request-timeout-secs` and `--router-policy` are ordinary flags);
-- every other `--flag` (Megatron-LM's, e.g. `${MODEL_ARGS[@]}` from scripts/models), kept as raw tokens in
-  `args.megatron_args` for the Megatron backend.
+- Megatron-LM's flags (e.g. `${MODEL_ARGS[@]}` from scripts/models), defined in
+  `slime/utils/arg_groups/megatron.py`: parsed into typed attributes like ours, and their raw tokens also kept,
+  in order, in `args.megatron_args`. Any other `--flag` is an error naming it, with a "did you mean" hint.
 
-Simplifications: forwarded values stay strings until their backend type-checks them; the Megatron tokens
-are not checked here (the fsdp backend ignores them, with one warning). `--custom-config-path` YAML
+Simplifications: forwarded values stay strings until their backend type-checks them; the fsdp backend
+ignores the Megatron flags (with one warning). `--custom-config-path` YAML
 overrides the command line and is then validated like it.
 """
 
@@ -26,6 +27,7 @@ from functools import lru_cache
 from typing import Any
 
 from slime.utils.arg_groups import FUNCTION_FLAGS, SlimeArgumentError, add_all_arguments, validate_all
+from slime.utils.arg_groups.megatron import MEGATRON_DESTS, add_megatron_arguments, validate_megatron
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +41,8 @@ Flags not listed above:
   --sglang-<field> VALUE   forwarded to every SGLang server as ServerArgs.<field>
                            (e.g. --sglang-mem-fraction-static 0.7); kept in args.sglang_args
   --router-<field> VALUE   forwarded to sglang-router; kept in args.router_args
-  any other --flag         Megatron-LM flags (e.g. ${MODEL_ARGS[@]} from scripts/models), kept in
-                           args.megatron_args for --train-backend megatron; ignored by fsdp
+  Megatron-LM flags (the "megatron ..." groups above, e.g. ${MODEL_ARGS[@]} from scripts/models) are
+  also kept as raw tokens in args.megatron_args; the fsdp backend ignores them. Any other flag is an error.
 Batch identity: rollout_batch_size x n_samples_per_prompt == global_batch_size x num_steps_per_rollout.
 Without CUDA, --actor-num-gpus-per-node counts CPU training ranks and --rollout-num-gpus CPU engines.
 """
@@ -68,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     add_all_arguments(parser)
+    add_megatron_arguments(parser)
     parser.add_argument(
         "--custom-config-path",
         type=str,
@@ -86,6 +89,7 @@ class SplitArgv:
     sglang_args: dict[str, Any] = field(default_factory=dict)
     router_args: dict[str, Any] = field(default_factory=dict)
     megatron_args: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
 
 
 def _is_flag(token: str) -> bool:
@@ -145,7 +149,12 @@ def split_argv(parser: argparse.ArgumentParser, argv: list[str]) -> SplitArgv:
                     f"stray argument {values[int(room)]!r} after {name} ({name} takes {takes}); "
                     "remove it or add the flag it belongs to."
                 )
-            out.known += [token, *values]
+            if len(values) == 1 and values[0].startswith("-") and not has_inline:
+                out.known.append(f"{token}={values[0]}")  # argparse would read `-1e-6` as a flag
+            else:
+                out.known += [token, *values]
+            if options[name].dest in MEGATRON_DESTS:
+                out.megatron_args += [token, *values]
         elif name.startswith(_SGLANG_PREFIX):
             key = name[len(_SGLANG_PREFIX) :].replace("-", "_")
             out.sglang_args[key] = _forwarded_value(([inline] if has_inline else []) + values)
@@ -153,9 +162,28 @@ def split_argv(parser: argparse.ArgumentParser, argv: list[str]) -> SplitArgv:
             key = name[len(_ROUTER_PREFIX) :].replace("-", "_")
             out.router_args[key] = _forwarded_value(([inline] if has_inline else []) + values)
         else:
+            # Kept in order with the Megatron tokens (as slime passes them on); parse_args refuses them.
             out.megatron_args += [token, *values]
+            out.unknown.append(name)
         i = j
     return out
+
+
+def check_unknown_flags(parser: argparse.ArgumentParser, names: list[str]) -> None:
+    """An unknown flag is an error naming it, with the closest known flag(s) as a hint."""
+    import difflib
+
+    if not names:
+        return
+    known = [o for o in parser._option_string_actions if o.startswith("--")]
+    parts = []
+    for name in names:
+        close = difflib.get_close_matches(name, known, n=2, cutoff=0.75)
+        parts.append(f"{name} (did you mean {' or '.join(close)}?)" if close else name)
+    raise SlimeArgumentError(
+        f"unknown flag(s): {', '.join(parts)}. Flags are slime's own, Megatron-LM's (see --help), "
+        "--sglang-<field> (forwarded to SGLang) or --router-<field> (forwarded to sglang-router)."
+    )
 
 
 @lru_cache(maxsize=1)
@@ -236,7 +264,9 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         if getattr(args, name, None) is None:
             setattr(args, name, empty())
     validate_all(args)
+    validate_megatron(args)
     check_function_flags(args, parser)
+    check_model_args(args)
     if args.megatron_args and args.train_backend == "fsdp":
         flags = [t for t in args.megatron_args if _is_flag(t)]
         logger.warning(
@@ -247,11 +277,28 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     return args
 
 
+def check_model_args(args: argparse.Namespace) -> None:
+    """MODEL_ARGS vs --hf-checkpoint's config.json: an error for megatron, a warning for fsdp."""
+    if not getattr(args, "num_layers", None) or not getattr(args, "hf_checkpoint", None):
+        return  # no architecture flags given: nothing to cross-check
+    if not os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")):
+        return  # the rollout checks report a missing checkpoint where one is needed
+    from slime.backends.megatron_utils.config_check import ConfigMismatchError, check_against_hf_config
+
+    try:
+        check_against_hf_config(args, args.hf_checkpoint)
+    except ConfigMismatchError as e:
+        if args.train_backend == "megatron":
+            raise SlimeArgumentError(str(e)) from e
+        logger.warning("--train-backend fsdp (model from --hf-checkpoint; Megatron flags unused): %s", e)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and validate a slime command line (default: sys.argv[1:]); raises SlimeArgumentError."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     split = split_argv(parser, argv)
+    check_unknown_flags(parser, split.unknown)
     args = parser.parse_args(split.known)
     args.sglang_args = split.sglang_args
     args.router_args = split.router_args

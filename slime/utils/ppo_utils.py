@@ -1,16 +1,16 @@
 """The RL algorithm as pure functions on tensors and lists: KL estimators, group reward normalisation,
-advantages, the clipped policy loss (token- and sequence-level) and loss aggregation.
+advantages and returns of every `--advantage-estimator`, masked whitening, the policy losses (PPO clip,
+GSPO, CISPO), TIS, the PPO value loss and loss aggregation.
 
 No Ray, no torch.distributed, no globals: every function here has a closed-form unit test
-(tests/unit/test_ppo_utils.py). Conventions:
-- per-token tensors of a micro-batch are padded `[B, R]` response-aligned tensors (R = longest response),
-  with a 0/1 `mask` of the same shape (response positions whose loss counts);
+(tests/unit/test_ppo_utils.py); the training backends call them. Conventions:
+- per-sample quantities are lists of 1-D tensors (one entry per response token); per-token tensors of a
+  micro-batch are padded `[B, R]` response-aligned tensors with a 0/1 `mask` of the same shape;
 - `log_probs` are the current policy's, `old_log_probs` the behaviour policy's, `ref_log_probs` the
-  frozen reference model's, all fp32.
+  frozen reference model's, `values` the critic's V(prefix before the token), all fp32.
 
-Implemented advantage estimators: grpo and gspo (the scalar, already group-normalised reward broadcast to
-each response token). ppo, reinforce_plus_plus(_baseline) and cispo are accepted by the argument parser
-but raise `NotImplementedError` here, naming `--advantage-estimator`; they slot into `compute_advantages`.
+Simplifications: GAE and discounted returns step over every response token, loss-masked (tool) tokens
+included, with the KL of a loss-masked token taken as 0; the scalar reward sits on the last response token.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
-# Estimators whose advantage is the (group-normalised) scalar reward broadcast to every response token.
-SCALAR_REWARD_ESTIMATORS = ("grpo", "gspo")
-NOT_YET_IMPLEMENTED_ESTIMATORS = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "cispo")
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+# The advantage is the (group-normalised) scalar reward broadcast to every response token.
+SCALAR_REWARD_ESTIMATORS = ("grpo", "gspo", "cispo")
 
 
 # ---- KL ------------------------------------------------------------------------------------------------
@@ -43,7 +44,14 @@ def compute_approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_l
     raise ValueError(f"--kl-loss-type {kl_loss_type!r}: choose one of {', '.join(KL_LOSS_TYPES)}")
 
 
-# ---- rewards and advantages ----------------------------------------------------------------------------
+def unbiased_kl(kl: torch.Tensor, log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Tensor:
+    """`--use-unbiased-kl`: weight each token's KL estimate by the (gradient-free) importance ratio
+    π/π_old, which makes the estimate unbiased for the current policy although tokens were sampled from
+    the old one."""
+    return kl * torch.exp(log_probs - old_log_probs).detach()
+
+
+# ---- rewards -------------------------------------------------------------------------------------------
 def group_normalize_rewards(
     rewards: list[float], group_indices: list[int], std_normalize: bool, eps: float = 1e-6
 ) -> list[float]:
@@ -68,6 +76,26 @@ def group_normalize_rewards(
     return out
 
 
+def kl_shaped_token_rewards(
+    reward: float, kl: torch.Tensor | None, kl_coef: float, loss_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """PPO / REINFORCE++ per-token reward: −kl_coef·KL_t on every token (0 on loss-masked tokens), plus
+    the sample's scalar reward on the last response token. `kl` is [T] (None: no KL term)."""
+    if kl is None:
+        if loss_mask is None:
+            raise ValueError("kl_shaped_token_rewards: give kl or loss_mask (to know the response length)")
+        token_rewards = torch.zeros(loss_mask.shape[0], dtype=torch.float32)
+    else:
+        token_rewards = -kl_coef * kl.float()
+        if loss_mask is not None:
+            token_rewards = token_rewards * loss_mask.float()
+    token_rewards = token_rewards.clone()
+    if token_rewards.numel():
+        token_rewards[-1] += float(reward)
+    return token_rewards
+
+
+# ---- advantages and returns ----------------------------------------------------------------------------
 def get_grpo_advantages(rewards: Sequence[float], response_lengths: Sequence[int]) -> list[torch.Tensor]:
     """Each sample's (already normalised) scalar reward, repeated for each of its response tokens."""
     if len(rewards) != len(response_lengths):
@@ -75,34 +103,124 @@ def get_grpo_advantages(rewards: Sequence[float], response_lengths: Sequence[int
     return [torch.full((int(n),), float(r), dtype=torch.float32) for r, n in zip(rewards, response_lengths)]
 
 
-def compute_advantages(
-    advantage_estimator: str, rewards: Sequence[float], response_lengths: Sequence[int]
-) -> list[torch.Tensor]:
-    """Per-token advantages of every sample, dispatched on `--advantage-estimator`."""
-    if advantage_estimator in SCALAR_REWARD_ESTIMATORS:
-        return get_grpo_advantages(rewards, response_lengths)
-    if advantage_estimator in NOT_YET_IMPLEMENTED_ESTIMATORS:
-        raise NotImplementedError(
-            f"--advantage-estimator {advantage_estimator}: not implemented in this backend yet; "
-            f"use one of {', '.join(SCALAR_REWARD_ESTIMATORS)}"
-        )
-    raise ValueError(
-        f"--advantage-estimator {advantage_estimator!r}: unknown; choose one of "
-        f"{', '.join(SCALAR_REWARD_ESTIMATORS + NOT_YET_IMPLEMENTED_ESTIMATORS)}"
-    )
+def discounted_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + γ·G_{t+1}, G_T = 0 (REINFORCE++)."""
+    returns = torch.zeros_like(token_rewards, dtype=torch.float32)
+    running = 0.0
+    for t in range(token_rewards.shape[0] - 1, -1, -1):
+        running = float(token_rewards[t]) + gamma * running
+        returns[t] = running
+    return returns
+
+
+def gae_advantages_and_returns(
+    token_rewards: torch.Tensor, values: torch.Tensor, gamma: float, lambd: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over one response (PPO).
+
+    δ_t = r_t + γ·V_{t+1} − V_t with V_T = 0 (the episode ends after the last token);
+    A_t = δ_t + γλ·A_{t+1}; returns R_t = A_t + V_t (the critic's regression target)."""
+    if token_rewards.shape != values.shape:
+        raise ValueError(f"gae: token_rewards {tuple(token_rewards.shape)} vs values {tuple(values.shape)}")
+    values = values.float()
+    advantages = torch.zeros_like(values)
+    running = 0.0
+    for t in range(values.shape[0] - 1, -1, -1):
+        next_value = float(values[t + 1]) if t + 1 < values.shape[0] else 0.0
+        delta = float(token_rewards[t]) + gamma * next_value - float(values[t])
+        running = delta + gamma * lambd * running
+        advantages[t] = running
+    return advantages, advantages + values
+
+
+@dataclass
+class AdvantageInputs:
+    """Everything an advantage estimator may use, for the rows one rank trains on (one entry per row).
+
+    This is also the contract of `--custom-advantage-function-path fn(args, inputs) -> (advantages,
+    returns)`, both lists of [T_i] fp32 tensors (returns may be None where no critic needs them)."""
+
+    rewards: list[float]  # the rollout manager's training rewards (group-normalised for grpo-like estimators)
+    raw_rewards: list[float]
+    response_lengths: list[int]
+    loss_masks: list[torch.Tensor]  # [T_i] 0/1
+    group_indices: list[int]
+    kl: list[torch.Tensor] | None = None  # [T_i] KL(old policy || reference), when a reference model runs
+    values: list[torch.Tensor] | None = None  # [T_i] critic values (ppo)
+
+
+def compute_advantages_and_returns(
+    args, inputs: AdvantageInputs
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Per-token advantages (and returns for the critic) of every row, dispatched on `--advantage-estimator`.
+
+    grpo / gspo / cispo: the scalar reward broadcast. reinforce_plus_plus: discounted returns of the
+    KL-shaped token rewards (advantages = returns). reinforce_plus_plus_baseline: reward (already
+    group-mean-centred) − kl_coef·KL per token. ppo: GAE over the KL-shaped token rewards and the critic's
+    values. `--custom-advantage-function-path` replaces all of these. Whitening (`--normalize-advantages`)
+    is applied afterwards by the caller, across ranks."""
+    custom = getattr(args, "custom_advantage_function_path", None)
+    if custom:
+        from slime.utils.misc import load_function
+
+        advantages, returns = load_function(custom, "--custom-advantage-function-path")(args, inputs)
+        if len(advantages) != len(inputs.rewards):
+            raise ValueError(f"--custom-advantage-function-path {custom} returned {len(advantages)} advantage "
+                             f"tensors for {len(inputs.rewards)} rows")
+        return [torch.as_tensor(a, dtype=torch.float32) for a in advantages], returns
+    estimator = args.advantage_estimator
+    kl_coef = float(getattr(args, "kl_coef", 0.0) or 0.0)
+    n = len(inputs.rewards)
+    kl = inputs.kl if inputs.kl is not None and kl_coef else [None] * n
+    if estimator in SCALAR_REWARD_ESTIMATORS:
+        return get_grpo_advantages(inputs.rewards, inputs.response_lengths), None
+    if estimator == "reinforce_plus_plus":
+        token_rewards = [kl_shaped_token_rewards(r, k, kl_coef, m) for r, k, m in zip(inputs.rewards, kl, inputs.loss_masks)]
+        returns = [discounted_returns(tr, float(getattr(args, "gamma", 1.0))) for tr in token_rewards]
+        return returns, returns
+    if estimator == "reinforce_plus_plus_baseline":
+        advantages = []
+        for r, k, m in zip(inputs.rewards, kl, inputs.loss_masks):
+            a = torch.full((m.shape[0],), float(r), dtype=torch.float32)
+            advantages.append(a if k is None else a - kl_coef * k.float() * m.float())
+        return advantages, advantages
+    if estimator == "ppo":
+        if inputs.values is None:
+            raise ValueError("--advantage-estimator ppo: no critic values were given to the actor's train step")
+        token_rewards = [kl_shaped_token_rewards(r, k, kl_coef, m) for r, k, m in zip(inputs.rewards, kl, inputs.loss_masks)]
+        out = [gae_advantages_and_returns(tr, v, float(args.gamma), float(args.lambd))
+               for tr, v in zip(token_rewards, inputs.values)]
+        return [a for a, _ in out], [r for _, r in out]
+    raise ValueError(f"--advantage-estimator {estimator!r}: unknown; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+
+
+# ---- whitening -------------------------------------------------------------------------------------------
+def masked_moments(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[Σ m·x, Σ m·x², Σ m] in float64: additive over shards, so all-reducing it (a SUM over
+    data-parallel ranks) gives the moments of the whole batch."""
+    m = mask.double()
+    x = values.double()
+    return torch.stack([(x * m).sum(), (x * x * m).sum(), m.sum()])
+
+
+def whiten_with_moments(values: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor,
+                        eps: float = 1e-8) -> torch.Tensor:
+    """(x − mean) / sqrt(var + eps) with the (population) mean and variance of `moments`; entries with
+    mask 0 are returned unchanged."""
+    total, total_sq, count = (float(v) for v in moments)
+    count = max(count, 1.0)
+    mean = total / count
+    var = max(total_sq / count - mean * mean, 0.0)
+    whitened = (values - mean) / math.sqrt(var + eps)
+    return torch.where(mask.bool(), whitened.to(values.dtype), values)
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(values − mean) / std over the masked entries (`--normalize-advantages`); unmasked entries are kept."""
-    mask = mask.to(values.dtype)
-    n = mask.sum().clamp_min(1.0)
-    mean = (values * mask).sum() / n
-    var = ((values - mean).square() * mask).sum() / n
-    whitened = (values - mean) * torch.rsqrt(var + eps)
-    return torch.where(mask.bool(), whitened, values)
+    """`--normalize-advantages` on one shard: whiten over its masked entries."""
+    return whiten_with_moments(values, mask, masked_moments(values, mask), eps)
 
 
-# ---- policy loss -----------------------------------------------------------------------------------------
+# ---- policy losses ------------------------------------------------------------------------------------------
 def policy_loss_from_log_ratio(
     log_ratio: torch.Tensor,
     advantages: torch.Tensor,
@@ -162,6 +280,22 @@ def compute_gspo_policy_loss(
     return policy_loss_from_log_ratio(log_ratio, advantages, eps_clip, eps_clip_high, eps_clip_c)
 
 
+def compute_cispo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO: loss = −sg(clip(r, 1−ε, 1+ε_high))·A·logp. The clipped importance weight carries no
+    gradient, so every token keeps a REINFORCE gradient (no token is dropped by clipping).
+    Returns per-token (pg_losses, clipfrac = weight was clipped, ppo_kl = −log r)."""
+    log_ratio = log_probs - old_log_probs
+    ratio = torch.exp(log_ratio).detach()
+    weight = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    return -weight * advantages * log_probs, (weight != ratio).float(), -log_ratio
+
+
 def compute_tis_weights(
     old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, tis_clip: float, tis_clip_low: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +311,21 @@ def compute_entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dimension, in fp32."""
     log_p = torch.log_softmax(logits.float(), dim=-1)
     return -(log_p.exp() * log_p).sum(-1)
+
+
+# ---- value loss ------------------------------------------------------------------------------------------
+def compute_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, value_clip: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO critic loss per token: ½·max((V_clip − R)², (V − R)²) with
+    V_clip = V_old + clip(V − V_old, −value_clip, value_clip); without `value_clip`, ½·(V − R)².
+    Returns (per-token losses, clipfrac = the clipped term was the larger one)."""
+    unclipped = (values - returns).square()
+    if value_clip is None:
+        return 0.5 * unclipped, torch.zeros_like(unclipped)
+    clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    clipped = (clipped_values - returns).square()
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
 
 # ---- aggregation -------------------------------------------------------------------------------------------

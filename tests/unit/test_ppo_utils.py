@@ -1,5 +1,6 @@
 """Closed-form checks of slime/utils/ppo_utils.py."""
 
+import argparse
 import math
 
 import pytest
@@ -72,15 +73,103 @@ def test_grpo_advantages_broadcast():
     assert all(a.dtype == torch.float32 for a in adv)
 
 
-def test_advantage_dispatch():
-    for est in ("grpo", "gspo"):
-        assert [a.tolist() for a in pu.compute_advantages(est, [1.0], [2])] == [[1.0, 1.0]]
-    with pytest.raises(NotImplementedError, match="--advantage-estimator reinforce_plus_plus"):
-        pu.compute_advantages("reinforce_plus_plus", [1.0], [2])
-    with pytest.raises(NotImplementedError, match="--advantage-estimator ppo"):
-        pu.compute_advantages("ppo", [1.0], [2])
+def _args(**kw):
+    base = dict(advantage_estimator="grpo", kl_coef=0.0, gamma=1.0, lambd=1.0)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def _inputs(rewards, lengths, kl=None, values=None, masks=None):
+    masks = masks or [[1.0] * n for n in lengths]
+    return pu.AdvantageInputs(
+        rewards=rewards, raw_rewards=rewards, response_lengths=lengths,
+        loss_masks=[torch.tensor(m) for m in masks], group_indices=list(range(len(rewards))),
+        kl=None if kl is None else [torch.tensor(k) for k in kl],
+        values=None if values is None else [torch.tensor(v) for v in values],
+    )
+
+
+def _lists(tensors):
+    return [[round(x, 6) for x in t.tolist()] for t in tensors]
+
+
+@pytest.mark.parametrize("est", ["grpo", "gspo", "cispo"])
+def test_scalar_reward_estimators_broadcast_and_ignore_kl(est):
+    adv, ret = pu.compute_advantages_and_returns(
+        _args(advantage_estimator=est, kl_coef=0.5), _inputs([1.5, -0.5], [2, 1], kl=[[0.2, 0.4], [1.0]]))
+    assert _lists(adv) == [[1.5, 1.5], [-0.5]] and ret is None
+
+
+def test_unknown_estimator_names_flag():
     with pytest.raises(ValueError, match="--advantage-estimator 'nope'"):
-        pu.compute_advantages("nope", [1.0], [2])
+        pu.compute_advantages_and_returns(_args(advantage_estimator="nope"), _inputs([1.0], [2]))
+
+
+def test_kl_shaped_token_rewards():
+    # -kl_coef·KL on each token (0 where the loss mask is 0) + the scalar reward on the last token
+    got = pu.kl_shaped_token_rewards(1.0, torch.tensor([0.2, 0.4, -0.1]), 0.5, torch.tensor([1.0, 0.0, 1.0]))
+    torch.testing.assert_close(got, torch.tensor([-0.1, 0.0, 1.05]))
+    assert pu.kl_shaped_token_rewards(2.0, None, 0.5, torch.ones(2)).tolist() == [0.0, 2.0]
+    assert pu.kl_shaped_token_rewards(2.0, None, 0.0, torch.ones(0)).tolist() == []
+
+
+def test_discounted_returns():
+    # G2 = 1; G1 = -0.2 + 0.5·1 = 0.3; G0 = 0.1 + 0.5·0.3 = 0.25
+    got = pu.discounted_returns(torch.tensor([0.1, -0.2, 1.0]), gamma=0.5)
+    torch.testing.assert_close(got, torch.tensor([0.25, 0.3, 1.0]))
+
+
+def test_gae_closed_form():
+    r, v = torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.5, 0.2, 0.4])
+    adv, ret = pu.gae_advantages_and_returns(r, v, gamma=0.9, lambd=0.8)
+    # δ2 = 1 − 0.4 = 0.6;  δ1 = 0.9·0.4 − 0.2 = 0.16;  δ0 = 0.9·0.2 − 0.5 = −0.32
+    # A2 = 0.6;  A1 = 0.16 + 0.72·0.6 = 0.592;  A0 = −0.32 + 0.72·0.592 = 0.10624
+    torch.testing.assert_close(adv, torch.tensor([0.10624, 0.592, 0.6]))
+    torch.testing.assert_close(ret, torch.tensor([0.60624, 0.792, 1.0]))
+    # γ = λ = 1: A_t = (sum of rewards from t) − V_t, returns = the undiscounted reward-to-go
+    adv1, ret1 = pu.gae_advantages_and_returns(r, v, 1.0, 1.0)
+    torch.testing.assert_close(adv1, torch.tensor([0.5, 0.8, 0.6]))
+    torch.testing.assert_close(ret1, torch.ones(3))
+    with pytest.raises(ValueError, match="gae"):
+        pu.gae_advantages_and_returns(r, v[:2], 1.0, 1.0)
+
+
+def test_ppo_estimator_uses_values_and_kl_shaped_rewards():
+    args = _args(advantage_estimator="ppo", kl_coef=0.5, gamma=0.9, lambd=0.8)
+    # token rewards [-0.1, 0, 1.05] (KL 0.2 / masked / -0.1 plus reward 1), values [0.5, 0.2, 0.4]
+    # δ2 = 1.05 − 0.4 = 0.65; δ1 = 0 + 0.36 − 0.2 = 0.16; δ0 = −0.1 + 0.18 − 0.5 = −0.42
+    # A2 = 0.65; A1 = 0.16 + 0.72·0.65 = 0.628; A0 = −0.42 + 0.72·0.628 = 0.03216
+    adv, ret = pu.compute_advantages_and_returns(
+        args, _inputs([1.0], [3], kl=[[0.2, 0.4, -0.1]], values=[[0.5, 0.2, 0.4]], masks=[[1.0, 0.0, 1.0]]))
+    torch.testing.assert_close(adv[0], torch.tensor([0.03216, 0.628, 0.65]))
+    torch.testing.assert_close(ret[0], torch.tensor([0.53216, 0.828, 1.05]))
+    with pytest.raises(ValueError, match="no critic values"):
+        pu.compute_advantages_and_returns(args, _inputs([1.0], [3]))
+
+
+def test_reinforce_plus_plus():
+    args = _args(advantage_estimator="reinforce_plus_plus", kl_coef=0.5, gamma=1.0)
+    adv, ret = pu.compute_advantages_and_returns(
+        args, _inputs([1.0, 0.0], [3, 1], kl=[[0.2, 0.4, -0.1], [0.2]], masks=[[1.0, 0.0, 1.0], [1.0]]))
+    # token rewards [-0.1, 0, 1.05] -> returns [0.95, 1.05, 1.05]; [-0.1] -> [-0.1]; advantages = returns
+    assert _lists(adv) == [[0.95, 1.05, 1.05], [-0.1]]
+    assert _lists(ret) == _lists(adv)
+    # γ = 0.5: G = [-0.1 + 0.5·0.525, 0.5·1.05, 1.05]
+    adv_g, _ = pu.compute_advantages_and_returns(
+        _args(advantage_estimator="reinforce_plus_plus", kl_coef=0.5, gamma=0.5),
+        _inputs([1.0], [3], kl=[[0.2, 0.4, -0.1]], masks=[[1.0, 0.0, 1.0]]))
+    assert _lists(adv_g) == [[0.1625, 0.525, 1.05]]
+    # no KL term: the reward alone, on every token (γ = 1)
+    adv0, _ = pu.compute_advantages_and_returns(_args(advantage_estimator="reinforce_plus_plus"), _inputs([2.0], [2]))
+    assert _lists(adv0) == [[2.0, 2.0]]
+
+
+def test_reinforce_plus_plus_baseline():
+    # rewards arrive group-mean-centred; per token: reward − kl_coef·KL (masked tokens: no KL)
+    args = _args(advantage_estimator="reinforce_plus_plus_baseline", kl_coef=0.5)
+    adv, _ = pu.compute_advantages_and_returns(
+        args, _inputs([0.5, -0.5], [3, 1], kl=[[0.2, 0.4, -0.1], [0.2]], masks=[[1.0, 0.0, 1.0], [1.0]]))
+    assert _lists(adv) == [[0.4, 0.5, 0.55], [-0.6]]
 
 
 def test_masked_whiten():
@@ -90,6 +179,21 @@ def test_masked_whiten():
     std = math.sqrt(2 / 3)  # population std of 1, 2, 3
     torch.testing.assert_close(out[:3], torch.tensor([-1 / std, 0.0, 1 / std]), rtol=1e-5, atol=1e-5)
     assert out[3].item() == 100.0
+
+
+def test_masked_whiten_across_shards_equals_whole_batch():
+    """--normalize-advantages over data-parallel ranks: moments are additive, so all-reducing (summing)
+    each rank's moments and whitening each shard with the sum equals whitening the whole batch."""
+    values = torch.tensor([1.0, 2.0, 3.0, 100.0, 5.0])
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0])
+    whole = pu.masked_whiten(values, mask)
+    shards = [(values[:2], mask[:2]), (values[2:], mask[2:])]
+    total = sum(pu.masked_moments(v, m) for v, m in shards)
+    torch.testing.assert_close(total, torch.tensor([11.0, 39.0, 4.0], dtype=torch.float64))
+    got = torch.cat([pu.whiten_with_moments(v, m, total) for v, m in shards])
+    torch.testing.assert_close(got, whole)
+    mean, std = 11 / 4, math.sqrt(39 / 4 - (11 / 4) ** 2)
+    torch.testing.assert_close(whole[[0, 4]], torch.tensor([(1 - mean) / std, (5 - mean) / std]))
 
 
 # ---- policy loss ---------------------------------------------------------------------------------------------
@@ -189,3 +293,78 @@ def test_aggregation_shares_sum_to_global_mean():
     torch.testing.assert_close(whole_t, (values * mask).sum() / n_tok)
     parts_t = sum(pu.aggregate_loss(values[i : i + 3], mask[i : i + 3], True, n_tok) for i in (0, 3))
     torch.testing.assert_close(whole_t, parts_t)
+
+
+def test_aggregation_unequal_lengths_per_sample_vs_per_token():
+    """Sample A has 3 tokens of loss 1, 2, 3; sample B one token of loss 10.
+    Per sample: mean(mean(1, 2, 3), 10) = (2 + 10) / 2 = 6. Per token: (1 + 2 + 3 + 10) / 4 = 4."""
+    values = torch.tensor([[1.0, 2.0, 3.0], [10.0, 99.0, 99.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert pu.aggregate_loss(values, mask, per_token=False, global_denominator=2).item() == pytest.approx(6.0)
+    assert pu.aggregate_loss(values, mask, per_token=True, global_denominator=4).item() == pytest.approx(4.0)
+
+
+# ---- CISPO, unbiased KL, value loss -------------------------------------------------------------------------
+def test_cispo_closed_form_and_gradient():
+    old = torch.log(torch.tensor([0.25, 0.5, 0.5]))
+    logp = torch.log(torch.tensor([0.5, 0.5, 0.1])).requires_grad_(True)
+    adv = torch.tensor([1.0, -2.0, 1.0])
+    pg, clipfrac, ppo_kl = pu.compute_cispo_policy_loss(logp, old, adv, eps_clip=0.2, eps_clip_high=0.28)
+    # ratios 2, 1, 0.2 -> weights clip(·, 0.8, 1.28) = 1.28, 1, 0.8; loss = −w·A·logp
+    w = torch.tensor([1.28, 1.0, 0.8])
+    torch.testing.assert_close(pg.detach(), -w * adv * logp.detach())
+    assert clipfrac.tolist() == [1.0, 0.0, 1.0]
+    torch.testing.assert_close(ppo_kl.detach(), old - logp.detach())
+    pg.sum().backward()
+    torch.testing.assert_close(logp.grad, -w * adv)  # the weight is a constant: every token keeps a gradient
+
+
+def test_unbiased_kl_weights_by_ratio_without_gradient_through_it():
+    kl = torch.tensor([0.1, 0.3], requires_grad=True)
+    logp = torch.log(torch.tensor([0.6, 0.2])).requires_grad_(True)
+    old = torch.log(torch.tensor([0.3, 0.4]))
+    out = pu.unbiased_kl(kl, logp, old)
+    torch.testing.assert_close(out.detach(), torch.tensor([0.2, 0.15]))
+    out.sum().backward()
+    assert logp.grad is None and kl.grad.tolist() == pytest.approx([2.0, 0.5])
+
+
+def test_value_loss_clipped_and_unclipped():
+    values, old, ret = torch.tensor([1.0, 0.0, 0.6]), torch.tensor([0.5, 0.5, 0.5]), torch.tensor([2.0, 0.0, 0.0])
+    loss, clipfrac = pu.compute_value_loss(values, old, ret, value_clip=0.2)
+    # V_clip = [0.7, 0.3, 0.6]; (V−R)² = [1, 0, 0.36]; (V_clip−R)² = [1.69, 0.09, 0.36]; ½·max
+    torch.testing.assert_close(loss, torch.tensor([0.845, 0.045, 0.18]))
+    assert clipfrac.tolist() == [1.0, 1.0, 0.0]
+    loss_nc, clip_nc = pu.compute_value_loss(values, old, ret, value_clip=None)
+    torch.testing.assert_close(loss_nc, torch.tensor([0.5, 0.0, 0.18]))
+    assert clip_nc.sum() == 0
+
+
+# ---- flag couplings of the algorithm group (slime/utils/arg_groups/algorithm.py) -----------------------------
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--gamma", "1.5"], "--gamma 1.5"),
+        (["--advantage-estimator", "ppo", "--value-clip", "0"], "--value-clip 0.0"),
+        (["--critic-lr", "1e-5"], "--critic-lr configures the PPO critic"),
+        (["--advantage-estimator", "ppo", "--critic-load", "nowhere"], "--critic-load nowhere"),
+        (["--advantage-estimator", "reinforce_plus_plus"], "add --normalize-advantages"),
+        (["--kl-coef", "0.1", "--use-kl-loss", "--kl-loss-coef", "0.1"], "keep only one"),
+        (["--use-tis", "--use-rollout-logprobs"], "drop one of them"),
+        (["--num-critic-only-steps", "2"], "use --advantage-estimator ppo"),
+    ],
+)
+def test_algorithm_flag_couplings_name_flag_and_fix(tmp_path, monkeypatch, extra, message):
+    from slime.utils.arguments import SlimeArgumentError, parse_args
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1?", "label": "2"}\n')
+    monkeypatch.chdir(tmp_path)
+    argv = ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--hf-checkpoint", "model",
+            "--prompt-data", "train.jsonl", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+            "--num-rollout", "1", "--train-backend", "fsdp"]
+    args = parse_args(argv + ["--advantage-estimator", "ppo", "--critic-load", "model", "--critic-lr", "1e-5"])
+    assert args.use_critic and args.critic_lr == 1e-5
+    with pytest.raises(SlimeArgumentError, match=message):
+        parse_args(argv + extra)

@@ -10,10 +10,15 @@ One `train` call = one rollout: the batch's rows are cut into `num_steps = len(b
 steps; each rank trains on a contiguous share of every step's rows, in micro-batches. Old-policy (and
 reference) log-probs are computed first, with the same micro-batches, so the first step's ppo_kl is 0.
 
-Simplifications (see docs/fsdp_backend.md): actor only (no critic, so no PPO); advantage estimators
-grpo / gspo; fixed-size padded micro-batches (no packing or dynamic batch size); dropout is kept off
-(eval mode) in every forward, so recomputed and training log-probs agree; no offloading between
-rollout and training (`--offload-train` is not acted on); no gradient checkpointing.
+Advantages are computed per rank for the rows it trains on (slime/utils/ppo_utils.py); with
+`--normalize-advantages` their moments are all-reduced, so whitening is over the whole rollout batch. For
+`--advantage-estimator ppo` the values come from the critic group (critic.py) and the actor keeps the
+returns for the critic to fetch (`get_returns`).
+
+Simplifications (see docs/fsdp_backend.md, docs/algorithms.md): fixed-size padded micro-batches (no
+packing or dynamic batch size); dropout is kept off (eval mode) in every forward, so recomputed and
+training log-probs agree; no offloading between rollout and training (`--offload-train` is not acted on);
+no gradient checkpointing.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.fsdp_utils import checkpoint, weight_sync
+from slime.backends.fsdp_utils.loss import LossInputs, compute_actor_loss
 from slime.backends.fsdp_utils.data import (
     forward_response_log_probs,
     make_micro_batch,
@@ -83,30 +89,81 @@ def lr_at(args: Any, step: int) -> float:
     )
 
 
+def setup_rank(actor: TrainRayActor, args: Any) -> None:
+    """Process group, threads, seed, device and the 1-D data-parallel mesh of one rank (actor or critic)."""
+    torch.set_num_threads(int(os.environ.get("SLIME_TRAIN_NUM_THREADS", "1")))
+    if not dist.is_initialized():
+        backend = getattr(args, "distributed_backend", None) or ("nccl" if torch.cuda.is_available() else "gloo")
+        actor.init_process_group(backend, getattr(args, "distributed_timeout_minutes", 10))
+    actor.rank, actor.world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    lr_at(args, 0)  # fail now, not after the first rollout, on an unsupported --lr-decay-style
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cuda = torch.cuda.is_available()
+    actor.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    actor.mesh = init_device_mesh(actor.device.type, (actor.world_size,))
+
+
+def shard_model(model: torch.nn.Module, layers_of: torch.nn.Module, mesh, device, path: str) -> torch.nn.Module:
+    """FSDP2 on every decoder layer of `layers_of` (its `_no_split_modules`) and on the root `model`;
+    bf16 compute with fp32 reduction on CUDA, fp32 on CPU. Dropout stays off (eval mode) in every
+    forward: old-policy and training log-probs must agree."""
+    fully_shard, MixedPrecisionPolicy = _fully_shard()
+    model.eval()
+    if device.type == "cuda":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        policy = MixedPrecisionPolicy()
+    layer_classes = set(getattr(layers_of, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"{path}: cannot find the decoder layers to shard ({type(layers_of).__name__} lists none "
+                         "in _no_split_modules)")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # moves the shards to the mesh's device
+    return model
+
+
+def make_optimizer(model: torch.nn.Module, args: Any, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                             weight_decay=args.weight_decay)
+
+
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_grad: float | None) -> float:
+    """Clip the global gradient norm (0/None: no clipping), step; returns the norm before clipping."""
+    max_norm = clip_grad if clip_grad and clip_grad > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    return float(grad_norm)
+
+
+def sum_over_ranks(local: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Metric shares of global means: the sum over ranks is the global value."""
+    names = sorted(local)
+    if not names:
+        return {}
+    summed = torch.stack([local[k].detach().float().reshape(()) for k in names])
+    dist.all_reduce(summed)
+    return dict(zip(names, summed.tolist()))
+
+
 class FSDPTrainRayActor(TrainRayActor):
     # ---- setup ------------------------------------------------------------------------------------------
     def init(self, args: Any, role: str, with_ref: bool) -> int:
         if role != "actor":
-            raise NotImplementedError(
-                f"fsdp backend: role {role!r} is not supported (only the actor; a critic is needed by "
-                "--advantage-estimator ppo, which this backend does not implement yet)"
-            )
+            raise ValueError(f"FSDPTrainRayActor: role {role!r}; the critic is FSDPCriticRayActor (critic.py)")
         self.args = args
-        torch.set_num_threads(int(os.environ.get("SLIME_TRAIN_NUM_THREADS", "1")))
-        if not dist.is_initialized():
-            backend = getattr(args, "distributed_backend", None) or ("nccl" if torch.cuda.is_available() else "gloo")
-            self.init_process_group(backend, getattr(args, "distributed_timeout_minutes", 10))
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        torch.manual_seed(args.seed)
-        # Fail now, not after the first rollout, on an unsupported --lr-decay-style / --advantage-estimator.
-        lr_at(args, 0)
-        ppo_utils.compute_advantages(args.advantage_estimator, [], [])
-
-        from torch.distributed.device_mesh import init_device_mesh
-
-        cuda = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        setup_rank(self, args)
+        if args.advantage_estimator not in ppo_utils.ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"--advantage-estimator {args.advantage_estimator!r}: choose one of "
+                             f"{', '.join(ppo_utils.ADVANTAGE_ESTIMATORS)}")
+        self._returns: list[list[float]] | None = None
 
         ckpt = checkpoint.find_checkpoint(getattr(args, "load", None))
         self.model = self._build_model(ckpt.path if ckpt else args.hf_checkpoint, trainable=True)
@@ -119,13 +176,7 @@ class FSDPTrainRayActor(TrainRayActor):
             self.ref_model = self._build_model(
                 ref_load if checkpoint.is_hf_folder(ref_load) else args.hf_checkpoint, trainable=False
             )
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=args.lr,
-            betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_eps,
-            weight_decay=args.weight_decay,
-        )
+        self.optimizer = make_optimizer(self.model, args, args.lr)
         self.global_step = 0
         if ckpt is None:
             return getattr(args, "start_rollout_id", None) or 0
@@ -140,23 +191,9 @@ class FSDPTrainRayActor(TrainRayActor):
 
         if not checkpoint.is_hf_folder(path):
             raise FileNotFoundError(f"--hf-checkpoint {path}: not an HF model folder (no config.json there)")
-        fully_shard, MixedPrecisionPolicy = _fully_shard()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        model.eval()  # dropout off in every forward: old-policy and training log-probs must agree
         model.requires_grad_(trainable)
-        if self.device.type == "cuda":
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        else:
-            policy = MixedPrecisionPolicy()
-        layer_classes = set(getattr(model, "_no_split_modules", None) or [])
-        layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
-        if not layers:
-            raise ValueError(f"{path}: cannot find the decoder layers to shard ({type(model).__name__} lists none "
-                             "in _no_split_modules)")
-        for layer in layers:
-            fully_shard(layer, mesh=self.mesh, mp_policy=policy)
-        fully_shard(model, mesh=self.mesh, mp_policy=policy)  # moves the shards to the mesh's device
-        return model
+        return shard_model(model, model, self.mesh, self.device, path)
 
     # ---- log-probs --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -181,40 +218,43 @@ class FSDPTrainRayActor(TrainRayActor):
         return result
 
     # ---- training ---------------------------------------------------------------------------------------
-    def train(self, rollout_id: int, batch: TrainBatch) -> dict[str, float]:
+    def train(self, rollout_id: int, batch: TrainBatch, values: list[list[float]] | None = None) -> dict[str, float]:
+        """One rollout's policy update. `values` (ppo): the critic's per-token values of every row; the
+        returns computed from them are then available from `get_returns`. With `--num-critic-only-steps N`
+        the first N rollouts compute advantages and returns but do not update the policy."""
         args = self.args
         steps = rows_per_step(len(batch), args.global_batch_size, self.world_size, self.rank)
         plan = [split_micro_batches(rows, args.micro_batch_size) for rows in steps]
         all_micro_batches = [mb for step in plan for mb in step]
-
-        advantages = ppo_utils.compute_advantages(args.advantage_estimator, batch.rewards, batch.response_lengths)
-        if getattr(args, "normalize_advantages", False):
-            advantages = self._whiten(advantages, batch)
+        local_rows = [r for rows in steps for r in rows]
 
         rollout_lp = None
         if batch.rollout_log_probs is not None:
             rollout_lp = {r: torch.as_tensor(batch.rollout_log_probs[r], dtype=torch.float32, device=self.device)
-                          for mb in all_micro_batches for r in mb}
-        if getattr(args, "use_tis", False) and rollout_lp is None:
-            raise ValueError("--use-tis: the train batch has no rollout log-probs to weight by (the rollout function "
-                             "must fill Sample.rollout_log_probs); drop the flag or return them")
+                          for r in local_rows}
+        for flag, attr in (("--use-tis", "use_tis"), ("--use-rollout-logprobs", "use_rollout_logprobs")):
+            if getattr(args, attr, False) and rollout_lp is None:
+                raise ValueError(f"{flag}: the train batch has no rollout log-probs (the rollout function must "
+                                 "fill Sample.rollout_log_probs); drop the flag or return them")
         extra: dict[str, float] = {}
         if getattr(args, "use_rollout_logprobs", False):
-            if rollout_lp is None:
-                raise ValueError("--use-rollout-logprobs: the train batch has no rollout log-probs (the rollout "
-                                 "function must fill Sample.rollout_log_probs); drop the flag or return them")
             old_lp = rollout_lp
         else:
             old_lp = self._log_probs_of_rows(self.model, batch, all_micro_batches)
             if rollout_lp is not None:
                 extra["train/train_rollout_logprob_abs_diff"] = self._logprob_abs_diff(old_lp, rollout_lp, batch)
-        use_kl_loss = getattr(args, "use_kl_loss", False)
-        ref_lp = None
-        if use_kl_loss:
-            if self.ref_model is None:
-                raise ValueError("--use-kl-loss needs the reference model, but the actor was initialised without "
-                                 "one (with_ref=False); the actor group must pass with_ref=True")
-            ref_lp = self._log_probs_of_rows(self.ref_model, batch, all_micro_batches)
+        if (getattr(args, "use_kl_loss", False) or getattr(args, "kl_coef", 0.0)) and self.ref_model is None:
+            raise ValueError("--use-kl-loss / --kl-coef need the reference model, but the actor was initialised "
+                             "without one (with_ref=False); the actor group must pass with_ref=True")
+        ref_lp = (self._log_probs_of_rows(self.ref_model, batch, all_micro_batches)
+                  if self.ref_model is not None else None)
+
+        advantages, returns = self._advantages_and_returns(batch, local_rows, old_lp, ref_lp, values)
+        # Only a critic (ppo, given values) needs the returns of every row.
+        self._returns = self._gather_rows(returns, len(batch)) if returns is not None and values is not None else None
+        if rollout_id < (getattr(args, "num_critic_only_steps", 0) or 0):
+            extra["train/critic_only_step"] = 1.0
+            return extra
 
         totals: dict[str, float] = defaultdict(float)
         for s, micro_batches in enumerate(plan):
@@ -225,6 +265,51 @@ class FSDPTrainRayActor(TrainRayActor):
         metrics = {k: v / len(plan) for k, v in totals.items()}
         metrics.update(extra)
         return metrics
+
+    def get_returns(self) -> list[list[float]] | None:
+        """The returns (ppo: advantages + values) of every row of the last `train` call, for the critic."""
+        return self._returns
+
+    def _advantages_and_returns(self, batch, local_rows, old_lp, ref_lp, values):
+        """Advantages (whitened across ranks with --normalize-advantages) and returns of this rank's rows."""
+        args = self.args
+        masks = {r: torch.as_tensor(batch.loss_masks[r], dtype=torch.float32) for r in local_rows}
+        kl = None
+        if ref_lp is not None:
+            kl = [ppo_utils.compute_approx_kl(old_lp[r].cpu(), ref_lp[r].cpu(), args.kl_loss_type) for r in local_rows]
+        inputs = ppo_utils.AdvantageInputs(
+            rewards=[batch.rewards[r] for r in local_rows], raw_rewards=[batch.raw_rewards[r] for r in local_rows],
+            response_lengths=[batch.response_lengths[r] for r in local_rows],
+            loss_masks=[masks[r] for r in local_rows], group_indices=[batch.group_indices[r] for r in local_rows],
+            kl=kl, values=None if values is None else [torch.as_tensor(values[r], dtype=torch.float32)
+                                                       for r in local_rows],
+        )
+        adv_list, ret_list = ppo_utils.compute_advantages_and_returns(args, inputs)
+        if getattr(args, "normalize_advantages", False):
+            adv_list = self._whiten(adv_list, inputs.loss_masks)
+        advantages = {r: a.to(self.device) for r, a in zip(local_rows, adv_list)}
+        returns = None if ret_list is None else dict(zip(local_rows, ret_list))
+        return advantages, returns
+
+    def _whiten(self, advantages: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """--normalize-advantages: moments all-reduced over ranks, so the whole rollout batch is whitened."""
+        if not advantages:
+            moments = torch.zeros(3, dtype=torch.float64)
+        else:
+            moments = ppo_utils.masked_moments(torch.cat(advantages), torch.cat(masks))
+        moments = moments.to(self.device)
+        dist.all_reduce(moments)
+        return [ppo_utils.whiten_with_moments(a, m, moments.cpu()) for a, m in zip(advantages, masks)]
+
+    def _gather_rows(self, per_row: dict[int, torch.Tensor], num_rows: int) -> list[list[float]]:
+        """Every rank's {row: tensor} -> the full per-row list, on every rank."""
+        shards: list = [None] * self.world_size
+        dist.all_gather_object(shards, {r: t.tolist() for r, t in per_row.items()})
+        out: list[list[float] | None] = [None] * num_rows
+        for shard in shards:
+            for r, v in shard.items():
+                out[r] = v
+        return out
 
     def _train_step(
         self, batch, micro_batches, global_rows, advantages, old_lp, ref_lp, rollout_lp
@@ -249,18 +334,10 @@ class FSDPTrainRayActor(TrainRayActor):
             for k, v in shares.items():
                 local[k] += v
 
-        max_norm = args.clip_grad if args.clip_grad and args.clip_grad > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
+        grad_norm = clip_and_step(self.model, self.optimizer, args.clip_grad)
         self.global_step += 1
-
-        names = sorted(local)
-        summed = torch.stack([local[k] for k in names]).float()
-        dist.all_reduce(summed)  # shares of global means: the sum over ranks is the global value
-        metrics = dict(zip(names, summed.tolist()))
-        metrics["train/grad_norm"] = float(grad_norm)
+        metrics = sum_over_ranks(local)
+        metrics["train/grad_norm"] = grad_norm
         metrics["train/lr"] = lr
         return metrics
 
@@ -268,51 +345,20 @@ class FSDPTrainRayActor(TrainRayActor):
         self, batch, rows, advantages, old_lp, ref_lp, rollout_lp, per_token: bool, denominator: float
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward one micro-batch: its share of the global-batch loss, and its (detached) metric shares."""
-        args = self.args
-        entropy_coef = getattr(args, "entropy_coef", 0.0) or 0.0
-        eps_clip_high = args.eps_clip if getattr(args, "eps_clip_high", None) is None else args.eps_clip_high
-        eps_clip_c = getattr(args, "eps_clip_c", None)
         mb = make_micro_batch([batch.tokens[r] for r in rows], [batch.response_lengths[r] for r in rows],
                               device=self.device)
         padded = functools.partial(_padded_rows, rows=rows, width=mb.max_response_len, device=self.device)
-
-        log_probs, entropy = forward_response_log_probs(self.model, mb, args.rollout_temperature, with_entropy=True)
+        log_probs, entropy = forward_response_log_probs(self.model, mb, self.args.rollout_temperature,
+                                                        with_entropy=True)
         mask = mb.response_mask * padded(batch.loss_masks)
-        agg = functools.partial(ppo_utils.aggregate_loss, mask=mask, per_token=per_token,
-                                global_denominator=denominator)
-        old, adv = padded(old_lp), padded(advantages)
-        if args.advantage_estimator == "gspo":
-            pg, clipfrac, ppo_kl = ppo_utils.compute_gspo_policy_loss(
-                log_probs, old, adv, mask, args.eps_clip, eps_clip_high, eps_clip_c)
-        else:
-            pg, clipfrac, ppo_kl = ppo_utils.compute_policy_loss(
-                log_probs, old, adv, args.eps_clip, eps_clip_high, eps_clip_c)
-        shares = {"train/pg_clipfrac": agg(clipfrac), "train/ppo_kl": agg(ppo_kl).detach()}
-        if getattr(args, "use_tis", False):
-            weights, tis_clipped = ppo_utils.compute_tis_weights(
-                old, padded(rollout_lp), args.tis_clip, getattr(args, "tis_clip_low", 0.0))
-            pg = pg * weights
-            shares.update({"train/tis": agg(weights).detach(), "train/tis_clipfrac": agg(tis_clipped)})
-        pg_loss = agg(pg)
-        entropy_loss = agg(entropy if entropy_coef else entropy.detach())
-        loss = pg_loss - entropy_coef * entropy_loss
-        if ref_lp is not None:
-            kl = ppo_utils.compute_approx_kl(log_probs, padded(ref_lp), args.kl_loss_type)
-            if getattr(args, "use_unbiased_kl", False):
-                kl = kl * torch.exp(log_probs - old).detach()  # importance-weight the KL to the sampling policy
-            kl_loss = agg(kl)
-            loss = loss + (getattr(args, "kl_loss_coef", 0.0) or 0.0) * kl_loss
-            shares["train/kl_loss"] = kl_loss.detach()
-        shares.update({"train/loss": loss.detach(), "train/pg_loss": pg_loss.detach(),
-                       "train/entropy_loss": entropy_loss.detach()})
-        return loss, shares
-
-    def _whiten(self, advantages: list[torch.Tensor], batch: TrainBatch) -> list[torch.Tensor]:
-        """--normalize-advantages over the whole rollout batch (every rank holds it, so no collective)."""
-        flat = torch.cat(advantages) if advantages else torch.zeros(0)
-        mask = torch.cat([torch.as_tensor(m, dtype=torch.float32) for m in batch.loss_masks]) if advantages else flat
-        whitened = ppo_utils.masked_whiten(flat, mask)
-        return list(torch.split(whitened, [len(a) for a in advantages]))
+        inputs = LossInputs(
+            log_probs=log_probs, old_log_probs=padded(old_lp), advantages=padded(advantages), mask=mask,
+            entropy=entropy, ref_log_probs=None if ref_lp is None else padded(ref_lp),
+            rollout_log_probs=None if rollout_lp is None else padded(rollout_lp),
+            aggregate=functools.partial(ppo_utils.aggregate_loss, mask=mask, per_token=per_token,
+                                        global_denominator=denominator),
+        )
+        return compute_actor_loss(self.args, inputs)
 
     def _logprob_abs_diff(self, old_lp, rollout_lp, batch: TrainBatch) -> float:
         """Mean |recomputed − rollout| log-prob over loss-masked response tokens of the whole batch."""

@@ -166,3 +166,20 @@ def forward_response_log_probs(
         kwargs["logits_to_keep"] = mb.input_ids.shape[1] - offset
     out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, **kwargs)
     return extract_response_log_probs(out.logits, mb, temperature, offset, with_entropy)
+
+
+# ---- critic values --------------------------------------------------------------------------------------
+def extract_response_values(position_values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """[B, L] per-position values -> [B, R]: V_t of response token t is read at the position that predicts
+    it (the last token of the prefix before it), like the log-probs; 0 past each response."""
+    device = position_values.device
+    t = torch.arange(mb.max_response_len, device=device).unsqueeze(0)
+    starts = torch.as_tensor(mb.response_starts, device=device).unsqueeze(1)
+    valid = mb.response_mask.to(device).bool()
+    predicting = torch.where(valid, starts - 1 + t, torch.zeros_like(t))
+    return position_values.gather(1, predicting).float() * valid
+
+
+def forward_response_values(value_model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """Run a value model (`forward(input_ids, attention_mask) -> [B, L]`) and return [B, R] response values."""
+    return extract_response_values(value_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask), mb)

@@ -4,10 +4,18 @@
 batching `Scheduler` (scheduler.py) in a thread and serves FastAPI on uvicorn. Request and response
 shapes follow SGLang's; docs/hf_engine.md lists the endpoints and what is simplified.
 
-Weight updates (`/update_weights_from_tensor`, `/update_weights_from_disk`) validate every name first
-and then copy into the model's parameters inside `Scheduler.exclusive()`, i.e. between two forward
-steps, never during one. Names are the model's own parameter names (`model.named_parameters()`, which
-for dense transformers models are the HF checkpoint names).
+Weight updates (`/update_weights_from_tensor`, `/update_weights_from_disk`,
+`/update_weights_from_distributed`) validate every name first and then copy into the model's parameters
+inside `Scheduler.exclusive()`, i.e. between two forward steps, never during one. Names are the model's
+own parameter names (`model.named_parameters()`, which for dense transformers models are the HF
+checkpoint names).
+
+The distributed path follows SGLang: `/init_weights_update_group` joins the trainer's process group
+(the trainer is rank 0; this server, one TP rank, is `rank_offset`) from a worker thread while the HTTP
+call waits, since forming the group blocks until every rank has joined; `/update_weights_from_distributed`
+receives the named tensors by broadcast from rank 0, in order, then loads them. Every announced tensor is
+received before any check that could refuse the update, so a refused update never leaves the trainer
+blocked in a broadcast. gloo groups receive into CPU tensors, nccl groups into the model's device.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
+from slime.backends.sglang_utils import update_group
 from slime.utils.weight_transfer import deserialize_bucket
 
 logger = logging.getLogger("slime.hf_engine")
@@ -47,6 +56,7 @@ class EngineState:
         self.model_path, self.device, self.dtype = model_path, device, dtype
         self.weight_version = weight_version
         self.released: set[str] = set()
+        self.update_groups: dict[str, tuple[object, str]] = {}  # group_name -> (process group, backend)
         self.memory_lock = threading.Lock()  # serialises release / resume / weight loading
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.params = dict(model.named_parameters(remove_duplicate=False))
@@ -314,7 +324,93 @@ def build_app(state: EngineState) -> FastAPI:
             state.weight_version = str(body["weight_version"])
         return {"success": True, "message": f"loaded {n} tensors from {path}", "weight_version": state.weight_version}
 
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(http: HTTPRequest):
+        body = await _json_or_empty(http)
+        try:
+            name, backend, pg_args = _parse_group_request(body, state)
+        except ValueError as e:
+            return _error(400, str(e))
+        try:
+            pg = await run_in_threadpool(update_group.init_weight_update_group, **pg_args)
+        except Exception as e:  # noqa: BLE001 (rendezvous failures and timeouts are answered, not raised)
+            return _error(500, f"init_weights_update_group {name!r}: {type(e).__name__}: {e}")
+        state.update_groups[name] = (pg, backend)
+        return {"success": True, "message": f"joined weight update group {name!r} as rank {pg_args['rank']} "
+                                            f"of {pg_args['world_size']} ({backend})"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(http: HTTPRequest):
+        body = await _json_or_empty(http)
+        try:
+            pg, buffers = _parse_distributed_update(body, state)
+        except ValueError as e:
+            return _error(400, str(e))
+        if body.get("abort_all_requests"):
+            sched.abort(abort_all=True)
+
+        def receive_and_load() -> int:
+            update_group.broadcast_tensors(pg, [t for _, t in buffers])
+            return state.load_named_tensors(buffers, "update_weights_from_distributed")
+
+        try:
+            n = await run_in_threadpool(receive_and_load)
+        except ValueError as e:
+            return _error(400, str(e))
+        except Exception as e:  # noqa: BLE001 (a broken group: say so, keep serving)
+            return _error(500, f"update_weights_from_distributed: {type(e).__name__}: {e}")
+        if body.get("weight_version") is not None:
+            state.weight_version = str(body["weight_version"])
+        return {"success": True, "message": f"updated {n} tensors", "weight_version": state.weight_version}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(http: HTTPRequest):
+        name = (await _json_or_empty(http)).get("group_name") or "weight_update_group"
+        entry = state.update_groups.pop(name, None)
+        if entry is None:
+            return _error(400, f"no weight update group named {name!r} (known: {sorted(state.update_groups)})")
+        await run_in_threadpool(update_group.destroy_weight_update_group, entry[0])
+        return {"success": True, "message": f"destroyed weight update group {name!r}"}
+
     return app
+
+
+def _parse_group_request(body: dict, state: EngineState) -> tuple[str, str, dict]:
+    """/init_weights_update_group body -> (group name, backend, init_weight_update_group kwargs)."""
+    missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if body.get(k) is None]
+    if missing:
+        raise ValueError(f"init_weights_update_group needs {missing}")
+    name = body.get("group_name") or "weight_update_group"
+    backend = body.get("backend") or "nccl"
+    if name in state.update_groups:
+        raise ValueError(f"weight update group {name!r} exists; POST /destroy_weights_update_group first")
+    if backend == "nccl" and not state.device.startswith("cuda"):
+        raise ValueError(f"backend 'nccl' needs a CUDA engine; this one runs on {state.device}: use 'gloo'")
+    world_size, rank = int(body["world_size"]), int(body["rank_offset"])  # one TP rank: rank_offset + 0
+    if not 0 < rank < world_size:
+        raise ValueError(f"rank_offset {rank} must be in [1, world_size {world_size}) (the trainer is rank 0)")
+    return name, backend, {"master_address": str(body["master_address"]), "master_port": int(body["master_port"]),
+                           "rank": rank, "world_size": world_size, "group_name": name, "backend": backend}
+
+
+def _parse_distributed_update(body: dict, state: EngineState) -> tuple[object, list[tuple[str, torch.Tensor]]]:
+    """/update_weights_from_distributed body -> (group, empty receive buffers named like the model's tensors)."""
+    name = body.get("group_name") or "weight_update_group"
+    if name not in state.update_groups:
+        raise ValueError(f"no weight update group named {name!r}; POST /init_weights_update_group first")
+    pg, backend = state.update_groups[name]
+    names, dtypes, shapes = body.get("names") or [], body.get("dtypes") or [], body.get("shapes") or []
+    if not names or not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"names, dtypes and shapes must be non-empty lists of one length; got "
+                         f"{len(names)}, {len(dtypes)}, {len(shapes)}")
+    device = "cpu" if backend == "gloo" else state.device
+    buffers = []
+    for n, d, s in zip(names, dtypes, shapes):
+        dtype = getattr(torch, str(d).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{n}: unknown dtype {d!r} (use torch dtype names such as 'bfloat16')")  # noqa: TRY004 (answered as 400)
+        buffers.append((str(n), torch.empty([int(x) for x in s], dtype=dtype, device=device)))
+    return pg, buffers
 
 
 async def _json_or_empty(http: HTTPRequest) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from slime.utils.arg_groups._common import fail
 
@@ -82,6 +83,13 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--num-critic-only-steps", type=int, default=0, help="Initial rollouts that train only the PPO critic."
     )
+    g.add_argument(
+        "--critic-load",
+        type=str,
+        default=None,
+        help="HF folder the PPO critic's body (and value_head.pt, if there) starts from (default: --hf-checkpoint).",
+    )
+    g.add_argument("--critic-lr", type=float, default=None, help="Learning rate of the PPO critic (default: --lr).")
 
 
 def validate_algorithm(args: argparse.Namespace) -> None:
@@ -121,9 +129,38 @@ def validate_algorithm(args: argparse.Namespace) -> None:
     if args.num_critic_only_steps and args.advantage_estimator != "ppo":
         fail(f"--num-critic-only-steps {args.num_critic_only_steps} needs a critic: use --advantage-estimator ppo.")
 
+    validate_ppo_and_discounting(args)
+    if args.custom_loss_function_path and args.loss_type != "custom_loss":
+        logger.warning("--custom-loss-function-path %s is ignored unless --loss-type custom_loss.",
+                       args.custom_loss_function_path)
+    if args.use_unbiased_kl and not (args.use_kl_loss or args.kl_coef):
+        logger.warning("--use-unbiased-kl has no effect without a KL term (--use-kl-loss or --kl-coef).")
+
     if args.n_samples_per_prompt == 1 and not args.disable_grpo_std_normalization:
         # The std of a one-sample group is 0: dividing by it would blow advantages up.
         logger.info("--n-samples-per-prompt 1: group std normalisation is turned off.")
         args.disable_grpo_std_normalization = True
     args.grpo_std_normalization = not args.disable_grpo_std_normalization
     args.rewards_normalization = not args.disable_rewards_normalization
+
+
+def validate_ppo_and_discounting(args: argparse.Namespace) -> None:
+    for name, value in (("--gamma", args.gamma), ("--lambd", args.lambd)):
+        if not 0.0 <= value <= 1.0:
+            fail(f"{name} {value}: must lie in [0, 1] (1.0 = no discounting).")
+    if args.value_clip is not None and args.value_clip <= 0:
+        fail(f"--value-clip {args.value_clip}: must be > 0 (e.g. 0.2).")
+    if args.critic_lr is not None and args.critic_lr < 0:
+        fail(f"--critic-lr {args.critic_lr}: must be >= 0.")
+    ppo = args.advantage_estimator == "ppo"
+    if not ppo and (args.critic_load or args.critic_lr is not None):
+        flag = "--critic-load" if args.critic_load else "--critic-lr"
+        fail(f"{flag} configures the PPO critic, which --advantage-estimator {args.advantage_estimator} does not "
+             "use; drop it or use --advantage-estimator ppo.")
+    if args.critic_load and not args.debug_rollout_only and not os.path.isfile(
+        os.path.join(args.critic_load, "config.json")
+    ):
+        fail(f"--critic-load {args.critic_load}: not an HF model folder (no config.json there); fix the path.")
+    if ppo and getattr(args, "train_backend", None) == "megatron":
+        fail("--advantage-estimator ppo: the critic is implemented for --train-backend fsdp only; "
+             "add --train-backend fsdp.")

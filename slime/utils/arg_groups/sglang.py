@@ -1,8 +1,12 @@
 """SGLang and sglang-router: slime's own `--sglang-*` flags, `--router-policy`, and checks on forwarded flags.
 
 Every other `--sglang-<field>` flag is collected by slime/utils/arguments.py into `args.sglang_args`
-(ServerArgs field -> raw value) and every other `--router-<field>` into `args.router_args`; the SGLang
-backend type-checks them against sglang's ServerArgs. Here we only refuse the fields slime sets itself.
+(ServerArgs field -> raw value) and every other `--router-<field>` into `args.router_args`. Here we refuse
+the fields slime sets itself and, when slime will launch SGLang servers (`--rollout-backend sglang` with
+CUDA, no external engines, not `--debug-train-only`) and sglang is importable, check every forwarded field
+against the installed `ServerArgs` and type its value (slime/backends/sglang_utils/arguments.py). Without
+sglang the values stay strings and the SGLang engine refuses to launch, naming the package to install.
+For the `hf` backend the forwarded fields are not used and stay as given.
 """
 
 from __future__ import annotations
@@ -72,3 +76,28 @@ def validate_sglang(args: argparse.Namespace) -> None:
             instead = RESERVED_SGLANG_FIELDS[field]
             fix = f"use {instead} instead" if instead else "slime sets it for each engine; drop the flag"
             fail(f"--sglang-{field.replace('_', '-')}: slime computes this SGLang setting itself; {fix}.")
+    if getattr(args, "sglang_args", None) and _launches_sglang(args):
+        _type_forwarded_fields(args)
+
+
+def _launches_sglang(args: argparse.Namespace) -> bool:
+    backend = getattr(args, "rollout_backend", None) or ("sglang" if getattr(args, "use_cuda", False) else "hf")
+    return (backend == "sglang" and bool(getattr(args, "use_cuda", False))
+            and not getattr(args, "rollout_external_engine_addrs", None)
+            and not getattr(args, "debug_train_only", False))
+
+
+def _type_forwarded_fields(args: argparse.Namespace) -> None:
+    from slime.backends.sglang_utils.arguments import (
+        SGLangArgumentError,
+        convert_sglang_args,
+        server_fields,
+    )
+
+    fields = server_fields()  # imports sglang (seconds): only done when SGLang servers will be launched
+    if fields is None:
+        return
+    try:
+        args.sglang_args = convert_sglang_args(args.sglang_args, fields)
+    except SGLangArgumentError as e:
+        fail(f"{e}.")

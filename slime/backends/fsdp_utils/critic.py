@@ -1,0 +1,165 @@
+"""`FSDPCriticRayActor`: one rank of the PPO critic (`--advantage-estimator ppo`) on the `fsdp` backend.
+
+The value model is the policy's architecture without its LM head: the transformers base model
+(`AutoModelForCausalLM(...).base_model`, the body of the causal LM) plus `nn.Linear(hidden_size, 1)`, sharded with FSDP2 like
+the actor. V_t, the value of the prefix before response token t, is read at the position that predicts
+token t. The body comes from `--critic-load` when given (an HF folder; a `value_head.pt` there restores the
+head too), else from `--hf-checkpoint`; a fresh head starts at zero, so the first values are 0.
+
+Per rollout, driven by train.py: `compute_values(batch)` (every row's values, gathered to every rank),
+then, after the actor has turned them into returns, `train(rollout_id, batch, values, returns)`: the value
+loss ½·max((clip(V) − R)², (V − R)²) (`--value-clip`) over the same optimizer steps and micro-batches as
+the actor, AdamW with `--critic-lr` (default `--lr`).
+
+Simplifications: the critic is not checkpointed (`--save` writes the actor only; a resumed run restarts
+the critic from `--critic-load` / `--hf-checkpoint`); no offloading between actor and critic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.fsdp_utils import checkpoint
+from slime.backends.fsdp_utils.actor import (
+    _padded_rows,
+    clip_and_step,
+    lr_at,
+    make_optimizer,
+    setup_rank,
+    shard_model,
+    sum_over_ranks,
+)
+from slime.backends.fsdp_utils.data import forward_response_values, make_micro_batch, rows_per_step, split_micro_batches
+from slime.backends.fsdp_utils.loss import critic_loss
+from slime.ray.train_actor import TrainRayActor
+from slime.utils.ppo_utils import aggregate_loss
+from slime.utils.types import TrainBatch
+
+logger = logging.getLogger(__name__)
+
+VALUE_HEAD_FILE = "value_head.pt"
+
+
+class ValueModel(torch.nn.Module):
+    """A transformers base model with a scalar head: `forward(input_ids, attention_mask) -> [B, L]`."""
+
+    def __init__(self, body: torch.nn.Module, hidden_size: int):
+        super().__init__()
+        self.body = body
+        self.value_head = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).clone()  # FSDP2 warns about returning a view
+
+
+def load_value_model(path: str) -> ValueModel:
+    from transformers import AutoModelForCausalLM
+
+    if not checkpoint.is_hf_folder(path):
+        raise FileNotFoundError(f"--critic-load / --hf-checkpoint {path}: not an HF model folder (no config.json)")
+    body = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).base_model  # the LM head is dropped
+    model = ValueModel(body, body.config.hidden_size)
+    head = os.path.join(path, VALUE_HEAD_FILE)
+    if os.path.exists(head):
+        model.value_head.load_state_dict(torch.load(head, map_location="cpu"))
+    return model
+
+
+def critic_args(args: Any) -> argparse.Namespace:
+    """The actor's args with the critic's learning rate."""
+    critic_lr = getattr(args, "critic_lr", None)
+    return argparse.Namespace(**{**vars(args), "lr": args.lr if critic_lr is None else critic_lr})
+
+
+class FSDPCriticRayActor(TrainRayActor):
+    def init(self, args: Any, role: str, with_ref: bool = False) -> int:
+        if role != "critic":
+            raise ValueError(f"FSDPCriticRayActor: role {role!r}; the actor is FSDPTrainRayActor (actor.py)")
+        self.args = critic_args(args)
+        setup_rank(self, self.args)
+        path = getattr(args, "critic_load", None) or args.hf_checkpoint
+        model = load_value_model(path)
+        self.model = shard_model(model, model.body, self.mesh, self.device, path)
+        self.optimizer = make_optimizer(self.model, self.args, self.args.lr)
+        self.global_step = 0
+        return 0
+
+    def _plan(self, batch: TrainBatch) -> list[list[list[int]]]:
+        steps = rows_per_step(len(batch), self.args.global_batch_size, self.world_size, self.rank)
+        return [split_micro_batches(rows, self.args.micro_batch_size) for rows in steps]
+
+    def _forward(self, batch: TrainBatch, rows: list[int]):
+        mb = make_micro_batch([batch.tokens[r] for r in rows], [batch.response_lengths[r] for r in rows],
+                              device=self.device)
+        return mb, forward_response_values(self.model, mb)
+
+    @torch.no_grad()
+    def compute_values(self, batch: TrainBatch) -> list[list[float]]:
+        """Values of every row's response tokens; each rank computes its rows, all ranks return all rows."""
+        mine: dict[int, list[float]] = {}
+        for micro_batches in self._plan(batch):
+            for rows in micro_batches:
+                mb, values = self._forward(batch, rows)
+                for i, r in enumerate(rows):
+                    mine[r] = values[i, : mb.response_lengths[i]].tolist()
+        shards: list = [None] * self.world_size
+        dist.all_gather_object(shards, mine)
+        out: list[list[float] | None] = [None] * len(batch)
+        for shard in shards:
+            for r, v in shard.items():
+                out[r] = v
+        return out
+
+    def train(self, rollout_id: int, batch: TrainBatch, values: list[list[float]] | None = None,
+              returns: list[list[float]] | None = None) -> dict[str, float]:
+        if values is None or returns is None:
+            raise ValueError("critic train needs the values it computed and the actor's returns for every row")
+        args = self.args
+        per_token = getattr(args, "calculate_per_token_loss", False)
+        totals: dict[str, float] = defaultdict(float)
+        plan = self._plan(batch)
+        for s, micro_batches in enumerate(plan):
+            global_rows = range(s * args.global_batch_size, (s + 1) * args.global_batch_size)
+            denominator = (max(1, sum(sum(batch.loss_masks[r]) for r in global_rows)) if per_token
+                           else len(global_rows))
+            lr = lr_at(args, self.global_step)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.zero_grad(set_to_none=True)
+            local: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
+            for rows in micro_batches:
+                mb, new_values = self._forward(batch, rows)
+                padded = functools.partial(_padded_rows, rows=rows, width=mb.max_response_len, device=self.device)
+                mask = mb.response_mask * padded(batch.loss_masks)
+                aggregate = functools.partial(aggregate_loss, mask=mask, per_token=per_token,
+                                              global_denominator=denominator)
+                loss, shares = critic_loss(args, new_values, padded(values), padded(returns), aggregate)
+                (loss * self.world_size).backward()  # undo FSDP's gradient averaging (see the actor)
+                for k, v in shares.items():
+                    local[k] += v
+            metrics = sum_over_ranks(local)
+            metrics["critic/grad_norm"] = clip_and_step(self.model, self.optimizer, args.clip_grad)
+            metrics["critic/lr"] = lr
+            self.global_step += 1
+            for k, v in metrics.items():
+                totals[k] += v
+        return {k: v / len(plan) for k, v in totals.items()}
+
+    # The critic has no weights to push and is not checkpointed (module docstring).
+    def update_weights(self, engines: list[Any], weight_version: int) -> None:
+        raise NotImplementedError("the critic's weights are never sent to the rollout engines")
+
+    def save(self, rollout_id: int) -> None:
+        logger.warning("critic rank %d: the critic is not checkpointed (rollout %d)", self.rank, rollout_id)
+

@@ -1,0 +1,291 @@
+"""Parsed flags -> keyword arguments of megatron-core's configs, in one place.
+
+Pure functions returning plain dicts (importable without CUDA and without megatron-core), plus thin
+`build_*` functions that construct the real objects when megatron-core is importable:
+
+- `transformer_config_kwargs(args)` -> `TransformerConfig` (or `MLATransformerConfig` with
+  `--multi-latent-attention`); `activation_func` and dtypes are names ("silu", "bfloat16") resolved by
+  `build_transformer_config`;
+- `gpt_model_kwargs(args)` -> `GPTModel(config, spec, **kwargs)` (padded vocabulary, RoPE settings);
+- `optimizer_config_kwargs(args)` -> `OptimizerConfig`; `ddp_config_kwargs(args)` -> `DistributedDataParallelConfig`;
+- `lr_scheduler_kwargs(args, total_steps)` -> `OptimizerParamScheduler(optimizer, **kwargs)`.
+
+Field names are megatron-core 0.16.1's (checked against its dataclasses by tests/unit/test_megatron_args.py
+when megatron-core is installed). Simplifications: no FP8/FP4, no heterogeneous layers, no
+vision/multimodal fields; `--attention-backend auto` becomes `local` when TransformerEngine is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from slime.utils.arg_groups._common import SlimeArgumentError
+from slime.utils.arg_groups.megatron import moe_layer_pattern, pipeline_layer_split
+
+_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
+
+
+def check_megatron_runtime(args: argparse.Namespace, cuda_available: bool | None = None) -> None:
+    """Called when the Megatron backend starts: CUDA and megatron-core must be there, MODEL_ARGS complete."""
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    if not cuda_available:
+        raise SlimeArgumentError(
+            "--train-backend megatron: CUDA is not available on this machine, and megatron-core needs one GPU "
+            "per training rank. Use --train-backend fsdp (the default without CUDA) to train on CPU."
+        )
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        raise SlimeArgumentError(
+            "--train-backend megatron: megatron-core is not installed (pip install megatron-core); "
+            "or use --train-backend fsdp."
+        ) from e
+    require_model_args(args)
+
+
+def require_model_args(args: argparse.Namespace) -> None:
+    missing = [f"--{d.replace('_', '-')}" for d in _REQUIRED if getattr(args, d, None) is None]
+    if missing:
+        raise SlimeArgumentError(
+            f"--train-backend megatron needs the model architecture; missing {' '.join(missing)}. "
+            "Source a scripts/models/<model>.sh and pass ${MODEL_ARGS[@]}."
+        )
+
+
+def padded_vocab_size(args: argparse.Namespace) -> int:
+    """Megatron-LM's padding: up to a multiple of --make-vocab-size-divisible-by × TP."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return int(math.ceil(args.vocab_size / multiple) * multiple)
+
+
+def params_dtype_name(args: argparse.Namespace) -> str:
+    return "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+
+
+def transformer_config_kwargs(args: argparse.Namespace) -> dict:
+    require_model_args(args)
+    split = pipeline_layer_split(args)
+    pp = args.pipeline_model_parallel_size
+    kw = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        gated_linear_unit=args.swiglu,
+        activation_func="silu" if args.swiglu else "gelu",
+        qk_layernorm=args.qk_layernorm,
+        init_method_std=args.init_method_std,
+        rotary_interleaved=args.rotary_interleaved,
+        apply_rope_fusion=args.apply_rope_fusion,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        masked_softmax_fusion=args.masked_softmax_fusion,
+        bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
+        bias_dropout_fusion=args.bias_dropout_fusion,
+        persist_layer_norm=args.persist_layer_norm,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        attention_backend=args.attention_backend,
+        # parallelism
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+        # precision
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=params_dtype_name(args),
+        pipeline_dtype=params_dtype_name(args),
+        # recompute
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+    )
+    if args.recompute_modules is not None:
+        kw["recompute_modules"] = list(args.recompute_modules)
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = split[0] if pp > 1 else args.num_layers
+        kw["virtual_pipeline_model_parallel_size"] = per_stage // args.num_layers_per_virtual_pipeline_stage
+    if args.mtp_num_layers:
+        kw["mtp_num_layers"] = args.mtp_num_layers
+    if args.num_experts:
+        kw.update(
+            num_moe_experts=args.num_experts,
+            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_shared_expert_overlap=args.moe_shared_expert_overlap,
+            moe_router_topk=args.moe_router_topk,
+            moe_layer_freq=moe_layer_pattern(args),
+            moe_router_score_function=args.moe_router_score_function,
+            moe_router_pre_softmax=args.moe_router_pre_softmax,
+            moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+            moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+            moe_router_num_groups=args.moe_router_num_groups,
+            moe_router_group_topk=args.moe_router_group_topk,
+            moe_router_dtype=args.moe_router_dtype,
+            moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+            moe_z_loss_coeff=args.moe_z_loss_coeff,
+            moe_grouped_gemm=args.moe_grouped_gemm,
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            moe_permute_fusion=args.moe_permute_fusion,
+            moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+            moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+            moe_token_drop_policy=args.moe_token_drop_policy,
+        )
+    if args.multi_latent_attention:
+        kw.update(
+            multi_latent_attention=True,
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_head_dim=args.qk_head_dim,
+            qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+            v_head_dim=args.v_head_dim,
+            rotary_base=args.rotary_base,
+            rotary_percent=args.rotary_percent,
+            rotary_scaling_factor=args.rotary_scaling_factor,
+            original_max_position_embeddings=args.original_max_position_embeddings or args.max_position_embeddings,
+            beta_fast=args.beta_fast,
+            beta_slow=args.beta_slow,
+            mscale=args.mscale,
+            mscale_all_dim=args.mscale_all_dim,
+            rope_type=args.rope_type or "yarn",
+        )
+    return kw
+
+
+def gpt_model_kwargs(args: argparse.Namespace) -> dict:
+    """GPTModel's keyword arguments besides config and layer spec (pre/post_process are per stage)."""
+    require_model_args(args)
+    return dict(
+        vocab_size=padded_vocab_size(args),
+        max_sequence_length=args.max_position_embeddings or args.seq_length or 4096,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=int(args.rotary_base),
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+    )
+
+
+def optimizer_config_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=params_dtype_name(args),
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+        overlap_param_gather=args.overlap_param_gather,
+    )
+
+
+def ddp_config_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+
+
+def lr_scheduler_kwargs(args: argparse.Namespace, total_steps: int) -> dict:
+    """OptimizerParamScheduler kwargs; without --lr-decay-iters the decay spans the whole run."""
+    decay = args.lr_decay_iters or max(total_steps, 1)
+    return dict(
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=max(decay, args.lr_warmup_iters + 1),
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=max(decay, 1),
+        wd_incr_style="constant",
+    )
+
+
+# ---- thin constructors (need megatron-core) ----------------------------------------------------------------
+
+
+def _resolve(kw: dict) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    out = dict(kw)
+    if "activation_func" in out:
+        out["activation_func"] = {"silu": F.silu, "gelu": F.gelu}[out["activation_func"]]
+    for key in ("params_dtype", "pipeline_dtype"):
+        if key in out:
+            out[key] = getattr(torch, out[key])
+    return out
+
+
+def build_transformer_config(args: argparse.Namespace, te_available: bool | None = None):
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
+
+    if te_available is None:
+        try:
+            import transformer_engine  # noqa: F401
+
+            te_available = True
+        except ImportError:
+            te_available = False
+    kw = _resolve(transformer_config_kwargs(args))
+    backend = kw["attention_backend"]
+    if not te_available:
+        # These kernels come from TransformerEngine / apex; megatron-core refuses the flags without them.
+        if backend == "auto":
+            backend = "local"
+        kw.update(apply_rope_fusion=False, gradient_accumulation_fusion=False)
+        if "moe_permute_fusion" in kw:
+            kw["moe_permute_fusion"] = False
+    kw["attention_backend"] = AttnBackend[backend]
+    cls = MLATransformerConfig if args.multi_latent_attention else TransformerConfig
+    return cls(**kw)
+
+
+def build_optimizer_config(args: argparse.Namespace):
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(**_resolve(optimizer_config_kwargs(args)))
+
+
+def build_ddp_config(args: argparse.Namespace):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(**ddp_config_kwargs(args))

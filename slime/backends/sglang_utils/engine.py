@@ -1,0 +1,201 @@
+"""`SGLangEngine`: the `ServerEngine` that launches a real SGLang server (`python -m sglang.launch_server`).
+
+Used as a Ray actor like `HFEngine` (`ray.remote(SGLangEngine).options(...).remote(args, rank)`), one per
+engine, or per node of a multi-node engine. It computes the server's arguments from slime's flags:
+
+| ServerArgs field | from |
+| --- | --- |
+| `model_path` | `--hf-checkpoint` |
+| `tp_size` | `--rollout-num-gpus-per-engine` |
+| `base_gpu_id` | the first GPU Ray gave this actor (its placement-group bundle); 0 outside Ray |
+| `port`, `nccl_port` | free ports on this node, picked at launch |
+| `random_seed` | `--seed` + engine rank |
+| `enable_memory_saver` | `--offload-rollout` (on with `--colocate`) |
+| `skip_server_warmup`, `trust_remote_code` | always on |
+| `dist_init_addr`, `nnodes`, `node_rank` | engines wider than `--num-gpus-per-node`: one actor per node |
+| anything else | every `--sglang-<field>` (checked against the installed ServerArgs) |
+
+and waits for `GET /health_generate` (a real one-token generation), quoting the tail of the server's log
+if it exits first. Control calls (weights, memory, pause, abort) are the base class's HTTP calls.
+
+Launcher: env `SLIME_SGLANG_LAUNCHER` (a shell-split command, e.g. `"sglang serve"`), else the class
+attribute `launcher`, else `python -m sglang.launch_server`; only the default launcher needs sglang
+importable here (without it `launch_command` raises, naming the package). With a custom launcher the
+forwarded flags are rendered by name, unchecked.
+
+Assumptions and simplifications:
+- GPUs: the server is started with Ray's `CUDA_VISIBLE_DEVICES` removed, so it sees the node's GPUs
+  and `base_gpu_id` is a physical id; the engine's other GPUs are taken to be the next ids (slime's
+  placement group sorts bundles by GPU id, so an engine's bundles are consecutive GPUs of one node).
+- Multi-node engines: node rank 0 owns the HTTP server, picks `dist_init_addr` (`get_dist_init_addr`,
+  handed to the other nodes' actors by whoever creates them) and takes every control call; the actors
+  of node ranks > 0 only run their server process (`init` returns None, control calls do nothing).
+- Registration with sglang-router is done by the RolloutManager with the URL `init` returns.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+import shlex
+import sys
+import time
+from typing import Any
+
+from slime.backends.server_engine import ServerEngine, _free_port
+from slime.backends.sglang_utils.arguments import (
+    INSTALL_HINT,
+    convert_sglang_args,
+    server_fields,
+    sglang_cli_args,
+)
+
+logger = logging.getLogger(__name__)
+
+LAUNCHER_ENV = "SLIME_SGLANG_LAUNCHER"
+DEFAULT_LAUNCHER = (sys.executable, "-m", "sglang.launch_server")
+FOLLOWER_SETTLE_S = 3.0  # a node-rank > 0 server that survives this long is taken as started
+
+
+def engine_nnodes(args) -> int:
+    """Nodes one engine spans: an engine wider than a node takes whole nodes."""
+    per_engine = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+    per_node = int(getattr(args, "num_gpus_per_node", 8) or 8)
+    return max(1, math.ceil(per_engine / per_node)) if per_engine > per_node else 1
+
+
+def ray_gpu_ids() -> list[int]:
+    """The GPU ids Ray assigned to the calling actor ([] outside Ray, without GPUs, or for non-numeric ids)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return []
+        ids = ray.get_gpu_ids()
+    except Exception:  # noqa: BLE001 (not in a Ray worker)
+        return []
+    try:
+        return sorted(int(i) for i in ids)
+    except (TypeError, ValueError):  # UUIDs: leave GPU selection to CUDA_VISIBLE_DEVICES
+        return []
+
+
+class SGLangEngine(ServerEngine):
+    name = "sglang"
+    health_path = "/health_generate"
+    health_probe_timeout_s = 30.0  # the first generation of a big model can take a while
+    startup_timeout_s = 1800.0  # loading and capturing CUDA graphs of large models takes minutes
+    launcher: list[str] | None = None
+
+    def __init__(self, args, rank: int, node_rank: int = 0, dist_init_addr: str | None = None):
+        super().__init__(args, rank)
+        self.nnodes = engine_nnodes(args)
+        if not 0 <= node_rank < self.nnodes:
+            raise ValueError(f"node_rank {node_rank}: engine {rank} spans {self.nnodes} node(s)")
+        self.node_rank = node_rank
+        self._dist_init_addr = dist_init_addr
+        self.nccl_port: int | None = None
+        self.gpu_ids = ray_gpu_ids()
+
+    # ---- multi-node ----
+    def get_dist_init_addr(self) -> str:
+        """`host:port` the nodes of this engine rendezvous at; node rank 0 picks it on first use."""
+        if self._dist_init_addr is None:
+            if self.node_rank != 0:
+                raise ValueError(f"engine {self.rank} node rank {self.node_rank}: pass dist_init_addr from node "
+                                 "rank 0's get_dist_init_addr()")
+            self._dist_init_addr = f"{self.host}:{_free_port(self.host)}"
+        return self._dist_init_addr
+
+    # ---- arguments ----
+    def launcher_command(self) -> list[str]:
+        env = os.environ.get(LAUNCHER_ENV)
+        if env:
+            return shlex.split(env)
+        if self.launcher:
+            return list(self.launcher)
+        if importlib.util.find_spec("sglang") is None:
+            raise RuntimeError(f"--rollout-backend sglang: the sglang package is not installed on {self.host}; "
+                               f"{INSTALL_HINT}")
+        return list(DEFAULT_LAUNCHER)
+
+    def uses_default_launcher(self) -> bool:
+        return not os.environ.get(LAUNCHER_ENV) and not self.launcher
+
+    def server_args(self, host: str, port: int) -> dict[str, Any]:
+        """ServerArgs field -> value for this engine (slime's computed fields, then the forwarded ones)."""
+        args = self.args
+        checkpoint = getattr(args, "hf_checkpoint", None)
+        if not checkpoint:
+            raise ValueError("--hf-checkpoint is required for the sglang rollout engine (an HF model folder)")
+        self.nccl_port = _free_port(host)  # fresh per launch: a retry after "address in use" needs new ports
+        seed = getattr(args, "seed", None)
+        values: dict[str, Any] = {
+            "model_path": str(checkpoint),
+            "host": host,
+            "port": port,
+            "nccl_port": self.nccl_port,
+            "tp_size": int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1),
+            "base_gpu_id": self.gpu_ids[0] if self.gpu_ids else 0,
+            "gpu_id_step": 1,
+            "random_seed": (1234 if seed is None else int(seed)) + self.rank,
+            "enable_memory_saver": bool(getattr(args, "offload_rollout", False) or getattr(args, "colocate", False)),
+            "skip_server_warmup": True,
+            "trust_remote_code": True,
+        }
+        if self.nnodes > 1:
+            values.update(dist_init_addr=self.get_dist_init_addr(), nnodes=self.nnodes, node_rank=self.node_rank)
+            if self.node_rank == 0:
+                logger.info("engine %d spans %d nodes: its servers on node ranks 1..%d must be started with "
+                            "dist_init_addr=%s, or this one waits for them", self.rank, self.nnodes,
+                            self.nnodes - 1, values["dist_init_addr"])
+        values.update(getattr(args, "sglang_args", None) or {})
+        return values
+
+    def launch_command(self, host: str, port: int) -> list[str]:
+        launcher = self.launcher_command()
+        values = self.server_args(host, port)
+        fields = server_fields() if self.uses_default_launcher() else None
+        if fields is not None:
+            # The driver may not have had sglang to check these; the engine's node has it.
+            values = {**values, **convert_sglang_args(getattr(self.args, "sglang_args", None) or {}, fields)}
+        return [*launcher, *sglang_cli_args(values, fields)]
+
+    def launch_env(self) -> dict[str, str]:
+        env = super().launch_env()
+        if self.gpu_ids:
+            # Ray narrowed this actor to its own bundle's GPU; the server needs all tp_size of them.
+            env.pop("CUDA_VISIBLE_DEVICES", None)
+        return env
+
+    # ---- lifecycle ----
+    def init(self) -> str | None:
+        """Start the server; node rank 0 waits for /health_generate and returns the URL, others return None."""
+        if self.node_rank == 0:
+            return super().init()
+        if self.process is not None and self.process.poll() is None:
+            return None
+        self.port = _free_port(self.host)
+        self._start_process()
+        deadline = time.monotonic() + FOLLOWER_SETTLE_S
+        while time.monotonic() < deadline:
+            rc = self.process.poll()
+            if rc is not None:
+                tail = self.log_tail()
+                self.shutdown()
+                raise RuntimeError(f"{self.name} engine {self.rank} node rank {self.node_rank} exited with code "
+                                   f"{rc}; log {self.log_path}:\n{tail}")
+            time.sleep(0.2)
+        return None
+
+    def _call(self, method: str, path: str, json: dict | None = None, timeout: float | None = None):
+        if self.node_rank != 0:
+            return None  # node rank 0's server applies control calls to every node of the engine
+        return super()._call(method, path, json, timeout)
+
+    def health_generate(self, timeout: float) -> bool:
+        if self.node_rank != 0:
+            return self.process is not None and self.process.poll() is None
+        return super().health_generate(timeout)

@@ -1,0 +1,349 @@
+"""Megatron-LM's own flags: model architecture, parallelism, recompute, checkpoint format, fusions.
+
+megatron-core ships no argument parser (Megatron-LM's `megatron.training` is not on the package
+registries), so the flags slime users pass (`${MODEL_ARGS[@]}` from scripts/models, the parallel sizes of
+their run scripts) are defined here with Megatron-LM's names, defaults and meanings. They are parsed into
+typed attributes (`args.num_layers`, `args.tensor_model_parallel_size`, ...); the raw tokens are kept in
+`args.megatron_args` as well. `slime.backends.megatron_utils.args` maps them onto megatron-core's configs.
+
+Training flags both backends read (`--lr`, `--seed`, `--clip-grad`, `--bf16`, `--fp16`, `--save`, `--load`,
+`--micro-batch-size`, `--global-batch-size`, `--calculate-per-token-loss`, `--distributed-timeout-minutes`,
+...) live in their own areas and are not repeated here.
+
+Simplifications: only the Megatron-LM flags an RL run uses are defined (no data-loader, tokenizer,
+logging or pretraining-schedule flags); an unknown flag is an error with a "did you mean" hint, so a
+missing one shows up at once instead of being silently ignored. Two flags are slime's additions to
+Megatron-LM for GLM-4 (`--post-self-attn-layernorm`, `--post-mlp-layernorm`), as in slime.
+`--moe-layer-freq` accepts an int or Megatron-LM's list expression (`"([0]*3+[1]*58)"`), evaluated without
+`eval`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import logging
+
+from slime.utils.arg_groups._common import fail
+
+logger = logging.getLogger(__name__)
+
+# Every dest this module defines; the assembler copies these flags' tokens into args.megatron_args.
+MEGATRON_DESTS: set[str] = set()
+
+
+def _int_list_expr(text: str) -> int | list[int]:
+    """`4` -> 4; `[1,0,1]` or `([0]*3+[1]*58)` -> the list. Only ints, lists, `*` and `+` are allowed."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Add)):
+            left, right = value(node.left), value(node.right)
+            return left * right if isinstance(node.op, ast.Mult) else left + right
+        raise ValueError(ast.dump(node))
+
+    try:
+        result = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected an int or a list expression such as '([0]*3+[1]*58)'"
+        ) from e
+    if not isinstance(result, list) or not all(isinstance(x, int) for x in result):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a flat list of 0/1 per layer")
+    return result
+
+
+class _Group:
+    """An argument group that records every dest it defines in MEGATRON_DESTS."""
+
+    def __init__(self, group):
+        self._group = group
+
+    def add_argument(self, *names, **kwargs):
+        action = self._group.add_argument(*names, **kwargs)
+        MEGATRON_DESTS.add(action.dest)
+        return action
+
+
+def _add_architecture(parser) -> None:
+    g = _Group(parser.add_argument_group("megatron architecture", "Megatron-LM model flags (scripts/models/*.sh)."))
+    g.add_argument("--num-layers", type=int, default=None, help="Transformer layers.")
+    g.add_argument("--hidden-size", type=int, default=None, help="Hidden size.")
+    g.add_argument(
+        "--ffn-hidden-size", type=int, default=None,
+        help="MLP hidden size (default 4×hidden, or 2/3 of that rounded down to 64 with --swiglu).",
+    )  # fmt: skip
+    g.add_argument("--num-attention-heads", type=int, default=None, help="Attention (query) heads.")
+    g.add_argument("--group-query-attention", action="store_true", help="Use grouped-query attention.")
+    g.add_argument("--num-query-groups", type=int, default=1, help="Key/value heads with --group-query-attention.")
+    g.add_argument("--kv-channels", type=int, default=None, help="Head dim (default hidden / heads).")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated, SiLU).")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of every norm.")
+    g.add_argument("--apply-layernorm-1p", action="store_true", help="Norm weights stored as (w - 1).")
+    g.add_argument(
+        "--position-embedding-type", choices=["learned_absolute", "rope", "mrope", "relative", "none"],
+        default="learned_absolute",
+    )  # fmt: skip
+    g.add_argument(
+        "--use-rotary-position-embeddings",
+        action="store_true",
+        help="Deprecated alias of --position-embedding-type rope.",
+    )
+    g.add_argument("--rotary-base", type=float, default=10000, help="RoPE theta.")
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of the head dim RoPE rotates.")
+    g.add_argument("--rotary-interleaved", action="store_true", help="Rotate interleaved pairs, not halves.")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None)
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama-3.1 RoPE frequency scaling.")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="Factor of --use-rope-scaling.")
+    g.add_argument("--no-rope-fusion", dest="apply_rope_fusion", action="store_false", help="Unfused RoPE kernel.")
+    g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size before padding.")
+    g.add_argument(
+        "--make-vocab-size-divisible-by", type=int, default=128,
+        help="Pad the vocabulary to a multiple of this × TP (padding is stripped on HF export).",
+    )  # fmt: skip
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", help="Separate output layer.")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", help="No linear biases.")
+    g.add_argument("--add-qkv-bias", action="store_true", help="Bias on the QKV projection only.")
+    g.add_argument("--qk-layernorm", action="store_true", help="Norm on queries and keys (per head).")
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=None, help="Training sequence length.")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="Megatron-LM's default; RL runs pass 0.")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="Megatron-LM's default; RL runs pass 0.")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true")
+    g.add_argument("--post-self-attn-layernorm", action="store_true", help="slime: GLM-4 norm after attention.")
+    g.add_argument("--post-mlp-layernorm", action="store_true", help="slime: GLM-4 norm after the MLP.")
+    g.add_argument("--mtp-num-layers", type=int, default=None, help="Multi-token-prediction layers (not trained).")
+
+    m = _Group(parser.add_argument_group("megatron moe", "Mixture-of-experts flags."))
+    m.add_argument("--num-experts", type=int, default=None, help="Routed experts per MoE layer.")
+    m.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Hidden size of each routed expert.")
+    m.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None, help="Total shared-expert size.")
+    m.add_argument("--moe-shared-expert-overlap", action="store_true")
+    m.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token.")
+    m.add_argument(
+        "--moe-layer-freq", type=_int_list_expr, default=1,
+        help="Every Nth layer is MoE, or a per-layer 0/1 list expression such as '([0]*3+[1]*58)'.",
+    )  # fmt: skip
+    m.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
+    m.add_argument("--moe-router-pre-softmax", action="store_true")
+    m.add_argument("--moe-router-enable-expert-bias", action="store_true", help="Aux-loss-free expert bias.")
+    m.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    m.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    m.add_argument("--moe-router-num-groups", type=int, default=None, help="Expert groups (device-limited routing).")
+    m.add_argument("--moe-router-group-topk", type=int, default=None, help="Groups picked per token.")
+    m.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None)
+    m.add_argument(
+        "--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
+        default="aux_loss",
+    )  # fmt: skip
+    m.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    m.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    m.add_argument("--moe-grouped-gemm", action="store_true", help="Grouped GEMM experts (TEGroupedMLP names).")
+    m.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default="allgather")
+    m.add_argument("--moe-permute-fusion", action="store_true")
+    m.add_argument("--moe-expert-capacity-factor", type=float, default=None)
+    m.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    m.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
+
+    a = _Group(parser.add_argument_group("megatron mla", "Multi-latent attention (DeepSeek-V3, Kimi-K2, Moonlight)."))
+    a.add_argument("--multi-latent-attention", action="store_true")
+    a.add_argument("--q-lora-rank", type=int, default=None, help="Query low-rank size (none: plain q projection).")
+    a.add_argument("--kv-lora-rank", type=int, default=32)
+    a.add_argument("--qk-head-dim", type=int, default=128, help="Query/key head dim without the RoPE part.")
+    a.add_argument("--qk-pos-emb-head-dim", type=int, default=64, help="RoPE part of the query/key head dim.")
+    a.add_argument("--v-head-dim", type=int, default=128)
+    a.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN factor.")
+    a.add_argument("--original-max-position-embeddings", type=int, default=None, help="YaRN original length.")
+    a.add_argument("--beta-fast", type=float, default=32.0)
+    a.add_argument("--beta-slow", type=float, default=1.0)
+    a.add_argument("--mscale", type=float, default=1.0)
+    a.add_argument("--mscale-all-dim", type=float, default=0.0)
+    a.add_argument("--rope-type", choices=["rope", "yarn"], default=None, help="MLA RoPE (default yarn).")
+
+
+def _add_parallel(parser) -> None:
+    g = _Group(parser.add_argument_group("megatron parallelism"))
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="Default: the TP size.")
+    g.add_argument("--sequence-parallel", action="store_true", help="Shard norms/dropout along the sequence (TP > 1).")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="Shard optimizer state over DP.")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true")
+    g.add_argument("--initial-loss-scale", type=float, default=2**32, help="fp16 dynamic loss scale start.")
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale", type=float, default=None, help="Static fp16 loss scale.")
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+
+
+def _add_runtime(parser) -> None:
+    g = _Group(parser.add_argument_group("megatron recompute, checkpoint, kernels"))
+    g.add_argument("--recompute-activations", action="store_true", help="Alias of --recompute-granularity selective.")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-modules", nargs="*", default=None)
+    g.add_argument(
+        "--ckpt-format", choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"], default="torch_dist"
+    )
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true", help="Load weights only; reset the iteration to 0.")
+    g.add_argument(
+        "--attention-backend", choices=["flash", "fused", "unfused", "local", "auto"], default="auto",
+        help="megatron-core attention backend (local when TransformerEngine is missing).",
+    )  # fmt: skip
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="transformer_engine")
+    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false")
+    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
+    g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false")
+    g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false")
+    g.add_argument("--no-persist-layer-norm", dest="persist_layer_norm", action="store_false")
+    g.add_argument("--use-flash-attn", action="store_true", help="Deprecated alias of --attention-backend flash.")
+
+
+def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_architecture(parser)
+    _add_parallel(parser)
+    _add_runtime(parser)
+
+
+# ---- validation ----------------------------------------------------------------------------------------
+
+
+def derive_megatron(args: argparse.Namespace) -> None:
+    """Fill Megatron-LM's derived defaults (aliases, default sizes) in place; never fails."""
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.recompute_activations and args.recompute_granularity is None:
+        args.recompute_granularity = "selective"
+    if args.use_flash_attn and args.attention_backend == "auto":
+        args.attention_backend = "flash"
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    if args.hidden_size and args.num_attention_heads and args.kv_channels is None:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.hidden_size and args.ffn_hidden_size is None:
+        # Megatron-LM: 4h, or with SwiGLU 2/3 of 4h rounded down to a multiple of 64.
+        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+    if args.num_experts and args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.tensor_model_parallel_size == 1 and args.sequence_parallel:
+        # Megatron-LM turns it off silently; we say so.
+        logger.warning("--sequence-parallel has no effect with --tensor-model-parallel-size 1; turning it off.")
+        args.sequence_parallel = False
+
+
+def query_groups(args: argparse.Namespace) -> int | None:
+    """Key/value heads actually used: --num-query-groups with GQA, else one per attention head."""
+    return args.num_query_groups if args.group_query_attention else args.num_attention_heads
+
+
+def moe_layer_pattern(args: argparse.Namespace) -> list[int] | None:
+    """Per-layer 1 (MoE) / 0 (dense) from --moe-layer-freq, or None without --num-experts."""
+    if not args.num_experts or not args.num_layers:
+        return None
+    freq = args.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(args.num_layers)]
+    return list(freq)
+
+
+def pipeline_layer_split(args: argparse.Namespace) -> list[int]:
+    """Transformer layers per pipeline stage (first/last stage flags honoured); errors when it cannot fit."""
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if pp == 1:
+        return [layers]
+    fixed = [x for x in (first, last) if x is not None]
+    middle_stages = pp - len(fixed)
+    rest = layers - sum(fixed)
+    how = f"--num-layers {layers} over --pipeline-model-parallel-size {pp}"
+    if first is not None or last is not None:
+        how += f" (--decoder-first-pipeline-num-layers {first}, --decoder-last-pipeline-num-layers {last})"
+    if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages > 0 and rest % middle_stages != 0):
+        hint = [d for d in range(1, layers + 1) if layers % d == 0 and d > 1]
+        fail(
+            f"{how}: the layers do not split evenly over the stages ({rest} layer(s) left for {middle_stages} "
+            f"stage(s)). Use a PP size dividing {layers} ({hint}) or set --decoder-first-pipeline-num-layers / "
+            "--decoder-last-pipeline-num-layers so the remaining layers divide evenly."
+        )
+    per = rest // middle_stages if middle_stages else 0
+    split = [per] * pp
+    if first is not None:
+        split[0] = first
+    if last is not None:
+        split[-1] = last
+    return split
+
+
+def validate_megatron(args: argparse.Namespace) -> None:
+    """Megatron-LM's derived defaults, then (for --train-backend megatron) the parallel-layout checks."""
+    derive_megatron(args)
+    for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size", "expert_tensor_parallel_size"):  # fmt: skip
+        value = getattr(args, dest)
+        if value < 1:
+            fail(f"--{dest.replace('_', '-')} {value}: must be >= 1.")
+    pattern = moe_layer_pattern(args)
+    if pattern is not None and len(pattern) != args.num_layers:
+        fail(
+            f"--moe-layer-freq gives {len(pattern)} layer(s) but --num-layers is {args.num_layers}; "
+            "the list needs one 0/1 per layer."
+        )
+    if args.group_query_attention and args.num_attention_heads and args.num_attention_heads % args.num_query_groups:
+        fail(
+            f"--num-attention-heads {args.num_attention_heads} is not a multiple of --num-query-groups "
+            f"{args.num_query_groups}; each key/value head must serve a whole number of query heads."
+        )
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        fail(f"--recompute-method {args.recompute_method} needs --recompute-granularity full.")
+    if args.recompute_granularity == "full" and args.recompute_method and args.recompute_num_layers is None:
+        fail("--recompute-granularity full with --recompute-method needs --recompute-num-layers N.")
+    if getattr(args, "train_backend", None) != "megatron":
+        return
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    if args.num_attention_heads and args.num_attention_heads % tp:
+        fail(
+            f"--tensor-model-parallel-size {tp} does not divide --num-attention-heads {args.num_attention_heads}; "
+            f"use a TP size that divides it ({_divisors(args.num_attention_heads)})."
+        )
+    groups = query_groups(args)
+    if args.group_query_attention and groups % tp:
+        fail(
+            f"--tensor-model-parallel-size {tp} does not divide --num-query-groups {groups}; each TP rank needs "
+            f"whole key/value heads: use TP in {_divisors(groups)}."
+        )
+    if args.num_experts and args.num_experts % ep:
+        fail(
+            f"--expert-model-parallel-size {ep} does not divide --num-experts {args.num_experts}; use EP in "
+            f"{_divisors(args.num_experts)}."
+        )
+    if args.num_layers:
+        pipeline_layer_split(args)
+    if args.vocab_size is not None and args.vocab_size <= 0:
+        fail(f"--vocab-size {args.vocab_size}: must be positive.")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,80 @@
+"""The engine under test for the HTTP contract suite (tests/contract/test_engine_api.py).
+
+Without options a real `hf` engine server is started for the session (through `HFEngine`, on the tiny
+random-init model) and reaped at the end. To check another server of the same API, e.g. a real SGLang
+server started by hand:
+
+    python -m pytest tests/contract --engine-url http://127.0.0.1:30000 \
+        [--engine-model-path /models/Qwen3-4B] [--trainer-address 10.0.0.5] [--logprob-tol 0.05] \
+        [--engine-same-host] [--weight-sync-backend nccl]
+
+`--engine-model-path` (default: the engine's /get_model_info `model_path`) must be a local HF folder: the
+weight tests read parameter names, shapes and values from its safetensors. `--trainer-address` is the
+address the engine can reach this process at (it is rank 0 of the broadcast group). The tensor-update
+test hands over shared memory, so it runs against an external engine only with `--engine-same-host`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+
+def pytest_addoption(parser):
+    g = parser.getgroup("engine contract")
+    g.addoption("--engine-url", default=None, help="engine to test (default: start an hf engine)")
+    g.addoption("--engine-model-path", default=None, help="local HF folder of the engine's model")
+    g.addoption("--trainer-address", default="127.0.0.1", help="address the engine reaches this process at")
+    g.addoption("--logprob-tol", type=float, default=1e-4, help="log-prob agreement tolerance")
+    g.addoption("--engine-same-host", action="store_true", help="external engine shares this host's memory")
+    g.addoption("--weight-sync-backend", default="gloo", choices=["gloo", "nccl"],
+                help="backend of the update_weights_from_distributed group")
+
+
+def _option(config, name, default=None):
+    try:
+        return config.getoption(name)
+    except ValueError:  # this conftest was not loaded at start-up (pytest run from elsewhere)
+        return default
+
+
+@dataclass
+class EngineUnderTest:
+    url: str
+    model_path: str
+    external: bool
+    trainer_address: str
+    logprob_tol: float
+    same_host: bool
+    weight_sync_backend: str
+
+
+@pytest.fixture(scope="session")
+def engine(request, tmp_path_factory) -> EngineUnderTest:
+    config = request.config
+    url = _option(config, "--engine-url")
+    common = {"trainer_address": _option(config, "--trainer-address", "127.0.0.1"),
+              "logprob_tol": _option(config, "--logprob-tol", 1e-4),
+              "weight_sync_backend": _option(config, "--weight-sync-backend", "gloo")}
+    if url:
+        url = url.rstrip("/")
+        model_path = _option(config, "--engine-model-path") or httpx.get(
+            url + "/get_model_info", timeout=30, trust_env=False).json()["model_path"]
+        yield EngineUnderTest(url, model_path, True, same_host=bool(_option(config, "--engine-same-host")),
+                              **common)
+        return
+
+    from slime.backends.hf_engine.engine import HFEngine
+    from tools.make_tiny_model import make_tiny_model
+
+    model_path = make_tiny_model(str(tmp_path_factory.mktemp("contract") / "tiny-qwen3"), size="tiny", seed=0)
+    os.environ.setdefault("SLIME_ENGINE_LOG_DIR", str(tmp_path_factory.mktemp("engine_logs")))
+    eng = HFEngine(argparse.Namespace(hf_checkpoint=model_path, rollout_seed=0, sglang_server_concurrency=16), rank=0)
+    try:
+        yield EngineUnderTest(eng.init(), model_path, False, same_host=True, **common)
+    finally:
+        eng.shutdown()

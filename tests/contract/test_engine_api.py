@@ -1,0 +1,372 @@
+"""HTTP contract of a rollout engine (SGLang's native API, DESIGN.md §5.2), against any engine URL.
+
+CI runs it against the built-in `hf` engine (started by conftest.py); `--engine-url` points it at another
+server, e.g. a real SGLang one. Every test leaves the engine as it found it: weights are restored after
+each update (checked by scoring a fixed sequence), paused/released state is undone.
+
+Weight tests perturb one tensor of the model (the LM head, or else the largest matrix) and then put the
+original back, through each update path; the engine's log-probs of a fixed sequence must move after the
+perturbation and come back to the original values (to --logprob-tol) after the restore, and every
+response must carry the version stamp of the last update.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import socket
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+import torch
+
+from slime.backends.sglang_utils.update_group import (
+    broadcast_tensors,
+    destroy_weight_update_group,
+    init_weight_update_group,
+)
+from slime.rollout.router import RouterProcess
+from slime.utils.weight_transfer import flatten_bucket, serialize_bucket
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = [56, 62, 137, 92]
+SEQ = [56, 62, 137, 92, 138, 20, 21, 22, 23, 24, 25]
+
+
+# ---- helpers --------------------------------------------------------------------------------------------
+def post(engine, path, body=None, timeout=120.0, expect=200):
+    resp = httpx.post(engine.url + path, json=body if body is not None else {}, timeout=timeout, trust_env=False)
+    if expect is not None:
+        assert resp.status_code == expect, f"POST {path} -> {resp.status_code}: {resp.text[:1000]}"
+    return resp
+
+
+def get(engine, path):
+    resp = httpx.get(engine.url + path, timeout=60.0, trust_env=False)
+    assert resp.status_code == 200, f"GET {path} -> {resp.status_code}: {resp.text[:1000]}"
+    return resp
+
+
+def generate(engine, **body):
+    return post(engine, "/generate", body).json()
+
+
+def score(engine, ids=SEQ) -> tuple[list[float], str]:
+    """Engine log-probs of ids[1:] given the prefix (max_new_tokens 0), and the weight version stamped."""
+    out = generate(engine, input_ids=ids, sampling_params={"max_new_tokens": 0, "temperature": 1.0},
+                   return_logprob=True, logprob_start_len=0)
+    return [lp for lp, _, *_ in out["meta_info"]["input_token_logprobs"][1:]], out["meta_info"]["weight_version"]
+
+
+def control_ok(resp):
+    """SGLang answers some control calls with plain text, others with {"success": ...}."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return True
+    return not (isinstance(body, dict) and body.get("success") is False)
+
+
+def max_diff(a, b):
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def model_tensors(model_path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        pytest.skip(f"{model_path} has no *.safetensors files (pass --engine-model-path)")
+    out = {}
+    for f in files:
+        out.update(load_file(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def weights(engine):
+    """(name, original tensor, perturbed tensor) of the tensor the weight tests change."""
+    tensors = model_tensors(engine.model_path)
+    name = "lm_head.weight" if "lm_head.weight" in tensors else max(
+        (n for n, t in tensors.items() if t.dim() == 2), key=lambda n: tensors[n].numel())
+    original = tensors[name]
+    gen = torch.Generator().manual_seed(0)
+    perturbed = (original.float() + 0.5 * torch.randn(original.shape, generator=gen)).to(original.dtype)
+    return name, original, perturbed
+
+
+@pytest.fixture(scope="module")
+def base_scores(engine):
+    return score(engine)[0]
+
+
+def check_update(engine, base_scores, version, changed: bool):
+    scores, stamped = score(engine)
+    assert stamped == version
+    assert get(engine, "/get_weight_version").json()["weight_version"] == version
+    diff = max_diff(scores, base_scores)
+    if changed:
+        assert diff > 1e-3, f"the update to version {version} did not change the engine's log-probs"
+    else:
+        assert diff <= engine.logprob_tol, f"restored weights score {diff} away from the original"
+
+
+def in_thread(fn, *args, **kwargs):
+    result = {}
+
+    def run():
+        try:
+            result["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 (re-raised by the caller)
+            result["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, result
+
+
+def joined(t, result, timeout=120.0):
+    t.join(timeout)
+    assert not t.is_alive(), "the call did not return"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+# ---- info and health ------------------------------------------------------------------------------------
+def test_health_and_info(engine):
+    get(engine, "/health")
+    get(engine, "/health_generate")
+    info = get(engine, "/get_model_info").json()
+    assert info["model_path"] and info["is_generation"] is True
+    assert isinstance(get(engine, "/get_server_info").json(), dict)
+    assert isinstance(get(engine, "/get_weight_version").json()["weight_version"], str)
+
+
+# ---- generation -----------------------------------------------------------------------------------------
+def test_generate_length_with_logprobs_matching_scoring(engine):
+    out = generate(engine, input_ids=PROMPT, return_logprob=True,
+                   sampling_params={"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True})
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "length"
+    assert len(out["output_ids"]) == 8 == meta["completion_tokens"]
+    assert meta["prompt_tokens"] == len(PROMPT)
+    assert isinstance(out["text"], str) and isinstance(meta["weight_version"], str)
+    lps = meta["output_token_logprobs"]
+    assert [t for _, t, *_ in lps] == out["output_ids"]
+    assert all(lp <= 0 for lp, *_ in lps)
+    # On-policy: the sampled tokens' log-probs are those a forward over the whole sequence gives them.
+    rescored, _ = score(engine, PROMPT + out["output_ids"])
+    assert max_diff(rescored[len(PROMPT) - 1:], [lp for lp, *_ in lps]) <= engine.logprob_tol
+
+
+def test_generate_from_text(engine):
+    out = generate(engine, text="what number comes after", sampling_params={"max_new_tokens": 3, "temperature": 0})
+    assert isinstance(out["text"], str) and 1 <= len(out["output_ids"]) <= 3
+
+
+def test_stop_token_ids(engine):
+    greedy = generate(engine, input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 8,
+                                                                  "ignore_eos": True})["output_ids"]
+    stop_at = next((i for i in range(1, len(greedy)) if greedy[i] not in greedy[:i]), None)
+    if stop_at is None:
+        pytest.skip(f"greedy output {greedy} repeats one token; no stop token to pick")
+    out = generate(engine, input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 8,
+                                                               "ignore_eos": True, "stop_token_ids": [greedy[stop_at]]})
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert out["output_ids"][-1] == greedy[stop_at] and out["output_ids"] == greedy[:stop_at + 1]
+
+
+def test_stop_string(engine):
+    greedy = generate(engine, input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 12,
+                                                                  "ignore_eos": True, "no_stop_trim": True})
+    full = greedy["text"]
+    words = [w for w in full.split()[:-1] if w.isalpha() and full.find(w) > 0]  # not only in the last token
+    word = next((w for w in words if w not in full[:full.find(w)]), None)
+    if word is None:
+        pytest.skip(f"no usable stop string in greedy text {full!r}")
+    out = generate(engine, input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 12,
+                                                               "ignore_eos": True, "stop": [word]})
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert word not in out["text"] and full.startswith(out["text"].rstrip())
+    assert len(out["output_ids"]) < 12
+
+
+def _abort_until_done(engine, body, t, abort_body):
+    deadline = time.monotonic() + 120
+    while t.is_alive() and time.monotonic() < deadline:
+        post(engine, "/abort_request", abort_body, expect=None)
+        t.join(0.2)
+
+
+@pytest.mark.parametrize("by", ["rid", "abort_all"])
+def test_abort(engine, by):
+    rid = f"contract-{uuid.uuid4().hex}"
+    long = {"input_ids": PROMPT, "rid": rid,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 1900, "ignore_eos": True}}
+    t, result = in_thread(post, engine, "/generate", long, 300.0, None)
+    time.sleep(0.3)  # let it start; aborting a request that has not arrived yet is retried below
+    _abort_until_done(engine, long, t, {"rid": rid} if by == "rid" else {"abort_all": True})
+    resp = joined(t, result)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(out["output_ids"]) < 1900
+    # the engine still serves afterwards
+    assert generate(engine, input_ids=PROMPT, sampling_params={"max_new_tokens": 2})["output_ids"]
+
+
+def test_scoring_with_max_new_tokens_zero(engine):
+    from transformers import AutoModelForCausalLM
+
+    out = generate(engine, input_ids=SEQ, sampling_params={"max_new_tokens": 0, "temperature": 1.0},
+                   return_logprob=True, logprob_start_len=0)
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and meta["completion_tokens"] == 0
+    lps = meta["input_token_logprobs"]
+    assert len(lps) == len(SEQ) and lps[0][0] is None and [t for _, t, *_ in lps] == SEQ
+    size = sum(os.path.getsize(f) for f in glob.glob(os.path.join(engine.model_path, "*.safetensors")))
+    if size > 2**30:
+        return  # too big to load a reference copy here; the rest of the contract still holds
+    model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([SEQ])).logits[0, :-1].float(), dim=-1)
+    reference = logp.gather(-1, torch.tensor(SEQ[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+    assert max_diff([lp for lp, *_ in lps[1:]], reference) <= engine.logprob_tol
+
+
+# ---- weight updates -------------------------------------------------------------------------------------
+def push_tensor(engine, named, version):
+    flat = flatten_bucket(named)
+    resp = post(engine, "/update_weights_from_tensor", {
+        "serialized_named_tensors": [serialize_bucket(flat)], "load_format": "flattened_bucket",
+        "flush_cache": True, "weight_version": version})
+    del flat  # the engine has loaded it; the shared buffer may go
+    assert control_ok(resp)
+
+
+def test_update_weights_from_tensor(engine, weights, base_scores):
+    if engine.external and not engine.same_host:
+        pytest.skip("the tensor path hands over shared memory: pass --engine-same-host for an external engine")
+    name, original, perturbed = weights
+    push_tensor(engine, [(name, perturbed)], "contract-tensor-1")
+    check_update(engine, base_scores, "contract-tensor-1", changed=True)
+    push_tensor(engine, [(name, original)], "contract-tensor-2")
+    check_update(engine, base_scores, "contract-tensor-2", changed=False)
+
+
+def test_update_weights_from_distributed(engine, weights, base_scores):
+    """This process is the trainer: rank 0 of the group, broadcasting; the engine's ranks follow."""
+    name, original, perturbed = weights
+    tp = int(get(engine, "/get_server_info").json().get("tp_size", 1) or 1)
+    group, port = f"contract-{uuid.uuid4().hex[:8]}", free_port()
+    t, result = in_thread(post, engine, "/init_weights_update_group", {
+        "master_address": engine.trainer_address, "master_port": port, "rank_offset": 1, "world_size": 1 + tp,
+        "group_name": group, "backend": engine.weight_sync_backend})
+    pg = init_weight_update_group(engine.trainer_address, port, 0, 1 + tp, group, engine.weight_sync_backend,
+                                  timeout_s=120)
+    try:
+        assert control_ok(joined(t, result))
+        device = "cuda" if engine.weight_sync_backend == "nccl" else "cpu"
+        for tensor, version, changed in ((perturbed, "contract-dist-1", True), (original, "contract-dist-2", False)):
+            t, result = in_thread(post, engine, "/update_weights_from_distributed", {
+                "names": [name], "dtypes": [str(tensor.dtype).removeprefix("torch.")],
+                "shapes": [list(tensor.shape)], "group_name": group, "flush_cache": True, "weight_version": version})
+            broadcast_tensors(pg, [tensor.to(device)])
+            assert control_ok(joined(t, result))
+            check_update(engine, base_scores, version, changed)
+    finally:
+        post(engine, "/destroy_weights_update_group", {"group_name": group}, expect=None)
+        destroy_weight_update_group(pg)
+
+
+def test_update_weights_from_disk(engine, weights, base_scores, tmp_path):
+    from safetensors.torch import save_file
+
+    name, _, perturbed = weights
+    changed_dir = tmp_path / "perturbed"
+    shutil.copytree(engine.model_path, changed_dir)
+    tensors = model_tensors(engine.model_path)
+    tensors[name] = perturbed
+    for f in glob.glob(str(changed_dir / "*.safetensors")):
+        os.remove(f)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(changed_dir / "model.safetensors"))
+    for path, version, changed in ((str(changed_dir), "contract-disk-1", True),
+                                   (engine.model_path, "contract-disk-2", False)):
+        assert control_ok(post(engine, "/update_weights_from_disk", {"model_path": path, "weight_version": version}))
+        check_update(engine, base_scores, version, changed)
+
+
+# ---- memory, pause, cache -------------------------------------------------------------------------------
+def test_release_and_resume_memory(engine, base_scores):
+    for tags in (["kv_cache"], ["weights", "kv_cache"]):
+        assert control_ok(post(engine, "/release_memory_occupation", {"tags": tags}))
+        assert control_ok(post(engine, "/resume_memory_occupation", {"tags": tags}))
+        assert max_diff(score(engine)[0], base_scores) <= engine.logprob_tol
+    # no tags: everything
+    assert control_ok(post(engine, "/release_memory_occupation", {}))
+    assert control_ok(post(engine, "/resume_memory_occupation", {}))
+    assert max_diff(score(engine)[0], base_scores) <= engine.logprob_tol
+
+
+def test_colocated_update_while_kv_cache_is_released(engine, weights, base_scores):
+    """slime's colocated order: release all -> resume weights -> push -> resume kv cache -> generate."""
+    if engine.external and not engine.same_host:
+        pytest.skip("uses the tensor path: pass --engine-same-host for an external engine")
+    name, original, perturbed = weights
+    post(engine, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+    post(engine, "/resume_memory_occupation", {"tags": ["weights"]})
+    push_tensor(engine, [(name, perturbed)], "contract-colocate-1")
+    post(engine, "/resume_memory_occupation", {"tags": ["kv_cache"]})
+    check_update(engine, base_scores, "contract-colocate-1", changed=True)
+    push_tensor(engine, [(name, original)], "contract-colocate-2")
+    check_update(engine, base_scores, "contract-colocate-2", changed=False)
+
+
+def test_pause_and_continue_generation(engine):
+    assert control_ok(post(engine, "/pause_generation", {}))
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    t, result = in_thread(post, engine, "/generate", body, 120.0, None)
+    try:
+        t.join(1.0)
+        assert t.is_alive(), "a request finished while generation was paused"
+    finally:
+        assert control_ok(post(engine, "/continue_generation", {}))
+    resp = joined(t, result)
+    assert resp.status_code == 200 and resp.json()["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_flush_cache(engine):
+    assert control_ok(post(engine, "/flush_cache"))
+
+
+# ---- router ---------------------------------------------------------------------------------------------
+def test_router_registration_and_removal(engine, tmp_path):
+    router = RouterProcess(host="127.0.0.1", port=None, policy="round_robin", log_dir=str(tmp_path))
+    router.start()
+    try:
+        router.add_worker(engine.url)
+        assert engine.url in router.list_workers()
+        resp = httpx.post(router.url + "/generate", timeout=60, trust_env=False,
+                          json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+        assert resp.status_code == 200, resp.text
+        assert "weight_version" in resp.json()["meta_info"]
+        assert router.remove_worker(engine.url)
+        assert engine.url not in router.list_workers()
+        resp = httpx.post(router.url + "/generate", timeout=60, trust_env=False,
+                          json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}})
+        assert resp.status_code >= 400, "the router still routes to a removed worker"
+    finally:
+        router.stop()

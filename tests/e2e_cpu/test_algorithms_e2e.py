@@ -1,0 +1,65 @@
+"""The advantage estimators through train.py on CPU: real Ray, sglang-router, hf engine, fsdp ranks.
+
+Invariants slime checks in CI: at the first step ppo_kl is 0 (the old-policy pass repeats the training
+forward) and the KL to the reference is 0 (the reference is the initial policy); the trainer's log-probs
+match the engine's. PPO runs with a critic group on 2 data-parallel ranks (values gathered across ranks,
+advantages whitened with all-reduced moments).
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
+from tests.e2e_cpu.test_train_e2e import _env, _scalars, _train_cmd
+
+RUNS = {
+    "grpo": ["--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.01",
+             "--actor-num-gpus-per-node", "1", "--num-rollout", "1"],
+    "ppo": ["--advantage-estimator", "ppo", "--use-kl-loss", "--kl-loss-coef", "0.01", "--normalize-advantages",
+            "--gamma", "1.0", "--lambd", "0.95", "--critic-lr", "1e-3",
+            "--num-critic-only-steps", "1", "--actor-num-gpus-per-node", "2", "--num-rollout", "3"],
+    "reinforce_plus_plus": ["--advantage-estimator", "reinforce_plus_plus", "--normalize-advantages",
+                            "--kl-coef", "0.01", "--kl-loss-type", "k3", "--use-unbiased-kl",
+                            "--actor-num-gpus-per-node", "1", "--num-rollout", "2"],
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("estimator", list(RUNS))
+def test_first_step_invariants(estimator, tiny_model_dir, toy_data_path, tmp_path):
+    tb_dir = tmp_path / "tb"
+    before = run_processes()
+    out = subprocess.run(
+        _train_cmd(tiny_model_dir, toy_data_path, "--rollout-num-gpus", "1", "--global-batch-size", "16",
+                   "--rm-type", "toy", "--use-tensorboard", "--tensorboard-dir", str(tb_dir), *RUNS[estimator]),
+        capture_output=True, text=True, env=_env(), timeout=560, cwd=str(tmp_path),
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    num_rollout = int(RUNS[estimator][-1])
+    # --num-critic-only-steps 1: rollout 0 trains the critic only, the policy's first step is rollout 1
+    first = 1 if estimator == "ppo" else 0
+    steps = list(range(first, num_rollout))
+
+    ppo_kl = _scalars(str(tb_dir), "train/ppo_kl")
+    assert sorted(ppo_kl) == steps and abs(ppo_kl[first]) < 1e-8, ppo_kl
+    # KL to the reference (also reported under --kl-coef reward shaping): 0 until the policy first moves,
+    # so a critic-only rollout leaves it at 0 too. The reference is a second model instance: fp32 rounding
+    # differs between the two (measured ~4e-8 with k1), hence 1e-6 rather than ppo_kl's 1e-8.
+    kl = _scalars(str(tb_dir), "train/kl_loss")
+    assert sorted(kl) == steps and abs(kl[first]) < 1e-6, kl
+    diff = _scalars(str(tb_dir), "train/train_rollout_logprob_abs_diff")
+    assert sorted(diff) == list(range(num_rollout)) and all(v < 1e-3 for v in diff.values()), diff
+    for tag in ("train/pg_loss", "train/pg_clipfrac", "train/entropy_loss", "train/grad_norm"):
+        assert sorted(_scalars(str(tb_dir), tag)) == steps, tag
+    if estimator == "ppo":
+        for tag in ("train/value_loss", "train/value_clipfrac", "critic/grad_norm", "critic/values"):
+            assert sorted(_scalars(str(tb_dir), tag)) == [0, 1, 2], tag
+        assert _scalars(str(tb_dir), "train/critic_only_step") == {0: 1.0}
+        # a zero-initialised value head: the first values are exactly 0
+        assert _scalars(str(tb_dir), "critic/values")[0] == 0.0
+    else:
+        assert _scalars(str(tb_dir), "train/value_loss") == {}
+    assert wait_for_no_new_processes(before) == {}

@@ -1,0 +1,151 @@
+"""`SGLangEngine` launching real processes through a `sglang` command found on PATH.
+
+SGLang itself cannot run here (no GPU), so the `sglang` on PATH is a script written by the test
+(`SLIME_SGLANG_LAUNCHER="sglang serve"`, as a user would launch SGLang's CLI):
+- one that fails at once, as SGLang does on a machine it cannot use: `init` must report the failure
+  with the server's stderr instead of waiting for a health check that never comes;
+- one that records the command line it was given and then serves the built-in hf engine on the same
+  model: the engine actor's whole lifecycle (wait on /health_generate, control calls including the
+  distributed weight update, shutdown reaping the process) runs against a real server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import stat
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from slime.backends.sglang_utils.engine import SGLangEngine
+from slime.backends.sglang_utils.update_group import (
+    broadcast_tensors,
+    destroy_weight_update_group,
+    init_weight_update_group,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FAILING = """#!/bin/sh
+echo "fake sglang: RuntimeError: CUDA driver initialization failed, you might not have a CUDA gpu." >&2
+exit 1
+"""
+
+SERVING = f"""#!{sys.executable}
+import json, os, sys
+argv = sys.argv[1:]
+with open(os.environ["FAKE_SGLANG_ARGV"], "w") as f:
+    json.dump(argv, f)
+def value(flag):
+    return argv[argv.index(flag) + 1]
+os.execv(sys.executable, [sys.executable, "-m", "slime.backends.hf_engine", "--model-path", value("--model-path"),
+                          "--host", value("--host"), "--port", value("--port"),
+                          "--random-seed", value("--random-seed"), "--num-threads", "1"])
+"""
+
+
+def _install(tmp_path, monkeypatch, script: str) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    path = bin_dir / "sglang"
+    path.write_text(script)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLIME_SGLANG_LAUNCHER", "sglang serve")
+    monkeypatch.setenv("SLIME_ENGINE_LOG_DIR", str(tmp_path / "logs"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+
+
+def _args(model, **kw):
+    base = {"hf_checkpoint": model, "rollout_num_gpus_per_engine": 1, "num_gpus_per_node": 8, "seed": 5,
+            "colocate": False, "offload_rollout": False,
+            "sglang_args": {"mem_fraction_static": 0.7, "log_level": "warning"}}
+    return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.timeout(120)
+def test_launch_failure_reports_stderr_without_hanging(tmp_path, monkeypatch):
+    _install(tmp_path, monkeypatch, FAILING)
+    eng = SGLangEngine(_args(str(tmp_path / "no-model")), rank=0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        eng.init()
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert "exited with code 1" in message and "CUDA driver initialization failed" in message
+    assert "sglang serve --model-path" in message  # the log quotes the command it ran
+    assert elapsed < eng.startup_timeout_s / 10, f"took {elapsed:.0f} s to notice the exit"
+    assert eng.process is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _in_thread(fn, *args, **kwargs):
+    out = {}
+    t = threading.Thread(target=lambda: out.update(value=fn(*args, **kwargs)), daemon=True)
+    t.start()
+    return t, out
+
+
+@pytest.mark.timeout(240)
+def test_engine_lifecycle_behind_the_sglang_command(tmp_path, monkeypatch, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    _install(tmp_path, monkeypatch, SERVING)
+    argv_file = tmp_path / "argv.json"
+    monkeypatch.setenv("FAKE_SGLANG_ARGV", str(argv_file))
+    eng = SGLangEngine(_args(tiny_model_dir), rank=2)
+    try:
+        url = eng.init()
+        assert url == eng.get_url()
+        argv = json.loads(argv_file.read_text())
+        assert argv[0] == "serve"
+        def flag(name):
+            return argv[argv.index(name) + 1]
+
+        assert flag("--model-path") == tiny_model_dir and flag("--tp-size") == "1"
+        assert flag("--random-seed") == "7" and flag("--port") == str(eng.port)
+        assert flag("--mem-fraction-static") == "0.7" and flag("--log-level") == "warning"
+        assert int(flag("--nccl-port")) != eng.port
+        assert "--skip-server-warmup" in argv and "--trust-remote-code" in argv
+        assert "--enable-memory-saver" not in argv
+        assert eng.health_generate(timeout=30)
+
+        # The distributed weight update through the actor's methods; this test is the trainer (rank 0).
+        name = "lm_head.weight"
+        new = load_file(os.path.join(tiny_model_dir, "model.safetensors"))[name] * 0 + 0.01
+        port = _free_port()
+        t, out = _in_thread(eng.init_weights_update_group, "127.0.0.1", port, 1, 2, "lifecycle", "gloo")
+        pg = init_weight_update_group("127.0.0.1", port, 0, 2, "lifecycle", "gloo", timeout_s=120)
+        try:
+            t.join(120)
+            assert out["value"]["success"]
+            t, out = _in_thread(eng.update_weights_from_distributed, [name], [new.dtype], [new.shape], "lifecycle",
+                                weight_version="7")
+            broadcast_tensors(pg, [new])
+            t.join(120)
+            assert out["value"]["weight_version"] == "7" and eng.get_weight_version() == "7"
+        finally:
+            eng.destroy_weights_update_group("lifecycle")
+            destroy_weight_update_group(pg)
+
+        eng.pause_generation()
+        eng.continue_generation()
+        eng.release_memory_occupation(["weights", "kv_cache"])
+        eng.resume_memory_occupation(["weights", "kv_cache"])
+        eng.flush_cache()
+        assert eng.health_generate(timeout=30)
+        pid = eng.process.pid
+    finally:
+        eng.shutdown()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

@@ -1,0 +1,117 @@
+"""train_async.py end to end on CPU: real Ray, sglang-router, hf engine process and fsdp training rank.
+
+Overlap is proven from the run's own `timeline {...}` log lines (wall-clock spans of each rollout's
+generation, training and weight push); weight versions from the samples the run dumps with
+--save-debug-rollout-data. Timing is only compared, never bounded, so the machine's load does not matter.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+from tests.conftest import REPO_ROOT
+from tests.e2e_cpu.test_train_e2e import _env, _scalars
+
+FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
+
+
+def _cmd(model_dir, data_path, tmp_path, num_rollout, *extra):
+    return [
+        sys.executable, os.path.join(REPO_ROOT, "train_async.py"),
+        "--hf-checkpoint", model_dir, "--prompt-data", data_path, "--input-key", "prompt", "--label-key", "label",
+        "--apply-chat-template", "--rm-type", "toy", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+        "--global-batch-size", "16", "--micro-batch-size", "16", "--lr", "1e-3", "--advantage-estimator", "grpo",
+        "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+        "--num-rollout", str(num_rollout), "--use-tensorboard", "--tensorboard-dir", str(tmp_path / "tb"),
+        "--save-debug-rollout-data", str(tmp_path / "dump" / "rollout_{rollout_id}.pt"), *extra,
+    ]
+
+
+def _marked_env() -> tuple[dict, str]:
+    """The e2e env plus a marker every process of this run inherits (Ray daemons, actors, engine servers), so
+    the leak check sees only our processes on a machine where others run tests at the same time."""
+    marker = uuid.uuid4().hex
+    return dict(_env(), SLIME_ASYNC_TEST_MARK=marker), marker
+
+
+def _left_over(marker: str, timeout_s: float = 30.0) -> dict[int, str]:
+    deadline = time.time() + timeout_s
+    while True:
+        left = {}
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if p.environ().get("SLIME_ASYNC_TEST_MARK") == marker:
+                    left[p.pid] = " ".join(p.info["cmdline"] or [])[:200]
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        if not left or time.time() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def _run(cmd, tmp_path):
+    env, marker = _marked_env()
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=560, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert _left_over(marker) == {}
+    return out
+
+
+def _timeline(out) -> dict[int, dict]:
+    lines = re.findall(r"timeline (\{.*\})", out.stdout + out.stderr)
+    return {d["rollout_id"]: d for d in map(json.loads, lines)}
+
+
+def _versions(tmp_path) -> dict[int, list[list[str]]]:
+    import torch
+
+    found = {}
+    for path in glob.glob(str(tmp_path / "dump" / "rollout_*.pt")):
+        data = torch.load(path, weights_only=False)
+        found[data["rollout_id"]] = [s["weight_versions"] for s in data["samples"]]
+    return found
+
+
+def _assert_overlap_and_no_push_mid_generation(timeline: dict[int, dict], num_rollout: int) -> None:
+    assert sorted(timeline) == list(range(num_rollout)), timeline
+    for k in range(num_rollout - 1):
+        nxt, cur = timeline[k + 1], timeline[k]
+        assert nxt["generate_start"] < cur["train_end"], f"generation of {k + 1} did not start before training of {k} ended"
+        assert nxt["generate_end"] <= cur["push_start"], f"weights of push {k} were pushed while rollout {k + 1} generated"
+
+
+def test_colocate_is_refused_before_anything_starts(tiny_model_dir, toy_data_path, tmp_path):
+    env, marker = _marked_env()
+    out = subprocess.run(_cmd(tiny_model_dir, toy_data_path, tmp_path, 1, "--colocate"),
+                         capture_output=True, text=True, env=env, timeout=120, cwd=str(tmp_path))
+    assert out.returncode != 0
+    assert "--colocate" in out.stderr and "train.py" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "placement group" not in out.stderr  # refused before Ray
+    assert _left_over(marker, timeout_s=5) == {}
+
+
+@pytest.mark.timeout(600)
+def test_one_step_off_generation_overlaps_training(tiny_model_dir, toy_data_path, tmp_path):
+    n = 4
+    out = _run(_cmd(tiny_model_dir, toy_data_path, tmp_path, n, "--rollout-max-response-len", "4"), tmp_path)
+    _assert_overlap_and_no_push_mid_generation(_timeline(out), n)
+
+    versions = _versions(tmp_path)
+    # push 1 before rollout 0; rollout k >= 1 is generated while rollout k-1 trains, i.e. by version k
+    assert {k: {tuple(v) for v in vs} for k, vs in versions.items()} == {0: {("1",)}, 1: {("1",)}, 2: {("2",)},
+                                                                         3: {("3",)}}
+    lag = _scalars(str(tmp_path / "tb"), "rollout/weight_version_lag/max")
+    assert lag == {0: 0.0, 1: 1.0, 2: 1.0, 3: 1.0}, lag
+    for tag in ("perf/train_wait_time_ratio", "perf/rollout_wait_time_ratio"):
+        values = _scalars(str(tmp_path / "tb"), tag)
+        assert values and all(0.0 <= v <= 1.0 for v in values.values()), (tag, values)

@@ -1,0 +1,193 @@
+"""Megatron-LM flags: parsing into typed attributes, unknown flags, derived defaults, parallel-layout
+checks, and the mapping onto megatron-core's configs (pure CPU; megatron-core only where installed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+
+from slime.backends.megatron_utils import args as margs
+from slime.utils.arguments import SlimeArgumentError, parse_args
+
+HAS_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+
+QWEN3_4B = [
+    "--swiglu", "--num-layers", "36", "--hidden-size", "2560", "--ffn-hidden-size", "9728",
+    "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8", "--kv-channels", "128",
+    "--use-rotary-position-embeddings", "--disable-bias-linear", "--normalization", "RMSNorm",
+    "--norm-epsilon", "1e-6", "--rotary-base", "1000000", "--vocab-size", "151936", "--qk-layernorm",
+]  # fmt: skip
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")  # nothing to cross-check
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1?", "label": "2"}\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
+    return tmp_path
+
+
+def base(*extra: str, backend: str = "megatron", ranks: int = 8) -> list[str]:
+    return [
+        "--actor-num-gpus-per-node", str(ranks), "--rollout-num-gpus", "8", "--hf-checkpoint", "model",
+        "--prompt-data", "train.jsonl", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
+        "--num-rollout", "3", "--train-backend", backend, *extra,
+    ]  # fmt: skip
+
+
+def error_of(argv) -> str:
+    with pytest.raises(SlimeArgumentError) as info:
+        parse_args(argv)
+    return str(info.value)
+
+
+def test_flags_become_typed_attributes_and_raw_tokens_are_kept(files):
+    args = parse_args(base(*QWEN3_4B, "--tensor-model-parallel-size", "2", "--norm-epsilon", "-1e-6"))
+    assert (args.num_layers, args.hidden_size, args.num_query_groups, args.kv_channels) == (36, 2560, 8, 128)
+    assert args.swiglu and args.qk_layernorm and args.add_bias_linear is False
+    assert args.rotary_base == 1e6 and args.norm_epsilon == -1e-6  # a negative value is a value
+    assert args.position_embedding_type == "rope"  # --use-rotary-position-embeddings
+    assert args.tensor_model_parallel_size == 2 and args.expert_tensor_parallel_size == 2
+    assert args.megatron_args[:3] == ["--swiglu", "--num-layers", "36"]
+    assert args.megatron_args[-4:] == ["--tensor-model-parallel-size", "2", "--norm-epsilon", "-1e-6"]
+    assert "--lr" not in args.megatron_args  # training flags are slime's own
+
+
+def test_unknown_flag_is_an_error_with_a_suggestion(files):
+    msg = error_of(base("--num-layer", "28"))
+    assert "unknown flag(s): --num-layer (did you mean --num-layers" in msg
+    msg = error_of(base("--totally-made-up"))
+    assert "--totally-made-up" in msg and "did you mean" not in msg
+
+
+def test_megatron_defaults_are_megatron_lms(files):
+    args = parse_args(base("--num-layers", "2", "--hidden-size", "96", "--num-attention-heads", "4", "--swiglu"))
+    assert args.ffn_hidden_size == 256  # int(4 * 96 * 2/3 / 64) * 64
+    assert args.kv_channels == 24 and args.num_query_groups == 1 and not args.group_query_attention
+    assert (args.attention_dropout, args.hidden_dropout, args.normalization) == (0.1, 0.1, "LayerNorm")
+    assert (args.make_vocab_size_divisible_by, args.ckpt_format, args.moe_router_topk) == (128, "torch_dist", 2)
+    assert (
+        parse_args(base("--num-layers", "2", "--hidden-size", "96", "--num-attention-heads", "4")).ffn_hidden_size
+        == 384
+    )
+    assert parse_args(base("--recompute-activations")).recompute_granularity == "selective"
+
+
+def test_moe_layer_freq_accepts_megatron_list_expressions(files):
+    args = parse_args(base("--num-layers", "8", "--num-experts", "4", "--moe-layer-freq", "([0]*3+[1]*5)"))
+    assert args.moe_layer_freq == [0, 0, 0, 1, 1, 1, 1, 1]
+    args = parse_args(base("--num-layers", "4", "--num-experts", "4", "--moe-layer-freq", "2"))
+    from slime.utils.arg_groups.megatron import moe_layer_pattern
+
+    assert moe_layer_pattern(args) == [1, 0, 1, 0]
+    assert "--moe-layer-freq" in error_of(base("--moe-layer-freq", "__import__('os')"))
+    msg = error_of(base("--num-layers", "4", "--num-experts", "4", "--moe-layer-freq", "[0,1,1]"))
+    assert "gives 3 layer(s) but --num-layers is 4" in msg
+
+
+def test_tensor_parallel_must_divide_heads_and_query_groups(files):
+    msg = error_of(base(*QWEN3_4B, "--tensor-model-parallel-size", "3", "--actor-num-gpus-per-node", "6"))
+    assert "--tensor-model-parallel-size 3 does not divide --num-attention-heads 32" in msg
+    argv = base(*QWEN3_4B, "--tensor-model-parallel-size", "16", "--actor-num-gpus-per-node", "16",
+                "--rollout-num-gpus", "16", "--global-batch-size", "16")  # fmt: skip
+    msg = error_of(argv)
+    assert "--tensor-model-parallel-size 16 does not divide --num-query-groups 8" in msg and "[1, 2, 4, 8]" in msg
+    # fsdp does not use the layout: no error
+    assert parse_args(base(*QWEN3_4B, backend="fsdp")).num_layers == 36
+
+
+def test_pipeline_must_split_layers(files):
+    argv = base(*QWEN3_4B, "--pipeline-model-parallel-size", "8")
+    assert "--num-layers 36 over --pipeline-model-parallel-size 8" in error_of(argv)
+    # 36 = 8 (first) + 6 × 4 (middle) + 4 (last) with 8 stages
+    ok = parse_args(argv + ["--decoder-first-pipeline-num-layers", "8", "--decoder-last-pipeline-num-layers", "4"])
+    from slime.utils.arg_groups.megatron import pipeline_layer_split
+
+    assert pipeline_layer_split(ok) == [8, 4, 4, 4, 4, 4, 4, 4]
+    assert pipeline_layer_split(parse_args(base(*QWEN3_4B, "--pipeline-model-parallel-size", "4"))) == [9] * 4
+
+
+def test_expert_parallel_must_divide_experts(files):
+    msg = error_of(base("--num-layers", "2", "--num-experts", "6", "--expert-model-parallel-size", "4"))
+    assert "--expert-model-parallel-size 4 does not divide --num-experts 6" in msg
+
+
+def test_recompute_method_needs_full_granularity(files):
+    assert "needs --recompute-granularity full" in error_of(base("--recompute-method", "uniform"))
+    assert "--recompute-num-layers" in error_of(base("--recompute-granularity", "full", "--recompute-method", "block"))
+
+
+def test_transformer_config_kwargs(files):
+    args = parse_args(base(*QWEN3_4B, "--tensor-model-parallel-size", "2", "--bf16", "--sequence-parallel",
+                           "--attention-dropout", "0", "--hidden-dropout", "0"))  # fmt: skip
+    kw = margs.transformer_config_kwargs(args)
+    assert kw["num_query_groups"] == 8 and kw["kv_channels"] == 128 and kw["ffn_hidden_size"] == 9728
+    assert kw["gated_linear_unit"] and kw["activation_func"] == "silu" and not kw["add_bias_linear"]
+    assert kw["layernorm_epsilon"] == 1e-6 and kw["normalization"] == "RMSNorm" and kw["qk_layernorm"]
+    assert (kw["bf16"], kw["params_dtype"], kw["sequence_parallel"]) == (True, "bfloat16", True)
+    assert kw["attention_dropout"] == kw["hidden_dropout"] == 0.0
+    assert "num_moe_experts" not in kw and "multi_latent_attention" not in kw
+    gm = margs.gpt_model_kwargs(args)
+    assert gm["vocab_size"] == 152064  # 151936 padded to a multiple of 128 × TP 2
+    assert gm["share_embeddings_and_output_weights"] and gm["position_embedding_type"] == "rope"
+    assert gm["rotary_base"] == 1000000
+    # sequence parallel is dropped at TP 1 (Megatron-LM does the same)
+    assert parse_args(base(*QWEN3_4B, "--sequence-parallel")).sequence_parallel is False
+
+
+def test_moe_and_mla_kwargs(files):
+    argv = base("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "100",
+                "--num-experts", "8", "--moe-ffn-hidden-size", "16", "--moe-layer-freq", "[0,1,1,1]",
+                "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                "--multi-latent-attention", "--kv-lora-rank", "16", "--q-lora-rank", "24",
+                "--expert-model-parallel-size", "4")  # fmt: skip
+    kw = margs.transformer_config_kwargs(parse_args(argv))
+    assert kw["num_moe_experts"] == 8 and kw["moe_layer_freq"] == [0, 1, 1, 1] and kw["expert_model_parallel_size"] == 4
+    assert kw["moe_router_score_function"] == "sigmoid" and kw["moe_router_enable_expert_bias"]
+    assert kw["multi_latent_attention"] and (kw["q_lora_rank"], kw["kv_lora_rank"]) == (24, 16)
+    assert kw["rope_type"] == "yarn"  # megatron-core's MLA default
+
+
+def test_optimizer_ddp_and_schedule_kwargs(files):
+    args = parse_args(base("--lr", "2e-6", "--min-lr", "1e-7", "--lr-decay-style", "cosine", "--lr-warmup-iters",
+                           "5", "--use-distributed-optimizer", "--overlap-grad-reduce", "--clip-grad", "0.5"))  # fmt: skip
+    opt = margs.optimizer_config_kwargs(args)
+    assert (opt["lr"], opt["min_lr"], opt["clip_grad"], opt["optimizer"]) == (2e-6, 1e-7, 0.5, "adam")
+    assert opt["use_distributed_optimizer"] and (opt["adam_beta1"], opt["adam_beta2"]) == (0.9, 0.95)
+    ddp = margs.ddp_config_kwargs(args)
+    assert ddp["overlap_grad_reduce"] and ddp["use_distributed_optimizer"] and not ddp["grad_reduce_in_fp32"]
+    sched = margs.lr_scheduler_kwargs(args, total_steps=100)
+    assert (sched["max_lr"], sched["lr_warmup_steps"], sched["lr_decay_steps"]) == (2e-6, 5, 100)
+    assert sched["lr_decay_style"] == "cosine"
+
+
+def test_megatron_runtime_needs_cuda_and_model_args(files):
+    args = parse_args(base(*QWEN3_4B))
+    with pytest.raises(SlimeArgumentError, match="CUDA is not available.*--train-backend fsdp"):
+        margs.check_megatron_runtime(args, cuda_available=False)
+    args = parse_args(base("--num-layers", "2"))
+    with pytest.raises(SlimeArgumentError, match="missing --hidden-size --num-attention-heads --vocab-size"):
+        margs.require_model_args(args)
+
+
+@pytest.mark.skipif(not HAS_MCORE, reason="megatron-core not installed")
+def test_kwargs_are_megatron_core_fields(files):
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import MLATransformerConfig
+
+    argv = base(*QWEN3_4B, "--num-experts", "8", "--multi-latent-attention", "--recompute-modules", "core_attn")
+    args = parse_args(argv)
+    for kwargs, cls in (
+        (margs.transformer_config_kwargs(args), MLATransformerConfig),
+        (margs.optimizer_config_kwargs(args), OptimizerConfig),
+        (margs.ddp_config_kwargs(args), DistributedDataParallelConfig),
+    ):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        assert set(kwargs) <= fields, sorted(set(kwargs) - fields)
+    assert margs.build_optimizer_config(args).lr == args.lr
+    assert margs.build_ddp_config(args).use_distributed_optimizer is False

@@ -1,0 +1,275 @@
+"""`--sglang-<field>` forwarding and the SGLang engine's server arguments.
+
+Two layers: the typing/rendering rules on a ServerArgs-shaped dataclass defined here (always runs), and the
+same code against the installed sglang's real `ServerArgs` (runs where `sglang` is importable, e.g. after
+`pip install --no-deps sglang==0.5.23 msgspec pybase64 pyzmq triton`; skipped otherwise). The real one is
+exercised in a subprocess because importing sglang patches transformers process-wide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from typing import Annotated, Literal, Optional
+
+import pytest
+
+from slime.backends.sglang_utils import engine as engine_mod
+from slime.backends.sglang_utils.arguments import (
+    SGLangArgumentError,
+    convert_sglang_args,
+    convert_value,
+    fields_of,
+    sglang_cli_args,
+)
+from slime.backends.sglang_utils.engine import SGLangEngine, engine_nnodes
+from slime.utils.arg_groups import SlimeArgumentError
+from slime.utils.arg_groups.sglang import validate_sglang
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class _Arg:  # the shape of sglang 0.5.2x's CLI metadata (`Arg(...)` inside `Annotated`)
+    def __init__(self, help="", cli_name=None, no_cli=False, choices=None, action=None, type_parser=None):
+        self.help, self.cli_name, self.no_cli, self.choices = help, cli_name, no_cli, choices
+        self.action, self.type_parser = action, type_parser
+
+
+@dataclasses.dataclass
+class FakeServerArgs:
+    model_path: str = ""
+    mem_fraction_static: Optional[float] = None  # noqa: UP045 (sglang spells it this way)
+    enable_torch_compile: bool = False
+    cuda_graph_bs: list[int] | None = None
+    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
+    tokenizer_mode: Annotated[str, _Arg(choices=["auto", "slow"])] = "auto"
+    json_config: dict | None = None
+    fp8_backend: Annotated[str, _Arg(cli_name="--fp8-gemm-backend")] = "auto"
+    hidden: Annotated[int, _Arg(no_cli=True)] = 0
+    max_prefill_tokens: Annotated[int, _Arg(type_parser=int)] = 16384
+    overlap: Annotated[bool | None, _Arg(action=argparse.BooleanOptionalAction)] = None
+
+
+FIELDS = fields_of(FakeServerArgs)
+
+
+def test_values_are_typed_by_annotation():
+    raw = {"mem_fraction_static": "0.7", "enable_torch_compile": True, "cuda_graph_bs": ["1", "2", "4"],
+           "schedule_policy": "lpm", "tokenizer_mode": "slow", "json_config": '{"a": 1}', "max_prefill_tokens": "16k",
+           "overlap": "false"}
+    assert convert_sglang_args(raw, FIELDS) == {
+        "mem_fraction_static": 0.7, "enable_torch_compile": True, "cuda_graph_bs": [1, 2, 4], "schedule_policy": "lpm",
+        "tokenizer_mode": "slow", "json_config": {"a": 1}, "max_prefill_tokens": "16k", "overlap": False}
+    # YAML values arrive typed already
+    assert convert_sglang_args({"mem_fraction_static": 0.5, "cuda_graph_bs": [8]}, FIELDS) == {
+        "mem_fraction_static": 0.5, "cuda_graph_bs": [8]}
+    assert convert_value(Optional[int], "none") is None  # noqa: UP045
+    assert convert_value(bool, "yes") is True
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"mem_fraction_statik": "0.7"}, "did you mean --sglang-mem-fraction-static"),
+    ({"mem_fraction_static": "lots"}, "--sglang-mem-fraction-static 'lots': not a valid value"),
+    ({"schedule_policy": "random"}, "'random' is not one of ['fcfs', 'lpm']"),
+    ({"tokenizer_mode": "fast"}, "'fast' is not one of ['auto', 'slow']"),
+    ({"enable_torch_compile": "maybe"}, "expected a boolean"),
+    ({"mem_fraction_static": ["0.1", "0.2"]}, "takes one value"),
+    ({"mem_fraction_static": True}, "needs a value"),
+    ({"hidden": "1"}, "no command-line flag"),
+])
+def test_bad_forwarded_fields_name_the_flag(raw, message):
+    with pytest.raises(SGLangArgumentError) as info:
+        convert_sglang_args(raw, FIELDS)
+    assert message in str(info.value)
+    assert str(info.value).startswith("--sglang-")
+
+
+def test_cli_rendering():
+    values = {"model_path": "/m", "mem_fraction_static": 0.7, "enable_torch_compile": True, "cuda_graph_bs": [1, 2],
+              "json_config": {"a": 1}, "fp8_backend": "cutlass", "overlap": False, "mem_saver": False, "seed": None}
+    assert sglang_cli_args(values, FIELDS) == [
+        "--model-path", "/m", "--mem-fraction-static", "0.7", "--enable-torch-compile", "--cuda-graph-bs", "1", "2",
+        "--json-config", '{"a": 1}', "--fp8-gemm-backend", "cutlass", "--no-overlap"]
+    # without sglang's fields: by name
+    assert sglang_cli_args({"fp8_backend": "x", "overlap": False}) == ["--fp8-backend", "x"]
+
+
+def _ns(**kw):
+    base = {"sglang_server_concurrency": 8, "sglang_router_port": None, "sglang_router_request_timeout_secs": 10,
+            "rollout_backend": "sglang", "use_cuda": True, "rollout_external_engine_addrs": None,
+            "debug_train_only": False}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_validation_keeps_strings_unless_slime_launches_sglang(monkeypatch):
+    # hf engines, external engines, no CUDA: forwarded flags are not used by slime and stay as given,
+    # without importing sglang.
+    monkeypatch.setattr("slime.backends.sglang_utils.arguments.server_fields", lambda: pytest.fail("imported"))
+    for kw in ({"rollout_backend": "hf"}, {"rollout_external_engine_addrs": ["h:1"]}, {"use_cuda": False},
+               {"debug_train_only": True}):
+        args = _ns(sglang_args={"mem_fraction_static": "0.7"}, **kw)
+        validate_sglang(args)
+        assert args.sglang_args == {"mem_fraction_static": "0.7"}
+
+
+def test_validation_types_fields_and_refuses_reserved_ones(monkeypatch):
+    monkeypatch.setattr("slime.backends.sglang_utils.arguments.server_fields", lambda: FIELDS)
+    args = _ns(sglang_args={"mem_fraction_static": "0.7"})
+    validate_sglang(args)
+    assert args.sglang_args == {"mem_fraction_static": 0.7}
+    with pytest.raises(SlimeArgumentError, match="--sglang-mem-fraction-statik.*did you mean"):
+        validate_sglang(_ns(sglang_args={"mem_fraction_statik": "0.7"}))
+    with pytest.raises(SlimeArgumentError, match="--sglang-tp-size.*--rollout-num-gpus-per-engine"):
+        validate_sglang(_ns(sglang_args={"tp_size": "2"}))
+    # sglang not importable: strings stay, the engine refuses to launch later
+    monkeypatch.setattr("slime.backends.sglang_utils.arguments.server_fields", lambda: None)
+    args = _ns(sglang_args={"anything_at_all": "x"})
+    validate_sglang(args)
+    assert args.sglang_args == {"anything_at_all": "x"}
+
+
+# ---- SGLangEngine's server arguments ---------------------------------------------------------------------
+def _engine_args(**kw):
+    base = {"hf_checkpoint": "/models/qwen", "rollout_num_gpus_per_engine": 2, "num_gpus_per_node": 8, "seed": 100,
+            "colocate": False, "offload_rollout": False, "sglang_args": {"mem_fraction_static": 0.7}}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_engine_server_args(monkeypatch):
+    monkeypatch.setenv("SLIME_SGLANG_LAUNCHER", "sglang serve")
+    eng = SGLangEngine(_engine_args(), rank=3)
+    values = eng.server_args("127.0.0.1", 30000)
+    assert values["model_path"] == "/models/qwen" and values["tp_size"] == 2
+    assert (values["host"], values["port"]) == ("127.0.0.1", 30000) and values["nccl_port"] not in (None, 30000)
+    assert values["random_seed"] == 103 and values["base_gpu_id"] == 0
+    assert values["enable_memory_saver"] is False and values["skip_server_warmup"] and values["trust_remote_code"]
+    assert "nnodes" not in values and values["mem_fraction_static"] == 0.7
+    cmd = eng.launch_command("127.0.0.1", 30000)
+    assert cmd[:2] == ["sglang", "serve"]
+    assert cmd[cmd.index("--tp-size") + 1] == "2" and "--enable-memory-saver" not in cmd
+    assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.7"
+    colocated = SGLangEngine(_engine_args(colocate=True, offload_rollout=True), rank=0)
+    assert "--enable-memory-saver" in colocated.launch_command("127.0.0.1", 1)
+
+
+def test_engine_gpu_placement(monkeypatch):
+    monkeypatch.setattr(engine_mod, "ray_gpu_ids", lambda: [5])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    eng = SGLangEngine(_engine_args(), rank=1)
+    assert eng.server_args("127.0.0.1", 1)["base_gpu_id"] == 5
+    assert "CUDA_VISIBLE_DEVICES" not in eng.launch_env()  # the server sees the node's GPUs, from id 5 on
+    monkeypatch.setattr(engine_mod, "ray_gpu_ids", list)
+    assert SGLangEngine(_engine_args(), rank=1).launch_env()["CUDA_VISIBLE_DEVICES"] == "5"
+
+
+def test_multi_node_engine():
+    args = _engine_args(rollout_num_gpus_per_engine=16, num_gpus_per_node=8)
+    assert engine_nnodes(args) == 2 and engine_nnodes(_engine_args()) == 1
+    head = SGLangEngine(args, rank=0)
+    addr = head.get_dist_init_addr()
+    assert head.get_dist_init_addr() == addr and ":" in addr
+    values = head.server_args("127.0.0.1", 1)
+    assert (values["nnodes"], values["node_rank"], values["dist_init_addr"], values["tp_size"]) == (2, 0, addr, 16)
+    follower = SGLangEngine(args, rank=0, node_rank=1, dist_init_addr=addr)
+    assert follower.server_args("127.0.0.1", 1)["node_rank"] == 1
+    assert follower.flush_cache() is None  # control calls go to node rank 0 only
+    with pytest.raises(ValueError, match="dist_init_addr"):
+        SGLangEngine(args, rank=0, node_rank=1).get_dist_init_addr()
+    with pytest.raises(ValueError, match="spans 2 node"):
+        SGLangEngine(args, rank=0, node_rank=2)
+
+
+def test_default_launcher_needs_sglang(monkeypatch):
+    monkeypatch.delenv("SLIME_SGLANG_LAUNCHER", raising=False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(engine_mod.importlib.util, "find_spec", lambda n, *a: None if n == "sglang" else real(n, *a))
+    with pytest.raises(RuntimeError, match=r"sglang package is not installed.*pip install sglang=="):
+        SGLangEngine(_engine_args(), rank=0).launch_command("127.0.0.1", 1)
+
+
+# ---- against the installed sglang's real ServerArgs ----------------------------------------------------------
+_REAL_CHECK = r"""
+import argparse, json, sys
+from slime.backends.sglang_utils.arguments import (SGLangArgumentError, convert_sglang_args, server_fields,
+                                                   sglang_cli_args)
+from slime.backends.sglang_utils.engine import SGLangEngine
+from slime.utils.arg_groups import SlimeArgumentError
+from slime.utils.arg_groups.sglang import validate_sglang
+import sglang
+from sglang.srt.server_args import ServerArgs
+
+fields = server_fields()
+raw = {"mem_fraction_static": "0.7", "context_length": "8192", "enable_torch_compile": True,
+       "chunked_prefill_size": "4096", "log_level": "warning", "max_running_requests": "128",
+       "disable_radix_cache": True, "attention_backend": "triton", "numa_node": ["0", "1"]}
+typed = convert_sglang_args(raw, fields)
+errors = []
+for bad in ({"mem_fraction_statik": "0.7"}, {"mem_fraction_static": "lots"}, {"tokenizer_mode": "fast"}):
+    try:
+        convert_sglang_args(bad, fields)
+    except SGLangArgumentError as e:
+        errors.append(str(e))
+ns = argparse.Namespace(sglang_server_concurrency=8, sglang_router_port=None, sglang_router_request_timeout_secs=10,
+                        rollout_backend="sglang", use_cuda=True, rollout_external_engine_addrs=None,
+                        debug_train_only=False, sglang_args={"mem_fraction_static": "0.7", "cuda_graph_max_bs": "8"})
+try:
+    validate_sglang(ns)
+    errors.append("no error")
+except SlimeArgumentError as e:
+    errors.append(str(e))
+ns.sglang_args = dict(raw)
+validate_sglang(ns)
+
+engine_args = argparse.Namespace(hf_checkpoint="/models/qwen", rollout_num_gpus_per_engine=16, num_gpus_per_node=8,
+                                 seed=1, colocate=True, offload_rollout=True, sglang_args=ns.sglang_args)
+eng = SGLangEngine(engine_args, rank=2)
+cmd = eng.launch_command("127.0.0.1", 30000)
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+launch_module = cmd.index("sglang.launch_server")
+parsed = vars(parser.parse_args(cmd[launch_module + 1:]))
+computed = eng.server_args("127.0.0.1", 30000)
+print(json.dumps({
+    "version": sglang.__version__, "num_fields": len(fields), "typed": typed, "validated": ns.sglang_args,
+    "errors": errors, "cmd_head": cmd[:launch_module + 1],
+    "computed_unknown": sorted(k for k in computed if k not in fields),
+    "parsed": {k: parsed[k] for k in list(computed) if k in parsed},
+    "expected": {k: v for k, v in computed.items() if k != "nccl_port"},
+}))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                    reason="sglang is not installed (pip install --no-deps sglang==0.5.23 msgspec pybase64 pyzmq "
+                           "triton makes sglang.srt.server_args importable on CPU)")
+@pytest.mark.timeout(240)
+def test_forwarding_against_real_server_args():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-c", _REAL_CHECK], capture_output=True, text=True, env=env, timeout=230,
+                          cwd=ROOT, check=False)
+    if proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr:
+        pytest.skip(f"sglang is installed but sglang.srt.server_args does not import: {proc.stderr[-400:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["num_fields"] > 100
+    assert out["typed"] == {"mem_fraction_static": 0.7, "context_length": "8192", "enable_torch_compile": True,
+                            "chunked_prefill_size": 4096, "log_level": "warning", "max_running_requests": 128,
+                            "disable_radix_cache": True, "attention_backend": "triton", "numa_node": [0, 1]}
+    assert out["validated"] == out["typed"]
+    did_you_mean, bad_float, bad_choice, validate_error = out["errors"]
+    assert "did you mean --sglang-mem-fraction-static" in did_you_mean
+    assert "--sglang-mem-fraction-static 'lots'" in bad_float and "'fast' is not one of" in bad_choice
+    assert "--sglang-cuda-graph-max-bs" in validate_error  # not a ServerArgs field in sglang 0.5.2x
+    # every field slime computes is a real ServerArgs field, and sglang's own parser reads our command line
+    assert out["computed_unknown"] == []
+    assert out["cmd_head"][1:] == ["-m", "sglang.launch_server"]
+    parsed, expected = out["parsed"], out["expected"]
+    assert parsed["context_length"] == 8192 and parsed["numa_node"] == [0, 1]
+    for key, value in expected.items():
+        got = str(parsed[key]) if isinstance(value, str) else parsed[key]  # own-parser fields stay strings here
+        assert got == value, (key, parsed[key], value)
