@@ -22,7 +22,6 @@ import pytest
 from tests.conftest import REPO_ROOT
 from tests.e2e_cpu.test_train_e2e import _env, _scalars
 
-FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 
 
 def _cmd(model_dir, data_path, tmp_path, num_rollout, *extra):
