@@ -98,3 +98,25 @@ def split_into_buckets(
     if current:
         buckets.append(current)
     return buckets
+
+
+def send_bucket(bucket: list[tuple[str, torch.Tensor]], engines, weight_version: str) -> None:
+    """Flatten one bucket, hand every engine a handle to it and wait until all have loaded it.
+
+    Engines are Ray actor handles (called concurrently) or in-process objects (called in turn), each with
+    `update_weights_from_tensor(payload, weight_version)`. The flattened buffer stays referenced until
+    every engine has answered, because the payload carries a handle, not the data."""
+    flat = flatten_bucket(bucket)
+    payload = serialize_bucket(flat)
+    refs = []
+    for engine in engines:
+        method = engine.update_weights_from_tensor
+        if hasattr(method, "remote"):
+            refs.append(method.remote(payload, weight_version))
+        else:
+            method(payload, weight_version)
+    if refs:
+        import ray
+
+        ray.get(refs)
+    del flat, payload

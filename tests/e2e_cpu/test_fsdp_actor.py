@@ -6,58 +6,21 @@ tests below (module fixture) to keep the suite fast.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
 from tests.conftest import REPO_ROOT
+from tests.e2e_cpu.ranks import run_ranks
 
 WORKER = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "fsdp_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(world_size: int, model_dir: str, out_dir: str, full: bool, timeout_s: float = 240) -> dict:
-    os.makedirs(out_dir, exist_ok=True)
-    port = _free_port()
-    env = dict(os.environ, SLIME_TRAIN_NUM_THREADS="1", SLIME_ENGINE_NUM_THREADS="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=REPO_ROOT, TOKENIZERS_PARALLELISM="false")
-    procs = []
-    try:
-        for rank in range(world_size):
-            cmd = [sys.executable, WORKER, "--world-size", str(world_size), "--rank", str(rank), "--port", str(port),
-                   "--model", model_dir, "--out", out_dir] + (["--full"] if full else [])
-            with open(os.path.join(out_dir, f"rank{rank}.log"), "w") as log:  # the child keeps its own handle
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT))
-        deadline = time.monotonic() + timeout_s
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break  # one rank failed (the others would wait on a collective) or a hang
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    if any(p.returncode != 0 for p in procs):
-        tails = []
-        for rank in range(world_size):
-            with open(os.path.join(out_dir, f"rank{rank}.log")) as f:
-                tails.append(f"--- rank {rank} (rc {procs[rank].returncode}) ---\n" + f.read()[-4000:])
-        pytest.fail("fsdp worker failed:\n" + "\n".join(tails))
-    with open(os.path.join(out_dir, "result.json")) as f:
-        return json.load(f)
+    return run_ranks(WORKER, world_size, out_dir, ["--model", model_dir] + (["--full"] if full else []), timeout_s)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ no gradient checkpointing.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -33,12 +32,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slime.backends import policy_batch
 from slime.backends.fsdp_utils import checkpoint, weight_sync
-from slime.backends.fsdp_utils.loss import LossInputs, compute_actor_loss
+from slime.backends.loss import compute_actor_loss
 from slime.backends.fsdp_utils.data import (
     forward_response_log_probs,
     make_micro_batch,
-    pad_per_token,
     rows_per_step,
     split_micro_batches,
     unpad_per_token,
@@ -61,11 +60,6 @@ def _fully_shard():
             f"this torch is {torch.__version__}: upgrade torch"
         ) from e
     return fully_shard, MixedPrecisionPolicy
-
-
-def _padded_rows(per_row, rows: list[int], width: int, device) -> torch.Tensor:
-    """[len(rows), width] fp32 from a per-row mapping of per-token values (list or dict by row index)."""
-    return pad_per_token([per_row[r] for r in rows], width, device)
 
 
 def lr_at(args: Any, step: int) -> float:
@@ -228,28 +222,21 @@ class FSDPTrainRayActor(TrainRayActor):
         all_micro_batches = [mb for step in plan for mb in step]
         local_rows = [r for rows in steps for r in rows]
 
-        rollout_lp = None
-        if batch.rollout_log_probs is not None:
-            rollout_lp = {r: torch.as_tensor(batch.rollout_log_probs[r], dtype=torch.float32, device=self.device)
-                          for r in local_rows}
-        for flag, attr in (("--use-tis", "use_tis"), ("--use-rollout-logprobs", "use_rollout_logprobs")):
-            if getattr(args, attr, False) and rollout_lp is None:
-                raise ValueError(f"{flag}: the train batch has no rollout log-probs (the rollout function must "
-                                 "fill Sample.rollout_log_probs); drop the flag or return them")
+        rollout_lp = policy_batch.rollout_log_probs(args, batch, local_rows, self.device)
         extra: dict[str, float] = {}
         if getattr(args, "use_rollout_logprobs", False):
             old_lp = rollout_lp
         else:
             old_lp = self._log_probs_of_rows(self.model, batch, all_micro_batches)
             if rollout_lp is not None:
-                extra["train/train_rollout_logprob_abs_diff"] = self._logprob_abs_diff(old_lp, rollout_lp, batch)
-        if (getattr(args, "use_kl_loss", False) or getattr(args, "kl_coef", 0.0)) and self.ref_model is None:
-            raise ValueError("--use-kl-loss / --kl-coef need the reference model, but the actor was initialised "
-                             "without one (with_ref=False); the actor group must pass with_ref=True")
+                extra["train/train_rollout_logprob_abs_diff"] = policy_batch.logprob_abs_diff(
+                    old_lp, rollout_lp, batch, self.device)
+        policy_batch.require_ref(args, self.ref_model is not None)
         ref_lp = (self._log_probs_of_rows(self.ref_model, batch, all_micro_batches)
                   if self.ref_model is not None else None)
 
-        advantages, returns = self._advantages_and_returns(batch, local_rows, old_lp, ref_lp, values)
+        advantages, returns = policy_batch.advantages_and_returns(args, batch, local_rows, old_lp, ref_lp, values,
+                                                                  self.device)
         # Only a critic (ppo, given values) needs the returns of every row.
         self._returns = self._gather_rows(returns, len(batch)) if returns is not None and values is not None else None
         if rollout_id < (getattr(args, "num_critic_only_steps", 0) or 0):
@@ -270,37 +257,6 @@ class FSDPTrainRayActor(TrainRayActor):
         """The returns (ppo: advantages + values) of every row of the last `train` call, for the critic."""
         return self._returns
 
-    def _advantages_and_returns(self, batch, local_rows, old_lp, ref_lp, values):
-        """Advantages (whitened across ranks with --normalize-advantages) and returns of this rank's rows."""
-        args = self.args
-        masks = {r: torch.as_tensor(batch.loss_masks[r], dtype=torch.float32) for r in local_rows}
-        kl = None
-        if ref_lp is not None:
-            kl = [ppo_utils.compute_approx_kl(old_lp[r].cpu(), ref_lp[r].cpu(), args.kl_loss_type) for r in local_rows]
-        inputs = ppo_utils.AdvantageInputs(
-            rewards=[batch.rewards[r] for r in local_rows], raw_rewards=[batch.raw_rewards[r] for r in local_rows],
-            response_lengths=[batch.response_lengths[r] for r in local_rows],
-            loss_masks=[masks[r] for r in local_rows], group_indices=[batch.group_indices[r] for r in local_rows],
-            kl=kl, values=None if values is None else [torch.as_tensor(values[r], dtype=torch.float32)
-                                                       for r in local_rows],
-        )
-        adv_list, ret_list = ppo_utils.compute_advantages_and_returns(args, inputs)
-        if getattr(args, "normalize_advantages", False):
-            adv_list = self._whiten(adv_list, inputs.loss_masks)
-        advantages = {r: a.to(self.device) for r, a in zip(local_rows, adv_list)}
-        returns = None if ret_list is None else dict(zip(local_rows, ret_list))
-        return advantages, returns
-
-    def _whiten(self, advantages: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:
-        """--normalize-advantages: moments all-reduced over ranks, so the whole rollout batch is whitened."""
-        if not advantages:
-            moments = torch.zeros(3, dtype=torch.float64)
-        else:
-            moments = ppo_utils.masked_moments(torch.cat(advantages), torch.cat(masks))
-        moments = moments.to(self.device)
-        dist.all_reduce(moments)
-        return [ppo_utils.whiten_with_moments(a, m, moments.cpu()) for a, m in zip(advantages, masks)]
-
     def _gather_rows(self, per_row: dict[int, torch.Tensor], num_rows: int) -> list[list[float]]:
         """Every rank's {row: tensor} -> the full per-row list, on every rank."""
         shards: list = [None] * self.world_size
@@ -315,11 +271,7 @@ class FSDPTrainRayActor(TrainRayActor):
         self, batch, micro_batches, global_rows, advantages, old_lp, ref_lp, rollout_lp
     ) -> dict[str, float]:
         args = self.args
-        per_token = getattr(args, "calculate_per_token_loss", False)
-        if per_token:
-            denominator = max(1, sum(sum(batch.loss_masks[r]) for r in global_rows))
-        else:
-            denominator = len(global_rows)
+        denominator = policy_batch.loss_denominator(args, batch, global_rows)
         lr = lr_at(args, self.global_step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -327,8 +279,7 @@ class FSDPTrainRayActor(TrainRayActor):
         local: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         self.optimizer.zero_grad(set_to_none=True)
         for rows in micro_batches:
-            loss, shares = self._micro_batch_loss(batch, rows, advantages, old_lp, ref_lp, rollout_lp,
-                                                  per_token, denominator)
+            loss, shares = self._micro_batch_loss(batch, rows, advantages, old_lp, ref_lp, rollout_lp, denominator)
             # FSDP averages gradients over ranks; each rank's loss is its share of a global sum, so undo that.
             (loss * self.world_size).backward()
             for k, v in shares.items():
@@ -342,33 +293,16 @@ class FSDPTrainRayActor(TrainRayActor):
         return metrics
 
     def _micro_batch_loss(
-        self, batch, rows, advantages, old_lp, ref_lp, rollout_lp, per_token: bool, denominator: float
+        self, batch, rows, advantages, old_lp, ref_lp, rollout_lp, denominator: float
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward one micro-batch: its share of the global-batch loss, and its (detached) metric shares."""
         mb = make_micro_batch([batch.tokens[r] for r in rows], [batch.response_lengths[r] for r in rows],
                               device=self.device)
-        padded = functools.partial(_padded_rows, rows=rows, width=mb.max_response_len, device=self.device)
         log_probs, entropy = forward_response_log_probs(self.model, mb, self.args.rollout_temperature,
                                                         with_entropy=True)
-        mask = mb.response_mask * padded(batch.loss_masks)
-        inputs = LossInputs(
-            log_probs=log_probs, old_log_probs=padded(old_lp), advantages=padded(advantages), mask=mask,
-            entropy=entropy, ref_log_probs=None if ref_lp is None else padded(ref_lp),
-            rollout_log_probs=None if rollout_lp is None else padded(rollout_lp),
-            aggregate=functools.partial(ppo_utils.aggregate_loss, mask=mask, per_token=per_token,
-                                        global_denominator=denominator),
-        )
+        inputs = policy_batch.loss_inputs(self.args, batch, rows, mb, log_probs, entropy, advantages, old_lp,
+                                          ref_lp, rollout_lp, denominator)
         return compute_actor_loss(self.args, inputs)
-
-    def _logprob_abs_diff(self, old_lp, rollout_lp, batch: TrainBatch) -> float:
-        """Mean |recomputed − rollout| log-prob over loss-masked response tokens of the whole batch."""
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for r, lp in old_lp.items():
-            mask = torch.as_tensor(batch.loss_masks[r], dtype=torch.float32, device=self.device)
-            total[0] += ((lp - rollout_lp[r]).abs() * mask).sum().double()
-            total[1] += mask.sum().double()
-        dist.all_reduce(total)
-        return float(total[0] / total[1].clamp_min(1.0))
 
     # ---- weights and checkpoints ------------------------------------------------------------------------
     def update_weights(self, engines: list[Any], weight_version: int) -> None:

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.fsdp_utils import checkpoint
+from slime.backends.policy_batch import padded_rows
 from slime.backends.fsdp_utils.actor import (
-    _padded_rows,
     clip_and_step,
     lr_at,
     make_optimizer,
@@ -38,7 +38,7 @@ from slime.backends.fsdp_utils.actor import (
     sum_over_ranks,
 )
 from slime.backends.fsdp_utils.data import forward_response_values, make_micro_batch, rows_per_step, split_micro_batches
-from slime.backends.fsdp_utils.loss import critic_loss
+from slime.backends.loss import critic_loss
 from slime.ray.train_actor import TrainRayActor
 from slime.utils.ppo_utils import aggregate_loss
 from slime.utils.types import TrainBatch
@@ -140,7 +140,7 @@ class FSDPCriticRayActor(TrainRayActor):
             local: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
             for rows in micro_batches:
                 mb, new_values = self._forward(batch, rows)
-                padded = functools.partial(_padded_rows, rows=rows, width=mb.max_response_len, device=self.device)
+                padded = functools.partial(padded_rows, rows=rows, width=mb.max_response_len, device=self.device)
                 mask = mb.response_mask * padded(batch.loss_masks)
                 aggregate = functools.partial(aggregate_loss, mask=mask, per_token=per_token,
                                               global_denominator=denominator)

@@ -10,105 +10,17 @@ padded row computes the same log-probs as the row alone.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-
-# ---- which rows -------------------------------------------------------------------------------------------
-def rows_per_step(num_rows: int, global_batch_size: int, world_size: int, rank: int) -> list[list[int]]:
-    """Row indices this rank trains on, one list per optimizer step.
-
-    Step s covers rows [s·gbs, (s+1)·gbs); each rank takes a contiguous 1/world_size share of them."""
-    if global_batch_size <= 0 or num_rows % global_batch_size != 0:
-        raise ValueError(
-            f"the train batch has {num_rows} samples, which is not a multiple of --global-batch-size "
-            f"{global_batch_size}; make --rollout-batch-size × --n-samples-per-prompt a multiple of it"
-        )
-    if global_batch_size % world_size != 0:
-        raise ValueError(
-            f"--global-batch-size {global_batch_size} is not divisible by the {world_size} training ranks; "
-            f"use a multiple of {world_size}"
-        )
-    share = global_batch_size // world_size
-    return [
-        list(range(s * global_batch_size + rank * share, s * global_batch_size + (rank + 1) * share))
-        for s in range(num_rows // global_batch_size)
-    ]
-
-
-def split_micro_batches(rows: Sequence[int], micro_batch_size: int) -> list[list[int]]:
-    if micro_batch_size <= 0:
-        raise ValueError(f"--micro-batch-size {micro_batch_size}: must be >= 1")
-    return [list(rows[i : i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
-
-
-# ---- padding -------------------------------------------------------------------------------------------------
-@dataclass
-class MicroBatch:
-    """Right-padded sequences of one forward pass.
-
-    `response_starts[i]` is the position of row i's first response token; the token at position p is
-    predicted by the logits at p − 1. `response_mask` is [B, R] with 1 for t < response_lengths[i]."""
-
-    input_ids: torch.Tensor  # [B, L] long
-    attention_mask: torch.Tensor  # [B, L] long
-    response_starts: list[int]
-    response_lengths: list[int]
-    response_mask: torch.Tensor  # [B, R] float
-
-    @property
-    def max_response_len(self) -> int:
-        return self.response_mask.shape[1]
-
-    def first_predicting_position(self) -> int:
-        """The earliest position whose logits are needed (for `logits_to_keep`)."""
-        return min(s - 1 for s in self.response_starts)
-
-
-def make_micro_batch(
-    tokens: Sequence[Sequence[int]],
-    response_lengths: Sequence[int],
-    pad_token_id: int = 0,
-    device: torch.device | str = "cpu",
-) -> MicroBatch:
-    lengths = [len(t) for t in tokens]
-    for i, (n, r) in enumerate(zip(lengths, response_lengths)):
-        if r < 0 or r >= n:
-            raise ValueError(
-                f"row {i}: response_length={r} with {n} tokens; a sample needs at least one prompt token "
-                "before its response (response_length < len(tokens))"
-            )
-    max_len = max(lengths)
-    input_ids = torch.full((len(tokens), max_len), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(tokens), max_len), dtype=torch.long)
-    for i, t in enumerate(tokens):
-        input_ids[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.long)
-        attention_mask[i, : len(t)] = 1
-    max_r = max(1, max(response_lengths))  # keep R >= 1 so empty responses still give well-shaped tensors
-    response_mask = (torch.arange(max_r).unsqueeze(0) < torch.as_tensor(list(response_lengths)).unsqueeze(1)).float()
-    return MicroBatch(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        response_starts=[n - r for n, r in zip(lengths, response_lengths)],
-        response_lengths=list(response_lengths),
-        response_mask=response_mask.to(device),
-    )
-
-
-def pad_per_token(values: Sequence[Sequence[float] | torch.Tensor], width: int, device=None) -> torch.Tensor:
-    """Per-sample per-token lists -> [B, width] fp32, zero-padded on the right."""
-    out = torch.zeros((len(values), width), dtype=torch.float32)
-    for i, v in enumerate(values):
-        v = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
-        out[i, : v.numel()] = v[:width]
-    return out if device is None else out.to(device)
-
-
-def unpad_per_token(padded: torch.Tensor, lengths: Sequence[int]) -> list[list[float]]:
-    rows = padded.detach().float().cpu()
-    return [rows[i, :n].tolist() for i, n in enumerate(lengths)]
+from slime.backends.batching import (  # noqa: F401  (re-exported for the fsdp backend)
+    MicroBatch,
+    make_micro_batch,
+    pad_per_token,
+    rows_per_step,
+    split_micro_batches,
+    unpad_per_token,
+)
 
 
 # ---- log-prob extraction --------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from slime.utils.weight_transfer import flatten_bucket, serialize_bucket, split_into_buckets
+from slime.utils.weight_transfer import send_bucket, split_into_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -32,31 +32,13 @@ def gather_full_state_dict(model: torch.nn.Module) -> list[tuple[str, torch.Tens
     return list(state.items())
 
 
-def _call_engines(engines: Sequence[Any], payload: str, weight_version: str) -> None:
-    """Call every engine (Ray actor handles run concurrently; in-process objects in turn) and wait."""
-    refs = []
-    for engine in engines:
-        method = engine.update_weights_from_tensor
-        if hasattr(method, "remote"):  # a Ray actor handle
-            refs.append(method.remote(payload, weight_version))
-        else:
-            method(payload, weight_version)
-    if refs:
-        import ray
-
-        ray.get(refs)
-
-
 def push_to_engines(
     named_tensors: list[tuple[str, torch.Tensor]], engines: Sequence[Any], weight_version: str, buffer_size: int
 ) -> int:
     """Send buckets to every engine in turn; returns the number of buckets sent."""
     buckets = split_into_buckets(named_tensors, buffer_size)
     for i, bucket in enumerate(buckets):
-        flat = flatten_bucket(bucket)
-        payload = serialize_bucket(flat)
-        _call_engines(engines, payload, weight_version)
-        del flat, payload  # the engines hold their copies now; release the shared buffer
+        send_bucket(bucket, engines, weight_version)
         nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
         logger.info("update_weights v%s: bucket %d/%d (%d tensors, %.1f MiB)", weight_version, i + 1,
                     len(buckets), len(bucket), nbytes / 2**20)

@@ -271,9 +271,9 @@ def build_transformer_config(args: argparse.Namespace, te_available: bool | None
         # These kernels come from TransformerEngine / apex; megatron-core refuses the flags without them.
         if backend == "auto":
             backend = "local"
-        kw.update(apply_rope_fusion=False, gradient_accumulation_fusion=False)
+        kw.update(apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
         if "moe_permute_fusion" in kw:
-            kw["moe_permute_fusion"] = False
+            kw.update(moe_permute_fusion=False, moe_grouped_gemm=False)
     kw["attention_backend"] = AttnBackend[backend]
     cls = MLATransformerConfig if args.multi_latent_attention else TransformerConfig
     return cls(**kw)

@@ -25,6 +25,10 @@ class ConfigMismatchError(ValueError):
     """MODEL_ARGS disagree with config.json; the message names every field, flag and both values."""
 
 
+def is_hf_folder(path: str | None) -> bool:
+    return bool(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
 def load_hf_config(path: str) -> dict:
     file = path if path.endswith(".json") else os.path.join(path, "config.json")
     with open(file) as f:

@@ -1,0 +1,133 @@
+"""Megatron `torch_dist` checkpoints (megatron-core `dist_checkpointing`), in Megatron-LM's layout:
+
+    <save>/latest_checkpointed_iteration.txt   the last complete rollout id (or "release"), written last
+    <save>/iter_0000007/                        dist_checkpointing files: "model" (+ "optimizer")
+    <save>/iter_0000007/slime_state.json        rollout id, optimizer step, LR-scheduler state
+    <save>/release/                             weights only (tools/convert_hf_to_torch_dist.py)
+
+Sharded tensors re-shard on load, so a checkpoint saved at one TP/PP/DP layout loads at another.
+A "release" checkpoint is a starting point, not a resume: training starts at rollout 0 without optimizer
+state. Simplifications: the RNG state is not saved (training uses no dropout).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.megatron_utils.model import unwrap
+
+logger = logging.getLogger(__name__)
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+STATE_FILE = "slime_state.json"
+RELEASE = "release"
+
+
+@dataclass
+class TorchDistCheckpoint:
+    path: str
+    iteration: int | None  # None for a release (weights-only) checkpoint
+    state: dict
+
+
+def iteration_dir(root: str, rollout_id: int | None) -> str:
+    return os.path.join(root, RELEASE if rollout_id is None else f"iter_{rollout_id:07d}")
+
+
+def is_torch_dist_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "metadata.json"))
+
+
+def find_checkpoint(root: str | None, flag: str = "--load") -> TorchDistCheckpoint | None:
+    """The checkpoint a `--load` / `--ref-load` folder names, or None when it holds none yet.
+
+    Accepts a save folder (with latest_checkpointed_iteration.txt) or one checkpoint folder itself."""
+    if not root or not os.path.isdir(root):
+        return None
+    if is_torch_dist_dir(root):
+        return TorchDistCheckpoint(root, None, _read_state(root))
+    latest = os.path.join(root, LATEST_FILE)
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        text = f.read().strip()
+    if text == RELEASE:
+        iteration = None
+    else:
+        try:
+            iteration = int(text)
+        except ValueError:
+            raise ValueError(f"{latest}:1: expected a rollout id or 'release', found {text!r}; fix or delete "
+                             "the file") from None
+    path = iteration_dir(root, iteration)
+    if not is_torch_dist_dir(path):
+        raise FileNotFoundError(f"{flag} {root}: {LATEST_FILE} names {text} but {path} holds no torch_dist "
+                                "checkpoint (no metadata.json); point the flag at a complete checkpoint")
+    return TorchDistCheckpoint(path, iteration, _read_state(path))
+
+
+def _read_state(path: str) -> dict:
+    state_file = os.path.join(path, STATE_FILE)
+    if not os.path.isfile(state_file):
+        return {}
+    with open(state_file) as f:
+        return json.load(f)
+
+
+def _model_sharded_state_dict(model: list[torch.nn.Module]) -> dict:
+    if len(model) == 1:
+        return {"model": unwrap(model[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+
+
+def save(root: str, rollout_id: int | None, model: list[torch.nn.Module], optimizer=None,
+         state: dict | None = None) -> str:
+    """Collective. Writes the model (and optimizer) shards, then the state file and the latest marker."""
+    from megatron.core import dist_checkpointing
+
+    path = iteration_dir(root, rollout_id)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    sharded = _model_sharded_state_dict(model)
+    if optimizer is not None:
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded if len(model) > 1 else sharded["model"])
+    dist_checkpointing.save(sharded, path)
+    if dist.get_rank() == 0:
+        with open(os.path.join(path, STATE_FILE), "w") as f:
+            json.dump(dict(state or {}, rollout_id=rollout_id), f, indent=2)
+        # Written last, atomically: a crash mid-save leaves the previous checkpoint as the latest.
+        tmp = os.path.join(root, LATEST_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(RELEASE if rollout_id is None else str(rollout_id))
+        os.replace(tmp, os.path.join(root, LATEST_FILE))
+        logger.info("saved torch_dist checkpoint %s", path)
+    dist.barrier()
+    return path
+
+
+def load_model(ckpt: TorchDistCheckpoint, model: list[torch.nn.Module]) -> None:
+    """Collective: this rank's shards of the model weights."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(_model_sharded_state_dict(model), ckpt.path)
+    keys = ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+    for key, chunk in zip(keys, model):
+        unwrap(chunk).load_state_dict(loaded[key], strict=False)
+
+
+def load_optimizer(ckpt: TorchDistCheckpoint, model: list[torch.nn.Module], optimizer) -> None:
+    """Collective: the optimizer state (after the model weights and the optimizer are built)."""
+    from megatron.core import dist_checkpointing
+
+    sharded = _model_sharded_state_dict(model)
+    wanted = {"optimizer": optimizer.sharded_state_dict(sharded if len(model) > 1 else sharded["model"],
+                                                        is_loading=True)}
+    loaded = dist_checkpointing.load(wanted, ckpt.path)
+    optimizer.load_state_dict(loaded["optimizer"])

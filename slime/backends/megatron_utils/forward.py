@@ -1,0 +1,123 @@
+"""Forward passes of the Megatron backend: micro-batches through megatron-core's pipeline schedules, and
+log-probs / entropy from vocab-parallel logits.
+
+Micro-batches are right-padded `[B, L]` rows (slime/backends/batching.py) run with megatron-core's
+default causal mask: with right padding a real token never attends to a pad, so no padding mask is
+needed and each row's log-probs equal those of the row alone. (Packed THD micro-batches with
+`cu_seqlens` need TransformerEngine, which neither of our machines has; they are not implemented.)
+
+Vocab-parallel log-softmax: every TP rank holds the logits of a contiguous vocabulary slice; the max,
+the sum of exponentials, the target logit and Σ p·logit are all-reduced over the TP group with
+megatron-core's `reduce_from_tensor_model_parallel_region` (all-reduce forward, identity backward), so
+gradients reach each rank's own slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from slime.backends.batching import MicroBatch
+
+
+def vocab_parallel_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits)[target] (and entropy) per row of `[N, V/tp]` fp32 logits over the real
+    vocabulary: the padding Megatron adds past `vocab_size` (to a multiple of 128 × TP) is masked out, so
+    the distribution is the one the rollout engine samples from."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    local_vocab = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * local_vocab
+    real = (torch.arange(start, start + local_vocab, device=logits.device) < vocab_size).unsqueeze(0)
+    row_max = logits.detach().masked_fill(~real, float("-inf")).max(dim=-1).values
+    if tp > 1:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    shifted = torch.where(real, logits - row_max.unsqueeze(-1), torch.zeros_like(logits))
+    exp = shifted.exp() * real
+    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
+    log_z = sum_exp.log()
+    local = targets - start
+    owned = (local >= 0) & (local < local_vocab)
+    target_logit = shifted.gather(-1, local.clamp(0, local_vocab - 1).unsqueeze(-1)).squeeze(-1) * owned
+    target_logit = reduce_from_tensor_model_parallel_region(target_logit)
+    log_probs = target_logit - log_z
+    entropy = None
+    if with_entropy:
+        expected = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1)) / sum_exp
+        entropy = log_z - expected
+    return log_probs, entropy
+
+
+def response_log_probs(
+    logits: torch.Tensor, mb: MicroBatch, temperature: float, vocab_size: int, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[B, L, V/tp]` logits of a padded micro-batch -> `[B, R]` fp32 response log-probs (0 past each
+    response), and entropies, of softmax(logits / temperature)."""
+    if temperature <= 0:
+        raise ValueError(f"--rollout-temperature {temperature}: must be > 0")
+    device = logits.device
+    t = torch.arange(mb.max_response_len, device=device).unsqueeze(0)
+    starts = torch.as_tensor(mb.response_starts, device=device).unsqueeze(1)
+    valid = mb.response_mask.to(device).bool()
+    predicting = torch.where(valid, starts - 1 + t, torch.zeros_like(t))
+    targets = torch.where(valid, mb.input_ids.gather(1, torch.where(valid, starts + t, torch.zeros_like(t))), 0)
+    rows = torch.arange(logits.shape[0], device=device).unsqueeze(1).expand_as(predicting)
+    selected = logits[rows[valid], predicting[valid]].float() / temperature
+    lp_flat, ent_flat = vocab_parallel_log_probs(selected, targets[valid], vocab_size, with_entropy)
+    log_probs = torch.zeros(valid.shape, dtype=torch.float32, device=device)
+    log_probs = log_probs.masked_scatter(valid, lp_flat)
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_scatter(valid, ent_flat)
+    return log_probs, entropy
+
+
+def _pad_to_multiple(mb: MicroBatch, multiple: int) -> torch.Tensor:
+    """input_ids right-padded so that L divides by `multiple` (sequence parallelism splits L over TP)."""
+    ids = mb.input_ids
+    extra = (-ids.shape[1]) % multiple
+    if extra:
+        ids = torch.nn.functional.pad(ids, (0, extra))
+    return ids
+
+
+LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
+
+
+def run_pipeline(
+    model: list[torch.nn.Module], micro_batches: list[MicroBatch], loss_fn: LossFn, forward_only: bool
+) -> list[dict]:
+    """All micro-batches through megatron-core's schedule for this PP layout (1F1B, interleaved, or none).
+
+    `loss_fn(mb, logits)` runs on the last pipeline stage and returns (loss to backpropagate, outputs);
+    the loss is scaled by the caller (the schedule divides it by the number of micro-batches). Returns
+    the outputs of every micro-batch, in order, on the last stage; [] on other stages."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    multiple = ps.get_tensor_model_parallel_world_size() if model[0].config.sequence_parallel else 1
+
+    def forward_step(data_iterator, chunk):
+        mb = next(data_iterator)
+        ids = _pad_to_multiple(mb, multiple)
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        output = chunk(ids, positions, None)
+        return output, lambda out: loss_fn(mb, out)
+
+    iterators = [iter(micro_batches) for _ in model]
+    max_len = max(_pad_to_multiple(mb, multiple).shape[1] for mb in micro_batches)
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(model) > 1 else iterators[0],
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=len(micro_batches),
+        seq_length=max_len,
+        micro_batch_size=max(mb.input_ids.shape[0] for mb in micro_batches),
+        forward_only=forward_only,
+    )

@@ -1,0 +1,142 @@
+"""Parallel state, the GPTModel from Megatron flags, and its optimizer / LR schedule.
+
+`initialize_parallel(args)` sets megatron-core's TP / PP / CP / EP groups over the already-initialised
+default process group and seeds its RNG tracker. `build_model(args, wrap=True)` returns the model chunks
+of this pipeline rank (one, or several with `--num-layers-per-virtual-pipeline-stage`): megatron-core's
+`GPTModel` with the TransformerEngine layer spec when TE is importable, the local spec otherwise, wrapped
+in megatron-core's `DistributedDataParallel` for training (`wrap=False` for the frozen reference model).
+`build_optimizer` gives megatron-core's (distributed) optimizer and `OptimizerParamScheduler`.
+
+Without TE, MoE experts run as `SequentialMLP` (no grouped GEMM) and attention is the local (unfused)
+implementation; context parallelism needs TE's attention, so `--context-parallel-size > 1` is refused
+there. Parameters live in `--bf16` / `--fp16` precision with fp32 master weights in the optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+
+from slime.backends.megatron_utils import args as mg_args
+from slime.utils.arg_groups._common import SlimeArgumentError
+
+logger = logging.getLogger(__name__)
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def initialize_parallel(args: argparse.Namespace) -> None:
+    """megatron-core's model-parallel groups over the default process group, and its RNG tracker."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    world = dist.get_world_size()
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if world % (tp * pp * cp):
+        raise SlimeArgumentError(
+            f"{world} training ranks do not split into --tensor-model-parallel-size {tp} × "
+            f"--pipeline-model-parallel-size {pp} × --context-parallel-size {cp} = {tp * pp * cp}; make "
+            "--actor-num-nodes × --actor-num-gpus-per-node a multiple of it"
+        )
+    if cp > 1 and not te_available():
+        raise SlimeArgumentError(
+            f"--context-parallel-size {cp} needs TransformerEngine's attention, which is not installed here; "
+            "use --context-parallel-size 1 or install transformer-engine"
+        )
+    vpp = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        vpp = mg_args.pipeline_layer_split(args)[0] // args.num_layers_per_virtual_pipeline_stage
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            context_parallel_size=cp,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        )
+    model_parallel_cuda_manual_seed(args.seed)
+
+
+def _layer_spec(args: argparse.Namespace, config, vp_stage: int | None):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=te_available(),
+                                      normalization=args.normalization, vp_stage=vp_stage)
+
+
+def transformer_config(args: argparse.Namespace):
+    config = mg_args.build_transformer_config(args, te_available=te_available())
+    # The forward runs micro-batches of varying length and size; pipeline stages exchange shapes first.
+    config.variable_seq_lengths = True
+    if not torch.cuda.is_available():
+        config.use_cpu_initialization = True
+    return config
+
+
+def build_model(args: argparse.Namespace, wrap: bool = True) -> list[torch.nn.Module]:
+    """This rank's model chunks (virtual pipeline stages), on the current device, in the params dtype."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(args)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    chunks = []
+    for vp_stage in range(vpp) if vpp > 1 else [None]:
+        model = GPTModel(
+            config,
+            _layer_spec(args, config, vp_stage),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+            **mg_args.gpt_model_kwargs(args),
+        )
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        if device is not None:
+            model.to(device)
+        model.to(config.params_dtype)
+        chunks.append(model)
+    if not wrap:
+        for model in chunks:
+            model.requires_grad_(False)
+            model.eval()
+        return chunks
+    return [_wrap_ddp(args, config, model, i) for i, model in enumerate(chunks)]
+
+
+def _wrap_ddp(args, config, model, index: int):
+    from megatron.core.distributed import DistributedDataParallel
+
+    return DistributedDataParallel(
+        config=config,
+        ddp_config=mg_args.build_ddp_config(args),
+        module=model,
+        # Every chunk but the first keeps its own buckets, as Megatron-LM does.
+        disable_bucketing=index > 0,
+    )
+
+
+def build_optimizer(args: argparse.Namespace, model: list[torch.nn.Module], total_steps: int):
+    """megatron-core's optimizer over the chunks, and an `OptimizerParamScheduler` over `total_steps`."""
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = get_megatron_optimizer(mg_args.build_optimizer_config(args), model)
+    scheduler = OptimizerParamScheduler(optimizer, **mg_args.lr_scheduler_kwargs(args, total_steps))
+    return optimizer, scheduler
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / precision wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model

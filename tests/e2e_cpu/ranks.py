@@ -1,0 +1,55 @@
+"""Start N rank processes of a worker script over a real gloo process group and read rank 0's result.
+
+A failed rank (the others would wait on a collective) or a hang past the timeout kills them all; the
+test fails with the tail of every rank's log."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(worker: str, world_size: int, out_dir: str, extra: list[str], timeout_s: float = 240) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    port = free_port()
+    env = dict(os.environ, SLIME_TRAIN_NUM_THREADS="1", SLIME_ENGINE_NUM_THREADS="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=REPO_ROOT, TOKENIZERS_PARALLELISM="false")
+    procs = []
+    try:
+        for rank in range(world_size):
+            cmd = [sys.executable, worker, "--world-size", str(world_size), "--rank", str(rank), "--port", str(port),
+                   "--out", out_dir, *extra]
+            with open(os.path.join(out_dir, f"rank{rank}.log"), "w") as log:  # the child keeps its own handle
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT))
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    if any(p.returncode != 0 for p in procs):
+        tails = []
+        for rank in range(world_size):
+            with open(os.path.join(out_dir, f"rank{rank}.log")) as f:
+                tails.append(f"--- rank {rank} (rc {procs[rank].returncode}) ---\n" + f.read()[-4000:])
+        pytest.fail(f"{os.path.basename(worker)} failed:\n" + "\n".join(tails))
+    with open(os.path.join(out_dir, "result.json")) as f:
+        return json.load(f)
