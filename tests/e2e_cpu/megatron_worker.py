@@ -1,6 +1,7 @@
-"""One training rank for tests/e2e_cpu/test_megatron_actor.py (run as a plain process, one per rank).
+"""One training rank for tests/e2e_cpu/test_megatron_actor.py and tests/gpu/ (a plain process per rank).
 
-It installs the test-only CPU shim (tests/megatron_cpu_shim.py), drives `MegatronTrainRayActor` directly
+Without CUDA it installs the test-only CPU shim (tests/megatron_cpu_shim.py); on GPUs it runs megatron-core
+for real (nccl, optionally --bf16). It drives `MegatronTrainRayActor` directly
 (no Ray) over a real gloo process group with the parallel layout given on the command line, and rank 0
 writes what it saw to <out>/result.json:
   init from the HF checkpoint -> log-probs -> the whole model exported as HF tensors (compared with the
@@ -20,9 +21,12 @@ import sys
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO_ROOT)
 
-from tests import megatron_cpu_shim  # noqa: E402
+import torch  # noqa: E402
 
-megatron_cpu_shim.install()
+if not torch.cuda.is_available():
+    from tests import megatron_cpu_shim
+
+    megatron_cpu_shim.install()
 
 from tests.e2e_cpu.fsdp_worker import engine_log_probs, make_batch  # noqa: E402
 
@@ -48,11 +52,13 @@ def make_args(cli) -> argparse.Namespace:
         *model_args(TINY_QWEN3), "--train-backend", "megatron", "--hf-checkpoint", cli.model,
         "--prompt-data", data, "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
         "--global-batch-size", "8", "--micro-batch-size", "2", "--num-rollout", "2",
-        "--actor-num-gpus-per-node", str(cli.world_size), "--rollout-num-gpus", "1", "--distributed-backend", "gloo",
+        "--actor-num-gpus-per-node", str(cli.world_size), "--rollout-num-gpus", "1",
         "--tensor-model-parallel-size", str(cli.tp), "--pipeline-model-parallel-size", str(cli.pp),
         "--lr", "1e-3", "--clip-grad", "1.0", "--use-kl-loss", "--kl-loss-coef", "0.01", "--seed", "1234",
         "--save", os.path.join(cli.out, "ckpt"), "--update-weight-buffer-size", str(64 * 1024),
     ]  # fmt: skip
+    if cli.bf16:
+        argv.append("--bf16")
     if cli.dynamic:
         argv += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"]
     if cli.load:
@@ -70,6 +76,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dynamic", action="store_true")
+    p.add_argument("--bf16", action="store_true")
     p.add_argument("--load")
     p.add_argument("--engine", action="store_true")
     cli = p.parse_args()

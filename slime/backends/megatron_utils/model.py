@@ -47,6 +47,15 @@ def initialize_parallel(args: argparse.Namespace) -> None:
             f"--pipeline-model-parallel-size {pp} × --context-parallel-size {cp} = {tp * pp * cp}; make "
             "--actor-num-nodes × --actor-num-gpus-per-node a multiple of it"
         )
+    if not te_available():
+        for flag, on in (("--multi-latent-attention", args.multi_latent_attention),
+                         ("--sequence-parallel", args.sequence_parallel)):
+            if on:
+                raise SlimeArgumentError(
+                    f"{flag} needs TransformerEngine (megatron-core's local layers support neither MLA attention "
+                    "nor sequence-parallel norms), which is not installed here; install transformer-engine"
+                    + ("" if flag == "--multi-latent-attention" else " or drop --sequence-parallel")
+                )
     if cp > 1 and not te_available():
         raise SlimeArgumentError(
             f"--context-parallel-size {cp} needs TransformerEngine's attention, which is not installed here; "
@@ -65,6 +74,15 @@ def initialize_parallel(args: argparse.Namespace) -> None:
             expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         )
     model_parallel_cuda_manual_seed(args.seed)
+
+
+def _patch_moe_without_te() -> None:
+    """megatron-core 0.16 without TransformerEngine: the MoE router's linear reads a `te_general_gemm` name
+    that is only defined when TE imports (fixed in 0.17+); define it as absent so the torch path runs."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _layer_spec(args: argparse.Namespace, config, vp_stage: int | None):
@@ -89,6 +107,8 @@ def build_model(args: argparse.Namespace, wrap: bool = True) -> list[torch.nn.Mo
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(args)
+    if config.num_moe_experts:
+        _patch_moe_without_te()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     chunks = []
     for vp_stage in range(vpp) if vpp > 1 else [None]:

@@ -50,16 +50,19 @@ def global_name(gpt: torch.nn.Module, name: str, ep_rank: int, experts_per_rank:
     return f"decoder.layers.{layer}.{rest}"
 
 
-def named_parameters(model: list[torch.nn.Module], args) -> list[tuple[str, str, torch.nn.Parameter]]:
-    """(local name, global name, parameter) of this rank's chunks, in module order."""
+def named_parameters(model: list[torch.nn.Module], args) -> list[tuple[str, str, torch.Tensor]]:
+    """(local name, global name, tensor) of this rank's chunks, in module order: the parameters, and the
+    MoE routers' `expert_bias` buffers (aux-loss-free balancing state, part of the checkpoint)."""
     from megatron.core import parallel_state as ps
 
     ep_rank = ps.get_expert_model_parallel_rank()
     out = []
     for chunk in model:
         gpt = unwrap(chunk)
-        for name, p in gpt.named_parameters():
-            out.append((name, global_name(gpt, name, ep_rank, _experts_per_rank(args)), p))
+        tensors = list(gpt.named_parameters())
+        tensors += [(n, b) for n, b in gpt.named_buffers() if n.endswith("router.expert_bias")]
+        for name, t in tensors:
+            out.append((name, global_name(gpt, name, ep_rank, _experts_per_rank(args)), t))
     return out
 
 
@@ -96,7 +99,9 @@ def load_hf_weights(model: list[torch.nn.Module], args, path: str) -> None:
     converter = converter_for_hf_config(config)
     full = converter.hf_to_megatron(hf, ConverterConfig.from_args(args), spec="te" if te_available() else "local")
     del hf
-    for local, name, param in named_parameters(model, args):
+    params = named_parameters(model, args)
+    _check_all_used(full, {name for _, name, _ in params}, path, converter.name)
+    for local, name, param in params:
         if name not in full:
             raise KeyError(f"{path}: the {converter.name} converter gives no tensor for Megatron parameter {name!r}; "
                            "do MODEL_ARGS match the checkpoint's config.json?")
@@ -106,6 +111,19 @@ def load_hf_weights(model: list[torch.nn.Module], args, path: str) -> None:
             raise ValueError(f"{path}: {name} has shape {tuple(shard.shape)} for TP rank {rank}/{size}, but the "
                              f"model's {local} is {tuple(param.shape)}; do MODEL_ARGS match config.json?")
         param.copy_(shard.to(param.dtype))
+
+
+def _check_all_used(full: dict, mine: set[str], path: str, family: str) -> None:
+    """Collective: every converted tensor must have a home on some rank (else weights would be dropped)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(mine))
+    held = set().union(*everyone)
+    unused = sorted(set(full) - held)
+    if unused:
+        raise ValueError(
+            f"{path}: {len(unused)} tensor(s) of the {family} checkpoint have no parameter in this megatron-core "
+            f"model, e.g. {unused[:4]}; this layer spec cannot hold them (do MODEL_ARGS match config.json?)"
+        )
 
 
 # ---- export --------------------------------------------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""The Megatron backend on a real GPU (run on the H200 machine; skipped without CUDA / megatron-core / ray).
+
+(a) HF vs Megatron logits of a tiny Qwen3 and a tiny Qwen3-MoE after loading the same weights, in bf16
+    (tolerance: max |Δ| / max |logit| <= 2e-2, about three bf16 ulps at the logits' scale) and in fp32;
+(b) the actor on one GPU: bf16 training step, HF export and a CUDA-IPC weight push to an `hf` engine
+    whose log-probs then match the trainer's;
+(c) `train.py --train-backend megatron --colocate` with the `hf` engine: GRPO steps on the toy task, the
+    engine/trainer log-prob gap reported, then SIGTERM after a checkpoint and `--load` resumes at the
+    next rollout id.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT
+from tests.e2e_cpu.ranks import run_ranks
+from tests.e2e_cpu.test_megatron_actor import WORKER, hf_logits, max_abs_diff, run_logits_worker
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core"),
+]
+
+BF16_REL_TOL = 2e-2
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_logits_match_hf(arch, dtype, tmp_path):
+    saved = run_logits_worker(arch, str(tmp_path), dtype)
+    ref = hf_logits(saved, getattr(torch, dtype), "cuda")
+    diff = (saved["logits"] - ref).abs()
+    rel = float(diff.max() / ref.abs().max())
+    agree = float((saved["logits"].argmax(-1) == ref.argmax(-1)).float().mean())
+    print(f"\n[logits] {arch} {dtype}: max abs {float(diff.max()):.3e}, max rel {rel:.3e}, argmax agree {agree:.3f}")
+    assert rel <= (BF16_REL_TOL if dtype == "bfloat16" else 1e-4)
+
+
+def test_actor_bf16_step_export_and_cuda_ipc_push(tiny_model_dir, tmp_path):
+    r = run_ranks(WORKER, 1, str(tmp_path), ["--model", tiny_model_dir, "--bf16", "--engine"], timeout_s=400)
+    gap = max_abs_diff(r["engine_lp_after_push"], r["lp_after"])
+    print(f"\n[actor] bf16 export max |Δ| vs fp32 file {r['export_max_abs_diff']:.3e}; engine vs trainer log-prob "
+          f"max |Δ| after push {gap:.3e}; metrics {r['metrics']}")
+    assert r["export_names_missing"] == [] and r["export_names_extra"] == []
+    assert r["export_max_abs_diff"] < 1e-2  # bf16 rounding of fp32 weights
+    assert r["engine_weight_version"] == "1"
+    assert max_abs_diff(r["lp_before"], r["lp_after"]) > 1e-2  # the step moved the policy
+    assert gap < 0.1  # bf16 engine vs bf16 trainer on the pushed weights
+
+
+def _train_cmd(model_dir, data_path, out, *extra):
+    from tests.e2e_cpu.megatron_worker import TINY_QWEN3, model_args
+
+    return [
+        sys.executable, os.path.join(REPO_ROOT, "train.py"), *model_args(TINY_QWEN3),
+        "--train-backend", "megatron", "--colocate", "--actor-num-gpus-per-node", "1", "--bf16",
+        "--hf-checkpoint", model_dir, "--prompt-data", data_path, "--input-key", "prompt", "--label-key", "label",
+        "--apply-chat-template", "--rm-type", "toy", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
+        "--global-batch-size", "128", "--micro-batch-size", "32", "--rollout-max-response-len", "4",
+        "--lr", "7e-4", "--use-kl-loss", "--kl-loss-coef", "0.001", "--entropy-coef", "0.01",
+        "--save", os.path.join(out, "ckpt"), "--save-interval", "2",
+        "--use-tensorboard", *extra,
+    ]  # fmt: skip
+
+
+def _scalars(tb_dir: str, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = {}
+    for path in glob.glob(os.path.join(tb_dir, "**", "events.out.tfevents.*"), recursive=True):
+        acc = EventAccumulator(path)
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            values.update({e.step: e.value for e in acc.Scalars(tag)})
+    return values
+
+
+@pytest.mark.timeout(900)
+def test_train_py_megatron_colocate_then_resume(tiny_model_dir, toy_data_path, tmp_path):
+    out = str(tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
+    latest = os.path.join(out, "ckpt", "latest_checkpointed_iteration.txt")
+    tb1 = os.path.join(out, "tb1")
+    with open(os.path.join(out, "run1.log"), "w") as log:
+        proc = subprocess.Popen(_train_cmd(tiny_model_dir, toy_data_path, out, "--num-rollout", "40",
+                                           "--tensorboard-dir", tb1),
+                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out)
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        if os.path.isfile(latest) and int(open(latest).read().strip() or -1) >= 3:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, open(os.path.join(out, "run1.log")).read()[-4000:]
+    proc.send_signal(signal.SIGTERM)  # like a preempted job
+    proc.wait(timeout=120)
+    diffs = _scalars(tb1, "train/train_rollout_logprob_abs_diff")
+    rewards = _scalars(tb1, "rollout/raw_reward")
+    print(f"\n[train.py] run 1 killed after rollout {max(rewards)}; engine/trainer |Δ log-prob| per rollout: "
+          f"{[round(diffs[k], 4) for k in sorted(diffs)]}; raw reward: {[round(rewards[k], 3) for k in sorted(rewards)]}")
+    assert max(diffs.values()) < 0.05  # bf16 hf engine vs bf16 Megatron on the same pushed weights
+    saved = int(open(latest).read().strip())
+
+    tb2 = os.path.join(out, "tb2")
+    done = subprocess.run(_train_cmd(tiny_model_dir, toy_data_path, out, "--num-rollout", str(saved + 3),
+                                     "--load", os.path.join(out, "ckpt"), "--tensorboard-dir", tb2),
+                          capture_output=True, text=True, env=env, cwd=out, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    steps = sorted(_scalars(tb2, "rollout/raw_reward"))
+    print(f"[train.py] run 2 resumed from checkpoint {saved}: rollouts {steps}")
+    assert steps == [saved + 1, saved + 2]
