@@ -31,6 +31,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--port", type=int, default=29571)
+    p.add_argument("--extra", default="", help="more slime flags, space-separated (e.g. --moe-router-dtype fp32)")
     cli = p.parse_args()
     os.makedirs(cli.out, exist_ok=True)
     import torch.distributed as dist
@@ -55,6 +56,7 @@ def main() -> None:
             "--num-rollout", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"]
     if cli.dtype == "bfloat16":
         argv.append("--bf16")
+    argv += cli.extra.split()
     args = parse_args(argv)
     device = torch.device("cuda" if cuda else "cpu")
     gen = torch.Generator().manual_seed(0)

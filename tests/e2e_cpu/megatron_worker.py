@@ -102,7 +102,7 @@ def main() -> None:
         result["export_names_missing"] = sorted(set(hf) - set(exported))
         result["export_names_extra"] = sorted(set(exported) - set(hf))
         result["export_max_abs_diff"] = max(
-            float((exported[k].float() - hf[k].float()).abs().max()) for k in hf if k in exported)
+            float((exported[k].float().cpu() - hf[k].float()).abs().max()) for k in hf if k in exported)
 
         batch.rollout_log_probs = [[x + 0.05 for x in row] for row in result["lp_before"]]
         result["metrics"] = actor.train(0, batch)

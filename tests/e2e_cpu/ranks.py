@@ -27,7 +27,8 @@ def run_ranks(worker: str, world_size: int, out_dir: str, extra: list[str], time
     os.makedirs(out_dir, exist_ok=True)
     port = free_port()
     env = dict(os.environ, SLIME_TRAIN_NUM_THREADS="1", SLIME_ENGINE_NUM_THREADS="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=REPO_ROOT, TOKENIZERS_PARALLELISM="false")
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])),
+               TOKENIZERS_PARALLELISM="false")
     procs = []
     try:
         for rank in range(world_size):

@@ -52,10 +52,12 @@ def hf_logits(saved: dict, dtype=torch.float32, device="cpu") -> torch.Tensor:
         return model(input_ids=saved["ids"].to(device)).logits.float().cpu()
 
 
-def run_logits_worker(arch: str, out: str, dtype: str = "float32") -> dict:
-    done = subprocess.run([sys.executable, LOGITS_WORKER, "--arch", arch, "--out", out, "--dtype", dtype],
+def run_logits_worker(arch: str, out: str, dtype: str = "float32", extra: str = "") -> dict:
+    path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, LOGITS_WORKER, "--arch", arch, "--out", out, "--dtype", dtype,
+                           "--extra", extra],
                           capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
-                          env=dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(os.path.join(out, "logits.pt"))
 

@@ -1,7 +1,7 @@
 """The Megatron backend on a real GPU (run on the H200 machine; skipped without CUDA / megatron-core / ray).
 
-(a) HF vs Megatron logits of a tiny Qwen3 and a tiny Qwen3-MoE after loading the same weights, in bf16
-    (tolerance: max |Δ| / max |logit| <= 2e-2, about three bf16 ulps at the logits' scale) and in fp32;
+(a) HF vs Megatron logits of a tiny Qwen3 and a tiny Qwen3-MoE after loading the same weights: fp32 to
+    1e-4 relative; bf16 within twice transformers' own bf16 error against fp32 (relative to max |logit|);
 (b) the actor on one GPU: bf16 training step, HF export and a CUDA-IPC weight push to an `hf` engine
     whose log-probs then match the trainer's;
 (c) `train.py --train-backend megatron --colocate` with the `hf` engine: GRPO steps on the toy task, the
@@ -31,19 +31,36 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core"),
 ]
 
-BF16_REL_TOL = 2e-2
-
-
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_logits_match_hf(arch, dtype, tmp_path):
-    saved = run_logits_worker(arch, str(tmp_path), dtype)
-    ref = hf_logits(saved, getattr(torch, dtype), "cuda")
-    diff = (saved["logits"] - ref).abs()
-    rel = float(diff.max() / ref.abs().max())
-    agree = float((saved["logits"].argmax(-1) == ref.argmax(-1)).float().mean())
-    print(f"\n[logits] {arch} {dtype}: max abs {float(diff.max()):.3e}, max rel {rel:.3e}, argmax agree {agree:.3f}")
-    assert rel <= (BF16_REL_TOL if dtype == "bfloat16" else 1e-4)
+    """fp32: Megatron == HF to 1e-4 relative. bf16: both run in bf16 with different kernels, so each is
+    compared with the fp32 HF logits; Megatron's mean bf16 error may be at most twice HF's own, and for
+    the dense model its worst logit too (floor 1e-2 relative). The MoE model routes in fp32
+    (`--moe-router-dtype fp32`, as slime's MoE scripts do)."""
+    extra = "--moe-router-dtype fp32" if arch == "qwen3_moe" else ""
+    saved = run_logits_worker(arch, str(tmp_path), dtype, extra)
+    exact = hf_logits(saved, torch.float32, "cuda")
+    scale = float(exact.abs().max())
+    ours = float((saved["logits"] - exact).abs().max()) / scale
+    agree = float((saved["logits"].argmax(-1) == exact.argmax(-1)).float().mean())
+    if dtype == "float32":
+        print(f"\n[logits] {arch} fp32: Megatron vs HF max rel {ours:.3e}, argmax agree {agree:.3f}")
+        assert ours <= 1e-4
+        return
+    hf_bf16 = hf_logits(saved, torch.bfloat16, "cuda")
+    theirs = float((hf_bf16 - exact).abs().max()) / scale
+    ours_mean = float((saved["logits"] - exact).abs().mean() / exact.abs().mean())
+    theirs_mean = float((hf_bf16 - exact).abs().mean() / exact.abs().mean())
+    print(f"\n[logits] {arch} bf16 vs HF fp32: Megatron max rel {ours:.3e} / mean rel {ours_mean:.3e}; HF-bf16 max rel "
+          f"{theirs:.3e} / mean rel {theirs_mean:.3e}; argmax agree {agree:.3f}")
+    assert ours_mean <= 2 * theirs_mean
+    if arch == "qwen3_moe":
+        # A near-tied expert choice that bf16 rounding flips changes that token's logits wholesale, so the
+        # worst token is not a precision measure for MoE; the mean and the argmax agreement are.
+        assert agree >= 0.95
+    else:
+        assert ours <= max(2 * theirs, 1e-2)
 
 
 def test_actor_bf16_step_export_and_cuda_ipc_push(tiny_model_dir, tmp_path):
@@ -63,7 +80,7 @@ def _train_cmd(model_dir, data_path, out, *extra):
 
     return [
         sys.executable, os.path.join(REPO_ROOT, "train.py"), *model_args(TINY_QWEN3),
-        "--train-backend", "megatron", "--colocate", "--actor-num-gpus-per-node", "1", "--bf16",
+        "--train-backend", "megatron", "--rollout-backend", "hf", "--colocate", "--actor-num-gpus-per-node", "1", "--bf16",
         "--hf-checkpoint", model_dir, "--prompt-data", data_path, "--input-key", "prompt", "--label-key", "label",
         "--apply-chat-template", "--rm-type", "toy", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
         "--global-batch-size", "128", "--micro-batch-size", "32", "--rollout-max-response-len", "4",

@@ -18,6 +18,7 @@ vision/multimodal fields; `--attention-backend auto` becomes `local` when Transf
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 
 from slime.utils.arg_groups._common import SlimeArgumentError
@@ -274,6 +275,9 @@ def build_transformer_config(args: argparse.Namespace, te_available: bool | None
         kw.update(apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
         if "moe_permute_fusion" in kw:
             kw.update(moe_permute_fusion=False, moe_grouped_gemm=False)
+    if importlib.util.find_spec("scaled_masked_softmax_cuda") is None:
+        # The fused softmax of the local attention is a compiled extension (apex / Megatron-LM builds).
+        kw["masked_softmax_fusion"] = False
     kw["attention_backend"] = AttnBackend[backend]
     cls = MLATransformerConfig if args.multi_latent_attention else TransformerConfig
     return cls(**kw)
