@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -10,6 +11,17 @@ import pytest
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
+
+
+def model_args(script: str) -> list[str]:
+    """MODEL_ARGS of a scripts/models/*.sh (a path, or a name like "tiny-qwen3"), as bash expands them."""
+    if not os.path.isfile(script):
+        script = os.path.join(REPO_ROOT, "scripts", "models", f"{script}.sh")
+    out = subprocess.run(
+        ["bash", "-c", f"set -eu; source '{script}'; printf '%s\\n' \"${{MODEL_ARGS[@]}}\""],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    return out.splitlines()
 
 
 @pytest.fixture(scope="session")

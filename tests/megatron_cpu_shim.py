@@ -105,3 +105,16 @@ def install() -> None:
     import slime.backends.megatron_utils.args as mg_args
 
     mg_args.check_megatron_runtime = lambda args, cuda_available=None: mg_args.require_model_args(args)
+
+
+if __name__ == "__main__":
+    # python tests/megatron_cpu_shim.py SCRIPT [ARGS...]: run a script (e.g. a tools/ converter) on CPU.
+    import os
+    import runpy
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    install()
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    runpy.run_path(script, run_name="__main__")

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 
     megatron_cpu_shim.install()
 
-from tests.e2e_cpu.megatron_worker import model_args  # noqa: E402
+from tests.conftest import model_args  # noqa: E402
 
 
 def main() -> None:
@@ -50,8 +50,7 @@ def main() -> None:
     data = os.path.join(cli.out, "prompts.jsonl")
     with open(data, "w") as f:
         f.write('{"prompt": "1+1?", "label": "2"}\n')
-    script = os.path.join(REPO_ROOT, "scripts", "models", f"tiny-{cli.arch.replace('_', '-')}.sh")
-    argv = [*model_args(script), "--train-backend", "megatron", "--hf-checkpoint", model_dir, "--prompt-data", data,
+    argv = [*model_args(f"tiny-{cli.arch.replace('_', '-')}"), "--train-backend", "megatron", "--hf-checkpoint", model_dir, "--prompt-data", data,
             "--rollout-batch-size", "1", "--n-samples-per-prompt", "1", "--global-batch-size", "1",
             "--num-rollout", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"]
     if cli.dtype == "bfloat16":

@@ -28,19 +28,8 @@ if not torch.cuda.is_available():
 
     megatron_cpu_shim.install()
 
+from tests.conftest import model_args  # noqa: E402
 from tests.e2e_cpu.fsdp_worker import engine_log_probs, make_batch  # noqa: E402
-
-TINY_QWEN3 = os.path.join(REPO_ROOT, "scripts", "models", "tiny-qwen3.sh")
-
-
-def model_args(script: str) -> list[str]:
-    """MODEL_ARGS of a scripts/models/*.sh, as bash expands them."""
-    import subprocess
-
-    out = subprocess.run(["bash", "-c", f'source "{script}" && printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
-                         capture_output=True, text=True, check=True).stdout
-    return out.splitlines()
-
 
 def make_args(cli) -> argparse.Namespace:
     from slime.utils.arguments import parse_args
@@ -49,7 +38,7 @@ def make_args(cli) -> argparse.Namespace:
     with open(data, "w") as f:
         f.write('{"prompt": "1+1?", "label": "2"}\n')
     argv = [
-        *model_args(TINY_QWEN3), "--train-backend", "megatron", "--hf-checkpoint", cli.model,
+        *model_args("tiny-qwen3"), "--train-backend", "megatron", "--hf-checkpoint", cli.model,
         "--prompt-data", data, "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
         "--global-batch-size", "8", "--micro-batch-size", "2", "--num-rollout", "2",
         "--actor-num-gpus-per-node", str(cli.world_size), "--rollout-num-gpus", "1",

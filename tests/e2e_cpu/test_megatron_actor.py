@@ -17,14 +17,15 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
-from tests.e2e_cpu.ranks import run_ranks
+from tests.conftest import REPO_ROOT, model_args
+from tests.e2e_cpu.ranks import free_port, run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 
 WORKER = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "megatron_worker.py")
 LOGITS_WORKER = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "megatron_logits_worker.py")
-LAYOUTS = {"tp2": (2, 2, 1), "pp2": (2, 1, 2), "dp2": (2, 1, 1)}  # name: (world size, TP, PP)
+# name: (world size, TP, PP, extra worker flags); "dynamic": --use-dynamic-batch-size micro-batches
+LAYOUTS = {"tp2": (2, 2, 1, []), "pp2": (2, 1, 2, ["--engine"]), "dp2": (2, 1, 1, []), "dynamic": (1, 1, 1, ["--dynamic"])}
 
 
 def max_abs_diff(a, b) -> float:
@@ -67,12 +68,13 @@ def runs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_actor")
     model = ["--model", tiny_model_dir]
     out = {"one": run_ranks(WORKER, 1, str(root / "one"), model, timeout_s=300)}
-    for name, (world, tp, pp) in LAYOUTS.items():
-        extra = model + ["--tp", str(tp), "--pp", str(pp)] + (["--engine"] if name == "pp2" else [])
-        out[name] = run_ranks(WORKER, world, str(root / name), extra, timeout_s=300)
+    for name, (world, tp, pp, flags) in LAYOUTS.items():
+        out[name] = run_ranks(WORKER, world, str(root / name), model + ["--tp", str(tp), "--pp", str(pp), *flags],
+                              timeout_s=300)
     # A checkpoint written at TP2 loads at TP1 (dist_checkpointing re-shards) and resumes at the next rollout.
     out["loaded"] = run_ranks(WORKER, 1, str(root / "loaded"), model + ["--load", str(root / "tp2" / "ckpt")],
                               timeout_s=300)
+    out["root"] = str(root)
     return out
 
 
@@ -110,6 +112,61 @@ def test_torch_dist_checkpoint_reshards_and_resumes(runs):
     assert max_abs_diff(loaded["lp_before"], runs["tp2"]["lp_after"]) < 1e-5
 
 
+def run_tool(tool: str, *argv: str) -> str:
+    """A tools/ converter under the CPU shim (the tools need CUDA otherwise)."""
+    shim = os.path.join(REPO_ROOT, "tests", "megatron_cpu_shim.py")
+    done = subprocess.run([sys.executable, shim, os.path.join(REPO_ROOT, "tools", tool), *argv],
+                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port())))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
+
+
+@pytest.mark.timeout(900)
+def test_trained_torch_dist_checkpoint_converts_to_hf(runs, tiny_model_dir, tmp_path):
+    """tools/convert_torch_dist_to_hf.py on the TP2 run's checkpoint (architecture from the flags stored
+    with it): transformers loads the folder with no missing or unexpected keys and computes the
+    trained policy's log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = os.path.join(runs["root"], "tp2", "ckpt")
+    out = str(tmp_path / "hf")
+    run_tool("convert_torch_dist_to_hf.py", "--input-dir", ckpt, "--output-dir", out, "--origin-hf-dir", tiny_model_dir)
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert max_abs_diff(hf_log_probs(out, runs["tp2"]["batch"]), runs["tp2"]["lp_after"]) < 1e-5
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "glm4"])
+def test_hf_to_torch_dist_and_back_is_exact(arch, tmp_path):
+    from safetensors.torch import load_file
+
+    from tools.make_tiny_model import make_tiny_model
+
+    tiny_model_dir = make_tiny_model(str(tmp_path / arch), arch=arch, size="tiny", seed=0)
+    release = str(tmp_path / "torch_dist")
+    run_tool("convert_hf_to_torch_dist.py", *model_args(f"tiny-{arch.replace('_', '-')}"),
+             "--hf-checkpoint", tiny_model_dir, "--save", release)
+    assert open(os.path.join(release, "latest_checkpointed_iteration.txt")).read() == "release"
+    back = str(tmp_path / "hf")
+    run_tool("convert_torch_dist_to_hf.py", "--input-dir", release, "--output-dir", back,
+             "--origin-hf-dir", tiny_model_dir)
+    original, converted = load_file(os.path.join(tiny_model_dir, "model.safetensors")), load_file(
+        os.path.join(back, "model.safetensors"))
+    assert sorted(original) == sorted(converted)
+    assert all(torch.equal(original[k], converted[k]) for k in original)
+
+
+def test_conversion_tool_names_a_missing_flag(tiny_model_dir, tmp_path):
+    shim = os.path.join(REPO_ROOT, "tests", "megatron_cpu_shim.py")
+    done = subprocess.run([sys.executable, shim, os.path.join(REPO_ROOT, "tools", "convert_hf_to_torch_dist.py"),
+                           "--hf-checkpoint", tiny_model_dir, "--save", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert done.returncode != 0
+    assert "--num-layers" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
 @pytest.mark.timeout(900)
 def test_weight_push_from_two_pipeline_stages_reaches_the_engine(runs):
     pp2 = runs["pp2"]
@@ -118,7 +175,7 @@ def test_weight_push_from_two_pipeline_stages_reaches_the_engine(runs):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("arch", ["qwen3_moe", "llama", "qwen2", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "llama", "qwen2", "glm4", "glm4_moe"])
 def test_logits_equal_transformers_per_family(arch, tmp_path):
     saved = run_logits_worker(arch, str(tmp_path))
     assert float((saved["logits"] - hf_logits(saved)).abs().max()) < 1e-4

@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, model_args
 from tests.e2e_cpu.ranks import run_ranks
 from tests.e2e_cpu.test_megatron_actor import WORKER, hf_logits, max_abs_diff, run_logits_worker
 
@@ -76,10 +76,8 @@ def test_actor_bf16_step_export_and_cuda_ipc_push(tiny_model_dir, tmp_path):
 
 
 def _train_cmd(model_dir, data_path, out, *extra):
-    from tests.e2e_cpu.megatron_worker import TINY_QWEN3, model_args
-
     return [
-        sys.executable, os.path.join(REPO_ROOT, "train.py"), *model_args(TINY_QWEN3),
+        sys.executable, os.path.join(REPO_ROOT, "train.py"), *model_args("tiny-qwen3"),
         "--train-backend", "megatron", "--rollout-backend", "hf", "--colocate", "--actor-num-gpus-per-node", "1", "--bf16",
         "--hf-checkpoint", model_dir, "--prompt-data", data_path, "--input-key", "prompt", "--label-key", "label",
         "--apply-chat-template", "--rm-type", "toy", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",

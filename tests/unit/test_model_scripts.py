@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import glob
 import os
-import subprocess
 
 import pytest
 
+from tests.conftest import model_args
 from slime.backends.megatron_utils.config_check import find_mismatches, load_hf_config
 from slime.utils.arg_groups.megatron import moe_layer_pattern
 from slime.utils.arguments import parse_args
@@ -21,14 +21,6 @@ TINY_ARCH = {  # tiny script -> tools/make_tiny_model.py --arch
 }  # fmt: skip
 REQUIRED_MODELS = ["glm4-9B", "glm4.5-106B-A12B", "glm4.5-355B-A32B", "qwen3-0.6B", "qwen3-4B", "qwen3-8B",
                    "qwen3-30B-A3B", "deepseek-v3", "llama3-8B", "llama3-70B", "kimi-k2", "moonlight-16B"]  # fmt: skip
-
-
-def model_args_of(script: str) -> list[str]:
-    out = subprocess.run(
-        ["bash", "-c", f"set -eu; source '{script}'; printf '%s\\n' \"${{MODEL_ARGS[@]}}\""],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return out.stdout.splitlines()
 
 
 def name(script: str) -> str:
@@ -62,7 +54,7 @@ def test_every_listed_model_and_tiny_arch_has_a_script():
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=name)
 def test_script_parses_with_no_unknown_flags(files, script):
-    tokens = model_args_of(script)
+    tokens = model_args(script)
     assert tokens and tokens[0].startswith("--")
     args = parse_args(argv_for("model", tokens))
     assert args.megatron_args == tokens  # every token is a Megatron flag or its value, kept in order
@@ -84,5 +76,5 @@ def test_tiny_script_matches_a_fresh_tiny_model(files, script, tmp_path):
     from tools.make_tiny_model import make_tiny_model
 
     folder = make_tiny_model(str(tmp_path / "m"), arch=TINY_ARCH[name(script)], size="tiny", seed=0)
-    args = parse_args(argv_for(folder, model_args_of(script), ranks=1) + ["--rollout-num-gpus", "1"])
+    args = parse_args(argv_for(folder, model_args(script), ranks=1) + ["--rollout-num-gpus", "1"])
     assert find_mismatches(args, load_hf_config(folder)) == []

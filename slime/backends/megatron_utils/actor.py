@@ -133,10 +133,14 @@ class MegatronTrainRayActor(TrainRayActor):
         ps = _ps()
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
 
-    def _split(self, tokens: list[list[int]], rows: list[int]) -> list[list[int]]:
-        if self.args.use_dynamic_batch_size:
-            return split_by_tokens(rows, [len(tokens[r]) for r in rows], self.args.max_tokens_per_gpu)
-        return split_micro_batches(rows, self.args.micro_batch_size)
+    def _split(self, tokens: list[list[int]], rows: list[int], log_probs: bool = False) -> list[list[int]]:
+        """Micro-batches of `rows`: `--micro-batch-size` rows, or with `--use-dynamic-batch-size` at most
+        `--max-tokens-per-gpu` padded tokens (`--log-probs-max-tokens-per-gpu` for forward-only passes)."""
+        args = self.args
+        if args.use_dynamic_batch_size:
+            budget = args.log_probs_max_tokens_per_gpu if log_probs else args.max_tokens_per_gpu
+            return split_by_tokens(rows, [len(tokens[r]) for r in rows], budget)
+        return split_micro_batches(rows, args.micro_batch_size)
 
     def _micro_batch(self, tokens, response_lengths, rows):
         return make_micro_batch([tokens[r] for r in rows], [response_lengths[r] for r in rows], device=self.device)
@@ -172,7 +176,7 @@ class MegatronTrainRayActor(TrainRayActor):
     def compute_log_probs(self, tokens: list[list[int]], response_lengths: list[int]) -> list[list[float]]:
         """Every data-parallel replica runs all rows; each rank returns all rows."""
         rows = list(range(len(tokens)))
-        lp = self._log_probs_of_rows(self.model, tokens, response_lengths, self._split(tokens, rows))
+        lp = self._log_probs_of_rows(self.model, tokens, response_lengths, self._split(tokens, rows, log_probs=True))
         result = [lp[r].float().cpu().tolist() for r in rows] if lp else None
         return self._from_last_stage(result)
 
@@ -186,22 +190,22 @@ class MegatronTrainRayActor(TrainRayActor):
         last_stage = _ps().is_pipeline_last_stage(ignore_virtual=True)
         steps = rows_per_step(len(batch), args.global_batch_size, dp_size, dp_rank)
         plan = [self._split(batch.tokens, rows) for rows in steps]
-        all_micro_batches = [mb for step in plan for mb in step]
         local_rows = [r for rows in steps for r in rows]
+        log_prob_micro_batches = self._split(batch.tokens, local_rows, log_probs=True)
 
         rollout_lp = policy_batch.rollout_log_probs(args, batch, local_rows, self.device)
         extra: dict[str, float] = {}
         if args.use_rollout_logprobs:
             old_lp = rollout_lp
         else:
-            old_lp = self._log_probs_of_rows(self.model, batch.tokens, batch.response_lengths, all_micro_batches)
+            old_lp = self._log_probs_of_rows(self.model, batch.tokens, batch.response_lengths, log_prob_micro_batches)
             if rollout_lp is not None and last_stage:
                 extra["train/train_rollout_logprob_abs_diff"] = policy_batch.logprob_abs_diff(
                     old_lp, rollout_lp, batch, self.device, dp_group)
         policy_batch.require_ref(args, self.ref_model is not None)
         ref_lp = None
         if self.ref_model is not None:
-            ref_lp = self._log_probs_of_rows(self.ref_model, batch.tokens, batch.response_lengths, all_micro_batches)
+            ref_lp = self._log_probs_of_rows(self.ref_model, batch.tokens, batch.response_lengths, log_prob_micro_batches)
         advantages = None
         if last_stage:
             advantages, _ = policy_batch.advantages_and_returns(args, batch, local_rows, old_lp, ref_lp, None,
@@ -289,6 +293,7 @@ class MegatronTrainRayActor(TrainRayActor):
         if not self.args.save:
             raise ValueError("save() called without --save; pass --save DIR to write checkpoints")
         optimizer = None if self.args.no_save_optim else self.optimizer
-        state = {"global_step": self.global_step, "scheduler": self.scheduler.state_dict()}
+        state = {"global_step": self.global_step, "scheduler": self.scheduler.state_dict(),
+                 "megatron_args": self.args.megatron_args}
         checkpoint.save(self.args.save, rollout_id, self.model, optimizer, state)
 

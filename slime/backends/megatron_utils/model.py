@@ -20,6 +20,7 @@ import logging
 import torch
 
 from slime.backends.megatron_utils import args as mg_args
+from slime.backends.megatron_utils.sandwich_norm import add_sandwich_norms
 from slime.utils.arg_groups._common import SlimeArgumentError
 
 logger = logging.getLogger(__name__)
@@ -88,8 +89,10 @@ def _patch_moe_without_te() -> None:
 def _layer_spec(args: argparse.Namespace, config, vp_stage: int | None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=te_available(),
-                                      normalization=args.normalization, vp_stage=vp_stage)
+    te = te_available()
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=args.normalization,
+                                      vp_stage=vp_stage)
+    return add_sandwich_norms(spec, config, args, te)
 
 
 def transformer_config(args: argparse.Namespace):

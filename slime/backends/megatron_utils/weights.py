@@ -28,6 +28,7 @@ import torch.distributed as dist
 from slime.backends.megatron_utils.converters import ConverterConfig, converter_for_hf_config
 from slime.backends.megatron_utils.converters import tp as tp_layout
 from slime.backends.megatron_utils.model import te_available, unwrap
+from slime.backends.megatron_utils.sandwich_norm import HF_STYLE_NAMES
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -43,7 +44,7 @@ def global_name(gpt: torch.nn.Module, name: str, ep_rank: int, experts_per_rank:
     if not m:
         return name
     layer = gpt.decoder.layers[int(m.group(1))].layer_number - 1
-    rest = m.group(2)
+    rest = HF_STYLE_NAMES.get(m.group(2), m.group(2))
     e = _EXPERT.match(rest)
     if e:
         rest = f"{e.group(1)}{ep_rank * experts_per_rank + int(e.group(2))}{e.group(3)}"

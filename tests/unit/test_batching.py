@@ -1,0 +1,29 @@
+"""slime/backends/batching.py: token-budget micro-batches (--use-dynamic-batch-size)."""
+
+from __future__ import annotations
+
+import pytest
+
+from slime.backends.batching import split_by_tokens
+
+
+def test_rows_grouped_under_the_padded_token_budget():
+    # padded cost = rows × longest row: [5, 3] -> 2×5=10 <= 12; adding 7 -> 3×7=21 > 12
+    assert split_by_tokens([0, 1, 2, 3, 4], [5, 3, 7, 2, 2], 12) == [[0, 1], [2], [3, 4]]
+
+
+def test_a_row_longer_than_the_budget_goes_alone_and_order_is_kept():
+    assert split_by_tokens([4, 9, 2], [3, 50, 3], 10) == [[4], [9], [2]]
+
+
+def test_every_row_is_used_once():
+    rows, lengths = list(range(20)), [(7 * i) % 13 + 1 for i in range(20)]
+    groups = split_by_tokens(rows, lengths, 16)
+    assert [r for g in groups for r in g] == rows
+    assert all(len(g) * max(lengths[r] for r in g) <= 16 or len(g) == 1 for g in groups)
+
+
+@pytest.mark.parametrize("budget", [None, 0, -5])
+def test_missing_budget_names_the_flag(budget):
+    with pytest.raises(ValueError, match="--max-tokens-per-gpu"):
+        split_by_tokens([0], [3], budget)
