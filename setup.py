@@ -14,8 +14,10 @@ setup(
     python_requires=">=3.10",
     install_requires=_requirements(),
     extras_require={
-        "megatron": ["megatron-core>=0.16.0"],
+        # 0.16.1 is the newest wheel for Python 3.11; GPU machines with Python 3.12 take 0.19.x.
+        "megatron": ["megatron-core>=0.16.1"],
         "sglang": ["sglang>=0.5.0"],
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
+        # megatron-core runs in the CPU tests through tests/megatron_cpu_shim.py.
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "megatron-core>=0.16.1"],
     },
 )

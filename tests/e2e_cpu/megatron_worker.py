@@ -41,13 +41,15 @@ def make_args(cli) -> argparse.Namespace:
         *model_args("tiny-qwen3"), "--train-backend", "megatron", "--hf-checkpoint", cli.model,
         "--prompt-data", data, "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
         "--global-batch-size", "8", "--micro-batch-size", "2", "--num-rollout", "2",
-        "--actor-num-gpus-per-node", str(cli.world_size), "--rollout-num-gpus", "1",
+        "--actor-num-gpus-per-node", str(cli.world_size),
         "--tensor-model-parallel-size", str(cli.tp), "--pipeline-model-parallel-size", str(cli.pp),
         "--lr", "1e-3", "--clip-grad", "1.0", "--use-kl-loss", "--kl-loss-coef", "0.01", "--seed", "1234",
         "--save", os.path.join(cli.out, "ckpt"), "--update-weight-buffer-size", str(64 * 1024),
     ]  # fmt: skip
     if cli.bf16:
         argv.append("--bf16")
+    # With an engine it shares the GPU (the push hands over CUDA IPC handles there).
+    argv += ["--colocate"] if cli.engine else ["--rollout-num-gpus", "1"]
     if cli.dynamic:
         argv += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"]
     if cli.load:

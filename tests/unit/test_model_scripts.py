@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.conftest import model_args
+from tests.conftest import REPO_ROOT, model_args
 from slime.backends.megatron_utils.config_check import find_mismatches, load_hf_config
 from slime.utils.arg_groups.megatron import moe_layer_pattern
 from slime.utils.arguments import parse_args
@@ -78,3 +78,30 @@ def test_tiny_script_matches_a_fresh_tiny_model(files, script, tmp_path):
     folder = make_tiny_model(str(tmp_path / "m"), arch=TINY_ARCH[name(script)], size="tiny", seed=0)
     args = parse_args(argv_for(folder, model_args(script), ranks=1) + ["--rollout-num-gpus", "1"])
     assert find_mismatches(args, load_hf_config(folder)) == []
+
+
+# The GPU launchers (the CPU main job, run-tiny-cpu.sh, makes a model first and runs end to end in CI).
+LAUNCHERS = sorted(p for p in glob.glob(os.path.join(REPO_ROOT, "scripts", "run-*.sh")) if "tiny-cpu" not in p)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS, ids=os.path.basename)
+def test_launcher_flags_are_all_known(launcher, tmp_path):
+    """Each GPU launcher, with train.py replaced by a recorder of its argv, passes only flags slime knows,
+    with values of the right types (paths are not checked: they name files on the user's machine)."""
+    import subprocess
+    import sys
+
+    from slime.utils.arguments import build_parser, check_unknown_flags, split_argv
+
+    record, recorder = tmp_path / "argv.txt", tmp_path / "recorder.py"
+    recorder.write_text(f"import sys\nopen({str(record)!r}, 'w').write('\\n'.join(sys.argv[1:]))\n")
+    script = tmp_path / "launcher.sh"
+    script.write_text(open(launcher).read().replace(" train.py ", f" {recorder} ")
+                      .replace('cd "$(dirname "$0")/.."', f"cd {REPO_ROOT}"))
+    subprocess.run(["bash", str(script)], check=True, env=dict(os.environ, PYTHON=sys.executable), timeout=60)
+    argv = record.read_text().splitlines()
+    parser = build_parser()
+    split = split_argv(parser, argv)
+    check_unknown_flags(parser, split.unknown)
+    args = parser.parse_args(split.known)
+    assert args.train_backend == "megatron" and args.num_layers

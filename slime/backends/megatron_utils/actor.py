@@ -265,7 +265,8 @@ class MegatronTrainRayActor(TrainRayActor):
     # ---- weights and checkpoints ------------------------------------------------------------------------
     def update_weights(self, engines: list[Any], weight_version: int) -> None:
         """Collective: HF tensors of the whole model stream to rank 0, which sends them in buckets of
-        --update-weight-buffer-size (CUDA IPC handles on GPU, shared memory on CPU)."""
+        --update-weight-buffer-size: as CUDA IPC handles when the engines share the GPUs (--colocate),
+        else through CPU shared memory (engines on other GPUs of the same host cannot open the handles)."""
         if self.hf_config is None:
             raise ValueError("--train-backend megatron: weight sync needs --hf-checkpoint (its config.json picks "
                              "the HF names the engines load)")
@@ -277,6 +278,8 @@ class MegatronTrainRayActor(TrainRayActor):
         for name, t in weights.iter_hf_weights(self.model, self.args, self.hf_config):
             if not push:
                 continue
+            if t.is_cuda and not self.args.colocate:
+                t = t.cpu()
             bucket.append((name, t))
             size += t.numel() * t.element_size()
             if size >= limit:
