@@ -6,7 +6,8 @@ megatron-core assumes CUDA in a handful of places. `install()` redirects them fo
 - `torch.cuda.current_device()` answers "cpu", so buffers it sizes land on the CPU;
 - `device="cuda"` literals in tensor factories become "cpu", and `Tensor.cuda()` is the identity;
 - `Tensor.type()` reports CUDA type names, which the optimizers check for;
-- CUDA synchronisation / cache calls are no-ops.
+- CUDA synchronisation / cache calls are no-ops, and CUDA streams and events are inert stand-ins (the
+  MoE all-to-all dispatcher creates a side stream for its device-to-host copies).
 
 Call it before building any megatron-core object, in every rank process. It also replaces slime's "needs
 CUDA" guard of the Megatron backend, since the shim is the accelerator here.
@@ -14,11 +15,51 @@ CUDA" guard of the Megatron backend, since the shim is the accelerator here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 
 _INSTALLED = False
+
+
+class _InertEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _InertStream:
+    """Work on CPU is synchronous: there is nothing to order."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return event or _InertEvent()
+
+
+_DEFAULT_STREAM = _InertStream()
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand", "zeros_like", "empty_like")
 
 
@@ -60,6 +101,10 @@ def install() -> None:
     torch.cuda.manual_seed = lambda seed: None
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.cuda.Stream = _InertStream
+    torch.cuda.Event = _InertEvent
+    torch.cuda.current_stream = lambda *a, **k: _DEFAULT_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
     original_type = torch.Tensor.type
 
@@ -87,7 +132,7 @@ def install() -> None:
             self.states_[name] = torch.get_rng_state()
             torch.set_rng_state(saved)
 
-        @__import__("contextlib").contextmanager
+        @contextlib.contextmanager
         def fork(self, name=mg_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
             saved = torch.get_rng_state()
             torch.set_rng_state(self.states_[name])
@@ -101,6 +146,15 @@ def install() -> None:
     mg_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mg_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     mg_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+
+    # The all-to-all dispatcher hands its split sizes to all_to_all_single as host (numpy) values, which it
+    # only makes from CUDA tensors.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
     import slime.backends.megatron_utils.args as mg_args
 

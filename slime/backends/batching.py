@@ -60,6 +60,22 @@ def split_by_tokens(rows: Sequence[int], lengths: Sequence[int], max_tokens: int
     return out
 
 
+def split_into(rows: Sequence[int], lengths: Sequence[int], groups: list[list[int]], count: int) -> list[list[int]]:
+    """`groups` (a split of `rows`) cut further until there are `count` micro-batches: the one with the most
+    padded tokens is halved each time. Ranks whose forwards meet in collectives (expert parallelism) need
+    the same number of micro-batches."""
+    if count > len(rows):
+        raise ValueError(f"cannot make {count} micro-batches of {len(rows)} rows")
+    length = dict(zip(rows, lengths))
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        i = max((i for i, g in enumerate(groups) if len(g) > 1),
+                key=lambda i: len(groups[i]) * max(length[r] for r in groups[i]))
+        g = groups[i]
+        groups[i : i + 1] = [g[: len(g) // 2], g[len(g) // 2 :]]
+    return groups
+
+
 # ---- padding -------------------------------------------------------------------------------------------------
 @dataclass
 class MicroBatch:

@@ -38,7 +38,7 @@ def make_args(cli) -> argparse.Namespace:
     with open(data, "w") as f:
         f.write('{"prompt": "1+1?", "label": "2"}\n')
     argv = [
-        *model_args("tiny-qwen3"), "--train-backend", "megatron", "--hf-checkpoint", cli.model,
+        *model_args(f"tiny-{cli.arch.replace('_', '-')}"), "--train-backend", "megatron", "--hf-checkpoint", cli.model,
         "--prompt-data", data, "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
         "--global-batch-size", "8", "--micro-batch-size", "2", "--num-rollout", "2",
         "--actor-num-gpus-per-node", str(cli.world_size),
@@ -48,12 +48,14 @@ def make_args(cli) -> argparse.Namespace:
     ]  # fmt: skip
     if cli.bf16:
         argv.append("--bf16")
-    # With an engine it shares the GPU (the push hands over CUDA IPC handles there).
-    argv += ["--colocate"] if cli.engine else ["--rollout-num-gpus", "1"]
+    # With an engine it shares the GPU (the push hands over CUDA IPC handles there), or with --broadcast
+    # it stands apart and the push goes over a process group formed with it.
+    argv += ["--colocate"] if cli.engine and not cli.broadcast else ["--rollout-num-gpus", "1"]
     if cli.dynamic:
         argv += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"]
     if cli.load:
         argv += ["--load", cli.load]
+    argv += cli.extra.split()
     return parse_args(argv)
 
 
@@ -67,9 +69,12 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dynamic", action="store_true")
+    p.add_argument("--arch", default="qwen3", help="the tiny-<arch> MODEL_ARGS matching --model")
+    p.add_argument("--extra", default="", help="more slime flags, space-separated")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--load")
     p.add_argument("--engine", action="store_true")
+    p.add_argument("--broadcast", action="store_true", help="with --engine: push by broadcast, not colocated")
     cli = p.parse_args()
     os.makedirs(cli.out, exist_ok=True)
 
@@ -112,13 +117,15 @@ def main() -> None:
             result["engine_lp_after_push"] = engine_log_probs(engine, batch.tokens, batch.response_lengths)
             result["engine_weight_version"] = engine.get_weight_version()
     finally:
-        if engine is not None:
-            engine.shutdown()
         if cli.rank == 0:
             result["batch"] = batch.__dict__
             with open(os.path.join(cli.out, "result.json"), "w") as f:
                 json.dump(result, f)
-        actor.shutdown()
+        try:
+            actor.shutdown()  # first: it dissolves the weight broadcast group with the engine
+        finally:
+            if engine is not None:
+                engine.shutdown()
 
 
 if __name__ == "__main__":

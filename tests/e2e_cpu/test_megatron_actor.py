@@ -19,13 +19,15 @@ import torch
 
 from tests.conftest import REPO_ROOT, model_args
 from tests.e2e_cpu.ranks import free_port, run_ranks
+from tools.make_tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 
 WORKER = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "megatron_worker.py")
 LOGITS_WORKER = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "megatron_logits_worker.py")
-# name: (world size, TP, PP, extra worker flags); "dynamic": --use-dynamic-batch-size micro-batches
-LAYOUTS = {"tp2": (2, 2, 1, []), "pp2": (2, 1, 2, ["--engine"]), "dp2": (2, 1, 1, []), "dynamic": (1, 1, 1, ["--dynamic"])}
+# name: (world size, TP, PP, extra worker flags); "dp2" also with the distributed optimizer and a push by
+# broadcast, "dynamic": --use-dynamic-batch-size micro-batches
+LAYOUTS = {"tp2": (2, 2, 1, []), "pp2": (2, 1, 2, ["--engine"]), "dp2": (2, 1, 1, ["--engine", "--broadcast", "--extra=--use-distributed-optimizer"]), "dynamic": (1, 1, 1, ["--dynamic"])}
 
 
 def max_abs_diff(a, b) -> float:
@@ -56,7 +58,7 @@ def hf_logits(saved: dict, dtype=torch.float32, device="cpu") -> torch.Tensor:
 def run_logits_worker(arch: str, out: str, dtype: str = "float32", extra: str = "") -> dict:
     path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, LOGITS_WORKER, "--arch", arch, "--out", out, "--dtype", dtype,
-                           "--extra", extra],
+                           f"--extra={extra}"],
                           capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
                           env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-4000:]
@@ -74,6 +76,13 @@ def runs(tiny_model_dir, tmp_path_factory):
     # A checkpoint written at TP2 loads at TP1 (dist_checkpointing re-shards) and resumes at the next rollout.
     out["loaded"] = run_ranks(WORKER, 1, str(root / "loaded"), model + ["--load", str(root / "tp2" / "ckpt")],
                               timeout_s=300)
+    # MoE: experts split over two expert-parallel ranks (dynamic micro-batches, as many on each rank) against
+    # one rank holding all four.
+    moe = make_tiny_model(str(root / "tiny-qwen3-moe"), arch="qwen3_moe", size="tiny", seed=0)
+    moe_flags = ["--model", moe, "--arch", "qwen3_moe"]
+    out["moe_one"] = run_ranks(WORKER, 1, str(root / "moe_one"), moe_flags, timeout_s=300)
+    out["moe_ep2"] = run_ranks(WORKER, 2, str(root / "moe_ep2"),
+                               moe_flags + ["--dynamic", "--extra=--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"], timeout_s=300)
     out["root"] = str(root)
     return out
 
@@ -98,7 +107,16 @@ def test_parallel_layouts_match_one_rank(runs, layout):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", ["one", *LAYOUTS])
+def test_moe_expert_parallel_matches_one_rank(runs):
+    one, ep2 = runs["moe_one"], runs["moe_ep2"]
+    assert max_abs_diff(one["lp_before"], ep2["lp_before"]) < 1e-5
+    for key in ("train/loss", "train/entropy_loss", "train/grad_norm"):
+        assert ep2["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-6), key
+    assert max_abs_diff(one["lp_after"], ep2["lp_after"]) < 1e-4
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", ["one", *LAYOUTS, "moe_one", "moe_ep2"])
 def test_exported_hf_weights_equal_the_checkpoint(runs, layout):
     r = runs[layout]
     assert r["export_names_missing"] == [] and r["export_names_extra"] == []
@@ -142,8 +160,6 @@ def test_trained_torch_dist_checkpoint_converts_to_hf(runs, tiny_model_dir, tmp_
 def test_hf_to_torch_dist_and_back_is_exact(arch, tmp_path):
     from safetensors.torch import load_file
 
-    from tools.make_tiny_model import make_tiny_model
-
     tiny_model_dir = make_tiny_model(str(tmp_path / arch), arch=arch, size="tiny", seed=0)
     release = str(tmp_path / "torch_dist")
     run_tool("convert_hf_to_torch_dist.py", *model_args(f"tiny-{arch.replace('_', '-')}"),
@@ -168,10 +184,13 @@ def test_conversion_tool_names_a_missing_flag(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_weight_push_from_two_pipeline_stages_reaches_the_engine(runs):
-    pp2 = runs["pp2"]
-    assert pp2["engine_weight_version"] == "1"
-    assert max_abs_diff(pp2["engine_lp_after_push"], pp2["lp_after"]) < 1e-4
+@pytest.mark.parametrize("layout", ["pp2", "dp2"])
+def test_weight_push_reaches_the_engine(runs, layout):
+    """pp2: colocated (handles to the buffers), from two pipeline stages; dp2: a separate engine, by
+    broadcast over a process group formed with it."""
+    r = runs[layout]
+    assert r["engine_weight_version"] == "1"
+    assert max_abs_diff(r["engine_lp_after_push"], r["lp_after"]) < 1e-4
 
 
 @pytest.mark.timeout(600)

@@ -27,3 +27,13 @@ def test_every_row_is_used_once():
 def test_missing_budget_names_the_flag(budget):
     with pytest.raises(ValueError, match="--max-tokens-per-gpu"):
         split_by_tokens([0], [3], budget)
+
+
+def test_split_into_halves_the_costliest_micro_batch_until_the_count():
+    from slime.backends.batching import split_into
+
+    rows, lengths = [0, 1, 2, 3, 4], [2, 2, 9, 9, 1]
+    groups = split_by_tokens(rows, lengths, 100)  # one micro-batch of all five
+    assert split_into(rows, lengths, groups, 3) == [[0, 1], [2], [3, 4]]
+    with pytest.raises(ValueError, match="6 micro-batches of 5 rows"):
+        split_into(rows, lengths, groups, 6)

@@ -112,8 +112,14 @@ def test_pipeline_must_split_layers(files):
 
 
 def test_expert_parallel_must_divide_experts(files):
-    msg = error_of(base("--num-layers", "2", "--num-experts", "6", "--expert-model-parallel-size", "4"))
+    msg = error_of(base("--num-layers", "2", "--num-experts", "6", "--expert-model-parallel-size", "4",
+                        "--moe-token-dispatcher-type", "alltoall"))
     assert "--expert-model-parallel-size 4 does not divide --num-experts 6" in msg
+
+
+def test_expert_parallel_needs_the_alltoall_dispatcher(files):
+    msg = error_of(base("--num-layers", "2", "--num-experts", "8", "--expert-model-parallel-size", "4"))
+    assert "--moe-token-dispatcher-type alltoall" in msg and "allgather" in msg
 
 
 def test_recompute_method_needs_full_granularity(files):
@@ -144,7 +150,7 @@ def test_moe_and_mla_kwargs(files):
                 "--num-experts", "8", "--moe-ffn-hidden-size", "16", "--moe-layer-freq", "[0,1,1,1]",
                 "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                 "--multi-latent-attention", "--kv-lora-rank", "16", "--q-lora-rank", "24",
-                "--expert-model-parallel-size", "4")  # fmt: skip
+                "--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall")  # fmt: skip
     kw = margs.transformer_config_kwargs(parse_args(argv))
     assert kw["num_moe_experts"] == 8 and kw["moe_layer_freq"] == [0, 1, 1, 1] and kw["expert_model_parallel_size"] == 4
     assert kw["moe_router_score_function"] == "sigmoid" and kw["moe_router_enable_expert_bias"]

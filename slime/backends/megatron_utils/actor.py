@@ -29,12 +29,19 @@ import torch
 import torch.distributed as dist
 
 from slime.backends import policy_batch
-from slime.backends.batching import make_micro_batch, rows_per_step, split_by_tokens, split_micro_batches
+from slime.backends.batching import (
+    make_micro_batch,
+    rows_per_step,
+    split_by_tokens,
+    split_into,
+    split_micro_batches,
+)
 from slime.backends.loss import compute_actor_loss
 from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import checkpoint, config_check, weights
 from slime.backends.megatron_utils.forward import response_log_probs, run_pipeline
 from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel
+from slime.backends.weight_broadcast import BroadcastGroup
 from slime.ray.train_actor import TrainRayActor
 from slime.utils import ppo_utils
 from slime.utils.types import TrainBatch
@@ -72,6 +79,7 @@ class MegatronTrainRayActor(TrainRayActor):
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.hf_config = self._hf_config(args.hf_checkpoint)
+        self._broadcast: BroadcastGroup | None = None
 
         ckpt = checkpoint.find_checkpoint(args.load)
         self.model = build_model(args)
@@ -79,10 +87,7 @@ class MegatronTrainRayActor(TrainRayActor):
         self.ref_model = None
         if with_ref:
             self.ref_model = build_model(args, wrap=False)
-            ref_ckpt = None if config_check.is_hf_folder(args.ref_load) else checkpoint.find_checkpoint(
-                args.ref_load, "--ref-load")
-            ref_hf = args.ref_load if config_check.is_hf_folder(args.ref_load) else args.hf_checkpoint
-            self._load_weights(self.ref_model, ref_ckpt, ref_hf)
+            self._load_weights(self.ref_model, *self._ref_source(args))
         for chunk in self.model:
             chunk.eval()
 
@@ -112,6 +117,20 @@ class MegatronTrainRayActor(TrainRayActor):
         with open(os.path.join(path, "config.json")) as f:
             return json.load(f)
 
+    @staticmethod
+    def _ref_source(args):
+        """(torch_dist checkpoint, HF folder) of the reference model: --ref-load (either kind), else the
+        --hf-checkpoint weights."""
+        if not args.ref_load:
+            return None, args.hf_checkpoint
+        if config_check.is_hf_folder(args.ref_load):
+            return None, args.ref_load
+        ckpt = checkpoint.find_checkpoint(args.ref_load, "--ref-load")
+        if ckpt is None:
+            raise FileNotFoundError(f"--ref-load {args.ref_load}: neither an HF model folder (config.json) nor a "
+                                    "torch_dist checkpoint (tools/convert_hf_to_torch_dist.py writes one)")
+        return ckpt, None
+
     def _load_weights(self, model, ckpt, hf_path: str | None) -> None:
         if ckpt is not None:
             checkpoint.load_model(ckpt, model)
@@ -137,10 +156,16 @@ class MegatronTrainRayActor(TrainRayActor):
         """Micro-batches of `rows`: `--micro-batch-size` rows, or with `--use-dynamic-batch-size` at most
         `--max-tokens-per-gpu` padded tokens (`--log-probs-max-tokens-per-gpu` for forward-only passes)."""
         args = self.args
-        if args.use_dynamic_batch_size:
-            budget = args.log_probs_max_tokens_per_gpu if log_probs else args.max_tokens_per_gpu
-            return split_by_tokens(rows, [len(tokens[r]) for r in rows], budget)
-        return split_micro_batches(rows, args.micro_batch_size)
+        if not args.use_dynamic_batch_size:
+            return split_micro_batches(rows, args.micro_batch_size)
+        budget = args.log_probs_max_tokens_per_gpu if log_probs else args.max_tokens_per_gpu
+        lengths = [len(tokens[r]) for r in rows]
+        groups = split_by_tokens(rows, lengths, budget)
+        # Data-parallel ranks run their micro-batches in lockstep (expert-parallel collectives inside every
+        # forward), so all take as many as the one that needs most.
+        count = torch.tensor([len(groups)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._dp()[2])
+        return split_into(rows, lengths, groups, int(count))
 
     def _micro_batch(self, tokens, response_lengths, rows):
         return make_micro_batch([tokens[r] for r in rows], [response_lengths[r] for r in rows], device=self.device)
@@ -265,32 +290,48 @@ class MegatronTrainRayActor(TrainRayActor):
     # ---- weights and checkpoints ------------------------------------------------------------------------
     def update_weights(self, engines: list[Any], weight_version: int) -> None:
         """Collective: HF tensors of the whole model stream to rank 0, which sends them in buckets of
-        --update-weight-buffer-size: as CUDA IPC handles when the engines share the GPUs (--colocate),
-        else through CPU shared memory (engines on other GPUs of the same host cannot open the handles)."""
+        --update-weight-buffer-size: as CUDA IPC handles when the engines share the GPUs (--colocate), else
+        by broadcast over a process group formed with the engines (slime/backends/weight_broadcast.py)."""
         if self.hf_config is None:
             raise ValueError("--train-backend megatron: weight sync needs --hf-checkpoint (its config.json picks "
                              "the HF names the engines load)")
+        push = self.rank == 0 and bool(engines)
+        if push and not self.args.colocate and self._broadcast is None:
+            self._broadcast = BroadcastGroup(engines, "nccl" if torch.cuda.is_available() else "gloo")
+        version = str(weight_version)
+
+        def send(bucket):
+            if self.args.colocate:
+                send_bucket(bucket, engines, version)
+            else:
+                self._broadcast.send(bucket, version)
+
         limit = self.args.update_weight_buffer_size or DEFAULT_UPDATE_WEIGHT_BUFFER_SIZE
         bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        sent = 0
-        push = self.rank == 0 and bool(engines)
+        size = sent = 0
         for name, t in weights.iter_hf_weights(self.model, self.args, self.hf_config):
             if not push:
                 continue
-            if t.is_cuda and not self.args.colocate:
-                t = t.cpu()
             bucket.append((name, t))
             size += t.numel() * t.element_size()
             if size >= limit:
-                send_bucket(bucket, engines, str(weight_version))
+                send(bucket)
                 sent, bucket, size = sent + 1, [], 0
         if push and bucket:
-            send_bucket(bucket, engines, str(weight_version))
+            send(bucket)
             sent += 1
         if push:
             logger.info("update_weights v%s: %d bucket(s) sent", weight_version, sent)
         dist.barrier()
+
+    def shutdown(self) -> None:
+        if self._broadcast is not None:
+            try:
+                self._broadcast.close()
+            except Exception as e:  # noqa: BLE001 - the engines may be gone already; teardown goes on
+                logger.warning("closing the weight broadcast group: %s", e)
+            self._broadcast = None
+        super().shutdown()
 
     def save(self, rollout_id: int) -> None:
         if not self.args.save:

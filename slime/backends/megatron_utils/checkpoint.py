@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "slime_state.json"
 RELEASE = "release"
+# The distributed optimizer's state in a canonical per-parameter form, gathered on data-parallel rank 0 at
+# save: it reloads at any TP / PP / DP layout (the default of megatron-core 0.16 cannot be saved at all).
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 @dataclass
@@ -97,7 +100,8 @@ def save(root: str, rollout_id: int | None, model: list[torch.nn.Module], optimi
     dist.barrier()
     sharded = _model_sharded_state_dict(model)
     if optimizer is not None:
-        sharded["optimizer"] = optimizer.sharded_state_dict(sharded if len(model) > 1 else sharded["model"])
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded if len(model) > 1 else sharded["model"],
+                                                            metadata=_OPTIMIZER_METADATA)
     dist_checkpointing.save(sharded, path)
     if dist.get_rank() == 0:
         with open(os.path.join(path, STATE_FILE), "w") as f:
@@ -128,6 +132,6 @@ def load_optimizer(ckpt: TorchDistCheckpoint, model: list[torch.nn.Module], opti
 
     sharded = _model_sharded_state_dict(model)
     wanted = {"optimizer": optimizer.sharded_state_dict(sharded if len(model) > 1 else sharded["model"],
-                                                        is_loading=True)}
+                                                        is_loading=True, metadata=_OPTIMIZER_METADATA)}
     loaded = dist_checkpointing.load(wanted, ckpt.path)
     optimizer.load_state_dict(loaded["optimizer"])

@@ -334,6 +334,12 @@ def validate_megatron(args: argparse.Namespace) -> None:
             f"--tensor-model-parallel-size {tp} does not divide --num-query-groups {groups}; each TP rank needs "
             f"whole key/value heads: use TP in {_divisors(groups)}."
         )
+    if args.num_experts and ep > 1 and args.moe_token_dispatcher_type == "allgather":
+        fail(
+            f"--expert-model-parallel-size {ep} with --moe-token-dispatcher-type allgather: that dispatcher needs "
+            "the same number of tokens on every expert-parallel rank, which RL micro-batches of different lengths "
+            "do not have; use --moe-token-dispatcher-type alltoall."
+        )
     if args.num_experts and args.num_experts % ep:
         fail(
             f"--expert-model-parallel-size {ep} does not divide --num-experts {args.num_experts}; use EP in "

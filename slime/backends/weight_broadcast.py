@@ -1,0 +1,78 @@
+"""Trainer side of SGLang's broadcast weight sync, for engines that do not share the training GPUs.
+
+Training rank 0 forms a process group with every engine's TP ranks (`init_weights_update_group`: the
+trainer is group rank 0, engine i's ranks follow), then per bucket tells every engine which tensors come
+(`update_weights_from_distributed`: names, dtypes, shapes, in order) and broadcasts them while the engines
+wait. The group is formed once and kept for the run; `close` dissolves it on both ends. NCCL on GPUs,
+gloo on CPU. The group mechanics are slime/backends/sglang_utils/update_group.py, shared with the engines.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from slime.backends.sglang_utils.update_group import (
+    broadcast_tensors,
+    destroy_weight_update_group,
+    init_weight_update_group,
+)
+from slime.ray.train_actor import find_free_port, get_node_ip
+
+logger = logging.getLogger(__name__)
+
+
+def _start(calls: list[tuple[Any, str, tuple, dict]]) -> Callable[[], list]:
+    """Start engine calls without waiting (Ray actor handles, or plain objects on threads); returns a waiter."""
+    refs, futures, pool = [], [], None
+    for engine, method, args, kwargs in calls:
+        fn = getattr(engine, method)
+        if hasattr(fn, "remote"):
+            refs.append(fn.remote(*args, **kwargs))
+        else:
+            pool = pool or ThreadPoolExecutor(max_workers=len(calls))
+            futures.append(pool.submit(fn, *args, **kwargs))
+
+    def wait() -> list:
+        out = [f.result() for f in futures]
+        if pool is not None:
+            pool.shutdown()
+        if refs:
+            import ray
+
+            out += ray.get(refs)
+        return out
+
+    return wait
+
+
+class BroadcastGroup:
+    def __init__(self, engines: Sequence[Any], backend: str, group_name: str = "slime_weight_update"):
+        self.engines, self.group_name = list(engines), group_name
+        infos = _start([(e, "get_server_info", (), {}) for e in self.engines])()
+        sizes = [int(info.get("tp_size", 1) or 1) for info in infos]
+        world = 1 + sum(sizes)
+        address, port = get_node_ip(), find_free_port()
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        joined = _start([(e, "init_weights_update_group", (address, port, off, world, group_name, backend), {})
+                         for e, off in zip(self.engines, offsets)])
+        self.pg = init_weight_update_group(address, port, 0, world, group_name, backend)
+        joined()
+        logger.info("weight broadcast group %r: trainer + %d engine rank(s) over %s", group_name, world - 1, backend)
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str) -> None:
+        names = [n for n, _ in bucket]
+        dtypes = [t.dtype for _, t in bucket]
+        shapes = [tuple(t.shape) for _, t in bucket]
+        done = _start([(e, "update_weights_from_distributed", (names, dtypes, shapes, self.group_name),
+                        {"weight_version": weight_version}) for e in self.engines])
+        broadcast_tensors(self.pg, [t.contiguous() for _, t in bucket])
+        done()
+
+    def close(self) -> None:
+        _start([(e, "destroy_weights_update_group", (self.group_name,), {}) for e in self.engines])()
+        destroy_weight_update_group(self.pg)
