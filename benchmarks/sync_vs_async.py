@@ -20,7 +20,6 @@ The runs are sequential so they never share the cores; on a loaded machine the n
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import statistics
 import subprocess
@@ -30,6 +29,8 @@ import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
+
+from slime.utils.tracking import read_scalars  # noqa: E402
 
 VARIANTS = {
     "sync": ("train.py", []),
@@ -55,18 +56,6 @@ def job_flags(args, model_dir: str, data_path: str) -> list[str]:
     ]
 
 
-def scalars(tb_dir: str, tag: str) -> dict[int, float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    values: dict[int, float] = {}
-    for path in glob.glob(os.path.join(tb_dir, "**", "events.out.tfevents.*"), recursive=True):
-        acc = EventAccumulator(path)
-        acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            values.update({e.step: e.value for e in acc.Scalars(tag)})
-    return values
-
-
 def run_variant(name: str, flags: list[str], workdir: str, extra: list[str]) -> dict:
     script, variant_flags = VARIANTS[name]
     tb_dir = os.path.join(workdir, name, "tb")
@@ -85,11 +74,11 @@ def run_variant(name: str, flags: list[str], workdir: str, extra: list[str]) -> 
         with open(log_path) as f:
             tail = f.read()[-3000:]
         raise SystemExit(f"[{name}] exited with {rc}; log tail:\n{tail}")
-    steps = scalars(tb_dir, "perf/step_time")
-    rewards = scalars(tb_dir, "rollout/raw_reward")
+    steps = read_scalars(tb_dir, "perf/step_time")
+    rewards = read_scalars(tb_dir, "rollout/raw_reward")
     return {"name": name, "total_s": total, "loop_s": sum(steps.values()), "steps": steps, "rewards": rewards,
-            "lag": scalars(tb_dir, "rollout/weight_version_lag/mean"),
-            "train_wait": scalars(tb_dir, "perf/train_wait_time_ratio")}
+            "lag": read_scalars(tb_dir, "rollout/weight_version_lag/mean"),
+            "train_wait": read_scalars(tb_dir, "perf/train_wait_time_ratio")}
 
 
 def _mean(values) -> float:

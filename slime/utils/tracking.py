@@ -60,3 +60,19 @@ class Tracker:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def read_scalars(logdir: str, tag: str) -> dict[int, float]:
+    """{step: value} of one scalar from every TensorBoard event file under `logdir` (for tests, benchmarks
+    and plots)."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values: dict[int, float] = {}
+    for path in glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True):
+        acc = EventAccumulator(path)
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            values.update({e.step: e.value for e in acc.Scalars(tag)})
+    return values

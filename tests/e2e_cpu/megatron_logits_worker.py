@@ -50,9 +50,10 @@ def main() -> None:
     data = os.path.join(cli.out, "prompts.jsonl")
     with open(data, "w") as f:
         f.write('{"prompt": "1+1?", "label": "2"}\n')
-    argv = [*model_args(f"tiny-{cli.arch.replace('_', '-')}"), "--train-backend", "megatron", "--hf-checkpoint", model_dir, "--prompt-data", data,
-            "--rollout-batch-size", "1", "--n-samples-per-prompt", "1", "--global-batch-size", "1",
-            "--num-rollout", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"]
+    argv = [*model_args(f"tiny-{cli.arch.replace('_', '-')}"), "--train-backend", "megatron",
+            "--hf-checkpoint", model_dir, "--prompt-data", data, "--rollout-batch-size", "1",
+            "--n-samples-per-prompt", "1", "--global-batch-size", "1", "--num-rollout", "1",
+            "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"]
     if cli.dtype == "bfloat16":
         argv.append("--bf16")
     argv += cli.extra.split()

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests.conftest import REPO_ROOT
 
@@ -30,8 +31,11 @@ def run_ranks(worker: str, world_size: int, out_dir: str, extra: list[str], time
                PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])),
                TOKENIZERS_PARALLELISM="false")
     procs = []
+    gpus = torch.cuda.device_count()
     try:
         for rank in range(world_size):
+            if gpus >= world_size:  # one GPU per rank, as Ray gives each training actor
+                env["CUDA_VISIBLE_DEVICES"] = str(rank)
             cmd = [sys.executable, worker, "--world-size", str(world_size), "--rank", str(rank), "--port", str(port),
                    "--out", out_dir, *extra]
             with open(os.path.join(out_dir, f"rank{rank}.log"), "w") as log:  # the child keeps its own handle

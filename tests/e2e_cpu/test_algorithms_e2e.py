@@ -13,7 +13,8 @@ import subprocess
 import pytest
 
 from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
-from tests.e2e_cpu.test_train_e2e import _env, _scalars, _train_cmd
+from slime.utils.tracking import read_scalars
+from tests.e2e_cpu.test_train_e2e import _env, _train_cmd
 
 RUNS = {
     "grpo": ["--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.01",
@@ -43,23 +44,23 @@ def test_first_step_invariants(estimator, tiny_model_dir, toy_data_path, tmp_pat
     first = 1 if estimator == "ppo" else 0
     steps = list(range(first, num_rollout))
 
-    ppo_kl = _scalars(str(tb_dir), "train/ppo_kl")
+    ppo_kl = read_scalars(str(tb_dir), "train/ppo_kl")
     assert sorted(ppo_kl) == steps and abs(ppo_kl[first]) < 1e-8, ppo_kl
     # KL to the reference (also reported under --kl-coef reward shaping): 0 until the policy first moves,
     # so a critic-only rollout leaves it at 0 too. The reference is a second model instance: fp32 rounding
     # differs between the two (measured ~4e-8 with k1), hence 1e-6 rather than ppo_kl's 1e-8.
-    kl = _scalars(str(tb_dir), "train/kl_loss")
+    kl = read_scalars(str(tb_dir), "train/kl_loss")
     assert sorted(kl) == steps and abs(kl[first]) < 1e-6, kl
-    diff = _scalars(str(tb_dir), "train/train_rollout_logprob_abs_diff")
+    diff = read_scalars(str(tb_dir), "train/train_rollout_logprob_abs_diff")
     assert sorted(diff) == list(range(num_rollout)) and all(v < 1e-3 for v in diff.values()), diff
     for tag in ("train/pg_loss", "train/pg_clipfrac", "train/entropy_loss", "train/grad_norm"):
-        assert sorted(_scalars(str(tb_dir), tag)) == steps, tag
+        assert sorted(read_scalars(str(tb_dir), tag)) == steps, tag
     if estimator == "ppo":
         for tag in ("train/value_loss", "train/value_clipfrac", "critic/grad_norm", "critic/values"):
-            assert sorted(_scalars(str(tb_dir), tag)) == [0, 1, 2], tag
-        assert _scalars(str(tb_dir), "train/critic_only_step") == {0: 1.0}
+            assert sorted(read_scalars(str(tb_dir), tag)) == [0, 1, 2], tag
+        assert read_scalars(str(tb_dir), "train/critic_only_step") == {0: 1.0}
         # a zero-initialised value head: the first values are exactly 0
-        assert _scalars(str(tb_dir), "critic/values")[0] == 0.0
+        assert read_scalars(str(tb_dir), "critic/values")[0] == 0.0
     else:
-        assert _scalars(str(tb_dir), "train/value_loss") == {}
+        assert read_scalars(str(tb_dir), "train/value_loss") == {}
     assert wait_for_no_new_processes(before) == {}

@@ -27,7 +27,12 @@ WORKER = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "megatron_worker.py")
 LOGITS_WORKER = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "megatron_logits_worker.py")
 # name: (world size, TP, PP, extra worker flags); "dp2" also with the distributed optimizer and a push by
 # broadcast, "dynamic": --use-dynamic-batch-size micro-batches
-LAYOUTS = {"tp2": (2, 2, 1, []), "pp2": (2, 1, 2, ["--engine"]), "dp2": (2, 1, 1, ["--engine", "--broadcast", "--extra=--use-distributed-optimizer"]), "dynamic": (1, 1, 1, ["--dynamic"])}
+LAYOUTS = {
+    "tp2": (2, 2, 1, []),
+    "pp2": (2, 1, 2, ["--engine"]),
+    "dp2": (2, 1, 1, ["--engine", "--broadcast", "--extra=--use-distributed-optimizer"]),
+    "dynamic": (1, 1, 1, ["--dynamic"]),
+}
 
 
 def max_abs_diff(a, b) -> float:
@@ -81,8 +86,8 @@ def runs(tiny_model_dir, tmp_path_factory):
     moe = make_tiny_model(str(root / "tiny-qwen3-moe"), arch="qwen3_moe", size="tiny", seed=0)
     moe_flags = ["--model", moe, "--arch", "qwen3_moe"]
     out["moe_one"] = run_ranks(WORKER, 1, str(root / "moe_one"), moe_flags, timeout_s=300)
-    out["moe_ep2"] = run_ranks(WORKER, 2, str(root / "moe_ep2"),
-                               moe_flags + ["--dynamic", "--extra=--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"], timeout_s=300)
+    ep2 = ["--dynamic", "--extra=--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"]
+    out["moe_ep2"] = run_ranks(WORKER, 2, str(root / "moe_ep2"), moe_flags + ep2, timeout_s=300)
     out["root"] = str(root)
     return out
 

@@ -20,7 +20,8 @@ import psutil
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.e2e_cpu.test_train_e2e import _env, _scalars
+from slime.utils.tracking import read_scalars
+from tests.e2e_cpu.test_train_e2e import _env
 
 
 
@@ -109,8 +110,8 @@ def test_one_step_off_generation_overlaps_training(tiny_model_dir, toy_data_path
     # push 1 before rollout 0; rollout k >= 1 is generated while rollout k-1 trains, i.e. by version k
     assert {k: {tuple(v) for v in vs} for k, vs in versions.items()} == {0: {("1",)}, 1: {("1",)}, 2: {("2",)},
                                                                          3: {("3",)}}
-    lag = _scalars(str(tmp_path / "tb"), "rollout/weight_version_lag/max")
+    lag = read_scalars(str(tmp_path / "tb"), "rollout/weight_version_lag/max")
     assert lag == {0: 0.0, 1: 1.0, 2: 1.0, 3: 1.0}, lag
     for tag in ("perf/train_wait_time_ratio", "perf/rollout_wait_time_ratio"):
-        values = _scalars(str(tmp_path / "tb"), tag)
+        values = read_scalars(str(tmp_path / "tb"), tag)
         assert values and all(0.0 <= v <= 1.0 for v in values.values()), (tag, values)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import subprocess
 import sys
 
 import pytest
 
+from slime.utils.tracking import read_scalars
 from tests.conftest import REPO_ROOT
 from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
 
@@ -30,18 +30,6 @@ def _train_cmd(model_dir, data_path, *extra):
 def _env():
     return dict(os.environ, SLIME_TRAIN_NUM_THREADS="1", SLIME_ENGINE_NUM_THREADS="1", OMP_NUM_THREADS="1",
                 PYTHONPATH=REPO_ROOT)
-
-
-def _scalars(tb_dir: str, tag: str) -> dict[int, float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    values = {}
-    for path in glob.glob(os.path.join(tb_dir, "**", "events.out.tfevents.*"), recursive=True):
-        acc = EventAccumulator(path)
-        acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            values.update({e.step: e.value for e in acc.Scalars(tag)})
-    return values
 
 
 def test_batch_identity_error_names_the_numbers_before_ray_starts(tiny_model_dir, toy_data_path):
@@ -79,13 +67,13 @@ def test_grpo_two_ranks_two_engines_custom_rm_file(tiny_model_dir, toy_data_path
         capture_output=True, text=True, env=_env(), timeout=560, cwd=str(tmp_path),
     )
     assert out.returncode == 0, out.stderr[-4000:]
-    rewards = _scalars(str(tb_dir), "rollout/raw_reward")
+    rewards = read_scalars(str(tb_dir), "rollout/raw_reward")
     assert sorted(rewards) == [0, 1, 2], rewards
     assert all(0.0 <= v <= 1.0 for v in rewards.values())
-    ppo_kl = _scalars(str(tb_dir), "train/ppo_kl")
+    ppo_kl = read_scalars(str(tb_dir), "train/ppo_kl")
     assert sorted(ppo_kl) == [0, 1, 2] and abs(ppo_kl[0]) < 1e-6, ppo_kl
     assert os.path.exists(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt")
-    evals = _scalars(str(tb_dir), "eval/toy")
+    evals = read_scalars(str(tb_dir), "eval/toy")
     assert sorted(evals) == [0, 1], evals  # before training, then after rollout 1 (--eval-interval 2)
     assert wait_for_no_new_processes(before) == {}
 

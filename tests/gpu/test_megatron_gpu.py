@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import os
 import signal
@@ -22,6 +21,7 @@ import time
 import pytest
 import torch
 
+from slime.utils.tracking import read_scalars
 from tests.conftest import REPO_ROOT, model_args
 from tests.e2e_cpu.ranks import run_ranks
 from tests.e2e_cpu.test_megatron_actor import WORKER, hf_logits, max_abs_diff, run_logits_worker
@@ -78,7 +78,8 @@ def test_actor_bf16_step_export_and_cuda_ipc_push(tiny_model_dir, tmp_path):
 def _train_cmd(model_dir, data_path, out, *extra):
     return [
         sys.executable, os.path.join(REPO_ROOT, "train.py"), *model_args("tiny-qwen3"),
-        "--train-backend", "megatron", "--rollout-backend", "hf", "--colocate", "--actor-num-gpus-per-node", "1", "--bf16",
+        "--train-backend", "megatron", "--rollout-backend", "hf", "--colocate", "--actor-num-gpus-per-node", "1",
+        "--bf16",
         "--hf-checkpoint", model_dir, "--prompt-data", data_path, "--input-key", "prompt", "--label-key", "label",
         "--apply-chat-template", "--rm-type", "toy", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
         "--global-batch-size", "128", "--micro-batch-size", "32", "--rollout-max-response-len", "4",
@@ -86,18 +87,6 @@ def _train_cmd(model_dir, data_path, out, *extra):
         "--save", os.path.join(out, "ckpt"), "--save-interval", "2",
         "--use-tensorboard", *extra,
     ]  # fmt: skip
-
-
-def _scalars(tb_dir: str, tag: str) -> dict[int, float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    values = {}
-    for path in glob.glob(os.path.join(tb_dir, "**", "events.out.tfevents.*"), recursive=True):
-        acc = EventAccumulator(path)
-        acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            values.update({e.step: e.value for e in acc.Scalars(tag)})
-    return values
 
 
 @pytest.mark.timeout(900)
@@ -118,10 +107,11 @@ def test_train_py_megatron_colocate_then_resume(tiny_model_dir, toy_data_path, t
     assert proc.poll() is None, open(os.path.join(out, "run1.log")).read()[-4000:]
     proc.send_signal(signal.SIGTERM)  # like a preempted job
     proc.wait(timeout=120)
-    diffs = _scalars(tb1, "train/train_rollout_logprob_abs_diff")
-    rewards = _scalars(tb1, "rollout/raw_reward")
+    diffs = read_scalars(tb1, "train/train_rollout_logprob_abs_diff")
+    rewards = read_scalars(tb1, "rollout/raw_reward")
     print(f"\n[train.py] run 1 killed after rollout {max(rewards)}; engine/trainer |Δ log-prob| per rollout: "
-          f"{[round(diffs[k], 4) for k in sorted(diffs)]}; raw reward: {[round(rewards[k], 3) for k in sorted(rewards)]}")
+          f"{[round(diffs[k], 4) for k in sorted(diffs)]}; "
+          f"raw reward: {[round(rewards[k], 3) for k in sorted(rewards)]}")
     assert max(diffs.values()) < 0.05  # bf16 hf engine vs bf16 Megatron on the same pushed weights
     saved = int(open(latest).read().strip())
 
@@ -130,6 +120,6 @@ def test_train_py_megatron_colocate_then_resume(tiny_model_dir, toy_data_path, t
                                      "--load", os.path.join(out, "ckpt"), "--tensorboard-dir", tb2),
                           capture_output=True, text=True, env=env, cwd=out, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    steps = sorted(_scalars(tb2, "rollout/raw_reward"))
+    steps = sorted(read_scalars(tb2, "rollout/raw_reward"))
     print(f"[train.py] run 2 resumed from checkpoint {saved}: rollouts {steps}")
     assert steps == [saved + 1, saved + 2]

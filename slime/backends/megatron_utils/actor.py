@@ -230,7 +230,8 @@ class MegatronTrainRayActor(TrainRayActor):
         policy_batch.require_ref(args, self.ref_model is not None)
         ref_lp = None
         if self.ref_model is not None:
-            ref_lp = self._log_probs_of_rows(self.ref_model, batch.tokens, batch.response_lengths, log_prob_micro_batches)
+            ref_lp = self._log_probs_of_rows(self.ref_model, batch.tokens, batch.response_lengths,
+                                             log_prob_micro_batches)
         advantages = None
         if last_stage:
             advantages, _ = policy_batch.advantages_and_returns(args, batch, local_rows, old_lp, ref_lp, None,

@@ -18,7 +18,9 @@ from slime.utils.arguments import build_parser, check_model_args, check_unknown_
 from slime.utils.arg_groups.megatron import validate_megatron
 
 
-def parse_model_flags(argv: list[str], tool_parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, argparse.Namespace]:
+def parse_model_flags(
+    argv: list[str], tool_parser: argparse.ArgumentParser
+) -> tuple[argparse.Namespace, argparse.Namespace]:
     """(tool flags, slime flags) from one command line."""
     tool, rest = tool_parser.parse_known_args(argv)
     parser = build_parser()
