@@ -24,6 +24,7 @@ Choices and simplifications:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextvars
 import copy
@@ -49,7 +50,7 @@ _semaphores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[int, asy
     weakref.WeakKeyDictionary()
 )
 _last_metrics: dict[str, float] = {}
-_eval_dataset_cache: dict[tuple, list] = {}
+_eval_dataset_cache: dict[tuple, Any] = {}
 
 
 # --- shared state ---------------------------------------------------------------------------------------
@@ -440,62 +441,65 @@ def _recycle(args, rollout_id: int, data_source, groups: list[list[Sample]]) -> 
 # --- evaluation ------------------------------------------------------------------------------------------
 
 
-def _eval_datasets(args) -> list[tuple[str, Any]]:
-    values = list(getattr(args, "eval_prompt_data", None) or [])
-    if len(values) == 1:
-        values = ["aime", values[0]]
-    key = (tuple(values), getattr(args, "hf_checkpoint", None))
-    cache = _eval_dataset_cache
-    if key not in cache:
-        from slime.utils.data import Dataset
+def _eval_datasets(args) -> list[tuple[dict, argparse.Namespace, Any]]:
+    """(config, args with the dataset's overrides, loaded prompts) of every eval dataset."""
+    from slime.rollout.eval_config import args_for, eval_datasets
 
-        cache[key] = [
-            (
-                name,
-                Dataset(
-                    path,
-                    tokenizer=get_tokenizer(args),
-                    max_prompt_len=getattr(args, "rollout_max_prompt_len", None),
-                    input_key=getattr(args, "eval_input_key", None) or getattr(args, "input_key", "input"),
-                    label_key=getattr(args, "eval_label_key", None) or getattr(args, "label_key", None),
-                    metadata_key=getattr(args, "metadata_key", None),
-                    tool_key=getattr(args, "tool_key", None),
-                    apply_chat_template=getattr(args, "apply_chat_template", False),
-                    apply_chat_template_kwargs=getattr(args, "apply_chat_template_kwargs", None),
-                ),
+    out = []
+    for config in eval_datasets(args):
+        ds_args = args_for(args, config)
+        input_key = getattr(ds_args, "eval_input_key", None) or getattr(args, "input_key", "input")
+        label_key = getattr(ds_args, "eval_label_key", None) or getattr(args, "label_key", None)
+        key = (config["name"], config["path"], input_key, label_key, getattr(ds_args, "metadata_key", None),
+               getattr(ds_args, "tool_key", None), getattr(args, "hf_checkpoint", None))
+        if key not in _eval_dataset_cache:
+            from slime.utils.data import Dataset
+
+            _eval_dataset_cache[key] = Dataset(
+                config["path"],
+                tokenizer=get_tokenizer(args),
+                max_prompt_len=getattr(args, "rollout_max_prompt_len", None),
+                input_key=input_key,
+                label_key=label_key,
+                metadata_key=getattr(ds_args, "metadata_key", None),
+                tool_key=getattr(ds_args, "tool_key", None),
+                apply_chat_template=getattr(args, "apply_chat_template", False),
+                apply_chat_template_kwargs=getattr(args, "apply_chat_template_kwargs", None),
             )
-            for name, path in zip(values[0::2], values[1::2])
-        ]
-    return cache[key]
+        out.append((config, ds_args, _eval_dataset_cache[key]))
+    return out
 
 
 async def eval_rollout_async(args, rollout_id: int) -> dict[str, dict[str, list]]:
     datasets = _eval_datasets(args)
     if not datasets:
-        raise ValueError("evaluation needs --eval-prompt-data name path [name path ...]")
-    params = build_sampling_params(args, evaluation=True)
-    n = int(getattr(args, "n_samples_per_eval_prompt", None) or 1)
+        raise ValueError("evaluation needs --eval-prompt-data name path [name path ...] or --eval-config FILE")
     reward_key = getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None)
 
-    async def one(dataset) -> list[Sample]:
+    async def one(config, ds_args, dataset) -> list[Sample]:
+        params = build_sampling_params(ds_args, evaluation=True)
+        n = int(getattr(ds_args, "n_samples_per_eval_prompt", None) or 1)
         groups = []
         for i, prompt in enumerate(dataset.samples):
             group = []
             for j in range(n):
                 s = copy.deepcopy(prompt)
                 s.group_index, s.index = i, i * n + j
+                if config.get("rm_type"):
+                    s.metadata = {**(s.metadata or {}), "rm_type": config["rm_type"]}
                 group.append(s)
             groups.append(group)
-        results = await asyncio.gather(*(generate_and_rm_group(args, g, params, evaluation=True) for g in groups))
+        results = await asyncio.gather(*(generate_and_rm_group(ds_args, g, params, evaluation=True) for g in groups))
         return [s for g in results for s in g]
 
     token = _abort_event.set(asyncio.Event())
     try:
-        per_set = await asyncio.gather(*(one(d) for _, d in datasets))
+        per_set = await asyncio.gather(*(one(*d) for d in datasets))
     finally:
         _abort_event.reset(token)
     out = {}
-    for (name, _), samples in zip(datasets, per_set):
+    for (config, _, _), samples in zip(datasets, per_set):
+        name = config["name"]
         check_failed_ratio(
             args,
             [s for s in samples if s.status == Sample.Status.FAILED],

@@ -282,6 +282,14 @@ def test_eval_prompt_data_pairs(files):
     )
 
 
+def test_eval_config_is_read_and_checked_at_parse_time(files):
+    (files / "eval.yaml").write_text("datasets:\n  - {name: aime, path: train.jsonl, top_p: 0.7}\n")
+    args = parse_args(base("--eval-config", "eval.yaml", "--eval-interval", "5"))
+    assert args.eval_interval == 5 and [d["name"] for d in args.eval_datasets] == ["aime"]
+    (files / "bad.yaml").write_text("datasets:\n  - {name: aime, path: train.jsonl, topp: 0.7}\n")
+    assert "bad.yaml: datasets[0] (aime): unknown key(s) ['topp']" in error_of(base("--eval-config", "bad.yaml"))
+
+
 # ---- flag families ---------------------------------------------------------------------------------------
 
 

@@ -398,3 +398,29 @@ def test_eval_rollout(tmp_path, tokenizer_dir, engine):
     assert out["toyset"]["truncated"] == [True] * 4
     assert engine.requests[-1]["sampling_params"]["temperature"] == 0.0
     assert engine.requests[-1]["sampling_params"]["max_new_tokens"] == 2
+
+
+def test_eval_config_overrides_per_dataset(tmp_path, tokenizer_dir, engine):
+    from slime.rollout.eval_config import load_eval_config
+
+    path = _data(tmp_path, [("say", "one"), ("count", "two")])
+    config = tmp_path / "eval.yaml"
+    config.write_text(f"""
+eval:
+  defaults: {{max_response_len: 2}}
+  datasets:
+    - {{name: greedy, path: {path}, temperature: 0.0, n_samples_per_eval_prompt: 1}}
+    - {{name: sampled, path: {path}, temperature: 0.5, n_samples_per_eval_prompt: 3, rm_type: f1, max_response_len: 3}}
+""")
+    args = _args(tokenizer_dir, engine, eval_datasets=load_eval_config(str(config)), eval_prompt_data=None,
+                 n_samples_per_eval_prompt=1, eval_max_response_len=None, eval_temperature=None, eval_top_p=None,
+                 eval_top_k=None, eval_input_key=None, eval_label_key=None, reward_key=None, eval_reward_key=None)
+    before = len(engine.requests)
+    out = generate_rollout(args, 0, None, evaluation=True)
+    assert list(out) == ["greedy", "sampled"]
+    assert len(out["greedy"]["rewards"]) == 2 and len(out["sampled"]["rewards"]) == 6
+    assert all(s.metadata.get("rm_type") == "f1" for s in out["sampled"]["samples"])
+    assert all("rm_type" not in (s.metadata or {}) for s in out["greedy"]["samples"])
+    params = sorted((r["sampling_params"]["temperature"], r["sampling_params"]["max_new_tokens"])
+                    for r in engine.requests[before:])
+    assert params == [(0.0, 2)] * 2 + [(0.5, 3)] * 6

@@ -2,7 +2,7 @@
 
 Eval sampling flags left unset fall back to the rollout's at use time. `--eval-prompt-data` is normalised
 to `[name, path, name, path, ...]` (a lone path is named "aime", as in slime); the `--eval-config` YAML is
-only checked to exist here, its contents are read by the eval code.
+read and checked here (slime/rollout/eval_config.py) into `args.eval_datasets`.
 """
 
 from __future__ import annotations
@@ -79,6 +79,16 @@ def validate_eval(args: argparse.Namespace) -> None:
         args.eval_prompt_data = values
 
     require_existing_file("eval_config", args.eval_config)
+    args.eval_datasets = None
+    if args.eval_config is not None:
+        from slime.rollout.eval_config import EvalConfigError, load_eval_config
+
+        try:
+            args.eval_datasets = load_eval_config(args.eval_config)
+        except EvalConfigError as e:
+            fail(str(e))
+        if args.eval_prompt_data is not None:
+            logger.warning("--eval-config %s lists the eval datasets; --eval-prompt-data is ignored.", args.eval_config)
 
     if args.eval_interval is not None and args.eval_prompt_data is None and args.eval_config is None:
         # The seed's launch example passes --eval-interval alone; slime asserts here, we switch eval off loudly.
