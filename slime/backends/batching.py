@@ -76,6 +76,26 @@ def split_into(rows: Sequence[int], lengths: Sequence[int], groups: list[list[in
     return groups
 
 
+def plan_micro_batches(args, tokens: Sequence[Sequence[int]], rows: Sequence[int], device=None, group=None,
+                       log_probs: bool = False) -> list[list[int]]:
+    """Micro-batches of `rows`: `--micro-batch-size` rows each, or with `--use-dynamic-batch-size` at most
+    `--max-tokens-per-gpu` padded tokens (`--log-probs-max-tokens-per-gpu` for forward-only passes).
+
+    Collective with dynamic batches: the ranks of `group` (None: all) run their forwards in lockstep (FSDP
+    gathers parameters in every forward, expert parallelism exchanges tokens), so every rank takes as many
+    micro-batches as the rank that needs most."""
+    if not getattr(args, "use_dynamic_batch_size", False):
+        return split_micro_batches(rows, args.micro_batch_size)
+    import torch.distributed as dist
+
+    budget = args.log_probs_max_tokens_per_gpu if log_probs else args.max_tokens_per_gpu
+    lengths = [len(tokens[r]) for r in rows]
+    groups = split_by_tokens(rows, lengths, budget)
+    count = torch.tensor([len(groups)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    return split_into(rows, lengths, groups, int(count))
+
+
 # ---- padding -------------------------------------------------------------------------------------------------
 @dataclass
 class MicroBatch:

@@ -4,6 +4,7 @@ It drives `FSDPTrainRayActor` directly (no Ray: the rank processes are started b
 gloo process group, and rank 0 writes what it saw to <out>/result.json:
   every world size: init -> log-probs -> one train step (one optimizer step) -> log-probs;
   1 rank: also gspo + --calculate-per-token-loss + --entropy-coef, then --use-rollout-logprobs;
+  --dynamic: micro-batches by token budget (ranks then hold different splits, equalised in count);
   --full: also save -> load into a second actor (+ a third one without the optimizer state) -> train all
           on a two-step batch; the saved folder read back with plain `from_pretrained`; and, with an
           `hf` engine server started by rank 0, a weight push checked against the engine's log-probs.
@@ -84,8 +85,12 @@ def main() -> None:
     p.add_argument("--full", action="store_true")
     p.add_argument("--backend", default="gloo", help="nccl to run the same steps on GPUs")
     p.add_argument("--no-engine", action="store_true", help="skip the hf engine weight-push check")
+    p.add_argument("--dynamic", action="store_true", help="--use-dynamic-batch-size micro-batches (24 tokens)")
     cli = p.parse_args()
     os.makedirs(cli.out, exist_ok=True)
+    dynamic = {}
+    if cli.dynamic:
+        dynamic = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=24, log_probs_max_tokens_per_gpu=24)
 
     from slime.backends.fsdp_utils.actor import FSDPTrainRayActor
 
@@ -99,7 +104,7 @@ def main() -> None:
                                                  sglang_server_concurrency=8), 0)
             engine.init()
             result["engine_server_pid"] = engine.process.pid  # the test checks it is gone afterwards
-        args = make_args(cli.model, cli.out, cli.backend)
+        args = make_args(cli.model, cli.out, cli.backend, **dynamic)
         batch = make_batch(8, seed=0)
         actor = FSDPTrainRayActor(cli.world_size, cli.rank, "127.0.0.1", cli.port)
         result["start"] = actor.init(args, "actor", with_ref=True)
@@ -144,11 +149,12 @@ def main() -> None:
                 result["lp_from_pretrained"] = unpad_per_token(lp, batch.response_lengths)
 
             resumed = FSDPTrainRayActor(cli.world_size, cli.rank, "127.0.0.1", cli.port)
-            resumed_args = make_args(cli.model, cli.out, cli.backend, load=args.save)
+            resumed_args = make_args(cli.model, cli.out, cli.backend, load=args.save, **dynamic)
             result["start_resumed"] = resumed.init(resumed_args, "actor", True)
             result["lp_resumed"] = resumed.compute_log_probs(batch.tokens, batch.response_lengths)
             fresh_optim = FSDPTrainRayActor(cli.world_size, cli.rank, "127.0.0.1", cli.port)
-            fresh_args = make_args(cli.model, cli.out, cli.backend, load=args.save, no_load_optim=True)
+            fresh_args = make_args(cli.model, cli.out, cli.backend, load=args.save, no_load_optim=True,
+                                    **dynamic)
             fresh_optim.init(fresh_args, "actor", True)
 
             batch2 = make_batch(16, seed=1)  # two optimizer steps of 8

@@ -20,7 +20,9 @@ WORKER = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "fsdp_worker.py")
 
 
 def _run_ranks(world_size: int, model_dir: str, out_dir: str, full: bool, timeout_s: float = 240) -> dict:
-    return run_ranks(WORKER, world_size, out_dir, ["--model", model_dir] + (["--full"] if full else []), timeout_s)
+    # The two-rank run also uses --use-dynamic-batch-size: the same global loss, in different micro-batches.
+    extra = ["--full", "--dynamic"] if full else []
+    return run_ranks(WORKER, world_size, out_dir, ["--model", model_dir, *extra], timeout_s)
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,10 @@ Advantages are computed per rank for the rows it trains on (slime/utils/ppo_util
 `--advantage-estimator ppo` the values come from the critic group (critic.py) and the actor keeps the
 returns for the critic to fetch (`get_returns`).
 
-Simplifications (see docs/fsdp_backend.md, docs/algorithms.md): fixed-size padded micro-batches (no
-packing or dynamic batch size); dropout is kept off (eval mode) in every forward, so recomputed and
+Micro-batches are `--micro-batch-size` rows or, with `--use-dynamic-batch-size`, token-budgeted
+(slime/backends/batching.py `plan_micro_batches`, equal in count on every rank since FSDP forwards are
+collective). Simplifications (see docs/fsdp_backend.md, docs/algorithms.md): padded micro-batches, no
+packing; dropout is kept off (eval mode) in every forward, so recomputed and
 training log-probs agree; no offloading between rollout and training (`--offload-train` is not acted on);
 no gradient checkpointing.
 """
@@ -33,13 +35,13 @@ import torch
 import torch.distributed as dist
 
 from slime.backends import policy_batch
+from slime.backends.batching import plan_micro_batches
 from slime.backends.fsdp_utils import checkpoint, weight_sync
 from slime.backends.loss import compute_actor_loss
 from slime.backends.fsdp_utils.data import (
     forward_response_log_probs,
     make_micro_batch,
     rows_per_step,
-    split_micro_batches,
     unpad_per_token,
 )
 from slime.ray.train_actor import TrainRayActor
@@ -205,7 +207,7 @@ class FSDPTrainRayActor(TrainRayActor):
     def compute_log_probs(self, tokens: list[list[int]], response_lengths: list[int]) -> list[list[float]]:
         """All ranks run it on the same rows (FSDP forwards are collective); each returns all rows."""
         result: list[list[float]] = []
-        for rows in split_micro_batches(range(len(tokens)), self.args.micro_batch_size):
+        for rows in plan_micro_batches(self.args, tokens, range(len(tokens)), self.device, log_probs=True):
             mb = make_micro_batch([tokens[r] for r in rows], [response_lengths[r] for r in rows], device=self.device)
             lp, _ = forward_response_log_probs(self.model, mb, self.args.rollout_temperature)
             result.extend(unpad_per_token(lp, mb.response_lengths))
@@ -218,7 +220,7 @@ class FSDPTrainRayActor(TrainRayActor):
         the first N rollouts compute advantages and returns but do not update the policy."""
         args = self.args
         steps = rows_per_step(len(batch), args.global_batch_size, self.world_size, self.rank)
-        plan = [split_micro_batches(rows, args.micro_batch_size) for rows in steps]
+        plan = [plan_micro_batches(args, batch.tokens, rows, self.device) for rows in steps]
         all_micro_batches = [mb for step in plan for mb in step]
         local_rows = [r for rows in steps for r in rows]
 

@@ -1,10 +1,9 @@
 """Batch plumbing of the fsdp backend: which rows a rank trains on, micro-batching with right padding,
 and per-response-token log-prob / entropy extraction from a causal LM's logits.
 
-Simplifications: fixed-size micro-batches (`--micro-batch-size`) padded to their longest sequence with an
-attention mask; no sequence packing, no `--use-dynamic-batch-size` / `--max-tokens-per-gpu`, no
-`--balance-data`. Right padding keeps every real token's position id and causal context unchanged, so a
-padded row computes the same log-probs as the row alone.
+Simplifications: micro-batches (slime/backends/batching.py) padded to their longest sequence with an
+attention mask; no sequence packing, no `--balance-data`. Right padding keeps every real token's position
+id and causal context unchanged, so a padded row computes the same log-probs as the row alone.
 """
 
 from __future__ import annotations

@@ -29,13 +29,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends import policy_batch
-from slime.backends.batching import (
-    make_micro_batch,
-    rows_per_step,
-    split_by_tokens,
-    split_into,
-    split_micro_batches,
-)
+from slime.backends.batching import make_micro_batch, plan_micro_batches, rows_per_step
 from slime.backends.loss import compute_actor_loss
 from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import checkpoint, config_check, weights
@@ -153,19 +147,7 @@ class MegatronTrainRayActor(TrainRayActor):
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
 
     def _split(self, tokens: list[list[int]], rows: list[int], log_probs: bool = False) -> list[list[int]]:
-        """Micro-batches of `rows`: `--micro-batch-size` rows, or with `--use-dynamic-batch-size` at most
-        `--max-tokens-per-gpu` padded tokens (`--log-probs-max-tokens-per-gpu` for forward-only passes)."""
-        args = self.args
-        if not args.use_dynamic_batch_size:
-            return split_micro_batches(rows, args.micro_batch_size)
-        budget = args.log_probs_max_tokens_per_gpu if log_probs else args.max_tokens_per_gpu
-        lengths = [len(tokens[r]) for r in rows]
-        groups = split_by_tokens(rows, lengths, budget)
-        # Data-parallel ranks run their micro-batches in lockstep (expert-parallel collectives inside every
-        # forward), so all take as many as the one that needs most.
-        count = torch.tensor([len(groups)], device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._dp()[2])
-        return split_into(rows, lengths, groups, int(count))
+        return plan_micro_batches(self.args, tokens, rows, self.device, self._dp()[2], log_probs)
 
     def _micro_batch(self, tokens, response_lengths, rows):
         return make_micro_batch([tokens[r] for r in rows], [response_lengths[r] for r in rows], device=self.device)

@@ -72,9 +72,10 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--streaming-data",
         action="store_true",
-        help="Read --prompt-data lazily instead of loading it all (for datasets larger than memory).",
+        help="Read --prompt-data lazily instead of loading it all (not implemented yet: warns, loads it whole).",
     )
-    g.add_argument("--num-data-workers", type=int, default=1, help="Processes reading and tokenising prompts.")
+    g.add_argument("--num-data-workers", type=int, default=1,
+                   help="Processes reading and tokenising prompts (not implemented yet: warns above 1).")
     g.add_argument(
         "--start-rollout-id",
         type=int,
@@ -134,6 +135,13 @@ def validate_data(args: argparse.Namespace) -> None:
     if args.num_rollout is not None and args.num_epoch is not None:
         logger.info("Both --num-rollout and --num-epoch are set; --num-epoch is ignored.")
     # With only --num-epoch, num_rollout stays None: the data source resolves it once it knows the dataset size.
+
+    # Accepted for command-line compatibility, not acted on yet (issue: rollout side complete); said aloud.
+    if args.streaming_data:
+        logger.warning("--streaming-data is not implemented: --prompt-data is read into memory whole.")
+    if args.num_data_workers > 1:
+        logger.warning("--num-data-workers %d is not implemented: prompts are read and templated in one process "
+                       "(tokenisation uses the fast tokenizer's own threads).", args.num_data_workers)
 
     if args.start_rollout_id is not None and args.start_rollout_id < 0:
         fail(f"--start-rollout-id {args.start_rollout_id}: must be >= 0.")
