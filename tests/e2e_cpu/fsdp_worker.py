@@ -24,6 +24,7 @@ sys.path.insert(0, REPO_ROOT)
 import torch
 
 from slime.utils.ppo_utils import group_normalize_rewards
+from tests.e2e_cpu.ranks import worker_parser
 from slime.utils.types import TrainBatch
 
 TEMPERATURE = 1.0
@@ -76,12 +77,7 @@ def engine_log_probs(engine, tokens, response_lengths) -> list[list[float]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--out", required=True)
+    p = worker_parser()
     p.add_argument("--full", action="store_true")
     p.add_argument("--backend", default="gloo", help="nccl to run the same steps on GPUs")
     p.add_argument("--no-engine", action="store_true", help="skip the hf engine weight-push check")

@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
 
 from tests.conftest import model_args  # noqa: E402
 from tests.e2e_cpu.fsdp_worker import engine_log_probs, make_batch  # noqa: E402
+from tests.e2e_cpu.ranks import worker_parser  # noqa: E402
 
 def make_args(cli) -> argparse.Namespace:
     from slime.utils.arguments import parse_args
@@ -60,12 +61,7 @@ def make_args(cli) -> argparse.Namespace:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--out", required=True)
+    p = worker_parser()
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dynamic", action="store_true")

@@ -5,6 +5,7 @@ test fails with the tail of every rank's log."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -16,6 +17,17 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    """The flags `run_ranks` passes to every worker (plus --model, the HF folder all workers train)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    return p
 
 
 def free_port() -> int:
