@@ -21,16 +21,6 @@ QWEN3_4B = [
 ]  # fmt: skip
 
 
-@pytest.fixture
-def files(tmp_path, monkeypatch):
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")  # nothing to cross-check
-    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1?", "label": "2"}\n')
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
-    return tmp_path
-
-
 def base(*extra: str, backend: str = "megatron", ranks: int = 8) -> list[str]:
     return [
         "--actor-num-gpus-per-node", str(ranks), "--rollout-num-gpus", "8", "--hf-checkpoint", "model",

@@ -27,16 +27,6 @@ def name(script: str) -> str:
     return os.path.basename(script)[: -len(".sh")]
 
 
-@pytest.fixture
-def files(tmp_path, monkeypatch):
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1?", "label": "2"}\n')
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
-    return tmp_path
-
-
 def argv_for(hf: str, tokens: list[str], ranks: int = 8) -> list[str]:
     return ["--hf-checkpoint", hf, "--prompt-data", "train.jsonl", "--rollout-batch-size", "32",
             "--n-samples-per-prompt", "8", "--num-rollout", "1", "--actor-num-gpus-per-node", str(ranks),
