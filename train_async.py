@@ -115,8 +115,8 @@ def train_async(args) -> None:
     check_async_args(args)
     tracker = Tracker(args)
     with Run(args) as run:
+        resolve_num_rollout(args, run)  # first: the trainers size their LR schedules by it
         start_rollout_id = init_training(args, run)
-        resolve_num_rollout(args, run)
         if start_rollout_id > 0:
             ray.get(run.rollout_manager.load.remote(start_rollout_id - 1))
         engines = ray.get(run.rollout_manager.get_engines.remote())

@@ -96,6 +96,8 @@ def runs(tiny_model_dir, tmp_path_factory):
 def test_one_rank_log_probs_equal_transformers(runs, tiny_model_dir):
     one = runs["one"]
     assert max_abs_diff(one["lp_before"], hf_log_probs(tiny_model_dir, one["batch"])) < 1e-5
+    # The reference model starts as the policy (copied from it, not read again): no KL at the first step.
+    assert one["metrics"]["train/kl_loss"] == 0.0
 
 
 @pytest.mark.timeout(900)

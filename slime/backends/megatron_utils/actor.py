@@ -34,7 +34,7 @@ from slime.backends.loss import compute_actor_loss
 from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import checkpoint, config_check, weights
 from slime.backends.megatron_utils.forward import response_log_probs, run_pipeline
-from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel
+from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel, unwrap
 from slime.backends.weight_broadcast import BroadcastGroup
 from slime.ray.train_actor import TrainRayActor
 from slime.utils import ppo_utils
@@ -81,7 +81,13 @@ class MegatronTrainRayActor(TrainRayActor):
         self.ref_model = None
         if with_ref:
             self.ref_model = build_model(args, wrap=False)
-            self._load_weights(self.ref_model, *self._ref_source(args))
+            ref_ckpt, ref_hf = self._ref_source(args)
+            if ckpt is None and ref_ckpt is None and ref_hf == args.hf_checkpoint:
+                # The policy was just loaded from the same HF weights: copy them instead of reading them again.
+                for ref, chunk in zip(self.ref_model, self.model):
+                    ref.load_state_dict(unwrap(chunk).state_dict())
+            else:
+                self._load_weights(self.ref_model, ref_ckpt, ref_hf)
         for chunk in self.model:
             chunk.eval()
 
