@@ -92,6 +92,7 @@ class ServerEngine:
     shutdown_grace_s = 10.0
     health_path = "/health"  # polled until it answers 200 (SGLang: /health_generate)
     health_probe_timeout_s = 5.0
+    tp_size = 1  # tensor-parallel ranks of the server (payloads per update_weights_from_tensor)
 
     def __init__(self, args, rank: int):
         self.args = args
@@ -224,10 +225,11 @@ class ServerEngine:
     # ---- control calls ----
     def update_weights_from_tensor(self, serialized_bucket: str | list[str], weight_version: str,
                                    load_format: str = "flattened_bucket", flush_cache: bool = False) -> dict:
-        """Load one bucket (`serialize_bucket(flatten_bucket(named))`; a list gives one payload per engine
-        TP rank, as SGLang takes them). The caller keeps the flattened bucket alive until this returns:
-        the payload holds handles to its memory, not a copy."""
-        payloads = [serialized_bucket] if isinstance(serialized_bucket, str) else list(serialized_bucket)
+        """Load one bucket (`serialize_bucket(flatten_bucket(named))`). SGLang takes one payload per engine
+        TP rank: a single payload is repeated `tp_size` times (every rank opens the same handle), a list is
+        sent as given. The caller keeps the flattened bucket alive until this returns: the payload holds
+        handles to its memory, not a copy."""
+        payloads = [serialized_bucket] * self.tp_size if isinstance(serialized_bucket, str) else list(serialized_bucket)
         return self._call("POST", "/update_weights_from_tensor", {
             "serialized_named_tensors": payloads, "load_format": load_format,
             "flush_cache": flush_cache, "weight_version": weight_version}, timeout=self.weight_update_timeout_s)

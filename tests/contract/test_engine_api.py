@@ -12,8 +12,10 @@ response must carry the version stamp of the last update.
 
 from __future__ import annotations
 
+import base64
 import glob
 import os
+import pickle
 import shutil
 import socket
 import threading
@@ -248,10 +250,14 @@ def test_scoring_with_max_new_tokens_zero(engine):
 
 
 # ---- weight updates -------------------------------------------------------------------------------------
+def tp_size(engine) -> int:
+    return int(get(engine, "/get_server_info").json().get("tp_size", 1) or 1)
+
+
 def push_tensor(engine, named, version):
     flat = flatten_bucket(named)
     resp = post(engine, "/update_weights_from_tensor", {
-        "serialized_named_tensors": [serialize_bucket(flat)], "load_format": "flattened_bucket",
+        "serialized_named_tensors": [serialize_bucket(flat)] * tp_size(engine), "load_format": "flattened_bucket",
         "flush_cache": True, "weight_version": version})
     del flat  # the engine has loaded it; the shared buffer may go
     assert control_ok(resp)
@@ -267,10 +273,32 @@ def test_update_weights_from_tensor(engine, weights, base_scores):
     check_update(engine, base_scores, "contract-tensor-2", changed=False)
 
 
+def test_update_weights_from_tensor_refuses_other_pickles(engine, base_scores):
+    """The payload may name tensors, dtypes and bucket metadata only: a pickle that calls anything else is
+    refused before it runs, and the engine's weights and version stay as they were."""
+    marker = f"/tmp/slime-contract-{uuid.uuid4().hex}"
+    evil = base64.b64encode(pickle.dumps(EvilPayload(marker))).decode()
+    version = get(engine, "/get_weight_version").json()["weight_version"]
+    resp = post(engine, "/update_weights_from_tensor", {
+        "serialized_named_tensors": [evil] * tp_size(engine), "load_format": "flattened_bucket",
+        "weight_version": "contract-evil"}, expect=None)
+    assert resp.status_code >= 400 or not control_ok(resp), resp.text
+    assert not os.path.exists(marker), "the engine ran a callable named by the payload"
+    check_update(engine, base_scores, version, changed=False)
+
+
+class EvilPayload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
 def test_update_weights_from_distributed(engine, weights, base_scores):
     """This process is the trainer: rank 0 of the group, broadcasting; the engine's ranks follow."""
     name, original, perturbed = weights
-    tp = int(get(engine, "/get_server_info").json().get("tp_size", 1) or 1)
+    tp = tp_size(engine)
     group, port = f"contract-{uuid.uuid4().hex[:8]}", free_port()
     t, result = in_thread(post, engine, "/init_weights_update_group", {
         "master_address": engine.trainer_address, "master_port": port, "rank_offset": 1, "world_size": 1 + tp,

@@ -26,6 +26,7 @@ import glob
 import json
 import logging
 import os
+import pickle
 import threading
 import time
 import uuid
@@ -298,15 +299,15 @@ def build_app(state: EngineState) -> FastAPI:
         fmt = body.get("load_format") or "flattened_bucket"
         if fmt != "flattened_bucket":
             return _error(400, f"load_format {fmt!r} is not supported by the hf engine; use 'flattened_bucket' "
-                               "(slime.utils.weight_transfer.serialize_bucket(flatten_bucket(named)))")
+                               "(SGLang's format: slime.utils.weight_transfer.serialize_bucket(flatten_bucket(named)))")
         payloads = body.get("serialized_named_tensors") or []
         if not payloads:
             return _error(400, "serialized_named_tensors is empty")
         try:
             # One entry per tensor-parallel rank in SGLang; this engine has a single rank.
-            n = await run_in_threadpool(
-                lambda: state.load_named_tensors(deserialize_bucket(payloads[0]).unflatten(), "update_weights_from_tensor"))
-        except (ValueError, TypeError) as e:
+            n = await run_in_threadpool(lambda: state.load_named_tensors(
+                deserialize_bucket(payloads[0]).unflatten(), "update_weights_from_tensor"))
+        except (ValueError, TypeError, pickle.UnpicklingError) as e:
             return _error(400, str(e))
         if body.get("weight_version") is not None:
             state.weight_version = str(body["weight_version"])

@@ -95,6 +95,7 @@ class SGLangEngine(ServerEngine):
         if not 0 <= node_rank < self.nnodes:
             raise ValueError(f"node_rank {node_rank}: engine {rank} spans {self.nnodes} node(s)")
         self.node_rank = node_rank
+        self.tp_size = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
         self._dist_init_addr = dist_init_addr
         self.nccl_port: int | None = None
         self.gpu_ids = ray_gpu_ids()
@@ -137,7 +138,7 @@ class SGLangEngine(ServerEngine):
             "host": host,
             "port": port,
             "nccl_port": self.nccl_port,
-            "tp_size": int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1),
+            "tp_size": self.tp_size,
             "base_gpu_id": self.gpu_ids[0] if self.gpu_ids else 0,
             "gpu_id_step": 1,
             "random_seed": (1234 if seed is None else int(seed)) + self.rank,
