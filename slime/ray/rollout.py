@@ -14,6 +14,9 @@ Simplifications and choices:
 - `--debug-train-only` skips the router and engines; with `--load-debug-rollout-data` the samples of
   each rollout are read from that file (a template with `{rollout_id}`) instead of being generated.
 - `--rollout-external-engine-addrs` registers already running engines (no engine actors are created).
+- An SGLang engine wider than a node (`--rollout-num-gpus-per-engine` > `--num-gpus-per-node`) gets one
+  actor per node, each on the placement-group bundle of its node's first GPU; node rank 0's actor is the
+  engine (URL, control calls), the others only run their server process and are reaped with it.
 - Weight pushes: the driver brackets each push with `before_weight_update()` / `after_weight_update(v)`.
   This actor runs one method at a time, so `before_weight_update` only starts once every `generate`
   queued before it has returned: weights never change under the default rollout. A rollout function
@@ -33,6 +36,7 @@ from typing import Any
 
 import ray
 
+from slime.backends.sglang_utils.engine import engine_nnodes
 from slime.rollout.router import RouterClient, RouterProcess
 from slime.utils.metrics import (
     compute_eval_metrics,
@@ -56,7 +60,8 @@ class RolloutManager:
     def __init__(self, args: Any, pg: tuple[Any, list[int]] | None):
         self.args = args
         self.pg = pg
-        self.engines: list[Any] = []
+        self.engines: list[Any] = []  # one actor per engine (node rank 0 of a multi-node engine)
+        self.engine_followers: list[Any] = []  # the actors of node ranks > 0 of multi-node engines
         self.engine_urls: list[str] = []
         self.router: RouterClient | None = None
         self._owns_router = False
@@ -126,12 +131,22 @@ class RolloutManager:
         if backend not in ENGINE_CLASSES:
             raise ValueError(f"--rollout-backend={backend} is not one of {sorted(ENGINE_CLASSES)}")
         engine_cls = ray.remote(load_function(ENGINE_CLASSES[backend], "--rollout-backend"))
+        nnodes = engine_nnodes(args) if backend == "sglang" else 1
+        per_node = per_engine // nnodes
         for i in range(num_engines):
-            options = self._engine_options(i, per_engine)
-            self.engines.append(engine_cls.options(**options).remote(args, i))
-        self.engine_urls = ray.get([e.init.remote() for e in self.engines])
+            leader = engine_cls.options(**self._engine_options(i * per_engine, per_engine)).remote(args, i)
+            self.engines.append(leader)
+            if nnodes > 1:  # one actor per node; node rank 0 picks the address the others rendezvous at
+                addr = ray.get(leader.get_dist_init_addr.remote())
+                for r in range(1, nnodes):
+                    options = self._engine_options(i * per_engine + r * per_node, per_engine)
+                    self.engine_followers.append(
+                        engine_cls.options(**options).remote(args, i, node_rank=r, dist_init_addr=addr))
+        # all nodes of an engine start together: each server waits for the others at the rendezvous
+        started = ray.get([e.init.remote() for e in self.engines + self.engine_followers])
+        self.engine_urls = started[: len(self.engines)]
 
-    def _engine_options(self, i: int, per_engine: int) -> dict[str, Any]:
+    def _engine_options(self, first_gpu: int, per_engine: int) -> dict[str, Any]:
         # Not torch.cuda.is_available(): this actor holds no GPU, so Ray hides every GPU from it.
         use_cuda = getattr(self.args, "use_cuda", None)
         if use_cuda is None:
@@ -154,7 +169,7 @@ class RolloutManager:
             pg, bundle_indices = self.pg
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=pg,
-                placement_group_bundle_index=bundle_indices[i * per_engine],
+                placement_group_bundle_index=bundle_indices[first_gpu],
                 placement_group_capture_child_tasks=True,
             )
         return options
@@ -309,14 +324,15 @@ class RolloutManager:
         if self.router is not None:
             for url in self.engine_urls:
                 _best_effort(f"deregister {url}", lambda u=url: self.router.remove_worker(u))
-        if self.engines:
-            refs = [e.shutdown.remote() for e in self.engines]
+        actors = self.engines + self.engine_followers
+        if actors:
+            refs = [e.shutdown.remote() for e in actors]
             _best_effort("engine shutdown", lambda: ray.get(refs, timeout=timeout))
-            for e in self.engines:
+            for e in actors:
                 _best_effort("kill engine actor", lambda a=e: ray.kill(a, no_restart=True))
         if self._owns_router:
             _best_effort("stop router", self.router.stop)
-        self.engines = []
+        self.engines, self.engine_followers = [], []
 
 
 def router_args_from(args: Any) -> dict[str, Any]:

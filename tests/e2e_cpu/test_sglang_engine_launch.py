@@ -38,12 +38,15 @@ exit 1
 """
 
 SERVING = f"""#!{sys.executable}
-import json, os, sys
+import json, os, sys, time
 argv = sys.argv[1:]
-with open(os.environ["FAKE_SGLANG_ARGV"], "w") as f:
-    json.dump(argv, f)
 def value(flag):
     return argv[argv.index(flag) + 1]
+node_rank = int(value("--node-rank")) if "--node-rank" in argv else 0
+with open(os.environ["FAKE_SGLANG_ARGV"] + (f".node{{node_rank}}" if node_rank else ""), "w") as f:
+    json.dump(argv, f)
+if node_rank:  # a follower node of a multi-node engine: SGLang's scheduler processes, no HTTP server
+    time.sleep(3600)
 os.execv(sys.executable, [sys.executable, "-m", "slime.backends.hf_engine", "--model-path", value("--model-path"),
                           "--host", value("--host"), "--port", value("--port"),
                           "--random-seed", value("--random-seed"), "--num-threads", "1"])
@@ -149,3 +152,65 @@ def test_engine_lifecycle_behind_the_sglang_command(tmp_path, monkeypatch, tiny_
     finally:
         eng.shutdown()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.timeout(240)
+def test_multi_node_engine_gets_one_actor_per_node(tmp_path, monkeypatch, tiny_model_dir):
+    """An engine twice as wide as a node: the RolloutManager starts two actors on their own bundles,
+    node rank 1 told node rank 0's rendezvous address, one URL registered, both servers reaped."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from slime.ray.rollout import RolloutManager
+    from slime.rollout.router import RouterClient
+    from slime.utils.arguments import parse_args
+
+    _install(tmp_path, monkeypatch, SERVING)
+    argv_file = tmp_path / "argv.json"
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "1 + 1 =", "label": "2"}) + "\n")
+    args = parse_args([
+        "--hf-checkpoint", tiny_model_dir, "--rollout-backend", "hf",
+        "--prompt-data", str(data), "--input-key", "prompt",
+        "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
+        "--num-gpus-per-node", "1", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
+        "--global-batch-size", "2", "--rollout-max-response-len", "4", "--rm-type", "math", "--num-rollout", "1",
+    ])  # fmt: skip
+    # parse_args allows --rollout-backend sglang only with CUDA; the launcher on PATH stands in for SGLang
+    args.rollout_backend = "sglang"
+    env = {k: os.environ[k] for k in ("PATH", "SLIME_SGLANG_LAUNCHER", "SLIME_ENGINE_LOG_DIR", "PYTHONPATH")}
+    env["FAKE_SGLANG_ARGV"] = str(argv_file)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    pg = placement_group([{"CPU": 1}, {"CPU": 1}])
+    try:
+        ray.get(pg.ready())
+        manager = ray.remote(num_cpus=0)(RolloutManager).remote(args, (pg, [0, 1]))
+        try:
+            [url] = ray.get(manager.get_engine_urls.remote(), timeout=180)
+            assert len(ray.get(manager.get_engines.remote())) == 1
+            assert RouterClient(ray.get(manager.get_router_url.remote())).list_workers() == [url]
+            leader = json.loads(argv_file.read_text())
+            follower = json.loads((tmp_path / "argv.json.node1").read_text())
+
+            def flag(argv, name):
+                return argv[argv.index(name) + 1]
+
+            assert flag(leader, "--dist-init-addr") == flag(follower, "--dist-init-addr")
+            assert [flag(a, "--nnodes") for a in (leader, follower)] == ["2", "2"]
+            assert [flag(a, "--node-rank") for a in (leader, follower)] == ["0", "1"]
+            assert flag(leader, "--tp-size") == flag(follower, "--tp-size") == "2"
+            batch, _ = ray.get(manager.generate.remote(0), timeout=120)
+            assert len(batch) == 2
+            pids = [p.pid for p in psutil.Process().children(recursive=True)
+                    if any(s in " ".join(p.cmdline()) for s in ("slime.backends.hf_engine", "bin/sglang"))]
+            assert len(pids) == 2, pids  # node rank 0's server (hf engine) and node rank 1's
+        finally:
+            ray.get(manager.shutdown.remote(), timeout=120)
+            ray.kill(manager)
+    finally:
+        remove_placement_group(pg)
+        ray.shutdown()
+    deadline = time.monotonic() + 20
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, "a node's server outlived the shutdown"
+        time.sleep(0.2)

@@ -183,6 +183,14 @@ def test_rollout_gpus_divisible_by_engine_size(files):
     assert "--rollout-num-gpus 6 is not divisible by --rollout-num-gpus-per-engine 4" in msg
 
 
+def test_engine_wider_than_a_node_takes_whole_nodes(files):
+    msg = error_of(base("--rollout-num-gpus", "12", "--rollout-num-gpus-per-engine", "12", "--num-gpus-per-node", "8"))
+    assert "--rollout-num-gpus-per-engine 12 is wider than a node (--num-gpus-per-node 8)" in msg and "e.g. 16" in msg
+    args = parse_args(
+        base("--rollout-num-gpus", "16", "--rollout-num-gpus-per-engine", "16", "--num-gpus-per-node", "8"))
+    assert args.rollout_num_gpus_per_engine == 16
+
+
 def test_single_sample_disables_std_normalisation(files):
     args = parse_args(base("--n-samples-per-prompt", "1"))
     assert args.grpo_std_normalization is False and args.disable_grpo_std_normalization is True

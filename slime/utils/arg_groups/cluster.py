@@ -140,6 +140,14 @@ def validate_cluster(args: argparse.Namespace) -> None:
             f"{max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine) * args.rollout_num_gpus_per_engine}."
         )
 
+    per_engine, per_node = args.rollout_num_gpus_per_engine, args.num_gpus_per_node
+    if per_engine > per_node and per_engine % per_node:
+        fail(
+            f"--rollout-num-gpus-per-engine {per_engine} is wider than a node (--num-gpus-per-node {per_node}), so "
+            f"an engine spans whole nodes: make it a multiple of {per_node}, "
+            f"e.g. {(per_engine // per_node + 1) * per_node}."
+        )
+
     args.use_critic = args.advantage_estimator == "ppo"
     # The critic shares the actor's GPUs (slime forces these equal).
     args.critic_num_nodes = args.actor_num_nodes
