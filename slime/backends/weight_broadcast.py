@@ -1,4 +1,9 @@
-"""Trainer side of SGLang's broadcast weight sync, for engines that do not share the training GPUs.
+"""Trainer side of the weight push: `EnginePush` picks the path, `BroadcastGroup` is SGLang's broadcast sync.
+
+`EnginePush(colocate)` is what a training backend's rank 0 sends its buckets through: engines that share
+the training GPUs (`--colocate`) get handles to the bucket (`update_weights_from_tensor`, CUDA IPC or CPU
+shared memory: slime/utils/weight_transfer.py); engines elsewhere get it by broadcast (below), which also
+works across hosts.
 
 Training rank 0 forms a process group with every engine's TP ranks (`init_weights_update_group`: the
 trainer is group rank 0, engine i's ranks follow), then per bucket tells every engine which tensors come
@@ -22,6 +27,7 @@ from slime.backends.sglang_utils.update_group import (
     init_weight_update_group,
 )
 from slime.ray.train_actor import find_free_port, get_node_ip
+from slime.utils.weight_transfer import send_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +67,7 @@ class BroadcastGroup:
         joined = _start([(e, "init_weights_update_group", (address, port, off, world, group_name, backend), {})
                          for e, off in zip(self.engines, offsets)])
         self.pg = init_weight_update_group(address, port, 0, world, group_name, backend)
+        self.device = "cuda" if backend == "nccl" else "cpu"
         joined()
         logger.info("weight broadcast group %r: trainer + %d engine rank(s) over %s", group_name, world - 1, backend)
 
@@ -70,9 +77,35 @@ class BroadcastGroup:
         shapes = [tuple(t.shape) for _, t in bucket]
         done = _start([(e, "update_weights_from_distributed", (names, dtypes, shapes, self.group_name),
                         {"weight_version": weight_version}) for e in self.engines])
-        broadcast_tensors(self.pg, [t.contiguous() for _, t in bucket])
+        broadcast_tensors(self.pg, [t.to(self.device).contiguous() for _, t in bucket])
         done()
 
     def close(self) -> None:
         _start([(e, "destroy_weights_update_group", (self.group_name,), {}) for e in self.engines])()
         destroy_weight_update_group(self.pg)
+
+
+class EnginePush:
+    """Rank 0's route for weight buckets; the broadcast group is formed on the first push and kept."""
+
+    def __init__(self, colocate: bool):
+        self.colocate = colocate
+        self._group: BroadcastGroup | None = None
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]], engines: Sequence[Any], weight_version: str) -> None:
+        if self.colocate:
+            send_bucket(bucket, engines, weight_version)
+            return
+        if self._group is None:
+            self._group = BroadcastGroup(engines, "nccl" if torch.cuda.is_available() else "gloo")
+        self._group.send(bucket, weight_version)
+
+    def close(self) -> None:
+        """Dissolve the broadcast group, if any; the engines may be gone already, so failures only warn."""
+        if self._group is None:
+            return
+        try:
+            self._group.close()
+        except Exception as e:  # noqa: BLE001 - teardown goes on
+            logger.warning("closing the weight broadcast group: %s", e)
+        self._group = None

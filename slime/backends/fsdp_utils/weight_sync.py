@@ -1,14 +1,14 @@
-"""Pushing the trainer's weights to rollout engines (same host, `update_weights_from_tensor`).
+"""Pushing the trainer's weights to rollout engines.
 
 Every rank joins a full-state-dict gather (HF parameter names: FSDP2 keeps the module's names); rank 0
-splits the tensors into buckets of at most `--update-weight-buffer-size` bytes and, bucket by bucket,
-flattens the bucket into one buffer, hands every engine a handle to it (slime/utils/weight_transfer.py)
-and waits for all of them to load it before the next bucket. The flattened buffer of a bucket is kept referenced until
-the engines have answered, because the payload carries a handle to it, not the data.
+splits the tensors into buckets of at most `--update-weight-buffer-size` bytes and sends them bucket by
+bucket through an `EnginePush` (slime/backends/weight_broadcast.py): handles to a flattened copy for
+colocated engines (`update_weights_from_tensor`), a broadcast over a process group formed with the engines
+otherwise (`update_weights_from_distributed`). Each bucket is loaded by every engine before the next.
 
-Simplifications: the whole state dict is gathered to rank 0's CPU memory first (bounded by the model
-size, not the bucket size), and buffers travel as CPU shared memory (the `hf` engine copies them onto
-its device); CUDA IPC hand-over and the NCCL broadcast path of disaggregated runs are not implemented.
+Simplification: the whole state dict is gathered to rank 0's CPU memory first (bounded by the model size,
+not the bucket size), so colocated buckets travel as CPU shared memory (the engine copies them onto its
+device) rather than CUDA IPC.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from slime.utils.weight_transfer import send_bucket, split_into_buckets
+from slime.backends.weight_broadcast import EnginePush
+from slime.utils.weight_transfer import split_into_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +34,13 @@ def gather_full_state_dict(model: torch.nn.Module) -> list[tuple[str, torch.Tens
 
 
 def push_to_engines(
-    named_tensors: list[tuple[str, torch.Tensor]], engines: Sequence[Any], weight_version: str, buffer_size: int
+    named_tensors: list[tuple[str, torch.Tensor]], engines: Sequence[Any], weight_version: str, buffer_size: int,
+    push: EnginePush,
 ) -> int:
     """Send buckets to every engine in turn; returns the number of buckets sent."""
     buckets = split_into_buckets(named_tensors, buffer_size)
     for i, bucket in enumerate(buckets):
-        send_bucket(bucket, engines, weight_version)
+        push.send(bucket, engines, weight_version)
         nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
         logger.info("update_weights v%s: bucket %d/%d (%d tensors, %.1f MiB)", weight_version, i + 1,
                     len(buckets), len(bucket), nbytes / 2**20)
@@ -46,14 +48,14 @@ def push_to_engines(
 
 
 def update_weights(
-    model: torch.nn.Module, engines: Sequence[Any], weight_version: int | str, buffer_size: int
+    model: torch.nn.Module, engines: Sequence[Any], weight_version: int | str, buffer_size: int, push: EnginePush
 ) -> int:
     """Collective: gather on all ranks, push from rank 0, barrier. Returns buckets sent (0 off rank 0)."""
     named = gather_full_state_dict(model)
     sent = 0
     try:
         if dist.get_rank() == 0 and engines:
-            sent = push_to_engines(named, engines, str(weight_version), buffer_size)
+            sent = push_to_engines(named, engines, str(weight_version), buffer_size, push)
     finally:
         del named
         # Other ranks wait here so that no rank starts training while engines are still loading.

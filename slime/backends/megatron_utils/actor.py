@@ -35,11 +35,10 @@ from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import checkpoint, config_check, weights
 from slime.backends.megatron_utils.forward import response_log_probs, run_pipeline
 from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel, unwrap
-from slime.backends.weight_broadcast import BroadcastGroup
+from slime.backends.weight_broadcast import EnginePush
 from slime.ray.train_actor import TrainRayActor
 from slime.utils import ppo_utils
 from slime.utils.types import TrainBatch
-from slime.utils.weight_transfer import send_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +72,7 @@ class MegatronTrainRayActor(TrainRayActor):
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.hf_config = self._hf_config(args.hf_checkpoint)
-        self._broadcast: BroadcastGroup | None = None
+        self._push: EnginePush | None = None
 
         ckpt = checkpoint.find_checkpoint(args.load)
         self.model = build_model(args)
@@ -285,15 +284,12 @@ class MegatronTrainRayActor(TrainRayActor):
             raise ValueError("--train-backend megatron: weight sync needs --hf-checkpoint (its config.json picks "
                              "the HF names the engines load)")
         push = self.rank == 0 and bool(engines)
-        if push and not self.args.colocate and self._broadcast is None:
-            self._broadcast = BroadcastGroup(engines, "nccl" if torch.cuda.is_available() else "gloo")
+        if push and self._push is None:
+            self._push = EnginePush(self.args.colocate)
         version = str(weight_version)
 
         def send(bucket):
-            if self.args.colocate:
-                send_bucket(bucket, engines, version)
-            else:
-                self._broadcast.send(bucket, version)
+            self._push.send(bucket, engines, version)
 
         limit = self.args.update_weight_buffer_size or DEFAULT_UPDATE_WEIGHT_BUFFER_SIZE
         bucket: list[tuple[str, torch.Tensor]] = []
@@ -314,12 +310,9 @@ class MegatronTrainRayActor(TrainRayActor):
         dist.barrier()
 
     def shutdown(self) -> None:
-        if self._broadcast is not None:
-            try:
-                self._broadcast.close()
-            except Exception as e:  # noqa: BLE001 - the engines may be gone already; teardown goes on
-                logger.warning("closing the weight broadcast group: %s", e)
-            self._broadcast = None
+        if self._push is not None:
+            self._push.close()
+            self._push = None
         super().shutdown()
 
     def save(self, rollout_id: int) -> None:
