@@ -34,6 +34,7 @@ import sys
 import time
 from typing import Any
 
+import httpx
 import ray
 
 from slime.backends.sglang_utils.engine import engine_nnodes
@@ -206,6 +207,7 @@ class RolloutManager:
         args = self.args
         wall_start = time.time()
         start = time.perf_counter()
+        served_before = self._engine_request_counts()
         if getattr(args, "load_debug_rollout_data", None):
             samples = load_debug_samples(args.load_debug_rollout_data, rollout_id)
         else:
@@ -233,6 +235,7 @@ class RolloutManager:
             failed_count=failed, rollout_time=rollout_time,
         )  # fmt: skip
         metrics.update(compute_weight_version_metrics([s.weight_versions for s in samples]))
+        metrics.update(engine_load_metrics(served_before, self._engine_request_counts()))
         if self._last_generate_end is not None:
             # Generation side idle between the previous generate and this one (waiting on the trainer).
             idle = max(0.0, wall_start - self._last_generate_end)
@@ -242,6 +245,18 @@ class RolloutManager:
         if with_timing:
             return batch, metrics, {"generate_start": wall_start, "generate_end": self._last_generate_end}
         return batch, metrics
+
+    def _engine_request_counts(self) -> list[int] | None:
+        """Finished requests per engine so far (`num_finished_requests` of GET /get_server_info), or None
+        when an engine does not report it (SGLang servers do not) or does not answer within a second."""
+        counts = []
+        for url in self.engine_urls:
+            try:
+                info = httpx.get(url + "/get_server_info", timeout=1.0, trust_env=False).json()
+                counts.append(int(info["num_finished_requests"]))
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return None
+        return counts or None
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         """Run the eval function (`--eval-function-path`, else the rollout function with `evaluation=True`),
@@ -333,6 +348,19 @@ class RolloutManager:
         if self._owns_router:
             _best_effort("stop router", self.router.stop)
         self.engines, self.engine_followers = [], []
+
+
+def engine_load_metrics(before: list[int] | None, after: list[int] | None) -> dict[str, float]:
+    """Requests each engine finished during one rollout (`rollout/engine_requests/<i>`) and how uneven
+    that was (`rollout/engine_load_imbalance`: busiest engine / mean; 1.0 is perfectly even)."""
+    if before is None or after is None or len(before) != len(after):
+        return {}
+    served = [b - a for a, b in zip(before, after)]
+    out = {f"rollout/engine_requests/{i}": float(n) for i, n in enumerate(served)}
+    mean = sum(served) / len(served)
+    if mean > 0:
+        out["rollout/engine_load_imbalance"] = max(served) / mean
+    return out
 
 
 def router_args_from(args: Any) -> dict[str, Any]:

@@ -117,6 +117,8 @@ def test_generate_control_and_shutdown(workdir, ray_cluster):
         assert metrics["rollout/response_len/max"] == max(batch.response_lengths)
         assert metrics["perf/rollout_time"] > 0 and metrics["rollout/failed_count"] == 0
         assert "rollout/aborted_groups" in metrics  # the default rollout's own counters are merged
+        assert metrics["rollout/engine_requests/0"] == metrics["rollout/engine_requests/1"] == 2  # round robin
+        assert metrics["rollout/engine_load_imbalance"] == 1.0
 
         saved = torch.load(dump.format(rollout_id=0), weights_only=False)
         samples = [Sample.from_dict(d) for d in saved["samples"]]

@@ -66,3 +66,13 @@ def test_eval_metrics_with_passrate():
     assert m["eval/toy-pass@4"] == pytest.approx(1.0)
     assert "eval/toy-pass@8" not in m
     assert set(compute_eval_metrics("x", [1.0], [False])) == {"eval/x", "eval/x-truncated_ratio"}
+
+
+def test_engine_load_metrics():
+    from slime.ray.rollout import engine_load_metrics
+
+    m = engine_load_metrics([10, 4, 0], [16, 6, 4])
+    assert m == {"rollout/engine_requests/0": 6.0, "rollout/engine_requests/1": 2.0,
+                 "rollout/engine_requests/2": 4.0, "rollout/engine_load_imbalance": 1.5}
+    assert engine_load_metrics(None, [1]) == {} and engine_load_metrics([1, 2], [1]) == {}
+    assert engine_load_metrics([3], [3]) == {"rollout/engine_requests/0": 0.0}
