@@ -55,7 +55,11 @@ def init_training(args, run: Run) -> int:
     """Build the actor (and PPO critic) models; returns the rollout id to start from."""
     start_rollout_id = run.actor.init(with_ref=needs_reference_model(args))
     if run.critic is not None:
-        run.critic.init(with_ref=False)
+        critic_start = run.critic.init(with_ref=False)
+        if args.load and critic_start != start_rollout_id:
+            logger.warning("--load %s: the actor resumes at rollout %d but the critic's checkpoint at %d (a "
+                           "fresh critic when 0); the critic's value estimates lag until it catches up",
+                           args.load, start_rollout_id, critic_start)
     return start_rollout_id
 
 
@@ -117,6 +121,8 @@ def evaluate(run: Run, rollout_id: int) -> dict[str, float]:
 
 def save(run: Run, rollout_id: int) -> None:
     run.actor.save(rollout_id)
+    if run.critic is not None:
+        run.critic.save(rollout_id)
     ray.get(run.rollout_manager.save.remote(rollout_id))
 
 

@@ -33,11 +33,15 @@ RUNS = {
 def test_first_step_invariants(estimator, tiny_model_dir, toy_data_path, tmp_path):
     tb_dir = tmp_path / "tb"
     before = run_processes()
-    out = subprocess.run(
-        _train_cmd(tiny_model_dir, toy_data_path, "--rollout-num-gpus", "1", "--global-batch-size", "16",
-                   "--rm-type", "toy", "--use-tensorboard", "--tensorboard-dir", str(tb_dir), *RUNS[estimator]),
-        capture_output=True, text=True, env=_env(), timeout=560, cwd=str(tmp_path),
-    )
+    save = []
+    if estimator == "ppo":  # a constant reward gives the critic non-zero returns to learn, so a restored
+        # value head is told apart from a fresh (zero) one below
+        (tmp_path / "one.py").write_text("async def one(args, sample):\n    return 1.0\n")
+        save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "2", "--custom-rm-path", f"{tmp_path}/one.py:one"]
+    cmd = _train_cmd(tiny_model_dir, toy_data_path, "--rollout-num-gpus", "1", "--global-batch-size", "16",
+                     "--rm-type", "toy", "--use-tensorboard", "--tensorboard-dir", str(tb_dir), *RUNS[estimator],
+                     *save)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=560, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-4000:]
     num_rollout = int(RUNS[estimator][-1])
     # --num-critic-only-steps 1: rollout 0 trains the critic only, the policy's first step is rollout 1
@@ -61,6 +65,14 @@ def test_first_step_invariants(estimator, tiny_model_dir, toy_data_path, tmp_pat
         assert read_scalars(str(tb_dir), "train/critic_only_step") == {0: 1.0}
         # a zero-initialised value head: the first values are exactly 0
         assert read_scalars(str(tb_dir), "critic/values")[0] == 0.0
+        # the critic is checkpointed with the actor and resumes with it: a fresh critic's values would be 0
+        critic_iter = tmp_path / "ckpt" / "critic" / "iter_0000002"
+        assert (critic_iter / "value_head.pt").is_file() and (critic_iter / "model.safetensors").is_file()
+        resumed = subprocess.run([*cmd, "--load", str(tmp_path / "ckpt"), "--num-rollout", "4"],
+                                 capture_output=True, text=True, env=_env(), timeout=560, cwd=str(tmp_path))
+        assert resumed.returncode == 0, resumed.stderr[-4000:]
+        values = read_scalars(str(tb_dir), "critic/values")
+        assert sorted(values) == [0, 1, 2, 3] and values[3] != 0.0, values
     else:
         assert read_scalars(str(tb_dir), "train/value_loss") == {}
     assert wait_for_no_new_processes(before) == {}

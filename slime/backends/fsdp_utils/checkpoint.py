@@ -101,8 +101,11 @@ def save_checkpoint(
     rollout_id: int,
     hf_checkpoint: str | None,
     trainer_state: dict,
+    write_folder=None,
 ) -> str:
-    """Collective: every rank must call it. Returns the iteration folder."""
+    """Collective: every rank must call it. Returns the iteration folder. `write_folder(model, full_state,
+    path, hf_checkpoint)` writes the weights on rank 0 (default: an HF causal-LM folder)."""
+    write_folder = write_folder or write_hf_folder
     rank = dist.get_rank()
     path = iteration_dir(save_dir, rollout_id)
     if rank == 0:
@@ -111,7 +114,7 @@ def save_checkpoint(
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        _write_hf_folder(model, full, path, hf_checkpoint)
+        write_folder(model, full, path, hf_checkpoint)
     del full
 
     if optimizer is not None:
@@ -133,10 +136,11 @@ def save_checkpoint(
     return path
 
 
-def _write_hf_folder(model: torch.nn.Module, state: dict[str, torch.Tensor], path: str, hf_checkpoint: str | None):
+def write_hf_folder(model: torch.nn.Module, state: dict[str, torch.Tensor], path: str, hf_checkpoint: str | None,
+                     config=None):
     from safetensors.torch import save_file
 
-    config = model.config
+    config = config if config is not None else model.config
     tied = bool(getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
                         "tie_word_embeddings", False))
     if tied and "lm_head.weight" in state:

@@ -3,16 +3,20 @@
 The value model is the policy's architecture without its LM head: the transformers base model
 (`AutoModelForCausalLM(...).base_model`, the body of the causal LM) plus `nn.Linear(hidden_size, 1)`, sharded with FSDP2 like
 the actor. V_t, the value of the prefix before response token t, is read at the position that predicts
-token t. The body comes from `--critic-load` when given (an HF folder; a `value_head.pt` there restores the
-head too), else from `--hf-checkpoint`; a fresh head starts at zero, so the first values are 0.
+token t. The body comes from the critic checkpoint under `--load` when there is one, else from `--critic-load`
+(an HF folder; a `value_head.pt` there restores the head too), else from `--hf-checkpoint`; a fresh head
+starts at zero, so the first values are 0.
 
 Per rollout, driven by train.py: `compute_values(batch)` (every row's values, gathered to every rank),
 then, after the actor has turned them into returns, `train(rollout_id, batch, values, returns)`: the value
 loss ½·max((clip(V) − R)², (V − R)²) (`--value-clip`) over the same optimizer steps and micro-batches as
 the actor, AdamW with `--critic-lr` (default `--lr`).
 
-Simplifications: the critic is not checkpointed (`--save` writes the actor only; a resumed run restarts
-the critic from `--critic-load` / `--hf-checkpoint`); no offloading between actor and critic.
+Checkpoints: with `--save`, the critic is saved with the actor under `SAVE/critic/` in the same layout
+(`iter_XXXXXXX/` with the body as an HF folder, `value_head.pt`, the optimizer state and trainer state;
+`latest_checkpointed_iteration.txt` written last), and `--load DIR` resumes it from `DIR/critic/`.
+
+Simplification: no offloading between actor and critic.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from slime.utils.types import TrainBatch
 logger = logging.getLogger(__name__)
 
 VALUE_HEAD_FILE = "value_head.pt"
+CRITIC_DIR = "critic"  # the critic's checkpoints, under --save / --load
 
 
 class ValueModel(torch.nn.Module):
@@ -76,6 +81,15 @@ def load_value_model(path: str) -> ValueModel:
     return model
 
 
+def write_value_model_folder(model: torch.nn.Module, state: dict[str, torch.Tensor], path: str,
+                             hf_checkpoint: str | None) -> None:
+    """The body as an HF folder (base-model names, which the causal LM's from_pretrained accepts) plus the head."""
+    body = {k.removeprefix("body."): v for k, v in state.items() if k.startswith("body.")}
+    head = {k.removeprefix("value_head."): v for k, v in state.items() if k.startswith("value_head.")}
+    checkpoint.write_hf_folder(model.body, body, path, hf_checkpoint, config=model.body.config)
+    torch.save(head, os.path.join(path, VALUE_HEAD_FILE))
+
+
 def critic_args(args: Any) -> argparse.Namespace:
     """The actor's args with the critic's learning rate."""
     critic_lr = getattr(args, "critic_lr", None)
@@ -88,12 +102,20 @@ class FSDPCriticRayActor(TrainRayActor):
             raise ValueError(f"FSDPCriticRayActor: role {role!r}; the actor is FSDPTrainRayActor (actor.py)")
         self.args = critic_args(args)
         setup_rank(self, self.args)
-        path = getattr(args, "critic_load", None) or args.hf_checkpoint
+        load = getattr(args, "load", None)
+        ckpt = checkpoint.find_checkpoint(os.path.join(load, CRITIC_DIR)) if load else None
+        path = ckpt.path if ckpt else (getattr(args, "critic_load", None) or args.hf_checkpoint)
         model = load_value_model(path)
         self.model = shard_model(model, model.body, self.mesh, self.device, path)
         self.optimizer = make_optimizer(self.model, self.args, self.args.lr)
         self.global_step = 0
-        return 0
+        if ckpt is None:
+            return 0
+        if not getattr(args, "no_load_optim", False):
+            checkpoint.load_optimizer(self.model, self.optimizer, ckpt.path)
+        self.global_step = int(ckpt.trainer_state.get("global_step", 0))
+        logger.info("critic rank %d: resumed from %s (rollout %d)", self.rank, ckpt.path, ckpt.iteration)
+        return ckpt.iteration + 1
 
     def _plan(self, batch: TrainBatch) -> list[list[list[int]]]:
         steps = rows_per_step(len(batch), self.args.global_batch_size, self.world_size, self.rank)
@@ -156,10 +178,14 @@ class FSDPCriticRayActor(TrainRayActor):
                 totals[k] += v
         return {k: v / len(plan) for k, v in totals.items()}
 
-    # The critic has no weights to push and is not checkpointed (module docstring).
     def update_weights(self, engines: list[Any], weight_version: int) -> None:
         raise NotImplementedError("the critic's weights are never sent to the rollout engines")
 
     def save(self, rollout_id: int) -> None:
-        logger.warning("critic rank %d: the critic is not checkpointed (rollout %d)", self.rank, rollout_id)
+        if not getattr(self.args, "save", None):
+            raise ValueError("save() called without --save; pass --save DIR to write checkpoints")
+        optimizer = None if getattr(self.args, "no_save_optim", False) else self.optimizer
+        checkpoint.save_checkpoint(self.model, optimizer, os.path.join(self.args.save, CRITIC_DIR), rollout_id,
+                                   self.args.hf_checkpoint, {"global_step": self.global_step},
+                                   write_folder=write_value_model_folder)
 
