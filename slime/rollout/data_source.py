@@ -3,7 +3,11 @@ of groups handed back by the rollout (`RolloutDataSourceWithBuffer`).
 
 A group is `n_samples_per_prompt` deep copies of one prompt `Sample`, numbered with a running
 `group_index` and a running sample `index`. Epochs wrap: when the dataset is used up the next epoch
-starts, reshuffled with `--rollout-seed + epoch` when `--rollout-shuffle` is set.
+starts, reshuffled with `--rollout-seed + epoch` when `--rollout-shuffle` is set. The dataset is a
+`slime.utils.data.Dataset` (every prompt built when the source is made, with `--num-data-workers`
+processes), or with `--streaming-data` a `StreamingDataset` that reads, templates and length-filters
+prompts as they are handed out; there the offset counts rows of the file (over-long prompts are skipped
+when read) and the shuffle is windowed (see `StreamingDataset`).
 
 State (dataset offset, epoch, counters and, unlike slime, the buffer) is written at each checkpoint as
 JSON to `{--save}/rollout/data_source_state_{rollout_id}.json` and read back from `--load`, so a resumed
@@ -51,21 +55,23 @@ class RolloutDataSource:
     def _load_dataset(args):
         from transformers import AutoTokenizer
 
-        from slime.utils.data import Dataset
+        from slime.utils.data import Dataset, StreamingDataset
 
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
-        return Dataset(
-            args.prompt_data,
-            tokenizer=tokenizer,
-            max_prompt_len=getattr(args, "rollout_max_prompt_len", None),
-            input_key=getattr(args, "input_key", "input"),
-            label_key=getattr(args, "label_key", None),
-            metadata_key=getattr(args, "metadata_key", None),
-            tool_key=getattr(args, "tool_key", None),
-            apply_chat_template=getattr(args, "apply_chat_template", False),
-            apply_chat_template_kwargs=getattr(args, "apply_chat_template_kwargs", None),
-            seed=getattr(args, "rollout_seed", 42),
-        )
+        common = {
+            "tokenizer": tokenizer,
+            "max_prompt_len": getattr(args, "rollout_max_prompt_len", None),
+            "input_key": getattr(args, "input_key", "input"),
+            "label_key": getattr(args, "label_key", None),
+            "metadata_key": getattr(args, "metadata_key", None),
+            "tool_key": getattr(args, "tool_key", None),
+            "apply_chat_template": getattr(args, "apply_chat_template", False),
+            "apply_chat_template_kwargs": getattr(args, "apply_chat_template_kwargs", None),
+            "seed": getattr(args, "rollout_seed", 42),
+        }
+        if getattr(args, "streaming_data", False):
+            return StreamingDataset(args.prompt_data, **common)
+        return Dataset(args.prompt_data, num_workers=getattr(args, "num_data_workers", 1) or 1, **common)
 
     @property
     def dataset_size(self) -> int:
@@ -75,6 +81,7 @@ class RolloutDataSource:
         if self.dataset is None:
             return [Sample() for _ in range(num_groups)]
         prompts: list[Sample] = []
+        fruitless = 0  # positions read in a row that gave no prompt (a streaming dataset drops long ones on read)
         while len(prompts) < num_groups:
             if self.sample_offset >= len(self.dataset):
                 self.epoch_id += 1
@@ -82,8 +89,15 @@ class RolloutDataSource:
                 if getattr(self.args, "rollout_shuffle", False):
                     self.dataset.shuffle(self.epoch_id)
             take = min(num_groups - len(prompts), len(self.dataset) - self.sample_offset)
-            prompts.extend(self.dataset.samples[self.sample_offset : self.sample_offset + take])
+            got = self.dataset.read(self.sample_offset, self.sample_offset + take)
             self.sample_offset += take
+            prompts.extend(got)
+            fruitless = 0 if got else fruitless + take
+            if fruitless >= 2 * len(self.dataset):  # two epochs' worth of positions always span one whole epoch
+                raise ValueError(
+                    f"--prompt-data {self.args.prompt_data}: no prompts left (every prompt is longer than "
+                    f"--rollout-max-prompt-len={getattr(self.args, 'rollout_max_prompt_len', None)})"
+                )
         return prompts
 
     def get_samples(self, num_groups: int) -> list[list[Sample]]:
@@ -116,9 +130,17 @@ class RolloutDataSource:
             "epoch_id": self.epoch_id,
             "sample_group_index": self.sample_group_index,
             "sample_index": self.sample_index,
+            "dataset_size": self.dataset_size,
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("dataset_size", self.dataset_size) != self.dataset_size:
+            logger.warning(
+                "data source state was saved with %d prompts in --prompt-data, now there are %d: the restored "
+                "offset points into a different dataset, so the next prompts differ from the interrupted run's",
+                state["dataset_size"],
+                self.dataset_size,
+            )
         self.sample_offset = state["sample_offset"]
         self.epoch_id = state["epoch_id"]
         self.sample_group_index = state["sample_group_index"]

@@ -25,6 +25,8 @@ import copy
 import os
 from typing import Any
 
+from slime.utils.data import parse_prompt_path
+
 # dataset key -> (type check, the args attribute it overrides)
 _OVERRIDES: dict[str, tuple[tuple[type, ...], str]] = {
     "input_key": ((str,), "eval_input_key"),
@@ -70,7 +72,11 @@ def _check_dataset(where: str, ds: Any, base_dir: str) -> dict:
     out = dict(ds)
     if not os.path.isabs(out["path"]):
         out["path"] = os.path.join(base_dir, out["path"])
-    if not os.path.isfile(out["path"]):
+    try:
+        file, _ = parse_prompt_path(out["path"], f"{where}: path")
+    except ValueError as e:
+        raise EvalConfigError(str(e)) from None
+    if not os.path.isfile(file):
         raise EvalConfigError(f"{where}: path {ds['path']!r}: no such file")
     return out
 

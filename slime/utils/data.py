@@ -6,18 +6,35 @@ Each row gives the prompt under `input_key` (a string or a list of chat messages
 string by the tokenizer's chat template (a plain string becomes a single user message); without it the
 prompt is kept as given. Prompts longer than `max_prompt_len` tokens are dropped with a logged count.
 
-Simplifications: the whole file is read into memory; tools found in a row are also kept in
-`metadata["tools"]` so custom generate functions can use them; the `Sample.tokens` are left empty
-(the generate function tokenises the prompt).
+`PATH@[start:end]` takes a Python slice of the file's rows (blank lines are not rows) before anything
+else happens to them. A JSONL file is first indexed by the byte offsets of its rows (8 bytes a row); rows
+are then read back by offset, so only the selected rows are parsed.
+
+- `Dataset` builds every `Sample` up front, optionally in `num_workers` processes (each loads the
+  tokenizer once from its `name_or_path`); the result does not depend on the number of workers.
+- `StreamingDataset` (`--streaming-data`, JSONL only) keeps just the offsets and builds samples when they
+  are read; its shuffle permutes windows of `STREAMING_WINDOW` rows and the rows within each window.
+
+Simplifications: parquet files are read whole; tools found in a row are also kept in `metadata["tools"]`
+so custom generate functions can use them; the `Sample.tokens` are left empty (the generate function
+tokenises the prompt).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import multiprocessing
 import os
 import random
-from collections.abc import Iterator
+import re
+from array import array
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from typing import Any
 
 from slime.utils.types import Sample
@@ -25,53 +42,293 @@ from slime.utils.types import Sample
 logger = logging.getLogger(__name__)
 
 _TOKENIZE_CHUNK = 1024
+STREAMING_WINDOW = 10_000
+
+_SLICE = re.compile(r"^(?P<path>.+)@\[(?P<start>[^:\]]*):(?P<stop>[^:\]]*)\]$")
 
 
-def _read_rows(path: str) -> Iterator[tuple[str, dict]]:
-    """Yield (where, row) with `where` = "path:line" (1-based) for error messages."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--prompt-data {path}: file not found")
-    if path.endswith(".parquet"):
+def parse_prompt_path(value: str, flag: str = "--prompt-data") -> tuple[str, slice | None]:
+    """`data.jsonl@[start:end]` -> ("data.jsonl", slice(start, end)); a plain path -> (path, None)."""
+    if "@[" not in value or os.path.exists(value):
+        return value, None
+    match = _SLICE.match(value)
+    try:
+        bounds = [int(x) if x.strip() else None for x in (match["start"], match["stop"])] if match else None
+    except ValueError:
+        bounds = None
+    if bounds is None:
+        raise ValueError(
+            f"{flag} {value}: malformed row slice; write PATH@[start:end] with optional integers "
+            "(negative ones count from the end), e.g. data.jsonl@[0:1000] or data.jsonl@[-200:]"
+        )
+    return match["path"], slice(*bounds)
+
+
+# --- reading rows ----------------------------------------------------------------------------------------
+# A row travels as (loc, raw): raw is the line's bytes (JSONL) or a dict (parquet); loc is (path, offset)
+# for JSONL, turned into "path:line" only when an error needs it, or the "path:row i" string for parquet.
+
+
+def index_lines(path: str) -> array:
+    """Byte offsets of the non-blank lines of `path`."""
+    offsets = array("q")
+    pos = 0
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                offsets.append(pos)
+            pos += len(line)
+    return offsets
+
+
+def _line_number(path: str, offset: int) -> int:
+    count, left = 1, offset
+    with open(path, "rb") as f:
+        while left > 0:
+            block = f.read(min(left, 1 << 20))
+            if not block:
+                break
+            count += block.count(b"\n")
+            left -= len(block)
+    return count
+
+
+def _where(loc) -> str:
+    return loc if isinstance(loc, str) else f"{loc[0]}:{_line_number(*loc)}"
+
+
+class _JsonlRows:
+    """The rows of a JSONL file (or a slice of them), held as byte offsets: 8 bytes a row."""
+
+    def __init__(self, path: str, rows: slice | None):
+        self.path = path
+        self.offsets = index_lines(path)
+        if rows is not None:
+            self.offsets = self.offsets[rows]
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def items(self, positions: Iterable[int]) -> list[tuple[Any, Any]]:
+        out = []
+        with open(self.path, "rb") as f:
+            for i in positions:
+                f.seek(self.offsets[i])
+                out.append(((self.path, self.offsets[i]), f.readline()))
+        return out
+
+
+class _ParquetRows:
+    def __init__(self, path: str, rows: slice | None):
         try:
             import pyarrow.parquet as pq
         except ImportError as e:
-            raise ImportError(
-                f"{path}: reading parquet needs pyarrow (pip install pyarrow), or convert to JSONL"
-            ) from e
-        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-            yield f"{path}:row {i}", row
-        return
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{where}: malformed JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
-                ) from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
-            yield where, row
+            raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow), or convert to JSONL") from e
+        table = pq.read_table(path).to_pylist()
+        numbers = range(1, len(table) + 1)
+        self.rows = list(zip((f"{path}:row {i}" for i in numbers), table))
+        if rows is not None:
+            self.rows = self.rows[rows]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def items(self, positions: Iterable[int]) -> list[tuple[Any, Any]]:
+        return [self.rows[i] for i in positions]
 
 
-def _require(row: dict, key: str, flag: str, where: str) -> Any:
+def _open_rows(path: str, rows: slice | None, flag: str):
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{flag} {path}: file not found")
+    return _ParquetRows(path, rows) if path.endswith(".parquet") else _JsonlRows(path, rows)
+
+
+# --- rows -> samples ------------------------------------------------------------------------------------
+
+
+class _RowError(ValueError):
+    """A problem with one row; the caller prefixes its file:line."""
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """How a row becomes a `Sample` (the key and template flags, and the length limit)."""
+
+    input_key: str
+    label_key: str | None = None
+    metadata_key: str | None = None
+    tool_key: str | None = None
+    apply_chat_template: bool = False
+    template_kwargs: dict | None = None
+    max_prompt_len: int | None = None
+
+
+def _parse(raw) -> dict:
+    if isinstance(raw, (bytes, str)):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise _RowError(
+                f"malformed JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
+            ) from None
+        if not isinstance(raw, dict):
+            raise _RowError(f"expected a JSON object per line, got {type(raw).__name__}")
+    return raw
+
+
+def _require(row: dict, key: str, flag: str) -> Any:
     if key not in row:
-        raise ValueError(f"{where}: missing key '{key}' ({flag} {key}); keys present: {sorted(row)}")
+        raise _RowError(f"missing key '{key}' ({flag} {key}); keys present: {sorted(row)}")
     return row[key]
 
 
-def _maybe_json(value: Any, expected: type, what: str, where: str) -> Any:
+def _maybe_json(value: Any, expected: type, what: str) -> Any:
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError:
-            raise ValueError(f"{where}: {what} is a string that is not valid JSON") from None
+            raise _RowError(f"{what} is a string that is not valid JSON") from None
     if value is not None and not isinstance(value, expected):
-        raise ValueError(f"{where}: {what} must be a {expected.__name__}, got {type(value).__name__}")
+        raise _RowError(f"{what} must be a {expected.__name__}, got {type(value).__name__}")
     return value
+
+
+def _to_sample(raw, fmt: RowFormat, tokenizer) -> Sample:
+    row = _parse(raw)
+    prompt = _require(row, fmt.input_key, "--input-key")
+    if not isinstance(prompt, (str, list)):
+        raise _RowError(
+            f"'{fmt.input_key}' must be a string or a list of chat messages, got {type(prompt).__name__}"
+        )
+    label = _require(row, fmt.label_key, "--label-key") if fmt.label_key else None
+    metadata = {}
+    if fmt.metadata_key:
+        metadata = dict(_maybe_json(row.get(fmt.metadata_key), dict, f"'{fmt.metadata_key}' (--metadata-key)") or {})
+    tools = _maybe_json(row.get(fmt.tool_key), list, f"'{fmt.tool_key}' (--tool-key)") if fmt.tool_key else None
+    if tools:
+        metadata.setdefault("tools", tools)
+    if fmt.apply_chat_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        try:
+            prompt = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, tools=tools or None, **(fmt.template_kwargs or {})
+            )
+        except Exception as e:
+            raise _RowError(f"chat template failed: {type(e).__name__}: {e}") from e
+    return Sample(prompt=prompt, label=label, metadata=metadata)
+
+
+def _prompt_lengths(samples: list[Sample], tokenizer, template_kwargs: dict | None) -> list[int]:
+    texts = [
+        s.prompt
+        if isinstance(s.prompt, str)
+        # messages kept as-is (no --apply-chat-template): measure them the way a model would see them
+        else tokenizer.apply_chat_template(s.prompt, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
+        for s in samples
+    ]
+    lengths: list[int] = []
+    for start in range(0, len(texts), _TOKENIZE_CHUNK):
+        ids = tokenizer(texts[start : start + _TOKENIZE_CHUNK], add_special_tokens=False)["input_ids"]
+        lengths.extend(len(x) for x in ids)
+    return lengths
+
+
+def build_samples(items: list[tuple[Any, Any]], fmt: RowFormat, tokenizer) -> tuple[list[Sample], int]:
+    """The samples of `items` ((loc, raw) rows) in order, minus prompts over the limit; and that count."""
+    samples = []
+    for loc, raw in items:
+        try:
+            samples.append(_to_sample(raw, fmt, tokenizer))
+        except _RowError as e:
+            raise ValueError(f"{_where(loc)}: {e}") from e.__cause__
+    if fmt.max_prompt_len is None or tokenizer is None:
+        return samples, 0
+    lengths = _prompt_lengths(samples, tokenizer, fmt.template_kwargs)
+    kept = [s for s, n in zip(samples, lengths) if n <= fmt.max_prompt_len]
+    return kept, len(samples) - len(kept)
+
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer_path: str | None) -> None:
+    global _worker_tokenizer
+    if tokenizer_path:
+        from transformers import AutoTokenizer
+
+        _worker_tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=True)
+
+
+def _build_in_worker(items, fmt: RowFormat):
+    return build_samples(items, fmt, _worker_tokenizer)
+
+
+def _build_all(rows, fmt: RowFormat, tokenizer, num_workers: int) -> tuple[list[Sample], int]:
+    """Every row of `rows` as samples, in chunks; with `num_workers` > 1 the chunks go to spawned worker
+    processes and come back in order. Spawn, not fork: the caller may be a threaded Ray actor. Each worker
+    starts by importing transformers and loading the tokenizer (seconds), so workers pay off on big files."""
+    n = len(rows)
+    size = _TOKENIZE_CHUNK if num_workers <= 1 else max(1, min(_TOKENIZE_CHUNK, math.ceil(n / (4 * num_workers))))
+    chunks = (range(start, min(start + size, n)) for start in range(0, n, size))
+    samples: list[Sample] = []
+    dropped = 0
+
+    def collect(result):
+        nonlocal dropped
+        samples.extend(result[0])
+        dropped += result[1]
+
+    if num_workers <= 1 or n == 0:
+        for chunk in chunks:
+            collect(build_samples(rows.items(chunk), fmt, tokenizer))
+        return samples, dropped
+
+    tokenizer_path = getattr(tokenizer, "name_or_path", None) if tokenizer is not None else None
+    if tokenizer is not None and not tokenizer_path:
+        raise ValueError(f"--num-data-workers {num_workers}: the tokenizer has no name_or_path for the workers to "
+                         "load it from; load it with from_pretrained(path) or use --num-data-workers 1")  # fmt: skip
+    pool = ProcessPoolExecutor(
+        num_workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(tokenizer_path,),
+    )
+    try:
+        pending = deque()
+        for chunk in chunks:
+            pending.append(pool.submit(_build_in_worker, rows.items(chunk), fmt))
+            if len(pending) >= 2 * num_workers:  # bounded read-ahead: raw rows are not all held at once
+                collect(pending.popleft().result())
+        while pending:
+            collect(pending.popleft().result())
+    except BrokenProcessPool as e:
+        raise RuntimeError(
+            f"--num-data-workers {num_workers}: a worker process died ({e}). Workers are spawned, which re-imports "
+            "the main module: run from a script file (not stdin) with its entry point under "
+            "`if __name__ == '__main__':`, or use --num-data-workers 1."
+        ) from e
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return samples, dropped
+
+
+def _row_format(tokenizer, max_prompt_len, input_key, label_key, metadata_key, tool_key, apply_chat_template,
+                apply_chat_template_kwargs) -> RowFormat:  # fmt: skip
+    if apply_chat_template and tokenizer is None:
+        raise ValueError("--apply-chat-template needs a tokenizer (--hf-checkpoint)")
+    if isinstance(apply_chat_template_kwargs, str):
+        apply_chat_template_kwargs = json.loads(apply_chat_template_kwargs)
+    return RowFormat(input_key, label_key, metadata_key, tool_key, apply_chat_template,
+                     dict(apply_chat_template_kwargs or {}), max_prompt_len)  # fmt: skip
+
+
+def _log_dropped(where: str, dropped: int, total: int, max_prompt_len) -> None:
+    if dropped:
+        logger.warning("%s: dropped %d of %d prompts longer than --rollout-max-prompt-len=%d tokens",
+                       where, dropped, total, max_prompt_len)  # fmt: skip
+
+
+# --- datasets -------------------------------------------------------------------------------------------
 
 
 class Dataset:
@@ -89,74 +346,19 @@ class Dataset:
         apply_chat_template: bool = False,
         apply_chat_template_kwargs: dict | str | None = None,
         seed: int = 42,
+        num_workers: int = 1,
+        flag: str = "--prompt-data",
     ):
-        if apply_chat_template and tokenizer is None:
-            raise ValueError("--apply-chat-template needs a tokenizer (--hf-checkpoint)")
-        if isinstance(apply_chat_template_kwargs, str):
-            apply_chat_template_kwargs = json.loads(apply_chat_template_kwargs)
+        fmt = _row_format(tokenizer, max_prompt_len, input_key, label_key, metadata_key, tool_key,
+                          apply_chat_template, apply_chat_template_kwargs)  # fmt: skip
         self.path = path
         self.seed = seed
-        template_kwargs = dict(apply_chat_template_kwargs or {})
-
-        samples: list[Sample] = []
-        for where, row in _read_rows(path):
-            prompt = _require(row, input_key, "--input-key", where)
-            if not isinstance(prompt, (str, list)):
-                raise ValueError(
-                    f"{where}: '{input_key}' must be a string or a list of chat messages, got {type(prompt).__name__}"
-                )
-            label = _require(row, label_key, "--label-key", where) if label_key else None
-            metadata = (
-                _maybe_json(row.get(metadata_key), dict, f"'{metadata_key}' (--metadata-key)", where)
-                if metadata_key
-                else None
-            )
-            metadata = dict(metadata or {})
-            tools = _maybe_json(row.get(tool_key), list, f"'{tool_key}' (--tool-key)", where) if tool_key else None
-            if tools:
-                metadata.setdefault("tools", tools)
-            if apply_chat_template:
-                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-                try:
-                    prompt = tokenizer.apply_chat_template(
-                        messages, tokenize=False, add_generation_prompt=True, tools=tools or None, **template_kwargs
-                    )
-                except Exception as e:
-                    raise ValueError(f"{where}: chat template failed: {type(e).__name__}: {e}") from e
-            samples.append(Sample(prompt=prompt, label=label, metadata=metadata))
-
-        if max_prompt_len is not None and tokenizer is not None:
-            samples = self._drop_long(samples, tokenizer, max_prompt_len, template_kwargs)
+        rows = _open_rows(*parse_prompt_path(path, flag), flag)
+        samples, dropped = _build_all(rows, fmt, tokenizer, num_workers)
+        _log_dropped(path, dropped, len(rows), max_prompt_len)
+        self.dropped = dropped
         self.origin_samples = samples
         self.samples = list(samples)
-
-    def _drop_long(self, samples: list[Sample], tokenizer, max_prompt_len: int, template_kwargs: dict) -> list[Sample]:
-        texts = []
-        for s in samples:
-            if isinstance(s.prompt, str):
-                texts.append(s.prompt)
-            else:
-                # messages kept as-is (no --apply-chat-template): measure them the way a model would see them
-                texts.append(
-                    tokenizer.apply_chat_template(
-                        s.prompt, tokenize=False, add_generation_prompt=True, **template_kwargs
-                    )
-                )
-        lengths: list[int] = []
-        for start in range(0, len(texts), _TOKENIZE_CHUNK):
-            ids = tokenizer(texts[start : start + _TOKENIZE_CHUNK], add_special_tokens=False)["input_ids"]
-            lengths.extend(len(x) for x in ids)
-        kept = [s for s, n in zip(samples, lengths) if n <= max_prompt_len]
-        dropped = len(samples) - len(kept)
-        if dropped:
-            logger.warning(
-                "%s: dropped %d of %d prompts longer than --rollout-max-prompt-len=%d tokens",
-                self.path,
-                dropped,
-                len(samples),
-                max_prompt_len,
-            )
-        return kept
 
     def shuffle(self, epoch: int) -> None:
         """Reorder deterministically from (seed + epoch), independent of earlier shuffles."""
@@ -164,8 +366,83 @@ class Dataset:
         random.Random(self.seed + epoch).shuffle(order)
         self.samples = [self.origin_samples[i] for i in order]
 
+    def read(self, start: int, stop: int) -> list[Sample]:
+        """Samples at positions [start, stop) of the current order."""
+        return self.samples[start:stop]
+
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, idx):
         return self.samples[idx]
+
+
+class StreamingDataset:
+    """A JSONL prompt file read on access: only the rows' byte offsets are held (8 bytes a row).
+
+    `len()` counts rows *before* the length filter (prompts over `max_prompt_len` are dropped when read,
+    so `read` may return fewer samples than positions). `shuffle(epoch)` permutes, from
+    (seed, epoch), the order of the windows of `window` consecutive rows (a short last window stays last)
+    and the rows within each window, computed one window at a time, so memory stays flat.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer,
+        max_prompt_len: int | None,
+        input_key: str,
+        label_key: str | None,
+        metadata_key: str | None = None,
+        tool_key: str | None = None,
+        apply_chat_template: bool = False,
+        apply_chat_template_kwargs: dict | str | None = None,
+        seed: int = 42,
+        window: int = STREAMING_WINDOW,
+        flag: str = "--prompt-data",
+    ):
+        self.fmt = _row_format(tokenizer, max_prompt_len, input_key, label_key, metadata_key, tool_key,
+                               apply_chat_template, apply_chat_template_kwargs)  # fmt: skip
+        real_path, rows = parse_prompt_path(path, flag)
+        if real_path.endswith(".parquet"):
+            raise ValueError(f"{flag} {path}: --streaming-data reads JSONL line by line; convert the parquet file "
+                             "to JSONL or drop --streaming-data")  # fmt: skip
+        self.path, self.tokenizer, self.seed, self.window = path, tokenizer, seed, window
+        self.rows = _open_rows(real_path, rows, flag)
+        self.epoch: int | None = None  # None: file order
+        self._window_order: list[int] = []
+        self._cached: tuple[int, list[int]] | None = None
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def shuffle(self, epoch: int) -> None:
+        self.epoch = epoch
+        full, rest = divmod(len(self.rows), self.window)
+        windows = list(range(full))
+        random.Random(f"{self.seed}:{epoch}").shuffle(windows)
+        self._window_order = windows + [full] * (rest > 0)  # a short last window stays last: positions map simply
+        self._cached = None
+
+    def _row_at(self, position: int) -> int:
+        if self.epoch is None:
+            return position
+        k, within = divmod(position, self.window)
+        w = self._window_order[k]
+        if self._cached is None or self._cached[0] != w:
+            order = list(range(w * self.window, min((w + 1) * self.window, len(self.rows))))
+            random.Random(f"{self.seed}:{self.epoch}:{w}").shuffle(order)
+            self._cached = (w, order)
+        return self._cached[1][within]
+
+    def read(self, start: int, stop: int) -> list[Sample]:
+        """Samples (templated and length-filtered now) at positions [start, stop) of the current order."""
+        items = self.rows.items(self._row_at(i) for i in range(start, min(stop, len(self.rows))))
+        samples, dropped = build_samples(items, self.fmt, self.tokenizer)
+        if dropped:
+            if not self.dropped:
+                logger.warning("%s: prompts longer than --rollout-max-prompt-len=%d tokens are skipped as they are "
+                               "read (running count in StreamingDataset.dropped)", self.path, self.fmt.max_prompt_len)
+            self.dropped += dropped
+        return samples

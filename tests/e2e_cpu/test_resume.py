@@ -42,7 +42,10 @@ def test_resume_gets_the_same_prompts_and_replay_the_same_loss(tiny_model_dir, t
     before = run_processes()
     dump_a, dump_c = str(tmp_path / "a" / "rollout_{rollout_id}.pt"), str(tmp_path / "c" / "rollout_{rollout_id}.pt")
 
-    tb_a = _run(tiny_model_dir, str(data), tmp_path, "a", "--num-rollout", "4", "--save-debug-rollout-data", dump_a)
+    # run a also builds its dataset in 2 worker processes (spawned from the rollout manager's Ray actor); the
+    # other runs use none, so the comparisons below also show that workers change nothing
+    tb_a = _run(tiny_model_dir, str(data), tmp_path, "a", "--num-rollout", "4", "--save-debug-rollout-data", dump_a,
+                "--num-data-workers", "2")
     _run(tiny_model_dir, str(data), tmp_path, "b", "--num-rollout", "2",
          "--save", str(tmp_path / "ckpt"), "--save-interval", "2")
     tb_c = _run(tiny_model_dir, str(data), tmp_path, "c", "--num-rollout", "4", "--load", str(tmp_path / "ckpt"),

@@ -272,6 +272,11 @@ def test_eval_prompt_data_pairs(files):
     assert "--eval-prompt-data gsm8k nope.jsonl: no such file" in error_of(
         base("--eval-prompt-data", "gsm8k", "nope.jsonl")
     )
+    args = parse_args(base("--eval-prompt-data", "gsm8k", "train.jsonl@[-1:]"))
+    assert args.eval_prompt_data == ["gsm8k", "train.jsonl@[-1:]"]
+    assert "malformed row slice" in error_of(base("--eval-prompt-data", "gsm8k", "train.jsonl@[1]"))
+    assert "--prompt-data train.jsonl@[a:b]: malformed row slice" in error_of(
+        without(base(), "--prompt-data") + ["--prompt-data", "train.jsonl@[a:b]"])
 
 
 def test_eval_config_is_read_and_checked_at_parse_time(files):

@@ -13,7 +13,8 @@ import pytest
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from slime.rollout.data_source import RolloutDataSource, RolloutDataSourceWithBuffer
-from slime.utils.data import Dataset
+from slime.utils.arguments import SlimeArgumentError, parse_args
+from slime.utils.data import Dataset, parse_prompt_path
 from slime.utils.types import Sample
 
 HERE = __file__
@@ -114,6 +115,110 @@ def test_dataset_shuffle_is_deterministic(tmp_path, tokenizer):
     assert sorted(s.label for s in a) == sorted(file_order)
     a.shuffle(2)
     assert [s.label for s in a] != [s.label for s in b]
+
+
+# --- row slices: PATH@[start:end] ----------------------------------------------------------------------
+
+
+def test_parse_prompt_path():
+    assert parse_prompt_path("d.jsonl") == ("d.jsonl", None)
+    assert parse_prompt_path("d.jsonl@[2:5]") == ("d.jsonl", slice(2, 5))
+    assert parse_prompt_path("a@[b]/d.jsonl@[:-3]") == ("a@[b]/d.jsonl", slice(None, -3))
+    assert parse_prompt_path("d.jsonl@[-10:]") == ("d.jsonl", slice(-10, None))
+    assert parse_prompt_path("d.jsonl@[:]") == ("d.jsonl", slice(None, None))
+    for bad in ("d.jsonl@[3]", "d.jsonl@[a:b]", "d.jsonl@[1:2:3]", "d.jsonl@[1:2", "d.jsonl@[1.5:]"):
+        with pytest.raises(ValueError, match=r"--eval-prompt-data .*: malformed row slice; write PATH@\[start:end\]"):
+            parse_prompt_path(bad, "--eval-prompt-data")
+
+
+def test_slice_selects_rows_before_filter_and_shuffle(tmp_path, tokenizer):
+    rows = _rows(10)
+    rows[3]["prompt"] = "one two three four five six seven eight nine ten"  # over the limit below
+    path = _write(tmp_path / "d.jsonl", rows[:4] + [""] + rows[4:])  # a blank line is not a row
+
+    def labels(ds):
+        return [s.label for s in ds]
+
+    assert labels(Dataset(f"{path}@[2:6]", tokenizer, None, "prompt", "label")) == ["2", "3", "4", "5"]
+    assert labels(Dataset(f"{path}@[-3:]", tokenizer, None, "prompt", "label")) == ["7", "8", "9"]
+    assert labels(Dataset(f"{path}@[:-8]", tokenizer, None, "prompt", "label")) == ["0", "1"]
+    # the slice is taken first, then the length filter drops row 3 (6 prompts were sliced, 5 are left)
+    assert labels(Dataset(f"{path}@[1:7]", tokenizer, 6, "prompt", "label")) == ["1", "2", "4", "5", "6"]
+    a = Dataset(f"{path}@[5:]", tokenizer, None, "prompt", "label", seed=3)
+    a.shuffle(0)
+    assert sorted(labels(a)) == ["5", "6", "7", "8", "9"]
+    with pytest.raises(ValueError, match=r"--prompt-data .*d\.jsonl@\[x:\]: malformed row slice"):
+        Dataset(f"{path}@[x:]", tokenizer, None, "prompt", "label")
+
+
+def test_errors_name_the_file_line_after_a_slice(tmp_path, tokenizer):
+    path = _write(tmp_path / "bad.jsonl", [{"prompt": "a", "label": "1"}, "", "", {"prompt": "b"}, {"label": "3"}])
+    Dataset(f"{path}@[:1]", tokenizer, None, "prompt", "label")  # the bad rows are not selected: not read
+    with pytest.raises(ValueError, match=r"bad\.jsonl:4: missing key 'label' \(--label-key label\)"):
+        Dataset(f"{path}@[1:]", tokenizer, None, "prompt", "label")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:5: missing key 'prompt' \(--input-key prompt\)"):
+        Dataset(f"{path}@[-1:]", tokenizer, None, "prompt", "label")
+
+
+def _argv(files, *extra):
+    return ["--hf-checkpoint", str(files / "model"), "--rollout-batch-size", "1", "--num-rollout", "1",
+            "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", *extra]  # fmt: skip
+
+
+def test_prompt_data_flag_checks(files):
+    args = parse_args(_argv(files, "--prompt-data", "train.jsonl@[0:1]", "--streaming-data", "--num-data-workers", "2"))
+    assert args.prompt_data == "train.jsonl@[0:1]" and args.streaming_data and args.num_data_workers == 2
+    with pytest.raises(SlimeArgumentError, match=r"--prompt-data train\.jsonl@\[0\]: malformed row slice"):
+        parse_args(_argv(files, "--prompt-data", "train.jsonl@[0]"))
+    with pytest.raises(SlimeArgumentError, match=r"--prompt-data nope\.jsonl: no such file"):
+        parse_args(_argv(files, "--prompt-data", "nope.jsonl@[0:1]"))
+    (files / "train.parquet").write_bytes(b"")
+    with pytest.raises(SlimeArgumentError, match=r"--streaming-data reads JSONL .* convert it to JSONL"):
+        parse_args(_argv(files, "--prompt-data", "train.parquet", "--streaming-data"))
+    with pytest.raises(SlimeArgumentError, match=r"--num-data-workers 0: must be a positive number"):
+        parse_args(_argv(files, "--prompt-data", "train.jsonl", "--num-data-workers", "0"))
+
+
+# --- --num-data-workers --------------------------------------------------------------------------------
+
+
+def _mixed_rows(n):
+    """Plain prompts, chat messages (some with a system turn), tools, JSON-string metadata, some too long."""
+    rows = []
+    for i in range(n):
+        if i % 3 == 0:
+            prompt = [{"role": "user", "content": f"what comes after {i % 10}?"}]
+            if i % 2:
+                prompt.insert(0, {"role": "system", "content": "you are a helpful math tutor"})
+        else:
+            prompt = "what comes after " + " ".join(["one"] * (2 * (i % 13)))  # the longer ones exceed the limit
+        row = {"prompt": prompt, "label": str(i), "meta": json.dumps({"i": i}) if i % 2 else {"i": i}}
+        if i % 7 == 0:
+            row["tools"] = [{"name": "calc"}]
+        rows.append(row)
+    return rows
+
+
+def test_workers_give_the_same_samples_in_the_same_order(tmp_path, tokenizer, caplog):
+    path = _write(tmp_path / "mixed.jsonl", _mixed_rows(300))
+    kw = {"metadata_key": "meta", "tool_key": "tools", "apply_chat_template": True}
+    with caplog.at_level(logging.WARNING):
+        one = Dataset(path, tokenizer, 24, "prompt", "label", num_workers=1, **kw)
+        two = Dataset(path, tokenizer, 24, "prompt", "label", num_workers=2, **kw)
+    assert 0 < one.dropped < 300 and two.dropped == one.dropped
+    assert [s.to_dict() for s in two] == [s.to_dict() for s in one]
+    assert caplog.text.count(f"dropped {one.dropped} of 300 prompts longer than --rollout-max-prompt-len=24") == 2
+    assert any(s.prompt.startswith("<|im_start|>system") for s in one)
+    plain = Dataset(path, None, None, "prompt", "label", metadata_key="meta", num_workers=2)  # no tokenizer at all
+    assert [s.prompt for s in plain] == [r["prompt"] for r in _mixed_rows(300)]
+
+
+def test_worker_errors_name_file_line_and_key(tmp_path, tokenizer):
+    rows = _mixed_rows(200)
+    del rows[150]["label"]
+    path = _write(tmp_path / "bad.jsonl", rows[:100] + [""] + rows[100:])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:152: missing key 'label' \(--label-key label\)"):
+        Dataset(path, tokenizer, None, "prompt", "label", num_workers=2)
 
 
 # --- data sources --------------------------------------------------------------------------------------

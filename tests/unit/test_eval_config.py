@@ -61,3 +61,12 @@ def test_errors_name_the_file_dataset_and_key(data, body, message):
 def test_eval_prompt_data_pairs_without_a_config():
     args = argparse.Namespace(eval_datasets=None, eval_prompt_data=["aime", "/a", "gsm", "/b"])
     assert eval_datasets(args) == [{"name": "aime", "path": "/a"}, {"name": "gsm", "path": "/b"}]
+
+
+
+def test_sliced_eval_paths_are_accepted_and_malformed_ones_named(data):
+    ok = write(data, "eval:\n  datasets:\n    - name: aime\n      path: a.jsonl@[:1]\n")
+    assert load_eval_config(ok)[0]["path"] == str(data / "a.jsonl") + "@[:1]"
+    bad = write(data, "eval:\n  datasets:\n    - name: aime\n      path: a.jsonl@[x]\n")
+    with pytest.raises(EvalConfigError, match=r"datasets\[0\].*malformed row slice"):
+        load_eval_config(bad)

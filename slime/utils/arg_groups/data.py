@@ -47,7 +47,13 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_DATA_SOURCE,
         help="Class handing out prompt groups (and holding the partial-rollout buffer).",
     )
-    g.add_argument("--prompt-data", type=str, default=None, help="Prompt file: JSONL (or parquet).")
+    g.add_argument(
+        "--prompt-data",
+        type=str,
+        default=None,
+        help="Prompt file: JSONL (or parquet). PATH@[start:end] keeps a Python slice of its rows, taken before "
+        "filtering and shuffling (e.g. train.jsonl@[:1000], train.jsonl@[-200:]).",
+    )
     g.add_argument(
         "--apply-chat-template",
         action="store_true",
@@ -72,10 +78,16 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--streaming-data",
         action="store_true",
-        help="Read --prompt-data lazily instead of loading it all (not implemented yet: warns, loads it whole).",
+        help="Read --prompt-data (JSONL) lazily: hold only each row's byte offset (8 bytes a row) and template / "
+        "length-filter prompts as they are handed out; --rollout-shuffle then shuffles windows of 10,000 rows.",
     )
-    g.add_argument("--num-data-workers", type=int, default=1,
-                   help="Processes reading and tokenising prompts (not implemented yet: warns above 1).")
+    g.add_argument(
+        "--num-data-workers",
+        type=int,
+        default=1,
+        help="Processes that parse, chat-template and length-filter --prompt-data when it is loaded whole "
+        "(same prompts in the same order as 1; not used with --streaming-data).",
+    )
     g.add_argument(
         "--start-rollout-id",
         type=int,
@@ -136,13 +148,6 @@ def validate_data(args: argparse.Namespace) -> None:
         logger.info("Both --num-rollout and --num-epoch are set; --num-epoch is ignored.")
     # With only --num-epoch, num_rollout stays None: the data source resolves it once it knows the dataset size.
 
-    # Accepted for command-line compatibility, not acted on yet (issue: rollout side complete); said aloud.
-    if args.streaming_data:
-        logger.warning("--streaming-data is not implemented: --prompt-data is read into memory whole.")
-    if args.num_data_workers > 1:
-        logger.warning("--num-data-workers %d is not implemented: prompts are read and templated in one process "
-                       "(tokenisation uses the fast tokenizer's own threads).", args.num_data_workers)
-
     if args.start_rollout_id is not None and args.start_rollout_id < 0:
         fail(f"--start-rollout-id {args.start_rollout_id}: must be >= 0.")
 
@@ -154,8 +159,8 @@ def validate_data(args: argparse.Namespace) -> None:
             "--prompt-data is required by the default data source: a JSONL file of prompts "
             "(or pass --disable-rollout-global-dataset / --data-source-path for a source of your own)."
         )
-    if not args.debug_train_only:
-        require_existing_file("prompt_data", args.prompt_data)
+    if not args.debug_train_only and args.prompt_data is not None:
+        check_prompt_data(args)
 
     if args.use_dynamic_batch_size:
         if args.max_tokens_per_gpu is None:
@@ -166,6 +171,23 @@ def validate_data(args: argparse.Namespace) -> None:
     resolve_batch_identity(args)
     if not args.debug_rollout_only:
         check_training_divisibility(args)
+
+
+def check_prompt_data(args: argparse.Namespace) -> None:
+    """--prompt-data PATH[@[start:end]] names an existing file; --streaming-data needs it to be JSONL."""
+    from slime.utils.data import parse_prompt_path
+
+    try:
+        path, _ = parse_prompt_path(args.prompt_data, "--prompt-data")
+    except ValueError as e:
+        fail(str(e))
+    require_existing_file("prompt_data", path)
+    if args.streaming_data and path.endswith(".parquet"):
+        fail(f"--streaming-data reads JSONL line by line, but --prompt-data {args.prompt_data} is parquet: "
+             "convert it to JSONL or drop --streaming-data.")  # fmt: skip
+    if args.streaming_data and args.num_data_workers > 1:
+        logger.info("--num-data-workers %d is not used with --streaming-data: prompts are built as they are read.",
+                    args.num_data_workers)  # fmt: skip
 
 
 def _divisors(n: int) -> list[int]:

@@ -73,9 +73,15 @@ def validate_eval(args: argparse.Namespace) -> None:
         duplicates = sorted({x for x in names if names.count(x) > 1})
         if duplicates:
             fail(f"--eval-prompt-data names {duplicates} more than one dataset; give each a distinct name.")
-        for name, path in zip(values[0::2], values[1::2]):
+        from slime.utils.data import parse_prompt_path
+
+        for name, value in zip(values[0::2], values[1::2]):
+            try:
+                path, _ = parse_prompt_path(value, "--eval-prompt-data")
+            except ValueError as e:
+                fail(str(e))
             if not os.path.isfile(path):
-                fail(f"--eval-prompt-data {name} {path}: no such file (cwd: {os.getcwd()}); fix the path.")
+                fail(f"--eval-prompt-data {name} {value}: no such file (cwd: {os.getcwd()}); fix the path.")
         args.eval_prompt_data = values
 
     require_existing_file("eval_config", args.eval_config)
