@@ -115,3 +115,33 @@ def test_one_step_off_generation_overlaps_training(tiny_model_dir, toy_data_path
     for tag in ("perf/train_wait_time_ratio", "perf/rollout_wait_time_ratio"):
         values = read_scalars(str(tmp_path / "tb"), tag)
         assert values and all(0.0 <= v <= 1.0 for v in values.values()), (tag, values)
+
+
+FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("partial", [False, True], ids=["abort-restart", "partial-rollout"])
+def test_fully_async_rollout_versions_at_pushes(tiny_model_dir, toy_data_path, tmp_path, partial):
+    n = 4
+    # Groups must be in flight at the pushes: long responses (up to 512 tokens) keep the 8 groups the worker
+    # relaunches after each collection generating through the training step. --async-buffer-size also lets
+    # the driver collect that many rollouts ahead, so it stays 1: with a large one every collection happened
+    # before the first push after training, and the aborts it caused were never reported.
+    extra = ["--rollout-function-path", FULLY_ASYNC, "--rollout-max-response-len", "512",
+             "--over-sampling-batch-size", "8", "--async-buffer-size", "1"] + (["--partial-rollout"] if partial else [])
+    out = _run(_cmd(tiny_model_dir, toy_data_path, tmp_path, n, *extra), tmp_path)
+    _assert_overlap_and_no_push_mid_generation(_timeline(out), n)
+
+    tb = str(tmp_path / "tb")
+    aborted = sum(read_scalars(tb, "rollout/aborted_groups").values())
+    assert aborted > 0, "no group was in flight at any push: the test proves nothing about versions"
+    samples = [vs for vs in _versions(tmp_path).values() for vs in vs]
+    assert len(samples) == n * 16
+    mixed = [vs for vs in samples if len(set(vs)) > 1]
+    assert sum(read_scalars(tb, "rollout/mixed_version_samples").values()) == len(mixed)
+    if partial:
+        # continued samples list each version they were generated with, oldest first
+        assert all([int(v) for v in vs] == sorted(int(v) for v in vs) for vs in mixed)
+    else:
+        assert mixed == [], f"a response mixes weight versions without --partial-rollout: {mixed[:3]}"
