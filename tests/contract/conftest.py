@@ -73,7 +73,10 @@ def engine(request, tmp_path_factory) -> EngineUnderTest:
 
     model_path = make_tiny_model(str(tmp_path_factory.mktemp("contract") / "tiny-qwen3"), size="tiny", seed=0)
     os.environ.setdefault("SLIME_ENGINE_LOG_DIR", str(tmp_path_factory.mktemp("engine_logs")))
-    eng = HFEngine(argparse.Namespace(hf_checkpoint=model_path, rollout_seed=0, sglang_server_concurrency=16), rank=0)
+    # the disk-update test loads from its own tmp_path: allow this session's temporary folders, as a run's
+    # --save folder is allowed
+    eng = HFEngine(argparse.Namespace(hf_checkpoint=model_path, rollout_seed=0, sglang_server_concurrency=16,
+                                      save=str(tmp_path_factory.getbasetemp())), rank=0)
     try:
         yield EngineUnderTest(eng.init(), model_path, False, same_host=True, **common)
     finally:

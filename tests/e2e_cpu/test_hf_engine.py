@@ -146,6 +146,28 @@ def test_update_weights_from_tensor_and_disk(engine, reference, tiny_model):
     assert version == "v2" and max_diff(restored, before) < TOL
 
 
+def test_update_from_disk_refuses_folders_outside_the_allowed_ones(engine, tiny_model):
+    """Only the folder holding the checkpoint (and --save, SLIME_ENGINE_WEIGHT_DIRS) may be read, also
+    through a symlink placed inside it."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as outside:
+        shutil.copytree(tiny_model, os.path.join(outside, "copy"))
+        with pytest.raises(EngineHTTPError, match="outside the folders this engine may load weights from"):
+            engine.update_weights_from_disk(os.path.join(outside, "copy"), weight_version="evil")
+        link = os.path.join(os.path.dirname(tiny_model), "link-outside")
+        os.symlink(os.path.join(outside, "copy"), link)
+        try:
+            with pytest.raises(EngineHTTPError, match="outside the folders"):
+                engine.update_weights_from_disk(link, weight_version="evil")
+        finally:
+            os.unlink(link)
+    assert engine.get_weight_version() != "evil"
+    resp = httpx.post(engine.get_url() + "/update_weights_from_disk", json={"model_path": "/etc"}, timeout=30)
+    assert resp.status_code in (400, 403)
+
+
 @pytest.mark.timeout(120)
 def test_pause_abort_release(engine):
     url = engine.get_url()

@@ -17,6 +17,16 @@ from slime.backends.server_engine import ServerEngine
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
+def weight_dirs(args) -> list[str]:
+    """Folders the server may load weights from (update_weights_from_disk): the one holding --hf-checkpoint,
+    --save, and any listed in SLIME_ENGINE_WEIGHT_DIRS (os.pathsep-separated)."""
+    dirs = [os.path.dirname(os.path.abspath(str(args.hf_checkpoint)))]
+    if getattr(args, "save", None):
+        dirs.append(os.path.abspath(args.save))
+    dirs += [d for d in os.environ.get("SLIME_ENGINE_WEIGHT_DIRS", "").split(os.pathsep) if d]
+    return dirs
+
+
 class HFEngine(ServerEngine):
     name = "hf-engine"
 
@@ -34,7 +44,8 @@ class HFEngine(ServerEngine):
                 "--device", "cuda" if cuda else "cpu", "--dtype", "bfloat16" if cuda else "float32",
                 "--max-running-requests", str(getattr(self.args, "sglang_server_concurrency", None) or 64),
                 "--random-seed", str(seed),
-                "--num-threads", os.environ.get("SLIME_ENGINE_NUM_THREADS", "1")]
+                "--num-threads", os.environ.get("SLIME_ENGINE_NUM_THREADS", "1"),
+                "--weight-dirs", *weight_dirs(self.args)]
 
     def launch_env(self) -> dict[str, str]:
         env = super().launch_env()

@@ -52,9 +52,10 @@ class EngineState:
     """Everything the endpoints share: model, tokenizer, scheduler, weight version, released tags."""
 
     def __init__(self, model, tokenizer, scheduler: Scheduler, *, model_path: str, device: str, dtype: str,
-                 weight_version: str = "default"):
+                 weight_version: str = "default", weight_dirs: list[str] | None = None):
         self.model, self.tokenizer, self.scheduler = model, tokenizer, scheduler
         self.model_path, self.device, self.dtype = model_path, device, dtype
+        self.weight_dirs = weight_dirs or [os.path.dirname(os.path.abspath(model_path))]
         self.weight_version = weight_version
         self.released: set[str] = set()
         self.update_groups: dict[str, tuple[object, str]] = {}  # group_name -> (process group, backend)
@@ -319,6 +320,8 @@ def build_app(state: EngineState) -> FastAPI:
         path = body.get("model_path")
         try:
             n = await run_in_threadpool(_load_from_disk, state, path)
+        except PermissionError as e:
+            return _error(403, str(e))
         except (ValueError, FileNotFoundError) as e:
             return _error(400, str(e))
         if body.get("weight_version") is not None:
@@ -422,11 +425,24 @@ async def _json_or_empty(http: HTTPRequest) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def check_weight_dir(path: str, allowed: list[str]) -> None:
+    """Refuse a folder outside every allowed one (symlinks resolved), so the endpoint cannot read arbitrary files."""
+    real = os.path.realpath(path)
+    for root in allowed:
+        root = os.path.realpath(root)
+        if real == root or real.startswith(root + os.sep):
+            return
+    raise PermissionError(f"update_weights_from_disk: {path!r} is outside the folders this engine may load weights "
+                          f"from ({allowed}); start it with --weight-dirs naming its parent (slime: "
+                          "SLIME_ENGINE_WEIGHT_DIRS)")
+
+
 def _load_from_disk(state: EngineState, path: str | None) -> int:
     from safetensors import safe_open
 
     if not path or not os.path.isdir(path):
         raise FileNotFoundError(f"update_weights_from_disk: model_path {path!r} is not a folder")
+    check_weight_dir(path, state.weight_dirs)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"update_weights_from_disk: no *.safetensors files in {path}")
@@ -480,6 +496,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--random-seed", type=int, default=0, help="per-request generators derive from it")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--weight-version", default="default")
+    p.add_argument("--weight-dirs", nargs="+", default=None,
+                   help="folders update_weights_from_disk may read (default: the folder holding --model-path)")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -504,7 +522,7 @@ def main(argv=None) -> None:
                           random_seed=args.random_seed, max_context_len=max_ctx,
                           max_prefill_tokens=args.max_prefill_tokens)
     state = EngineState(model, tokenizer, scheduler, model_path=args.model_path, device=args.device,
-                        dtype=args.dtype, weight_version=args.weight_version)
+                        dtype=args.dtype, weight_version=args.weight_version, weight_dirs=args.weight_dirs)
     scheduler.start()
     logger.info("loaded %s (%s, %s) in %.1f s; serving on http://%s:%d", args.model_path, args.device, args.dtype,
                 time.time() - t0, args.host, args.port)
