@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import glob
 import json
 import logging
@@ -507,6 +508,7 @@ def main(argv=None) -> None:
 
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    faulthandler.enable()  # a hard crash (SIGSEGV, SIGABRT) leaves its Python stack in the engine's log
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     if args.device.startswith("cuda"):
