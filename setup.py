@@ -17,7 +17,9 @@ setup(
         # 0.16.1 is the newest wheel for Python 3.11; GPU machines with Python 3.12 take 0.19.x.
         "megatron": ["megatron-core>=0.16.1"],
         "sglang": ["sglang>=0.5.0"],
+        # tools/plot_metrics.py (TensorBoard scalars -> PNG).
+        "plot": ["matplotlib==3.11.2"],
         # megatron-core runs in the CPU tests through tests/megatron_cpu_shim.py.
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "megatron-core>=0.16.1"],
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "megatron-core>=0.16.1", "matplotlib==3.11.2"],
     },
 )

@@ -1,0 +1,189 @@
+"""Plot a run's TensorBoard scalars to PNG files (matplotlib, Agg backend: no display needed).
+
+    python tools/plot_metrics.py outputs/tensorboard/slime/<run> [--out DIR] [--smooth N]
+    python tools/plot_metrics.py RUN_A RUN_B --labels sync async --out plots/   # compare runs
+    python tools/plot_metrics.py RUN --tags 'rollout/response_len/*' train/grad_norm
+
+By default one figure per group (reward, kl, response_len, timing, loss), with one panel per tag and, in each
+panel, one line per run (the legend names the runs), against the step, which is the rollout id. `--tags`
+replaces the groups with one figure of the given tags. Tag names may be shell-style patterns (`perf/*_time`).
+Tags a run lacks are skipped with a note; a group none of the runs has is skipped. Writes
+`<out>/<prefix><group>.png` and prints each path.
+
+Simplifications: `--smooth N` is a trailing moving average over the last N logged points (not over N steps,
+which differ where steps are missing, e.g. eval every k rollouts); the raw values stay drawn, faint. Every
+event file under a run dir counts (as in `read_scalars`), so a restarted run that logs again into the same
+dir shows the later value of a step. Needs `pip install -e .[plot]` (matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import glob
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from slime.utils.tracking import read_scalars
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "reward": ("rollout/raw_reward", "eval/*"),
+    "kl": ("train/kl_loss", "train/ppo_kl"),
+    "response_len": ("rollout/response_len/mean", "rollout/response_len/max"),
+    "timing": ("perf/*_time",),
+    "loss": ("train/loss", "train/pg_loss", "train/entropy_loss"),
+}
+
+
+class PlotError(Exception):
+    """A user-facing error: printed as `error: ...` and exit status 2."""
+
+
+def event_files(run_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(run_dir, "**", "events.out.tfevents.*"), recursive=True))
+
+
+def list_scalar_tags(run_dir: str) -> set[str]:
+    """Every scalar tag in the event files under `run_dir`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: set[str] = set()
+    for path in event_files(run_dir):
+        acc = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 1, "histograms": 1, "images": 1})
+        acc.Reload()
+        tags.update(acc.Tags()["scalars"])
+    return tags
+
+
+def match_tags(patterns: tuple[str, ...] | list[str], available: set[str]) -> list[str]:
+    """The available tags each pattern names, in pattern order (sorted within a pattern), each once."""
+    out: list[str] = []
+    for pattern in patterns:
+        for tag in sorted(fnmatch.filter(available, pattern)):
+            if tag not in out:
+                out.append(tag)
+    return out
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def run_labels(run_dirs: list[str], labels: list[str] | None) -> list[str]:
+    if labels is not None:
+        if len(labels) != len(run_dirs):
+            raise PlotError(f"--labels has {len(labels)} names for {len(run_dirs)} run dirs; give one per run dir")
+        return labels
+    names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    return names if len(set(names)) == len(names) else [os.path.normpath(d) for d in run_dirs]
+
+
+def plot_figure(title: str, tags: list[str], runs: list[tuple[str, dict[str, dict[int, float]]]], path: str,
+                smooth: int, dpi: int) -> None:  # fmt: skip
+    """One panel per tag, one line per run that has the tag."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ncols = 1 if len(tags) == 1 else 2
+    nrows = math.ceil(len(tags) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 3.2 * nrows), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, tag in zip(axes.flat, tags):
+        for i, (label, scalars) in enumerate(runs):
+            if tag not in scalars:
+                continue
+            steps = sorted(scalars[tag])
+            values = [scalars[tag][s] for s in steps]
+            color = colors[i % len(colors)]
+            marker = "o" if len(steps) <= 20 else None
+            if smooth > 1:
+                ax.plot(steps, values, color=color, alpha=0.25, linewidth=1, marker=marker, markersize=3)
+                ax.plot(steps, moving_average(values, smooth), color=color, linewidth=1.8, label=label)
+            else:
+                ax.plot(steps, values, color=color, linewidth=1.5, marker=marker, markersize=3, label=label)
+        ax.set_title(tag, fontsize=10)
+        ax.set_xlabel("rollout step")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(tags) :]:
+        ax.set_visible(False)
+    fig.suptitle(title + (f" (moving average over {smooth} points)" if smooth > 1 else ""), fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def plot_runs(run_dirs: list[str], out_dir: str, groups: dict[str, tuple[str, ...]], labels: list[str] | None = None,
+              smooth: int = 1, prefix: str = "", dpi: int = 100, log=None) -> list[str]:  # fmt: skip
+    """Write one PNG per group that any run has a tag of; returns the paths written. Notes go to `log`
+    (default: stderr, so that stdout is only the paths)."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    for d in run_dirs:
+        if not os.path.isdir(d):
+            raise PlotError(f"run dir {d!r} does not exist")
+        if not event_files(d):
+            raise PlotError(f"no TensorBoard event files (events.out.tfevents.*) under run dir {d!r}; "
+                            "pass the --tensorboard-dir of a run that used --use-tensorboard")  # fmt: skip
+    names = run_labels(run_dirs, labels)
+    available = [list_scalar_tags(d) for d in run_dirs]
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for group, patterns in groups.items():
+        tags = match_tags(patterns, set().union(*available))
+        for name, tags_of_run in zip(names, available):
+            missing = [p for p in patterns if not fnmatch.filter(tags_of_run, p)]
+            if missing:
+                log(f"note: {name}: no {', '.join(missing)}; skipped")
+        if not tags:
+            log(f"note: no run has a tag of group {group!r}; no figure")
+            continue
+        runs = [(name, {t: read_scalars(d, t) for t in tags if t in tags_of_run})
+                for name, d, tags_of_run in zip(names, run_dirs, available)]  # fmt: skip
+        path = os.path.join(out_dir, f"{prefix}{group}.png")
+        plot_figure(group, tags, runs, path, smooth, dpi)
+        written.append(path)
+    if not written:
+        wanted = sorted({p for patterns in groups.values() for p in patterns})
+        raise PlotError(f"none of the tags {wanted} is in {run_dirs}; "
+                        f"tags there: {sorted(set().union(*available))}")  # fmt: skip
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="TensorBoard dir(s) of the run(s).")
+    parser.add_argument("--out", default="plots", help="Folder for the PNG files (default: ./plots).")
+    parser.add_argument("--tags", nargs="+", help="Plot these tags (patterns allowed) as one figure, not the groups.")
+    parser.add_argument("--labels", nargs="+", help="Legend name per run dir (default: the dir names).")
+    parser.add_argument("--smooth", type=int, default=1, help="Moving average over N points (default 1: off).")
+    parser.add_argument("--prefix", default="", help="File name prefix, e.g. `quickstart_` -> quickstart_reward.png.")
+    parser.add_argument("--dpi", type=int, default=100)
+    args = parser.parse_args(argv)
+    if args.smooth < 1:
+        parser.error(f"--smooth {args.smooth}: must be >= 1 (1 turns smoothing off)")
+    groups = {"tags": tuple(args.tags)} if args.tags else GROUPS
+    try:
+        written = plot_runs(args.run_dirs, args.out, groups, args.labels, args.smooth, args.prefix, args.dpi)
+    except PlotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
