@@ -31,11 +31,13 @@ import copy
 import functools
 import inspect
 import logging
+import time
 import weakref
 from typing import Any
 
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.utils.http_utils import post, run_sync
+from slime.utils.progress import progress
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -342,8 +344,6 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> list[lis
 
 
 async def _generate_rollout(args, rollout_id: int, data_source) -> list[list[Sample]]:
-    from tqdm import tqdm
-
     from slime.utils.misc import load_function
 
     target = int(args.rollout_batch_size)
@@ -359,7 +359,8 @@ async def _generate_rollout(args, rollout_id: int, data_source) -> list[list[Sam
     failed: list[Sample] = []
     drops: dict[str, int] = {}
     where = f"rollout {rollout_id}"
-    progress = tqdm(total=target, desc=where, unit="group", leave=False)
+    bar = progress(target, where, "group")
+    start, tokens = time.monotonic(), 0
     try:
         while len(kept) < target:
             missing = over - len(kept) - len(pending)
@@ -383,11 +384,13 @@ async def _generate_rollout(args, rollout_id: int, data_source) -> list[list[Sam
                         continue
                 if len(kept) < target:
                     kept.append(group)
-                    progress.update(1)
+                    tokens += sum(s.response_length for s in group)
+                    bar.set_postfix_str(f"{tokens / max(time.monotonic() - start, 1e-9):.0f} tok/s", refresh=False)
+                    bar.update(1)
                 else:
                     surplus.append(group)
     finally:
-        progress.close()
+        bar.close()
         leftovers = surplus + await _abort_and_collect(args, pending)
     _recycle(args, rollout_id, data_source, leftovers)
 

@@ -46,6 +46,7 @@ from slime.backends.fsdp_utils.data import (
 )
 from slime.backends.weight_broadcast import EnginePush
 from slime.ray.train_actor import TrainRayActor
+from slime.utils.progress import progress
 from slime.utils import ppo_utils
 from slime.utils.types import TrainBatch
 
@@ -249,11 +250,13 @@ class FSDPTrainRayActor(TrainRayActor):
             return extra
 
         totals: dict[str, float] = defaultdict(float)
-        for s, micro_batches in enumerate(plan):
-            global_rows = range(s * args.global_batch_size, (s + 1) * args.global_batch_size)
-            step_metrics = self._train_step(batch, micro_batches, global_rows, advantages, old_lp, ref_lp, rollout_lp)
-            for k, v in step_metrics.items():
-                totals[k] += v
+        with progress(sum(map(len, plan)), f"train {rollout_id}", "micro-batch", enabled=self.rank == 0) as bar:
+            for s, micro_batches in enumerate(plan):
+                global_rows = range(s * args.global_batch_size, (s + 1) * args.global_batch_size)
+                step_metrics = self._train_step(batch, micro_batches, global_rows, advantages, old_lp, ref_lp,
+                                                rollout_lp, bar)
+                for k, v in step_metrics.items():
+                    totals[k] += v
         metrics = {k: v / len(plan) for k, v in totals.items()}
         metrics.update(extra)
         return metrics
@@ -273,7 +276,7 @@ class FSDPTrainRayActor(TrainRayActor):
         return out
 
     def _train_step(
-        self, batch, micro_batches, global_rows, advantages, old_lp, ref_lp, rollout_lp
+        self, batch, micro_batches, global_rows, advantages, old_lp, ref_lp, rollout_lp, bar
     ) -> dict[str, float]:
         args = self.args
         denominator = policy_batch.loss_denominator(args, batch, global_rows)
@@ -289,6 +292,7 @@ class FSDPTrainRayActor(TrainRayActor):
             (loss * self.world_size).backward()
             for k, v in shares.items():
                 local[k] += v
+            bar.update(1)
 
         grad_norm = clip_and_step(self.model, self.optimizer, args.clip_grad)
         self.global_step += 1

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from slime.backends.weight_broadcast import EnginePush
+from slime.utils.progress import progress
 from slime.utils.weight_transfer import split_into_buckets
 
 logger = logging.getLogger(__name__)
@@ -39,11 +40,13 @@ def push_to_engines(
 ) -> int:
     """Send buckets to every engine in turn; returns the number of buckets sent."""
     buckets = split_into_buckets(named_tensors, buffer_size)
-    for i, bucket in enumerate(buckets):
-        push.send(bucket, engines, weight_version)
-        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-        logger.info("update_weights v%s: bucket %d/%d (%d tensors, %.1f MiB)", weight_version, i + 1,
-                    len(buckets), len(bucket), nbytes / 2**20)
+    with progress(len(buckets), f"push v{weight_version}", "bucket") as bar:
+        for i, bucket in enumerate(buckets):
+            push.send(bucket, engines, weight_version)
+            bar.update(1)
+            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+            logger.info("update_weights v%s: bucket %d/%d (%d tensors, %.1f MiB)", weight_version, i + 1,
+                        len(buckets), len(bucket), nbytes / 2**20)
     return len(buckets)
 
 

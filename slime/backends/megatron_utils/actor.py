@@ -38,6 +38,7 @@ from slime.backends.megatron_utils.model import build_model, build_optimizer, in
 from slime.backends.weight_broadcast import EnginePush
 from slime.ray.train_actor import TrainRayActor
 from slime.utils import ppo_utils
+from slime.utils.progress import progress
 from slime.utils.types import TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -228,12 +229,14 @@ class MegatronTrainRayActor(TrainRayActor):
             return self._from_last_stage(extra)
 
         totals: dict[str, float] = defaultdict(float)
-        for s, micro_batches in enumerate(plan):
-            global_rows = range(s * args.global_batch_size, (s + 1) * args.global_batch_size)
-            step_metrics = self._train_step(batch, micro_batches, global_rows, advantages, old_lp, ref_lp,
-                                            rollout_lp)
-            for k, v in step_metrics.items():
-                totals[k] += v
+        with progress(sum(map(len, plan)), f"train {rollout_id}", "micro-batch", enabled=self.rank == 0) as bar:
+            for s, micro_batches in enumerate(plan):
+                global_rows = range(s * args.global_batch_size, (s + 1) * args.global_batch_size)
+                step_metrics = self._train_step(batch, micro_batches, global_rows, advantages, old_lp, ref_lp,
+                                                rollout_lp)
+                bar.update(len(micro_batches))  # the pipeline schedule runs a step's micro-batches in one call
+                for k, v in step_metrics.items():
+                    totals[k] += v
         metrics = {k: v / len(plan) for k, v in totals.items()}
         metrics.update(extra)
         return self._from_last_stage(metrics)
@@ -294,17 +297,20 @@ class MegatronTrainRayActor(TrainRayActor):
         limit = self.args.update_weight_buffer_size or DEFAULT_UPDATE_WEIGHT_BUFFER_SIZE
         bucket: list[tuple[str, torch.Tensor]] = []
         size = sent = 0
-        for name, t in weights.iter_hf_weights(self.model, self.args, self.hf_config):
-            if not push:
-                continue
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
-            if size >= limit:
+        with progress(None, f"push v{weight_version}", "bucket", enabled=push) as bar:
+            for name, t in weights.iter_hf_weights(self.model, self.args, self.hf_config):
+                if not push:
+                    continue
+                bucket.append((name, t))
+                size += t.numel() * t.element_size()
+                if size >= limit:
+                    send(bucket)
+                    sent, bucket, size = sent + 1, [], 0
+                    bar.update(1)
+            if push and bucket:
                 send(bucket)
-                sent, bucket, size = sent + 1, [], 0
-        if push and bucket:
-            send(bucket)
-            sent += 1
+                sent += 1
+                bar.update(1)
         if push:
             logger.info("update_weights v%s: %d bucket(s) sent", weight_version, sent)
         dist.barrier()
