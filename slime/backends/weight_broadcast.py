@@ -3,7 +3,7 @@
 `EnginePush(colocate)` is what a training backend's rank 0 sends its buckets through: engines that share
 the training GPUs (`--colocate`) get handles to the bucket (`update_weights_from_tensor`, CUDA IPC or CPU
 shared memory: slime/utils/weight_transfer.py); engines elsewhere get it by broadcast (below), which also
-works across hosts.
+works across hosts. The group is formed again when an engine's server changed (a fault-tolerant restart).
 
 Training rank 0 forms a process group with every engine's TP ranks (`init_weights_update_group`: the
 trainer is group rank 0, engine i's ranks follow), then per bucket tells every engine which tensors come
@@ -59,6 +59,7 @@ def _start(calls: list[tuple[Any, str, tuple, dict]]) -> Callable[[], list]:
 class BroadcastGroup:
     def __init__(self, engines: Sequence[Any], backend: str, group_name: str = "slime_weight_update"):
         self.engines, self.group_name = list(engines), group_name
+        self.urls = engine_urls(self.engines)
         infos = _start([(e, "get_server_info", (), {}) for e in self.engines])()
         sizes = [int(info.get("tp_size", 1) or 1) for info in infos]
         world = 1 + sum(sizes)
@@ -81,8 +82,15 @@ class BroadcastGroup:
         done()
 
     def close(self) -> None:
-        _start([(e, "destroy_weights_update_group", (self.group_name,), {}) for e in self.engines])()
-        destroy_weight_update_group(self.pg)
+        """Dissolve the group on every engine (all are asked even if one fails) and here, whatever they say."""
+        try:
+            _start([(e, "destroy_weights_update_group", (self.group_name,), {}) for e in self.engines])()
+        finally:
+            destroy_weight_update_group(self.pg)
+
+
+def engine_urls(engines: Sequence[Any]) -> list[str]:
+    return _start([(e, "get_url", (), {}) for e in engines])()
 
 
 class EnginePush:
@@ -96,6 +104,10 @@ class EnginePush:
         if self.colocate:
             send_bucket(bucket, engines, weight_version)
             return
+        if self._group is not None and engine_urls(engines) != self._group.urls:
+            # an engine was restarted (--use-fault-tolerance): its new server is not in the group
+            logger.warning("engine servers changed since the weight broadcast group was formed; forming it again")
+            self.close()
         if self._group is None:
             self._group = BroadcastGroup(engines, "nccl" if torch.cuda.is_available() else "gloo")
         self._group.send(bucket, weight_version)

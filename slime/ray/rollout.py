@@ -6,8 +6,10 @@ sglang-router (or uses `--sglang-router-ip/--sglang-router-port`), one engine ac
 samples into a `TrainBatch` plus `rollout/*` metrics.
 
 Simplifications and choices:
-- Engines are created in one go and never replaced here (fault-tolerant restarts are not part of this
-  module); `shutdown()` is the single place that reaps them and the router.
+- Engines are created in one go; `shutdown()` is the single place that reaps them and the router. With
+  `--use-fault-tolerance` a health monitor (slime/ray/engine_health.py) takes a failing engine out
+  (deregistered, server stopped) and `before_weight_update` restarts its server in the same actor and
+  re-registers it, so the push that follows brings it to the current weights; the actor handles stay the same.
 - Samples marked FAILED stay in the batch (so the batch size identity holds and groups stay whole) but
   get an all-zero loss mask: a failed generation or reward never produces a gradient. They are counted
   in `rollout/failed_count`.
@@ -38,6 +40,7 @@ import httpx
 import ray
 
 from slime.backends.sglang_utils.engine import engine_nnodes
+from slime.ray.engine_health import EngineHealthMonitor
 from slime.rollout.router import RouterClient, RouterProcess
 from slime.utils.metrics import (
     compute_eval_metrics,
@@ -69,6 +72,8 @@ class RolloutManager:
         self._shut_down = False
         self.weight_version: int | None = None  # the last version pushed to the engines (after_weight_update)
         self._last_generate_end: float | None = None  # wall clock; idle time between generates = waiting
+        self.monitor: EngineHealthMonitor | None = None  # --use-fault-tolerance
+        self.engine_restarts = 0
         try:
             # The cheap, error-prone parts first, so a bad plugin path or dataset starts no process.
             self.generate_rollout = load_function(args.rollout_function_path, "--rollout-function-path")
@@ -81,6 +86,10 @@ class RolloutManager:
             args.router_url = self.router.url if self.router else None
             args.engine_urls = list(self.engine_urls)
             args.rollout_num_engines = len(self.engine_urls)
+            if getattr(args, "use_fault_tolerance", False) and self.engines:
+                self.monitor = EngineHealthMonitor(
+                    lambda: list(self.engine_urls), self._take_out, args.rollout_health_check_interval,
+                    args.rollout_health_check_timeout, args.rollout_health_check_first_wait).start()
         except BaseException:
             self.shutdown()
             raise
@@ -236,6 +245,8 @@ class RolloutManager:
         )  # fmt: skip
         metrics.update(compute_weight_version_metrics([s.weight_versions for s in samples]))
         metrics.update(engine_load_metrics(served_before, self._engine_request_counts()))
+        if self.monitor is not None:
+            metrics["rollout/engine_restarts"] = float(self.engine_restarts)
         if self._last_generate_end is not None:
             # Generation side idle between the previous generate and this one (waiting on the trainer).
             idle = max(0.0, wall_start - self._last_generate_end)
@@ -297,24 +308,52 @@ class RolloutManager:
         self._fan_out("flush_cache")
 
     def release_memory(self, tags: list[str] | None = None) -> None:
+        if self.monitor is not None:  # a released engine does not generate; it is not dead
+            self.monitor.pause()
         self._fan_out("release_memory_occupation", tags)
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
         self._fan_out("resume_memory_occupation", tags)
+        if self.monitor is not None:
+            self.monitor.resume()
 
     # ---- weight pushes (the driver pushes; these bracket it) ---------------------------------------
     def before_weight_update(self) -> None:
-        """Called right before a push; returns once no generation of ours is in flight."""
+        """Called right before a push; returns once no generation of ours is in flight. Engines the health
+        monitor took out are restarted here, so the push that follows brings them to the current weights."""
         hook = _module_hook(self.generate_rollout, "before_weight_update")
         if hook is not None:
             hook(self.args)
+        if self.monitor is not None:
+            self.monitor.pause()
+            self._restart_dead_engines()
 
     def after_weight_update(self, weight_version: int) -> None:
         """Called after a push: record the engines' new version and let a background rollout resume."""
         self.weight_version = int(weight_version)
+        if self.monitor is not None:
+            self.monitor.resume()
         hook = _module_hook(self.generate_rollout, "after_weight_update")
         if hook is not None:
             hook(self.args, self.weight_version)
+
+    # ---- fault tolerance (--use-fault-tolerance) ------------------------------------------------------
+    def _take_out(self, i: int) -> None:
+        """Called by the health monitor's thread: no new requests to engine i, and its server is stopped
+        (requests it had in flight fail and are retried through the router on the other engines)."""
+        url = self.engine_urls[i]
+        _best_effort(f"deregister {url}", lambda: self.router.remove_worker(url))
+        self.engines[i].shutdown.remote()
+
+    def _restart_dead_engines(self) -> None:
+        for i in self.monitor.dead():
+            self.engine_urls[i] = ray.get(self.engines[i].init.remote())  # the actor starts a fresh server
+            self.args.engine_urls = list(self.engine_urls)
+            self.router.add_worker(self.engine_urls[i])
+            self.monitor.revive(i)
+            self.engine_restarts += 1
+            logger.warning("engine %d restarted at %s; the weight push that follows brings it to the current "
+                           "version", i, self.engine_urls[i])
 
     def get_weight_version(self) -> int | None:
         return self.weight_version
@@ -333,6 +372,8 @@ class RolloutManager:
         if self._shut_down:
             return
         self._shut_down = True
+        if getattr(self, "monitor", None) is not None:
+            _best_effort("stop health monitor", self.monitor.stop)
         hook = _module_hook(getattr(self, "generate_rollout", None), "shutdown_rollout")
         if hook is not None:  # stop a background rollout before its engines go away
             _best_effort("stop background rollout", lambda: hook(self.args))

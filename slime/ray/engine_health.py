@@ -1,0 +1,91 @@
+"""Engine health monitoring for `--use-fault-tolerance` (used by the RolloutManager).
+
+A daemon thread waits `--rollout-health-check-first-wait` seconds, then every
+`--rollout-health-check-interval` seconds asks each live engine for `GET /health_generate` (one generated
+token; SGLang's endpoint, also the `hf` engine's) with `--rollout-health-check-timeout`. An engine that fails
+once is declared dead: `on_dead(index)` is called (the manager deregisters it from the router and stops its
+server) and it is not probed again until `revive(index)`. While `paused()` (weight pushes, released memory)
+nothing is probed, so a busy or deliberately idle engine is not mistaken for a dead one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+class EngineHealthMonitor:
+    def __init__(self, urls: Callable[[], list[str]], on_dead: Callable[[int], None], interval: float,
+                 timeout: float, first_wait: float):
+        self._urls, self._on_dead = urls, on_dead
+        self.interval, self.timeout, self.first_wait = interval, timeout, first_wait
+        self._dead: set[int] = set()
+        self._pauses = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-health", daemon=True)
+
+    def start(self) -> EngineHealthMonitor:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self.timeout + 5)
+
+    def pause(self) -> None:
+        with self._lock:
+            self._pauses += 1
+
+    def resume(self) -> None:
+        with self._lock:
+            self._pauses = max(0, self._pauses - 1)
+
+    def dead(self) -> list[int]:
+        with self._lock:
+            return sorted(self._dead)
+
+    def revive(self, index: int) -> None:
+        with self._lock:
+            self._dead.discard(index)
+
+    def probe(self, url: str) -> bool:
+        try:
+            return httpx.get(url + "/health_generate", timeout=self.timeout, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def check_once(self) -> list[int]:
+        """Probe every live engine once; returns the indices found dead now."""
+        found = []
+        for i, url in enumerate(self._urls()):
+            with self._lock:
+                if self._pauses or i in self._dead:
+                    continue
+            if self.probe(url):
+                continue
+            with self._lock:
+                if self._pauses:  # a push began while we waited: the answer proves nothing
+                    continue
+                self._dead.add(i)
+            logger.warning("engine %d (%s) failed its health check (GET /health_generate, %.0f s); taking it out",
+                           i, url, self.timeout)
+            found.append(i)
+            try:
+                self._on_dead(i)
+            except Exception as e:  # noqa: BLE001 - the monitor keeps watching the others
+                logger.warning("taking engine %d out: %s", i, e)
+        return found
+
+    def _run(self) -> None:
+        if self._stop.wait(self.first_wait):
+            return
+        while not self._stop.is_set():
+            self.check_once()
+            self._stop.wait(self.interval)
