@@ -6,6 +6,10 @@ transformers one (Qwen3 by default; also qwen2, llama, qwen3_moe, glm4, glm4_moe
 HF<->Megatron converter tests) at a tiny size; everything is deterministic from --seed. Each arch has a
 matching `scripts/models/tiny-<arch>.sh` with its Megatron flags (for --size tiny).
 
+`build_tokenizer(out, chat_template=...)` can instead write a tokenizer with a Qwen3, GLM-4 or Llama-3 style
+chat template (CHAT_TEMPLATES; their special tokens are appended to the vocabulary) for tests of
+chat-template-dependent code; the default is unchanged.
+
 Simplifications: the tokenizer is word-level over a small fixed English vocabulary plus single digits
 (unknown words map to <unk>; text is lower-cased), which is what the toy tasks under examples/ and tools/ need; it is not a
 BPE tokenizer and cannot round-trip arbitrary text.
@@ -41,6 +45,74 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# Chat templates of other model families, for tests of chat-template-dependent code (loss masks,
+# multi-turn tool messages). Written from each family's published format, kept minimal: no tool schemas
+# in the system prompt beyond a list, no date/tool-call JSON formatting beyond what the layout needs.
+# Extra special tokens each family needs are appended to the vocabulary (after the default one).
+QWEN3_CHAT_TEMPLATE = (
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'system' and loop.first %}"
+    "{%- elif m['role'] == 'user' or m['role'] == 'system' %}"
+    "{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{%- elif m['role'] == 'assistant' %}"
+    "{%- set content = m['content'] or '' %}"
+    "{%- set reasoning = m['reasoning_content'] or '' if m['reasoning_content'] is defined else '' %}"
+    "{%- if not reasoning and '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\n') %}"
+    "{%- endif %}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
+    "{{- '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}"
+    "{%- else %}"
+    "{{- '<|im_start|>assistant\n' + content }}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif m['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + m['content'] + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+GLM4_CHAT_TEMPLATE = (
+    "{{- '[gMASK]<sop>' }}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|observation|>' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + m['content'] + '\n</tool_response>' }}"
+    "{%- else %}"
+    "{{- '<|' + m['role'] + '|>\n' + (m['content'] or '') }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
+)
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- '<|begin_of_text|>' }}"
+    "{%- for m in messages %}"
+    "{%- set role = 'ipython' if m['role'] == 'tool' else m['role'] %}"
+    "{{- '<|start_header_id|>' + role + '<|end_header_id|>\n\n' + (m['content'] or '') | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
+)
+CHAT_TEMPLATES = {
+    # family: (template, extra special tokens, eos token)
+    "default": (CHAT_TEMPLATE, [], "<|im_end|>"),
+    "qwen3": (QWEN3_CHAT_TEMPLATE, [], "<|im_end|>"),
+    "glm4": (GLM4_CHAT_TEMPLATE, ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],
+             "<|endoftext|>"),
+    "llama3": (LLAMA3_CHAT_TEMPLATE, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                                      "<|eom_id|>"], "<|eot_id|>"),
+}
+
 SIZES = {
     # name: (hidden, layers, heads, kv_heads, head_dim, intermediate); "tiny" ~1M, "small" ~20M parameters
     "tiny": (128, 4, 4, 2, 32, 512),
@@ -61,27 +133,33 @@ def build_vocab() -> list[str]:
     return vocab
 
 
-def build_tokenizer(out: str):
+def build_tokenizer(out: str, chat_template: str = "default"):
+    """The word-level tokenizer, saved to `out`. `chat_template` picks a family from CHAT_TEMPLATES
+    ("default": the Qwen-style template of the tiny models; others append their special tokens)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = build_vocab()
+    if chat_template not in CHAT_TEMPLATES:
+        raise ValueError(f"chat_template {chat_template!r}: choose one of {sorted(CHAT_TEMPLATES)}")
+    template, extra_special, eos = CHAT_TEMPLATES[chat_template]
+    special = SPECIAL_TOKENS + extra_special
+    vocab = build_vocab() + extra_special
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
     )
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(special)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
-        eos_token="<|im_end|>",
+        eos_token=eos,
         pad_token="<|endoftext|>",
         unk_token="<unk>",
-        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>", "<unk>")],
+        additional_special_tokens=[t for t in special if t not in ("<|endoftext|>", eos, "<unk>")],
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = template
     fast.save_pretrained(out)
     return fast
 
