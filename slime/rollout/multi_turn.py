@@ -15,9 +15,9 @@ a tool result that does not fit ends the trajectory as TRUNCATED rather than ove
 (or `tool_loop(max_turns=...)`) bounds the number of model turns.
 
 Reused from the default rollout (`slime.rollout.sglang_rollout`): `prompt_ids`, `get_tokenizer`,
-`_parse_generate_answer` (private there: the one parser of /generate answers) and `_aborted` (private: the
-per-rollout abort flag), so a multi-turn sample is tokenised, parsed and aborted exactly like a single-turn
-one.
+`post_generate` (the /generate request with its retries and answer parsing) and `_aborted` (private: the
+per-rollout abort flag), so a multi-turn sample is tokenised, requested and aborted exactly like a
+single-turn one.
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ from typing import Any
 
 from slime.rollout.sglang_rollout import (
     _aborted,
-    _parse_generate_answer,
     get_tokenizer,
+    post_generate,
     prompt_ids,
 )
-from slime.utils.http_utils import post
 from slime.utils.types import Sample
 
 # The dummy conversation `render_tool_message` renders the tool message after. The assistant message
@@ -195,11 +194,7 @@ async def generate_turn(args, sample: Sample, sampling_params: dict, stop: str |
         return ""
     params["max_new_tokens"] = max_new
 
-    url = f"{args.router_url}/generate"
-    payload = {"input_ids": list(sample.tokens), "sampling_params": params, "return_logprob": True}
-    retries = 60 if getattr(args, "use_fault_tolerance", False) else 3
-    answer = await post(url, payload, retries=retries, backoff=1.0)
-    text, tokens, logprobs, status, weight_version = _parse_generate_answer(url, answer)
+    text, tokens, logprobs, status, weight_version = await post_generate(args, sample.tokens, params)
     append_model_tokens(sample, tokens, logprobs, text, weight_version)
     sample.status = status
     return text

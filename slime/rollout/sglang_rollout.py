@@ -161,6 +161,15 @@ def _parse_generate_answer(url: str, answer: Any) -> tuple[str, list[int], list[
     return str(answer.get("text") or ""), tokens, logprobs, status, meta.get("weight_version")
 
 
+async def post_generate(args, input_ids: list[int], params: dict):
+    """POST `{router}/generate` for these token ids -> (text, new tokens, their log-probs, status, weight
+    version). Retried (60 times under --use-fault-tolerance, else 3) with backoff."""
+    url = f"{args.router_url}/generate"
+    payload = {"input_ids": list(input_ids), "sampling_params": params, "return_logprob": True}
+    retries = 60 if getattr(args, "use_fault_tolerance", False) else 3
+    return _parse_generate_answer(url, await post(url, payload, retries=retries, backoff=1.0))
+
+
 async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     """One /generate call that appends its tokens, text, log-probs and loss mask to `sample`.
 
@@ -191,11 +200,7 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
         return sample
     params["max_new_tokens"] = max_new
 
-    url = f"{args.router_url}/generate"
-    payload = {"input_ids": list(sample.tokens), "sampling_params": params, "return_logprob": True}
-    retries = 60 if getattr(args, "use_fault_tolerance", False) else 3
-    answer = await post(url, payload, retries=retries, backoff=1.0)
-    text, tokens, logprobs, status, weight_version = _parse_generate_answer(url, answer)
+    text, tokens, logprobs, status, weight_version = await post_generate(args, sample.tokens, params)
 
     sample.tokens = sample.tokens + tokens
     sample.response += text
