@@ -3,6 +3,7 @@
     source scripts/models/qwen3-4B.sh
     python train.py --hf-checkpoint ... --prompt-data ... --rollout-batch-size 32 --n-samples-per-prompt 8 \
         --global-batch-size 256 ${MODEL_ARGS[@]}
+    python train.py ... --dry-run     # validate, print the plan (layout, batches, memory), start nothing
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import ray
 
 from slime.ray.launcher import Run
 from slime.utils.arguments import SlimeArgumentError, parse_args
+from slime.utils.plan import print_plan
 from slime.utils.tracking import Tracker
 
 logger = logging.getLogger("slime")
@@ -130,6 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         args = parse_args(argv)
+        if args.dry_run:  # validated above; print the plan, start nothing
+            print_plan(args, "train.py")
+            return
     except SlimeArgumentError as e:
         sys.exit(f"error: {e}")
     train(args)

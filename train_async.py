@@ -38,6 +38,7 @@ import ray
 from slime.ray.launcher import Run
 from slime.utils.arguments import SlimeArgumentError, parse_args
 from slime.utils.metrics import compute_weight_version_lag, wait_time_ratio
+from slime.utils.plan import print_plan
 from slime.utils.tracking import Tracker
 from train import (
     evaluate,
@@ -164,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = parse_args(argv)
         check_async_args(args)
+        if args.dry_run:  # validated above; print the plan, start nothing
+            print_plan(args, "train_async.py")
+            return
     except SlimeArgumentError as e:
         sys.exit(f"error: {e}")
     train_async(args)

@@ -1,4 +1,8 @@
-"""Debug: run only one half of the loop, dump or replay rollout data, check weight pushes."""
+"""Debug: run only one half of the loop, dump or replay rollout data, check weight pushes, dry-run plans.
+
+`validate_debug` runs first of all validators (arg_groups.VALIDATE_ORDER), so `--dry-run-cuda` can make
+every later check and default see a GPU machine.
+"""
 
 from __future__ import annotations
 
@@ -38,9 +42,28 @@ def add_debug_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="After each push, check that the engines hold exactly the trainer's weights.",
     )
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Validate the arguments, print the plan (placement, batch math, memory estimates, warnings) and "
+        "exit 0 without starting Ray or any process (docs/dry_run.md).",
+    )
+    g.add_argument(
+        "--dry-run-gpu-gb",
+        type=float,
+        default=None,
+        help="GPU memory per device (GB) that the --dry-run memory estimates are checked against (default 80).",
+    )
+    g.add_argument(
+        "--dry-run-cuda",
+        action="store_true",
+        help="With --dry-run on a machine without CUDA (e.g. a login node): plan the run as a GPU run, with the "
+        "defaults and checks that depend on CUDA (megatron / sglang backends, nccl, GPU bundles).",
+    )
 
 
 def validate_debug(args: argparse.Namespace) -> None:
+    validate_dry_run(args)
     if args.load_debug_rollout_data is not None:
         if args.debug_rollout_only:
             fail("--load-debug-rollout-data (train on saved data) contradicts --debug-rollout-only; drop one.")
@@ -55,3 +78,18 @@ def validate_debug(args: argparse.Namespace) -> None:
             logger.warning(
                 "--%s %s has no {rollout_id}: every rollout uses the same file.", dest.replace("_", "-"), path
             )
+
+
+def validate_dry_run(args: argparse.Namespace) -> None:
+    gpu_gb, cuda = getattr(args, "dry_run_gpu_gb", None), getattr(args, "dry_run_cuda", False)
+    if not getattr(args, "dry_run", False):
+        if gpu_gb is not None or cuda:
+            given = "--dry-run-gpu-gb" if gpu_gb is not None else "--dry-run-cuda"
+            fail(f"{given} only applies to a dry run; add --dry-run or drop {given}.")
+        return
+    if gpu_gb is not None and not gpu_gb > 0:
+        fail(f"--dry-run-gpu-gb {gpu_gb}: must be a positive number of GB, e.g. 80.")
+    if cuda and not getattr(args, "use_cuda", False):
+        args.use_cuda = True
+    else:
+        args.dry_run_cuda = False  # CUDA is here anyway: nothing to pretend

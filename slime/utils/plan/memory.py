@@ -1,0 +1,331 @@
+"""Per-device memory estimates of a run: training ranks (megatron or fsdp) and rollout engines.
+
+Rough by design (the report says so); every item carries the formula it was computed with.
+
+Training, megatron (the largest pipeline stage is reported):
+- weights: params of the stage ÷ TP (routed experts ÷ EP × ETP) × 2 B (bf16/fp16) or 4 B (fp32);
+- gradients: same count × 4 B with --accumulate-allreduce-grads-in-fp32 or fp32 training, else 2 B;
+- optimizer: Adam fp32 m and v + fp32 master weights = 12 B/param in bf16/fp16 (8 B in fp32; SGD 8 / 4 B),
+  ÷ DP×CP (experts: ÷ expert-DP) with --use-distributed-optimizer;
+- reference model (a KL term): another copy of the weights;
+- activations (Korthikanti et al. 2022, flash attention so no s² term): per layer and micro-batch of T
+  tokens, T·h·(10 + 24/TP) bytes, or 34·T·h/TP with --sequence-parallel; × the stage's layers × the
+  micro-batches 1F1B keeps in flight (PP − stage). --recompute-granularity full keeps 2·T·h per layer
+  (per group of --recompute-num-layers with `uniform`) plus one group's full activations. Selective
+  recompute (--recompute-activations) only drops the attention-score term this formula already omits.
+  MoE layers are counted like dense ones (their top-k expert activations come on top);
+- logits: T × padded vocab ÷ TP × 8 B (fp32 logits and their gradient), last stage only.
+
+Training, fsdp (this repo's backend: FSDP2 over all ranks, fp32 master shards, AdamW, no recompute):
+weights, gradients (fp32) and AdamW state ÷ ranks = 16 B/param ÷ ranks; the gathered embedding/output
+layer and two decoder layers in the compute dtype; a KL reference model's fp32 shards; activations as above
+with TP = 1 (fp32 on CPU doubles them).
+
+Engines (SGLang): weights = params × bytes ÷ TP (1 B for an fp8 checkpoint, else 2 B); the static pool
+is mem_fraction_static × GPU memory (SGLang's own default depends on the GPU and TP: 0.9 is assumed when
+--sglang-mem-fraction-static is not given) and the KV cache gets what the weights leave of it. KV bytes per
+token per GPU: 2 × layers × max(1, kv_heads ÷ TP) × head_dim × bytes (MLA: layers × (kv_lora_rank +
+rope_dim) × bytes, not split by TP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+
+from slime.backends.megatron_utils.args import padded_vocab_size
+from slime.utils.arg_groups._common import SlimeArgumentError
+from slime.utils.arg_groups.megatron import pipeline_layer_split
+from slime.utils.plan.model_size import ModelShape, count_params, embedding_params, layer_params
+
+GiB = 2**30
+DEFAULT_MEM_FRACTION_STATIC = 0.9
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    bytes: float
+    how: str
+
+
+@dataclass
+class Estimate:
+    items: list[Item] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return sum(i.bytes for i in self.items)
+
+    def get(self, name: str) -> float:
+        return sum(i.bytes for i in self.items if i.name == name)
+
+
+def fmt_bytes(n: float) -> str:
+    if n >= 1024 * GiB:
+        return f"{n / (1024 * GiB):.1f} TB"
+    if n >= GiB / 10:
+        return f"{n / GiB:.1f} GB"
+    if n >= 2**20:
+        return f"{n / 2**20:.1f} MB"
+    return f"{n / 2**10:.1f} KB"
+
+
+def fmt_count(n: float) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return str(int(n))
+
+
+# ---- training ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Parallel:
+    world: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return max(1, self.world // (self.tp * self.pp * self.cp))
+
+    @property
+    def expert_dp(self) -> int:
+        return max(1, self.world // (self.etp * self.ep * self.pp))
+
+
+def training_parallel(args) -> Parallel:
+    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    if args.train_backend != "megatron":
+        return Parallel(world=world)
+    return Parallel(world=world, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                    cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
+                    etp=args.expert_tensor_parallel_size or args.tensor_model_parallel_size)
+
+
+def stage_layers(args, shape: ModelShape, pp: int) -> list[int]:
+    """Decoder layers per pipeline stage (Megatron's split, first/last stage flags honoured)."""
+    ns = argparse.Namespace(
+        pipeline_model_parallel_size=pp, num_layers=shape.num_layers,
+        decoder_first_pipeline_num_layers=getattr(args, "decoder_first_pipeline_num_layers", None),
+        decoder_last_pipeline_num_layers=getattr(args, "decoder_last_pipeline_num_layers", None),
+    )  # fmt: skip
+    try:
+        return pipeline_layer_split(ns)
+    except SlimeArgumentError:  # uneven: parse_args reports it for megatron; spread the rest here
+        base, extra = divmod(shape.num_layers, pp)
+        return [base + (1 if s < extra else 0) for s in range(pp)]
+
+
+def activation_bytes_per_layer(tokens: float, hidden: int, tp: int, sequence_parallel: bool, act_bytes: int) -> float:
+    per_token = 34 / tp if sequence_parallel else 10 + 24 / tp
+    return tokens * hidden * per_token * act_bytes / 2
+
+
+def _activation_formula(sp: bool) -> str:
+    return "34·T·h/TP" if sp else "T·h·(10 + 24/TP)"
+
+
+def megatron_bytes_per_param(args) -> tuple[int, int, int, str]:
+    """(weights, gradients, optimizer) bytes per parameter of the megatron backend, and what the optimizer holds."""
+    mixed = bool(args.bf16 or args.fp16)
+    wb = 2 if mixed else 4
+    gb = 4 if (args.accumulate_allreduce_grads_in_fp32 or not mixed) else 2
+    if args.optimizer == "adam":
+        ob, what = (12, "fp32 master + Adam m, v") if mixed else (8, "Adam m, v")
+    else:
+        ob, what = (8, "fp32 master + momentum") if mixed else (4, "momentum")
+    return wb, gb, ob, what
+
+
+def state_bytes_per_param(args, with_ref: bool) -> int:
+    """Weights + gradients + optimizer (+ a reference copy) per parameter, before any sharding."""
+    if args.train_backend != "megatron":
+        return 16 + (4 if with_ref else 0)  # fsdp: fp32 weights, fp32 gradients, AdamW m, v
+    wb, gb, ob, _ = megatron_bytes_per_param(args)
+    return wb + gb + ob + (wb if with_ref else 0)
+
+
+def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches: int | None,
+                    with_ref: bool) -> tuple[Estimate, int]:
+    """Estimate for the largest pipeline stage of the megatron backend, and that stage's index."""
+    par = training_parallel(args)
+    wb, gb, ob, opt_what = megatron_bytes_per_param(args)
+    dist_opt = bool(args.use_distributed_optimizer)
+    vocab = padded_vocab_size(argparse.Namespace(
+        vocab_size=max(args.vocab_size or 0, shape.vocab_size), tensor_model_parallel_size=par.tp,
+        make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128)))  # fmt: skip
+    split = stage_layers(args, shape, par.pp)
+    sp = bool(args.sequence_parallel) and par.tp > 1
+    recompute = args.recompute_granularity
+    best: tuple[Estimate, int] | None = None
+    start = 0
+    for stage, n_layers in enumerate(split):
+        dense = expert = 0
+        for layer in range(start, start + n_layers):
+            d, e = layer_params(shape, layer)
+            dense, expert = dense + d, expert + e
+        start += n_layers
+        first, last = stage == 0, stage == par.pp - 1
+        if first:
+            dense += embedding_params(shape, vocab)
+        if last:
+            dense += shape.hidden_size  # final norm
+            if not shape.tie_word_embeddings or par.pp > 1:  # tied: the last stage keeps its own copy
+                dense += embedding_params(shape, vocab)
+        per_gpu = dense / par.tp + expert / (par.ep * par.etp)
+        est = Estimate()
+        if expert:
+            shard = (f"(non-expert {fmt_count(dense)} ÷ TP {par.tp} + experts {fmt_count(expert)} ÷ EP {par.ep} "
+                     f"× ETP {par.etp})")
+        else:
+            shard = f"({fmt_count(dense)} ÷ TP {par.tp})"
+        est.items.append(Item("weights", per_gpu * wb, f"{fmt_count(per_gpu)} params {shard} × {wb} B"))
+        est.items.append(Item("gradients", per_gpu * gb, f"{fmt_count(per_gpu)} × {gb} B"))
+        if dist_opt:
+            opt = dense / par.tp / (par.dp * par.cp) + expert / (par.ep * par.etp) / par.expert_dp
+            how = f"{ob} B ({opt_what}) × params ÷ DP×CP {par.dp * par.cp}" + (
+                f" (experts ÷ expert-DP {par.expert_dp})" if expert else "") + " (--use-distributed-optimizer)"
+        else:
+            opt = per_gpu
+            how = f"{ob} B ({opt_what}) × {fmt_count(per_gpu)}, not sharded (no --use-distributed-optimizer)"
+        est.items.append(Item("optimizer", opt * ob, how))
+        if with_ref:
+            how = f"KL term: a frozen copy, {fmt_count(per_gpu)} × {wb} B"
+            est.items.append(Item("reference model", per_gpu * wb, how))
+        if tokens:
+            in_flight = par.pp - stage if micro_batches is None else min(par.pp - stage, micro_batches)
+            full = activation_bytes_per_layer(tokens, shape.hidden_size, par.tp, sp, wb)
+            head = (f"T={tokens:,.0f} tokens, h={shape.hidden_size}, {n_layers} layers, "
+                    f"{in_flight} micro-batch(es) in flight")
+            if recompute == "full":
+                group = max(1, args.recompute_num_layers or 1)
+                kept = 2 * tokens * shape.hidden_size * wb / 2 / (par.tp if sp else 1)
+                if args.recompute_method == "block":
+                    ck = min(group, n_layers)
+                    act = (ck * kept + (n_layers - ck) * full) * in_flight
+                    how = f"{head}: {ck} recomputed layers × 2·T·h + {n_layers - ck} × {_activation_formula(sp)}"
+                else:
+                    act = math.ceil(n_layers / group) * kept * in_flight + group * full
+                    how = (f"{head}: full recompute keeps 2·T·h per {group}-layer group, "
+                           f"+ {group} layer(s) × {_activation_formula(sp)} while recomputing")
+            else:
+                act = n_layers * full * in_flight
+                how = f"{head}: {_activation_formula(sp)} bytes per layer"
+            est.items.append(Item("activations", act, how))
+            if last:
+                logits = tokens * vocab / par.tp * 8
+                how = f"T × vocab {vocab} ÷ TP {par.tp} × 8 B (fp32 and its gradient)"
+                est.items.append(Item("logits", logits, how))
+        if best is None or est.total > best[0].total:
+            best = (est, stage)
+    est, stage = best
+    if par.pp > 1:
+        est.notes.append(f"pipeline stage {stage} of {par.pp} (layers per stage {split}), the largest")
+    if recompute == "selective":
+        est.notes.append("selective recompute only drops the attention-score term, which flash attention (assumed "
+                         "here) never stores; --recompute-granularity full is what lowers activations")
+    return est, stage
+
+
+def fsdp_memory(args, shape: ModelShape, tokens: float | None, with_ref: bool) -> Estimate:
+    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    cb = 2 if args.use_cuda else 4  # compute dtype: bf16 on CUDA, fp32 on CPU
+    counts = count_params(shape)
+    p = counts.total
+    est = Estimate()
+    est.items.append(Item("weights", 4 * p / world, f"{fmt_count(p)} params × 4 B (fp32 master) ÷ {world} ranks"))
+    est.items.append(Item("gradients", 4 * p / world, f"{fmt_count(p)} × 4 B (fp32) ÷ {world} ranks"))
+    est.items.append(Item("optimizer", 8 * p / world, f"{fmt_count(p)} × 8 B (AdamW m, v fp32) ÷ {world} ranks"))
+    biggest_layer = max(sum(layer_params(shape, i)) for i in range(shape.num_layers))
+    gathered = counts.embedding + counts.output + shape.hidden_size + 2 * biggest_layer
+    est.items.append(Item("gathered params", gathered * cb,
+                          f"embedding + output + 2 layers = {fmt_count(gathered)} × {cb} B (all-gathered for compute)"))
+    if with_ref:
+        how = f"KL term: fp32 shards, {fmt_count(p)} × 4 B ÷ {world}"
+        est.items.append(Item("reference model", 4 * p / world, how))
+    if tokens:
+        act = shape.num_layers * activation_bytes_per_layer(tokens, shape.hidden_size, 1, False, cb)
+        how = (f"T={tokens:,.0f} tokens, h={shape.hidden_size}, {shape.num_layers} layers: 34·T·h bytes per layer"
+               + (" × 2 (fp32)" if cb == 4 else ""))
+        est.items.append(Item("activations", act, how))
+        est.items.append(Item("logits", tokens * shape.vocab_size * 8,
+                              f"T × vocab {shape.vocab_size} × 8 B (fp32 and its gradient)"))
+    est.notes.append("fsdp: no activation recompute; the Megatron parallel and recompute flags do not apply")
+    return est
+
+
+def training_memory(args, shape: ModelShape, tokens: float | None, micro_batches: int | None,
+                    with_ref: bool) -> Estimate:
+    if args.train_backend == "megatron":
+        return megatron_memory(args, shape, tokens, micro_batches, with_ref)[0]
+    return fsdp_memory(args, shape, tokens, with_ref)
+
+
+# ---- engines -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    tp: int
+    weight_bytes_per_param: int
+    weights: float  # per GPU
+    fraction: float | None  # mem_fraction_static (SGLang); None for the hf engine
+    fraction_given: bool
+    static: float | None  # fraction × GPU memory
+    kv_budget: float | None
+    kv_bytes_per_token: float
+    kv_tokens: int | None  # per engine
+
+
+def mem_fraction_static(args) -> tuple[float, bool]:
+    raw = (getattr(args, "sglang_args", None) or {}).get("mem_fraction_static")
+    if raw is None:
+        return DEFAULT_MEM_FRACTION_STATIC, False
+    try:
+        return float(raw), True
+    except (TypeError, ValueError):
+        raise SlimeArgumentError(
+            f"--sglang-mem-fraction-static {raw!r}: expected a number in (0, 1), e.g. 0.7"
+        ) from None
+
+
+def kv_bytes_per_token(shape: ModelShape, tp: int, kv_bytes: int) -> tuple[float, str]:
+    if shape.mla:
+        per = shape.num_layers * (shape.kv_lora_rank + shape.qk_rope_head_dim) * kv_bytes
+        return per, (f"MLA: {shape.num_layers} layers × (kv_lora_rank {shape.kv_lora_rank} + rope "
+                     f"{shape.qk_rope_head_dim}) × {kv_bytes} B")
+    heads = max(1, shape.num_kv_heads // tp)
+    per = 2 * shape.num_layers * heads * shape.head_dim * kv_bytes
+    return per, (f"2 × {shape.num_layers} layers × {heads} kv heads per TP rank × head_dim {shape.head_dim} "
+                 f"× {kv_bytes} B")
+
+
+def engine_memory(args, shape: ModelShape, gpu_bytes: float | None) -> tuple[EngineMemory, str]:
+    """Per-GPU memory of one engine, and how its KV bytes per token were computed."""
+    sglang = args.rollout_backend == "sglang"
+    tp = args.rollout_num_gpus_per_engine if sglang else 1
+    sglang_args = getattr(args, "sglang_args", None) or {}
+    if not args.use_cuda:
+        wbytes = 4  # the hf engine runs float32 on CPU
+    elif shape.quant_method == "fp8" or str(sglang_args.get("quantization", "")).startswith("fp8"):
+        wbytes = 1
+    else:
+        wbytes = 2
+    kv_b = 1 if str(sglang_args.get("kv_cache_dtype", "auto")).startswith("fp8") else (2 if args.use_cuda else 4)
+    weights = count_params(shape).total * wbytes / tp
+    per_token, how = kv_bytes_per_token(shape, tp, kv_b)
+    if not sglang or gpu_bytes is None:
+        return EngineMemory(tp, wbytes, weights, None, False, None, None, per_token, None), how
+    fraction, given = mem_fraction_static(args)
+    static = fraction * gpu_bytes
+    budget = static - weights
+    tokens = int(budget // per_token) if budget > 0 else 0
+    return EngineMemory(tp, wbytes, weights, fraction, given, static, budget, per_token, tokens), how

@@ -1,0 +1,296 @@
+"""--dry-run: train.py / train_async.py validate, print the plan and exit 0 without starting Ray or any process;
+the plan's parameter counts, memory estimates, layout and warnings checked against hand-computed numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+from slime.utils.arguments import SlimeArgumentError, parse_args
+from slime.utils.plan import format_plan
+from slime.utils.plan.layout import compute_layout, describe_bundles
+from slime.utils.plan.memory import GiB, engine_memory, kv_bytes_per_token, training_memory
+from slime.utils.plan.model_size import count_params, load_model_shape, shape_from_hf_config
+from tests.conftest import REPO_ROOT, model_args
+
+# Published config.json values of Qwen/Qwen3-4B and deepseek-ai/DeepSeek-V3 (the fields the plan reads).
+QWEN3_4B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 9728,
+    "vocab_size": 151936, "tie_word_embeddings": True, "hidden_act": "silu", "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000, "max_position_embeddings": 40960, "attention_bias": False, "torch_dtype": "bfloat16",
+}
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "moe_layer_freq": 1, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid", "norm_topk_prob": True, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
+    "tie_word_embeddings": False, "hidden_act": "silu", "rms_norm_eps": 1e-06, "rope_theta": 10000,
+    "max_position_embeddings": 163840, "num_nextn_predict_layers": 1, "attention_bias": False,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+TAG = "SLIME_DRY_RUN_TEST_TAG"
+
+
+def write_config(folder, cfg: dict) -> str:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(folder)
+
+
+def base(*extra: str) -> list[str]:
+    """A 32 × 8 rollout on the `files` fixture's fake model folder and prompt file."""
+    return ["--hf-checkpoint", "model", "--prompt-data", "train.jsonl", "--input-key", "prompt",
+            "--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--num-rollout", "3", *extra]  # fmt: skip
+
+
+def tagged_processes(tag: str) -> list[str]:
+    """Live processes whose environment carries our tag (what the dry run might have left behind)."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.environ().get(TAG) == tag and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(" ".join(p.info["cmdline"] or []))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+# ---- the command line, end to end ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", ["train.py", "train_async.py"])
+def test_tiny_cpu_dry_run_prints_the_plan_and_starts_nothing(entry, tiny_model_dir, toy_data_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tag = uuid.uuid4().hex
+    # A Ray address that refuses connections: any ray.init would fail the run instead of starting a cluster.
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, RAY_ADDRESS="127.0.0.1:9", **{TAG: tag})
+    cmd = [
+        sys.executable, os.path.join(REPO_ROOT, entry),
+        "--hf-checkpoint", tiny_model_dir, "--prompt-data", toy_data_path, "--input-key", "prompt",
+        "--label-key", "label", "--apply-chat-template", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+        "--rollout-max-response-len", "4", "--lr", "1e-3", "--micro-batch-size", "4", "--rm-type", "toy",
+        "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--global-batch-size", "16",
+        "--num-rollout", "3", "--dry-run",
+    ]  # fmt: skip
+    start = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=str(tmp_path))
+    elapsed = time.monotonic() - start
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert elapsed < 60, f"a dry run should take seconds, took {elapsed:.1f}s"
+    assert tagged_processes(tag) == []
+    assert not (tmp_path / "outputs").exists()  # no tracker, no checkpoint folder
+    plan = out.stdout
+    assert plan.startswith(f"slime dry run: {entry}: arguments are valid; nothing was started")
+    assert ("asynchronous (train_async.py)" if entry == "train_async.py" else "synchronous (train.py)") in plan
+    assert "CPU (no CUDA): bundles are {CPU: 1}" in plan
+    assert re.search(r"actor\s+0-1\s+node 0: CPU slot 0-1\s+FSDP over 2 rank\(s\)", plan), plan
+    assert re.search(r"engine 1\s+3\s+node 0: CPU slot 3\s+hf engine", plan), plan
+    assert re.search(r"samples per rollout\s+16 = --rollout-batch-size 4 × --n-samples-per-prompt 4", plan)
+    assert re.search(r"optimizer steps\s+1 per rollout of --global-batch-size 16 samples; 3 in the run", plan)
+    assert re.search(r"data-parallel size\s+2 ", plan)
+    assert re.search(r"micro-batches\s+2 per step per DP rank = 8 ÷ --micro-batch-size 4", plan)
+    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+    assert f"({n_params:,})" in plan
+    assert "no limit checked" in plan
+    assert "== Warnings ==\n  none\n" in plan
+
+
+# ---- parameter counts --------------------------------------------------------------------------------------
+
+
+def test_param_count_of_the_tiny_model_folder_matches_transformers(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert count_params(load_model_shape(tiny_model_dir)).total == sum(p.numel() for p in model.parameters())
+
+
+def test_param_count_matches_transformers_for_every_family(tokenizer_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tools.make_tiny_model import ARCHS, build_config
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    for arch in ARCHS:  # dense, GQA bias, q/k norms, GLM's extra norms, MoE with and without shared experts, MLA
+        config = build_config(arch, "tiny", 192, tokenizer)
+        model = AutoModelForCausalLM.from_config(config)
+        counted = count_params(shape_from_hf_config(config.to_dict()))
+        assert counted.total == sum(p.numel() for p in model.parameters()), arch
+
+
+def test_qwen3_4b_has_4_0e9_parameters():
+    h, layers, heads, kv, d, ffn, vocab = 2560, 36, 32, 8, 128, 9728, 151936
+    per_layer = 2 * h + h * heads * d * 2 + h * kv * d * 2 + 2 * d + 3 * h * ffn  # norms, q+o, k+v, q/k norm, MLP
+    expected = layers * per_layer + vocab * h + h  # tied embedding, final norm
+    counts = count_params(shape_from_hf_config(QWEN3_4B))
+    assert counts.total == expected == 4_022_468_096
+    assert counts.output == 0 and counts.active == counts.total
+
+
+def test_deepseek_v3_has_671b_parameters_37b_active():
+    counts = count_params(shape_from_hf_config(DEEPSEEK_V3))
+    assert abs(counts.total / 671e9 - 1) < 0.002, counts.total
+    assert abs(counts.active / 37e9 - 1) < 0.02, counts.active
+    assert counts.layers_expert == 58 * 256 * 3 * 7168 * 2048
+
+
+# ---- memory estimates --------------------------------------------------------------------------------------
+
+
+def test_megatron_and_engine_memory_of_qwen3_4b_closed_form(files):
+    write_config(files / "model", QWEN3_4B)
+    args = parse_args(base(
+        *model_args("qwen3-4B"), "--dry-run", "--dry-run-cuda", "--actor-num-gpus-per-node", "8", "--colocate",
+        "--tensor-model-parallel-size", "2", "--bf16", "--use-distributed-optimizer", "--micro-batch-size", "1",
+        "--rollout-max-context-len", "4096", "--rollout-num-gpus-per-engine", "2",
+        "--sglang-mem-fraction-static", "0.7",
+    ))  # fmt: skip
+    assert (args.use_cuda, args.train_backend, args.rollout_backend) == (True, "megatron", "sglang")
+    shape = load_model_shape("model")
+    est = training_memory(args, shape, tokens=4096, micro_batches=64, with_ref=False)
+    padded_vocab = 152064  # 151936 up to a multiple of 128 × TP 2
+    per_gpu = (4_022_468_096 + (padded_vocab - 151936) * 2560) / 2
+    assert est.get("weights") == per_gpu * 2
+    assert est.get("gradients") == per_gpu * 2
+    assert est.get("optimizer") == per_gpu * 12 / 4  # distributed over DP 4
+    assert est.get("activations") == 36 * 4096 * 2560 * (10 + 24 / 2)  # no sequence parallel, bf16
+    assert est.get("logits") == 4096 * padded_vocab / 2 * 8
+
+    mem, _ = engine_memory(args, shape, 80 * GiB)
+    assert mem.weights == 4_022_468_096 * 2 / 2
+    assert mem.kv_bytes_per_token == 2 * 36 * (8 // 2) * 128 * 2
+    assert mem.kv_tokens == int((0.7 * 80 * GiB - mem.weights) // mem.kv_bytes_per_token)
+
+    plan = format_plan(args)
+    assert "GPU (planned with --dry-run-cuda; this machine has no CUDA)" in plan or "GPU (CUDA)" in plan
+    assert re.search(r"engine 3\s+6-7\s+node 0: GPU 6-7\s+TP 2", plan), plan
+    assert re.search(r"rollout\s+0-7\s+node 0: GPU 0-7\s+shared with actor \(--colocate\)", plan)
+    assert "colocated, generating" in plan
+
+
+def test_fsdp_memory_closed_form(tiny_model_dir, toy_data_path):
+    args = parse_args(["--hf-checkpoint", tiny_model_dir, "--prompt-data", toy_data_path, "--rollout-batch-size", "4",
+                       "--num-rollout", "1", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1", "--dry-run"])
+    if args.use_cuda:
+        pytest.skip("checks the CPU (fp32) numbers")
+    shape = load_model_shape(tiny_model_dir)
+    p = count_params(shape).total
+    est = training_memory(args, shape, tokens=100, micro_batches=None, with_ref=True)
+    assert est.get("weights") == est.get("gradients") == est.get("reference model") == 4 * p / 2
+    assert est.get("optimizer") == 8 * p / 2
+    assert est.get("activations") == shape.num_layers * 100 * shape.hidden_size * 34 * 2  # fp32 doubles 34·T·h
+
+
+def test_mla_kv_cache_is_the_latent_per_layer():
+    shape = shape_from_hf_config(DEEPSEEK_V3)
+    assert kv_bytes_per_token(shape, tp=16, kv_bytes=2)[0] == 61 * (512 + 64) * 2
+
+
+# ---- layout and warnings -----------------------------------------------------------------------------------
+
+
+def test_deepseek_v3_on_128_gpus_disaggregated(files):
+    write_config(files / "model", DEEPSEEK_V3)
+    args = parse_args(base(
+        *model_args("deepseek-v3"), "--dry-run", "--dry-run-cuda", "--actor-num-nodes", "8",
+        "--rollout-num-gpus", "64", "--rollout-num-gpus-per-engine", "16", "--tensor-model-parallel-size", "8",
+        "--sequence-parallel", "--pipeline-model-parallel-size", "4", "--decoder-last-pipeline-num-layers", "16",
+        "--expert-model-parallel-size", "16", "--expert-tensor-parallel-size", "1", "--bf16",
+        "--use-distributed-optimizer", "--rollout-max-context-len", "16384", "--global-batch-size", "256",
+    ))  # fmt: skip
+    layout = compute_layout(args)
+    assert layout.actor == list(range(64)) and layout.rollout == list(range(64, 128))
+    assert [e.bundles[0] for e in layout.engines] == [64, 80, 96, 112]
+    assert layout.engines[0].node_actor_bundles() == [64, 72]
+    assert describe_bundles(layout, layout.engines[0].bundles) == "nodes 8-9: GPU 0-7 each"
+    assert describe_bundles(layout, layout.actor) == "nodes 0-7: GPU 0-7 each"
+
+    plan = format_plan(args)
+    assert "TP 8 × PP 4 × CP 1 × DP 2, EP 16" in plan
+    assert "pipeline stage 3 of 4 (layers per stage [15, 15, 15, 16]), the largest" in plan
+    need = math.ceil(count_params(shape_from_hf_config(DEEPSEEK_V3)).total * (2 + 2 + 12) / (80 * GiB))
+    assert re.search(r"! estimated training memory [\d.]+ GB > 80.0 GB per GPU: ", plan), plan
+    assert f"needs ≥ {need} GPUs of 80.0 GB however it is sharded, and the actor has 64" in plan
+    assert "61 layers × (kv_lora_rank 512 + rope 64) × 2 B" in plan
+
+
+def test_engine_tp_that_does_not_divide_the_heads_is_a_warning_with_the_fix(files):
+    write_config(files / "model", QWEN3_4B)
+    args = parse_args(base(
+        *model_args("qwen3-4B"), "--dry-run", "--dry-run-cuda", "--actor-num-gpus-per-node", "4",
+        "--rollout-num-gpus", "12", "--rollout-num-gpus-per-engine", "6", "--global-batch-size", "64",
+    ))  # fmt: skip
+    plan = format_plan(args)
+    assert ("! --rollout-num-gpus-per-engine 6 (SGLang TP) does not divide the 32 attention heads "
+            "(num_attention_heads) of model/config.json: SGLang refuses to start; try 4 or 8") in plan
+    # bundles 4-9 cross from node 0 to node 1
+    assert "engine 0 straddles nodes 0-1" in plan
+    assert "use a --rollout-num-gpus-per-engine that divides --num-gpus-per-node 8" in plan
+
+
+def test_megatron_tp_that_does_not_divide_the_query_groups_fails_before_the_plan(files, capsys):
+    import train
+
+    write_config(files / "model", QWEN3_4B)
+    argv = base(*model_args("qwen3-4B"), "--dry-run", "--dry-run-cuda", "--actor-num-nodes", "2",
+                "--rollout-num-gpus", "8", "--tensor-model-parallel-size", "16")
+    with pytest.raises(SystemExit) as info:
+        train.main(argv)
+    message = str(info.value.code)
+    assert "--tensor-model-parallel-size 16 does not divide --num-query-groups 8" in message
+    assert "[1, 2, 4, 8]" in message
+    assert "slime dry run" not in capsys.readouterr().out
+
+
+def test_query_groups_warning_from_config_json_without_model_args(files):
+    write_config(files / "model", {**QWEN3_4B, "num_attention_heads": 24, "num_key_value_heads": 12})
+    args = parse_args(base(
+        "--dry-run", "--dry-run-cuda", "--train-backend", "megatron", "--actor-num-gpus-per-node", "8", "--colocate",
+        "--tensor-model-parallel-size", "8", "--rollout-num-gpus-per-engine", "4",
+    ))  # fmt: skip
+    plan = format_plan(args)
+    assert ("! --tensor-model-parallel-size 8 does not divide the 12 query groups (num_key_value_heads) of "
+            "model/config.json: try 4") in plan
+    assert "--train-backend megatron needs the model architecture; missing --num-layers" in plan
+
+
+def test_memory_over_the_gpu_names_the_fixes(files):
+    write_config(files / "model", QWEN3_4B)
+    args = parse_args(base(
+        *model_args("qwen3-4B"), "--dry-run", "--dry-run-cuda", "--dry-run-gpu-gb", "80",
+        "--actor-num-gpus-per-node", "8", "--rollout-num-gpus", "8", "--bf16", "--micro-batch-size", "4",
+        "--rollout-max-context-len", "8192", "--global-batch-size", "256",
+    ))  # fmt: skip
+    warning = next(w for w in format_plan(args).splitlines() if "estimated training memory" in w)
+    assert "> 80.0 GB per GPU" in warning
+    assert "add --use-distributed-optimizer (→ " in warning
+    assert "add --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 (→ " in warning
+    assert "raise --tensor-model-parallel-size to 2 (→ " in warning
+
+
+def test_dry_run_flags_need_dry_run(files):
+    for flag in (["--dry-run-gpu-gb", "141"], ["--dry-run-cuda"]):
+        with pytest.raises(SlimeArgumentError, match=f"{flag[0]} only applies to a dry run; add --dry-run"):
+            parse_args(base("--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", *flag))
+    with pytest.raises(SlimeArgumentError, match="--dry-run-gpu-gb 0.0: must be a positive number"):
+        parse_args(base("--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--dry-run",
+                        "--dry-run-gpu-gb", "0"))
