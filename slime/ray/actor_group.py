@@ -82,7 +82,11 @@ class RayTrainGroup:
     def train(self, rollout_id: int, batch_ref: ray.ObjectRef, *per_row_refs: ray.ObjectRef) -> dict[str, float]:
         """Train on one rollout. `per_row_refs`: the actor under ppo takes the critic's values; the critic
         takes its values and the actor's returns."""
-        return self._all("train", rollout_id, batch_ref, *per_row_refs)[0]
+        metrics = self._all("train", rollout_id, batch_ref, *per_row_refs)[0]
+        peak = ray.get(self._actors[0].peak_gpu_memory_gb.remote())
+        if peak is not None:  # since the previous rollout: training, log-prob passes and the weight push
+            metrics[f"perf/{self.role}_peak_gpu_gb"] = peak
+        return metrics
 
     def compute_values(self, batch_ref: ray.ObjectRef) -> ray.ObjectRef:
         """Critic: per-token values of every row (a reference to rank 0's list, for the actor and critic)."""

@@ -84,6 +84,14 @@ class TrainRayActor:
     def save(self, rollout_id: int) -> None:
         raise NotImplementedError
 
+    def peak_gpu_memory_gb(self) -> float | None:
+        """Peak GPU memory (GiB) torch allocated on this rank since the previous call (None without CUDA)."""
+        if not torch.cuda.is_available():
+            return None
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+        return peak
+
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
