@@ -7,6 +7,7 @@ epoch reshuffled with --rollout-seed + epoch): the data source's offset and epoc
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 
 import pytest
@@ -45,10 +46,14 @@ def test_resume_gets_the_same_prompts_and_replay_the_same_loss(tiny_model_dir, t
     # run a also builds its dataset in 2 worker processes (spawned from the rollout manager's Ray actor); the
     # other runs use none, so the comparisons below also show that workers change nothing
     tb_a = _run(tiny_model_dir, str(data), tmp_path, "a", "--num-rollout", "4", "--save-debug-rollout-data", dump_a,
-                "--num-data-workers", "2")
-    _run(tiny_model_dir, str(data), tmp_path, "b", "--num-rollout", "2",
-         "--save", str(tmp_path / "ckpt"), "--save-interval", "2")
-    tb_c = _run(tiny_model_dir, str(data), tmp_path, "c", "--num-rollout", "4", "--load", str(tmp_path / "ckpt"),
+                "--num-data-workers", "2", "--save", str(tmp_path / "ckpt_a"), "--save-interval", "2")
+    # the run as it was when interrupted after its checkpoint at rollout 1: the later checkpoint is not there
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tmp_path / "ckpt_a", ckpt)
+    shutil.rmtree(ckpt / "iter_0000003")
+    (ckpt / "rollout" / "data_source_state_3.json").unlink()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("1")
+    tb_c = _run(tiny_model_dir, str(data), tmp_path, "c", "--num-rollout", "4", "--load", str(ckpt),
                 "--save-debug-rollout-data", dump_c)
 
     assert len(set(_prompts(dump_a, 0) + _prompts(dump_a, 1))) == 6  # the runs do cross an epoch boundary
