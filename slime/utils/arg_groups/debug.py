@@ -35,7 +35,8 @@ def add_debug_arguments(parser: argparse.ArgumentParser) -> None:
         "--dump-details",
         type=str,
         default=None,
-        help="Folder for a full dump (rollout data under <dir>/rollout_data/{rollout_id}.pt) for post-hoc analysis.",
+        help="Folder for a full dump for post-hoc analysis (not implemented yet: warns; use "
+        "--save-debug-rollout-data).",
     )
     g.add_argument(
         "--check-weight-update-equal",
@@ -65,6 +66,9 @@ def add_debug_arguments(parser: argparse.ArgumentParser) -> None:
 
 def validate_debug(args: argparse.Namespace) -> None:
     validate_dry_run(args)
+    if args.dump_details:
+        logger.warning("--dump-details is not implemented: nothing is dumped there; --save-debug-rollout-data "
+                       "PATH_{rollout_id}.pt saves each rollout's samples.")
     if args.check_weight_update_equal:
         logger.warning("--check-weight-update-equal is not implemented: no check runs after a push; compare "
                        "train/train_rollout_logprob_abs_diff instead (~1e-7 fp32, ~1e-2 bf16 when weights agree).")
