@@ -526,8 +526,8 @@ def main(argv=None) -> None:
     state = EngineState(model, tokenizer, scheduler, model_path=args.model_path, device=args.device,
                         dtype=args.dtype, weight_version=args.weight_version, weight_dirs=args.weight_dirs)
     scheduler.start()
-    logger.info("loaded %s (%s, %s) in %.1f s; serving on http://%s:%d", args.model_path, args.device, args.dtype,
-                time.time() - t0, args.host, args.port)
+    logger.info("loaded %s (%s, %s) in %.1f s; serving on http://%s:%d (pid %d, process group %d)", args.model_path,
+                args.device, args.dtype, time.time() - t0, args.host, args.port, os.getpid(), os.getpgid(0))
     try:
         uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning",
                     timeout_graceful_shutdown=3)
