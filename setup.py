@@ -19,7 +19,10 @@ setup(
         "sglang": ["sglang>=0.5.0"],
         # tools/plot_metrics.py (TensorBoard scalars -> PNG).
         "plot": ["matplotlib==3.11.2"],
+        # examples/search-r1/retrieval_server.py (BM25 ranking).
+        "examples": ["rank_bm25==0.2.2"],
         # megatron-core runs in the CPU tests through tests/megatron_cpu_shim.py.
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "megatron-core>=0.16.1", "matplotlib==3.11.2"],
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "megatron-core>=0.16.1", "matplotlib==3.11.2",
+                 "rank_bm25==0.2.2"],
     },
 )
