@@ -31,6 +31,7 @@ from typing import Any
 from slime.rollout.sglang_rollout import (
     _aborted,
     get_tokenizer,
+    init_response,
     post_generate,
     prompt_ids,
 )
@@ -68,15 +69,6 @@ def turn_budget_left(args, sample: Sample, turn: int, max_turns: int | None = No
 
 
 # --- appending tokens ------------------------------------------------------------------------------------
-
-
-def _init_response(args, sample: Sample) -> None:
-    if not sample.tokens:
-        sample.tokens = prompt_ids(args, sample.prompt)
-    if sample.loss_mask is None:
-        sample.loss_mask = []
-    if sample.rollout_log_probs is None:
-        sample.rollout_log_probs = []
 
 
 def append_model_tokens(
@@ -176,7 +168,7 @@ async def generate_turn(args, sample: Sample, sampling_params: dict, stop: str |
         sample.status = Sample.Status.ABORTED
         return ""
     resuming = sample.status == Sample.Status.ABORTED and sample.response_length > 0
-    _init_response(args, sample)
+    init_response(args, sample)
     if resuming and getattr(args, "mask_offpolicy_in_partial_rollout", False):
         sample.loss_mask = [0] * sample.response_length  # older weights' tokens: context, not targets
 

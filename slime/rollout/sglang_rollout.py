@@ -161,6 +161,17 @@ def _parse_generate_answer(url: str, answer: Any) -> tuple[str, list[int], list[
     return str(answer.get("text") or ""), tokens, logprobs, status, meta.get("weight_version")
 
 
+def init_response(args, sample: Sample) -> None:
+    """Make `sample` ready to append a response to: the prompt's ids when it has no tokens yet, empty
+    loss mask and log-prob lists when it has none."""
+    if not sample.tokens:
+        sample.tokens = prompt_ids(args, sample.prompt)
+    if sample.loss_mask is None:
+        sample.loss_mask = []
+    if sample.rollout_log_probs is None:
+        sample.rollout_log_probs = []
+
+
 async def post_generate(args, input_ids: list[int], params: dict):
     """POST `{router}/generate` for these token ids -> (text, new tokens, their log-probs, status, weight
     version). Retried (60 times under --use-fault-tolerance, else 3) with backoff."""
@@ -180,12 +191,7 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
         sample.status = Sample.Status.ABORTED
         return sample
     resuming = sample.status == Sample.Status.ABORTED and sample.response_length > 0
-    if not sample.tokens:
-        sample.tokens = prompt_ids(args, sample.prompt)
-    if sample.loss_mask is None:
-        sample.loss_mask = []
-    if sample.rollout_log_probs is None:
-        sample.rollout_log_probs = []
+    init_response(args, sample)
     if resuming and getattr(args, "mask_offpolicy_in_partial_rollout", False):
         # tokens from an earlier rollout were sampled by older weights: keep them as context, not as targets
         sample.loss_mask = [0] * sample.response_length
