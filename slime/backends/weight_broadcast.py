@@ -94,23 +94,30 @@ def engine_urls(engines: Sequence[Any]) -> list[str]:
 
 
 class EnginePush:
-    """Rank 0's route for weight buckets; the broadcast group is formed on the first push and kept."""
+    """Rank 0's route for weight buckets: `begin(engines)` once per push, then `send` every bucket. The
+    broadcast group is formed on the first push and kept until an engine's server changes."""
 
     def __init__(self, colocate: bool):
         self.colocate = colocate
         self._group: BroadcastGroup | None = None
+        self._engines: list[Any] = []
 
-    def send(self, bucket: list[tuple[str, torch.Tensor]], engines: Sequence[Any], weight_version: str) -> None:
+    def begin(self, engines: Sequence[Any]) -> None:
+        self._engines = list(engines)
         if self.colocate:
-            send_bucket(bucket, engines, weight_version)
             return
-        if self._group is not None and engine_urls(engines) != self._group.urls:
+        if self._group is not None and engine_urls(self._engines) != self._group.urls:
             # an engine was restarted (--use-fault-tolerance): its new server is not in the group
             logger.warning("engine servers changed since the weight broadcast group was formed; forming it again")
             self.close()
         if self._group is None:
-            self._group = BroadcastGroup(engines, "nccl" if torch.cuda.is_available() else "gloo")
-        self._group.send(bucket, weight_version)
+            self._group = BroadcastGroup(self._engines, "nccl" if torch.cuda.is_available() else "gloo")
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str) -> None:
+        if self.colocate:
+            send_bucket(bucket, self._engines, weight_version)
+        else:
+            self._group.send(bucket, weight_version)
 
     def close(self) -> None:
         """Dissolve the broadcast group, if any; the engines may be gone already, so failures only warn."""

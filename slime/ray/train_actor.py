@@ -33,6 +33,7 @@ def find_free_port() -> int:
 
 
 class TrainRayActor:
+    _push = None  # rank 0's EnginePush, see engine_push
     def __init__(self, world_size: int, rank: int, master_addr: str | None, master_port: int | None):
         self.world_size = world_size
         self.rank = rank
@@ -92,6 +93,19 @@ class TrainRayActor:
         torch.cuda.reset_peak_memory_stats()
         return peak
 
+    def engine_push(self, engines: list[Any]):
+        """Rank 0's `EnginePush` (slime/backends/weight_broadcast.py), made on the first push, begun for
+        `engines`: handles for colocated engines, a broadcast group kept across pushes otherwise."""
+        if self._push is None:
+            from slime.backends.weight_broadcast import EnginePush  # it imports this module
+
+            self._push = EnginePush(bool(getattr(self.args, "colocate", False)))
+        self._push.begin(engines)
+        return self._push
+
     def shutdown(self) -> None:
+        if self._push is not None:
+            self._push.close()
+            self._push = None
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -44,7 +44,6 @@ from slime.backends.fsdp_utils.data import (
     rows_per_step,
     unpad_per_token,
 )
-from slime.backends.weight_broadcast import EnginePush
 from slime.ray.train_actor import TrainRayActor
 from slime.utils.progress import progress
 from slime.utils import ppo_utils
@@ -152,8 +151,6 @@ def sum_over_ranks(local: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 class FSDPTrainRayActor(TrainRayActor):
-    _push: EnginePush | None = None  # rank 0's route to the engines, made on the first push
-
     # ---- setup ------------------------------------------------------------------------------------------
     def init(self, args: Any, role: str, with_ref: bool) -> int:
         if role != "actor":
@@ -316,15 +313,7 @@ class FSDPTrainRayActor(TrainRayActor):
     # ---- weights and checkpoints ------------------------------------------------------------------------
     def update_weights(self, engines: list[Any], weight_version: int) -> None:
         buffer_size = getattr(self.args, "update_weight_buffer_size", None) or DEFAULT_UPDATE_WEIGHT_BUFFER_SIZE
-        if self._push is None:
-            self._push = EnginePush(bool(getattr(self.args, "colocate", False)))
-        weight_sync.update_weights(self.model, engines, weight_version, buffer_size, self._push)
-
-    def shutdown(self) -> None:
-        if self._push is not None:
-            self._push.close()
-            self._push = None
-        super().shutdown()
+        weight_sync.update_weights(self.model, engines, weight_version, buffer_size, self.engine_push)
 
     def save(self, rollout_id: int) -> None:
         if not getattr(self.args, "save", None):

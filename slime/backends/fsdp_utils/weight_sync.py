@@ -14,7 +14,7 @@ device) rather than CUDA IPC.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,15 +34,13 @@ def gather_full_state_dict(model: torch.nn.Module) -> list[tuple[str, torch.Tens
     return list(state.items())
 
 
-def push_to_engines(
-    named_tensors: list[tuple[str, torch.Tensor]], engines: Sequence[Any], weight_version: str, buffer_size: int,
-    push: EnginePush,
-) -> int:
-    """Send buckets to every engine in turn; returns the number of buckets sent."""
+def push_to_engines(named_tensors: list[tuple[str, torch.Tensor]], push: EnginePush, weight_version: str,
+                    buffer_size: int) -> int:
+    """Send buckets through a begun `push`; returns the number of buckets sent."""
     buckets = split_into_buckets(named_tensors, buffer_size)
     with progress(len(buckets), f"push v{weight_version}", "bucket") as bar:
         for i, bucket in enumerate(buckets):
-            push.send(bucket, engines, weight_version)
+            push.send(bucket, weight_version)
             bar.update(1)
             nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
             logger.info("update_weights v%s: bucket %d/%d (%d tensors, %.1f MiB)", weight_version, i + 1,
@@ -51,14 +49,16 @@ def push_to_engines(
 
 
 def update_weights(
-    model: torch.nn.Module, engines: Sequence[Any], weight_version: int | str, buffer_size: int, push: EnginePush
+    model: torch.nn.Module, engines: Sequence[Any], weight_version: int | str, buffer_size: int,
+    engine_push: Callable[[Sequence[Any]], EnginePush],
 ) -> int:
-    """Collective: gather on all ranks, push from rank 0, barrier. Returns buckets sent (0 off rank 0)."""
+    """Collective: gather on all ranks, push from rank 0 (through `engine_push(engines)`), barrier. Returns
+    buckets sent (0 off rank 0)."""
     named = gather_full_state_dict(model)
     sent = 0
     try:
         if dist.get_rank() == 0 and engines:
-            sent = push_to_engines(named, engines, str(weight_version), buffer_size, push)
+            sent = push_to_engines(named, engine_push(engines), str(weight_version), buffer_size)
     finally:
         del named
         # Other ranks wait here so that no rank starts training while engines are still loading.

@@ -35,7 +35,6 @@ from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import checkpoint, config_check, weights
 from slime.backends.megatron_utils.forward import response_log_probs, run_pipeline
 from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel, unwrap
-from slime.backends.weight_broadcast import EnginePush
 from slime.ray.train_actor import TrainRayActor
 from slime.utils import ppo_utils
 from slime.utils.progress import progress
@@ -73,7 +72,6 @@ class MegatronTrainRayActor(TrainRayActor):
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.hf_config = self._hf_config(args.hf_checkpoint)
-        self._push: EnginePush | None = None
 
         ckpt = checkpoint.find_checkpoint(args.load)
         self.model = build_model(args)
@@ -287,12 +285,11 @@ class MegatronTrainRayActor(TrainRayActor):
             raise ValueError("--train-backend megatron: weight sync needs --hf-checkpoint (its config.json picks "
                              "the HF names the engines load)")
         push = self.rank == 0 and bool(engines)
-        if push and self._push is None:
-            self._push = EnginePush(self.args.colocate)
+        route = self.engine_push(engines) if push else None
         version = str(weight_version)
 
         def send(bucket):
-            self._push.send(bucket, engines, version)
+            route.send(bucket, version)
 
         limit = self.args.update_weight_buffer_size or DEFAULT_UPDATE_WEIGHT_BUFFER_SIZE
         bucket: list[tuple[str, torch.Tensor]] = []
@@ -314,12 +311,6 @@ class MegatronTrainRayActor(TrainRayActor):
         if push:
             logger.info("update_weights v%s: %d bucket(s) sent", weight_version, sent)
         dist.barrier()
-
-    def shutdown(self) -> None:
-        if self._push is not None:
-            self._push.close()
-            self._push = None
-        super().shutdown()
 
     def save(self, rollout_id: int) -> None:
         if not self.args.save:
