@@ -57,6 +57,7 @@ ENGINE_CLASSES = {
     "hf": "slime.backends.hf_engine.engine.HFEngine",
     "sglang": "slime.backends.sglang_utils.engine.SGLangEngine",
 }
+MEMORY_TAGS = ("weights", "kv_cache")  # what release_memory_occupation frees when no tags are given
 GROUP_NORMALIZED_ESTIMATORS = {"grpo", "gspo", "cispo", "reinforce_plus_plus_baseline"}
 
 
@@ -73,6 +74,8 @@ class RolloutManager:
         self.weight_version: int | None = None  # the last version pushed to the engines (after_weight_update)
         self._last_generate_end: float | None = None  # wall clock; idle time between generates = waiting
         self.monitor: EngineHealthMonitor | None = None  # --use-fault-tolerance
+        self._released_tags: set[str] = set()  # engine memory released (release_memory), not yet resumed
+        self._counts_reported = True  # False once an engine turned out not to report num_finished_requests
         self.engine_restarts = 0
         try:
             # The cheap, error-prone parts first, so a bad plugin path or dataset starts no process.
@@ -261,11 +264,14 @@ class RolloutManager:
         """Finished requests per engine so far (`num_finished_requests` of GET /get_server_info), or None
         when an engine does not report it (SGLang servers do not) or does not answer within a second."""
         counts = []
-        for url in self.engine_urls:
+        for url in self.engine_urls if self._counts_reported else []:
             try:
                 info = httpx.get(url + "/get_server_info", timeout=1.0, trust_env=False).json()
                 counts.append(int(info["num_finished_requests"]))
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            except (httpx.HTTPError, ValueError, TypeError):
+                return None
+            except KeyError:  # this engine kind never reports it: stop asking
+                self._counts_reported = False
                 return None
         return counts or None
 
@@ -308,13 +314,16 @@ class RolloutManager:
         self._fan_out("flush_cache")
 
     def release_memory(self, tags: list[str] | None = None) -> None:
-        if self.monitor is not None:  # a released engine does not generate; it is not dead
+        if self.monitor is not None and not self._released_tags:  # a released engine is not a dead one
             self.monitor.pause()
+        self._released_tags |= set(tags or MEMORY_TAGS)
         self._fan_out("release_memory_occupation", tags)
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
         self._fan_out("resume_memory_occupation", tags)
-        if self.monitor is not None:
+        was_released = bool(self._released_tags)
+        self._released_tags -= set(tags or MEMORY_TAGS)
+        if self.monitor is not None and was_released and not self._released_tags:
             self.monitor.resume()
 
     # ---- weight pushes (the driver pushes; these bracket it) ---------------------------------------
