@@ -34,7 +34,7 @@ from slime.rollout.multi_turn import (
     generate_turn,
     turn_budget_left,
 )
-from slime.rollout.sglang_rollout import get_tokenizer, prompt_ids
+from slime.rollout.sglang_rollout import get_tokenizer, init_response
 from slime.utils.types import Sample
 
 DEFAULT_URL = "http://127.0.0.1:8765/retrieve"
@@ -103,8 +103,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     turns = searches = 0
     sample.metadata = dict(sample.metadata or {})
     if os.environ.get("SEARCH_R1_RETRIEVE_FIRST") == "1" and not sample.response_length:
-        if not sample.tokens:
-            sample.tokens = prompt_ids(args, sample.prompt)
+        init_response(args, sample)
         if await _append_information(args, sample, tokenizer, question_of(sample.prompt)):
             searches += 1
     while sample.status != Sample.Status.TRUNCATED and turn_budget_left(args, sample, turns, max_turns):

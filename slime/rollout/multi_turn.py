@@ -30,6 +30,7 @@ from typing import Any
 
 from slime.rollout.sglang_rollout import (
     _aborted,
+    append_model_tokens,
     get_tokenizer,
     init_response,
     post_generate,
@@ -69,21 +70,6 @@ def turn_budget_left(args, sample: Sample, turn: int, max_turns: int | None = No
 
 
 # --- appending tokens ------------------------------------------------------------------------------------
-
-
-def append_model_tokens(
-    sample: Sample, token_ids: list[int], log_probs: list[float], text: str = "", weight_version: Any = None
-) -> None:
-    """Append tokens the policy generated: loss mask 1, their log-probs, the weight version they came from."""
-    if len(token_ids) != len(log_probs):
-        raise ValueError(f"append_model_tokens: {len(token_ids)} tokens but {len(log_probs)} log-probs")
-    sample.tokens = list(sample.tokens) + list(token_ids)
-    sample.response += text
-    sample.response_length += len(token_ids)
-    sample.loss_mask = list(sample.loss_mask or []) + [1] * len(token_ids)
-    sample.rollout_log_probs = list(sample.rollout_log_probs or []) + [float(x) for x in log_probs]
-    if weight_version is not None:
-        sample.weight_versions.append(str(weight_version))
 
 
 def append_tool_tokens(sample: Sample, tokenizer, text_or_ids: str | list[int]) -> list[int]:

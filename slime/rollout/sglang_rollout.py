@@ -172,6 +172,21 @@ def init_response(args, sample: Sample) -> None:
         sample.rollout_log_probs = []
 
 
+def append_model_tokens(
+    sample: Sample, token_ids: list[int], log_probs: list[float], text: str = "", weight_version: Any = None
+) -> None:
+    """Append tokens the policy generated: loss mask 1, their log-probs, the weight version they came from."""
+    if len(token_ids) != len(log_probs):
+        raise ValueError(f"append_model_tokens: {len(token_ids)} tokens but {len(log_probs)} log-probs")
+    sample.tokens = list(sample.tokens) + list(token_ids)
+    sample.response += text
+    sample.response_length += len(token_ids)
+    sample.loss_mask = list(sample.loss_mask or []) + [1] * len(token_ids)
+    sample.rollout_log_probs = list(sample.rollout_log_probs or []) + [float(x) for x in log_probs]
+    if weight_version is not None:
+        sample.weight_versions.append(str(weight_version))
+
+
 async def post_generate(args, input_ids: list[int], params: dict):
     """POST `{router}/generate` for these token ids -> (text, new tokens, their log-probs, status, weight
     version). Retried (60 times under --use-fault-tolerance, else 3) with backoff."""
@@ -208,13 +223,7 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
 
     text, tokens, logprobs, status, weight_version = await post_generate(args, sample.tokens, params)
 
-    sample.tokens = sample.tokens + tokens
-    sample.response += text
-    sample.response_length += len(tokens)
-    sample.loss_mask = sample.loss_mask + [1] * len(tokens)
-    sample.rollout_log_probs = sample.rollout_log_probs + logprobs
-    if weight_version is not None:
-        sample.weight_versions.append(str(weight_version))
+    append_model_tokens(sample, tokens, logprobs, text, weight_version)
     sample.status = status
     return sample
 
