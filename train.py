@@ -16,7 +16,7 @@ import time
 import ray
 
 from slime.ray.launcher import Run
-from slime.utils.arguments import SlimeArgumentError, parse_args
+from slime.utils.arguments import SlimeArgumentError, check_before_start, parse_args
 from slime.utils.plan import print_plan
 from slime.utils.tracking import Tracker
 
@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.dry_run:  # validated above; print the plan, start nothing
             print_plan(args, "train.py")
             return
+        check_before_start(args)
     except SlimeArgumentError as e:
         sys.exit(f"error: {e}")
     train(args)

@@ -36,13 +36,14 @@ import weakref
 from typing import Any
 
 from slime.rollout.rm_hub import async_rm, batched_async_rm
-from slime.utils.http_utils import post, run_sync
+from slime.utils.http_utils import HTTPRequestError, post, run_sync
 from slime.utils.progress import progress
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
 ABORT_WAIT_S = 60.0
+GENERATE_BACKOFF_S = 1.0  # first retry delay of a failed /generate (doubling, capped at 5 s)
 DEFAULT_MAX_FAILED_RATIO = 0.05
 _FINISHED = (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
 _FINISH_REASONS = {"length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED, "stop": Sample.Status.COMPLETED}
@@ -116,9 +117,13 @@ def build_sampling_params(args, evaluation: bool = False) -> dict[str, Any]:
             value = getattr(args, name, None)
         return default if value is None else value
 
-    max_new_tokens = pick("rollout_max_response_len", "eval_max_response_len")
+    # No response limit: up to the context length (parse_args sets it from the model when it can); `generate`
+    # lowers max_new_tokens by the prompt so prompt + response fit.
+    max_new_tokens = pick("rollout_max_response_len", "eval_max_response_len",
+                          getattr(args, "rollout_max_context_len", None))
     if max_new_tokens is None:
-        raise ValueError("set --rollout-max-response-len (the max_new_tokens of every generation)")
+        raise ValueError("set --rollout-max-response-len (the max_new_tokens of every generation) or "
+                         "--rollout-max-context-len")
     params = {
         "temperature": pick("rollout_temperature", "eval_temperature", 1.0),
         "top_p": pick("rollout_top_p", "eval_top_p", 1.0),
@@ -141,12 +146,23 @@ def prompt_ids(args, prompt: str | list[dict]) -> list[int]:
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
+_GENERATE_FIX = (
+    "--router-url / the engines must serve SGLang's native /generate API (sglang-router in front of "
+    "`sglang.launch_server` or the built-in hf engine)"
+)
+
+
 def _parse_generate_answer(url: str, answer: Any) -> tuple[str, list[int], list[float], Sample.Status, Any]:
+    if isinstance(answer, str):  # http_utils hands back the body as text when it is not JSON
+        raise ValueError(
+            f"{url}: malformed /generate answer: not JSON (body starts {answer[:200]!r}); {_GENERATE_FIX}"
+        )
     meta = answer.get("meta_info") if isinstance(answer, dict) else None
     if not isinstance(meta, dict) or not isinstance(meta.get("output_token_logprobs"), list):
         got = sorted(answer) if isinstance(answer, dict) else type(answer).__name__
         raise ValueError(
-            f"{url}: malformed /generate answer: expected meta_info.output_token_logprobs (return_logprob=true), got {got}"
+            f"{url}: malformed /generate answer: expected meta_info.output_token_logprobs (return_logprob=true), "
+            f"got {got}; {_GENERATE_FIX}"
         )
     try:
         tokens = [int(e[1]) for e in meta["output_token_logprobs"]]
@@ -192,8 +208,18 @@ async def post_generate(args, input_ids: list[int], params: dict):
     version). Retried (60 times under --use-fault-tolerance, else 3) with backoff."""
     url = f"{args.router_url}/generate"
     payload = {"input_ids": list(input_ids), "sampling_params": params, "return_logprob": True}
-    retries = 60 if getattr(args, "use_fault_tolerance", False) else 3
-    return _parse_generate_answer(url, await post(url, payload, retries=retries, backoff=1.0))
+    fault_tolerant = getattr(args, "use_fault_tolerance", False)
+    retries = 60 if fault_tolerant else 3
+    try:
+        answer = await post(url, payload, retries=retries, backoff=GENERATE_BACKOFF_S)
+    except HTTPRequestError as e:
+        if e.status_code is not None and e.status_code < 500:
+            raise  # the request itself was refused: the message says why
+        hint = "see the engine's log for the cause" + (
+            "" if fault_tolerant else "; --use-fault-tolerance retries 60 times and restarts engines that die"
+        )
+        raise HTTPRequestError(url, f"{e}; {hint}", e.status_code, e.response_text) from e
+    return _parse_generate_answer(url, answer)
 
 
 async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
@@ -488,6 +514,7 @@ def _eval_datasets(args) -> list[tuple[dict, argparse.Namespace, Any]]:
                 tool_key=getattr(ds_args, "tool_key", None),
                 apply_chat_template=getattr(args, "apply_chat_template", False),
                 apply_chat_template_kwargs=getattr(args, "apply_chat_template_kwargs", None),
+                flag=f"--eval-prompt-data {config['name']}",
             )
         out.append((config, ds_args, _eval_dataset_cache[key]))
     return out

@@ -237,11 +237,12 @@ def apply_custom_config(parser: argparse.ArgumentParser, args: argparse.Namespac
 
 
 def check_function_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Load every plugin function named by a `*-path` flag the user set, so typos fail before Ray starts.
+    """Load every plugin function named by a `*-path` flag the user set, and check it takes the arguments slime
+    passes it (`slime.utils.misc.HOOK_CONTRACTS`), so typos and wrong signatures fail before Ray starts.
 
     Built-in defaults are not loaded here: they are loaded (and tested) by the code that uses them.
     """
-    from slime.utils.misc import load_function
+    from slime.utils.misc import load_hook
 
     for dest in FUNCTION_FLAGS:
         value = getattr(args, dest, None)
@@ -250,7 +251,7 @@ def check_function_flags(args: argparse.Namespace, parser: argparse.ArgumentPars
         if dest == "eval_function_path" and value == parser.get_default("rollout_function_path"):
             continue  # derived from the default rollout function
         try:
-            load_function(value, "--" + dest.replace("_", "-"))
+            load_hook(value, "--" + dest.replace("_", "-"))
         except Exception as e:
             raise SlimeArgumentError(str(e)) from e
 
@@ -267,6 +268,8 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     validate_megatron(args)
     check_function_flags(args, parser)
     check_model_args(args)
+    check_prompt_rows(args, parser)
+    check_checkpoint_to_load(args)
     if args.megatron_args and args.train_backend == "fsdp":
         flags = [t for t in args.megatron_args if _is_flag(t)]
         logger.warning(
@@ -275,6 +278,17 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
             " ".join(flags),
         )
     return args
+
+
+def check_before_start(args: argparse.Namespace) -> None:
+    """What the training ranks would refuse at start-up, checked by train.py / train_async.py before Ray starts
+    (parse_args leaves it out so that flag-level tests may parse partial architectures): --train-backend
+    megatron needs MODEL_ARGS; the default rollout needs a reward function."""
+    if args.train_backend == "megatron" and not args.debug_rollout_only:
+        from slime.backends.megatron_utils.args import require_model_args
+
+        require_model_args(args)
+    check_reward_source(args)
 
 
 def check_model_args(args: argparse.Namespace) -> None:
@@ -291,6 +305,73 @@ def check_model_args(args: argparse.Namespace) -> None:
         if args.train_backend == "megatron":
             raise SlimeArgumentError(str(e)) from e
         logger.warning("--train-backend fsdp (model from --hf-checkpoint; Megatron flags unused): %s", e)
+
+
+def check_prompt_rows(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The head of --prompt-data parses (rows, keys) and, with --apply-chat-template, the tokenizer of
+    --hf-checkpoint has a chat template: read from the files, before Ray starts. The whole file is read (and a
+    bad row further down reported with its file:line) when the data source loads it, before the engines start.
+    The prompt key is checked here only when --input-key is given: with the default ("input") a missing key is
+    reported by the data source, as before (flag-only command lines, in tests too, pass files without it)."""
+    from slime.utils.arg_groups.data import DEFAULT_DATA_SOURCE
+    from slime.utils.data import chat_template_missing, check_prompt_file, no_chat_template_message
+
+    if args.debug_train_only or not args.rollout_global_dataset or args.prompt_data is None:
+        return
+    if args.data_source_path != DEFAULT_DATA_SOURCE:
+        return  # a data source of its own may read the file differently
+    input_key = args.input_key if args.input_key != parser.get_default("input_key") else None
+    try:
+        check_prompt_file(args.prompt_data, input_key, args.label_key, args.metadata_key, args.tool_key)
+    except (ValueError, OSError) as e:
+        raise SlimeArgumentError(str(e)) from e
+    if args.apply_chat_template and args.hf_checkpoint and chat_template_missing(args.hf_checkpoint):
+        raise SlimeArgumentError(no_chat_template_message(f"--hf-checkpoint {args.hf_checkpoint}"))
+
+
+def check_reward_source(args: argparse.Namespace) -> None:
+    """The default rollout scores every sample with --rm-type, --custom-rm-path or the row's metadata rm_type:
+    with none of them (in the first rows of --prompt-data) every sample would fail after the engines start."""
+    from slime.utils.arg_groups.data import DEFAULT_DATA_SOURCE
+    from slime.utils.arg_groups.rollout import DEFAULT_ROLLOUT_FUNCTION
+    from slime.utils.data import check_prompt_file
+
+    if args.rm_type or args.custom_rm_path or args.debug_train_only or not args.prompt_data:
+        return
+    if (args.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION or args.custom_generate_function_path
+            or args.data_source_path != DEFAULT_DATA_SOURCE or not args.rollout_global_dataset):
+        return  # functions or data sources of their own may set the rewards
+    head = check_prompt_file(args.prompt_data, None, args.label_key, args.metadata_key, args.tool_key)
+    if head is None or any((sample.metadata or {}).get("rm_type") for sample in head):
+        return
+    from slime.rollout.rm_hub import RM_TYPES
+
+    raise SlimeArgumentError(
+        f"no reward function: set --rm-type (one of {sorted(RM_TYPES)}; e.g. math for answers checked against "
+        f"--label-key), --custom-rm-path pkg.module.fn, or give the rows of --prompt-data {args.prompt_data} a "
+        f"metadata rm_type (--metadata-key {args.metadata_key})"
+    )
+
+
+def check_checkpoint_to_load(args: argparse.Namespace) -> None:
+    """When --load holds a checkpoint (the fsdp critic's under --load/critic too), its latest marker names a
+    complete iteration folder: checked before Ray starts (the trainers read the same folder). A folder with
+    no marker yet is a fresh run, not an error."""
+    if not args.load or args.debug_rollout_only:
+        return
+    folders = [args.load] + ([os.path.join(args.load, "critic")] if args.train_backend != "megatron" else [])
+    folders = [d for d in folders if os.path.isfile(os.path.join(d, "latest_checkpointed_iteration.txt"))]
+    if not folders:
+        return
+    if args.train_backend == "megatron":
+        from slime.backends.megatron_utils.checkpoint import find_checkpoint
+    else:
+        from slime.backends.fsdp_utils.checkpoint import find_checkpoint
+    for folder in folders:
+        try:
+            find_checkpoint(folder)
+        except (ValueError, OSError) as e:
+            raise SlimeArgumentError(str(e)) from e
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

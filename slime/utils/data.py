@@ -4,7 +4,9 @@ Each row gives the prompt under `input_key` (a string or a list of chat messages
 `label_key`, optional metadata (a dict, or a JSON string of one) under `metadata_key`, and optional tools
 (a list, or a JSON string of one) under `tool_key`. With `apply_chat_template` the prompt is rendered to a
 string by the tokenizer's chat template (a plain string becomes a single user message); without it the
-prompt is kept as given. Prompts longer than `max_prompt_len` tokens are dropped with a logged count.
+prompt is kept as given. Prompts longer than `max_prompt_len` tokens are dropped with a logged count; a file
+that leaves no prompt at all is an error saying why (no rows, or the limit and the shortest prompt's length).
+`check_prompt_file` parses the head of a file without a tokenizer, for `parse_args` to report bad rows early.
 
 `PATH@[start:end]` takes a Python slice of the file's rows (blank lines are not rows) before anything
 else happens to them. A JSONL file is first indexed by the byte offsets of its rows (8 bytes a row); rows
@@ -154,7 +156,7 @@ class _RowError(ValueError):
 class RowFormat:
     """How a row becomes a `Sample` (the key and template flags, and the length limit)."""
 
-    input_key: str
+    input_key: str | None  # None: the prompt is not read (a check of the other keys only)
     label_key: str | None = None
     metadata_key: str | None = None
     tool_key: str | None = None
@@ -169,7 +171,8 @@ def _parse(raw) -> dict:
             raw = json.loads(raw)
         except json.JSONDecodeError as e:
             raise _RowError(
-                f"malformed JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
+                f"malformed JSON ({e.msg} at column {e.colno}); each line must be one JSON object: fix or delete "
+                "this line"
             ) from None
         if not isinstance(raw, dict):
             raise _RowError(f"expected a JSON object per line, got {type(raw).__name__}")
@@ -178,7 +181,8 @@ def _parse(raw) -> dict:
 
 def _require(row: dict, key: str, flag: str) -> Any:
     if key not in row:
-        raise _RowError(f"missing key '{key}' ({flag} {key}); keys present: {sorted(row)}")
+        raise _RowError(f"missing key '{key}' ({flag} {key}); keys present: {sorted(row)}: set {flag} to the key "
+                        "that holds it, or fix the row")
     return row[key]
 
 
@@ -195,7 +199,7 @@ def _maybe_json(value: Any, expected: type, what: str) -> Any:
 
 def _to_sample(raw, fmt: RowFormat, tokenizer) -> Sample:
     row = _parse(raw)
-    prompt = _require(row, fmt.input_key, "--input-key")
+    prompt = _require(row, fmt.input_key, "--input-key") if fmt.input_key is not None else ""
     if not isinstance(prompt, (str, list)):
         raise _RowError(
             f"'{fmt.input_key}' must be a string or a list of chat messages, got {type(prompt).__name__}"
@@ -233,8 +237,9 @@ def _prompt_lengths(samples: list[Sample], tokenizer, template_kwargs: dict | No
     return lengths
 
 
-def build_samples(items: list[tuple[Any, Any]], fmt: RowFormat, tokenizer) -> tuple[list[Sample], int]:
-    """The samples of `items` ((loc, raw) rows) in order, minus prompts over the limit; and that count."""
+def build_samples(items: list[tuple[Any, Any]], fmt: RowFormat, tokenizer) -> tuple[list[Sample], int, int | None]:
+    """The samples of `items` ((loc, raw) rows) in order, minus prompts over the limit; that count; and the
+    token length of the shortest prompt dropped (None when none was)."""
     samples = []
     for loc, raw in items:
         try:
@@ -242,10 +247,11 @@ def build_samples(items: list[tuple[Any, Any]], fmt: RowFormat, tokenizer) -> tu
         except _RowError as e:
             raise ValueError(f"{_where(loc)}: {e}") from e.__cause__
     if fmt.max_prompt_len is None or tokenizer is None:
-        return samples, 0
+        return samples, 0, None
     lengths = _prompt_lengths(samples, tokenizer, fmt.template_kwargs)
     kept = [s for s, n in zip(samples, lengths) if n <= fmt.max_prompt_len]
-    return kept, len(samples) - len(kept)
+    too_long = [n for n in lengths if n > fmt.max_prompt_len]
+    return kept, len(too_long), min(too_long, default=None)
 
 
 _worker_tokenizer = None
@@ -263,7 +269,7 @@ def _build_in_worker(items, fmt: RowFormat):
     return build_samples(items, fmt, _worker_tokenizer)
 
 
-def _build_all(rows, fmt: RowFormat, tokenizer, num_workers: int) -> tuple[list[Sample], int]:
+def _build_all(rows, fmt: RowFormat, tokenizer, num_workers: int) -> tuple[list[Sample], int, int | None]:
     """Every row of `rows` as samples, in chunks; with `num_workers` > 1 the chunks go to spawned worker
     processes and come back in order. Spawn, not fork: the caller may be a threaded Ray actor. Each worker
     starts by importing transformers and loading the tokenizer (seconds), so workers pay off on big files."""
@@ -272,16 +278,19 @@ def _build_all(rows, fmt: RowFormat, tokenizer, num_workers: int) -> tuple[list[
     chunks = (range(start, min(start + size, n)) for start in range(0, n, size))
     samples: list[Sample] = []
     dropped = 0
+    shortest: int | None = None
 
     def collect(result):
-        nonlocal dropped
+        nonlocal dropped, shortest
         samples.extend(result[0])
         dropped += result[1]
+        if result[2] is not None:
+            shortest = result[2] if shortest is None else min(shortest, result[2])
 
     if num_workers <= 1 or n == 0:
         for chunk in chunks:
             collect(build_samples(rows.items(chunk), fmt, tokenizer))
-        return samples, dropped
+        return samples, dropped, shortest
 
     tokenizer_path = getattr(tokenizer, "name_or_path", None) if tokenizer is not None else None
     if tokenizer is not None and not tokenizer_path:
@@ -309,17 +318,89 @@ def _build_all(rows, fmt: RowFormat, tokenizer, num_workers: int) -> tuple[list[
         ) from e
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-    return samples, dropped
+    return samples, dropped, shortest
 
 
 def _row_format(tokenizer, max_prompt_len, input_key, label_key, metadata_key, tool_key, apply_chat_template,
                 apply_chat_template_kwargs) -> RowFormat:  # fmt: skip
     if apply_chat_template and tokenizer is None:
         raise ValueError("--apply-chat-template needs a tokenizer (--hf-checkpoint)")
+    if apply_chat_template and hasattr(tokenizer, "chat_template") and not tokenizer.chat_template:
+        raise ValueError(no_chat_template_message(getattr(tokenizer, "name_or_path", None) or "the tokenizer"))
     if isinstance(apply_chat_template_kwargs, str):
         apply_chat_template_kwargs = json.loads(apply_chat_template_kwargs)
     return RowFormat(input_key, label_key, metadata_key, tool_key, apply_chat_template,
                      dict(apply_chat_template_kwargs or {}), max_prompt_len)  # fmt: skip
+
+
+def no_chat_template_message(where: str) -> str:
+    return (
+        f"--apply-chat-template: the tokenizer of {where} has no chat template (no chat_template in "
+        "tokenizer_config.json, no chat_template.jinja); drop --apply-chat-template to use the prompts as given, "
+        "or use a tokenizer that has one (e.g. copy chat_template.jinja from the instruct model)"
+    )
+
+
+def chat_template_missing(model_dir: str) -> bool:
+    """True when the HF folder `model_dir` has tokenizer files but no chat template in any of the places
+    transformers reads one from (checked without loading the tokenizer)."""
+    config = os.path.join(model_dir, "tokenizer_config.json")
+    if not os.path.isfile(config):
+        return False  # no tokenizer files to judge by: the tokenizer load reports what is wrong
+    if any(os.path.isfile(os.path.join(model_dir, f)) for f in ("chat_template.jinja", "chat_template.json")):
+        return False
+    if os.path.isdir(os.path.join(model_dir, "additional_chat_templates")):
+        return False
+    try:
+        with open(config) as f:
+            return not json.load(f).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _no_prompts_message(flag: str, path: str, rows: int, dropped: int, shortest: int | None, max_prompt_len) -> str:
+    if rows == 0:
+        if "@[" in path and not os.path.exists(path):
+            return f"{flag} {path}: no prompts left: the row slice selects no rows of the file; widen or drop the slice"
+        return (f"{flag} {path}: no prompts left: the file has no rows (blank lines are not rows); give a JSONL file "
+                "with one JSON object per line")  # fmt: skip
+    return (
+        f"{flag} {path}: no prompts left: all {dropped} prompts are longer than --rollout-max-prompt-len="
+        f"{max_prompt_len} tokens (the shortest has {shortest}); raise --rollout-max-prompt-len (and "
+        f"--rollout-max-context-len) to at least {shortest}, or shorten the prompts"
+    )
+
+
+PREFLIGHT_ROWS = 100
+
+
+def check_prompt_file(value: str, input_key: str | None, label_key: str | None = None, metadata_key: str | None = None,
+                      tool_key: str | None = None, flag: str = "--prompt-data",
+                      limit: int = PREFLIGHT_ROWS) -> list[Sample] | None:
+    """Parse the first `limit` rows of a JSONL prompt file (no tokenizer, no template, no length filter) so
+    that an empty file, a malformed line near the top or a wrong key fails before anything is started; returns
+    those rows' samples. `input_key` None skips the prompt-key check. Raises ValueError naming `file:line`
+    (parquet: not read, None returned)."""
+    path, rows = parse_prompt_path(value, flag)
+    if path.endswith(".parquet"):
+        return None
+    if rows is None:  # read only the head of the file: it may be huge
+        items, pos = [], 0
+        with open(path, "rb") as f:
+            for line in f:
+                if line.strip():
+                    items.append(((path, pos), line))
+                    if len(items) >= limit:
+                        break
+                pos += len(line)
+        total = len(items)
+    else:
+        selected = _JsonlRows(path, rows)
+        total = len(selected)
+        items = selected.items(range(min(limit, total)))
+    if total == 0:
+        raise ValueError(_no_prompts_message(flag, value, 0, 0, None, None))
+    return build_samples(items, RowFormat(input_key, label_key, metadata_key, tool_key), None)[0]
 
 
 def _log_dropped(where: str, dropped: int, total: int, max_prompt_len) -> None:
@@ -354,7 +435,9 @@ class Dataset:
         self.path = path
         self.seed = seed
         rows = _open_rows(*parse_prompt_path(path, flag), flag)
-        samples, dropped = _build_all(rows, fmt, tokenizer, num_workers)
+        samples, dropped, shortest = _build_all(rows, fmt, tokenizer, num_workers)
+        if not samples:
+            raise ValueError(_no_prompts_message(flag, path, len(rows), dropped, shortest, max_prompt_len))
         _log_dropped(path, dropped, len(rows), max_prompt_len)
         self.dropped = dropped
         self.origin_samples = samples
@@ -409,6 +492,8 @@ class StreamingDataset:
                              "to JSONL or drop --streaming-data")  # fmt: skip
         self.path, self.tokenizer, self.seed, self.window = path, tokenizer, seed, window
         self.rows = _open_rows(real_path, rows, flag)
+        if len(self.rows) == 0:
+            raise ValueError(_no_prompts_message(flag, path, 0, 0, None, max_prompt_len))
         self.epoch: int | None = None  # None: file order
         self._window_order: list[int] = []
         self._cached: tuple[int, list[int]] | None = None
@@ -439,7 +524,7 @@ class StreamingDataset:
     def read(self, start: int, stop: int) -> list[Sample]:
         """Samples (templated and length-filtered now) at positions [start, stop) of the current order."""
         items = self.rows.items(self._row_at(i) for i in range(start, min(stop, len(self.rows))))
-        samples, dropped = build_samples(items, self.fmt, self.tokenizer)
+        samples, dropped, _ = build_samples(items, self.fmt, self.tokenizer)
         if dropped:
             if not self.dropped:
                 logger.warning("%s: prompts longer than --rollout-max-prompt-len=%d tokens are skipped as they are "

@@ -1,12 +1,35 @@
-"""Small helpers shared across processes: loading plugin functions by path."""
+"""Small helpers shared across processes: loading plugin functions by path, and the call contract of each
+`*-path` hook (`HOOK_CONTRACTS`), checked by `load_hook` before anything starts."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
+import traceback
 from typing import Any
+
+_FORMS = "pkg.module.fn, file.py (the function named like the file) or file.py:fn"
+# flag -> the function a bare file.py may define instead of one named like the file
+_FILE_FALLBACKS = {"--custom-generate-function-path": "generate"}
+
+# flag -> (positional arguments, keyword arguments, the call as the docs write it). Hooks that are only
+# loaded, never called with a fixed shape (--rollout-data-postprocess-path, --custom-tis-function-path),
+# are not listed.
+HOOK_CONTRACTS: dict[str, tuple[int, tuple[str, ...], str]] = {
+    "--rollout-function-path": (3, ("evaluation",), "fn(args, rollout_id, data_source, evaluation=False)"),
+    "--eval-function-path": (3, ("evaluation",), "fn(args, rollout_id, data_source, evaluation=True)"),
+    "--custom-generate-function-path": (3, (), "async fn(args, sample, sampling_params[, evaluation=False])"),
+    "--dynamic-sampling-filter-path": (2, (), "fn(args, group) -> bool | DynamicFilterOutput"),
+    "--buffer-filter-path": (4, (), "fn(args, rollout_id, buffer, num_samples) -> groups"),
+    "--data-source-path": (1, (), "DataSource(args)"),
+    "--custom-rm-path": (2, (), "async fn(args, sample) -> float | dict (with --group-rm: fn(args, samples) -> list)"),
+    "--custom-reward-post-process-path": (2, (), "fn(args, samples) -> (raw_rewards, rewards)"),
+    "--custom-advantage-function-path": (2, (), "fn(args, inputs) -> (advantages, returns)"),
+    "--custom-loss-function-path": (2, (), "fn(args, inputs) -> (loss, metrics)"),
+}
 
 
 def load_function(path: str, flag: str | None = None) -> Any:
@@ -14,18 +37,78 @@ def load_function(path: str, flag: str | None = None) -> Any:
 
     Accepted forms: `pkg.mod.fn` (dotted import path, modules in the working directory included),
     `file.py` (the attribute named like the file's stem, as in `--custom-generate-function-path
-    custom_generate.py`), `file.py:fn` and `pkg.mod:fn`. Errors name the flag, the path and what exists.
+    custom_generate.py`; for that flag `generate` too), `file.py:fn` and `pkg.mod:fn`. Errors name the flag,
+    the path and what exists.
     """
     where = f"{flag}={path}" if flag else path
-    module_part, attr = _split(path)
+    try:
+        module_part, attr = _split(path)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     try:
         module = _import(module_part)
     except Exception as e:  # noqa: BLE001 - re-raised with context
-        raise ImportError(f"{where}: cannot import '{module_part}': {type(e).__name__}: {e}") from e
+        raise ImportError(
+            f"{where}: cannot import '{module_part}': {type(e).__name__}: {e}{_raised_at(e)}; {_import_fix(e)}"
+        ) from e
+    if not hasattr(module, attr) and path.endswith(".py") and hasattr(module, _FILE_FALLBACKS.get(flag, "")):
+        attr = _FILE_FALLBACKS[flag]  # custom_generate.py may name its function `generate`
     if not hasattr(module, attr):
         public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
-        raise AttributeError(f"{where}: '{module_part}' has no attribute '{attr}' (callables there: {public})")
+        raise AttributeError(
+            f"{where}: '{module_part}' has no attribute '{attr}' (callables there: {public}); fix the name after "
+            "the last '.' or ':'"
+        )
     return getattr(module, attr)
+
+
+def load_hook(path: str, flag: str) -> Any:
+    """`load_function`, then check that the hook can be called the way slime calls it (`HOOK_CONTRACTS`)."""
+    fn = load_function(path, flag)
+    check_hook_signature(fn, path, flag)
+    return fn
+
+
+def check_hook_signature(fn: Any, path: str, flag: str) -> None:
+    """Raise TypeError naming the flag, the function's parameters and the expected call when `fn` cannot take
+    the arguments slime passes to `flag`'s hook. Unlisted flags and C functions are not checked."""
+    if flag not in HOOK_CONTRACTS:
+        return
+    positional, keywords, call = HOOK_CONTRACTS[flag]
+    where = f"{flag}={path}"
+    if not callable(fn):
+        raise TypeError(f"{where}: is a {type(fn).__name__}, not a function; slime calls it as {call}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*range(positional), **{k: None for k in keywords})
+    except TypeError as e:
+        name = getattr(fn, "__qualname__", getattr(fn, "__name__", path))
+        takes = f"{positional} positional argument(s)" + "".join(f" and the keyword {k}" for k in keywords)
+        raise TypeError(
+            f"{where}: {name}{signature} cannot be called as {call} ({e}); change its parameters to match "
+            f"(it must take {takes})"
+        ) from None
+
+
+def _raised_at(error: BaseException) -> str:
+    """' (at file:line)' of where an import failed inside the user's code, when that is known."""
+    if isinstance(error, SyntaxError) and error.filename:
+        return f" (at {error.filename}:{error.lineno})"
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "importlib" not in f.filename]
+    frames = [f for f in frames if os.path.abspath(f.filename) != os.path.abspath(__file__)]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def _import_fix(error: BaseException) -> str:
+    if isinstance(error, FileNotFoundError):
+        return f"fix the path (relative paths start at the working directory {os.getcwd()}); forms: {_FORMS}"
+    if isinstance(error, ModuleNotFoundError):
+        return (f"check the module path and that its folder is importable (the working directory is on sys.path; "
+                f"set PYTHONPATH for others); forms: {_FORMS}")  # fmt: skip
+    return "fix the error in that module (importing it must succeed on its own)"
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -35,7 +118,8 @@ def _split(path: str) -> tuple[str, str]:
     if path.endswith(".py"):
         return path, os.path.splitext(os.path.basename(path))[0]
     if "." not in path:
-        raise ValueError(f"'{path}' is not a dotted path (pkg.module.function), a file.py or file.py:function")
+        raise ValueError(f"'{path}' is not a dotted path (pkg.module.function), a file.py or file.py:function; "
+                         "write it in one of those forms")
     module_part, attr = path.rsplit(".", 1)
     return module_part, attr
 

@@ -23,6 +23,14 @@ def test_python_file_forms(tmp_path, monkeypatch):
     assert load_function("my_reward.other")() == 2  # a module in the working directory
 
 
+def test_custom_generate_file_may_name_its_function_generate(tmp_path):
+    (tmp_path / "custom_generate.py").write_text("async def generate(args, sample, sampling_params):\n    return sample\n")
+    fn = load_function(str(tmp_path / "custom_generate.py"), "--custom-generate-function-path")
+    assert fn.__name__ == "generate"
+    with pytest.raises(AttributeError, match="has no attribute 'custom_generate'"):  # only for that flag
+        load_function(str(tmp_path / "custom_generate.py"), "--rollout-function-path")
+
+
 def test_errors_name_the_flag_and_what_exists(tmp_path):
     (tmp_path / "rm.py").write_text("def score(args, sample):\n    return 0.0\n")
     with pytest.raises(AttributeError, match=r"--custom-rm-path=.*rm\.py:nope.*score"):

@@ -67,6 +67,36 @@ def is_hf_folder(path: str | None) -> bool:
     return bool(path) and os.path.isfile(os.path.join(path, "config.json"))
 
 
+def _missing_parts(path: str) -> list[str]:
+    """What an iteration folder lacks to be loadable: the folder itself, config.json, the weights."""
+    if not os.path.isdir(path):
+        return ["the folder itself"]
+    missing = [] if is_hf_folder(path) else ["config.json"]
+    if not any(name.endswith((".safetensors", ".bin")) for name in os.listdir(path)):
+        missing.append("the weights (*.safetensors)")
+    return missing
+
+
+def complete_iterations(load_dir: str) -> list[int]:
+    """Rollout ids of the loadable iteration folders under `load_dir`, ascending."""
+    found = []
+    for name in os.listdir(load_dir):
+        if name.startswith("iter_") and name[5:].isdigit() and not _missing_parts(os.path.join(load_dir, name)):
+            found.append(int(name[5:]))
+    return sorted(found)
+
+
+def _incomplete(load_dir: str, latest: str, iteration: int, path: str, missing: list[str]) -> FileNotFoundError:
+    complete = complete_iterations(load_dir)
+    fix = (f"write {complete[-1]} (the newest complete one; found: {complete}) into {latest}, or " if complete
+           else "no complete iteration folder is there: ")  # fmt: skip
+    return FileNotFoundError(
+        f"--load {load_dir}: {LATEST_FILE} names iteration {iteration} but {path} is incomplete (missing: "
+        f"{', '.join(missing)}; a save was interrupted or the folder was copied in part); {fix}point --load at a "
+        "complete checkpoint folder (or at an empty one to start fresh). Nothing was loaded or written."
+    )
+
+
 def find_checkpoint(load_dir: str | None) -> Checkpoint | None:
     """The checkpoint `--load` points at, or None when the folder holds none (a fresh run)."""
     if not load_dir:
@@ -81,16 +111,19 @@ def find_checkpoint(load_dir: str | None) -> Checkpoint | None:
     except ValueError:
         raise ValueError(f"{latest}:1: expected a rollout id, found {text!r}; fix or delete the file") from None
     path = iteration_dir(load_dir, iteration)
-    if not is_hf_folder(path):
-        raise FileNotFoundError(
-            f"--load {load_dir}: {LATEST_FILE} names iteration {iteration} but {path}/config.json is missing; "
-            "point --load at a complete checkpoint folder or fix the file"
-        )
+    missing = _missing_parts(path)
+    if missing:
+        raise _incomplete(load_dir, latest, iteration, path, missing)
     state = {}
     state_file = os.path.join(path, TRAINER_STATE_FILE)
     if os.path.isfile(state_file):
-        with open(state_file) as f:
-            state = json.load(f)
+        try:
+            with open(state_file) as f:
+                state = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"--load {load_dir}: {state_file} is not valid JSON ({e}); the save of iteration "
+                             f"{iteration} was interrupted: restore the file or point {latest} at an earlier "
+                             "iteration") from None  # fmt: skip
     return Checkpoint(iteration, path, state)
 
 

@@ -70,17 +70,32 @@ def find_checkpoint(root: str | None, flag: str = "--load") -> TorchDistCheckpoi
                              "the file") from None
     path = iteration_dir(root, iteration)
     if not is_torch_dist_dir(path):
-        raise FileNotFoundError(f"{flag} {root}: {LATEST_FILE} names {text} but {path} holds no torch_dist "
-                                "checkpoint (no metadata.json); point the flag at a complete checkpoint")
+        what = "does not exist" if not os.path.isdir(path) else "holds no torch_dist checkpoint (no metadata.json)"
+        complete = complete_iterations(root)
+        fix = (f"write {complete[-1]} (the newest complete one; found: {complete}) into {latest}, or " if complete
+               else "")  # fmt: skip
+        raise FileNotFoundError(f"{flag} {root}: {LATEST_FILE} names {text} but {path} {what} (a save was "
+                                f"interrupted or the folder was copied in part); {fix}point {flag} at a complete "
+                                "checkpoint. Nothing was loaded or written.")  # fmt: skip
     return TorchDistCheckpoint(path, iteration, _read_state(path))
+
+
+def complete_iterations(root: str) -> list[int]:
+    """Rollout ids of the iteration folders under `root` that hold a torch_dist checkpoint, ascending."""
+    return sorted(int(name[5:]) for name in os.listdir(root)
+                  if name.startswith("iter_") and name[5:].isdigit() and is_torch_dist_dir(os.path.join(root, name)))
 
 
 def _read_state(path: str) -> dict:
     state_file = os.path.join(path, STATE_FILE)
     if not os.path.isfile(state_file):
         return {}
-    with open(state_file) as f:
-        return json.load(f)
+    try:
+        with open(state_file) as f:
+            return json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{state_file} is not valid JSON ({e}): the save was interrupted; restore the file or "
+                         f"point {LATEST_FILE} at an earlier iteration") from None
 
 
 def _model_sharded_state_dict(model: list[torch.nn.Module]) -> dict:
