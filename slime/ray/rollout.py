@@ -46,6 +46,7 @@ from slime.utils.metrics import (
     compute_eval_metrics,
     compute_rollout_metrics,
     compute_weight_version_metrics,
+    multi_turn_metrics,
     wait_time_ratio,
 )
 from slime.utils.misc import load_function
@@ -247,6 +248,8 @@ class RolloutManager:
             failed_count=failed, rollout_time=rollout_time,
         )  # fmt: skip
         metrics.update(compute_weight_version_metrics([s.weight_versions for s in samples]))
+        if getattr(args, "log_multi_turn", False):
+            metrics.update(multi_turn_metrics([s.metadata for s in samples]))
         metrics.update(engine_load_metrics(served_before, self._engine_request_counts()))
         if self.monitor is not None:
             metrics["rollout/engine_restarts"] = float(self.engine_restarts)

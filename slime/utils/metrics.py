@@ -57,6 +57,19 @@ def compute_rollout_metrics(
     return metrics
 
 
+def multi_turn_metrics(metadatas: list[dict | None]) -> dict[str, float]:
+    """`rollout/multi_turn/turns_{mean,max}` and `rollout/multi_turn/tool_calls_{mean,max}` (--log-multi-turn)
+    from the samples' metadata["turns"] / ["tool_calls"] (set by `multi_turn.tool_loop`, or by a custom
+    generate function); empty when no sample has them."""
+    out: dict[str, float] = {}
+    for key in ("turns", "tool_calls"):
+        values = [float(m[key]) for m in metadatas if m and isinstance(m.get(key), (int, float))]
+        if values:
+            out[f"rollout/multi_turn/{key}_mean"] = _mean(values)
+            out[f"rollout/multi_turn/{key}_max"] = max(values)
+    return out
+
+
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
     """Unbiased pass@k of one prompt with `num_correct` of `num_samples` correct: 1 - C(n-c, k) / C(n, k)."""
     if num_samples - num_correct < k:

@@ -128,10 +128,49 @@ def test_backends_follow_cuda(files):
     assert args.distributed_backend == ("nccl" if cuda else "gloo")
 
     parser = build_parser()
-    ns = parser.parse_args(base())
-    ns.sglang_args, ns.router_args, ns.megatron_args, ns.use_cuda = {}, {}, [], True
-    validate_args(ns, parser)
-    assert (ns.train_backend, ns.rollout_backend, ns.distributed_backend) == ("megatron", "sglang", "nccl")
+    for extra, backend in (([], "fsdp"), (["--num-layers", "2"], "megatron")):  # megatron needs MODEL_ARGS
+        ns = parser.parse_args(base())
+        ns.sglang_args, ns.router_args, ns.megatron_args, ns.use_cuda = {}, {}, extra, True
+        ns.num_layers = 2 if extra else None
+        validate_args(ns, parser)
+        assert (ns.train_backend, ns.rollout_backend, ns.distributed_backend) == (backend, "sglang", "nccl")
+
+
+@pytest.mark.parametrize("script", ["train", "train_async"])
+@pytest.mark.parametrize("extra, expected", [
+    (["--train-backend", "megatron", "--num-layers", "2", "--rm-type", "math"],
+     ["missing --hidden-size --num-attention-heads --vocab-size", "${MODEL_ARGS[@]}"]),
+    ([], ["no reward function: set --rm-type", "--custom-rm-path", "metadata rm_type"]),
+])  # fmt: skip
+def test_what_the_ranks_would_refuse_stops_before_ray(files, script, extra, expected, monkeypatch):
+    import importlib
+
+    import ray
+
+    entry = importlib.import_module(script)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray was started"))
+    with pytest.raises(SystemExit) as info:
+        entry.main(base(*extra))
+    assert all(text in str(info.value) for text in expected), str(info.value)
+
+
+def test_rows_with_their_own_rm_type_need_no_flag(files):
+    from slime.utils.arguments import check_before_start
+
+    (files / "train.jsonl").write_text('{"prompt": "1+1?", "label": "2", "metadata": {"rm_type": "math"}}\n')
+    check_before_start(parse_args(base()))  # no error
+
+
+def test_response_length_defaults_to_the_models_context(files):
+    from slime.rollout.sglang_rollout import build_sampling_params
+
+    (files / "model" / "config.json").write_text('{"max_position_embeddings": 4096}')
+    args = parse_args(base())
+    assert (args.rollout_max_context_len, args.rollout_max_prompt_len) == (4096, 4095)
+    assert build_sampling_params(args)["max_new_tokens"] == 4096  # generate() subtracts the prompt
+    assert parse_args(base("--sglang-context-length", "1024")).rollout_max_context_len == 1024
+    bounded = parse_args(base("--rollout-max-response-len", "8"))
+    assert bounded.rollout_max_context_len is None and build_sampling_params(bounded)["max_new_tokens"] == 8
 
 
 def test_sglang_backend_without_cuda_is_refused(files):
@@ -160,7 +199,14 @@ def test_defaults_of_added_flags(files):
     assert (args.adam_beta1, args.adam_beta2, args.adam_eps, args.clip_grad) == (0.9, 0.95, 1e-8, 1.0)
     assert (args.micro_batch_size, args.seed, args.lr) == (1, 1234, 1e-6)
     assert args.eval_function_path == args.rollout_function_path
-    assert args.eval_reward_key is None and args.use_tensorboard is False
+    assert args.eval_reward_key is None
+    # The seed's `tensorboard --logdir outputs/` works with no logging flags; checkpoints follow the run name.
+    assert args.use_tensorboard is True and args.tensorboard_dir.startswith(os.path.join("outputs", "tensorboard"))
+    assert parse_args(base("--no-use-tensorboard")).use_tensorboard is False
+    assert args.save is None  # nothing is saved unless asked
+    saving = parse_args(base("--save-interval", "5", "--tb-experiment-name", "exp1"))
+    assert saving.save == os.path.join("outputs", "checkpoints", "slime", "exp1")
+    assert saving.tensorboard_dir == os.path.join("outputs", "tensorboard", "slime", "exp1")
 
 
 # ---- couplings -------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Logging: TensorBoard and wandb, and extra rollout statistics.
 
-`args.tensorboard_dir` is always resolved (even with TensorBoard off) so every process agrees on it:
-`--tensorboard-dir`, else `$TENSORBOARD_DIR`, else
-`outputs/tensorboard/<--tb-project-name or slime>/<--tb-experiment-name or the parse time>`.
+TensorBoard is on by default (`--no-use-tensorboard` turns it off), so `tensorboard --logdir outputs/` shows a
+run started with no logging flags. `args.tensorboard_dir` is always resolved so every process agrees on it:
+`--tensorboard-dir`, else `$TENSORBOARD_DIR`, else `outputs/tensorboard/<run_name(args)>`.
 """
 
 from __future__ import annotations
@@ -14,13 +14,18 @@ import time
 
 def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("logging", "TensorBoard, wandb and extra statistics.")
-    g.add_argument("--use-tensorboard", action="store_true", help="Write metrics to TensorBoard.")
+    g.add_argument(
+        "--use-tensorboard",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Write metrics to TensorBoard (on by default: `tensorboard --logdir outputs/`).",
+    )
     g.add_argument(
         "--tensorboard-dir",
         type=str,
         default=None,
         help="TensorBoard folder (default: $TENSORBOARD_DIR, else "
-        "outputs/tensorboard/<tb-project-name or slime>/<tb-experiment-name or a timestamp>).",
+        "outputs/tensorboard/<tb-project-name or slime>/<tb-experiment-name or the start time>).",
     )
     g.add_argument("--tb-project-name", type=str, default=None, help="TensorBoard project (a folder level).")
     g.add_argument("--tb-experiment-name", type=str, default=None, help="TensorBoard run (a folder level).")
@@ -41,14 +46,19 @@ def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-multi-turn", action="store_true", help="Log turn counts of multi-turn rollouts.")
 
 
+def run_name(args: argparse.Namespace) -> str:
+    """`<--tb-project-name or slime>/<--tb-experiment-name or the parse time>`: the run's folder under
+    outputs/tensorboard/ and (when --save is not given) outputs/checkpoints/. Fixed at the first call."""
+    if getattr(args, "run_name", None) is None:
+        args.run_name = os.path.join(args.tb_project_name or "slime",
+                                     args.tb_experiment_name or time.strftime("%Y%m%d-%H%M%S"))
+    return args.run_name
+
+
 def validate_logging(args: argparse.Namespace) -> None:
     if args.tensorboard_dir is None:
-        args.tensorboard_dir = os.environ.get("TENSORBOARD_DIR") or os.path.join(
-            "outputs",
-            "tensorboard",
-            args.tb_project_name or "slime",
-            args.tb_experiment_name or time.strftime("%Y%m%d-%H%M%S"),
-        )
+        args.tensorboard_dir = os.environ.get("TENSORBOARD_DIR") or os.path.join("outputs", "tensorboard",
+                                                                                 run_name(args))
     env_mode = os.environ.get("WANDB_MODE")
     if args.wandb_mode is None:
         args.wandb_mode = env_mode if env_mode in ("online", "offline", "disabled") else "online"

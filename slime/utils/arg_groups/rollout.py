@@ -59,7 +59,13 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Longer prompts are dropped when the dataset loads (default: --rollout-max-context-len - 1).",
     )
-    g.add_argument("--rollout-max-response-len", type=int, default=None, help="max_new_tokens of each request.")
+    g.add_argument(
+        "--rollout-max-response-len",
+        type=int,
+        default=None,
+        help="max_new_tokens of each request (default: up to the context length, --rollout-max-context-len, else "
+        "--sglang-context-length, else max_position_embeddings of --hf-checkpoint).",
+    )
     g.add_argument("--rollout-skip-special-tokens", action="store_true", help="Drop special tokens from texts.")
     g.add_argument("--rollout-stop", type=str, nargs="+", default=None, help="Stop strings.")
     g.add_argument("--rollout-stop-token-ids", type=int, nargs="+", default=None, help="Stop token ids.")
@@ -146,6 +152,23 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def model_context_length(args: argparse.Namespace) -> tuple[int | None, str]:
+    """The engines' context length: --sglang-context-length, else max_position_embeddings of
+    --hf-checkpoint's config.json (its text config for multimodal models); (None, "") when neither says."""
+    sglang_context = (getattr(args, "sglang_args", None) or {}).get("context_length")
+    if sglang_context:
+        return int(sglang_context), "--sglang-context-length"
+    path = os.path.join(str(getattr(args, "hf_checkpoint", None) or ""), "config.json")
+    if not os.path.isfile(path):
+        return None, ""
+    import json
+
+    with open(path) as f:
+        config = json.load(f)
+    value = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    return (int(value), f"max_position_embeddings of {path}") if value else (None, "")
+
+
 def validate_rollout(args: argparse.Namespace) -> None:
     external = args.rollout_external_engine_addrs is not None
     if args.rollout_backend is None:
@@ -179,6 +202,13 @@ def validate_rollout(args: argparse.Namespace) -> None:
         "max_turns",
     )
 
+    if args.rollout_max_response_len is None and args.rollout_max_context_len is None:
+        context, source = model_context_length(args)
+        if context:
+            # slime's behaviour without a response limit: generate until EOS or the context is full.
+            args.rollout_max_context_len = context
+            logger.info("--rollout-max-response-len not given: responses may run to the context length %d (%s); "
+                        "set --rollout-max-response-len to bound them", context, source)
     if args.rollout_max_context_len is not None:
         if args.rollout_max_prompt_len is None:
             # Leave room for at least one generated token, which the loss needs.

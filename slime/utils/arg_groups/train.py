@@ -53,9 +53,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=1234, help="Seed of the training ranks (and of the engines, + rank).")
     g.add_argument("--bf16", action="store_true", help="Train in bfloat16 (fp32 master weights).")
     g.add_argument("--fp16", action="store_true", help="Train in float16 with loss scaling.")
-    g.add_argument("--save", type=str, default=None, help="Checkpoint folder to write.")
+    g.add_argument("--save", type=str, default=None, help="Checkpoint folder to write (default with --save-interval: outputs/checkpoints/<run name>, "
+                   "the run name as in the TensorBoard folder).")
     g.add_argument("--load", type=str, default=None, help="Checkpoint folder to resume from (if it holds one).")
-    g.add_argument("--save-interval", type=int, default=None, help="Save after every N rollouts (needs --save).")
+    g.add_argument("--save-interval", type=int, default=None, help="Save after every N rollouts (into --save).")
     g.add_argument(
         "--ref-load",
         type=str,
@@ -69,7 +70,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def validate_train(args: argparse.Namespace) -> None:
     if args.train_backend is None:
-        args.train_backend = "megatron" if args.use_cuda else "fsdp"
+        # Megatron needs the architecture flags (MODEL_ARGS); without them fsdp reads the model from
+        # --hf-checkpoint, so a GPU run without a model script still starts.
+        args.train_backend = "megatron" if args.use_cuda and args.num_layers is not None else "fsdp"
+        if args.use_cuda and args.train_backend == "fsdp":
+            logger.info("--train-backend not given and no MODEL_ARGS (--num-layers ...): using fsdp; source a "
+                        "scripts/models/<model>.sh and pass ${MODEL_ARGS[@]} for megatron.")
     elif args.train_backend == "megatron" and not args.use_cuda:
         logger.warning("--train-backend megatron without CUDA: megatron-core expects a GPU on every rank.")
 
@@ -87,6 +93,10 @@ def validate_train(args: argparse.Namespace) -> None:
     if not (0.0 <= args.adam_beta1 < 1.0 and 0.0 <= args.adam_beta2 < 1.0):
         fail(f"--adam-beta1 {args.adam_beta1} / --adam-beta2 {args.adam_beta2}: each must lie in [0, 1).")
     if args.save_interval is not None and args.save is None:
-        fail(f"--save-interval {args.save_interval} needs --save DIR to know where to write checkpoints.")
+        from slime.utils.arg_groups.logging import run_name
+
+        args.save = os.path.join("outputs", "checkpoints", run_name(args))
+        logger.info("--save-interval %d without --save: checkpoints go to %s (resume with --load %s)",
+                    args.save_interval, args.save, args.save)
     if args.ref_load is not None and not args.debug_rollout_only and not os.path.exists(args.ref_load):
         fail(f"--ref-load {args.ref_load}: no such checkpoint folder (cwd: {os.getcwd()}); fix the path.")
