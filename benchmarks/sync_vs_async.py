@@ -43,7 +43,7 @@ VARIANTS = {
 def job_flags(args, model_dir: str, data_path: str) -> list[str]:
     """The toy job of scripts/run-tiny-cpu.sh (same algorithm and optimizer flags)."""
     return [
-        "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+        "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--rollout-backend", "hf",
         "--hf-checkpoint", model_dir, "--prompt-data", data_path, "--input-key", "prompt", "--label-key", "label",
         "--apply-chat-template", "--rollout-shuffle", "--rm-type", "toy",
         "--num-rollout", str(args.num_rollout), "--rollout-batch-size", str(args.rollout_batch_size),
@@ -61,7 +61,7 @@ def run_variant(name: str, flags: list[str], workdir: str, extra: list[str]) -> 
     tb_dir = os.path.join(workdir, name, "tb")
     cmd = [sys.executable, os.path.join(REPO_ROOT, script), *flags, *variant_flags, "--use-tensorboard",
            "--tensorboard-dir", tb_dir, *extra]
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
     for var in ("SLIME_TRAIN_NUM_THREADS", "SLIME_ENGINE_NUM_THREADS", "OMP_NUM_THREADS"):
         env.setdefault(var, "1")
     log_path = os.path.join(workdir, f"{name}.log")

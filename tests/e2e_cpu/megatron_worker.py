@@ -104,6 +104,10 @@ def main() -> None:
         if cli.engine and cli.rank == 0:
             from slime.backends.hf_engine.engine import HFEngine
 
+            if cli.broadcast and torch.cuda.is_available():
+                # NCCL refuses two ranks of one group on one GPU: the stand-apart engine takes the last GPU
+                # (on one GPU it shares it, and the broadcast test is for CPU/gloo or several GPUs).
+                os.environ["CUDA_VISIBLE_DEVICES"] = str(max(cli.world_size, torch.cuda.device_count()) - 1)
             engine = HFEngine(argparse.Namespace(hf_checkpoint=cli.model, rollout_seed=0,
                                                  sglang_server_concurrency=8), 0)
             engine.init()

@@ -70,9 +70,9 @@ def run_logits_worker(arch: str, out: str, dtype: str = "float32", extra: str = 
     return torch.load(os.path.join(out, "logits.pt"))
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("megatron_actor")
+def run_layouts(root, tiny_model_dir: str) -> dict:
+    """One rank, every LAYOUTS entry, a TP2 checkpoint loaded at TP1, and a tiny MoE at EP1 / EP2: rank 0's
+    results by name (also used on two GPUs by tests/gpu/test_megatron_multi_gpu.py)."""
     model = ["--model", tiny_model_dir]
     out = {"one": run_ranks(WORKER, 1, str(root / "one"), model, timeout_s=300)}
     for name, (world, tp, pp, flags) in LAYOUTS.items():
@@ -90,6 +90,11 @@ def runs(tiny_model_dir, tmp_path_factory):
     out["moe_ep2"] = run_ranks(WORKER, 2, str(root / "moe_ep2"), moe_flags + ep2, timeout_s=300)
     out["root"] = str(root)
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    return run_layouts(tmp_path_factory.mktemp("megatron_actor"), tiny_model_dir)
 
 
 @pytest.mark.timeout(900)
