@@ -21,6 +21,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 from slime.utils.tracking import read_scalars
+from tests.e2e_cpu.test_sglang_engine_launch import SERVING, _install
 from tests.e2e_cpu.test_train_e2e import _env
 
 
@@ -101,9 +102,17 @@ def test_colocate_is_refused_before_anything_starts(tiny_model_dir, toy_data_pat
 
 
 @pytest.mark.timeout(600)
-def test_one_step_off_generation_overlaps_training(tiny_model_dir, toy_data_path, tmp_path):
+def test_one_step_off_generation_overlaps_training(tiny_model_dir, toy_data_path, tmp_path, monkeypatch):
+    """Through the SGLang engine actor (`--rollout-backend sglang`): SGLang cannot run here, so the `sglang`
+    command on PATH records its argv and serves the hf engine (tests/e2e_cpu/test_sglang_engine_launch.py);
+    everything else (launch, health, the distributed weight push, shutdown) is the SGLang path's."""
+    _install(tmp_path, monkeypatch, SERVING)
+    monkeypatch.setenv("FAKE_SGLANG_ARGV", str(tmp_path / "argv.json"))
     n = 4
-    out = _run(_cmd(tiny_model_dir, toy_data_path, tmp_path, n, "--rollout-max-response-len", "4"), tmp_path)
+    out = _run(_cmd(tiny_model_dir, toy_data_path, tmp_path, n, "--rollout-max-response-len", "4",
+                    "--rollout-backend", "sglang"), tmp_path)
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    assert argv[0] == "serve" and argv[argv.index("--model-path") + 1] == tiny_model_dir
     _assert_overlap_and_no_push_mid_generation(_timeline(out), n)
 
     versions = _versions(tmp_path)

@@ -173,12 +173,14 @@ def test_response_length_defaults_to_the_models_context(files):
     assert bounded.rollout_max_context_len is None and build_sampling_params(bounded)["max_new_tokens"] == 8
 
 
-def test_sglang_backend_without_cuda_is_refused(files):
+def test_sglang_backend_without_cuda_is_refused(files, monkeypatch):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     assert "--rollout-backend sglang needs CUDA" in error_of(base("--rollout-backend", "sglang"))
+    monkeypatch.setenv("SLIME_SGLANG_LAUNCHER", "sglang serve")  # a launcher that serves without CUDA
+    assert parse_args(base("--rollout-backend", "sglang")).rollout_backend == "sglang"
     assert "--distributed-backend nccl needs CUDA" in error_of(base("--distributed-backend", "nccl"))
 
 

@@ -174,10 +174,14 @@ def validate_rollout(args: argparse.Namespace) -> None:
     if args.rollout_backend is None:
         args.rollout_backend = "sglang" if args.use_cuda else "hf"
     elif args.rollout_backend == "sglang" and not args.use_cuda and not (external or args.debug_train_only):
-        fail(
-            "--rollout-backend sglang needs CUDA, which this machine does not have; use --rollout-backend hf "
-            "(the built-in engine) or point --rollout-external-engine-addrs at running SGLang servers."
-        )
+        if not os.environ.get("SLIME_SGLANG_LAUNCHER"):
+            fail(
+                "--rollout-backend sglang needs CUDA, which this machine does not have; use --rollout-backend hf "
+                "(the built-in engine), point --rollout-external-engine-addrs at running SGLang servers, or set "
+                "SLIME_SGLANG_LAUNCHER to a launcher that serves without CUDA (e.g. SGLang's CPU build)."
+            )
+        logger.warning("--rollout-backend sglang without CUDA: engines start through SLIME_SGLANG_LAUNCHER=%s",
+                       os.environ["SLIME_SGLANG_LAUNCHER"])
 
     if not args.debug_train_only:
         _check_hf_checkpoint(args.hf_checkpoint)
