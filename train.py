@@ -122,10 +122,13 @@ def evaluate(run: Run, rollout_id: int) -> dict[str, float]:
 
 
 def save(run: Run, rollout_id: int) -> None:
-    run.actor.save(rollout_id)
+    """The data source's state first and the actor last: the actor's latest marker (written last of all) is
+    what --load resumes from, so a run killed mid-save never names a checkpoint whose prompt position is
+    missing (benchmarks/driver_kill_trials.py). The critic may end one save ahead of it."""
+    ray.get(run.rollout_manager.save.remote(rollout_id))
     if run.critic is not None:
         run.critic.save(rollout_id)
-    ray.get(run.rollout_manager.save.remote(rollout_id))
+    run.actor.save(rollout_id)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,6 +16,7 @@ import ray
 
 from slime.ray.actor_group import RayTrainGroup
 from slime.ray.placement_group import create_placement_groups, num_actor_devices, num_rollout_devices
+from slime.utils import process_reaper
 
 logger = logging.getLogger("slime")
 
@@ -50,12 +51,15 @@ class Run:
         self.actor: RayTrainGroup | None = None
         self.critic: RayTrainGroup | None = None
         self._started_ray = False
+        self._reaper: process_reaper.Reaper | None = None
         self._old_sigterm = None
 
     def __enter__(self) -> "Run":
         self._old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
         try:
             self._started_ray = start_ray(self.args)
+            if self._started_ray:  # a SIGKILLed driver must not leave Ray's agents behind (process_reaper.py)
+                self._reaper = process_reaper.watch(process_reaper.ray_node_processes())
             placements = create_placement_groups(self.args)
             self.rollout_manager = create_rollout_manager(self.args, placements["rollout"])
             use_critic = bool(getattr(self.args, "use_critic", False))
@@ -92,6 +96,9 @@ class Run:
             setattr(self, name, None)
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+        if self._reaper is not None:
+            self._reaper.release()
+            self._reaper = None
 
 
 def create_rollout_manager(args, placement):
