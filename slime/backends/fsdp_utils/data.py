@@ -20,6 +20,7 @@ from slime.backends.batching import (  # noqa: F401  (re-exported for the fsdp b
     split_micro_batches,
     unpad_per_token,
 )
+from slime.backends.fsdp_utils.token_log_probs import token_log_probs
 
 
 # ---- log-prob extraction --------------------------------------------------------------------------------
@@ -50,13 +51,9 @@ def extract_response_log_probs(
             f"[{logits_offset + int(predicting.min())}, {logits_offset + int(predicting.max()) + 1})"
         )
     targets = torch.where(valid, mb.input_ids.gather(1, torch.where(valid, starts + t, torch.zeros_like(t))), 0)
-    selected = logits.gather(1, predicting.unsqueeze(-1).expand(-1, -1, vocab)).float() / temperature
-    log_p = torch.log_softmax(selected, dim=-1)
-    token_log_probs = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * valid
-    entropy = None
-    if with_entropy:
-        entropy = -(log_p.exp() * log_p).sum(-1) * valid
-    return token_log_probs, entropy
+    selected = logits.gather(1, predicting.unsqueeze(-1).expand(-1, -1, vocab))
+    log_probs, entropy = token_log_probs(selected, targets, temperature, with_entropy)
+    return log_probs * valid, (entropy * valid if with_entropy else None)
 
 
 def supports_logits_to_keep(model: torch.nn.Module) -> bool:
