@@ -257,7 +257,8 @@ def fsdp_memory(args, shape: ModelShape, tokens: float | None, with_ref: bool) -
                + (" × 2 (fp32)" if cb == 4 else ""))
         est.items.append(Item("activations", act, how))
         est.items.append(Item("logits", tokens * shape.vocab_size * 8,
-                              f"T × vocab {shape.vocab_size} × 8 B (fp32 and its gradient)"))
+                              f"T × vocab {shape.vocab_size} × 8 B (logits, their response rows and "
+                              "gradients; benchmarks/log_prob_memory.py)"))
     est.notes.append("fsdp: no activation recompute; the Megatron parallel and recompute flags do not apply")
     return est
 
