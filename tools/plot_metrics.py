@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import glob
+import importlib.util
 import math
 import os
 import sys
@@ -175,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.smooth < 1:
         parser.error(f"--smooth {args.smooth}: must be >= 1 (1 turns smoothing off)")
     groups = {"tags": tuple(args.tags)} if args.tags else GROUPS
+    if importlib.util.find_spec("matplotlib") is None:
+        print('error: tools/plot_metrics.py needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)',
+              file=sys.stderr)
+        return 2
     try:
         written = plot_runs(args.run_dirs, args.out, groups, args.labels, args.smooth, args.prefix, args.dpi)
     except PlotError as e:

@@ -89,3 +89,12 @@ def test_no_wanted_tag_is_an_error_listing_the_tags_there(tmp_path, capsys):
     assert main([run, "--out", str(tmp_path / "plots"), "--tags", "train/grad_norm"]) == 2
     err = capsys.readouterr().err
     assert "train/grad_norm" in err and "rollout/raw_reward" in err
+
+
+def test_missing_matplotlib_names_the_install(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main([str(tmp_path)]) == 2
+    assert 'pip install -e ".[plot]"' in capsys.readouterr().err
