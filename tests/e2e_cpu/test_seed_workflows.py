@@ -94,9 +94,13 @@ def test_step3_standard_grpo(workdir, tiny_model_dir):
            "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.001",
            "--prompt-data", "train.jsonl", "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
-           "--num-rollout", "3", "--save-interval", "2", "--eval-interval", "2")  # fmt: skip
+           "--num-rollout", "3", "--save-interval", "2", "--eval-interval", "2",
+           "--eval-prompt-data", "aime", "train.jsonl@[0:4]", "gsm8k", "train.jsonl@[4:12]")  # fmt: skip
     tb = the_run(workdir, "tensorboard")
     assert sorted(read_scalars(tb, "rollout/raw_reward")) == [0, 1, 2]
+    # step 3's scenario two: several eval sets, each logged under its name
+    aime, gsm8k = read_scalars(tb, "eval/aime"), read_scalars(tb, "eval/gsm8k")
+    assert aime and sorted(aime) == sorted(gsm8k), (aime, gsm8k)
     # GRPO's first-step invariants (the other estimators: test_algorithms_e2e.py): ppo_kl is 0 (the old-policy
     # pass repeats the training forward), the KL to the reference is 0 (it starts as the policy; a second
     # model instance, so fp32 rounding ~4e-8), and the trainer's log-probs match the engine's.
