@@ -48,7 +48,10 @@ import psutil
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 from slime.utils.tracking import read_scalars  # noqa: E402
+from sync_vs_async import job_flags as toy_job_flags  # noqa: E402
 
 MARKER_VAR = "SLIME_KILL_TRIAL_MARKER"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -57,21 +60,10 @@ POLL_S = 0.02
 
 
 def job_flags(args, model_dir: str, data_path: str, save_dir: str) -> list[str]:
-    """The toy job of scripts/run-tiny-cpu.sh, smaller, with a checkpoint after every rollout."""
-    return [
-        "--train-backend", "fsdp", "--rollout-backend", "hf",
-        "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
-        "--hf-checkpoint", model_dir, "--prompt-data", data_path, "--input-key", "prompt", "--label-key", "label",
-        "--apply-chat-template", "--rollout-shuffle", "--rm-type", "toy",
-        "--num-rollout", str(args.num_rollout), "--rollout-batch-size", str(args.rollout_batch_size),
-        "--n-samples-per-prompt", "8", "--global-batch-size", str(args.rollout_batch_size * 8),
-        "--micro-batch-size", "32", "--rollout-max-response-len", str(args.max_response_len),
-        "--rollout-temperature", "1.0",
-        "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.001", "--kl-loss-type", "low_var_kl",
-        "--entropy-coef", "0.01", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
-        "--lr", "7e-4", "--weight-decay", "0.0", "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--clip-grad", "1.0",
-        "--save", save_dir, "--save-interval", "1", "--use-tensorboard",
-    ]  # fmt: skip
+    """The toy job of scripts/run-tiny-cpu.sh as benchmarks/sync_vs_async.py runs it, with a checkpoint after
+    every rollout."""
+    return [*toy_job_flags(args, model_dir, data_path), "--train-backend", "fsdp",
+            "--save", save_dir, "--save-interval", "1", "--use-tensorboard"]
 
 
 def marked_processes(marker: str, sessions: set[int]) -> dict[int, str]:
