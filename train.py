@@ -43,9 +43,10 @@ def train(args) -> None:
             metrics["perf/train_time"] = time.time() - train_start
             if should_save(args, rollout_id):
                 save(run, rollout_id)
-            push_start = time.time()
-            weight_version = push_weights(run, engines, weight_version)
-            metrics["perf/update_weights_time"] = time.time() - push_start
+            if should_push(args, rollout_id):
+                push_start = time.time()
+                weight_version = push_weights(run, engines, weight_version)
+                metrics["perf/update_weights_time"] = time.time() - push_start
             metrics["perf/step_time"] = time.time() - step_start
             if should_eval(args, rollout_id):
                 metrics.update(evaluate(run, rollout_id))
@@ -97,6 +98,11 @@ def push_weights(run: Run, engines: list, weight_version: int) -> int:
     run.actor.update_weights(engines, weight_version)
     ray.get(run.rollout_manager.after_weight_update.remote(weight_version))
     return weight_version
+
+
+def should_push(args, rollout_id: int) -> bool:
+    """Every --update-weights-interval rollouts (slime's: the engines generate with older weights between)."""
+    return (rollout_id + 1) % args.update_weights_interval == 0
 
 
 def should_save(args, rollout_id: int) -> bool:

@@ -48,6 +48,7 @@ from train import (
     save,
     should_eval,
     should_eval_before_training,
+    should_push,
     should_save,
     train_on,
 )
@@ -106,10 +107,6 @@ class GenerationQueue:
             rollout_id, ref = self.in_flight.popleft()
             self.ready.append((rollout_id, ray.get(ref)))
         self.wait_s += time.time() - start
-
-
-def should_push(args, rollout_id: int) -> bool:
-    return (rollout_id + 1) % args.update_weights_interval == 0
 
 
 def train_async(args) -> None:

@@ -63,6 +63,7 @@ def test_grpo_two_ranks_two_engines_custom_rm_file(tiny_model_dir, toy_data_path
             "--use-tensorboard", "--tensorboard-dir", str(tb_dir),
             "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
             "--eval-prompt-data", "toy", toy_data_path, "--eval-interval", "2", "--n-samples-per-eval-prompt", "1",
+            "--update-weights-interval", "2",
         ),
         capture_output=True, text=True, env=_env(), timeout=560, cwd=str(tmp_path),
     )
@@ -75,6 +76,10 @@ def test_grpo_two_ranks_two_engines_custom_rm_file(tiny_model_dir, toy_data_path
     assert os.path.exists(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt")
     evals = read_scalars(str(tb_dir), "eval/toy")
     assert sorted(evals) == [0, 1], evals  # before training, then after rollout 1 (--eval-interval 2)
+    # --update-weights-interval 2: one push after rollout 1; rollouts 0-1 ran on the initial push (version 1)
+    assert sorted(read_scalars(str(tb_dir), "perf/update_weights_time")) == [1]
+    versions = read_scalars(str(tb_dir), "rollout/weight_version/max")
+    assert versions == {0: 1.0, 1: 1.0, 2: 2.0}, versions
     assert wait_for_no_new_processes(before) == {}
 
 

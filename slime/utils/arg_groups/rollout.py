@@ -120,7 +120,8 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         "--update-weights-interval",
         type=int,
         default=1,
-        help="Push weights to the engines every N rollouts (train_async.py).",
+        help="Push weights to the engines every N rollouts (train.py and train_async.py; in between the engines "
+        "generate with the last weights pushed).",
     )
     g.add_argument(
         "--async-buffer-size",
