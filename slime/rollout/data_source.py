@@ -46,7 +46,8 @@ class RolloutDataSource:
             if len(self.dataset) == 0:
                 raise ValueError(
                     f"--prompt-data {args.prompt_data}: no prompts left (empty file, or every prompt is longer "
-                    f"than --rollout-max-prompt-len={getattr(args, 'rollout_max_prompt_len', None)})"
+                    f"than --rollout-max-prompt-len={getattr(args, 'rollout_max_prompt_len', None)}); give a file "
+                    "with rows, or raise --rollout-max-prompt-len (and --rollout-max-context-len)"
                 )
             if getattr(args, "rollout_shuffle", False):
                 self.dataset.shuffle(self.epoch_id)
@@ -96,7 +97,8 @@ class RolloutDataSource:
             if fruitless >= 2 * len(self.dataset):  # two epochs' worth of positions always span one whole epoch
                 raise ValueError(
                     f"--prompt-data {self.args.prompt_data}: no prompts left (every prompt is longer than "
-                    f"--rollout-max-prompt-len={getattr(self.args, 'rollout_max_prompt_len', None)})"
+                    f"--rollout-max-prompt-len={getattr(self.args, 'rollout_max_prompt_len', None)}); raise "
+                    "--rollout-max-prompt-len (and --rollout-max-context-len) or shorten the prompts"
                 )
         return prompts
 

@@ -114,7 +114,7 @@ def test_errors_are_raised_when_the_row_is_read(tmp_path, tokenizer_dir):
 
     too_long = _write(tmp_path / "long.jsonl", _rows(4, long_every=1))
     ds = RolloutDataSource(_args(tokenizer_dir, too_long, rollout_max_prompt_len=10))
-    with pytest.raises(ValueError, match=r"no prompts left \(every prompt is longer than --rollout-max-prompt-len=10"):
+    with pytest.raises(ValueError, match=r"no prompts left \(every prompt is longer than --rollout-max-prompt-len=10\); raise"):
         ds.get_samples(1)
     with pytest.raises(ValueError, match=r"--streaming-data reads JSONL .* convert the parquet file"):
         StreamingDataset(str(tmp_path / "d.parquet"), None, None, "prompt", "label")
