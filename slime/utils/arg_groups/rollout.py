@@ -159,15 +159,13 @@ def model_context_length(args: argparse.Namespace) -> tuple[int | None, str]:
     sglang_context = (getattr(args, "sglang_args", None) or {}).get("context_length")
     if sglang_context:
         return int(sglang_context), "--sglang-context-length"
-    path = os.path.join(str(getattr(args, "hf_checkpoint", None) or ""), "config.json")
-    if not os.path.isfile(path):
-        return None, ""
-    import json
+    from slime.backends.megatron_utils.config_check import is_hf_folder, load_hf_config
 
-    with open(path) as f:
-        config = json.load(f)
-    value = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
-    return (int(value), f"max_position_embeddings of {path}") if value else (None, "")
+    checkpoint = getattr(args, "hf_checkpoint", None)
+    if not is_hf_folder(checkpoint):
+        return None, ""
+    value = load_hf_config(checkpoint).get("max_position_embeddings")
+    return (int(value), f"max_position_embeddings of {checkpoint}/config.json") if value else (None, "")
 
 
 def validate_rollout(args: argparse.Namespace) -> None:
