@@ -20,10 +20,8 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -31,51 +29,32 @@ import pytest
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from slime.utils.arguments import SlimeArgumentError, parse_args
+from tests.unit.test_sglang_rollout import ScriptedEngine
 
 # --- the environment: tokenizers, a model folder, a scripted engine ------------------------------------------
 
 
-class Engine:
+class Engine(ScriptedEngine):
     """A local HTTP server answering /<mode>/generate: `ok` (two tokens), `500` (an engine error), `html`
     (200 with a body that is not JSON)."""
 
     def __init__(self):
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+        super().__init__(vocab={})
 
-            def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                mode = self.path.strip("/").split("/")[0]
-                if mode == "500":
-                    status, kind, body = 500, "text/plain", b"engine crashed: CUDA out of memory"
-                elif mode == "html":
-                    status, kind, body = 200, "text/html", b"<html><body>502 Bad Gateway</body></html>"
-                else:
-                    answer = {"text": "one two", "meta_info": {"finish_reason": {"type": "stop"},
-                              "output_token_logprobs": [[-0.5, 5, "one"], [-0.25, 6, "two"]]}}  # fmt: skip
-                    status, kind, body = 200, "application/json", json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+    def answer(self, path: str, body):
+        mode = path.strip("/").split("/")[0]
+        if mode == "500":
+            return 500, b"engine crashed: CUDA out of memory"
+        if mode == "html":
+            return 200, b"<html><body>502 Bad Gateway</body></html>"
+        return 200, {"text": "one two", "meta_info": {"finish_reason": {"type": "stop"},
+                     "output_token_logprobs": [[-0.5, 5, "one"], [-0.25, 6, "two"]]}}  # fmt: skip
 
     def close(self):
         from slime.utils.http_utils import close_client, run_sync
 
         run_sync(close_client())  # the rollout's aiohttp session on the background loop
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
+        super().close()
 
 
 @dataclass

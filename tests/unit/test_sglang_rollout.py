@@ -53,9 +53,10 @@ class ScriptedEngine:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
                 status, answer = outer.answer(self.path, body)
-                data = json.dumps(answer).encode()
+                raw = isinstance(answer, bytes)  # a body that is not JSON, sent as it is
+                data = answer if raw else json.dumps(answer).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/plain" if raw else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
