@@ -8,10 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 HERE=examples/search-r1
 
-MODEL_DIR=${MODEL_DIR:-models/tiny-qwen3}
 DATA_DIR=${DATA_DIR:-$HERE/data}
 PORT=${SEARCH_R1_PORT:-8765}
-[ -f "$MODEL_DIR/config.json" ] || python tools/make_tiny_model.py --out "$MODEL_DIR" --size tiny --seed 0
+source scripts/tiny-cpu-env.sh  # MODEL_DIR, MODEL_ARGS, threads, CLUSTER_ARGS
 [ -f "$DATA_DIR/corpus.jsonl" ] || python "$HERE/make_data.py" --out-dir "$DATA_DIR" --seed 0
 
 SERVER_PID=""
@@ -47,13 +46,6 @@ for i in $(seq 120); do
 done
 echo "retrieval server (pid $SERVER_PID) answers on $SEARCH_R1_URL"
 
-source scripts/models/tiny-qwen3.sh
-
-export SLIME_TRAIN_NUM_THREADS=${SLIME_TRAIN_NUM_THREADS:-1}
-export SLIME_ENGINE_NUM_THREADS=${SLIME_ENGINE_NUM_THREADS:-1}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-
-CLUSTER_ARGS=(--actor-num-nodes 1 --actor-num-gpus-per-node 1 --rollout-num-gpus 1)
 ROLLOUT_ARGS=(
    --hf-checkpoint "$MODEL_DIR"
    --prompt-data "$DATA_DIR/qa_train.jsonl" --input-key prompt --label-key answer --apply-chat-template

@@ -7,18 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 HERE=examples/tool_calculator
 
-MODEL_DIR=${MODEL_DIR:-models/tiny-qwen3}
 DATA=${DATA:-data/calc_train.jsonl}
-[ -f "$MODEL_DIR/config.json" ] || python tools/make_tiny_model.py --out "$MODEL_DIR" --size tiny --seed 0
 [ -f "$DATA" ] || python "$HERE/make_data.py" --out "$DATA" --num-samples 20000 --seed 0
 
-source scripts/models/tiny-qwen3.sh
+source scripts/tiny-cpu-env.sh  # MODEL_DIR, MODEL_ARGS, threads, CLUSTER_ARGS
 
-export SLIME_TRAIN_NUM_THREADS=${SLIME_TRAIN_NUM_THREADS:-1}
-export SLIME_ENGINE_NUM_THREADS=${SLIME_ENGINE_NUM_THREADS:-1}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-
-CLUSTER_ARGS=(--actor-num-nodes 1 --actor-num-gpus-per-node 1 --rollout-num-gpus 1)
 ROLLOUT_ARGS=(
    --hf-checkpoint "$MODEL_DIR"
    --prompt-data "$DATA" --input-key prompt --label-key label --apply-chat-template --rollout-shuffle
