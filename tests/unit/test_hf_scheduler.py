@@ -51,20 +51,22 @@ def reference_logprobs(model, ids, temperature=1.0):
     return logp.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1).tolist()
 
 
+@pytest.mark.parametrize("kv_cache", ["dynamic", "slots"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_batched_equals_single_and_full_forward(model_and_tokenizer, temperature):
+def test_batched_equals_single_and_full_forward(model_and_tokenizer, temperature, kv_cache):
     model = model_and_tokenizer[0]
     singles = []
     for i, p in enumerate(PROMPTS):
         r = make_request(i, p, temperature=temperature, sampling_seed=100 + i)
-        run(model_and_tokenizer, [r])
+        run(model_and_tokenizer, [r], kv_cache=kv_cache)
         singles.append(r)
 
     # Two requests start together; two more join the running batch after three decode steps, and rows
     # of different lengths finish at different times (exercising cache merge and trim).
     batched = [make_request(i, p, temperature=temperature, sampling_seed=100 + i, max_new_tokens=12 - 2 * i)
                for i, p in enumerate(PROMPTS)]
-    sched = Scheduler(*model_and_tokenizer)
+    sched = Scheduler(*model_and_tokenizer, kv_cache=kv_cache)
+    assert sched.kv_cache == kv_cache
     for r in batched[:2]:
         sched.submit(r)
     for _ in range(4):

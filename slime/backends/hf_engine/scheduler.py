@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from slime.backends.hf_engine.slots import SlotCache, supports_slots
+
 logger = logging.getLogger(__name__)
 
 MAX_FULL_LOGITS = 2**28  # elements (1 GiB in fp32) of all-position logits in one prefill forward
@@ -48,6 +50,8 @@ _SEED_STRIDE = 1_000_003  # keeps (seed, request number) pairs from colliding fo
 # the oldest has waited ADMIT_MAX_WAIT_S, or when they fill the batch.
 ADMIT_QUIET_S = 0.005
 ADMIT_MAX_WAIT_S = 0.05
+UNIFORM_CHUNK = 64  # random draws taken from a request's generator at once (one CPU call per 64 tokens)
+SAMPLE_BLOCK = 1024  # vocabulary block of the two-level inverse-CDF sampling in `sample_tokens`
 
 
 # SGLang sampling knobs this engine does not implement, with the value that means "off". A request that
@@ -141,9 +145,16 @@ class Request:
     error: str | None = None  # set when the engine failed while serving the request
     # scheduler state
     generator: torch.Generator | None = None
+    uniforms: list[float] = field(default_factory=list)  # drawn from `generator` ahead of use, consumed in order
     stop_ids: frozenset = frozenset()
     abort_requested: bool = False
     arrival: float = field(default_factory=time.monotonic)
+
+    def next_uniform(self) -> float:
+        """The next draw of this request's random stream (drawn UNIFORM_CHUNK at a time: one call per chunk)."""
+        if not self.uniforms:
+            self.uniforms = torch.rand(UNIFORM_CHUNK, generator=self.generator).tolist()[::-1]
+        return self.uniforms.pop()
 
     @property
     def needs_input_logprobs(self) -> bool:
@@ -197,31 +208,64 @@ def sample_tokens(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tenso
             pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).clamp_(max=vocab - 1)
             sampled = order.gather(-1, pick).squeeze(-1)
         else:
-            cdf = probs.cumsum(dim=-1)
-            pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).clamp_(max=vocab - 1)
-            sampled = pick.squeeze(-1)
+            sampled = _inverse_cdf(probs, uniforms)
         tokens = torch.where(greedy, tokens, sampled)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-class _Batch:
-    """Rows being decoded: their KV cache (left-padded), mask, pending token and per-row sampling params."""
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the token i with cdf[i-1] <= u * total < cdf[i], without a cumulative sum over the vocabulary:
+    find the block of SAMPLE_BLOCK tokens holding the target from the block masses, then search inside it."""
+    rows, vocab = probs.shape
+    blocks = -(-vocab // SAMPLE_BLOCK)
+    padded = torch.nn.functional.pad(probs, (0, blocks * SAMPLE_BLOCK - vocab)).view(rows, blocks, SAMPLE_BLOCK)
+    block_mass = padded.sum(dim=-1)
+    block_cdf = block_mass.cumsum(dim=-1)
+    target = (uniforms * block_cdf[:, -1]).unsqueeze(-1)
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=blocks - 1)  # [rows, 1]
+    inner = padded.gather(1, block.unsqueeze(-1).expand(-1, 1, SAMPLE_BLOCK)).squeeze(1)  # [rows, SAMPLE_BLOCK]
+    cdf = inner.cumsum(dim=-1) + (block_cdf.gather(-1, block) - block_mass.gather(-1, block))
+    pick = torch.searchsorted(cdf, target, right=True)
+    # rounding can put the target past the block's last token with mass; never pick a zero-mass token
+    offsets = torch.arange(SAMPLE_BLOCK, device=probs.device)
+    last = torch.where(inner > 0, offsets, 0).amax(dim=-1, keepdim=True)
+    return (block * SAMPLE_BLOCK + torch.minimum(pick, last)).squeeze(-1)
 
-    def __init__(self, reqs, cache, mask, next_tokens, next_pos):
-        self.reqs: list[Request] = reqs
-        self.cache: DynamicCache = cache  # layers hold keys/values [B, heads, L, head_dim]
-        self.mask = mask  # [B, L] long, 0 = padding
-        self.next_tokens = next_tokens  # [B] sampled, not yet in the cache
-        self.next_pos = next_pos  # [B] position id of next_tokens
-        self.refresh_params()
+
+class _Rows:
+    """Per-row sampling parameters of a running batch (`reqs`), as device tensors."""
+
+    reqs: list[Request]
 
     def refresh_params(self):
-        dev = self.mask.device
+        dev = self.device
         self.temps = torch.tensor([r.params.temperature for r in self.reqs], dtype=torch.float32, device=dev)
         self.top_ps = torch.tensor([r.params.top_p for r in self.reqs], dtype=torch.float32, device=dev)
         self.top_ks = torch.tensor([r.params.top_k for r in self.reqs], dtype=torch.long, device=dev)
         self.sampling_rows = [i for i, r in enumerate(self.reqs) if r.params.temperature > GREEDY_EPS]
         self.truncate = any(r.params.top_p < 1 or r.params.top_k > 0 for r in self.reqs)
+
+
+class _Batch(_Rows):
+    """Rows in a transformers DynamicCache (left-padded), their mask, pending token and position."""
+
+    def __init__(self, reqs, cache, mask, next_tokens, next_pos):
+        self.reqs: list[Request] = reqs
+        self.cache: DynamicCache = cache  # layers hold keys/values [B, heads, L, head_dim]
+        self.mask = mask  # [B, L] long, 0 = padding
+        self.device = mask.device
+        self.next_tokens = next_tokens  # [B] sampled, not yet in the cache
+        self.next_pos = next_pos  # [B] position id of next_tokens
+        self.refresh_params()
+
+    def decode_logits(self, model) -> torch.Tensor:
+        """One forward of every row's pending token; returns the last-position logits [B, V]."""
+        mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        out = model(input_ids=self.next_tokens.unsqueeze(-1), attention_mask=mask,
+                    position_ids=self.next_pos.unsqueeze(-1), past_key_values=self.cache, use_cache=True)
+        self.mask, self.cache = mask, out.past_key_values
+        self.next_pos = self.next_pos + 1
+        return out.logits[:, -1]
 
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(layer.keys, layer.values) for layer in self.cache.layers]
@@ -260,6 +304,43 @@ def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
+class _SlotBatch(_Rows):
+    """Rows in the preallocated `SlotCache` (row i in slot i); built from, and extended by, prefilled `_Batch`es."""
+
+    def __init__(self, slots: SlotCache, first: _Batch):
+        self.slots = slots
+        self.device = slots.device
+        self.reqs: list[Request] = []
+        self.lens: list[int] = []  # tokens in the cache per row (host copy of slots.lens)
+        self.merge(first)
+
+    @property
+    def next_tokens(self) -> torch.Tensor:
+        return self.slots.tokens[: len(self.reqs)]
+
+    @next_tokens.setter
+    def next_tokens(self, tokens: torch.Tensor) -> None:
+        self.slots.tokens[: len(tokens)] = tokens
+
+    def merge(self, other: _Batch) -> None:
+        lengths = [len(r.input_ids) for r in other.reqs]
+        self.slots.write_prefill(len(self.reqs), other.kv(), lengths, other.next_tokens)
+        self.reqs = self.reqs + other.reqs
+        self.lens = self.lens + lengths
+        self.refresh_params()
+
+    def select(self, keep: list[int]) -> None:
+        self.slots.keep_rows(keep, max(self.lens) + 1)
+        self.reqs = [self.reqs[i] for i in keep]
+        self.lens = [self.lens[i] for i in keep]
+        self.refresh_params()
+
+    def decode_logits(self, model) -> torch.Tensor:
+        logits = self.slots.decode(len(self.reqs), max(self.lens))
+        self.lens = [n + 1 for n in self.lens]
+        return logits
+
+
 class Scheduler:
     """Batches requests onto one model. Thread-safe `submit` / `abort` / `pause`; one worker thread.
 
@@ -269,10 +350,15 @@ class Scheduler:
 
     def __init__(self, model, tokenizer, *, max_running_requests: int = 64, random_seed: int = 0,
                  stop_token_ids: set[int] | None = None, max_context_len: int | None = None,
-                 max_prefill_tokens: int = 16384, stop_window_tokens: int = 8):
+                 max_prefill_tokens: int = 16384, stop_window_tokens: int = 8, kv_cache: str = "dynamic",
+                 cuda_graphs: bool = True, torch_compile: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
+        if self.device.type == "cuda":
+            # cuDNN attention builds an execution plan per new (batch, length) shape, ~50 ms each (measured
+            # on an H200); decode shapes change every step, so take the other SDPA kernels (process-wide).
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.max_running_requests = max_running_requests
         self.random_seed = random_seed
         self.eos_ids = frozenset(default_stop_token_ids(model, tokenizer) if stop_token_ids is None else stop_token_ids)
@@ -280,6 +366,16 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens  # padded tokens per prefill forward (one prompt may exceed it)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.stop_window_tokens = stop_window_tokens
+        self._slots: SlotCache | None = None
+        if kv_cache not in ("dynamic", "slots"):
+            raise ValueError(f"kv_cache={kv_cache!r}: choose 'dynamic' or 'slots'")
+        if kv_cache == "slots":
+            ok, why = supports_slots(model)
+            if ok:
+                self._slots = SlotCache(model, max_running_requests, cuda_graphs, torch_compile)
+            else:
+                logger.warning("kv cache 'slots' cannot serve this model (%s); using the dynamic cache", why)
+        self.kv_cache = "slots" if self._slots is not None else "dynamic"
         self.step_lock = threading.Lock()
         self._cv = threading.Condition()
         self._waiting: deque[Request] = deque()
@@ -362,6 +458,18 @@ class Scheduler:
             with self._cv:
                 self._exclusive_waiters -= 1
                 self._cv.notify_all()
+
+    def drop_graphs(self) -> None:
+        """Forget captured CUDA graphs (call inside `exclusive()` when the model's tensors move)."""
+        if self._slots is not None:
+            self._slots.drop_graphs()
+
+    def free_idle_kv_cache(self) -> bool:
+        """Free the slot cache's buffers if no request is running (inside `exclusive()`); True if freed."""
+        if self._slots is None or self._batch is not None or not self._slots.allocated:
+            return False
+        self._slots.free()
+        return True
 
     def counts(self) -> tuple[int, int]:
         """(running, waiting) request counts."""
@@ -516,7 +624,7 @@ class Scheduler:
         if not batch.reqs:
             return
         if self._batch is None:
-            self._batch = batch
+            self._batch = _SlotBatch(self._slots, batch) if self._slots is not None else batch
         else:
             self._batch.merge(batch)
         self.stats["max_batch_size_seen"] = max(self.stats["max_batch_size_seen"], len(self._batch.reqs))
@@ -534,13 +642,11 @@ class Scheduler:
     @torch.no_grad()
     def _decode(self) -> None:
         b = self._batch
-        mask = torch.cat([b.mask, torch.ones_like(b.mask[:, :1])], dim=1)
-        out = self.model(input_ids=b.next_tokens.unsqueeze(-1), attention_mask=mask,
-                         position_ids=b.next_pos.unsqueeze(-1), past_key_values=b.cache, use_cache=True)
+        logits = b.decode_logits(self.model)
         self.stats["num_forward_steps"] += 1
-        b.mask, b.cache = mask, out.past_key_values
-        b.next_pos = b.next_pos + 1
-        self._sample_and_advance(b, out.logits[:, -1].float())
+        if self._slots is not None:
+            self.stats["num_cuda_graphs"] = self._slots.stats["graphs_captured"]
+        self._sample_and_advance(b, logits.float())
         if not b.reqs:
             self._batch = None
 
@@ -550,7 +656,7 @@ class Scheduler:
         if b.sampling_rows:
             draws = [0.0] * len(b.reqs)
             for i in b.sampling_rows:
-                draws[i] = float(torch.rand((), generator=b.reqs[i].generator))
+                draws[i] = b.reqs[i].next_uniform()
             uniforms = torch.tensor(draws, dtype=torch.float32, device=logits.device)
         tokens, logps = sample_tokens(logits, b.temps, b.top_ps, b.top_ks, uniforms, b.truncate)
         b.next_tokens = tokens

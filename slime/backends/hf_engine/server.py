@@ -467,7 +467,11 @@ def _release(state: EngineState, tags: set[str]) -> None:
             state.scheduler.pause("released")
             if state.device != "cpu":
                 with state.scheduler.exclusive():
+                    state.scheduler.drop_graphs()  # they point at the tensors being moved
                     state.model.to("cpu")
+        if "kv_cache" in tags and state.device != "cpu":
+            with state.scheduler.exclusive():
+                state.scheduler.free_idle_kv_cache()
         state.released |= tags & {"weights", "kv_cache"}
         if state.device != "cpu" and torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -479,6 +483,7 @@ def _resume(state: EngineState, tags: set[str]) -> None:
             if state.device != "cpu":
                 with state.scheduler.exclusive():
                     state.model.to(state.device)
+                    state.scheduler.drop_graphs()
             state.scheduler.resume("released")
         state.released -= tags
 
@@ -495,6 +500,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-prefill-tokens", type=int, default=16384,
                    help="padded prompt tokens per prefill forward; newcomers beyond it join at the next step")
     p.add_argument("--random-seed", type=int, default=0, help="per-request generators derive from it")
+    p.add_argument("--kv-cache", choices=["dynamic", "slots"], default=None,
+                   help="'slots': preallocated KV slots with CUDA-graph decode (default on CUDA); "
+                        "'dynamic': a transformers DynamicCache per batch (default on CPU)")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="with --kv-cache slots on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="with --kv-cache slots, torch.compile the decode step (fuses small kernels; compiles "
+                        "once at the first decode, which then takes tens of seconds)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--weight-dirs", nargs="+", default=None,
@@ -511,10 +524,6 @@ def main(argv=None) -> None:
     faulthandler.enable()  # a hard crash (SIGSEGV, SIGABRT) leaves its Python stack in the engine's log
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    if args.device.startswith("cuda"):
-        # cuDNN attention builds an execution plan per new (batch, length) shape, ~50 ms each (measured
-        # on an H200); decode shapes change every step, so take the other SDPA kernels.
-        torch.backends.cuda.enable_cudnn_sdp(False)
     t0 = time.time()
     model, tokenizer = load_model(args.model_path, args.dtype, args.device)
     with torch.no_grad():  # warm up kernels so the first request is not the slow one
@@ -522,7 +531,9 @@ def main(argv=None) -> None:
     max_ctx = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
                           random_seed=args.random_seed, max_context_len=max_ctx,
-                          max_prefill_tokens=args.max_prefill_tokens)
+                          max_prefill_tokens=args.max_prefill_tokens,
+                          kv_cache=args.kv_cache or ("slots" if args.device.startswith("cuda") else "dynamic"),
+                          cuda_graphs=not args.disable_cuda_graph, torch_compile=args.enable_torch_compile)
     state = EngineState(model, tokenizer, scheduler, model_path=args.model_path, device=args.device,
                         dtype=args.dtype, weight_version=args.weight_version, weight_dirs=args.weight_dirs)
     scheduler.start()

@@ -1,0 +1,84 @@
+"""The hf engine's slot KV cache with CUDA-graph decode gives the dynamic cache's tokens and log-probs, also
+after in-place weight updates and after the model moved off and back onto the GPU (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tools.make_tiny_model import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path_factory.mktemp("tiny")), size="tiny", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def requests(count: int = 12) -> list[Request]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(count):
+        prompt = torch.randint(3, 150, (int(torch.randint(2, 40, (1,), generator=gen)),), generator=gen).tolist()
+        params = SamplingParams(temperature=0.0 if i % 3 == 0 else 1.0, sampling_seed=1000 + i,
+                                max_new_tokens=int(torch.randint(1, 150, (1,), generator=gen)), ignore_eos=True)
+        out.append(Request(rid=str(i), input_ids=prompt, params=params, return_logprob=True))
+    return out
+
+
+def serve(sched: Scheduler, reqs: list[Request]) -> list[Request]:
+    """Half the requests first, the rest after a few decode steps (merges, finishes, column growth)."""
+    for r in reqs[: len(reqs) // 2]:
+        sched.submit(r)
+    for _ in range(5):
+        with sched.step_lock:
+            sched.step()
+    for r in reqs[len(reqs) // 2:]:
+        sched.submit(r)
+    sched.run_until_idle()
+    return reqs
+
+
+def assert_same(a: list[Request], b: list[Request]) -> None:
+    for x, y in zip(a, b):
+        assert x.output_ids == y.output_ids, x.rid
+        assert max(abs(p - q) for p, q in zip(x.output_logprobs, y.output_logprobs)) < TOL, x.rid
+
+
+def test_slots_with_cuda_graphs_match_the_dynamic_cache(model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    dynamic = Scheduler(model, tok, kv_cache="dynamic", max_running_requests=5)
+    slots = Scheduler(model, tok, kv_cache="slots", max_running_requests=5)
+    assert slots.kv_cache == "slots"
+    assert_same(serve(dynamic, requests()), serve(slots, requests()))
+    assert slots.stats["num_cuda_graphs"] >= 2
+    # full forward of prompt + output reproduces the engine's log-probs
+    r = serve(slots, requests(3))[1]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([r.input_ids + r.output_ids], device="cuda")).logits[0].float()
+    ref = torch.log_softmax(logits[:-1] / r.params.temperature, -1).gather(
+        -1, torch.tensor(r.input_ids[1:] + r.output_ids, device="cuda").unsqueeze(-1)).squeeze(-1)
+    assert max(abs(p - q) for p, q in zip(r.output_logprobs, ref[len(r.input_ids) - 1:].tolist())) < TOL
+
+    # In-place weight change: the captured graphs read the new values.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.05)
+    assert_same(serve(dynamic, requests()), serve(slots, requests()))
+
+    # Moving the model (release / resume of weights) needs the graphs dropped; then they are recaptured.
+    with slots.exclusive():
+        slots.drop_graphs()
+        model.to("cpu")
+        model.to("cuda")
+    assert_same(serve(dynamic, requests()), serve(slots, requests()))
+    assert slots.free_idle_kv_cache()
