@@ -1,0 +1,321 @@
+"""One GRPO job run by slime and by TRL's GRPOTrainer, side by side in one invocation (GPU).
+
+    python benchmarks/grpo_step.py [--shape qwen3-0.6b] [--prompts 32] [--prompt-len 64] [--response-len 256]
+                                   [--steps 5] [--micro-batch-size 16] [--systems slime,trl]
+
+Both sides get the same random-init model (published Qwen3 dimensions, benchmarks/weight_sync.py's helper,
+loaded in fp32 and trained with bf16 compute), the same prompts (`--prompts` strings of exactly
+`--prompt-len` word-level tokens, so neither side pads them), 8 samples per prompt at temperature 1, a
+fixed response length (EOS ignored: slime through this file's `generate`, TRL through `min_new_tokens`),
+the same reward (this file's `reward`), one optimizer step per batch (global batch = prompts x 8, micro
+batch `--micro-batch-size`), AdamW lr 1e-6 without weight decay, grad clip 1, clip epsilon 0.2, no KL and
+no reference model.
+
+- slime: `train.py`, colocated on the one GPU (fsdp trainer + the `hf` engine; a CUDA-IPC weight push after
+  every step). Its numbers are the per-rollout `perf/*` scalars of its TensorBoard directory.
+- TRL: `GRPOTrainer` with its default generation path (`model.generate` inside the trainer), timed by a
+  callback (step) and a wrapper around the model's `generate` (rollout).
+
+Each side runs as its own process, one after the other; the first `--warmup` steps are left out of the
+means. Peak memory is the device's used memory (all processes, `torch.cuda.mem_get_info` polled every
+0.2 s by this script) above what was used before the run started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH_DIR)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, BENCH_DIR)
+
+SAMPLES_PER_PROMPT = 8
+
+
+# ---- the task: shared by both sides ---------------------------------------------------------------------
+
+
+def score(token_ids: list[int]) -> float:
+    """The reward: the fraction of response tokens with an even id (cheap, and it varies between samples)."""
+    return sum(1 for t in token_ids if t % 2 == 0) / max(1, len(token_ids))
+
+
+async def reward(args, sample) -> float:
+    """slime's `--custom-rm-path` hook."""
+    return score(sample.tokens[len(sample.tokens) - sample.response_length:])
+
+
+async def generate(args, sample, sampling_params):
+    """slime's `--custom-generate-function-path` hook: the default request, EOS ignored (fixed length)."""
+    from slime.rollout.sglang_rollout import generate as default_generate
+
+    return await default_generate(args, sample, {**sampling_params, "ignore_eos": True})
+
+
+def write_prompts(path: str, count: int, length: int, vocab_size: int, seed: int = 0) -> str:
+    """`count` prompts of exactly `length` tokens of the word-level tokenizer ('w<id>' is token <id>)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(count):
+            words = " ".join(f"w{rng.randrange(1, vocab_size - 1)}" for _ in range(length))
+            f.write(json.dumps({"prompt": words, "label": ""}) + "\n")
+    return path
+
+
+# ---- device memory ------------------------------------------------------------------------------------------
+
+
+class MemoryPeak:
+    """Polls the device's used memory in a thread; `peak_gb` is the most seen above the level at start."""
+
+    def __init__(self, interval: float = 0.2):
+        import torch
+
+        self._torch, self.interval = torch, interval
+        self.base = self._used()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _used(self) -> int:
+        free, total = self._torch.cuda.mem_get_info()
+        return total - free
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self._used())
+
+    def __enter__(self) -> MemoryPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def peak_gb(self) -> float:
+        return (self.peak - self.base) / 1e9
+
+
+# ---- the two sides ------------------------------------------------------------------------------------------
+
+
+def slime_command(args, model_dir: str, data: str, tb_dir: str) -> list[str]:
+    batch = args.prompts * SAMPLES_PER_PROMPT
+    here = os.path.abspath(__file__)
+    return [
+        sys.executable, os.path.join(ROOT, "train.py"),
+        "--hf-checkpoint", model_dir, "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
+        "--custom-rm-path", f"{here}:reward", "--custom-generate-function-path", f"{here}:generate",
+        "--train-backend", "fsdp", "--rollout-backend", "hf", "--colocate",
+        "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
+        "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(SAMPLES_PER_PROMPT),
+        "--global-batch-size", str(batch), "--micro-batch-size", str(args.micro_batch_size),
+        "--sglang-server-concurrency", str(batch),
+        "--rollout-max-response-len", str(args.response_len), "--rollout-temperature", "1.0",
+        "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.2",
+        "--lr", "1e-6", "--weight-decay", "0.0", "--adam-beta1", "0.9", "--adam-beta2", "0.999",
+        "--clip-grad", "1.0", "--num-rollout", str(args.steps),
+        "--use-tensorboard", "--tensorboard-dir", tb_dir,
+    ]
+
+
+def run_slime(args, model_dir: str, data: str, workdir: str) -> dict:
+    from slime.utils.tracking import read_scalars
+
+    tb_dir = os.path.join(workdir, "slime_tb")
+    log_path = os.path.join(workdir, "slime.log")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    print(f"[slime] train.py ... (log: {log_path})", flush=True)
+    with MemoryPeak() as mem, open(log_path, "w") as log:
+        rc = subprocess.run(slime_command(args, model_dir, data, tb_dir), stdout=log, stderr=subprocess.STDOUT,
+                            env=env, cwd=workdir).returncode
+    if rc != 0:
+        with open(log_path) as f:
+            raise SystemExit(f"[slime] train.py exited with {rc}; log tail:\n{f.read()[-4000:]}")
+
+    def per_step(tag: str) -> list[float]:
+        values = read_scalars(tb_dir, tag)
+        return [values[k] for k in sorted(values)][args.warmup:]
+
+    return {"step": per_step("perf/step_time"), "rollout": per_step("perf/rollout_time"),
+            "train": per_step("perf/train_time"), "sync": per_step("perf/update_weights_time"),
+            "reward": per_step("rollout/raw_reward"), "peak_gb": mem.peak_gb}
+
+
+def run_trl(args, model_dir: str, data: str, workdir: str) -> dict:
+    out = os.path.join(workdir, "trl.json")
+    log_path = os.path.join(workdir, "trl.log")
+    cmd = [sys.executable, os.path.abspath(__file__), "--trl-worker", out, "--model-dir", model_dir,
+           "--data", data, "--prompts", str(args.prompts), "--response-len", str(args.response_len),
+           "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size)]
+    print(f"[trl] GRPOTrainer ... (log: {log_path})", flush=True)
+    with MemoryPeak() as mem, open(log_path, "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir).returncode
+    if rc != 0:
+        with open(log_path) as f:
+            raise SystemExit(f"[trl] exited with {rc}; log tail:\n{f.read()[-4000:]}")
+    with open(out) as f:
+        steps = json.load(f)
+    steps = steps[args.warmup:]
+    return {"step": [s["step"] for s in steps], "rollout": [s["rollout"] for s in steps],
+            "train": [s["step"] - s["rollout"] for s in steps], "sync": [],
+            "reward": [s["reward"] for s in steps], "grad_norm": [s["grad_norm"] for s in steps],
+            "peak_gb": mem.peak_gb}
+
+
+def trl_worker(args) -> None:
+    """Runs inside its own process: GRPOTrainer on the same job; writes per-step timings to `args.trl_worker`."""
+    import math
+
+    import torch
+    from datasets import Dataset
+    from datasets.table import InMemoryTable
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    with open(args.data) as f:
+        prompts = [json.loads(line)["prompt"] for line in f]
+    # Built from an Arrow table with a fixed fingerprint: datasets' fingerprint hashing pickles the table
+    # schema, which fails with some pyarrow versions and is irrelevant here.
+    dataset = Dataset(InMemoryTable.from_pydict({"prompt": prompts}), fingerprint="grpo-step-prompts")
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    batch = args.prompts * SAMPLES_PER_PROMPT
+    timings: list[dict] = []
+    rollout_seconds = [0.0]
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # CPU: smoke runs only
+
+    inner_generate = model.generate
+
+    def timed_generate(*a, **kw):
+        sync()
+        start = time.perf_counter()
+        out = inner_generate(*a, **kw)
+        sync()
+        rollout_seconds[0] += time.perf_counter() - start
+        return out
+
+    model.generate = timed_generate
+
+    def trl_reward(completions, completion_ids, **kw):
+        return [score(ids) for ids in completion_ids]
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **kw):
+            sync()
+            self.start = time.perf_counter()
+            rollout_seconds[0] = 0.0
+
+        def on_step_end(self, *a, **kw):
+            sync()
+            timings.append({"step": time.perf_counter() - self.start, "rollout": rollout_seconds[0]})
+
+        def on_log(self, _args, state, control, logs=None, **kw):
+            if logs and "reward" in logs and timings:
+                timings[-1]["reward"] = float(logs["reward"])
+                timings[-1]["grad_norm"] = float(logs.get("grad_norm", math.nan))
+
+    config = GRPOConfig(
+        output_dir=os.path.join(os.path.dirname(args.trl_worker), "trl_out"), report_to=[], save_strategy="no",
+        max_steps=args.steps, logging_steps=1, num_generations=SAMPLES_PER_PROMPT,
+        per_device_train_batch_size=args.micro_batch_size,
+        gradient_accumulation_steps=batch // args.micro_batch_size,
+        max_completion_length=args.response_len, generation_kwargs={"min_new_tokens": args.response_len},
+        temperature=1.0, beta=0.0, epsilon=0.2, learning_rate=1e-6, weight_decay=0.0, adam_beta1=0.9,
+        adam_beta2=0.999, max_grad_norm=1.0, lr_scheduler_type="constant", bf16=True,
+        gradient_checkpointing=False, num_iterations=1, shuffle_dataset=False, seed=0,
+        use_cpu=not torch.cuda.is_available(),
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=trl_reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[Timer()])
+    trainer.train()
+    with open(args.trl_worker, "w") as f:
+        json.dump(timings, f)
+
+
+# ---- report -------------------------------------------------------------------------------------------------
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")
+
+
+def report(args, results: dict[str, dict]) -> str:
+    samples = args.prompts * SAMPLES_PER_PROMPT
+    rollout_tokens = samples * args.response_len
+    train_tokens = samples * (args.prompt_len + args.response_len)
+    rows = {}
+    for name, r in results.items():
+        rows[name] = {
+            "step s": _mean(r["step"]), "rollout s": _mean(r["rollout"]),
+            "rollout tok/s": rollout_tokens / _mean(r["rollout"]), "train s": _mean(r["train"]),
+            "train tok/s": train_tokens / _mean(r["train"]),
+            "weight sync s": _mean(r["sync"]) if r["sync"] else float("nan"), "peak GB": r["peak_gb"],
+        }
+    cols = list(next(iter(rows.values())))
+    lines = [f"{samples} samples x {args.response_len} tokens per step ({args.prompts} prompts x "
+             f"{SAMPLES_PER_PROMPT}, prompt {args.prompt_len} tokens), {args.shape}; means of steps "
+             f"{args.warmup + 1}..{args.steps}",
+             "| system | " + " | ".join(cols) + " |", "| --- |" + " ---: |" * len(cols)]
+    for name, row in rows.items():
+        lines.append(f"| {name} | " + " | ".join("-" if v != v else f"{v:,.2f}" for v in row.values()) + " |")
+    if {"slime", "trl"} <= rows.keys():
+        s, t = rows["slime"], rows["trl"]
+        lines.append("| TRL / slime (time), slime / TRL (tok/s, GB) | " + " | ".join(
+            "-" if s[c] != s[c] or t[c] != t[c] else
+            f"{(t[c] / s[c] if c.endswith(' s') else s[c] / t[c]):.2f}x" for c in cols) + " |")
+    for name, r in results.items():
+        extra = f"; TRL grad_norm {', '.join(f'{g:.3g}' for g in r['grad_norm'])}" if "grad_norm" in r else ""
+        lines.append(f"{name}: reward per step {', '.join(f'{v:.3f}' for v in r['reward'])}{extra}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1, help="first steps left out of the means")
+    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--systems", default="slime,trl")
+    p.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--data", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.trl_worker:
+        return trl_worker(args)
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/grpo_step.py needs CUDA")
+    if (args.prompts * SAMPLES_PER_PROMPT) % args.micro_batch_size:
+        sys.exit(f"--micro-batch-size {args.micro_batch_size} must divide {args.prompts} x {SAMPLES_PER_PROMPT}")
+    from weight_sync import SHAPES, make_model_dir
+
+    with tempfile.TemporaryDirectory() as workdir:
+        model_dir, model = make_model_dir(args.shape, workdir)
+        del model
+        torch.cuda.empty_cache()
+        data = write_prompts(os.path.join(workdir, "prompts.jsonl"), args.prompts, args.prompt_len,
+                             SHAPES[args.shape]["vocab_size"])
+        runners = {"slime": run_slime, "trl": run_trl}
+        results = {name: runners[name](args, model_dir, data, workdir) for name in args.systems.split(",")}
+    print(report(args, results))
+
+
+if __name__ == "__main__":
+    main()
