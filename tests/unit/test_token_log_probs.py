@@ -34,6 +34,22 @@ def test_values_and_gradients_equal_the_plain_formula(temperature, chunk_rows, m
     assert torch.allclose(ours, logits.grad, atol=1e-5)
 
 
+@pytest.mark.parametrize("used", ["log_probs", "entropy"])
+def test_one_output_outside_the_loss_gets_its_exact_gradient(used):
+    """With --entropy-coef 0 the entropy is computed but not differentiated (and vice versa): the other
+    output's gradient alone, the unused one's term skipped."""
+    torch.manual_seed(3)
+    logits = (2 * torch.randn(7, 30)).requires_grad_()
+    targets = torch.randint(0, 30, (7,))
+    lp, ent = token_log_probs(logits, targets, 0.8, with_entropy=True)
+    (lp if used == "log_probs" else ent).sum().backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    ref_lp, ref_ent = plain(logits, targets, 0.8)
+    (ref_lp if used == "log_probs" else ref_ent).sum().backward()
+    assert torch.allclose(ours, logits.grad, atol=1e-5)
+
+
 def test_gradcheck_in_float64():
     torch.manual_seed(1)
     logits = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)

@@ -227,8 +227,14 @@ class FSDPTrainRayActor(TrainRayActor):
 
         rollout_lp = policy_batch.rollout_log_probs(args, batch, local_rows, self.device)
         extra: dict[str, float] = {}
+        # One optimizer step per rollout and no reference model: the policy that generated the log-probs of
+        # the loss is still the trained one, so the training forward's own log-probs (detached) are the old
+        # ones; skip the separate forward (old_lp = None: filled in per micro-batch).
+        reuse_forward = len(plan) == 1 and self.ref_model is None
         if getattr(args, "use_rollout_logprobs", False):
             old_lp = rollout_lp
+        elif reuse_forward:
+            old_lp = None
         else:
             old_lp = self._log_probs_of_rows(self.model, batch, all_micro_batches)
             if rollout_lp is not None:
@@ -247,13 +253,18 @@ class FSDPTrainRayActor(TrainRayActor):
             return extra
 
         totals: dict[str, float] = defaultdict(float)
+        seen_lp: dict[int, torch.Tensor] = {}  # the training forward's log-probs, when they are the old ones
         with progress(sum(map(len, plan)), f"train {rollout_id}", "micro-batch", enabled=self.rank == 0) as bar:
             for s, micro_batches in enumerate(plan):
                 global_rows = range(s * args.global_batch_size, (s + 1) * args.global_batch_size)
-                step_metrics = self._train_step(batch, micro_batches, global_rows, advantages, old_lp, ref_lp,
-                                                rollout_lp, bar)
+                step_metrics = self._train_step(batch, micro_batches, global_rows, advantages,
+                                                seen_lp if old_lp is None else old_lp, ref_lp, rollout_lp, bar,
+                                                fill_old=old_lp is None)
                 for k, v in step_metrics.items():
                     totals[k] += v
+        if old_lp is None and rollout_lp is not None:
+            extra["train/train_rollout_logprob_abs_diff"] = policy_batch.logprob_abs_diff(
+                seen_lp, rollout_lp, batch, self.device)
         metrics = {k: v / len(plan) for k, v in totals.items()}
         metrics.update(extra)
         return metrics
@@ -273,7 +284,7 @@ class FSDPTrainRayActor(TrainRayActor):
         return out
 
     def _train_step(
-        self, batch, micro_batches, global_rows, advantages, old_lp, ref_lp, rollout_lp, bar
+        self, batch, micro_batches, global_rows, advantages, old_lp, ref_lp, rollout_lp, bar, fill_old=False
     ) -> dict[str, float]:
         args = self.args
         denominator = policy_batch.loss_denominator(args, batch, global_rows)
@@ -284,7 +295,8 @@ class FSDPTrainRayActor(TrainRayActor):
         local: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         self.optimizer.zero_grad(set_to_none=True)
         for rows in micro_batches:
-            loss, shares = self._micro_batch_loss(batch, rows, advantages, old_lp, ref_lp, rollout_lp, denominator)
+            loss, shares = self._micro_batch_loss(batch, rows, advantages, old_lp, ref_lp, rollout_lp, denominator,
+                                                  fill_old)
             # FSDP averages gradients over ranks; each rank's loss is its share of a global sum, so undo that.
             (loss * self.world_size).backward()
             for k, v in shares.items():
@@ -299,13 +311,17 @@ class FSDPTrainRayActor(TrainRayActor):
         return metrics
 
     def _micro_batch_loss(
-        self, batch, rows, advantages, old_lp, ref_lp, rollout_lp, denominator: float
+        self, batch, rows, advantages, old_lp, ref_lp, rollout_lp, denominator: float, fill_old: bool = False
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Forward one micro-batch: its share of the global-batch loss, and its (detached) metric shares."""
+        """Forward one micro-batch: its share of the global-batch loss, and its (detached) metric shares.
+        `fill_old`: record this forward's detached log-probs into `old_lp` first (they are the old ones)."""
         mb = make_micro_batch([batch.tokens[r] for r in rows], [batch.response_lengths[r] for r in rows],
                               device=self.device)
         log_probs, entropy = forward_response_log_probs(self.model, mb, self.args.rollout_temperature,
                                                         with_entropy=True)
+        if fill_old:
+            for i, r in enumerate(rows):
+                old_lp[r] = log_probs[i, : batch.response_lengths[r]].detach()
         inputs = policy_batch.loss_inputs(self.args, batch, rows, mb, log_probs, entropy, advantages, old_lp,
                                           ref_lp, rollout_lp, denominator)
         return compute_actor_loss(self.args, inputs)

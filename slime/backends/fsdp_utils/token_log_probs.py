@@ -50,6 +50,9 @@ class TokenLogProbs(torch.autograd.Function):
                 entropy[rows] = lse - (p * x).sum(-1)
         ctx.save_for_backward(logits, targets, lse_all)
         ctx.temperature, ctx.with_entropy = temperature, with_entropy
+        # An output outside the loss (the entropy when --entropy-coef is 0) gets None, not zeros, so its
+        # gradient term is skipped rather than computed as a product with zeros.
+        ctx.set_materialize_grads(False)
         return log_probs, entropy
 
     @staticmethod
@@ -62,8 +65,11 @@ class TokenLogProbs(torch.autograd.Function):
             rows = slice(start, min(logits.shape[0], start + step))
             x = _scaled(logits[rows], t)
             p = (x - lse_all[rows].unsqueeze(-1)).exp_()
-            g = p.mul(-grad_log_probs[rows].unsqueeze(-1))
-            g.scatter_add_(-1, targets[rows].unsqueeze(-1), grad_log_probs[rows].unsqueeze(-1))
+            if grad_log_probs is None:
+                g = torch.zeros_like(p)
+            else:
+                g = p.mul(-grad_log_probs[rows].unsqueeze(-1))
+                g.scatter_add_(-1, targets[rows].unsqueeze(-1), grad_log_probs[rows].unsqueeze(-1))
             if ctx.with_entropy and grad_entropy is not None and grad_entropy.numel():
                 mean_x = (p * x).sum(-1, keepdim=True)
                 g.sub_(p.mul_(x.sub_(mean_x)).mul_(grad_entropy[rows].unsqueeze(-1)))
