@@ -5,8 +5,7 @@
 
 A random-init model of the shape (benchmarks/weight_sync.py's helper, bf16 on the GPU) served by the engine's
 scheduler in this process (no HTTP), once per `--kv-cache` mode (`dynamic`: a transformers DynamicCache;
-`slots`: the preallocated slot cache with CUDA-graph decode, slime/backends/hf_engine/slots.py;
-`slots+compile`: the same with the decode step torch.compiled): `--batch` requests of `--prompt-len` random tokens arrive together, each
+`slots`: the preallocated slot cache with CUDA-graph decode, slime/backends/hf_engine/slots.py): `--batch` requests of `--prompt-len` random tokens arrive together, each
 generates exactly `--new-tokens` tokens (EOS ignored) at temperature 1 with log-probs, twice on the same
 scheduler; the second round is measured (the first captures the CUDA graphs of each shape bucket). Prefill and decode
 forward steps are timed apart (every step ends in a host sync, so wall time per step is device time plus the
@@ -39,8 +38,7 @@ def bench(model, tokenizer, kv_cache: str, batch: int, prompt_len: int, new_toke
 
     from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
 
-    sched = Scheduler(model, tokenizer, max_running_requests=batch, random_seed=0,
-                      kv_cache=kv_cache.removesuffix("+compile"), torch_compile=kv_cache.endswith("+compile"))
+    sched = Scheduler(model, tokenizer, max_running_requests=batch, random_seed=0, kv_cache=kv_cache)
     timings = {"prefill": [], "decode": []}
 
     def timed(kind, fn):
@@ -88,8 +86,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--bandwidth-tb-s", type=float, default=4.3)
-    p.add_argument("--kv-cache", default="dynamic,slots,slots+compile",
-                   help="scheduler KV cache modes to compare (+compile: torch.compile the slot decode step)")
+    p.add_argument("--kv-cache", default="dynamic,slots", help="scheduler KV cache modes to compare")
     args = p.parse_args()
     import torch
 
@@ -103,20 +100,19 @@ def main() -> None:
         path, model = make_model_dir(args.shape, root)
         tokenizer = AutoTokenizer.from_pretrained(path)
     model.eval()
-    rows = []
-    for mode in args.kv_cache.split(","):
-        bench(model, tokenizer, mode, 8, args.prompt_len, 8, args.bandwidth_tb_s * 1e12)  # warm-up (kernels)
-        rows += [bench(model, tokenizer, mode, int(b), args.prompt_len, args.new_tokens, args.bandwidth_tb_s * 1e12)
-                 for b in args.batch.split(",")]
     print(f"{args.shape}, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens per request, bf16, "
           f"{torch.cuda.get_device_name()}, bound at {args.bandwidth_tb_s} TB/s")
-    cols = list(rows[0])
-    print("| " + " | ".join(cols) + " |")
-    print("|" + " ---: |" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(f"{v:.1%}" if k == "efficiency" else (f"{v:,.2f}" if isinstance(v, float) else str(v))
-                                for k, v in r.items()) + " |")
-
+    header = False
+    for mode in args.kv_cache.split(","):
+        bench(model, tokenizer, mode, 8, args.prompt_len, 8, args.bandwidth_tb_s * 1e12)  # warm-up (kernels)
+        for b in args.batch.split(","):
+            row = bench(model, tokenizer, mode, int(b), args.prompt_len, args.new_tokens, args.bandwidth_tb_s * 1e12)
+            if not header:  # rows are printed as they finish, so a run cut short keeps what it measured
+                print("| " + " | ".join(row) + " |")
+                print("|" + " ---: |" * len(row))
+                header = True
+            print("| " + " | ".join(f"{v:.1%}" if k == "efficiency" else (f"{v:,.2f}" if isinstance(v, float) else str(v))
+                                    for k, v in row.items()) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -351,7 +351,7 @@ class Scheduler:
     def __init__(self, model, tokenizer, *, max_running_requests: int = 64, random_seed: int = 0,
                  stop_token_ids: set[int] | None = None, max_context_len: int | None = None,
                  max_prefill_tokens: int = 16384, stop_window_tokens: int = 8, kv_cache: str = "dynamic",
-                 cuda_graphs: bool = True, torch_compile: bool = False):
+                 cuda_graphs: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -372,7 +372,7 @@ class Scheduler:
         if kv_cache == "slots":
             ok, why = supports_slots(model)
             if ok:
-                self._slots = SlotCache(model, max_running_requests, cuda_graphs, torch_compile)
+                self._slots = SlotCache(model, max_running_requests, cuda_graphs)
             else:
                 logger.warning("kv cache 'slots' cannot serve this model (%s); using the dynamic cache", why)
         self.kv_cache = "slots" if self._slots is not None else "dynamic"

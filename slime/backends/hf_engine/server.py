@@ -505,9 +505,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "'dynamic': a transformers DynamicCache per batch (default on CPU)")
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="with --kv-cache slots on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
-    p.add_argument("--enable-torch-compile", action="store_true",
-                   help="with --kv-cache slots, torch.compile the decode step (fuses small kernels; compiles "
-                        "once at the first decode, which then takes tens of seconds)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--weight-dirs", nargs="+", default=None,
@@ -533,7 +530,7 @@ def main(argv=None) -> None:
                           random_seed=args.random_seed, max_context_len=max_ctx,
                           max_prefill_tokens=args.max_prefill_tokens,
                           kv_cache=args.kv_cache or ("slots" if args.device.startswith("cuda") else "dynamic"),
-                          cuda_graphs=not args.disable_cuda_graph, torch_compile=args.enable_torch_compile)
+                          cuda_graphs=not args.disable_cuda_graph)
     state = EngineState(model, tokenizer, scheduler, model_path=args.model_path, device=args.device,
                         dtype=args.dtype, weight_version=args.weight_version, weight_dirs=args.weight_dirs)
     scheduler.start()

@@ -101,12 +101,9 @@ class _SlotView:
 class SlotCache:
     """Per-layer KV buffers [slots, KV heads, columns, head dim] plus the static inputs of a decode step."""
 
-    def __init__(self, model, max_rows: int, cuda_graphs: bool, torch_compile: bool = False):
+    def __init__(self, model, max_rows: int, cuda_graphs: bool):
         _register_attention()
         self.model = model
-        # torch.compile fuses the many small element-wise kernels of a transformers layer (norms, rotary,
-        # casts); one dynamic-shape compile serves every (rows, columns) bucket.
-        self._step = torch.compile(self._model_step, dynamic=True) if torch_compile else self._model_step
         self.device = next(model.parameters()).device
         self.max_rows = max_rows
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
@@ -214,14 +211,11 @@ class SlotCache:
         return logits[:rows]
 
     def _forward(self, rows: int, columns: int) -> torch.Tensor:
-        with self._decode_attention():
-            return self._step(rows, columns)
-
-    def _model_step(self, rows: int, columns: int) -> torch.Tensor:
         mask = torch.arange(columns, device=self.device) <= self.lens[:rows].unsqueeze(1)
-        out = self.model(input_ids=self.tokens[:rows].unsqueeze(1), position_ids=self.lens[:rows].unsqueeze(1),
-                         attention_mask=mask[:, None, None, :], past_key_values=_SlotView(self, rows, columns),
-                         use_cache=True, logits_to_keep=1)
+        with self._decode_attention():
+            out = self.model(input_ids=self.tokens[:rows].unsqueeze(1), position_ids=self.lens[:rows].unsqueeze(1),
+                             attention_mask=mask[:, None, None, :], past_key_values=_SlotView(self, rows, columns),
+                             use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 
     @contextlib.contextmanager
