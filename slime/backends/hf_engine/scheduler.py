@@ -15,8 +15,11 @@ depend on which other requests share its batch. Logits, log-probs and sampling a
 log-prob is `log_softmax(logits / temperature)` at the chosen token, before top-p / top-k truncation
 (raw logits for greedy), the quantity a trainer recomputes from `logits / temperature`.
 
-Simplified, compared with SGLang: no prefix (radix) cache, no paged KV memory, no chunked prefill,
-no CUDA graphs; a prefill pauses the running batch for one forward. Prompts that ask for prompt
+With `kv_cache="slots"` the running batch is kept in a preallocated `SlotCache` (slots.py) instead of a
+`DynamicCache`, and on CUDA its decode steps are replayed as CUDA graphs; prefill is the same either way.
+
+Simplified, compared with SGLang: no prefix (radix) cache, no paged KV memory, no chunked prefill; a
+prefill pauses the running batch for one forward. Prompts that ask for prompt
 log-probs are prefilled apart from the others because they need logits at every position. Stop strings
 are detected on a decoded tail window of the output; a stop string spread over more tokens than the
 window (only possible with tokens that decode to nothing) is missed.
