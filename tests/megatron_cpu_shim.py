@@ -8,6 +8,8 @@ megatron-core assumes CUDA in a handful of places. `install()` redirects them fo
 - `Tensor.type()` reports CUDA type names, which the optimizers check for;
 - CUDA synchronisation / cache calls are no-ops, and CUDA streams and events are inert stand-ins (the
   MoE all-to-all dispatcher creates a side stream for its device-to-host copies).
+- megatron-core's `torch.compile`d fusions (bias-dropout-add, bias-SwiGLU) run eagerly: on CPU every rank
+  process would otherwise trace them and build C++ kernels for them (~7 s a process). Same math, unfused.
 
 Call it before building any megatron-core object, in every rank process. It also replaces slime's "needs
 CUDA" guard of the Megatron backend, since the shim is the accelerator here.
@@ -115,6 +117,10 @@ def install() -> None:
         return out
 
     torch.Tensor.type = cuda_type_name
+
+    import torch._dynamo as dynamo
+
+    dynamo.config.disable = True  # before megatron's @jit_fuser decorators are applied
 
     from megatron.core.tensor_parallel import random as mg_random
 

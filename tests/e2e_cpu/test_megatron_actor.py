@@ -13,12 +13,14 @@ import importlib.util
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from tests.conftest import REPO_ROOT, model_args
 from tests.e2e_cpu.ranks import free_port, run_ranks
+from tests.e2e_cpu.together import result_of, run_together
 from tools.make_tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
@@ -63,7 +65,7 @@ def hf_logits(saved: dict, dtype=torch.float32, device="cpu") -> torch.Tensor:
 def run_logits_worker(arch: str, out: str, dtype: str = "float32", extra: str = "") -> dict:
     path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, LOGITS_WORKER, "--arch", arch, "--out", out, "--dtype", dtype,
-                           f"--extra={extra}"],
+                           f"--extra={extra}", "--port", str(free_port())],
                           capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
                           env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-4000:]
@@ -72,22 +74,34 @@ def run_logits_worker(arch: str, out: str, dtype: str = "float32", extra: str = 
 
 def run_layouts(root, tiny_model_dir: str) -> dict:
     """One rank, every LAYOUTS entry, a TP2 checkpoint loaded at TP1, and a tiny MoE at EP1 / EP2: rank 0's
-    results by name (also used on two GPUs by tests/gpu/test_megatron_multi_gpu.py)."""
+    results by name (also used on two GPUs by tests/gpu/test_megatron_multi_gpu.py).
+
+    The one-rank runs are independent of each other, so they go two at a time (each rank process is held to
+    one thread: two of them fill the two cores of a CI machine as one two-rank run does)."""
     model = ["--model", tiny_model_dir]
-    out = {"one": run_ranks(WORKER, 1, str(root / "one"), model, timeout_s=300)}
+
+    def run(name, world, flags):
+        return run_ranks(WORKER, world, str(root / name), flags, timeout_s=300)
+
+    def together(*jobs):  # (name, world, flags) each, two at a time
+        with ThreadPoolExecutor(2) as pool:
+            futures = {name: pool.submit(run, name, world, flags) for name, world, flags in jobs}
+            return {name: f.result() for name, f in futures.items()}
+
+    one_rank = {name: layout for name, layout in LAYOUTS.items() if layout[0] == 1}
+    out = together(("one", 1, model), *((name, 1, model + ["--tp", str(tp), "--pp", str(pp), *flags])
+                                        for name, (_, tp, pp, flags) in one_rank.items()))
     for name, (world, tp, pp, flags) in LAYOUTS.items():
-        out[name] = run_ranks(WORKER, world, str(root / name), model + ["--tp", str(tp), "--pp", str(pp), *flags],
-                              timeout_s=300)
+        if name not in one_rank:
+            out[name] = run(name, world, model + ["--tp", str(tp), "--pp", str(pp), *flags])
     # A checkpoint written at TP2 loads at TP1 (dist_checkpointing re-shards) and resumes at the next rollout.
-    out["loaded"] = run_ranks(WORKER, 1, str(root / "loaded"), model + ["--load", str(root / "tp2" / "ckpt")],
-                              timeout_s=300)
     # MoE: experts split over two expert-parallel ranks (dynamic micro-batches, as many on each rank) against
     # one rank holding all four.
     moe = make_tiny_model(str(root / "tiny-qwen3-moe"), arch="qwen3_moe", size="tiny", seed=0)
     moe_flags = ["--model", moe, "--arch", "qwen3_moe"]
-    out["moe_one"] = run_ranks(WORKER, 1, str(root / "moe_one"), moe_flags, timeout_s=300)
+    out.update(together(("loaded", 1, model + ["--load", str(root / "tp2" / "ckpt")]), ("moe_one", 1, moe_flags)))
     ep2 = ["--dynamic", "--extra=--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"]
-    out["moe_ep2"] = run_ranks(WORKER, 2, str(root / "moe_ep2"), moe_flags + ep2, timeout_s=300)
+    out["moe_ep2"] = run("moe_ep2", 2, moe_flags + ep2)
     out["root"] = str(root)
     return out
 
@@ -167,19 +181,36 @@ def test_trained_torch_dist_checkpoint_converts_to_hf(runs, tiny_model_dir, tmp_
     assert max_abs_diff(hf_log_probs(out, runs["tp2"]["batch"]), runs["tp2"]["lp_after"]) < 1e-5
 
 
+CONVERTED_ARCHS = ["qwen3", "qwen3_moe", "glm4"]
+
+
+@pytest.fixture(scope="module")
+def round_trips(tmp_path_factory):
+    """Each architecture's tiny model converted HF -> torch_dist (release) -> HF by the tools/ scripts."""
+    root = tmp_path_factory.mktemp("round_trips")
+    models = {arch: make_tiny_model(str(root / arch / arch), arch=arch, size="tiny", seed=0) for arch in CONVERTED_ARCHS}
+
+    def round_trip(arch):
+        tiny_model_dir = models[arch]
+        release = str(root / arch / "torch_dist")
+        run_tool("convert_hf_to_torch_dist.py", *model_args(f"tiny-{arch.replace('_', '-')}"),
+                 "--hf-checkpoint", tiny_model_dir, "--save", release)
+        latest = open(os.path.join(release, "latest_checkpointed_iteration.txt")).read()
+        back = str(root / arch / "hf")
+        run_tool("convert_torch_dist_to_hf.py", "--input-dir", release, "--output-dir", back,
+                 "--origin-hf-dir", tiny_model_dir)
+        return tiny_model_dir, latest, back
+
+    return run_together(round_trip, CONVERTED_ARCHS)
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "glm4"])
-def test_hf_to_torch_dist_and_back_is_exact(arch, tmp_path):
+@pytest.mark.parametrize("arch", CONVERTED_ARCHS)
+def test_hf_to_torch_dist_and_back_is_exact(arch, round_trips):
     from safetensors.torch import load_file
 
-    tiny_model_dir = make_tiny_model(str(tmp_path / arch), arch=arch, size="tiny", seed=0)
-    release = str(tmp_path / "torch_dist")
-    run_tool("convert_hf_to_torch_dist.py", *model_args(f"tiny-{arch.replace('_', '-')}"),
-             "--hf-checkpoint", tiny_model_dir, "--save", release)
-    assert open(os.path.join(release, "latest_checkpointed_iteration.txt")).read() == "release"
-    back = str(tmp_path / "hf")
-    run_tool("convert_torch_dist_to_hf.py", "--input-dir", release, "--output-dir", back,
-             "--origin-hf-dir", tiny_model_dir)
+    tiny_model_dir, latest, back = result_of(round_trips, arch)
+    assert latest == "release"
     original, converted = load_file(os.path.join(tiny_model_dir, "model.safetensors")), load_file(
         os.path.join(back, "model.safetensors"))
     assert sorted(original) == sorted(converted)
@@ -205,8 +236,17 @@ def test_weight_push_reaches_the_engine(runs, layout):
     assert max_abs_diff(r["engine_lp_after_push"], r["lp_after"]) < 1e-4
 
 
+LOGITS_ARCHS = ["qwen3_moe", "llama", "qwen2", "glm4", "glm4_moe"]
+
+
+@pytest.fixture(scope="module")
+def family_logits(tmp_path_factory):
+    root = tmp_path_factory.mktemp("family_logits")
+    return run_together(lambda arch: run_logits_worker(arch, str(root / arch)), LOGITS_ARCHS)
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("arch", ["qwen3_moe", "llama", "qwen2", "glm4", "glm4_moe"])
-def test_logits_equal_transformers_per_family(arch, tmp_path):
-    saved = run_logits_worker(arch, str(tmp_path))
+@pytest.mark.parametrize("arch", LOGITS_ARCHS)
+def test_logits_equal_transformers_per_family(arch, family_logits):
+    saved = result_of(family_logits, arch)
     assert float((saved["logits"] - hf_logits(saved)).abs().max()) < 1e-4

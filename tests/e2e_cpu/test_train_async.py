@@ -132,7 +132,11 @@ FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("partial", [False, True], ids=["abort-restart", "partial-rollout"])
 def test_fully_async_rollout_versions_at_pushes(tiny_model_dir, toy_data_path, tmp_path, partial):
-    n = 4
+    # The aborts of push k are reported by collection k + 2, so the pushes after rollouts 0 .. n - 3 are the
+    # observed ones: 6 rollouts give 4 chances for a group to be in flight at a push (4 rollouts gave 2, and
+    # under CPU load both once found none). The later ones count most: responses grow as the policy trains
+    # (mean ~57 tokens at rollout 0, ~105 at rollout 3), so generation outlasts the training step more.
+    n = 6
     # Groups must be in flight at the pushes: long responses (up to 512 tokens) keep the 8 groups the worker
     # relaunches after each collection generating through the training step. --async-buffer-size also lets
     # the driver collect that many rollouts ahead, so it stays 1: with a large one every collection happened
