@@ -61,6 +61,8 @@ class Run:
             if self._started_ray:  # a SIGKILLed driver must not leave Ray's agents behind (process_reaper.py)
                 self._reaper = process_reaper.watch(process_reaper.ray_node_processes())
             placements = create_placement_groups(self.args)
+            # The engines and the router start inside the manager's constructor; the training processes
+            # start meanwhile, and the manager's start-up errors surface (with their message) after that.
             self.rollout_manager = create_rollout_manager(self.args, placements["rollout"])
             use_critic = bool(getattr(self.args, "use_critic", False))
             # With a critic (or colocated engines) several processes share each GPU bundle.
@@ -68,6 +70,7 @@ class Run:
                                        num_gpus_per_actor=0.4 if self.args.colocate or use_critic else 1.0)
             if use_critic:
                 self.critic = RayTrainGroup(self.args, placements["actor"], role="critic", num_gpus_per_actor=0.2)
+            ray.get(self.rollout_manager.get_router_url.remote())
         except BaseException:
             self.__exit__(*sys.exc_info())
             raise
@@ -104,9 +107,8 @@ class Run:
 def create_rollout_manager(args, placement):
     from slime.ray.rollout import RolloutManager
 
-    manager = ray.remote(num_cpus=0)(RolloutManager).remote(args, (placement.pg, placement.bundle_indices))
-    ray.get(manager.get_router_url.remote())  # surfaces start-up errors here, with their message
-    return manager
+    """The manager actor, constructing (engines and router starting); `ray.get` any call to wait for it."""
+    return ray.remote(num_cpus=0)(RolloutManager).remote(args, (placement.pg, placement.bundle_indices))
 
 
 def _raise_on_sigterm(signum, frame):
