@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -177,8 +178,6 @@ def run_trl(args, model_dir: str, data: str, workdir: str) -> dict:
 
 def trl_worker(args) -> None:
     """Runs inside its own process: GRPOTrainer on the same job; writes per-step timings to `args.trl_worker`."""
-    import math
-
     import torch
     from datasets import Dataset
     from datasets.table import InMemoryTable
@@ -270,11 +269,11 @@ def report(args, results: dict[str, dict]) -> str:
              f"{args.warmup + 1}..{args.steps}",
              "| system | " + " | ".join(cols) + " |", "| --- |" + " ---: |" * len(cols)]
     for name, row in rows.items():
-        lines.append(f"| {name} | " + " | ".join("-" if v != v else f"{v:,.2f}" for v in row.values()) + " |")
+        lines.append(f"| {name} | " + " | ".join("-" if math.isnan(v) else f"{v:,.2f}" for v in row.values()) + " |")
     if {"slime", "trl"} <= rows.keys():
         s, t = rows["slime"], rows["trl"]
         lines.append("| TRL / slime (time), slime / TRL (tok/s, GB) | " + " | ".join(
-            "-" if s[c] != s[c] or t[c] != t[c] else
+            "-" if math.isnan(s[c]) or math.isnan(t[c]) else
             f"{(t[c] / s[c] if c.endswith(' s') else s[c] / t[c]):.2f}x" for c in cols) + " |")
     for name, r in results.items():
         extra = f"; TRL grad_norm {', '.join(f'{g:.3g}' for g in r['grad_norm'])}" if "grad_norm" in r else ""
