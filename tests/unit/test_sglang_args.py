@@ -273,3 +273,18 @@ def test_forwarding_against_real_server_args():
     for key, value in expected.items():
         got = str(parsed[key]) if isinstance(value, str) else parsed[key]  # own-parser fields stay strings here
         assert got == value, (key, parsed[key], value)
+
+
+def test_hf_engine_takes_the_sglang_cuda_graph_flag():
+    """`--sglang-disable-cuda-graph` (a bare flag: True; or a typed string) reaches the hf engine's own flag."""
+    from slime.backends.hf_engine.engine import HFEngine
+
+    def command(sglang_args):
+        args = argparse.Namespace(hf_checkpoint="/models/tiny", rollout_seed=0, sglang_server_concurrency=8,
+                                  sglang_args=sglang_args)
+        return HFEngine(args, rank=0).launch_command("127.0.0.1", 1)
+
+    assert "--disable-cuda-graph" in command({"disable_cuda_graph": True})
+    assert "--disable-cuda-graph" in command({"disable_cuda_graph": "true"})
+    assert "--disable-cuda-graph" not in command({"disable_cuda_graph": "false"})
+    assert "--disable-cuda-graph" not in command({})

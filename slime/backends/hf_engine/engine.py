@@ -1,8 +1,8 @@
 """`HFEngine`: the `ServerEngine` that launches the built-in hf engine server (server.py).
 
 Launch settings come from slime's args: `--hf-checkpoint` (model), `--rollout-seed` + rank (sampling
-seed), `--sglang-server-concurrency` (largest running batch, 64 when absent). Device is CUDA when
-visible, else CPU; dtype is float32 on CPU (so engine and trainer log-probs agree to ~1e-5) and
+seed), `--sglang-server-concurrency` (largest running batch, 64 when absent), `--sglang-disable-cuda-graph`
+(decode steps run eagerly). Device is CUDA when visible, else CPU; dtype is float32 on CPU (so engine and trainer log-probs agree to ~1e-5) and
 bfloat16 on CUDA. Torch threads per server: env `SLIME_ENGINE_NUM_THREADS` (default 1, so several
 engines and a trainer can share a small CPU machine).
 """
@@ -27,6 +27,11 @@ def weight_dirs(args) -> list[str]:
     return dirs
 
 
+def _flag_on(value) -> bool:
+    """A forwarded `--sglang-<flag>` value (True for a bare flag; a string when typed by hand) as a bool."""
+    return value is True or str(value).lower() in ("true", "1", "yes", "on")
+
+
 class HFEngine(ServerEngine):
     name = "hf-engine"
 
@@ -37,6 +42,7 @@ class HFEngine(ServerEngine):
         if not checkpoint:
             raise ValueError("--hf-checkpoint is required for the hf rollout engine (an HF model folder)")
         cuda = torch.cuda.is_available()
+        sglang_args = getattr(self.args, "sglang_args", None) or {}
         seed = getattr(self.args, "rollout_seed", None)
         seed = (42 if seed is None else seed) + self.rank
         return [sys.executable, "-m", "slime.backends.hf_engine",
@@ -45,6 +51,7 @@ class HFEngine(ServerEngine):
                 "--max-running-requests", str(getattr(self.args, "sglang_server_concurrency", None) or 64),
                 "--random-seed", str(seed),
                 "--num-threads", os.environ.get("SLIME_ENGINE_NUM_THREADS", "1"),
+                *(["--disable-cuda-graph"] if _flag_on(sglang_args.get("disable_cuda_graph")) else []),
                 "--weight-dirs", *weight_dirs(self.args)]
 
     def launch_env(self) -> dict[str, str]:
