@@ -288,3 +288,5 @@ def test_hf_engine_takes_the_sglang_cuda_graph_flag():
     assert "--disable-cuda-graph" in command({"disable_cuda_graph": "true"})
     assert "--disable-cuda-graph" not in command({"disable_cuda_graph": "false"})
     assert "--disable-cuda-graph" not in command({})
+    with pytest.raises(ValueError, match="--sglang-disable-cuda-graph"):
+        command({"disable_cuda_graph": "maybe"})

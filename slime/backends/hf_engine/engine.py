@@ -27,9 +27,16 @@ def weight_dirs(args) -> list[str]:
     return dirs
 
 
-def _flag_on(value) -> bool:
-    """A forwarded `--sglang-<flag>` value (True for a bare flag; a string when typed by hand) as a bool."""
-    return value is True or str(value).lower() in ("true", "1", "yes", "on")
+def _flag_on(sglang_args: dict, field: str) -> bool:
+    """A forwarded `--sglang-<field>` as a bool (absent: False); a value that is no boolean names the flag."""
+    from slime.backends.sglang_utils.arguments import as_bool, flag_of
+
+    if sglang_args.get(field) is None:
+        return False
+    try:
+        return as_bool(sglang_args[field])
+    except ValueError as e:
+        raise ValueError(f"{flag_of(field)}: {e}") from None
 
 
 class HFEngine(ServerEngine):
@@ -51,7 +58,7 @@ class HFEngine(ServerEngine):
                 "--max-running-requests", str(getattr(self.args, "sglang_server_concurrency", None) or 64),
                 "--random-seed", str(seed),
                 "--num-threads", os.environ.get("SLIME_ENGINE_NUM_THREADS", "1"),
-                *(["--disable-cuda-graph"] if _flag_on(sglang_args.get("disable_cuda_graph")) else []),
+                *(["--disable-cuda-graph"] if _flag_on(sglang_args, "disable_cuda_graph") else []),
                 "--weight-dirs", *weight_dirs(self.args)]
 
     def launch_env(self) -> dict[str, str]:

@@ -122,9 +122,6 @@ class SlotCache:
     def allocated(self) -> bool:
         return bool(self.keys)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
     def ensure(self, rows: int, columns: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Make room for `rows` slots of `columns` tokens (`like`: one (keys, values) per layer, for shapes)."""
         rows = min(max(bucket_rows(rows), 1), bucket_rows(self.max_rows))

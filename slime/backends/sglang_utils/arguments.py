@@ -119,7 +119,8 @@ def sglang_import_error() -> str | None:
 
 
 # ---- typing the values ----------------------------------------------------------------------------------
-def _bool(raw: Any) -> bool:
+def as_bool(raw: Any) -> bool:
+    """A forwarded flag's value as a bool: True for a bare flag, true/false/1/0/yes/no/on/off as text."""
     if isinstance(raw, bool):
         return raw
     if isinstance(raw, str) and raw.lower() in _TRUE | _FALSE:
@@ -129,7 +130,7 @@ def _bool(raw: Any) -> bool:
 
 def _scalar(tp: Any, raw: Any) -> Any:
     if tp is bool:
-        return _bool(raw)
+        return as_bool(raw)
     if raw is True:
         raise ValueError("needs a value")
     if tp is int:
