@@ -41,20 +41,24 @@ def split_micro_batches(rows: Sequence[int], micro_batch_size: int) -> list[list
     return [list(rows[i : i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
 
 
-def split_by_tokens(rows: Sequence[int], lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]:
-    """--use-dynamic-batch-size: consecutive rows grouped so that each padded micro-batch (rows × longest
-    row) holds at most `max_tokens` tokens; a row longer than that forms a micro-batch of its own."""
+def split_by_tokens(rows: Sequence[int], lengths: Sequence[int], max_tokens: int | None,
+                    packed: bool = False) -> list[list[int]]:
+    """--use-dynamic-batch-size: consecutive rows grouped so that each micro-batch holds at most `max_tokens`
+    tokens: padded (rows × longest row), or with `packed` the rows' own tokens summed; a row longer than
+    that forms a micro-batch of its own."""
     if not max_tokens or max_tokens <= 0:
         raise ValueError(f"--use-dynamic-batch-size needs --max-tokens-per-gpu > 0 (got {max_tokens})")
     out: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    longest = total = 0
     for r, n in zip(rows, lengths):
-        if current and (len(current) + 1) * max(longest, n) > max_tokens:
+        size = total + n if packed else (len(current) + 1) * max(longest, n)
+        if current and size > max_tokens:
             out.append(current)
-            current, longest = [], 0
+            current, longest, total = [], 0, 0
         current.append(r)
         longest = max(longest, n)
+        total += n
     if current:
         out.append(current)
     return out
@@ -77,9 +81,10 @@ def split_into(rows: Sequence[int], lengths: Sequence[int], groups: list[list[in
 
 
 def plan_micro_batches(args, tokens: Sequence[Sequence[int]], rows: Sequence[int], device=None, group=None,
-                       log_probs: bool = False) -> list[list[int]]:
+                       log_probs: bool = False, packed: bool = False) -> list[list[int]]:
     """Micro-batches of `rows`: `--micro-batch-size` rows each, or with `--use-dynamic-batch-size` at most
-    `--max-tokens-per-gpu` padded tokens (`--log-probs-max-tokens-per-gpu` for forward-only passes).
+    `--max-tokens-per-gpu` tokens (`--log-probs-max-tokens-per-gpu` for forward-only passes), counted padded
+    or, for `packed` micro-batches, as the rows' own tokens.
 
     Collective with dynamic batches: the ranks of `group` (None: all) run their forwards in lockstep (FSDP
     gathers parameters in every forward, expert parallelism exchanges tokens), so every rank takes as many
@@ -90,7 +95,7 @@ def plan_micro_batches(args, tokens: Sequence[Sequence[int]], rows: Sequence[int
 
     budget = args.log_probs_max_tokens_per_gpu if log_probs else args.max_tokens_per_gpu
     lengths = [len(tokens[r]) for r in rows]
-    groups = split_by_tokens(rows, lengths, budget)
+    groups = split_by_tokens(rows, lengths, budget, packed)
     count = torch.tensor([len(groups)], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     return split_into(rows, lengths, groups, int(count))
@@ -99,24 +104,52 @@ def plan_micro_batches(args, tokens: Sequence[Sequence[int]], rows: Sequence[int
 # ---- padding -------------------------------------------------------------------------------------------------
 @dataclass
 class MicroBatch:
-    """Right-padded sequences of one forward pass.
+    """The sequences of one forward pass: right-padded rows, or packed back to back into one row.
 
-    `response_starts[i]` is the position of row i's first response token; the token at position p is
-    predicted by the logits at p − 1. `response_mask` is [B, R] with 1 for t < response_lengths[i]."""
+    Padded: `input_ids` is [B, L] and sequence i is row i. Packed (`cu_seqlens` set): `input_ids` is [1, T]
+    and sequence i holds positions cu_seqlens[i] .. cu_seqlens[i+1] - 1 of that row.
+    `response_starts[i]` is the position (in its row) of sequence i's first response token; the token at
+    position p is predicted by the logits at p − 1. `response_mask` is [B, R] with 1 for
+    t < response_lengths[i]."""
 
-    input_ids: torch.Tensor  # [B, L] long
-    attention_mask: torch.Tensor  # [B, L] long
+    input_ids: torch.Tensor  # [B, L] long, or [1, T] packed
+    attention_mask: torch.Tensor  # [B, L] long, or [1, T] packed
     response_starts: list[int]
     response_lengths: list[int]
     response_mask: torch.Tensor  # [B, R] float
+    cu_seqlens: list[int] | None = None  # packed: sequence boundaries, [0, n0, n0 + n1, ..., T] (+ a pad sequence)
 
     @property
     def max_response_len(self) -> int:
         return self.response_mask.shape[1]
 
+    @property
+    def row_of_sequence(self) -> torch.Tensor:
+        """[B] the `input_ids` row holding each sequence (all 0 when packed)."""
+        count = len(self.response_lengths)
+        if self.cu_seqlens is None:
+            return torch.arange(count)
+        return torch.zeros(count, dtype=torch.long)
+
     def first_predicting_position(self) -> int:
         """The earliest position whose logits are needed (for `logits_to_keep`)."""
         return min(s - 1 for s in self.response_starts)
+
+
+def _check_lengths(tokens: Sequence[Sequence[int]], response_lengths: Sequence[int]) -> list[int]:
+    lengths = [len(t) for t in tokens]
+    for i, (n, r) in enumerate(zip(lengths, response_lengths)):
+        if r < 0 or r >= n:
+            raise ValueError(
+                f"row {i}: response_length={r} with {n} tokens; a sample needs at least one prompt token "
+                "before its response (response_length < len(tokens))"
+            )
+    return lengths
+
+
+def _response_mask(response_lengths: Sequence[int]) -> torch.Tensor:
+    max_r = max(1, max(response_lengths))  # keep R >= 1 so empty responses still give well-shaped tensors
+    return (torch.arange(max_r).unsqueeze(0) < torch.as_tensor(list(response_lengths)).unsqueeze(1)).float()
 
 
 def make_micro_batch(
@@ -125,27 +158,46 @@ def make_micro_batch(
     pad_token_id: int = 0,
     device: torch.device | str = "cpu",
 ) -> MicroBatch:
-    lengths = [len(t) for t in tokens]
-    for i, (n, r) in enumerate(zip(lengths, response_lengths)):
-        if r < 0 or r >= n:
-            raise ValueError(
-                f"row {i}: response_length={r} with {n} tokens; a sample needs at least one prompt token "
-                "before its response (response_length < len(tokens))"
-            )
+    lengths = _check_lengths(tokens, response_lengths)
     max_len = max(lengths)
     input_ids = torch.full((len(tokens), max_len), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(tokens), max_len), dtype=torch.long)
     for i, t in enumerate(tokens):
         input_ids[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.long)
         attention_mask[i, : len(t)] = 1
-    max_r = max(1, max(response_lengths))  # keep R >= 1 so empty responses still give well-shaped tensors
-    response_mask = (torch.arange(max_r).unsqueeze(0) < torch.as_tensor(list(response_lengths)).unsqueeze(1)).float()
     return MicroBatch(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
         response_starts=[n - r for n, r in zip(lengths, response_lengths)],
         response_lengths=list(response_lengths),
-        response_mask=response_mask.to(device),
+        response_mask=_response_mask(response_lengths).to(device),
+    )
+
+
+def make_packed_micro_batch(
+    tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], pad_token_id: int = 0,
+    device: torch.device | str = "cpu", multiple: int = 1,
+) -> MicroBatch:
+    """The sequences back to back in one [1, T] row, with their boundaries in `cu_seqlens`. T is padded to a
+    `multiple` (sequence parallelism splits it over the TP ranks) by one more sequence of pad tokens, which
+    attends only to itself and has no response."""
+    lengths = _check_lengths(tokens, response_lengths)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    flat = [t for seq in tokens for t in seq]
+    extra = (-len(flat)) % multiple
+    if extra:
+        flat += [pad_token_id] * extra
+        cu.append(len(flat))
+    input_ids = torch.as_tensor(flat, dtype=torch.long).unsqueeze(0)
+    return MicroBatch(
+        input_ids=input_ids.to(device),
+        attention_mask=torch.ones_like(input_ids).to(device),
+        response_starts=[end - r for end, r in zip(cu[1:], response_lengths)],
+        response_lengths=list(response_lengths),
+        response_mask=_response_mask(response_lengths).to(device),
+        cu_seqlens=cu,
     )
 
 

@@ -34,6 +34,7 @@ LAYOUTS = {
     "pp2": (2, 1, 2, ["--engine"]),
     "dp2": (2, 1, 1, ["--engine", "--broadcast", "--extra=--use-distributed-optimizer"]),
     "dynamic": (1, 1, 1, ["--dynamic"]),
+    "bshd": (1, 1, 1, ["--extra=--qkv-format bshd"]),  # right-padded micro-batches against packed ("one")
 }
 
 

@@ -37,3 +37,30 @@ def test_split_into_halves_the_costliest_micro_batch_until_the_count():
     assert split_into(rows, lengths, groups, 3) == [[0, 1], [2], [3, 4]]
     with pytest.raises(ValueError, match="6 micro-batches of 5 rows"):
         split_into(rows, lengths, groups, 6)
+
+
+def test_packed_budget_counts_each_rows_own_tokens():
+    # packed cost = sum of lengths: 5 + 3 = 8 <= 12; + 7 = 15 > 12; 7 + 2 + 2 = 11 <= 12
+    assert split_by_tokens([0, 1, 2, 3, 4], [5, 3, 7, 2, 2], 12, packed=True) == [[0, 1], [2, 3, 4]]
+
+
+def test_packed_micro_batch_puts_sequences_back_to_back():
+    from slime.backends.batching import make_packed_micro_batch
+
+    mb = make_packed_micro_batch([[5, 6, 7], [8, 9], [1, 2, 3, 4]], [1, 1, 2])
+    assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    assert mb.cu_seqlens == [0, 3, 5, 9]
+    assert mb.response_starts == [2, 4, 7]  # positions in the packed row
+    assert mb.row_of_sequence.tolist() == [0, 0, 0]
+    assert mb.response_mask.tolist() == [[1.0, 0.0], [1.0, 0.0], [1.0, 1.0]]
+    with pytest.raises(ValueError, match="row 1: response_length=2 with 2 tokens"):
+        make_packed_micro_batch([[1, 2, 3], [4, 5]], [1, 2])
+
+
+def test_packed_row_padded_to_a_multiple_by_a_pad_sequence():
+    from slime.backends.batching import make_packed_micro_batch
+
+    mb = make_packed_micro_batch([[5, 6, 7], [8, 9]], [1, 1], pad_token_id=0, multiple=4)
+    assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]]
+    assert mb.cu_seqlens == [0, 3, 5, 8]  # the pad tokens form a sequence of their own
+    assert mb.response_starts == [2, 4] and len(mb.row_of_sequence) == 2

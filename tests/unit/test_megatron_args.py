@@ -112,6 +112,12 @@ def test_expert_parallel_needs_the_alltoall_dispatcher(files):
     assert "--moe-token-dispatcher-type alltoall" in msg and "allgather" in msg
 
 
+def test_packed_micro_batches_refuse_context_parallelism(files):
+    assert parse_args(base(*QWEN3_4B)).qkv_format == "thd"  # slime's default: packed micro-batches
+    assert "--context-parallel-size 2; add --qkv-format bshd" in error_of(base(*QWEN3_4B, "--context-parallel-size", "2"))
+    assert parse_args(base(*QWEN3_4B, "--context-parallel-size", "2", "--qkv-format", "bshd")).qkv_format == "bshd"
+
+
 def test_recompute_method_needs_full_granularity(files):
     assert "needs --recompute-granularity full" in error_of(base("--recompute-method", "uniform"))
     assert "--recompute-num-layers" in error_of(base("--recompute-granularity", "full", "--recompute-method", "block"))

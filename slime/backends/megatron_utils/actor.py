@@ -10,11 +10,12 @@ or `--hf-checkpoint`. MODEL_ARGS are checked against the HF config.json first.
 One `train` call = one rollout, as in the fsdp backend: the batch is cut into optimizer steps of
 `--global-batch-size` rows, each data-parallel rank takes a contiguous share of a step's rows, in
 micro-batches of `--micro-batch-size` rows (or, with `--use-dynamic-batch-size`, of at most
-`--max-tokens-per-gpu` padded tokens), which run through megatron-core's pipeline schedule. Log-probs,
+`--max-tokens-per-gpu` tokens), packed into one row each (`--qkv-format thd`, default) or right-padded
+(`bshd`), which run through megatron-core's pipeline schedule. Log-probs,
 advantages and losses live on the last pipeline stage; metrics travel to rank 0.
 
 Simplifications (docs/megatron_backend.md): the model stays in eval mode (dropout off) so recomputed and
-training log-probs agree; no offloading between rollout and training; padded micro-batches only.
+training log-probs agree; no offloading between rollout and training.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends import policy_batch
-from slime.backends.batching import make_micro_batch, plan_micro_batches, rows_per_step
+from slime.backends.batching import make_micro_batch, make_packed_micro_batch, plan_micro_batches, rows_per_step
 from slime.backends.loss import compute_actor_loss
 from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import checkpoint, config_check, weights
@@ -150,11 +151,19 @@ class MegatronTrainRayActor(TrainRayActor):
         ps = _ps()
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
 
+    @property
+    def _packed(self) -> bool:
+        return self.args.qkv_format == "thd"
+
     def _split(self, tokens: list[list[int]], rows: list[int], log_probs: bool = False) -> list[list[int]]:
-        return plan_micro_batches(self.args, tokens, rows, self.device, self._dp()[2], log_probs)
+        return plan_micro_batches(self.args, tokens, rows, self.device, self._dp()[2], log_probs, self._packed)
 
     def _micro_batch(self, tokens, response_lengths, rows):
-        return make_micro_batch([tokens[r] for r in rows], [response_lengths[r] for r in rows], device=self.device)
+        tokens, response_lengths = [tokens[r] for r in rows], [response_lengths[r] for r in rows]
+        if not self._packed:
+            return make_micro_batch(tokens, response_lengths, device=self.device)
+        multiple = self.args.tensor_model_parallel_size if self.args.sequence_parallel else 1
+        return make_packed_micro_batch(tokens, response_lengths, device=self.device, multiple=multiple)
 
     # ---- log-probs --------------------------------------------------------------------------------------
     @torch.no_grad()

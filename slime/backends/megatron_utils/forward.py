@@ -1,10 +1,12 @@
 """Forward passes of the Megatron backend: micro-batches through megatron-core's pipeline schedules, and
 log-probs / entropy from vocab-parallel logits.
 
-Micro-batches are right-padded `[B, L]` rows (slime/backends/batching.py) run with megatron-core's
-default causal mask: with right padding a real token never attends to a pad, so no padding mask is
-needed and each row's log-probs equal those of the row alone. (Packed THD micro-batches with
-`cu_seqlens` need TransformerEngine, which neither of our machines has; they are not implemented.)
+Micro-batches (slime/backends/batching.py) are packed (`--qkv-format thd`, the default): the samples back
+to back in one `[1, T]` row described by megatron-core's `PackedSeqParams` (cu_seqlens), each attending only
+to itself with rotary positions restarting at its start — TransformerEngine's attention when installed, else
+torch's varlen flash attention (`sdpa_attention.py`). Or right-padded `[B, L]` rows (`--qkv-format bshd`) run
+with the default causal mask: with right padding a real token never attends to a pad, so no padding mask
+is needed. Either way each sample's log-probs equal those of the sample alone.
 
 Vocab-parallel log-softmax: every TP rank holds the logits of a contiguous vocabulary slice; the max,
 the sum of exponentials, the target logit and Σ p·logit are all-reduced over the TP group with
@@ -57,8 +59,8 @@ def vocab_parallel_log_probs(
 def response_log_probs(
     logits: torch.Tensor, mb: MicroBatch, temperature: float, vocab_size: int, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`[B, L, V/tp]` logits of a padded micro-batch -> `[B, R]` fp32 response log-probs (0 past each
-    response), and entropies, of softmax(logits / temperature)."""
+    """`[B, L, V/tp]` logits of a padded micro-batch (or `[1, T, V/tp]` of a packed one) -> `[B, R]` fp32
+    response log-probs (0 past each response), and entropies, of softmax(logits / temperature)."""
     if temperature <= 0:
         raise ValueError(f"--rollout-temperature {temperature}: must be > 0")
     device = logits.device
@@ -66,10 +68,11 @@ def response_log_probs(
     starts = torch.as_tensor(mb.response_starts, device=device).unsqueeze(1)
     valid = mb.response_mask.to(device).bool()
     predicting = torch.where(valid, starts - 1 + t, torch.zeros_like(t))
-    targets = torch.where(valid, mb.input_ids.gather(1, torch.where(valid, starts + t, torch.zeros_like(t))), 0)
-    rows = torch.arange(logits.shape[0], device=device).unsqueeze(1).expand_as(predicting)
+    rows = mb.row_of_sequence.to(device).unsqueeze(1).expand_as(predicting)
+    ids = mb.input_ids.to(device)
+    targets = ids[rows[valid], predicting[valid] + 1]
     selected = logits[rows[valid], predicting[valid]].float() / temperature
-    lp_flat, ent_flat = vocab_parallel_log_probs(selected, targets[valid], vocab_size, with_entropy)
+    lp_flat, ent_flat = vocab_parallel_log_probs(selected, targets, vocab_size, with_entropy)
     log_probs = torch.zeros(valid.shape, dtype=torch.float32, device=device)
     log_probs = log_probs.masked_scatter(valid, lp_flat)
     entropy = None
@@ -85,6 +88,23 @@ def _pad_to_multiple(mb: MicroBatch, multiple: int) -> torch.Tensor:
     if extra:
         ids = torch.nn.functional.pad(ids, (0, extra))
     return ids
+
+
+def packed_positions(cu_seqlens: list[int], device) -> torch.Tensor:
+    """[1, T] position ids restarting at 0 for each packed sequence."""
+    return torch.cat([torch.arange(end - start, device=device)
+                      for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]).unsqueeze(0)
+
+
+def packed_seq_params(cu_seqlens: list[int], device):
+    """megatron-core's THD description of a packed micro-batch: each sequence attends only to itself, and
+    rotary positions restart at each sequence's start."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+    longest = max(end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
 
 
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
@@ -105,9 +125,14 @@ def run_pipeline(
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
-        ids = _pad_to_multiple(mb, multiple)
-        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-        output = chunk(ids, positions, None)
+        if mb.cu_seqlens is not None:
+            ids = mb.input_ids
+            output = chunk(ids, packed_positions(mb.cu_seqlens, ids.device), None,
+                           packed_seq_params=packed_seq_params(mb.cu_seqlens, ids.device))
+        else:
+            ids = _pad_to_multiple(mb, multiple)
+            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+            output = chunk(ids, positions, None)
         return output, lambda out: loss_fn(mb, out)
 
     iterators = [iter(micro_batches) for _ in model]

@@ -7,9 +7,9 @@ of this pipeline rank (one, or several with `--num-layers-per-virtual-pipeline-s
 in megatron-core's `DistributedDataParallel` for training (`wrap=False` for the frozen reference model).
 `build_optimizer` gives megatron-core's (distributed) optimizer and `OptimizerParamScheduler`.
 
-Without TE, MoE experts run as `SequentialMLP` (no grouped GEMM) and attention is the local (unfused)
-implementation; context parallelism needs TE's attention, so `--context-parallel-size > 1` is refused
-there. Parameters live in `--bf16` / `--fp16` precision with fp32 master weights in the optimizer.
+Without TE, MoE experts run as `SequentialMLP` (no grouped GEMM) and attention is torch's SDPA / varlen
+flash attention (`sdpa_attention.SDPAttention`, in place of megatron-core's unfused local attention);
+context parallelism needs TE's attention, so `--context-parallel-size > 1` is refused there. Parameters live in `--bf16` / `--fp16` precision with fp32 master weights in the optimizer.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils.sandwich_norm import add_sandwich_norms
+from slime.backends.megatron_utils.sdpa_attention import with_sdpa_attention
 from slime.utils.arg_groups._common import SlimeArgumentError
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ def _layer_spec(args: argparse.Namespace, config, vp_stage: int | None):
     te = te_available()
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=args.normalization,
                                       vp_stage=vp_stage)
+    if not te:
+        spec = with_sdpa_attention(spec)
     return add_sandwich_norms(spec, config, args, te)
 
 

@@ -220,6 +220,11 @@ def _add_runtime(parser) -> None:
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false")
     g.add_argument("--no-persist-layer-norm", dest="persist_layer_norm", action="store_false")
     g.add_argument("--use-flash-attn", action="store_true", help="Deprecated alias of --attention-backend flash.")
+    g.add_argument(
+        "--qkv-format", choices=["thd", "bshd"], default="thd",
+        help="Micro-batch layout of the megatron backend: thd packs a micro-batch's samples into one row, each "
+             "attending only to itself (no padding); bshd right-pads them into [batch, longest] rows.",
+    )  # fmt: skip
 
 
 def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
@@ -347,6 +352,11 @@ def validate_megatron(args: argparse.Namespace) -> None:
         )
     if args.num_layers:
         pipeline_layer_split(args)
+    if args.qkv_format == "thd" and args.context_parallel_size > 1:
+        fail(
+            f"--qkv-format thd (packed micro-batches) is not implemented with --context-parallel-size "
+            f"{args.context_parallel_size}; add --qkv-format bshd."
+        )
     if args.vocab_size is not None and args.vocab_size <= 0:
         fail(f"--vocab-size {args.vocab_size}: must be positive.")
 

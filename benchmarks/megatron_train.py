@@ -1,0 +1,181 @@
+"""Training throughput and MFU of the Megatron backend on one GPU, packed (thd) against padded (bshd).
+
+    python benchmarks/megatron_train.py [--shape qwen3-4b] [--seq-len 4096] [--min-len 4096] [--samples 16]
+                                        [--max-tokens-per-gpu 8192] [--layouts thd,bshd] [--steps 3]
+
+A random-init model of a published Qwen3 shape (benchmarks/weight_sync.py's helper) is written as an HF folder
+and loaded by `MegatronTrainRayActor` (driven directly, no Ray: one rank, bf16 parameters, fp32 master weights
+in the distributed optimizer, `--use-dynamic-batch-size` micro-batches of at most `--max-tokens-per-gpu`
+tokens, SDPA / varlen flash attention without TransformerEngine). The batch: `--samples` sequences with
+lengths drawn uniformly from [--min-len, --seq-len] (default: all exactly --seq-len), the last 3/4 of each
+the "response", random tokens, group-normalised random rewards, one optimizer step per batch.
+
+Per layout it times, after one warm-up step:
+- `forward`: `compute_log_probs` over the batch (what the old-policy / reference log-probs cost);
+- `train`: `train()` with `--use-rollout-logprobs` (forward + backward + optimizer step, no extra forward);
+and reports tokens/s and MFU = model FLOPs / time / --peak-tflops (790: the H200's measured bf16 matmul
+rate, ../shared/gpu/README.md). Model FLOPs per token: 2 x (matmul parameters, lm head included) for a
+forward, plus causal attention 2 x layers x heads x head_dim x (context length) per token; a training pass
+counts 3 forwards. Padding is not counted as useful work, so bshd pays for its pad tokens. Needs CUDA and
+megatron-core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from weight_sync import SHAPES, make_model_dir  # noqa: E402
+
+MODEL_SCRIPTS = {"qwen3-0.6b": "qwen3-0.6B", "qwen3-4b": "qwen3-4B"}
+
+
+def model_args(shape: str) -> list[str]:
+    script = os.path.join(REPO, "scripts", "models", f"{MODEL_SCRIPTS[shape]}.sh")
+    out = subprocess.run(["bash", "-c", f"set -eu; source '{script}'; printf '%s\\n' \"${{MODEL_ARGS[@]}}\""],
+                         capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
+
+
+def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Namespace:
+    from slime.utils.arguments import parse_args
+
+    data = os.path.join(workdir, "prompts.jsonl")
+    with open(data, "w") as f:
+        f.write('{"prompt": "x", "label": "y"}\n')
+    return parse_args([
+        *model_args(cli.shape), "--train-backend", "megatron", "--hf-checkpoint", model_dir, "--bf16",
+        "--prompt-data", data, "--rollout-batch-size", str(cli.samples), "--n-samples-per-prompt", "1",
+        "--global-batch-size", str(cli.samples), "--num-rollout", str(cli.steps + 1),
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(cli.max_tokens_per_gpu),
+        "--qkv-format", layout, "--use-distributed-optimizer", "--use-rollout-logprobs",
+        "--lr", "1e-6", "--clip-grad", "1.0", "--advantage-estimator", "grpo", "--seed", "1",
+        "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--colocate",
+    ])  # fmt: skip
+
+
+def make_batch(cli, vocab_size: int):
+    from slime.utils.types import TrainBatch
+
+    rng = random.Random(0)
+    lengths = [rng.randint(cli.min_len, cli.seq_len) for _ in range(cli.samples)]
+    tokens = [[rng.randrange(1, vocab_size) for _ in range(n)] for n in lengths]
+    responses = [n - n // 4 for n in lengths]
+    rewards = [rng.choice([-1.0, 1.0]) for _ in lengths]
+    return TrainBatch(tokens=tokens, response_lengths=responses, loss_masks=[[1] * r for r in responses],
+                      rewards=rewards, raw_rewards=rewards, truncated=[False] * len(lengths),
+                      group_indices=list(range(len(lengths))))
+
+
+def forward_flops(shape: dict, lengths: list[int]) -> float:
+    """Model FLOPs of one forward over sequences of `lengths` (causal attention, lm head included)."""
+    h, layers, ffn = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
+    q = shape["num_attention_heads"] * shape["head_dim"]
+    kv = shape["num_key_value_heads"] * shape["head_dim"]
+    matmul_params = layers * (h * q + 2 * h * kv + q * h + 3 * h * ffn) + h * shape["vocab_size"]
+    tokens = sum(lengths)
+    attention = sum(2 * layers * q * n * n for n in lengths)  # QK^T and AV, causal: half of 2·2·n²·q each
+    return 2 * matmul_params * tokens + attention
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run_layout(cli, model_dir: str, workdir: str, layout: str) -> dict:
+    """One process per layout (megatron-core's global state is per process): results as JSON on stdout."""
+    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+
+    args = slime_args(cli, model_dir, workdir, layout)
+    batch = make_batch(cli, SHAPES[cli.shape]["vocab_size"])
+    actor = MegatronTrainRayActor(1, 0, "127.0.0.1", 29500 + random.randrange(1000))
+    try:
+        actor.init(args, "actor", with_ref=False)
+        batch.rollout_log_probs = actor.compute_log_probs(batch.tokens, batch.response_lengths)
+        torch.cuda.reset_peak_memory_stats()
+        forward = [timed(lambda: actor.compute_log_probs(batch.tokens, batch.response_lengths))
+                   for _ in range(2)]
+        train = [timed(lambda i=i: actor.train(i, batch)) for i in range(cli.steps + 1)]
+        peak = torch.cuda.max_memory_allocated() / 1e9
+    finally:
+        actor.shutdown()
+    lengths = [len(t) for t in batch.tokens]
+    return {"layout": layout, "tokens": sum(lengths), "fwd_flops": forward_flops(SHAPES[cli.shape], lengths),
+            "forward_s": min(forward), "train_s": sum(train[1:]) / cli.steps, "peak_gb": peak}
+
+
+def report(cli, results: list[dict]) -> str:
+    peak = cli.peak_tflops * 1e12
+    lines = [
+        f"{cli.shape}, {cli.samples} sequences of {cli.min_len}-{cli.seq_len} tokens, "
+        f"--max-tokens-per-gpu {cli.max_tokens_per_gpu}, peak {cli.peak_tflops:.0f} TFLOP/s",
+        "| layout | tokens | forward s | forward tok/s | forward MFU | train s | train tok/s | train MFU | peak GB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        fwd_mfu = r["fwd_flops"] / r["forward_s"] / peak
+        train_mfu = 3 * r["fwd_flops"] / r["train_s"] / peak
+        lines.append(f"| {r['layout']} | {r['tokens']} | {r['forward_s']:.2f} | {r['tokens'] / r['forward_s']:,.0f} | "
+                     f"{fwd_mfu:.1%} | {r['train_s']:.2f} | {r['tokens'] / r['train_s']:,.0f} | {train_mfu:.1%} | "
+                     f"{r['peak_gb']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-4b", choices=sorted(MODEL_SCRIPTS))
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--min-len", type=int, default=None, help="shortest sequence (default: --seq-len)")
+    p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--max-tokens-per-gpu", type=int, default=8192)
+    p.add_argument("--layouts", default="thd,bshd")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--peak-tflops", type=float, default=790.0)
+    p.add_argument("--model-dir", help="reuse this HF folder (made by an earlier run)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    cli = p.parse_args()
+    cli.min_len = cli.min_len or cli.seq_len
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/megatron_train.py needs CUDA (megatron-core trains on GPUs only)")
+    if cli.worker:
+        workdir = os.path.dirname(cli.model_dir)
+        print("RESULT " + json.dumps(run_layout(cli, cli.model_dir, workdir, cli.worker)), flush=True)
+        return
+    with tempfile.TemporaryDirectory() as root:
+        model_dir = cli.model_dir
+        if model_dir is None:
+            model_dir, model = make_model_dir(cli.shape, root)
+            del model
+            torch.cuda.empty_cache()
+        results = []
+        for layout in cli.layouts.split(","):
+            cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--model-dir", model_dir,
+                   "--worker", layout]
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+            found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if done.returncode != 0 or not found:
+                print(f"{layout}: worker failed with exit code {done.returncode}", flush=True)
+                continue
+            results.append(json.loads(found[-1][len("RESULT "):]))
+            print(report(cli, results[-1:]), flush=True)
+        print("\n" + report(cli, results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

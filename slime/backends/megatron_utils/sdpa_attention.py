@@ -1,0 +1,137 @@
+"""Core attention of the Megatron backend when TransformerEngine is absent: torch's fused kernels.
+
+megatron-core's local `DotProductAttention` materialises the [b, heads, s, s] score matrix in the model's
+dtype and runs an unfused softmax; it also refuses packed (THD) micro-batches. `SDPAttention` takes its place
+in the local layer spec (`megatron_utils.model`) with the same constructor and forward contract:
+
+- padded micro-batches (`[s, b, heads, dim]`): `torch.nn.functional.scaled_dot_product_attention` with
+  `is_causal=True` (flash / memory-efficient kernels on CUDA, never the s×s matrix);
+- packed micro-batches (`[t, heads, dim]` with `PackedSeqParams(qkv_format="thd")`): each sequence attends
+  causally within itself only, through torch's variable-length flash attention
+  (`torch.nn.attention.varlen.varlen_attn`) on CUDA in bf16/fp16, else one SDPA call per sequence.
+
+Grouped-query attention runs without copying key/value heads where the kernel supports it. Attention
+dropout applies in training mode only (slime keeps the model in eval mode, DESIGN: recomputed and trained
+log-probs must agree).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _varlen_attn():
+    """torch's varlen flash attention and the keywords this torch version takes, or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+class SDPAttention(torch.nn.Module):
+    """Causal self-attention over `[s, b, np, hn]` (padded) or `[t, np, hn]` (packed) query/key/value."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None, **_):
+        super().__init__()
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"SDPAttention: only causal self-attention is supported (got {attn_mask_type})")
+        self.config = config
+        self.layer_number = layer_number
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        head_dim = config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        # --apply-query-key-layer-scaling divides the scores by the layer number and the fp32 softmax multiplies
+        # them back: no change to the result, so nothing to do here.
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError("SDPAttention: sliding-window attention (--window-size) needs TransformerEngine")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"SDPAttention: --softmax-type {config.softmax_type} needs TransformerEngine")
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None:
+            raise ValueError("SDPAttention: attention_bias is not supported")
+        dropout = self.dropout if self.training else 0.0
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            out = self._packed(query, key, value, packed_seq_params, dropout)
+            return out.reshape(out.shape[0], -1)
+        # [s, b, n, d] -> [b, n, s, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        out = self._sdpa(q, k, v, attention_mask, dropout)
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _sdpa(self, q, k, v, attention_mask, dropout):
+        """[b, n, s, d] attention; `attention_mask` (megatron's convention: True = masked) replaces causality."""
+        if attention_mask is None:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.scale,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.bool(), dropout_p=dropout,
+                                              scale=self.scale)
+
+    def _packed(self, query, key, value, params, dropout):
+        cu = params.cu_seqlens_q
+        if params.cu_seqlens_kv is not None and not torch.equal(params.cu_seqlens_kv, cu):
+            raise ValueError("SDPAttention: packed self-attention needs equal query and key/value boundaries")
+        varlen = _varlen_attn()
+        if varlen is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and dropout == 0:
+            fn, keywords = varlen
+            if "scale" in keywords or math.isclose(self.scale, 1.0 / math.sqrt(query.shape[-1])):
+                return self._varlen(fn, keywords, query, key, value, cu, int(params.max_seqlen_q))
+        outs = []
+        bounds = cu.tolist()
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            q, k, v = (x[start:end].permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+            outs.append(self._sdpa(q, k, v, None, dropout).squeeze(0).permute(1, 0, 2))
+        return torch.cat(outs, dim=0)
+
+    def _varlen(self, fn, keywords, query, key, value, cu, max_len):
+        kwargs = {}
+        if "scale" in keywords:
+            kwargs["scale"] = self.scale
+        if "window_size" in keywords:
+            kwargs["window_size"] = (-1, 0)  # causal
+        else:
+            kwargs["is_causal"] = True
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:
+            if "enable_gqa" in keywords:
+                kwargs["enable_gqa"] = True
+            else:
+                key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        cu = cu.to(device=query.device, dtype=torch.int32)
+        return fn(query, key, value, cu, cu, max_len, max_len, **kwargs)
+
+
+def with_sdpa_attention(block_spec):
+    """The decoder block spec (a modified copy) with `SDPAttention` as every layer's core attention in place of
+    megatron-core's local `DotProductAttention`."""
+    import copy
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    block_spec = copy.copy(block_spec)
+    layers = []
+    for layer in block_spec.layer_specs:
+        attention = getattr(layer.submodules, "self_attention", None)
+        inner = getattr(attention, "submodules", None)
+        if getattr(inner, "core_attention", None) is DotProductAttention:
+            layer = copy.copy(layer)
+            layer.submodules = copy.copy(layer.submodules)
+            layer.submodules.self_attention = attention = copy.copy(attention)
+            attention.submodules = copy.copy(inner)
+            attention.submodules.core_attention = SDPAttention
+        layers.append(layer)
+    block_spec.layer_specs = layers
+    return block_spec
