@@ -24,6 +24,7 @@ means. Peak memory is the device's used memory (all processes, `torch.cuda.mem_g
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -112,17 +113,38 @@ class MemoryPeak:
 # ---- the two sides ------------------------------------------------------------------------------------------
 
 
-def slime_command(args, model_dir: str, data: str, tb_dir: str) -> list[str]:
+# the Megatron flags of each shape (scripts/models/*.sh)
+MODEL_SCRIPTS = {"qwen3-0.6b": "qwen3-0.6B", "qwen3-4b": "qwen3-4B"}
+
+
+def model_args(shape: str) -> list[str]:
+    script = os.path.join(ROOT, "scripts", "models", f"{MODEL_SCRIPTS[shape]}.sh")
+    out = subprocess.run(["bash", "-c", f"set -eu; source '{script}'; printf '%s\\n' \"${{MODEL_ARGS[@]}}\""],
+                         capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
+
+
+def backend_flags(args, backend: str) -> list[str]:
+    """fsdp: the HF model in fp32 under bf16 autocast. megatron: bf16 parameters with fp32 master weights
+    (distributed optimizer), packed micro-batches of at most --max-tokens-per-gpu tokens."""
+    if backend == "fsdp":
+        return ["--train-backend", "fsdp", "--micro-batch-size", str(args.micro_batch_size)]
+    tokens = args.micro_batch_size * (args.prompt_len + args.response_len)
+    return ["--train-backend", "megatron", *model_args(args.shape), "--bf16", "--use-distributed-optimizer",
+            "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(tokens)]
+
+
+def slime_command(args, model_dir: str, data: str, tb_dir: str, backend: str = "fsdp") -> list[str]:
     batch = args.prompts * SAMPLES_PER_PROMPT
     here = os.path.abspath(__file__)
     return [
         sys.executable, os.path.join(ROOT, "train.py"),
         "--hf-checkpoint", model_dir, "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
         "--custom-rm-path", f"{here}:reward", "--custom-generate-function-path", f"{here}:generate",
-        "--train-backend", "fsdp", "--rollout-backend", "hf", "--colocate",
+        *backend_flags(args, backend), "--rollout-backend", "hf", "--colocate",
         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
         "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(SAMPLES_PER_PROMPT),
-        "--global-batch-size", str(batch), "--micro-batch-size", str(args.micro_batch_size),
+        "--global-batch-size", str(batch),
         "--sglang-server-concurrency", str(batch),
         "--rollout-max-response-len", str(args.response_len), "--rollout-temperature", "1.0",
         "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.2",
@@ -132,19 +154,20 @@ def slime_command(args, model_dir: str, data: str, tb_dir: str) -> list[str]:
     ]
 
 
-def run_slime(args, model_dir: str, data: str, workdir: str) -> dict:
+def run_slime(args, model_dir: str, data: str, workdir: str, backend: str = "fsdp") -> dict:
     from slime.utils.tracking import read_scalars
 
-    tb_dir = os.path.join(workdir, "slime_tb")
-    log_path = os.path.join(workdir, "slime.log")
+    name = "slime" if backend == "fsdp" else f"slime-{backend}"
+    tb_dir = os.path.join(workdir, f"{name}_tb")
+    log_path = os.path.join(workdir, f"{name}.log")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    print(f"[slime] train.py ... (log: {log_path})", flush=True)
+    print(f"[{name}] train.py ... (log: {log_path})", flush=True)
     with MemoryPeak() as mem, open(log_path, "w") as log:
-        rc = subprocess.run(slime_command(args, model_dir, data, tb_dir), stdout=log, stderr=subprocess.STDOUT,
-                            env=env, cwd=workdir).returncode
+        rc = subprocess.run(slime_command(args, model_dir, data, tb_dir, backend), stdout=log,
+                            stderr=subprocess.STDOUT, env=env, cwd=workdir).returncode
     if rc != 0:
         with open(log_path) as f:
-            raise SystemExit(f"[slime] train.py exited with {rc}; log tail:\n{f.read()[-4000:]}")
+            raise SystemExit(f"[{name}] train.py exited with {rc}; log tail:\n{f.read()[-4000:]}")
 
     def per_step(tag: str) -> list[float]:
         values = read_scalars(tb_dir, tag)
@@ -270,9 +293,9 @@ def report(args, results: dict[str, dict]) -> str:
              "| system | " + " | ".join(cols) + " |", "| --- |" + " ---: |" * len(cols)]
     for name, row in rows.items():
         lines.append(f"| {name} | " + " | ".join("-" if math.isnan(v) else f"{v:,.2f}" for v in row.values()) + " |")
-    if {"slime", "trl"} <= rows.keys():
-        s, t = rows["slime"], rows["trl"]
-        lines.append("| TRL / slime (time), slime / TRL (tok/s, GB) | " + " | ".join(
+    for name in [n for n in rows if n.startswith("slime")] if "trl" in rows else []:
+        s, t = rows[name], rows["trl"]
+        lines.append(f"| TRL / {name} (time), {name} / TRL (tok/s, GB) | " + " | ".join(
             "-" if math.isnan(s[c]) or math.isnan(t[c]) else
             f"{(t[c] / s[c] if c.endswith(' s') else s[c] / t[c]):.2f}x" for c in cols) + " |")
     for name, r in results.items():
@@ -290,7 +313,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1, help="first steps left out of the means")
     p.add_argument("--micro-batch-size", type=int, default=16)
-    p.add_argument("--systems", default="slime,trl")
+    p.add_argument("--systems", default="slime,trl", help="of slime (fsdp), slime-megatron, trl")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
@@ -311,7 +334,8 @@ def main() -> None:
         torch.cuda.empty_cache()
         data = write_prompts(os.path.join(workdir, "prompts.jsonl"), args.prompts, args.prompt_len,
                              SHAPES[args.shape]["vocab_size"])
-        runners = {"slime": run_slime, "trl": run_trl}
+        runners = {"slime": run_slime, "slime-megatron": functools.partial(run_slime, backend="megatron"),
+                   "trl": run_trl}
         results = {name: runners[name](args, model_dir, data, workdir) for name in args.systems.split(",")}
     print(report(args, results))
 

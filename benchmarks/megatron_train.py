@@ -1,7 +1,7 @@
 """Training throughput and MFU of the Megatron backend on one GPU, packed (thd) against padded (bshd).
 
     python benchmarks/megatron_train.py [--shape qwen3-4b] [--seq-len 4096] [--min-len 4096] [--samples 16]
-                                        [--max-tokens-per-gpu 8192] [--layouts thd,bshd] [--steps 3]
+                                        [--max-tokens-per-gpu 8192] [--layouts thd,bshd] [--steps 3] [--push N]
 
 A random-init model of a published Qwen3 shape (benchmarks/weight_sync.py's helper) is written as an HF folder
 and loaded by `MegatronTrainRayActor` (driven directly, no Ray: one rank, bf16 parameters, fp32 master weights
@@ -14,7 +14,8 @@ Per layout it times, after one warm-up step:
 - `forward`: `compute_log_probs` over the batch (what the old-policy / reference log-probs cost);
 - `train`: `train()` with `--use-rollout-logprobs` (forward + backward + optimizer step, no extra forward);
 and reports tokens/s and MFU = model FLOPs / time / --peak-tflops (790: the H200's measured bf16 matmul
-rate, ../shared/gpu/README.md). Model FLOPs per token: 2 x (matmul parameters, lm head included) for a
+rate, ../shared/gpu/README.md). With `--push N` it then starts an `hf` engine on the same GPU and times N
+colocated weight pushes (`update_weights`: HF export of the Megatron weights, buckets, CUDA IPC). Model FLOPs per token: 2 x (matmul parameters, lm head included) for a
 forward, plus causal attention 2 x layers x heads x head_dim x (context length) per token; a training pass
 counts 3 forwards. Padding is not counted as useful work, so bshd pays for its pad tokens. Needs CUDA and
 megatron-core.
@@ -37,16 +38,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from grpo_step import MODEL_SCRIPTS, model_args  # noqa: E402
 from weight_sync import SHAPES, make_model_dir  # noqa: E402
-
-MODEL_SCRIPTS = {"qwen3-0.6b": "qwen3-0.6B", "qwen3-4b": "qwen3-4B"}
-
-
-def model_args(shape: str) -> list[str]:
-    script = os.path.join(REPO, "scripts", "models", f"{MODEL_SCRIPTS[shape]}.sh")
-    out = subprocess.run(["bash", "-c", f"set -eu; source '{script}'; printf '%s\\n' \"${{MODEL_ARGS[@]}}\""],
-                         capture_output=True, text=True, check=True).stdout
-    return out.splitlines()
 
 
 def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Namespace:
@@ -79,15 +72,27 @@ def make_batch(cli, vocab_size: int):
                       group_indices=list(range(len(lengths))))
 
 
-def forward_flops(shape: dict, lengths: list[int]) -> float:
-    """Model FLOPs of one forward over sequences of `lengths` (causal attention, lm head included)."""
+def matmul_params(shape: dict) -> int:
+    """Parameters of the matmuls of a forward: attention and MLP projections, and the lm head."""
     h, layers, ffn = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
     q = shape["num_attention_heads"] * shape["head_dim"]
     kv = shape["num_key_value_heads"] * shape["head_dim"]
-    matmul_params = layers * (h * q + 2 * h * kv + q * h + 3 * h * ffn) + h * shape["vocab_size"]
-    tokens = sum(lengths)
-    attention = sum(2 * layers * q * n * n for n in lengths)  # QK^T and AV, causal: half of 2·2·n²·q each
-    return 2 * matmul_params * tokens + attention
+    return layers * (h * q + 2 * h * kv + q * h + 3 * h * ffn) + h * shape["vocab_size"]
+
+
+def model_params(shape: dict) -> int:
+    """All parameters (tied embeddings counted once; norms included)."""
+    h, layers, d = shape["hidden_size"], shape["num_hidden_layers"], shape["head_dim"]
+    norms = layers * (2 * h + 2 * d) + h
+    untied = 0 if shape.get("tie_word_embeddings", True) else h * shape["vocab_size"]
+    return matmul_params(shape) + norms + untied
+
+
+def forward_flops(shape: dict, lengths: list[int]) -> float:
+    """Model FLOPs of one forward over sequences of `lengths` (causal attention, lm head included)."""
+    q = shape["num_attention_heads"] * shape["head_dim"]
+    attention = sum(2 * shape["num_hidden_layers"] * q * n * n for n in lengths)  # QK^T, AV; causal half
+    return 2 * matmul_params(shape) * sum(lengths) + attention
 
 
 def timed(fn) -> float:
@@ -113,11 +118,28 @@ def run_layout(cli, model_dir: str, workdir: str, layout: str) -> dict:
                    for _ in range(2)]
         train = [timed(lambda i=i: actor.train(i, batch)) for i in range(cli.steps + 1)]
         peak = torch.cuda.max_memory_allocated() / 1e9
+        push = time_push(cli, actor, model_dir) if cli.push else []
     finally:
         actor.shutdown()
     lengths = [len(t) for t in batch.tokens]
     return {"layout": layout, "tokens": sum(lengths), "fwd_flops": forward_flops(SHAPES[cli.shape], lengths),
-            "forward_s": min(forward), "train_s": sum(train[1:]) / cli.steps, "peak_gb": peak}
+            "forward_s": min(forward), "train_s": sum(train[1:]) / cli.steps, "peak_gb": peak, "push_s": push}
+
+
+def time_push(cli, actor, model_dir: str) -> list[float]:
+    """--push N: an `hf` engine on the same GPU, then N timed colocated pushes (`update_weights`: the HF
+    export of the Megatron weights, buckets, CUDA IPC hand-over), after one warm-up push."""
+    from slime.backends.hf_engine.engine import HFEngine
+
+    engine = HFEngine(argparse.Namespace(hf_checkpoint=model_dir, rollout_seed=0, sglang_server_concurrency=8), 0)
+    engine.init()
+    try:
+        seconds = [timed(lambda v=v: actor.update_weights([engine], weight_version=v)) for v in range(cli.push + 1)]
+        if engine.get_weight_version() != str(cli.push):
+            raise RuntimeError(f"engine reports weight version {engine.get_weight_version()}, pushed {cli.push}")
+        return seconds[1:]
+    finally:
+        engine.shutdown()
 
 
 def report(cli, results: list[dict]) -> str:
@@ -134,6 +156,12 @@ def report(cli, results: list[dict]) -> str:
         lines.append(f"| {r['layout']} | {r['tokens']} | {r['forward_s']:.2f} | {r['tokens'] / r['forward_s']:,.0f} | "
                      f"{fwd_mfu:.1%} | {r['train_s']:.2f} | {r['tokens'] / r['train_s']:,.0f} | {train_mfu:.1%} | "
                      f"{r['peak_gb']:.1f} |")
+    for r in results:
+        if r["push_s"]:
+            gb = 2 * model_params(SHAPES[cli.shape]) / 1e9
+            best = min(r["push_s"])
+            lines.append(f"{r['layout']}: colocated weight push of {gb:.2f} GB (bf16): best {best:.3f} s, mean "
+                         f"{sum(r['push_s']) / len(r['push_s']):.3f} s, {gb / best:.1f} GB/s")
     return "\n".join(lines)
 
 
@@ -147,6 +175,7 @@ def main() -> None:
     p.add_argument("--layouts", default="thd,bshd")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=790.0)
+    p.add_argument("--push", type=int, default=0, help="also time N colocated weight pushes to an hf engine")
     p.add_argument("--model-dir", help="reuse this HF folder (made by an earlier run)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     cli = p.parse_args()

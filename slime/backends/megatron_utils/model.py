@@ -20,6 +20,7 @@ import logging
 import torch
 
 from slime.backends.megatron_utils import args as mg_args
+from slime.backends.megatron_utils import packed_rope
 from slime.backends.megatron_utils.sandwich_norm import add_sandwich_norms
 from slime.backends.megatron_utils.sdpa_attention import with_sdpa_attention
 from slime.utils.arg_groups._common import SlimeArgumentError
@@ -115,6 +116,8 @@ def build_model(args: argparse.Namespace, wrap: bool = True) -> list[torch.nn.Mo
     config = transformer_config(args)
     if config.num_moe_experts:
         _patch_moe_without_te()
+    if args.qkv_format == "thd":
+        packed_rope.install()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     chunks = []
     for vp_stage in range(vpp) if vpp > 1 else [None]:
