@@ -1,8 +1,11 @@
 """Backend-agnostic batch plumbing shared by the `fsdp` and `megatron` backends: which rows a data-parallel
-rank trains on, fixed-size micro-batches, right padding, and per-token value (un)padding.
+rank trains on, fixed-size or token-budget micro-batches, right padding or packing, and per-token value
+(un)padding.
 
 Right padding keeps every real token's position id and causal context unchanged, so a padded row computes
 the same log-probs as the row alone; a causal attention mask alone is then enough for the real tokens.
+Packing (the megatron backend's `--qkv-format thd`) puts the sequences back to back in one row; the model
+is told their boundaries (`cu_seqlens`) so that each attends only to itself.
 """
 
 from __future__ import annotations
