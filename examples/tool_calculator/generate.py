@@ -5,9 +5,10 @@ tokens:
 
 1. The model answers, or calls the calculator by writing the word `call`, optionally followed by an
    expression (`call 3 + 4`).
-2. On a call the calculator evaluates the expression written after `call`; a bare `call` evaluates the
-   question's own expression (the tool is bound to the task, like a search tool is bound to its corpus).
-   Its result comes back as a `tool` message (chat template, loss mask 0) and the model takes its next turn.
+2. On a call the calculator evaluates the expression written after `call`; a bare `call` adds the task's
+   secret numbers (`metadata["numbers"]` of the data row: the environment's state, which the prompt does not
+   show). Its result comes back as a `tool` message (chat template, loss mask 0) and the model takes its
+   next turn.
 3. The final answer is the first word of the model's last turn (`metadata["final_text"]`), scored by
    `reward.py`.
 
@@ -36,20 +37,15 @@ EXPRESSION = re.compile(r"(\d+)\s*(?:\+|plus)\s*(\d+)", re.IGNORECASE)
 DEFAULT_MAX_TURNS = 2
 
 
-def question_of(prompt) -> str:
-    """The user's text (the prompt is the rendered chat template, or a message list)."""
-    if isinstance(prompt, list):
-        return " ".join(str(m.get("content", "")) for m in prompt if m.get("role") == "user")
-    return str(prompt)
-
-
-def calculate(call_args: str, question: str) -> str:
-    """The calculator: the sum written in the call, else the question's sum; "error" when there is none."""
-    for text in (call_args, question):
-        found = EXPRESSION.findall(text)
-        if found:
-            a, b = found[0]
-            return str(int(a) + int(b))
+def calculate(call_args: str, numbers: list[int] | None) -> str:
+    """The calculator: the sum written in the call, else the sum of the task's secret numbers; "error" when
+    there is neither."""
+    found = EXPRESSION.findall(call_args)
+    if found:
+        a, b = found[0]
+        return str(int(a) + int(b))
+    if numbers:
+        return str(sum(int(n) for n in numbers))
     return "error"
 
 
@@ -57,7 +53,11 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
     tokenizer = get_tokenizer(args)
     template_kwargs = dict(getattr(args, "apply_chat_template_kwargs", None) or {})
     max_turns = DEFAULT_MAX_TURNS if getattr(args, "max_turns", None) is None else None
-    question = question_of(sample.prompt)
+    numbers = (sample.metadata or {}).get("numbers")
+    if numbers is None:
+        raise ValueError(f"calculator task: the sample (prompt {sample.prompt!r}) has no metadata['numbers']; its "
+                         "data file predates examples/tool_calculator/make_data.py's secret numbers: delete it "
+                         "(run-cpu.sh remakes it) or rerun make_data.py")
     turns = tool_calls = 0
     text = ""
     while turn_budget_left(args, sample, turns, max_turns):
@@ -68,7 +68,7 @@ async def generate(args, sample: Sample, sampling_params: dict, evaluation: bool
         call = CALL.search(text)
         if call is None or not turn_budget_left(args, sample, turns, max_turns):
             break
-        result = calculate(call.group(1), question)
+        result = calculate(call.group(1), numbers)
         ids = render_tool_message(tokenizer, result, last_token=sample.tokens[-1], **template_kwargs)
         left = context_left(args, sample)
         if left is not None and len(ids) >= left:

@@ -1,8 +1,13 @@
-"""Write the calculator tool-use task as JSONL: "what is A plus B? call the tool or answer." with label A+B.
+"""Write the calculator tool-use task as JSONL: the user asks for the sum of two secret numbers that only the
+calculator can see.
 
-A + B stays within 0..9 so that every answer is one word of the tiny model's vocabulary (its tokenizer
-splits numbers into single digits); the sum is drawn uniformly first, then A, so that answering one fixed
-number earns only ~10%. Deterministic from --seed.
+    {"prompt": "what is the sum of the secret numbers? call the tool or answer.", "label": "7",
+     "metadata": {"numbers": [3, 4]}}
+
+The numbers live in the row's metadata (the environment's state, handed to the tool by generate.py), not in
+the prompt, so the answer cannot be learned from the question: the model has to call the calculator and
+read its result. The sum is drawn uniformly from 0..9 first (one word of the tiny model's vocabulary;
+answering one fixed number earns ~10%), then its first part. Deterministic from --seed.
 
     python examples/tool_calculator/make_data.py --out data/calc_train.jsonl --num-samples 20000 --seed 0
 """
@@ -15,8 +20,8 @@ import os
 import random
 
 TEMPLATES = [
-    "what is {a} plus {b}? call the tool or answer.",
-    "what is {a} + {b}? call the tool or answer.",
+    "what is the sum of the secret numbers? call the tool or answer.",
+    "what do the secret numbers add to? call the tool or answer.",
 ]
 
 
@@ -26,7 +31,7 @@ def make_rows(num_samples: int, seed: int) -> list[dict]:
     for _ in range(num_samples):
         total = rng.randrange(0, 10)
         a = rng.randrange(0, total + 1)
-        rows.append({"prompt": rng.choice(TEMPLATES).format(a=a, b=total - a), "label": str(total)})
+        rows.append({"prompt": rng.choice(TEMPLATES), "label": str(total), "metadata": {"numbers": [a, total - a]}})
     return rows
 
 

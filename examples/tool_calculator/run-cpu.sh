@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GRPO on the calculator tool-use task with the tiny random-init Qwen3 on CPU: Ray, sglang-router, one hf
-# engine, one fsdp rank; the episode (answer, or `call` the calculator and answer after its result) runs in
+# engine, one fsdp rank; the episode (answer, or `call` the calculator, which alone sees the task's secret
+# numbers, and answer after its result) runs in
 # examples/tool_calculator/generate.py. Makes the model and the data if missing. Extra flags are passed on
 # (later flags win, e.g. --num-rollout 1).
 set -euo pipefail
@@ -18,13 +19,13 @@ ROLLOUT_ARGS=(
    --custom-generate-function-path "$PWD/$HERE/generate.py"
    --custom-rm-path "$PWD/$HERE/reward.py"
    --max-turns 2 --rollout-max-response-len 4 --rollout-max-context-len 64
-   --num-rollout ${NUM_ROLLOUT:-300}
-   --rollout-batch-size 16 --n-samples-per-prompt 8 --global-batch-size 128
+   --num-rollout ${NUM_ROLLOUT:-400}
+   --rollout-batch-size 64 --n-samples-per-prompt 8 --global-batch-size 512 --sglang-server-concurrency 128
    --rollout-temperature 1.0
 )
 ALGO_ARGS=(--advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.001 --kl-loss-type low_var_kl
-           --entropy-coef 0.01 --eps-clip 0.2 --eps-clip-high 0.28)
-OPTIMIZER_ARGS=(--lr 7e-4 --weight-decay 0.0 --adam-beta1 0.9 --adam-beta2 0.98 --clip-grad 1.0)
+           --entropy-coef 0.02 --eps-clip 0.2 --eps-clip-high 0.28)
+OPTIMIZER_ARGS=(--lr 2e-4 --weight-decay 0.0 --adam-beta1 0.9 --adam-beta2 0.98 --clip-grad 1.0)
 
 python train.py "${CLUSTER_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${ALGO_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" \
    --use-tensorboard --micro-batch-size 32 ${MODEL_ARGS[@]} "$@"

@@ -93,15 +93,20 @@ def test_search_r1_bm25_ranks_the_passage_that_answers_first(tmp_path):
 def test_calculator_tool_and_reward():
     gen = _load(os.path.join(CALCULATOR, "generate.py"), "calc_generate")
     rm = _load(os.path.join(CALCULATOR, "reward.py"), "calc_reward")
-    question = "what is 3 plus 4? call the tool or answer."
-    assert gen.calculate(" 2 + 5", question) == "7"
-    assert gen.calculate("", question) == "7"
-    assert gen.calculate("", "no numbers") == "error"
+    assert gen.calculate(" 2 + 5", [3, 4]) == "7"  # the expression written in the call
+    assert gen.calculate(" now", [3, 4]) == "7"  # a bare call: the task's secret numbers
+    assert gen.calculate("", None) == "error"
     assert rm.score("7 call", "7", tool_calls=1) == 1.0
     assert rm.score("answer 7", "7", tool_calls=0) == 1.0
     assert rm.score("6", "7", tool_calls=1) == rm.FORMAT_SCORE
+    assert rm.score("dog", "7", tool_calls=1) == rm.FORMAT_SCORE  # the credit is for calling, then answering
     assert rm.score("call call", "7", tool_calls=1) == 0.0
+    assert rm.score("", "7", tool_calls=1) == 0.0
     assert rm.score("6", "7", tool_calls=0) == 0.0
+    rows = _load(os.path.join(CALCULATOR, "make_data.py"), "calc_data").make_rows(200, seed=0)
+    for row in rows:  # the numbers are the environment's, not the prompt's
+        assert sum(row["metadata"]["numbers"]) == int(row["label"]) and not any(c.isdigit() for c in row["prompt"])
+    assert len({row["label"] for row in rows}) == 10
 
 
 # --- end to end ------------------------------------------------------------------------------------------
@@ -169,9 +174,14 @@ def test_tool_calculator_run_cpu_one_rollout(tiny_model_dir, tmp_path):
     assert wait_for_no_new_processes(before) == {}
     samples = _samples(tmp_path / "rollout_0.pt")
     assert len(samples) == 16
+    gen = _load(os.path.join(CALCULATOR, "generate.py"), "calc_generate")
     for s in samples:
         meta = s["metadata"]
         assert 1 <= meta["turns"] <= 2 and meta["tool_calls"] <= 1, meta
         assert len(s["loss_mask"]) == s["response_length"] <= 64
         assert (0 in s["loss_mask"]) == (meta["tool_calls"] == 1)  # the tool result is masked out
         assert s["reward"] in (0.0, 0.1, 1.0)
+        if meta["tool_calls"]:  # the calculator's result: the call's expression, else the row's secret sum
+            call = gen.CALL.search(s["response"].split("<|im_end|>")[0])
+            expected = gen.calculate(call.group(1), meta["numbers"])
+            assert f"tool {expected} " in s["response"].replace("<|im_end|>", " ").replace("\n", " "), s["response"]

@@ -195,6 +195,34 @@ def test_pause_abort_release(engine):
     engine.flush_cache()
 
 
+def test_idle_keep_alive_connection_is_not_closed_by_the_server(engine):
+    """The engine keeps an idle keep-alive connection open past uvicorn's default 5 s, so a client (the router's
+    pool) reusing it between rollouts is not answered "400 Invalid HTTP request" or reset (server.KEEP_ALIVE_S)."""
+    from urllib.parse import urlparse
+
+    url = urlparse(engine.get_url())
+    request = f"GET /server_info HTTP/1.1\r\nHost: {url.hostname}\r\n\r\n".encode()
+    def receive(sock) -> bytes:
+        chunk = sock.recv(65536)
+        assert chunk, "the engine closed the idle keep-alive connection"
+        return chunk
+
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        for attempt in range(2):
+            sock.sendall(request)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += receive(sock)
+            head, _, body = data.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200"), head
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            while len(body) < length:
+                body += receive(sock)
+            if attempt == 0:
+                time.sleep(6.5)  # idle longer than uvicorn's default keep-alive timeout
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

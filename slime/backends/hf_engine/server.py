@@ -513,6 +513,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# Idle keep-alive connections stay open this long. uvicorn's default (5 s) is shorter than the gap between
+# two rollouts (training + weight push), and shorter than the idle timeout of the router's connection pool
+# (90 s): the server then closed connections the router was reusing at that moment, the request on it was
+# answered "400 Invalid HTTP request" (h11 refuses data on a connection it has closed) or reset, the router
+# counted failures, opened its circuit breaker and answered 503 no_available_workers until the rollout failed
+# (seen on CPU at rollout 60 of a run whose steps took ~8 s). The client must be the side that closes idle
+# connections, so the server waits longer than any client pool.
+KEEP_ALIVE_S = 600
+
+
 def main(argv=None) -> None:
     import uvicorn
 
@@ -538,6 +548,6 @@ def main(argv=None) -> None:
                 args.device, args.dtype, time.time() - t0, args.host, args.port, os.getpid(), os.getpgid(0))
     try:
         uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=3)
+                    timeout_graceful_shutdown=3, timeout_keep_alive=KEEP_ALIVE_S)
     finally:
         scheduler.stop()
