@@ -202,6 +202,7 @@ def test_idle_keep_alive_connection_is_not_closed_by_the_server(engine):
 
     url = urlparse(engine.get_url())
     request = f"GET /server_info HTTP/1.1\r\nHost: {url.hostname}\r\n\r\n".encode()
+
     def receive(sock) -> bytes:
         chunk = sock.recv(65536)
         assert chunk, "the engine closed the idle keep-alive connection"
