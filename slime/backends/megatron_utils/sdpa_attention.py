@@ -17,6 +17,7 @@ log-probs must agree).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 
+@functools.cache
 def _varlen_attn():
     """torch's varlen flash attention and the keywords this torch version takes, or None."""
     try:
@@ -82,7 +84,8 @@ class SDPAttention(torch.nn.Module):
 
     def _packed(self, query, key, value, params, dropout):
         cu = params.cu_seqlens_q
-        if params.cu_seqlens_kv is not None and not torch.equal(params.cu_seqlens_kv, cu):
+        kv = params.cu_seqlens_kv
+        if kv is not None and kv is not cu and not torch.equal(kv, cu):
             raise ValueError("SDPAttention: packed self-attention needs equal query and key/value boundaries")
         varlen = _varlen_attn()
         if varlen is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and dropout == 0:
