@@ -61,17 +61,19 @@ class EngineHealthMonitor:
         except httpx.HTTPError:
             return False
 
-    def check_once(self) -> list[int]:
-        """Probe every live engine once; returns the indices found dead now."""
+    def check_once(self, while_paused: bool = False) -> list[int]:
+        """Probe every live engine once; returns the indices found dead now. The background thread skips
+        probes while paused; `while_paused` is for the caller that paused it and wants the answer now (the
+        manager before a weight push: a server that died since the last periodic check must not be pushed to)."""
         found = []
         for i, url in enumerate(self._urls()):
             with self._lock:
-                if self._pauses or i in self._dead:
+                if (self._pauses and not while_paused) or i in self._dead:
                     continue
             if self.probe(url):
                 continue
             with self._lock:
-                if self._pauses:  # a push began while we waited: the answer proves nothing
+                if self._pauses and not while_paused:  # a push began while we waited: the answer proves nothing
                     continue
                 self._dead.add(i)
             logger.warning("engine %d (%s) failed its health check (GET /health_generate, %.0f s); taking it out",

@@ -338,6 +338,7 @@ class RolloutManager:
             hook(self.args)
         if self.monitor is not None:
             self.monitor.pause()
+            self.monitor.check_once(while_paused=True)  # one that died since the last periodic check
             self._restart_dead_engines()
 
     def after_weight_update(self, weight_version: int) -> None:
