@@ -16,8 +16,8 @@ import time
 import ray
 
 from slime.ray.launcher import Run
-from slime.utils.arguments import SlimeArgumentError, check_before_start, parse_args
-from slime.utils.plan import print_plan
+from slime.config.arguments import SlimeArgumentError, check_before_start, parse_args
+from slime.config.plan import print_plan
 from slime.utils.tracking import Tracker
 
 logger = logging.getLogger("slime")

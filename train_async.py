@@ -36,9 +36,9 @@ from collections import deque
 import ray
 
 from slime.ray.launcher import Run
-from slime.utils.arguments import SlimeArgumentError, check_before_start, parse_args
+from slime.config.arguments import SlimeArgumentError, check_before_start, parse_args
 from slime.utils.metrics import compute_weight_version_lag, wait_time_ratio
-from slime.utils.plan import print_plan
+from slime.config.plan import print_plan
 from slime.utils.tracking import Tracker
 from train import (
     evaluate,

@@ -43,7 +43,7 @@ from weight_sync import SHAPES, make_model_dir  # noqa: E402
 
 
 def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Namespace:
-    from slime.utils.arguments import parse_args
+    from slime.config.arguments import parse_args
 
     data = os.path.join(workdir, "prompts.jsonl")
     with open(data, "w") as f:

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from slime.backends.hf_engine.engine import HFEngine  # noqa: E402
-from slime.utils.weight_transfer import send_bucket, split_into_buckets  # noqa: E402
+from slime.weight_sync.tensor_payload import send_bucket, split_into_buckets  # noqa: E402
 
 # published Qwen3 dimensions (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-4B)
 SHAPES = {

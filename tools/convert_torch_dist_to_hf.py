@@ -27,8 +27,9 @@ def main(argv: list[str] | None = None) -> None:
     from slime.backends.megatron_utils import args as mg_args
     from slime.backends.megatron_utils import checkpoint, weights
     from slime.backends.megatron_utils.model import build_model, initialize_parallel
-    from slime.backends.megatron_utils.standalone import init_distributed, parse_model_flags
-    from slime.utils.arg_groups._common import SlimeArgumentError
+    from slime.backends.megatron_utils.standalone import init_distributed
+    from slime.config.arguments import parse_model_flags
+    from slime.config.arg_groups._common import SlimeArgumentError
 
     argv = sys.argv[1:] if argv is None else argv
     tool_parser = argparse.ArgumentParser(add_help=False)

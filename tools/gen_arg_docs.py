@@ -13,7 +13,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from slime.utils.arguments import build_parser  # noqa: E402
+from slime.config.arguments import build_parser  # noqa: E402
 
 OUT = os.path.join(ROOT, "docs", "argument_reference.md")
 HEADER = """# Argument reference

@@ -16,55 +16,21 @@ method thread, or the main thread). `shutdown` is idempotent and also registered
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 
 import httpx
 
-_PR_SET_PDEATHSIG = 1
+from slime.utils.net import free_port, node_ip
+from slime.utils.processes import spawn, stop_process_group
+
 _STARTUP_RETRIES = 3  # a freshly picked free port can be taken by someone else before the server binds it
 
 
 class EngineHTTPError(RuntimeError):
     """An engine answered a control call with an error; the message is the server's."""
-
-
-def _node_ip() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return "127.0.0.1"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent_fn():
-    """A preexec_fn that sets PDEATHSIG; libc is resolved here, in the parent, so the child only calls it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def preexec():
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -97,7 +63,7 @@ class ServerEngine:
     def __init__(self, args, rank: int):
         self.args = args
         self.rank = rank
-        self.host = _node_ip()
+        self.host = node_ip()
         self.port: int | None = None
         self.process: subprocess.Popen | None = None
         self.log_path: str | None = None
@@ -117,7 +83,7 @@ class ServerEngine:
         if self.process is not None and self.process.poll() is None:
             return self.get_url()
         for attempt in range(_STARTUP_RETRIES):
-            self.port = _free_port(self.host)
+            self.port = free_port(self.host)
             self._start_process()
             try:
                 self._wait_healthy()
@@ -142,17 +108,7 @@ class ServerEngine:
             self._client = None
         if proc is None:
             return
-        self._signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(self.shutdown_grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        # Also reaches children the server spawned, even once the leader has exited.
-        self._signal_group(proc, signal.SIGKILL)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
+        stop_process_group(proc, self.shutdown_grace_s)
 
     def _start_process(self) -> None:
         cmd = self.launch_command(self.host, self.port)
@@ -162,9 +118,7 @@ class ServerEngine:
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=self.launch_env(), start_new_session=True,
-                                            preexec_fn=_die_with_parent_fn())  # noqa: PLW1509 (see _die_with_parent_fn)
+            self.process = spawn(cmd, log, self.launch_env())
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -190,13 +144,6 @@ class ServerEngine:
         with open(self.log_path, "rb") as f:
             f.seek(max(0, os.path.getsize(self.log_path) - n_bytes))
             return f.read().decode(errors="replace")
-
-    @staticmethod
-    def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-        try:
-            os.killpg(proc.pid, sig)  # start_new_session: the group id is the server's pid
-        except (ProcessLookupError, PermissionError):
-            pass
 
     # ---- HTTP ----
     def _http(self) -> httpx.Client:

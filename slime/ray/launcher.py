@@ -16,6 +16,7 @@ import ray
 
 from slime.ray.actor_group import RayTrainGroup
 from slime.ray.placement_group import create_placement_groups, num_actor_devices, num_rollout_devices
+from slime.ray.rollout import RolloutManager
 from slime.utils import process_reaper
 
 logger = logging.getLogger("slime")
@@ -105,8 +106,6 @@ class Run:
 
 
 def create_rollout_manager(args, placement):
-    from slime.ray.rollout import RolloutManager
-
     """The manager actor, constructing (engines and router starting); `ray.get` any call to wait for it."""
     return ray.remote(num_cpus=0)(RolloutManager).remote(args, (placement.pg, placement.bundle_indices))
 

@@ -39,8 +39,9 @@ from typing import Any
 import httpx
 import ray
 
-from slime.backends.sglang_utils.engine import engine_nnodes
+from slime.backends.sglang_utils.sglang_engine import engine_nnodes
 from slime.ray.engine_health import EngineHealthMonitor
+from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.router import RouterClient, RouterProcess
 from slime.utils.metrics import (
     compute_eval_metrics,
@@ -50,13 +51,15 @@ from slime.utils.metrics import (
     wait_time_ratio,
 )
 from slime.utils.misc import load_function
+from slime.utils.net import node_ip
+from slime.utils.ppo_utils import group_normalize_rewards
 from slime.utils.types import Sample, TrainBatch
 
 logger = logging.getLogger(__name__)
 
 ENGINE_CLASSES = {
     "hf": "slime.backends.hf_engine.engine.HFEngine",
-    "sglang": "slime.backends.sglang_utils.engine.SGLangEngine",
+    "sglang": "slime.backends.sglang_utils.sglang_engine.SGLangEngine",
 }
 MEMORY_TAGS = ("weights", "kv_cache")  # what release_memory_occupation frees when no tags are given
 GROUP_NORMALIZED_ESTIMATORS = {"grpo", "gspo", "cispo", "reinforce_plus_plus_baseline"}
@@ -118,7 +121,7 @@ class RolloutManager:
         router_args = router_args_from(args)
         policy = router_args.pop("policy", None) or "round_robin"
         self.router = RouterProcess(
-            host=ray.util.get_node_ip_address(),
+            host=node_ip(),
             port=getattr(args, "sglang_router_port", None),
             policy=policy,
             extra_args=router_args,
@@ -192,8 +195,6 @@ class RolloutManager:
         path = getattr(self.args, "data_source_path", None)
         if path:
             return load_function(path, "--data-source-path")(self.args)
-        from slime.rollout.data_source import RolloutDataSourceWithBuffer
-
         return RolloutDataSourceWithBuffer(self.args)
 
     # ---- queries --------------------------------------------------------------------------------
@@ -493,8 +494,6 @@ def _normalized_rewards(args: Any, samples: list[Sample], raw: list[float], grou
         return list(raw)
     if getattr(args, "disable_rewards_normalization", False):
         return list(raw)
-    from slime.utils.ppo_utils import group_normalize_rewards
-
     # REINFORCE++-baseline only subtracts the group mean; GRPO-like estimators also divide by the std.
     std_normalize = (not getattr(args, "disable_grpo_std_normalization", False)
                      and args.advantage_estimator != "reinforce_plus_plus_baseline")

@@ -24,6 +24,8 @@ import json
 import logging
 import os
 
+from slime.utils.data import Dataset, StreamingDataset
+from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -55,8 +57,6 @@ class RolloutDataSource:
     @staticmethod
     def _load_dataset(args):
         from transformers import AutoTokenizer
-
-        from slime.utils.data import Dataset, StreamingDataset
 
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
         common = {
@@ -200,8 +200,6 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
         self.buffer: list[list[Sample]] = []
         path = getattr(args, "buffer_filter_path", None)
         if path:
-            from slime.utils.misc import load_function
-
             self.buffer_filter = load_function(path, "--buffer-filter-path")
         else:
             self.buffer_filter = pop_first

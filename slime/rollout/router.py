@@ -16,10 +16,8 @@ when the new endpoint answers 404, so an external router of an older release kee
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,36 +26,12 @@ from typing import Any
 
 import httpx
 
+from slime.utils.net import free_port
+from slime.utils.processes import spawn, stop_process_group
+
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _STARTUP_ATTEMPTS = 3
-
-
-def _die_with_parent_preexec():
-    """A preexec_fn asking the kernel to SIGKILL the child when its parent dies, so a crashed (or SIGKILLed)
-    owner never leaves a router behind. libc is resolved here, in the parent: the forked child only calls
-    into it. Linux only (None elsewhere). PDEATHSIG follows the *thread* that forked, so start the router
-    from a thread that lives as long as its owner (a Ray actor's method thread, or the main thread)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
-def _find_free_port(host: str) -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host if host not in ("", "0.0.0.0") else "", 0))
-        return s.getsockname()[1]
 
 
 def router_cli_args(extra_args: dict[str, Any] | None) -> list[str]:
@@ -197,12 +171,12 @@ class RouterProcess(RouterClient):
         # The router also serves Prometheus metrics, on 29000 unless told otherwise: a second router on the
         # same host would die on that port, so ours gets a free one unless the caller chose it.
         self._auto_prometheus_port = "prometheus_port" not in self.extra_args
-        self._set_port(port or _find_free_port(host))
+        self._set_port(port or free_port(host))
 
     def _set_port(self, port: int) -> None:
         self.port = port
         if self._auto_prometheus_port:
-            self._prometheus_port = _find_free_port(self.host)
+            self._prometheus_port = free_port(self.host)
         self.log_path = os.path.join(self.log_dir, f"sglang_router_{port}.log")
         connect_host = "127.0.0.1" if self.host in ("", "0.0.0.0") else self.host
         if ":" in connect_host and not connect_host.startswith("["):
@@ -235,17 +209,13 @@ class RouterProcess(RouterClient):
                 retry = self._auto_port or self._auto_prometheus_port
                 if not (retry and "address already in use" in str(e).lower()) or attempt + 1 == _STARTUP_ATTEMPTS:
                     raise
-                self._set_port(_find_free_port(self.host) if self._auto_port else self.port)
+                self._set_port(free_port(self.host) if self._auto_port else self.port)
         return self
 
     def _launch_and_wait(self) -> None:
         cmd = self.command()
         with open(self.log_path, "wb") as log:
-            # preexec_fn only calls prctl/getppid/_exit (no locks, no allocation), safe after fork.
-            self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=_die_with_parent_preexec(),  # noqa: PLW1509
-            )  # fmt: skip
+            self.proc = spawn(cmd, log)
         atexit.register(self.stop)
         deadline = time.monotonic() + self.startup_timeout
         try:
@@ -287,17 +257,4 @@ class RouterProcess(RouterClient):
         if proc is None:
             return
         atexit.unregister(self.stop)
-        if proc.poll() is None:
-            _signal_group(proc, signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
-                proc.wait()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)  # start_new_session made the router its group's leader
-    except ProcessLookupError:
-        pass
+        stop_process_group(proc, timeout)

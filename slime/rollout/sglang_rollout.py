@@ -36,7 +36,10 @@ import weakref
 from typing import Any
 
 from slime.rollout.rm_hub import async_rm, batched_async_rm
+from slime.utils.data import Dataset
+from slime.utils.eval_config import args_for, eval_datasets
 from slime.utils.http_utils import HTTPRequestError, post, run_sync
+from slime.utils.misc import load_function
 from slime.utils.progress import progress
 from slime.utils.types import Sample
 
@@ -92,8 +95,6 @@ def get_tokenizer(args):
 
 @functools.lru_cache(maxsize=16)
 def _custom_generate(path: str):
-    from slime.utils.misc import load_function
-
     fn = load_function(path, "--custom-generate-function-path")
     takes_evaluation = "evaluation" in inspect.signature(fn).parameters
     return fn, takes_evaluation
@@ -390,8 +391,6 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> list[lis
 
 
 async def _generate_rollout(args, rollout_id: int, data_source) -> list[list[Sample]]:
-    from slime.utils.misc import load_function
-
     target = int(args.rollout_batch_size)
     over = max(target, int(getattr(args, "over_sampling_batch_size", None) or target))
     total_samples = target * int(args.n_samples_per_prompt)
@@ -492,8 +491,6 @@ def _recycle(args, rollout_id: int, data_source, groups: list[list[Sample]]) -> 
 
 def _eval_datasets(args) -> list[tuple[dict, argparse.Namespace, Any]]:
     """(config, args with the dataset's overrides, loaded prompts) of every eval dataset."""
-    from slime.rollout.eval_config import args_for, eval_datasets
-
     out = []
     for config in eval_datasets(args):
         ds_args = args_for(args, config)
@@ -502,8 +499,6 @@ def _eval_datasets(args) -> list[tuple[dict, argparse.Namespace, Any]]:
         key = (config["name"], config["path"], input_key, label_key, getattr(ds_args, "metadata_key", None),
                getattr(ds_args, "tool_key", None), getattr(args, "hf_checkpoint", None))
         if key not in _eval_dataset_cache:
-            from slime.utils.data import Dataset
-
             _eval_dataset_cache[key] = Dataset(
                 config["path"],
                 tokenizer=get_tokenizer(args),

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from slime.utils.misc import load_function
+
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 # The advantage is the (group-normalised) scalar reward broadcast to every response token.
@@ -161,8 +163,6 @@ def compute_advantages_and_returns(
     is applied afterwards by the caller, across ranks."""
     custom = getattr(args, "custom_advantage_function_path", None)
     if custom:
-        from slime.utils.misc import load_function
-
         advantages, returns = load_function(custom, "--custom-advantage-function-path")(args, inputs)
         if len(advantages) != len(inputs.rewards):
             raise ValueError(f"--custom-advantage-function-path {custom} returned {len(advantages)} advantage "

@@ -26,13 +26,13 @@ import httpx
 import pytest
 import torch
 
-from slime.backends.sglang_utils.update_group import (
+from slime.weight_sync.group import (
     broadcast_tensors,
     destroy_weight_update_group,
     init_weight_update_group,
 )
 from slime.rollout.router import RouterProcess
-from slime.utils.weight_transfer import flatten_bucket, serialize_bucket
+from slime.weight_sync.tensor_payload import flatten_bucket, serialize_bucket
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -38,7 +38,7 @@ def main() -> None:
 
     from slime.backends.megatron_utils import weights
     from slime.backends.megatron_utils.model import build_model, initialize_parallel
-    from slime.utils.arguments import parse_args
+    from slime.config.arguments import parse_args
     from tools.make_tiny_model import make_tiny_model
 
     cuda = torch.cuda.is_available()

@@ -33,7 +33,7 @@ from tests.e2e_cpu.fsdp_worker import engine_log_probs, make_batch  # noqa: E402
 from tests.e2e_cpu.ranks import worker_parser  # noqa: E402
 
 def make_args(cli) -> argparse.Namespace:
-    from slime.utils.arguments import parse_args
+    from slime.config.arguments import parse_args
 
     data = os.path.join(cli.out, "prompts.jsonl")
     with open(data, "w") as f:

@@ -14,6 +14,7 @@ import psutil
 import pytest
 import torch
 
+from slime.utils.net import free_port
 from tests.conftest import REPO_ROOT
 from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
 
@@ -28,12 +29,6 @@ def _load(path: str, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _listening(port: int) -> bool:
@@ -114,7 +109,7 @@ def test_calculator_tool_and_reward():
 
 @pytest.mark.timeout(240)
 def test_search_r1_run_cpu_one_rollout_starts_and_stops_the_server(tiny_model_dir, tmp_path):
-    port = _free_port()
+    port = free_port("127.0.0.1")
     pidfile = tmp_path / "server.pid"
     before = run_processes()
     out = subprocess.run(
@@ -147,7 +142,7 @@ def test_search_r1_run_cpu_one_rollout_starts_and_stops_the_server(tiny_model_di
 
 @pytest.mark.timeout(60)
 def test_search_r1_run_cpu_stops_the_server_when_training_fails(tiny_model_dir, tmp_path):
-    port = _free_port()
+    port = free_port("127.0.0.1")
     pidfile = tmp_path / "server.pid"
     out = subprocess.run(
         ["bash", os.path.join(SEARCH_R1, "run-cpu.sh"), "--num-rollout", "1", *SMALL, "--global-batch-size", "5"],

@@ -20,7 +20,8 @@ sys.path.insert(0, ROOT)
 
 from slime.backends.hf_engine.engine import HFEngine
 from slime.backends.server_engine import EngineHTTPError
-from slime.utils.weight_transfer import flatten_bucket, serialize_bucket, split_into_buckets
+from slime.utils.net import free_port
+from slime.weight_sync.tensor_payload import flatten_bucket, serialize_bucket, split_into_buckets
 
 SEQ = [56, 62, 137, 92, 138, 20, 21, 22, 23, 24, 25]
 TOL = 1e-5
@@ -224,15 +225,9 @@ def test_idle_keep_alive_connection_is_not_closed_by_the_server(engine):
                 time.sleep(6.5)  # idle longer than uvicorn's default keep-alive timeout
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(120)
 def test_through_sglang_router(engine):
-    port = _free_port()
+    port = free_port("127.0.0.1")
     router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                                "--port", str(port), "--policy", "round_robin", "--log-level", "warn"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

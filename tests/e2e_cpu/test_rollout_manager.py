@@ -18,7 +18,7 @@ sys.path.insert(0, ROOT)
 
 from slime.ray.rollout import RolloutManager  # noqa: E402
 from slime.rollout.router import RouterClient, RouterProcess  # noqa: E402
-from slime.utils.arguments import parse_args  # noqa: E402
+from slime.config.arguments import parse_args  # noqa: E402
 from slime.utils.types import Sample, TrainBatch  # noqa: E402
 
 PROMPTS = [{"prompt": f"what number comes after {n}?", "label": str(n + 1)} for n in range(6)]

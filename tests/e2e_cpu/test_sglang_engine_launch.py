@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import stat
 import sys
 import threading
@@ -23,8 +22,9 @@ import time
 import psutil
 import pytest
 
-from slime.backends.sglang_utils.engine import SGLangEngine
-from slime.backends.sglang_utils.update_group import (
+from slime.backends.sglang_utils.sglang_engine import SGLangEngine
+from slime.utils.net import free_port
+from slime.weight_sync.group import (
     broadcast_tensors,
     destroy_weight_update_group,
     init_weight_update_group,
@@ -87,12 +87,6 @@ def test_launch_failure_reports_stderr_without_hanging(tmp_path, monkeypatch):
     assert eng.process is None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _in_thread(fn, *args, **kwargs):
     out = {}
     t = threading.Thread(target=lambda: out.update(value=fn(*args, **kwargs)), daemon=True)
@@ -127,7 +121,7 @@ def test_engine_lifecycle_behind_the_sglang_command(tmp_path, monkeypatch, tiny_
         # The distributed weight update through the actor's methods; this test is the trainer (rank 0).
         name = "lm_head.weight"
         new = load_file(os.path.join(tiny_model_dir, "model.safetensors"))[name] * 0 + 0.01
-        port = _free_port()
+        port = free_port("127.0.0.1")
         t, out = _in_thread(eng.init_weights_update_group, "127.0.0.1", port, 1, 2, "lifecycle", "gloo")
         pg = init_weight_update_group("127.0.0.1", port, 0, 2, "lifecycle", "gloo", timeout_s=120)
         try:
@@ -163,7 +157,7 @@ def test_multi_node_engine_gets_one_actor_per_node(tmp_path, monkeypatch, tiny_m
 
     from slime.ray.rollout import RolloutManager
     from slime.rollout.router import RouterClient
-    from slime.utils.arguments import parse_args
+    from slime.config.arguments import parse_args
 
     _install(tmp_path, monkeypatch, SERVING)
     argv_file = tmp_path / "argv.json"

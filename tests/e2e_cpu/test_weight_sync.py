@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from slime.ray.launcher import Run
-from slime.utils.arguments import parse_args
+from slime.config.arguments import parse_args
 from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
 
 

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from slime.utils.weight_transfer import flatten_bucket, serialize_bucket
+from slime.weight_sync.tensor_payload import flatten_bucket, serialize_bucket
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -24,7 +24,7 @@ def test_cuda_bucket_opens_in_another_process():
     assert flat.flattened_tensor.is_cuda
     code = textwrap.dedent("""
         import sys, torch
-        from slime.utils.weight_transfer import deserialize_bucket
+        from slime.weight_sync.tensor_payload import deserialize_bucket
         for name, t in deserialize_bucket(sys.stdin.read()).unflatten():
             assert t.is_cuda, name
             print(name, t.dtype, float(t.double().sum()))

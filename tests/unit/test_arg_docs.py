@@ -10,7 +10,7 @@ def test_argument_reference_is_current():
 
 
 def test_every_flag_of_the_parser_is_listed():
-    from slime.utils.arguments import build_parser
+    from slime.config.arguments import build_parser
 
     text = render()
     flags = [f for a in build_parser()._actions for f in a.option_strings if f not in ("-h", "--help")]

@@ -8,8 +8,9 @@ import os
 
 import pytest
 
-from slime.utils.arg_groups import reward
-from slime.utils.arguments import SlimeArgumentError, build_parser, parse_args, split_argv, validate_args
+from slime.config.arg_groups import reward
+from slime.rollout.rm_hub import RM_TYPES
+from slime.config.arguments import SlimeArgumentError, build_parser, parse_args, split_argv, validate_args
 
 
 def base(*extra: str) -> list[str]:
@@ -155,7 +156,7 @@ def test_what_the_ranks_would_refuse_stops_before_ray(files, script, extra, expe
 
 
 def test_rows_with_their_own_rm_type_need_no_flag(files):
-    from slime.utils.arguments import check_before_start
+    from slime.config.arguments import check_before_start
 
     (files / "train.jsonl").write_text('{"prompt": "1+1?", "label": "2", "metadata": {"rm_type": "math"}}\n')
     check_before_start(parse_args(base()))  # no error
@@ -333,6 +334,10 @@ def test_eval_config_is_read_and_checked_at_parse_time(files):
     assert args.eval_interval == 5 and [d["name"] for d in args.eval_datasets] == ["aime"]
     (files / "bad.yaml").write_text("datasets:\n  - {name: aime, path: train.jsonl, topp: 0.7}\n")
     assert "bad.yaml: datasets[0] (aime): unknown key(s) ['topp']" in error_of(base("--eval-config", "bad.yaml"))
+    (files / "rm.yaml").write_text("datasets:\n  - {name: aime, path: train.jsonl}\n  - {name: gsm, path: train.jsonl, "
+                                   "rm_type: nonsense}\n")
+    assert ("rm.yaml: datasets[1] (gsm): rm_type 'nonsense' is not a known reward type"
+            in error_of(base("--eval-config", "rm.yaml")))
 
 
 # ---- flag families ---------------------------------------------------------------------------------------
@@ -468,11 +473,6 @@ def test_rm_type_check(files):
     (files / "my_rm.py").write_text("async def score(args, sample):\n    return 1.0\n")
     assert parse_args(base("--rm-type", "no_such_rm", "--custom-rm-path", "my_rm.py:score")).rm_type == "no_such_rm"
     assert "--rm-url" in error_of(base("--rm-type", "remote_rm"))
-    try:
-        from slime.rollout.rm_hub import RM_TYPES
-    except ImportError:
-        assert parse_args(base("--rm-type", "no_such_rm")).rm_type == "no_such_rm"  # registry absent: no check
-        return
     msg = error_of(base("--rm-type", "no_such_rm"))
     assert "--rm-type no_such_rm" in msg and "known types" in msg
     known = min(RM_TYPES - {"remote_rm"})
@@ -480,8 +480,8 @@ def test_rm_type_check(files):
 
 
 def test_rm_type_check_logic(monkeypatch):
-    """The check against a given registry (the real one is tested above when it exists)."""
-    monkeypatch.setattr(reward, "known_rm_types", lambda: {"math", "deepscaler"})
+    """The check against a given registry (the real one is tested above)."""
+    monkeypatch.setattr(reward, "RM_TYPES", frozenset({"math", "deepscaler"}))
     ns = argparse.Namespace(rm_type="boxed_math", custom_rm_path=None, rm_url=None, reward_key="score",
                             eval_reward_key=None)  # fmt: skip
     reward.validate_reward(ns)
@@ -489,5 +489,3 @@ def test_rm_type_check_logic(monkeypatch):
     ns.rm_type = "maths"
     with pytest.raises(SlimeArgumentError, match=r"--rm-type maths: unknown reward type; known types: \['deepscaler'"):
         reward.validate_reward(ns)
-    monkeypatch.setattr(reward, "known_rm_types", lambda: None)
-    reward.validate_reward(ns)  # no registry: nothing to check against

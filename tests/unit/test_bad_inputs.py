@@ -28,7 +28,7 @@ import pytest
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from slime.utils.arguments import SlimeArgumentError, parse_args
+from slime.config.arguments import SlimeArgumentError, parse_args
 from tests.unit.test_sglang_rollout import ScriptedEngine
 
 # --- the environment: tokenizers, a model folder, a scripted engine ------------------------------------------

@@ -1,10 +1,10 @@
-"""slime/backends/batching.py: token-budget micro-batches (--use-dynamic-batch-size)."""
+"""slime/backends/training/batching.py: token-budget micro-batches (--use-dynamic-batch-size)."""
 
 from __future__ import annotations
 
 import pytest
 
-from slime.backends.batching import split_by_tokens
+from slime.backends.training.batching import split_by_tokens
 
 
 def test_rows_grouped_under_the_padded_token_budget():
@@ -30,7 +30,7 @@ def test_missing_budget_names_the_flag(budget):
 
 
 def test_split_into_halves_the_costliest_micro_batch_until_the_count():
-    from slime.backends.batching import split_into
+    from slime.backends.training.batching import split_into
 
     rows, lengths = [0, 1, 2, 3, 4], [2, 2, 9, 9, 1]
     groups = split_by_tokens(rows, lengths, 100)  # one micro-batch of all five
@@ -45,7 +45,7 @@ def test_packed_budget_counts_each_rows_own_tokens():
 
 
 def test_packed_micro_batch_puts_sequences_back_to_back():
-    from slime.backends.batching import make_packed_micro_batch
+    from slime.backends.training.batching import make_packed_micro_batch
 
     mb = make_packed_micro_batch([[5, 6, 7], [8, 9], [1, 2, 3, 4]], [1, 1, 2])
     assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
@@ -58,7 +58,7 @@ def test_packed_micro_batch_puts_sequences_back_to_back():
 
 
 def test_packed_row_padded_to_a_multiple_by_a_pad_sequence():
-    from slime.backends.batching import make_packed_micro_batch
+    from slime.backends.training.batching import make_packed_micro_batch
 
     mb = make_packed_micro_batch([[5, 6, 7], [8, 9]], [1, 1], pad_token_id=0, multiple=4)
     assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]]

@@ -39,7 +39,7 @@ def load(folder: str):
 
 
 def model_args(arch: str, folder: str, *extra: str):
-    from slime.utils.arguments import parse_args
+    from slime.config.arguments import parse_args
 
     out = subprocess.run(
         ["bash", "-c", f"source scripts/models/{SCRIPT[arch]}.sh && printf '%s\\n' \"${{MODEL_ARGS[@]}}\""],
@@ -211,7 +211,7 @@ def test_config_check_catches_a_planted_mismatch(tiny, arch):
 def test_config_mismatch_is_an_error_for_megatron_and_a_warning_for_fsdp(tiny, caplog):
     import logging
 
-    from slime.utils.arguments import SlimeArgumentError
+    from slime.config.arguments import SlimeArgumentError
 
     with pytest.raises(SlimeArgumentError, match="num_hidden_layers: config.json says 4, --num-layers gives 5"):
         model_args("qwen3", tiny["qwen3"], "--train-backend", "megatron", "--num-layers", "5")
@@ -239,7 +239,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from slime.backends.megatron_utils import args as margs
 from slime.backends.megatron_utils.converters import ConverterConfig, converter_for_hf_config
-from slime.utils.arguments import parse_args
+from slime.config.arguments import parse_args
 folder, argv = sys.argv[1], json.loads(sys.argv[2])
 args = parse_args(argv)
 config = margs.build_transformer_config(args, te_available=False)

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from slime.rollout.data_source import RolloutDataSource, RolloutDataSourceWithBuffer
-from slime.utils.arguments import SlimeArgumentError, parse_args
+from slime.config.arguments import SlimeArgumentError, parse_args
 from slime.utils.data import Dataset, parse_prompt_path
 from slime.utils.types import Sample
 

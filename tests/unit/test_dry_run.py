@@ -15,11 +15,11 @@ import uuid
 import psutil
 import pytest
 
-from slime.utils.arguments import SlimeArgumentError, parse_args
-from slime.utils.plan import format_plan
-from slime.utils.plan.layout import compute_layout, describe_bundles
-from slime.utils.plan.memory import GiB, engine_memory, kv_bytes_per_token, training_memory
-from slime.utils.plan.model_size import count_params, load_model_shape, shape_from_hf_config
+from slime.config.arguments import SlimeArgumentError, parse_args
+from slime.config.plan import format_plan
+from slime.config.plan.layout import compute_layout, describe_bundles
+from slime.config.plan.memory import GiB, engine_memory, kv_bytes_per_token, training_memory
+from slime.config.plan.model_size import count_params, load_model_shape, shape_from_hf_config
 from tests.conftest import REPO_ROOT, model_args
 
 # Published config.json values of Qwen/Qwen3-4B and deepseek-ai/DeepSeek-V3 (the fields the plan reads).

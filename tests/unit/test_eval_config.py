@@ -1,4 +1,4 @@
-"""--eval-config (slime/rollout/eval_config.py): YAML layout, defaults, errors naming file / dataset / key."""
+"""--eval-config (slime/utils/eval_config.py): YAML layout, defaults, errors naming file / dataset / key."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from slime.rollout.eval_config import EvalConfigError, args_for, eval_datasets, load_eval_config
+from slime.utils.eval_config import EvalConfigError, args_for, eval_datasets, load_eval_config
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_without_the_eval_wrapper(data):
     ("datasets:\n  - {name: x}\n", r"datasets\[0\] \(x\): `path` is required"),
     ("datasets:\n  - {name: x, path: nope.jsonl}\n", r"path 'nope.jsonl': no such file"),
     ("datasets:\n  - {name: x, path: a.jsonl, n_samples_per_eval_prompt: two}\n", "should be int"),
-    ("datasets:\n  - {name: x, path: a.jsonl, rm_type: nonsense}\n", "rm_type 'nonsense' is not a known reward type"),
+    ("datasets:\n  - {name: x, path: a.jsonl, rm_type: 3}\n", r"datasets\[0\] \(x\): `rm_type: 3` should be a str"),
     ("datasets:\n  - {name: x, path: a.jsonl}\n  - {name: x, path: b.jsonl}\n", r"\['x'\] used more than once"),
     ("eval: {sets: []}\n", "expected `datasets:`"),
 ])  # fmt: skip

@@ -1,4 +1,4 @@
-"""The actor's `--loss-type` assembly and the critic loss (slime.backends.loss.py), with
+"""The actor's `--loss-type` assembly and the critic loss (slime.algorithm.loss.py), with
 hand-computed values; plus the plugin signatures of `--custom-loss-function-path` and
 `--custom-advantage-function-path`."""
 
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from slime.backends.loss import LossInputs, compute_actor_loss, critic_loss
+from slime.algorithm.loss import LossInputs, compute_actor_loss, critic_loss
 from slime.utils import ppo_utils as pu
 
 

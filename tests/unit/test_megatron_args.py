@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from slime.backends.megatron_utils import args as margs
-from slime.utils.arguments import SlimeArgumentError, parse_args
+from slime.config.arguments import SlimeArgumentError, parse_args
 
 HAS_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
@@ -71,7 +71,7 @@ def test_moe_layer_freq_accepts_megatron_list_expressions(files):
     args = parse_args(base("--num-layers", "8", "--num-experts", "4", "--moe-layer-freq", "([0]*3+[1]*5)"))
     assert args.moe_layer_freq == [0, 0, 0, 1, 1, 1, 1, 1]
     args = parse_args(base("--num-layers", "4", "--num-experts", "4", "--moe-layer-freq", "2"))
-    from slime.utils.arg_groups.megatron import moe_layer_pattern
+    from slime.config.arg_groups.megatron import moe_layer_pattern
 
     assert moe_layer_pattern(args) == [1, 0, 1, 0]
     assert "--moe-layer-freq" in error_of(base("--moe-layer-freq", "__import__('os')"))
@@ -95,7 +95,7 @@ def test_pipeline_must_split_layers(files):
     assert "--num-layers 36 over --pipeline-model-parallel-size 8" in error_of(argv)
     # 36 = 8 (first) + 6 × 4 (middle) + 4 (last) with 8 stages
     ok = parse_args(argv + ["--decoder-first-pipeline-num-layers", "8", "--decoder-last-pipeline-num-layers", "4"])
-    from slime.utils.arg_groups.megatron import pipeline_layer_split
+    from slime.config.arg_groups.megatron import pipeline_layer_split
 
     assert pipeline_layer_split(ok) == [8, 4, 4, 4, 4, 4, 4, 4]
     assert pipeline_layer_split(parse_args(base(*QWEN3_4B, "--pipeline-model-parallel-size", "4"))) == [9] * 4

@@ -10,8 +10,8 @@ import pytest
 
 from tests.conftest import REPO_ROOT, model_args
 from slime.backends.megatron_utils.config_check import find_mismatches, load_hf_config
-from slime.utils.arg_groups.megatron import moe_layer_pattern
-from slime.utils.arguments import parse_args
+from slime.config.arg_groups.megatron import moe_layer_pattern
+from slime.config.arguments import parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = sorted(glob.glob(os.path.join(REPO, "scripts", "models", "*.sh")))
@@ -82,7 +82,7 @@ def test_launcher_flags_are_all_known(launcher, tmp_path):
     import subprocess
     import sys
 
-    from slime.utils.arguments import build_parser, check_unknown_flags, split_argv
+    from slime.config.arguments import build_parser, check_unknown_flags, split_argv
 
     record, recorder = tmp_path / "argv.txt", tmp_path / "recorder.py"
     recorder.write_text(f"import sys\nopen({str(record)!r}, 'w').write('\\n'.join(sys.argv[1:]))\n")

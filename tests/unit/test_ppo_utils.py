@@ -340,7 +340,7 @@ def test_value_loss_clipped_and_unclipped():
     assert clip_nc.sum() == 0
 
 
-# ---- flag couplings of the algorithm group (slime/utils/arg_groups/algorithm.py) -----------------------------
+# ---- flag couplings of the algorithm group (slime/config/arg_groups/algorithm.py) -----------------------------
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -355,7 +355,7 @@ def test_value_loss_clipped_and_unclipped():
     ],
 )
 def test_algorithm_flag_couplings_name_flag_and_fix(tmp_path, monkeypatch, extra, message):
-    from slime.utils.arguments import SlimeArgumentError, parse_args
+    from slime.config.arguments import SlimeArgumentError, parse_args
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")

@@ -19,7 +19,7 @@ from typing import Annotated, Literal, Optional
 
 import pytest
 
-from slime.backends.sglang_utils import engine as engine_mod
+from slime.backends.sglang_utils import sglang_engine as engine_mod
 from slime.backends.sglang_utils.arguments import (
     SGLangArgumentError,
     convert_sglang_args,
@@ -27,9 +27,9 @@ from slime.backends.sglang_utils.arguments import (
     fields_of,
     sglang_cli_args,
 )
-from slime.backends.sglang_utils.engine import SGLangEngine, engine_nnodes
-from slime.utils.arg_groups import SlimeArgumentError
-from slime.utils.arg_groups.sglang import validate_sglang
+from slime.backends.sglang_utils.sglang_engine import SGLangEngine, engine_nnodes
+from slime.config.arg_groups import SlimeArgumentError
+from slime.config.arg_groups.sglang import validate_sglang
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -197,9 +197,9 @@ _REAL_CHECK = r"""
 import argparse, json, sys
 from slime.backends.sglang_utils.arguments import (SGLangArgumentError, convert_sglang_args, server_fields,
                                                    sglang_cli_args)
-from slime.backends.sglang_utils.engine import SGLangEngine
-from slime.utils.arg_groups import SlimeArgumentError
-from slime.utils.arg_groups.sglang import validate_sglang
+from slime.backends.sglang_utils.sglang_engine import SGLangEngine
+from slime.config.arg_groups import SlimeArgumentError
+from slime.config.arg_groups.sglang import validate_sglang
 import sglang
 from sglang.srt.server_args import ServerArgs
 

@@ -402,7 +402,7 @@ def test_eval_rollout(tmp_path, tokenizer_dir, engine):
 
 
 def test_eval_config_overrides_per_dataset(tmp_path, tokenizer_dir, engine):
-    from slime.rollout.eval_config import load_eval_config
+    from slime.utils.eval_config import load_eval_config
 
     path = _data(tmp_path, [("say", "one"), ("count", "two")])
     config = tmp_path / "eval.yaml"

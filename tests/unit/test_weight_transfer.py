@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from slime.utils.weight_transfer import deserialize_bucket, flatten_bucket, serialize_bucket, split_into_buckets
+from slime.weight_sync.tensor_payload import deserialize_bucket, flatten_bucket, serialize_bucket, split_into_buckets
 
 # unequal sizes and dtypes, so unaligned offsets would appear without padding
 NAMED = [
@@ -43,7 +43,7 @@ def test_payload_opens_in_another_process():
     payload = serialize_bucket(flat)
     code = textwrap.dedent("""
         import sys, torch
-        from slime.utils.weight_transfer import deserialize_bucket
+        from slime.weight_sync.tensor_payload import deserialize_bucket
         for name, t in deserialize_bucket(sys.stdin.read()).unflatten():
             print(name, float(t.double().sum()))
     """)

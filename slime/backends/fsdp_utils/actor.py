@@ -16,7 +16,7 @@ Advantages are computed per rank for the rows it trains on (slime/utils/ppo_util
 returns for the critic to fetch (`get_returns`).
 
 Micro-batches are `--micro-batch-size` rows or, with `--use-dynamic-batch-size`, token-budgeted
-(slime/backends/batching.py `plan_micro_batches`, equal in count on every rank since FSDP forwards are
+(slime/backends/training/batching.py `plan_micro_batches`, equal in count on every rank since FSDP forwards are
 collective). Simplifications (see docs/fsdp_backend.md, docs/algorithms.md): padded micro-batches, no
 packing; dropout is kept off (eval mode) in every forward, so recomputed and
 training log-probs agree; no offloading between rollout and training (`--offload-train` is not acted on);
@@ -34,19 +34,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.backends import policy_batch
-from slime.backends.batching import plan_micro_batches
+from slime.algorithm.loss import compute_actor_loss
 from slime.backends.fsdp_utils import checkpoint, weight_sync
-from slime.backends.loss import compute_actor_loss
 from slime.backends.fsdp_utils.data import (
     forward_response_log_probs,
     make_micro_batch,
     rows_per_step,
     unpad_per_token,
 )
-from slime.ray.train_actor import TrainRayActor
-from slime.utils.progress import progress
+from slime.backends.training import policy_batch
+from slime.backends.training.actor import TrainRayActor
+from slime.backends.training.batching import plan_micro_batches
 from slime.utils import ppo_utils
+from slime.utils.progress import progress
 from slime.utils.types import TrainBatch
 
 logger = logging.getLogger(__name__)

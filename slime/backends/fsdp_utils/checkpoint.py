@@ -25,13 +25,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +138,9 @@ def save_checkpoint(
         os.makedirs(path, exist_ok=True)
     dist.barrier()
 
+    import torch.distributed.checkpoint as dcp  # here, not at the top: validation reads folders (find_checkpoint)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         write_folder(model, full, path, hf_checkpoint)
@@ -214,6 +210,9 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, che
                        checkpoint_path)
         return False
     init_optimizer_state(optimizer)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=folder)
     set_optimizer_state_dict(model, optimizer, state["optimizer"])

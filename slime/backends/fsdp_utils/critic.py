@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slime.algorithm.loss import critic_loss
 from slime.backends.fsdp_utils import checkpoint
-from slime.backends.policy_batch import padded_rows
 from slime.backends.fsdp_utils.actor import (
     clip_and_step,
     lr_at,
@@ -42,8 +42,8 @@ from slime.backends.fsdp_utils.actor import (
     sum_over_ranks,
 )
 from slime.backends.fsdp_utils.data import forward_response_values, make_micro_batch, rows_per_step, split_micro_batches
-from slime.backends.loss import critic_loss
-from slime.ray.train_actor import TrainRayActor
+from slime.backends.training.actor import TrainRayActor
+from slime.backends.training.policy_batch import padded_rows
 from slime.utils.ppo_utils import aggregate_loss
 from slime.utils.types import TrainBatch
 

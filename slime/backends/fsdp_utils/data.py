@@ -1,7 +1,7 @@
 """Batch plumbing of the fsdp backend: which rows a rank trains on, micro-batching with right padding,
 and per-response-token log-prob / entropy extraction from a causal LM's logits.
 
-Simplifications: micro-batches (slime/backends/batching.py) padded to their longest sequence with an
+Simplifications: micro-batches (slime/backends/training/batching.py) padded to their longest sequence with an
 attention mask; no sequence packing, no `--balance-data`. Right padding keeps every real token's position
 id and causal context unchanged, so a padded row computes the same log-probs as the row alone.
 """
@@ -12,7 +12,8 @@ import inspect
 
 import torch
 
-from slime.backends.batching import (  # noqa: F401  (re-exported for the fsdp backend)
+from slime.backends.fsdp_utils.token_log_probs import token_log_probs
+from slime.backends.training.batching import (  # noqa: F401  (re-exported for the fsdp backend)
     MicroBatch,
     make_micro_batch,
     pad_per_token,
@@ -20,7 +21,6 @@ from slime.backends.batching import (  # noqa: F401  (re-exported for the fsdp b
     split_micro_batches,
     unpad_per_token,
 )
-from slime.backends.fsdp_utils.token_log_probs import token_log_probs
 
 
 # ---- log-prob extraction --------------------------------------------------------------------------------

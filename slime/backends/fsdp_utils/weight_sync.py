@@ -3,7 +3,7 @@
 The push walks the model's state dict in bucket-sized groups (HF parameter names: FSDP2 keeps the module's
 names). For each group every rank joins the all-gathers of its sharded tensors (`DTensor.full_tensor`,
 on the training device); rank 0 casts the full tensors to the engines' dtype (bf16 on CUDA, unchanged on
-CPU), sends the bucket through an `EnginePush` (slime/backends/weight_broadcast.py): a CUDA-IPC handle
+CPU), sends the bucket through an `EnginePush` (slime/weight_sync/push.py): a CUDA-IPC handle
 (CPU shared memory on CPU) to a flattened copy for colocated engines (`update_weights_from_tensor`), a
 broadcast over a process group formed with the engines otherwise (`update_weights_from_distributed`),
 and drops it once every engine has loaded it. Memory beyond the sharded model: one bucket
@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from slime.backends.weight_broadcast import EnginePush
 from slime.utils.progress import progress
-from slime.utils.weight_transfer import split_into_buckets
+from slime.weight_sync.push import EnginePush
+from slime.weight_sync.tensor_payload import split_into_buckets
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ import os
 import sys
 
 from slime.backends.server_engine import ServerEngine
+from slime.backends.sglang_utils.arguments import as_bool, flag_of
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -29,8 +30,6 @@ def weight_dirs(args) -> list[str]:
 
 def _flag_on(sglang_args: dict, field: str) -> bool:
     """A forwarded `--sglang-<field>` as a bool (absent: False); a value that is no boolean names the flag."""
-    from slime.backends.sglang_utils.arguments import as_bool, flag_of
-
     if sglang_args.get(field) is None:
         return False
     try:

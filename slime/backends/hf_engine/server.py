@@ -39,8 +39,8 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
-from slime.backends.sglang_utils import update_group
-from slime.utils.weight_transfer import deserialize_bucket
+from slime.weight_sync import group as update_group
+from slime.weight_sync.tensor_payload import deserialize_bucket
 
 logger = logging.getLogger("slime.hf_engine")
 
@@ -301,7 +301,7 @@ def build_app(state: EngineState) -> FastAPI:
         fmt = body.get("load_format") or "flattened_bucket"
         if fmt != "flattened_bucket":
             return _error(400, f"load_format {fmt!r} is not supported by the hf engine; use 'flattened_bucket' "
-                               "(SGLang's format: slime.utils.weight_transfer.serialize_bucket(flatten_bucket(named)))")
+                               "(SGLang's format: slime.weight_sync.tensor_payload.serialize_bucket(flatten_bucket(named)))")
         payloads = body.get("serialized_named_tensors") or []
         if not payloads:
             return _error(400, "serialized_named_tensors is empty")

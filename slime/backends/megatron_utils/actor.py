@@ -29,14 +29,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.backends import policy_batch
-from slime.backends.batching import make_micro_batch, make_packed_micro_batch, plan_micro_batches, rows_per_step
-from slime.backends.loss import compute_actor_loss
+from slime.algorithm.loss import compute_actor_loss
 from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import checkpoint, config_check, weights
 from slime.backends.megatron_utils.forward import response_log_probs, run_pipeline
 from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel, unwrap
-from slime.ray.train_actor import TrainRayActor
+from slime.backends.training import policy_batch
+from slime.backends.training.actor import TrainRayActor
+from slime.backends.training.batching import (
+    make_micro_batch,
+    make_packed_micro_batch,
+    plan_micro_batches,
+    rows_per_step,
+)
 from slime.utils import ppo_utils
 from slime.utils.progress import progress
 from slime.utils.types import TrainBatch
@@ -289,7 +294,7 @@ class MegatronTrainRayActor(TrainRayActor):
     def update_weights(self, engines: list[Any], weight_version: int) -> None:
         """Collective: HF tensors of the whole model stream to rank 0, which sends them in buckets of
         --update-weight-buffer-size: as CUDA IPC handles when the engines share the GPUs (--colocate), else
-        by broadcast over a process group formed with the engines (slime/backends/weight_broadcast.py)."""
+        by broadcast over a process group formed with the engines (slime/weight_sync/push.py)."""
         if self.hf_config is None:
             raise ValueError("--train-backend megatron: weight sync needs --hf-checkpoint (its config.json picks "
                              "the HF names the engines load)")

@@ -21,8 +21,7 @@ import argparse
 import importlib.util
 import math
 
-from slime.utils.arg_groups._common import SlimeArgumentError
-from slime.utils.arg_groups.megatron import moe_layer_pattern, pipeline_layer_split
+from slime.utils.errors import SlimeArgumentError
 
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 
@@ -55,6 +54,56 @@ def require_model_args(args: argparse.Namespace) -> None:
             f"--train-backend megatron needs the model architecture; missing {' '.join(missing)}. "
             "Source a scripts/models/<model>.sh and pass ${MODEL_ARGS[@]}."
         )
+
+
+# ---- the layout MODEL_ARGS describe (also read by validation and the dry-run planner) ----------------
+
+
+def query_groups(args: argparse.Namespace) -> int | None:
+    """Key/value heads actually used: --num-query-groups with GQA, else one per attention head."""
+    return args.num_query_groups if args.group_query_attention else args.num_attention_heads
+
+
+def moe_layer_pattern(args: argparse.Namespace) -> list[int] | None:
+    """Per-layer 1 (MoE) / 0 (dense) from --moe-layer-freq, or None without --num-experts."""
+    if not args.num_experts or not args.num_layers:
+        return None
+    freq = args.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(args.num_layers)]
+    return list(freq)
+
+
+def pipeline_layer_split(args: argparse.Namespace) -> list[int]:
+    """Transformer layers per pipeline stage (first/last stage flags honoured); errors when it cannot fit."""
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if pp == 1:
+        return [layers]
+    fixed = [x for x in (first, last) if x is not None]
+    middle_stages = pp - len(fixed)
+    rest = layers - sum(fixed)
+    how = f"--num-layers {layers} over --pipeline-model-parallel-size {pp}"
+    if first is not None or last is not None:
+        how += f" (--decoder-first-pipeline-num-layers {first}, --decoder-last-pipeline-num-layers {last})"
+    if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages > 0 and rest % middle_stages != 0):
+        hint = [d for d in range(1, layers + 1) if layers % d == 0 and d > 1]
+        raise SlimeArgumentError(
+            f"{how}: the layers do not split evenly over the stages ({rest} layer(s) left for {middle_stages} "
+            f"stage(s)). Use a PP size dividing {layers} ({hint}) or set --decoder-first-pipeline-num-layers / "
+            "--decoder-last-pipeline-num-layers so the remaining layers divide evenly."
+        )
+    per = rest // middle_stages if middle_stages else 0
+    split = [per] * pp
+    if first is not None:
+        split[0] = first
+    if last is not None:
+        split[-1] = last
+    return split
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def padded_vocab_size(args: argparse.Namespace) -> int:

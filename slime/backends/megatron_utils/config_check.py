@@ -18,7 +18,8 @@ import json
 import math
 import os
 
-from slime.utils.arg_groups.megatron import moe_layer_pattern, query_groups
+from slime.backends.megatron_utils.args import moe_layer_pattern, query_groups
+from slime.backends.megatron_utils.converters.base import ConverterConfig
 
 
 class ConfigMismatchError(ValueError):
@@ -134,8 +135,6 @@ def expected_flags(cfg: dict) -> list[tuple[str, str, object, object]]:
             want("norm_topk_prob", "moe_router_pre_softmax", not cfg["norm_topk_prob"])
         layers = cfg.get("num_hidden_layers")
         if layers:
-            from slime.backends.megatron_utils.converters.base import ConverterConfig
-
             pattern = [int(x) for x in ConverterConfig.from_hf_config(cfg).moe_layers]
             want("first_k_dense_replace / mlp_only_layers / decoder_sparse_step", "moe_layer_pattern", pattern)
     return out

@@ -1,7 +1,7 @@
 """Forward passes of the Megatron backend: micro-batches through megatron-core's pipeline schedules, and
 log-probs / entropy from vocab-parallel logits.
 
-Micro-batches (slime/backends/batching.py) are packed (`--qkv-format thd`, the default): the samples back
+Micro-batches (slime/backends/training/batching.py) are packed (`--qkv-format thd`, the default): the samples back
 to back in one `[1, T]` row described by megatron-core's `PackedSeqParams` (cu_seqlens), each attending only
 to itself with rotary positions restarting at its start — TransformerEngine's attention when installed, else
 torch's varlen flash attention (`sdpa_attention.py`). Or right-padded `[B, L]` rows (`--qkv-format bshd`) run
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from slime.backends.batching import MicroBatch
+from slime.backends.training.batching import MicroBatch
 
 
 def vocab_parallel_log_probs(

@@ -23,7 +23,7 @@ from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import packed_rope
 from slime.backends.megatron_utils.sandwich_norm import add_sandwich_norms
 from slime.backends.megatron_utils.sdpa_attention import with_sdpa_attention
-from slime.utils.arg_groups._common import SlimeArgumentError
+from slime.utils.errors import SlimeArgumentError
 
 logger = logging.getLogger(__name__)
 

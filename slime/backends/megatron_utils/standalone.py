@@ -1,38 +1,14 @@
-"""Running the Megatron model outside `train.py` (the checkpoint conversion tools).
-
-`parse_model_flags(argv, tool_parser)` reads the tool's own flags with `tool_parser` and everything else
-as slime flags (MODEL_ARGS, parallel sizes, `--hf-checkpoint`, ...), validated like `train.py` validates
-the Megatron family. `init_distributed()` joins the process group torchrun describes (WORLD_SIZE, RANK,
-MASTER_ADDR/PORT in the environment), or a one-process group when run as plain `python`.
+"""Running the Megatron model outside `train.py` (the checkpoint conversion tools): `init_distributed()` joins
+the process group torchrun describes (WORLD_SIZE, RANK, MASTER_ADDR/PORT in the environment), or a one-process
+group when run as plain `python`. The tools read their flags with `slime.config.arguments.parse_model_flags`.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 import torch.distributed as dist
-
-from slime.utils.arguments import build_parser, check_model_args, check_unknown_flags, split_argv
-from slime.utils.arg_groups.megatron import validate_megatron
-
-
-def parse_model_flags(
-    argv: list[str], tool_parser: argparse.ArgumentParser
-) -> tuple[argparse.Namespace, argparse.Namespace]:
-    """(tool flags, slime flags) from one command line."""
-    tool, rest = tool_parser.parse_known_args(argv)
-    parser = build_parser()
-    split = split_argv(parser, rest)
-    check_unknown_flags(parser, split.unknown)
-    args = parser.parse_args(split.known)
-    args.megatron_args = split.megatron_args
-    args.train_backend = "megatron"
-    args.use_cuda = torch.cuda.is_available()
-    validate_megatron(args)
-    check_model_args(args)
-    return tool, args
 
 
 def init_distributed() -> None:

@@ -1,10 +1,10 @@
-"""The SGLang rollout engine: `SGLangEngine` (engine.py) launches real SGLang servers; arguments.py checks
-and renders `--sglang-<field>` flags against sglang's ServerArgs; update_group.py forms the process group
-of SGLang's `update_weights_from_distributed` on either end. See docs/sglang_backend.md.
+"""The SGLang rollout engine: `SGLangEngine` (sglang_engine.py) launches real SGLang servers; arguments.py checks
+and renders `--sglang-<field>` flags against sglang's ServerArgs. The trainer's side of SGLang's weight-update
+calls is `slime.weight_sync`. See docs/sglang_backend.md.
 
 Importing this package does not import sglang.
 """
 
-from slime.backends.sglang_utils.engine import SGLangEngine
+from slime.backends.sglang_utils.sglang_engine import SGLangEngine
 
 __all__ = ["SGLangEngine"]

@@ -17,9 +17,26 @@ import inspect
 import random
 from typing import Any
 
+from slime.rollout.rm_hub.dapo import dapo_reward
+from slime.rollout.rm_hub.f1 import f1_reward
+from slime.rollout.rm_hub.gpqa import gpqa_reward
+from slime.rollout.rm_hub.math_utils import deepscaler_reward, last_boxed_answer, math_reward
+from slime.rollout.rm_hub.toy import toy_reward
+from slime.utils.http_utils import post
+from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
-RM_TYPES = frozenset({"math", "deepscaler", "dapo", "f1", "gpqa", "random", "remote_rm", "toy"})
+# rm_type -> fn(response, label, metadata) for the graders that only read the sample
+_GRADERS = {
+    "math": lambda response, label, metadata: math_reward(response, label),
+    "deepscaler": lambda response, label, metadata: deepscaler_reward(response, label),
+    "dapo": lambda response, label, metadata: dapo_reward(response, label),
+    "f1": lambda response, label, metadata: f1_reward(response, label),
+    "gpqa": gpqa_reward,
+    "toy": lambda response, label, metadata: toy_reward(response, label),
+    "random": lambda response, label, metadata: float(random.randint(0, 1)),
+}
+RM_TYPES = frozenset({*_GRADERS, "remote_rm"})
 BOXED_PREFIX = "boxed_"
 
 
@@ -39,12 +56,6 @@ async def _maybe_await(value):
     return await value if inspect.isawaitable(value) else value
 
 
-def _load(path: str, flag: str):
-    from slime.utils.misc import load_function
-
-    return load_function(path, flag)
-
-
 def _rm_type_of(args, sample: Sample) -> str:
     rm_type = (sample.metadata or {}).get("rm_type") or getattr(args, "rm_type", None)
     if not rm_type:
@@ -56,8 +67,6 @@ def _rm_type_of(args, sample: Sample) -> str:
 
 
 async def _remote_rm(args, sample: Sample) -> Any:
-    from slime.utils.http_utils import post
-
     url = getattr(args, "rm_url", None)
     if not url:
         raise ValueError("--rm-type remote_rm needs --rm-url (the reward server's POST endpoint)")
@@ -68,8 +77,6 @@ async def _remote_rm(args, sample: Sample) -> Any:
 async def _builtin_reward(args, sample: Sample, rm_type: str) -> Any:
     response = sample.response
     if rm_type.startswith(BOXED_PREFIX):
-        from slime.rollout.rm_hub.math_utils import last_boxed_answer
-
         rm_type = rm_type[len(BOXED_PREFIX) :]
         boxed = last_boxed_answer(response)
         if boxed is None:
@@ -77,46 +84,20 @@ async def _builtin_reward(args, sample: Sample, rm_type: str) -> Any:
         # `math` grades the boxed answer by itself, so it keeps the full response
         if rm_type != "math":
             response = boxed
-    if rm_type == "math":
-        from slime.rollout.rm_hub.math_utils import math_reward
-
-        return math_reward(response, sample.label)
-    if rm_type == "deepscaler":
-        from slime.rollout.rm_hub.math_utils import deepscaler_reward
-
-        return deepscaler_reward(response, sample.label)
-    if rm_type == "dapo":
-        from slime.rollout.rm_hub.dapo import dapo_reward
-
-        return dapo_reward(response, sample.label)
-    if rm_type == "f1":
-        from slime.rollout.rm_hub.f1 import f1_reward
-
-        return f1_reward(response, sample.label)
-    if rm_type == "gpqa":
-        from slime.rollout.rm_hub.gpqa import gpqa_reward
-
-        return gpqa_reward(response, sample.label, sample.metadata)
-    if rm_type == "random":
-        return float(random.randint(0, 1))
     if rm_type == "remote_rm":
         return await _remote_rm(args, sample)
-    if rm_type == "toy":
-        from slime.rollout.rm_hub.toy import toy_reward
-
-        return toy_reward(response, sample.label)
     validate_rm_type(rm_type)
-    raise AssertionError("unreachable")
+    return _GRADERS[rm_type](response, sample.label, sample.metadata)
 
 
 async def async_rm(args, sample: Sample, **kwargs) -> float | dict:
     """The reward of one sample (see the module docstring for which function is used)."""
     path = (sample.metadata or {}).get("custom_rm_path")
     if path:
-        return await _maybe_await(_load(path, "metadata['custom_rm_path']")(args, sample, **kwargs))
+        return await _maybe_await(load_function(path, "metadata['custom_rm_path']")(args, sample, **kwargs))
     path = getattr(args, "custom_rm_path", None)
     if path:
-        return await _maybe_await(_load(path, "--custom-rm-path")(args, sample, **kwargs))
+        return await _maybe_await(load_function(path, "--custom-rm-path")(args, sample, **kwargs))
     return await _builtin_reward(args, sample, _rm_type_of(args, sample))
 
 
@@ -125,7 +106,7 @@ async def batched_async_rm(args, samples: list[Sample], **kwargs) -> list[float 
     once and must return one reward per sample; otherwise each sample is graded by `async_rm` concurrently."""
     path = getattr(args, "custom_rm_path", None)
     if getattr(args, "group_rm", False) and path:
-        rewards = await _maybe_await(_load(path, "--custom-rm-path")(args, samples, **kwargs))
+        rewards = await _maybe_await(load_function(path, "--custom-rm-path")(args, samples, **kwargs))
         if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):
             got = f"{len(rewards)} values" if isinstance(rewards, (list, tuple)) else type(rewards).__name__
             raise ValueError(f"--custom-rm-path={path} with --group-rm returned {got} for {len(samples)} samples")

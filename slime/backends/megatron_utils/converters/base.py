@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slime.backends.megatron_utils.args import moe_layer_pattern, padded_vocab_size, query_groups
+
 Tensor = torch.Tensor
 
 
@@ -95,9 +97,6 @@ class ConverterConfig:
     @classmethod
     def from_args(cls, args) -> ConverterConfig:
         """From parsed Megatron flags (after validation filled the derived sizes)."""
-        from slime.backends.megatron_utils.args import padded_vocab_size
-        from slime.utils.arg_groups.megatron import moe_layer_pattern, query_groups
-
         pattern = moe_layer_pattern(args)
         return cls(
             num_layers=args.num_layers,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from slime.utils.arg_groups._common import fail
+from slime.config.arg_groups._common import fail
 
 
 def add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ import argparse
 import logging
 import os
 
-from slime.utils.arg_groups._common import fail
+from slime.config.arg_groups._common import fail
 
 logger = logging.getLogger(__name__)
 

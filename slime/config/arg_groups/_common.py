@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-
-class SlimeArgumentError(ValueError):
-    """A command-line problem found before anything starts; the message names the flag(s), value(s) and fix."""
+from slime.utils.errors import SlimeArgumentError
 
 
 def flag(dest: str) -> str:

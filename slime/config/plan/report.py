@@ -12,10 +12,11 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from slime.utils.arg_groups._common import SlimeArgumentError
-from slime.utils.arg_groups.data import data_parallel_size
-from slime.utils.plan.layout import Layout, bundle_ranges, compute_layout, describe_bundles, engine_node_problems
-from slime.utils.plan.memory import (
+from slime.backends.megatron_utils.args import require_model_args
+from slime.config.arg_groups._common import SlimeArgumentError
+from slime.config.arg_groups.data import data_parallel_size
+from slime.config.plan.layout import Layout, bundle_ranges, compute_layout, describe_bundles, engine_node_problems
+from slime.config.plan.memory import (
     EngineMemory,
     Estimate,
     GiB,
@@ -26,7 +27,8 @@ from slime.utils.plan.memory import (
     training_memory,
     training_parallel,
 )
-from slime.utils.plan.model_size import ModelShape, ModelShapeError, count_params, load_model_shape
+from slime.config.plan.model_size import ModelShape, ModelShapeError, count_params, load_model_shape
+from slime.utils.data import index_lines, parse_prompt_path
 
 DEFAULT_GPU_GB = 80.0
 MAX_ENGINE_ROWS = 12
@@ -101,8 +103,6 @@ def count_prompt_rows(args) -> int | None:
     """Rows of --prompt-data after its @[start:end] slice, before length filtering (None: not countable)."""
     if not args.prompt_data or not getattr(args, "rollout_global_dataset", True):
         return None
-    from slime.utils.data import index_lines, parse_prompt_path
-
     path, rows = parse_prompt_path(args.prompt_data, "--prompt-data")
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
@@ -563,8 +563,6 @@ class _Builder:
         a, s = self.args, self.shape
         if not self.training or a.train_backend != "megatron":
             return
-        from slime.backends.megatron_utils.args import require_model_args
-
         try:
             require_model_args(a)
         except SlimeArgumentError as e:

@@ -2,7 +2,7 @@
 
 Eval sampling flags left unset fall back to the rollout's at use time. `--eval-prompt-data` is normalised
 to `[name, path, name, path, ...]` (a lone path is named "aime", as in slime); the `--eval-config` YAML is
-read and checked here (slime/rollout/eval_config.py) into `args.eval_datasets`.
+read and checked here (slime/utils/eval_config.py) into `args.eval_datasets`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ import argparse
 import logging
 import os
 
-from slime.utils.arg_groups._common import fail, require_existing_file, require_positive
+from slime.config.arg_groups._common import fail, require_existing_file, require_positive
+from slime.rollout.rm_hub import validate_rm_type
+from slime.utils.data import parse_prompt_path
+from slime.utils.eval_config import dataset_where, load_eval_config
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +76,6 @@ def validate_eval(args: argparse.Namespace) -> None:
         duplicates = sorted({x for x in names if names.count(x) > 1})
         if duplicates:
             fail(f"--eval-prompt-data names {duplicates} more than one dataset; give each a distinct name.")
-        from slime.utils.data import parse_prompt_path
-
         for name, value in zip(values[0::2], values[1::2]):
             try:
                 path, _ = parse_prompt_path(value, "--eval-prompt-data")
@@ -87,11 +88,12 @@ def validate_eval(args: argparse.Namespace) -> None:
     require_existing_file("eval_config", args.eval_config)
     args.eval_datasets = None
     if args.eval_config is not None:
-        from slime.rollout.eval_config import EvalConfigError, load_eval_config
-
         try:
             args.eval_datasets = load_eval_config(args.eval_config)
-        except EvalConfigError as e:
+            for i, ds in enumerate(args.eval_datasets):
+                if ds.get("rm_type") is not None:
+                    validate_rm_type(ds["rm_type"], flag=f"{dataset_where(args.eval_config, i, ds['name'])}: rm_type")
+        except ValueError as e:  # EvalConfigError, or an unknown rm_type
             fail(str(e))
         if args.eval_prompt_data is not None:
             logger.warning("--eval-config %s lists the eval datasets; --eval-prompt-data is ignored.", args.eval_config)

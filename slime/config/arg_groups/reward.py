@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from slime.utils.arg_groups._common import fail
+from slime.config.arg_groups._common import fail
+from slime.rollout.rm_hub import RM_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -41,18 +42,6 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def known_rm_types() -> set[str] | None:
-    """Names registered in slime.rollout.rm_hub, or None when that registry cannot be imported."""
-    try:
-        from slime.rollout.rm_hub import RM_TYPES
-    except Exception as e:  # noqa: BLE001 - the hub is optional here; failing to import it skips the check
-        logger.warning(
-            "--rm-type not checked: cannot import slime.rollout.rm_hub.RM_TYPES (%s: %s)", type(e).__name__, e
-        )
-        return None
-    return set(RM_TYPES)
-
-
 def validate_reward(args: argparse.Namespace) -> None:
     if args.eval_reward_key is None:
         args.eval_reward_key = args.reward_key
@@ -60,12 +49,9 @@ def validate_reward(args: argparse.Namespace) -> None:
         fail("--rm-type remote_rm needs --rm-url http://host:port of the reward service.")
     if args.rm_type is None or args.custom_rm_path is not None:
         return
-    known = known_rm_types()
-    if known is None:
-        return
     base = args.rm_type.removeprefix("boxed_")
-    if base not in known:
+    if base not in RM_TYPES:
         fail(
-            f"--rm-type {args.rm_type}: unknown reward type; known types: {sorted(known)} (each may take a "
+            f"--rm-type {args.rm_type}: unknown reward type; known types: {sorted(RM_TYPES)} (each may take a "
             "boxed_ prefix), or give --custom-rm-path pkg.module.fn."
         )

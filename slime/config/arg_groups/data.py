@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import logging
 
-from slime.utils.arg_groups._common import (
+from slime.config.arg_groups._common import (
     SlimeArgumentError,
     fail,
     json_object,
     require_existing_file,
     require_positive,
 )
+from slime.utils.data import parse_prompt_path
 
 logger = logging.getLogger(__name__)
 
@@ -175,8 +176,6 @@ def validate_data(args: argparse.Namespace) -> None:
 
 def check_prompt_data(args: argparse.Namespace) -> None:
     """--prompt-data PATH[@[start:end]] names an existing file; --streaming-data needs it to be JSONL."""
-    from slime.utils.data import parse_prompt_path
-
     try:
         path, _ = parse_prompt_path(args.prompt_data, "--prompt-data")
     except ValueError as e:

@@ -8,7 +8,7 @@ ones resolved: backends and rank counts before batch sizes, batch sizes before o
 
 from __future__ import annotations
 
-from slime.utils.arg_groups import (
+from slime.config.arg_groups import (
     algorithm,
     cluster,
     data,
@@ -21,7 +21,7 @@ from slime.utils.arg_groups import (
     sglang,
     train,
 )
-from slime.utils.arg_groups._common import SlimeArgumentError
+from slime.config.arg_groups._common import SlimeArgumentError
 
 ADD_ORDER = [
     cluster.add_cluster_arguments,

@@ -24,7 +24,8 @@ import argparse
 import ast
 import logging
 
-from slime.utils.arg_groups._common import fail
+from slime.backends.megatron_utils.args import divisors, moe_layer_pattern, pipeline_layer_split, query_groups
+from slime.config.arg_groups._common import fail
 
 logger = logging.getLogger(__name__)
 
@@ -259,49 +260,6 @@ def derive_megatron(args: argparse.Namespace) -> None:
         args.sequence_parallel = False
 
 
-def query_groups(args: argparse.Namespace) -> int | None:
-    """Key/value heads actually used: --num-query-groups with GQA, else one per attention head."""
-    return args.num_query_groups if args.group_query_attention else args.num_attention_heads
-
-
-def moe_layer_pattern(args: argparse.Namespace) -> list[int] | None:
-    """Per-layer 1 (MoE) / 0 (dense) from --moe-layer-freq, or None without --num-experts."""
-    if not args.num_experts or not args.num_layers:
-        return None
-    freq = args.moe_layer_freq
-    if isinstance(freq, int):
-        return [1 if i % freq == 0 else 0 for i in range(args.num_layers)]
-    return list(freq)
-
-
-def pipeline_layer_split(args: argparse.Namespace) -> list[int]:
-    """Transformer layers per pipeline stage (first/last stage flags honoured); errors when it cannot fit."""
-    pp, layers = args.pipeline_model_parallel_size, args.num_layers
-    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
-    if pp == 1:
-        return [layers]
-    fixed = [x for x in (first, last) if x is not None]
-    middle_stages = pp - len(fixed)
-    rest = layers - sum(fixed)
-    how = f"--num-layers {layers} over --pipeline-model-parallel-size {pp}"
-    if first is not None or last is not None:
-        how += f" (--decoder-first-pipeline-num-layers {first}, --decoder-last-pipeline-num-layers {last})"
-    if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages > 0 and rest % middle_stages != 0):
-        hint = [d for d in range(1, layers + 1) if layers % d == 0 and d > 1]
-        fail(
-            f"{how}: the layers do not split evenly over the stages ({rest} layer(s) left for {middle_stages} "
-            f"stage(s)). Use a PP size dividing {layers} ({hint}) or set --decoder-first-pipeline-num-layers / "
-            "--decoder-last-pipeline-num-layers so the remaining layers divide evenly."
-        )
-    per = rest // middle_stages if middle_stages else 0
-    split = [per] * pp
-    if first is not None:
-        split[0] = first
-    if last is not None:
-        split[-1] = last
-    return split
-
-
 def validate_megatron(args: argparse.Namespace) -> None:
     """Megatron-LM's derived defaults, then (for --train-backend megatron) the parallel-layout checks."""
     derive_megatron(args)
@@ -331,13 +289,13 @@ def validate_megatron(args: argparse.Namespace) -> None:
     if args.num_attention_heads and args.num_attention_heads % tp:
         fail(
             f"--tensor-model-parallel-size {tp} does not divide --num-attention-heads {args.num_attention_heads}; "
-            f"use a TP size that divides it ({_divisors(args.num_attention_heads)})."
+            f"use a TP size that divides it ({divisors(args.num_attention_heads)})."
         )
     groups = query_groups(args)
     if args.group_query_attention and groups % tp:
         fail(
             f"--tensor-model-parallel-size {tp} does not divide --num-query-groups {groups}; each TP rank needs "
-            f"whole key/value heads: use TP in {_divisors(groups)}."
+            f"whole key/value heads: use TP in {divisors(groups)}."
         )
     if args.num_experts and ep > 1 and args.moe_token_dispatcher_type == "allgather":
         fail(
@@ -348,7 +306,7 @@ def validate_megatron(args: argparse.Namespace) -> None:
     if args.num_experts and args.num_experts % ep:
         fail(
             f"--expert-model-parallel-size {ep} does not divide --num-experts {args.num_experts}; use EP in "
-            f"{_divisors(args.num_experts)}."
+            f"{divisors(args.num_experts)}."
         )
     if args.num_layers:
         pipeline_layer_split(args)
@@ -359,7 +317,3 @@ def validate_megatron(args: argparse.Namespace) -> None:
         )
     if args.vocab_size is not None and args.vocab_size <= 0:
         fail(f"--vocab-size {args.vocab_size}: must be positive.")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

@@ -35,9 +35,9 @@ import math
 from dataclasses import dataclass, field
 
 from slime.backends.megatron_utils.args import padded_vocab_size
-from slime.utils.arg_groups._common import SlimeArgumentError
-from slime.utils.arg_groups.megatron import pipeline_layer_split
-from slime.utils.plan.model_size import ModelShape, count_params, embedding_params, layer_params
+from slime.config.arg_groups._common import SlimeArgumentError
+from slime.config.arg_groups.megatron import pipeline_layer_split
+from slime.config.plan.model_size import ModelShape, count_params, embedding_params, layer_params
 
 GiB = 2**30
 DEFAULT_MEM_FRACTION_STATIC = 0.9

@@ -44,13 +44,14 @@ import sys
 import time
 from typing import Any
 
-from slime.backends.server_engine import ServerEngine, _free_port
+from slime.backends.server_engine import ServerEngine
 from slime.backends.sglang_utils.arguments import (
     INSTALL_HINT,
     convert_sglang_args,
     server_fields,
     sglang_cli_args,
 )
+from slime.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class SGLangEngine(ServerEngine):
             if self.node_rank != 0:
                 raise ValueError(f"engine {self.rank} node rank {self.node_rank}: pass dist_init_addr from node "
                                  "rank 0's get_dist_init_addr()")
-            self._dist_init_addr = f"{self.host}:{_free_port(self.host)}"
+            self._dist_init_addr = f"{self.host}:{free_port(self.host)}"
         return self._dist_init_addr
 
     # ---- arguments ----
@@ -131,7 +132,7 @@ class SGLangEngine(ServerEngine):
         checkpoint = getattr(args, "hf_checkpoint", None)
         if not checkpoint:
             raise ValueError("--hf-checkpoint is required for the sglang rollout engine (an HF model folder)")
-        self.nccl_port = _free_port(host)  # fresh per launch: a retry after "address in use" needs new ports
+        self.nccl_port = free_port(host)  # fresh per launch: a retry after "address in use" needs new ports
         seed = getattr(args, "seed", None)
         values: dict[str, Any] = {
             "model_path": str(checkpoint),
@@ -178,7 +179,7 @@ class SGLangEngine(ServerEngine):
             return super().init()
         if self.process is not None and self.process.poll() is None:
             return None
-        self.port = _free_port(self.host)
+        self.port = free_port(self.host)
         self._start_process()
         deadline = time.monotonic() + FOLLOWER_SETTLE_S
         while time.monotonic() < deadline:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from slime.utils.arg_groups._common import fail, require_positive
+from slime.config.arg_groups._common import fail, require_positive
 
 logger = logging.getLogger(__name__)
 

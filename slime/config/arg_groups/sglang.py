@@ -1,6 +1,6 @@
 """SGLang and sglang-router: slime's own `--sglang-*` flags, `--router-policy`, and checks on forwarded flags.
 
-Every other `--sglang-<field>` flag is collected by slime/utils/arguments.py into `args.sglang_args`
+Every other `--sglang-<field>` flag is collected by slime/config/arguments.py into `args.sglang_args`
 (ServerArgs field -> raw value) and every other `--router-<field>` into `args.router_args`. Here we refuse
 the fields slime sets itself and, when slime will launch SGLang servers (`--rollout-backend sglang` with
 CUDA, no external engines, not `--debug-train-only`) and sglang is importable, check every forwarded field
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 
-from slime.utils.arg_groups._common import fail
+from slime.backends.sglang_utils import arguments as sglang_arguments
+from slime.config.arg_groups._common import fail
 
 # ServerArgs fields slime computes per engine; forwarding them would fight slime's own choice.
 RESERVED_SGLANG_FIELDS = {
@@ -88,16 +89,10 @@ def _launches_sglang(args: argparse.Namespace) -> bool:
 
 
 def _type_forwarded_fields(args: argparse.Namespace) -> None:
-    from slime.backends.sglang_utils.arguments import (
-        SGLangArgumentError,
-        convert_sglang_args,
-        server_fields,
-    )
-
-    fields = server_fields()  # imports sglang (seconds): only done when SGLang servers will be launched
+    fields = sglang_arguments.server_fields()  # imports sglang (seconds): only done when SGLang servers will be launched
     if fields is None:
         return
     try:
-        args.sglang_args = convert_sglang_args(args.sglang_args, fields)
-    except SGLangArgumentError as e:
+        args.sglang_args = sglang_arguments.convert_sglang_args(args.sglang_args, fields)
+    except sglang_arguments.SGLangArgumentError as e:
         fail(f"{e}.")

@@ -6,7 +6,8 @@ import argparse
 import logging
 import os
 
-from slime.utils.arg_groups._common import fail, require_positive
+from slime.backends.megatron_utils.config_check import is_hf_folder, load_hf_config
+from slime.config.arg_groups._common import fail, require_positive
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +160,6 @@ def model_context_length(args: argparse.Namespace) -> tuple[int | None, str]:
     sglang_context = (getattr(args, "sglang_args", None) or {}).get("context_length")
     if sglang_context:
         return int(sglang_context), "--sglang-context-length"
-    from slime.backends.megatron_utils.config_check import is_hf_folder, load_hf_config
-
     checkpoint = getattr(args, "hf_checkpoint", None)
     if not is_hf_folder(checkpoint):
         return None, ""

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.backends.batching import MicroBatch, pad_per_token
-from slime.backends.loss import LossInputs
+from slime.algorithm.loss import LossInputs
+from slime.backends.training.batching import MicroBatch, pad_per_token
 from slime.utils import ppo_utils
 from slime.utils.types import TrainBatch
 

@@ -9,27 +9,14 @@ branches on which backend it holds.
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-
-def get_node_ip() -> str:
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - outside Ray, loopback is the only address we need
-        return "127.0.0.1"
-
-
-def find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+from slime.utils.net import free_port, node_ip
+from slime.weight_sync.push import EnginePush
 
 
 class TrainRayActor:
@@ -38,7 +25,7 @@ class TrainRayActor:
         self.world_size = world_size
         self.rank = rank
         if rank == 0 and master_addr is None:
-            master_addr, master_port = get_node_ip(), find_free_port()
+            master_addr, master_port = node_ip(), free_port()
         self.master_addr, self.master_port = master_addr, master_port
         os.environ.update(
             MASTER_ADDR=str(master_addr),
@@ -94,11 +81,9 @@ class TrainRayActor:
         return peak
 
     def engine_push(self, engines: list[Any]):
-        """Rank 0's `EnginePush` (slime/backends/weight_broadcast.py), made on the first push, begun for
+        """Rank 0's `EnginePush` (slime/weight_sync/push.py), made on the first push, begun for
         `engines`: handles for colocated engines, a broadcast group kept across pushes otherwise."""
         if self._push is None:
-            from slime.backends.weight_broadcast import EnginePush  # it imports this module
-
             self._push = EnginePush(bool(getattr(self.args, "colocate", False)))
         self._push.begin(engines)
         return self._push

@@ -24,11 +24,10 @@ import copyreg
 import io
 import pickle
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.multiprocessing as mp
-from multiprocessing.reduction import ForkingPickler
-
 import torch.multiprocessing.reductions  # noqa: F401  (registers torch reducers on ForkingPickler)
 
 SGLANG_METADATA_GLOBAL = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")

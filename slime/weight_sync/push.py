@@ -2,14 +2,14 @@
 
 `EnginePush(colocate)` is what a training backend's rank 0 sends its buckets through: engines that share
 the training GPUs (`--colocate`) get handles to the bucket (`update_weights_from_tensor`, CUDA IPC or CPU
-shared memory: slime/utils/weight_transfer.py); engines elsewhere get it by broadcast (below), which also
+shared memory: slime/weight_sync/tensor_payload.py); engines elsewhere get it by broadcast (below), which also
 works across hosts. The group is formed again when an engine's server changed (a fault-tolerant restart).
 
 Training rank 0 forms a process group with every engine's TP ranks (`init_weights_update_group`: the
 trainer is group rank 0, engine i's ranks follow), then per bucket tells every engine which tensors come
 (`update_weights_from_distributed`: names, dtypes, shapes, in order) and broadcasts them while the engines
 wait. The group is formed once and kept for the run; `close` dissolves it on both ends. NCCL on GPUs,
-gloo on CPU. The group mechanics are slime/backends/sglang_utils/update_group.py, shared with the engines.
+gloo on CPU. The group mechanics are slime/weight_sync/group.py, shared with the engines.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from slime.backends.sglang_utils.update_group import (
+from slime.utils.net import free_port, node_ip
+from slime.weight_sync.group import (
     broadcast_tensors,
     destroy_weight_update_group,
     init_weight_update_group,
 )
-from slime.ray.train_actor import find_free_port, get_node_ip
-from slime.utils.weight_transfer import send_bucket
+from slime.weight_sync.tensor_payload import send_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class BroadcastGroup:
         infos = _start([(e, "get_server_info", (), {}) for e in self.engines])()
         sizes = [int(info.get("tp_size", 1) or 1) for info in infos]
         world = 1 + sum(sizes)
-        address, port = get_node_ip(), find_free_port()
+        address, port = node_ip(), free_port()
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         joined = _start([(e, "init_weights_update_group", (address, port, off, world, group_name, backend), {})
                          for e, off in zip(self.engines, offsets)])

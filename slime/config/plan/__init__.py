@@ -1,6 +1,6 @@
 """`--dry-run`: validate the command line, print the plan of the run, start nothing (docs/dry_run.md).
 
-    from slime.utils.plan import print_plan
+    from slime.config.plan import print_plan
     print_plan(args, "train.py")          # args from parse_args
 
 Modules: `model_size` (parameter counts from config.json), `layout` (placement without Ray), `memory`
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from slime.utils.plan.report import Plan, build_plan
+from slime.config.plan.report import Plan, build_plan
 
 
 def format_plan(args, entry: str = "train.py") -> str:

@@ -2,7 +2,7 @@
 
 Names and meanings follow Megatron-LM's, so the same command line works with either backend. Megatron's
 architecture and parallelism flags (--num-layers, --tensor-model-parallel-size, ...) are not defined here:
-they are kept raw in `args.megatron_args` (see slime/utils/arguments.py).
+they are kept raw in `args.megatron_args` (see slime/config/arguments.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import argparse
 import logging
 import os
 
-from slime.utils.arg_groups._common import fail, require_positive
+from slime.config.arg_groups._common import fail, require_positive
+from slime.config.arg_groups.logging import run_name
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +94,6 @@ def validate_train(args: argparse.Namespace) -> None:
     if not (0.0 <= args.adam_beta1 < 1.0 and 0.0 <= args.adam_beta2 < 1.0):
         fail(f"--adam-beta1 {args.adam_beta1} / --adam-beta2 {args.adam_beta2}: each must lie in [0, 1).")
     if args.save_interval is not None and args.save is None:
-        from slime.utils.arg_groups.logging import run_name
-
         args.save = os.path.join("outputs", "checkpoints", run_name(args))
         logger.info("--save-interval %d without --save: checkpoints go to %s (resume with --load %s)",
                     args.save_interval, args.save, args.save)

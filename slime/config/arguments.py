@@ -1,13 +1,13 @@
 """slime's command line: assemble the per-area argument groups, parse, validate.
 
 Three families of flags share one command line:
-- slime's own flags, defined by the modules of `slime/utils/arg_groups/` and parsed normally;
+- slime's own flags, defined by the modules of `slime/config/arg_groups/` and parsed normally;
 - `--sglang-<field>` flags forwarded to every SGLang server, kept raw in `args.sglang_args`
   (`{"mem_fraction_static": "0.7"}`; a bare flag is True, several values a list) and `--router-<field>`
   flags forwarded to sglang-router, kept in `args.router_args` (slime's own `--sglang-server-concurrency`,
   `--sglang-router-ip/-port/-request-timeout-secs` and `--router-policy` are ordinary flags);
 - Megatron-LM's flags (e.g. `${MODEL_ARGS[@]}` from scripts/models), defined in
-  `slime/utils/arg_groups/megatron.py`: parsed into typed attributes like ours, and their raw tokens also kept,
+  `slime/config/arg_groups/megatron.py`: parsed into typed attributes like ours, and their raw tokens also kept,
   in order, in `args.megatron_args`. Any other `--flag` is an error naming it, with a "did you mean" hint.
 
 Simplifications: forwarded values stay strings until their backend type-checks them; the fsdp backend
@@ -26,8 +26,17 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from slime.utils.arg_groups import FUNCTION_FLAGS, SlimeArgumentError, add_all_arguments, validate_all
-from slime.utils.arg_groups.megatron import MEGATRON_DESTS, add_megatron_arguments, validate_megatron
+from slime.backends.fsdp_utils import checkpoint as fsdp_checkpoint
+from slime.backends.megatron_utils import checkpoint as megatron_checkpoint
+from slime.backends.megatron_utils.args import require_model_args
+from slime.backends.megatron_utils.config_check import ConfigMismatchError, check_against_hf_config
+from slime.config.arg_groups import FUNCTION_FLAGS, SlimeArgumentError, add_all_arguments, validate_all
+from slime.config.arg_groups.data import DEFAULT_DATA_SOURCE
+from slime.config.arg_groups.megatron import MEGATRON_DESTS, add_megatron_arguments, validate_megatron
+from slime.config.arg_groups.rollout import DEFAULT_ROLLOUT_FUNCTION
+from slime.rollout.rm_hub import RM_TYPES
+from slime.utils.data import chat_template_missing, check_prompt_file, no_chat_template_message
+from slime.utils.misc import load_hook
 
 logger = logging.getLogger(__name__)
 
@@ -242,8 +251,6 @@ def check_function_flags(args: argparse.Namespace, parser: argparse.ArgumentPars
 
     Built-in defaults are not loaded here: they are loaded (and tested) by the code that uses them.
     """
-    from slime.utils.misc import load_hook
-
     for dest in FUNCTION_FLAGS:
         value = getattr(args, dest, None)
         if value is None or value == parser.get_default(dest):
@@ -285,8 +292,6 @@ def check_before_start(args: argparse.Namespace) -> None:
     (parse_args leaves it out so that flag-level tests may parse partial architectures): --train-backend
     megatron needs MODEL_ARGS; the default rollout needs a reward function."""
     if args.train_backend == "megatron" and not args.debug_rollout_only:
-        from slime.backends.megatron_utils.args import require_model_args
-
         require_model_args(args)
     check_reward_source(args)
 
@@ -297,8 +302,6 @@ def check_model_args(args: argparse.Namespace) -> None:
         return  # no architecture flags given: nothing to cross-check
     if not os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")):
         return  # the rollout checks report a missing checkpoint where one is needed
-    from slime.backends.megatron_utils.config_check import ConfigMismatchError, check_against_hf_config
-
     try:
         check_against_hf_config(args, args.hf_checkpoint)
     except ConfigMismatchError as e:
@@ -313,9 +316,6 @@ def check_prompt_rows(args: argparse.Namespace, parser: argparse.ArgumentParser)
     bad row further down reported with its file:line) when the data source loads it, before the engines start.
     The prompt key is checked here only when --input-key is given: with the default ("input") a missing key is
     reported by the data source, as before (flag-only command lines, in tests too, pass files without it)."""
-    from slime.utils.arg_groups.data import DEFAULT_DATA_SOURCE
-    from slime.utils.data import chat_template_missing, check_prompt_file, no_chat_template_message
-
     if args.debug_train_only or not args.rollout_global_dataset or args.prompt_data is None:
         return
     if args.data_source_path != DEFAULT_DATA_SOURCE:
@@ -332,10 +332,6 @@ def check_prompt_rows(args: argparse.Namespace, parser: argparse.ArgumentParser)
 def check_reward_source(args: argparse.Namespace) -> None:
     """The default rollout scores every sample with --rm-type, --custom-rm-path or the row's metadata rm_type:
     with none of them (in the first rows of --prompt-data) every sample would fail after the engines start."""
-    from slime.utils.arg_groups.data import DEFAULT_DATA_SOURCE
-    from slime.utils.arg_groups.rollout import DEFAULT_ROLLOUT_FUNCTION
-    from slime.utils.data import check_prompt_file
-
     if args.rm_type or args.custom_rm_path or args.debug_train_only or not args.prompt_data:
         return
     if (args.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION or args.custom_generate_function_path
@@ -344,8 +340,6 @@ def check_reward_source(args: argparse.Namespace) -> None:
     head = check_prompt_file(args.prompt_data, None, args.label_key, args.metadata_key, args.tool_key)
     if head is None or any((sample.metadata or {}).get("rm_type") for sample in head):
         return
-    from slime.rollout.rm_hub import RM_TYPES
-
     raise SlimeArgumentError(
         f"no reward function: set --rm-type (one of {sorted(RM_TYPES)}; e.g. math for answers checked against "
         f"--label-key), --custom-rm-path pkg.module.fn, or give the rows of --prompt-data {args.prompt_data} a "
@@ -363,10 +357,7 @@ def check_checkpoint_to_load(args: argparse.Namespace) -> None:
     folders = [d for d in folders if os.path.isfile(os.path.join(d, "latest_checkpointed_iteration.txt"))]
     if not folders:
         return
-    if args.train_backend == "megatron":
-        from slime.backends.megatron_utils.checkpoint import find_checkpoint
-    else:
-        from slime.backends.fsdp_utils.checkpoint import find_checkpoint
+    find_checkpoint = megatron_checkpoint.find_checkpoint if args.train_backend == "megatron" else fsdp_checkpoint.find_checkpoint
     for folder in folders:
         try:
             find_checkpoint(folder)
@@ -388,3 +379,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.custom_config_path is not None:
         apply_custom_config(parser, args, args.custom_config_path)
     return validate_args(args, parser)
+
+
+def parse_model_flags(
+    argv: list[str], tool_parser: argparse.ArgumentParser
+) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """(tool flags, slime flags) from one command line."""
+    tool, rest = tool_parser.parse_known_args(argv)
+    parser = build_parser()
+    split = split_argv(parser, rest)
+    check_unknown_flags(parser, split.unknown)
+    args = parser.parse_args(split.known)
+    args.megatron_args = split.megatron_args
+    args.train_backend = "megatron"
+    args.use_cuda = _cuda_available()
+    validate_megatron(args)
+    check_model_args(args)
+    return tool, args
