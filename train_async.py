@@ -57,12 +57,12 @@ logger = logging.getLogger("slime")
 
 
 def check_async_args(args) -> None:
-    if getattr(args, "colocate", False):
+    if args.colocate:
         raise SlimeArgumentError(
             "--colocate: train_async.py generates while it trains, so engines and training ranks cannot share "
             "devices; drop --colocate and give the engines their own (--rollout-num-gpus), or use train.py"
         )
-    if getattr(args, "debug_rollout_only", False) or getattr(args, "debug_train_only", False):
+    if args.debug_rollout_only or args.debug_train_only:
         raise SlimeArgumentError(
             "--debug-rollout-only / --debug-train-only: there is nothing to overlap with one side switched "
             "off; use train.py"

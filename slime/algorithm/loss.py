@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from slime.algorithm.estimators import estimator_of
 from slime.utils import ppo_utils
 from slime.utils.misc import load_function
 
@@ -39,7 +40,7 @@ class LossInputs:
 
 
 def compute_actor_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    loss_type = getattr(args, "loss_type", "policy_loss") or "policy_loss"
+    loss_type = args.loss_type
     if loss_type == "policy_loss":
         loss, metrics = policy_loss(args, inputs)
     elif loss_type == "sft_loss":
@@ -56,29 +57,22 @@ def compute_actor_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dic
 
 
 def policy_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """pg_loss (PPO clip / GSPO / CISPO, × TIS weight) − entropy_coef·entropy (+ kl_loss_coef·KL)."""
+    """pg_loss (the estimator's: PPO clip / GSPO / CISPO, × TIS weight) − entropy_coef·entropy
+    (+ kl_loss_coef·KL)."""
     agg = inputs.aggregate
-    eps_clip_high = args.eps_clip if getattr(args, "eps_clip_high", None) is None else args.eps_clip_high
-    eps_clip_c = getattr(args, "eps_clip_c", None)
-    lp, old, adv = inputs.log_probs, inputs.old_log_probs, inputs.advantages
-    if args.advantage_estimator == "gspo":
-        pg, clipfrac, ppo_kl = ppo_utils.compute_gspo_policy_loss(lp, old, adv, inputs.mask, args.eps_clip,
-                                                                  eps_clip_high, eps_clip_c)
-    elif args.advantage_estimator == "cispo":
-        pg, clipfrac, ppo_kl = ppo_utils.compute_cispo_policy_loss(lp, old, adv, args.eps_clip, eps_clip_high)
-    else:
-        pg, clipfrac, ppo_kl = ppo_utils.compute_policy_loss(lp, old, adv, args.eps_clip, eps_clip_high, eps_clip_c)
+    lp, old = inputs.log_probs, inputs.old_log_probs
+    pg, clipfrac, ppo_kl = estimator_of(args).policy_loss(lp, old, inputs.advantages, inputs.mask, args)
     metrics = {"train/pg_clipfrac": agg(clipfrac), "train/ppo_kl": agg(ppo_kl)}
-    if getattr(args, "use_tis", False):
+    if args.use_tis:
         if inputs.rollout_log_probs is None:
             raise ValueError("--use-tis: no rollout log-probs in the batch (the rollout function must fill "
                              "Sample.rollout_log_probs); drop the flag or return them")
         weights, tis_clipped = ppo_utils.compute_tis_weights(old, inputs.rollout_log_probs, args.tis_clip,
-                                                             getattr(args, "tis_clip_low", 0.0))
+                                                             args.tis_clip_low)
         pg = pg * weights
         metrics.update({"train/tis": agg(weights), "train/tis_clipfrac": agg(tis_clipped)})
     pg_loss = agg(pg)
-    entropy_coef = getattr(args, "entropy_coef", 0.0) or 0.0
+    entropy_coef = args.entropy_coef
     entropy_loss = agg(inputs.entropy if entropy_coef else inputs.entropy.detach())
     loss = pg_loss - entropy_coef * entropy_loss
     metrics.update({"train/pg_loss": pg_loss, "train/entropy_loss": entropy_loss})
@@ -86,11 +80,11 @@ def policy_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, 
         # Reported whenever a reference model runs (also under --kl-coef reward shaping); in the loss only
         # with --use-kl-loss.
         kl = ppo_utils.compute_approx_kl(lp, inputs.ref_log_probs, args.kl_loss_type)
-        if getattr(args, "use_unbiased_kl", False):
+        if args.use_unbiased_kl:
             kl = ppo_utils.unbiased_kl(kl, lp, old)
         kl_loss = agg(kl)
-        if getattr(args, "use_kl_loss", False):
-            loss = loss + (getattr(args, "kl_loss_coef", 0.0) or 0.0) * kl_loss
+        if args.use_kl_loss:
+            loss = loss + args.kl_loss_coef * kl_loss
         metrics["train/kl_loss"] = kl_loss
     return loss, metrics
 
@@ -106,7 +100,7 @@ def critic_loss(
     aggregate: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The PPO value loss (`--value-clip`) and its metrics."""
-    per_token, clipfrac = ppo_utils.compute_value_loss(values, old_values, returns, getattr(args, "value_clip", None))
+    per_token, clipfrac = ppo_utils.compute_value_loss(values, old_values, returns, args.value_clip)
     loss = aggregate(per_token)
     return loss, {"train/value_loss": loss.detach(), "train/value_clipfrac": aggregate(clipfrac),
                   "critic/values": aggregate(values.detach()), "critic/returns": aggregate(returns)}

@@ -57,6 +57,22 @@ Without CUDA, --actor-num-gpus-per-node counts CPU training ranks and --rollout-
 """
 
 
+# Fields no flag sets directly: `parse_args` fills the forwarded flag families, validation resolves the rest.
+# Declared as parser defaults so that every args object built from the parser has them (code reads `args.x`).
+DERIVED_FIELDS: dict[str, str] = {
+    "use_cuda": "CUDA is available here (or --dry-run-cuda plans a GPU run)",
+    "sglang_args": "the --sglang-<field> flags, {field: value}",
+    "router_args": "the --router-<field> flags, {field: value}",
+    "megatron_args": "the Megatron flags' raw tokens, in order",
+    "use_critic": "the advantage estimator trains a value model (slime/algorithm/estimators.py)",
+    "grpo_std_normalization": "not --disable-grpo-std-normalization (slime's positive name)",
+    "rewards_normalization": "not --disable-rewards-normalization (slime's positive name)",
+    "rollout_global_dataset": "prompts come from --prompt-data (not --disable-rollout-global-dataset)",
+    "eval_datasets": "the datasets of --eval-config, read and checked",
+    "run_name": "<project>/<experiment or start time>: the run's folder under outputs/",
+}
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that raises SlimeArgumentError instead of printing usage and exiting."""
 
@@ -87,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="YAML mapping of argument names (rollout_batch_size or rollout-batch-size) to values; overrides "
         "the command line, then everything is validated. Unknown names are an error.",
     )
+    parser.set_defaults(**dict.fromkeys(DERIVED_FIELDS))
     return parser
 
 
@@ -252,7 +269,7 @@ def check_function_flags(args: argparse.Namespace, parser: argparse.ArgumentPars
     Built-in defaults are not loaded here: they are loaded (and tested) by the code that uses them.
     """
     for dest in FUNCTION_FLAGS:
-        value = getattr(args, dest, None)
+        value = getattr(args, dest)
         if value is None or value == parser.get_default(dest):
             continue
         if dest == "eval_function_path" and value == parser.get_default("rollout_function_path"):
@@ -266,10 +283,10 @@ def check_function_flags(args: argparse.Namespace, parser: argparse.ArgumentPars
 def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Run every area's validation (deriving defaults in place), then check the plugin paths."""
     parser = parser or build_parser()
-    if not hasattr(args, "use_cuda"):
+    if args.use_cuda is None:
         args.use_cuda = _cuda_available()
     for name, empty in (("sglang_args", dict), ("router_args", dict), ("megatron_args", list)):
-        if getattr(args, name, None) is None:
+        if getattr(args, name) is None:
             setattr(args, name, empty())
     validate_all(args)
     validate_megatron(args)
@@ -298,7 +315,7 @@ def check_before_start(args: argparse.Namespace) -> None:
 
 def check_model_args(args: argparse.Namespace) -> None:
     """MODEL_ARGS vs --hf-checkpoint's config.json: an error for megatron, a warning for fsdp."""
-    if not getattr(args, "num_layers", None) or not getattr(args, "hf_checkpoint", None):
+    if not args.num_layers or not args.hf_checkpoint:
         return  # no architecture flags given: nothing to cross-check
     if not os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")):
         return  # the rollout checks report a missing checkpoint where one is needed

@@ -65,7 +65,7 @@ class Run:
             # The engines and the router start inside the manager's constructor; the training processes
             # start meanwhile, and the manager's start-up errors surface (with their message) after that.
             self.rollout_manager = create_rollout_manager(self.args, placements["rollout"])
-            use_critic = bool(getattr(self.args, "use_critic", False))
+            use_critic = bool(self.args.use_critic)
             # With a critic (or colocated engines) several processes share each GPU bundle.
             self.actor = RayTrainGroup(self.args, placements["actor"], role="actor",
                                        num_gpus_per_actor=0.4 if self.args.colocate or use_critic else 1.0)

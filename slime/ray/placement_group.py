@@ -44,13 +44,13 @@ def num_actor_devices(args) -> int:
 
 
 def num_rollout_devices(args) -> int:
-    if args.colocate or getattr(args, "debug_train_only", False):
+    if args.colocate or args.debug_train_only:
         return 0
     return args.rollout_num_gpus or 0
 
 
 def create_placement_groups(args, timeout_s: float = 120.0) -> dict[str, PlacementSlice]:
-    num_actor = 0 if getattr(args, "debug_rollout_only", False) else num_actor_devices(args)
+    num_actor = 0 if args.debug_rollout_only else num_actor_devices(args)
     total = num_actor + num_rollout_devices(args)
     if args.colocate:
         total = max(total, args.rollout_num_gpus or 0)

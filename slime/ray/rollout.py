@@ -28,21 +28,19 @@ Simplifications and choices:
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
-import os
-import sys
 import time
 from typing import Any
 
 import httpx
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime.backends.sglang_utils.sglang_engine import engine_nnodes
 from slime.ray.engine_health import EngineHealthMonitor
-from slime.rollout.data_source import RolloutDataSourceWithBuffer
-from slime.rollout.router import RouterClient, RouterProcess
+from slime.rollout.base_types import call_rollout_fn, lifecycle_of
+from slime.rollout.router import RouterClient, RouterProcess, url_of
+from slime.rollout.train_data import build_train_batch, flatten_groups, load_debug_samples, save_debug_samples
 from slime.utils.metrics import (
     compute_eval_metrics,
     compute_rollout_metrics,
@@ -52,8 +50,7 @@ from slime.utils.metrics import (
 )
 from slime.utils.misc import load_function
 from slime.utils.net import node_ip
-from slime.utils.ppo_utils import group_normalize_rewards
-from slime.utils.types import Sample, TrainBatch
+from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +59,13 @@ ENGINE_CLASSES = {
     "sglang": "slime.backends.sglang_utils.sglang_engine.SGLangEngine",
 }
 MEMORY_TAGS = ("weights", "kv_cache")  # what release_memory_occupation frees when no tags are given
-GROUP_NORMALIZED_ESTIMATORS = {"grpo", "gspo", "cispo", "reinforce_plus_plus_baseline"}
 
 
 class RolloutManager:
     def __init__(self, args: Any, pg: tuple[Any, list[int]] | None):
-        self.args = args
+        self.args = args  # this actor's copy; for a router it starts, the router's address is filled in
         self.pg = pg
+        self.generate_rollout = None
         self.engines: list[Any] = []  # one actor per engine (node rank 0 of a multi-node engine)
         self.engine_followers: list[Any] = []  # the actors of node ranks > 0 of multi-node engines
         self.engine_urls: list[str] = []
@@ -85,15 +82,12 @@ class RolloutManager:
             # The cheap, error-prone parts first, so a bad plugin path or dataset starts no process.
             self.generate_rollout = load_function(args.rollout_function_path, "--rollout-function-path")
             self.data_source = self._make_data_source()
-            if not getattr(args, "debug_train_only", False):
+            if not args.debug_train_only:
                 self._start_router()
                 self._start_engines()
                 for url in self.engine_urls:
                     self.router.add_worker(url)
-            args.router_url = self.router.url if self.router else None
-            args.engine_urls = list(self.engine_urls)
-            args.rollout_num_engines = len(self.engine_urls)
-            if getattr(args, "use_fault_tolerance", False) and self.engines:
+            if args.use_fault_tolerance and self.engines:
                 self.monitor = EngineHealthMonitor(
                     lambda: list(self.engine_urls), self._take_out, args.rollout_health_check_interval,
                     args.rollout_health_check_timeout, args.rollout_health_check_first_wait).start()
@@ -104,14 +98,8 @@ class RolloutManager:
     # ---- construction ---------------------------------------------------------------------------
     def _start_router(self) -> None:
         args = self.args
-        if getattr(args, "sglang_router_ip", None):
-            port = getattr(args, "sglang_router_port", None)
-            if not port:
-                raise ValueError(
-                    f"--sglang-router-ip={args.sglang_router_ip} names an external router but "
-                    "--sglang-router-port is not set; pass both"
-                )
-            self.router = RouterClient(f"http://{args.sglang_router_ip}:{port}")
+        if args.sglang_router_ip:
+            self.router = RouterClient(url_of(args.sglang_router_ip, args.sglang_router_port))
             if not self.router.is_alive():
                 raise ConnectionError(
                     f"external router {self.router.url} (--sglang-router-ip/--sglang-router-port) does not "
@@ -119,34 +107,24 @@ class RolloutManager:
                 )
             return
         router_args = router_args_from(args)
-        policy = router_args.pop("policy", None) or "round_robin"
-        self.router = RouterProcess(
-            host=node_ip(),
-            port=getattr(args, "sglang_router_port", None),
-            policy=policy,
-            extra_args=router_args,
-        )
+        policy = router_args.pop("policy")
+        self.router = RouterProcess(host=node_ip(), port=args.sglang_router_port, policy=policy,
+                                    extra_args=router_args)
         self._owns_router = True
         self.router.start()
-        # Custom generate functions written for slime address the router through these two fields.
+        # The rollout functions (slime's custom generate functions too) address the router through these two
+        # fields: this actor's args get the address of the router it started, once, before any of them runs.
         args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
 
     def _start_engines(self) -> None:
         args = self.args
-        external = getattr(args, "rollout_external_engine_addrs", None)
+        external = args.rollout_external_engine_addrs
         if external:
             self.engine_urls = [a if "://" in a else f"http://{a}" for a in external]
             return
         per_engine = args.rollout_num_gpus_per_engine
         num_engines = args.rollout_num_gpus // per_engine
-        if num_engines < 1:
-            raise ValueError(
-                f"--rollout-num-gpus={args.rollout_num_gpus} is smaller than "
-                f"--rollout-num-gpus-per-engine={per_engine}: no engine fits; raise the first or lower the second"
-            )
-        backend = getattr(args, "rollout_backend", "sglang") or "sglang"
-        if backend not in ENGINE_CLASSES:
-            raise ValueError(f"--rollout-backend={backend} is not one of {sorted(ENGINE_CLASSES)}")
+        backend = args.rollout_backend
         engine_cls = ray.remote(load_function(ENGINE_CLASSES[backend], "--rollout-backend"))
         nnodes = engine_nnodes(args) if backend == "sglang" else 1
         per_node = per_engine // nnodes
@@ -164,25 +142,20 @@ class RolloutManager:
         self.engine_urls = started[: len(self.engines)]
 
     def _engine_options(self, first_gpu: int, per_engine: int) -> dict[str, Any]:
-        # Not torch.cuda.is_available(): this actor holds no GPU, so Ray hides every GPU from it.
-        use_cuda = getattr(self.args, "use_cuda", None)
-        if use_cuda is None:
-            use_cuda = ray.cluster_resources().get("GPU", 0) > 0
-        if use_cuda:
+        # args.use_cuda, not torch.cuda.is_available(): this actor holds no GPU, so Ray hides every GPU from it.
+        if self.args.use_cuda:
             # Colocated engines share their GPU with a training actor, so they take a fraction of it;
             # within a placement group an actor lives in one bundle, the engine's other GPUs are
             # reserved by the bundles that follow it.
-            num_gpus = 0.2 if getattr(self.args, "colocate", False) else (1 if self.pg else per_engine)
+            num_gpus = 0.2 if self.args.colocate else (1 if self.pg else per_engine)
             options: dict[str, Any] = {"num_cpus": 0.2, "num_gpus": num_gpus}
-        elif getattr(self.args, "colocate", False):
+        elif self.args.colocate:
             # A CPU bundle holds {CPU: 1}, taken by the training rank that shares it; the engine takes no
             # CPU slot of its own, as a colocated engine takes no whole GPU above.
             options = {"num_cpus": 0, "num_gpus": 0}
         else:
             options = {"num_cpus": 1, "num_gpus": 0}
         if self.pg is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
             pg, bundle_indices = self.pg
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=pg,
@@ -192,10 +165,7 @@ class RolloutManager:
         return options
 
     def _make_data_source(self) -> Any:
-        path = getattr(self.args, "data_source_path", None)
-        if path:
-            return load_function(path, "--data-source-path")(self.args)
-        return RolloutDataSourceWithBuffer(self.args)
+        return load_function(self.args.data_source_path, "--data-source-path")(self.args)
 
     # ---- queries --------------------------------------------------------------------------------
     def get_engines(self) -> list[Any]:
@@ -222,13 +192,13 @@ class RolloutManager:
         wall_start = time.time()
         start = time.perf_counter()
         served_before = self._engine_request_counts()
-        if getattr(args, "load_debug_rollout_data", None):
+        fn_metrics: dict[str, Any] = {}
+        if args.load_debug_rollout_data:
             samples = load_debug_samples(args.load_debug_rollout_data, rollout_id)
         else:
-            result = self.generate_rollout(args, rollout_id, self.data_source, evaluation=False)
-            if inspect.isawaitable(result):
-                result = asyncio.run(result)
-            samples = flatten_groups(result, args.rollout_function_path)
+            output = call_rollout_fn(self.generate_rollout, args, rollout_id, self.data_source, evaluation=False)
+            samples = flatten_groups(output.samples, args.rollout_function_path)
+            fn_metrics = output.metrics or {}
         rollout_time = time.perf_counter() - start
 
         expected = args.rollout_batch_size * args.n_samples_per_prompt
@@ -239,7 +209,7 @@ class RolloutManager:
                 f"({args.n_samples_per_prompt}) = {expected}; the rollout function must return "
                 "rollout_batch_size groups of n_samples_per_prompt samples"
             )
-        if getattr(args, "save_debug_rollout_data", None):
+        if args.save_debug_rollout_data:
             save_debug_samples(args.save_debug_rollout_data, rollout_id, samples)
 
         batch = build_train_batch(args, samples)
@@ -249,7 +219,7 @@ class RolloutManager:
             failed_count=failed, rollout_time=rollout_time,
         )  # fmt: skip
         metrics.update(compute_weight_version_metrics([s.weight_versions for s in samples]))
-        if getattr(args, "log_multi_turn", False):
+        if args.log_multi_turn:
             metrics.update(multi_turn_metrics([s.metadata for s in samples]))
         metrics.update(engine_load_metrics(served_before, self._engine_request_counts()))
         if self.monitor is not None:
@@ -258,7 +228,7 @@ class RolloutManager:
             # Generation side idle between the previous generate and this one (waiting on the trainer).
             idle = max(0.0, wall_start - self._last_generate_end)
             metrics["perf/rollout_wait_time_ratio"] = wait_time_ratio(idle, idle + rollout_time)
-        metrics.update(_module_metrics(self.generate_rollout))  # a background rollout reports its own ratio
+        metrics.update({k: float(v) for k, v in fn_metrics.items()})  # a background rollout reports its own ratio
         self._last_generate_end = time.time()
         if with_timing:
             return batch, metrics, {"generate_start": wall_start, "generate_end": self._last_generate_end}
@@ -284,22 +254,19 @@ class RolloutManager:
         which returns `{name: {"rewards": [...], "truncated": [...], "samples": [...]}}`, and turn each set
         into `eval/<name>` metrics."""
         args = self.args
-        path = getattr(args, "eval_function_path", None) or args.rollout_function_path
+        path = args.eval_function_path
         fn = load_function(path, "--eval-function-path")
-        result = fn(args, rollout_id, self.data_source, evaluation=True)
-        if inspect.isawaitable(result):
-            result = asyncio.run(result)
-        if not isinstance(result, dict):
-            raise TypeError(
-                f"eval function {path} returned {type(result).__name__}, expected {{name: {{rewards, ...}}}}"
-            )
-        metrics: dict[str, float] = {}
-        for name, data in result.items():
+        output = call_rollout_fn(fn, args, rollout_id, self.data_source, evaluation=True)
+        if not isinstance(output.data, dict):
+            raise TypeError(f"eval function {path} returned {type(output.data).__name__}, expected "
+                            "RolloutFnEvalOutput or {name: {rewards, ...}}")
+        metrics: dict[str, float] = {k: float(v) for k, v in (output.metrics or {}).items()}
+        for name, data in output.data.items():
             samples = data.get("samples")
             groups = [s.group_index for s in samples] if samples else None
             metrics.update(
                 compute_eval_metrics(
-                    name, data["rewards"], data.get("truncated", []), groups, getattr(args, "log_passrate", False)
+                    name, data["rewards"], data.get("truncated", []), groups, args.log_passrate
                 )
             )
         return metrics
@@ -334,7 +301,7 @@ class RolloutManager:
     def before_weight_update(self) -> None:
         """Called right before a push; returns once no generation of ours is in flight. Engines the health
         monitor took out are restarted here, so the push that follows brings them to the current weights."""
-        hook = _module_hook(self.generate_rollout, "before_weight_update")
+        hook = lifecycle_of(self.generate_rollout).before_weight_update
         if hook is not None:
             hook(self.args)
         if self.monitor is not None:
@@ -347,7 +314,7 @@ class RolloutManager:
         self.weight_version = int(weight_version)
         if self.monitor is not None:
             self.monitor.resume()
-        hook = _module_hook(self.generate_rollout, "after_weight_update")
+        hook = lifecycle_of(self.generate_rollout).after_weight_update
         if hook is not None:
             hook(self.args, self.weight_version)
 
@@ -362,7 +329,6 @@ class RolloutManager:
     def _restart_dead_engines(self) -> None:
         for i in self.monitor.dead():
             self.engine_urls[i] = ray.get(self.engines[i].init.remote())  # the actor starts a fresh server
-            self.args.engine_urls = list(self.engine_urls)
             self.router.add_worker(self.engine_urls[i])
             self.monitor.revive(i)
             self.engine_restarts += 1
@@ -386,9 +352,9 @@ class RolloutManager:
         if self._shut_down:
             return
         self._shut_down = True
-        if getattr(self, "monitor", None) is not None:
+        if self.monitor is not None:
             _best_effort("stop health monitor", self.monitor.stop)
-        hook = _module_hook(getattr(self, "generate_rollout", None), "shutdown_rollout")
+        hook = lifecycle_of(self.generate_rollout).shutdown if self.generate_rollout is not None else None
         if hook is not None:  # stop a background rollout before its engines go away
             _best_effort("stop background rollout", lambda: hook(self.args))
         if self.router is not None:
@@ -421,118 +387,10 @@ def engine_load_metrics(before: list[int] | None, after: list[int] | None) -> di
 def router_args_from(args: Any) -> dict[str, Any]:
     """sglang-router flags from `args`: the forwarded `--router-<field>` flags (`args.router_args`), plus
     `--router-policy` and `--sglang-router-request-timeout-secs`, which are slime's own flags."""
-    out = dict(getattr(args, "router_args", None) or {})
-    if getattr(args, "router_policy", None):
-        out["policy"] = args.router_policy
-    timeout = getattr(args, "sglang_router_request_timeout_secs", None)
-    if timeout is not None:
-        out.setdefault("request_timeout_secs", timeout)
+    out = {**args.router_args, "policy": args.router_policy}
+    if args.sglang_router_request_timeout_secs is not None:
+        out.setdefault("request_timeout_secs", args.sglang_router_request_timeout_secs)
     return out
-
-
-def flatten_groups(groups: Any, source: str) -> list[Sample]:
-    """Groups of samples in order -> one flat list (a bare Sample counts as a group of one)."""
-    if not isinstance(groups, (list, tuple)):
-        raise TypeError(
-            f"--rollout-function-path={source} returned {type(groups).__name__}, expected list[list[Sample]]"
-        )
-    flat: list[Sample] = []
-    for g in groups:
-        for s in [g] if isinstance(g, Sample) else g:
-            if not isinstance(s, Sample):
-                raise TypeError(
-                    f"--rollout-function-path={source} returned a {type(s).__name__} where a Sample was expected"
-                )
-            flat.append(s)
-    return flat
-
-
-def build_train_batch(args: Any, samples: list[Sample]) -> TrainBatch:
-    """Samples (in order) -> TrainBatch, with group-normalised rewards for GRPO-like estimators."""
-    raw = [s.get_reward_value(getattr(args, "reward_key", None)) for s in samples]
-    n = args.n_samples_per_prompt
-    group_indices = [s.group_index if s.group_index is not None else i // n for i, s in enumerate(samples)]
-    rewards = _normalized_rewards(args, samples, raw, group_indices)
-
-    loss_masks = []
-    for s in samples:
-        mask = list(s.loss_mask) if s.loss_mask is not None else [1] * s.response_length
-        if len(mask) != s.response_length:
-            raise ValueError(
-                f"sample {s.index} (group {s.group_index}): loss_mask has {len(mask)} entries but "
-                f"response_length={s.response_length}; a custom generate function must keep them equal"
-            )
-        loss_masks.append([0] * len(mask) if s.status == Sample.Status.FAILED else mask)
-
-    log_probs = None
-    if samples and all(s.rollout_log_probs is not None for s in samples):
-        log_probs = [list(s.rollout_log_probs) for s in samples]
-        for s, lp in zip(samples, log_probs):
-            if len(lp) != s.response_length:
-                raise ValueError(
-                    f"sample {s.index} (group {s.group_index}): {len(lp)} rollout log-probs for "
-                    f"response_length={s.response_length}"
-                )
-    return TrainBatch(
-        tokens=[list(s.tokens) for s in samples],
-        response_lengths=[s.response_length for s in samples],
-        loss_masks=loss_masks,
-        rewards=rewards,
-        raw_rewards=raw,
-        truncated=[s.status == Sample.Status.TRUNCATED for s in samples],
-        group_indices=group_indices,
-        rollout_log_probs=log_probs,
-    )
-
-
-def _normalized_rewards(args: Any, samples: list[Sample], raw: list[float], group_indices: list[int]) -> list[float]:
-    custom = getattr(args, "custom_reward_post_process_path", None)
-    if custom:
-        _, rewards = load_function(custom, "--custom-reward-post-process-path")(args, samples)
-        return [float(r) for r in rewards]
-    if args.advantage_estimator not in GROUP_NORMALIZED_ESTIMATORS:
-        return list(raw)
-    if getattr(args, "disable_rewards_normalization", False):
-        return list(raw)
-    # REINFORCE++-baseline only subtracts the group mean; GRPO-like estimators also divide by the std.
-    std_normalize = (not getattr(args, "disable_grpo_std_normalization", False)
-                     and args.advantage_estimator != "reinforce_plus_plus_baseline")
-    return [float(r) for r in group_normalize_rewards(raw, group_indices, std_normalize)]
-
-
-def save_debug_samples(template: str, rollout_id: int, samples: list[Sample]) -> str:
-    import torch
-
-    path = template.format(rollout_id=rollout_id)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}, path)
-    logger.info("rollout %d: %d samples saved to %s", rollout_id, len(samples), path)
-    return path
-
-
-def load_debug_samples(template: str, rollout_id: int) -> list[Sample]:
-    import torch
-
-    path = template.format(rollout_id=rollout_id)
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"--load-debug-rollout-data={template}: {path} does not exist for rollout {rollout_id}"
-        )
-    data = torch.load(path, weights_only=False)
-    return [Sample.from_dict(d) for d in data["samples"]]
-
-
-def _module_metrics(fn: Any) -> dict[str, float]:
-    """Counters the rollout function's module exposes through `last_rollout_metrics()` (the default
-    rollout reports dynamic-filter drops, aborted groups and failures there)."""
-    hook = getattr(sys.modules.get(getattr(fn, "__module__", None) or ""), "last_rollout_metrics", None)
-    return {k: float(v) for k, v in hook().items()} if callable(hook) else {}
-
-
-def _module_hook(fn: Any, name: str):
-    """`name` from the rollout function's module when it defines one (see the module docstring)."""
-    hook = getattr(sys.modules.get(getattr(fn, "__module__", None) or ""), name, None)
-    return hook if callable(hook) else None
 
 
 def _best_effort(what: str, fn) -> None:

@@ -43,15 +43,15 @@ class RolloutDataSource:
         self.sample_group_index = 0
         self.sample_index = 0
         self.dataset = None
-        if getattr(args, "prompt_data", None) and not getattr(args, "disable_rollout_global_dataset", False):
+        if args.prompt_data and not args.disable_rollout_global_dataset:
             self.dataset = self._load_dataset(args)
             if len(self.dataset) == 0:
                 raise ValueError(
                     f"--prompt-data {args.prompt_data}: no prompts left (empty file, or every prompt is longer "
-                    f"than --rollout-max-prompt-len={getattr(args, 'rollout_max_prompt_len', None)}); give a file "
+                    f"than --rollout-max-prompt-len={args.rollout_max_prompt_len}); give a file "
                     "with rows, or raise --rollout-max-prompt-len (and --rollout-max-context-len)"
                 )
-            if getattr(args, "rollout_shuffle", False):
+            if args.rollout_shuffle:
                 self.dataset.shuffle(self.epoch_id)
 
     @staticmethod
@@ -61,18 +61,18 @@ class RolloutDataSource:
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
         common = {
             "tokenizer": tokenizer,
-            "max_prompt_len": getattr(args, "rollout_max_prompt_len", None),
-            "input_key": getattr(args, "input_key", "input"),
-            "label_key": getattr(args, "label_key", None),
-            "metadata_key": getattr(args, "metadata_key", None),
-            "tool_key": getattr(args, "tool_key", None),
-            "apply_chat_template": getattr(args, "apply_chat_template", False),
-            "apply_chat_template_kwargs": getattr(args, "apply_chat_template_kwargs", None),
-            "seed": getattr(args, "rollout_seed", 42),
+            "max_prompt_len": args.rollout_max_prompt_len,
+            "input_key": args.input_key,
+            "label_key": args.label_key,
+            "metadata_key": args.metadata_key,
+            "tool_key": args.tool_key,
+            "apply_chat_template": args.apply_chat_template,
+            "apply_chat_template_kwargs": args.apply_chat_template_kwargs,
+            "seed": args.rollout_seed,
         }
-        if getattr(args, "streaming_data", False):
+        if args.streaming_data:
             return StreamingDataset(args.prompt_data, **common)
-        return Dataset(args.prompt_data, num_workers=getattr(args, "num_data_workers", 1) or 1, **common)
+        return Dataset(args.prompt_data, num_workers=args.num_data_workers, **common)
 
     @property
     def dataset_size(self) -> int:
@@ -87,7 +87,7 @@ class RolloutDataSource:
             if self.sample_offset >= len(self.dataset):
                 self.epoch_id += 1
                 self.sample_offset = 0
-                if getattr(self.args, "rollout_shuffle", False):
+                if self.args.rollout_shuffle:
                     self.dataset.shuffle(self.epoch_id)
             take = min(num_groups - len(prompts), len(self.dataset) - self.sample_offset)
             got = self.dataset.read(self.sample_offset, self.sample_offset + take)
@@ -97,7 +97,7 @@ class RolloutDataSource:
             if fruitless >= 2 * len(self.dataset):  # two epochs' worth of positions always span one whole epoch
                 raise ValueError(
                     f"--prompt-data {self.args.prompt_data}: no prompts left (every prompt is longer than "
-                    f"--rollout-max-prompt-len={getattr(self.args, 'rollout_max_prompt_len', None)}); raise "
+                    f"--rollout-max-prompt-len={self.args.rollout_max_prompt_len}); raise "
                     "--rollout-max-prompt-len (and --rollout-max-context-len) or shorten the prompts"
                 )
         return prompts
@@ -147,12 +147,12 @@ class RolloutDataSource:
         self.epoch_id = state["epoch_id"]
         self.sample_group_index = state["sample_group_index"]
         self.sample_index = state["sample_index"]
-        if self.dataset is not None and getattr(self.args, "rollout_shuffle", False):
+        if self.dataset is not None and self.args.rollout_shuffle:
             self.dataset.shuffle(self.epoch_id)
 
     def save(self, rollout_id: int) -> str | None:
         """Write the state for `rollout_id` under `--save`; returns the path (None without --save)."""
-        root = getattr(self.args, "save", None)
+        root = self.args.save
         if not root:
             return None
         path = state_path(root, rollout_id)
@@ -172,7 +172,7 @@ class RolloutDataSource:
 
     def load(self, rollout_id: int | None = None) -> bool:
         """Restore the state saved for `rollout_id` under `--load`; False (with a log line) when there is none."""
-        root = getattr(self.args, "load", None)
+        root = self.args.load
         if not root or rollout_id is None:
             return False
         path = state_path(root, rollout_id)
@@ -198,7 +198,7 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
     def __init__(self, args):
         super().__init__(args)
         self.buffer: list[list[Sample]] = []
-        path = getattr(args, "buffer_filter_path", None)
+        path = args.buffer_filter_path
         if path:
             self.buffer_filter = load_function(path, "--buffer-filter-path")
         else:

@@ -8,7 +8,8 @@ Meant for `train_async.py`. The first call starts an `AsyncRolloutWorker` on the
 generate / reward functions apply). Each call of the rollout function only takes `--rollout-batch-size`
 finished groups from the worker, waiting for more when there are not enough.
 
-Weight pushes (the RolloutManager calls the module hooks `before_weight_update` / `after_weight_update`):
+Weight pushes (the RolloutManager calls the `before_weight_update` / `after_weight_update` this rollout
+function declares with `@rollout_lifecycle`, slime/rollout/base_types.py):
 - Before a push the worker stops launching groups, aborts every engine's requests (`/abort_request`) and
   waits until none of its groups is in flight, so weights never change under a running request.
 - Groups cut short go back to the front of the queue. With `--partial-rollout` their samples continue from
@@ -24,7 +25,7 @@ behind the current one is regenerated from its prompts when it is collected (cou
 also bounds staleness.
 
 Simplifications:
-- One worker per process (module state); it is stopped by `shutdown_rollout` (RolloutManager.shutdown).
+- One worker per process (module state); it is stopped by its declared `shutdown` (RolloutManager.shutdown).
 - Under `train.py`, which does not call the push hooks, weights change under running requests.
 - The dynamic sampling filter runs when a group finishes; a dropped group is replaced by the next launch.
 - The data source is read from the worker's loop thread; checkpoint `save` reads its counters from the
@@ -37,12 +38,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
+from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, rollout_lifecycle
 from slime.rollout.sglang_rollout import (
     abort_engines,
     build_sampling_params,
     check_failed_ratio,
+    filter_verdict,
     generate_and_rm_group,
     generate_rollout,
 )
@@ -57,7 +59,6 @@ ABORT_RETRY_S = 0.5  # re-send the abort while groups are still in flight (a req
 
 _worker: "AsyncRolloutWorker | None" = None
 _current_version: int | None = None
-_last_metrics: dict[str, float] = {}
 
 
 # --- pure helpers ---------------------------------------------------------------------------------------
@@ -109,10 +110,10 @@ class AsyncRolloutWorker:
         self.data_source = data_source
         self.params = build_sampling_params(args)
         self.target_in_flight = max(int(args.rollout_batch_size), int(args.over_sampling_batch_size or 0))
-        self.max_buffered = max(1, int(getattr(args, "async_buffer_size", None) or 1)) * int(args.rollout_batch_size)
-        self.partial_rollout = bool(getattr(args, "partial_rollout", False))
-        self.max_staleness = getattr(args, "max_weight_staleness", None)
-        filter_path = getattr(args, "dynamic_sampling_filter_path", None)
+        self.max_buffered = args.async_buffer_size * int(args.rollout_batch_size)
+        self.partial_rollout = bool(args.partial_rollout)
+        self.max_staleness = args.max_weight_staleness
+        filter_path = args.dynamic_sampling_filter_path
         self.filter_fn = load_function(filter_path, "--dynamic-sampling-filter-path") if filter_path else None
         self.weight_version = weight_version
         self.in_flight: set[asyncio.Task] = set()
@@ -165,8 +166,7 @@ class AsyncRolloutWorker:
             self.requeued.append(requeue_unfinished(group, self.partial_rollout))
             return
         if self.filter_fn is not None:
-            out = self.filter_fn(self.args, group)
-            keep, reason = (out, None) if isinstance(out, bool) else (bool(out.keep), getattr(out, "reason", None))
+            keep, reason = filter_verdict(self.filter_fn, self.args, group)
             if not keep:
                 self._count(f"rollout/dynamic_filter/drop_{reason or 'filtered'}")
                 return
@@ -258,36 +258,7 @@ class AsyncRolloutWorker:
         self._changed.set()
 
 
-# --- the rollout function and the RolloutManager's hooks ------------------------------------------------
-
-
-def generate_rollout_fully_async(args, rollout_id: int, data_source, evaluation: bool = False):
-    """`--rollout-function-path`: `rollout_batch_size` finished groups from the background worker."""
-    if evaluation:
-        return generate_rollout(args, rollout_id, data_source, evaluation=True)
-    return run_sync(_collect(args, rollout_id, data_source))
-
-
-async def _collect(args, rollout_id: int, data_source) -> list[list[Sample]]:
-    global _worker
-    if _worker is None or _worker.data_source is not data_source or _worker.stopped:
-        _worker = AsyncRolloutWorker(args, data_source, _current_version)
-        logger.info("fully async rollout: worker started, %d groups in flight", _worker.target_in_flight)
-    groups = await _worker.collect(int(args.rollout_batch_size), rollout_id)
-    failed = [s for g in groups for s in g if s.status == Sample.Status.FAILED]
-    check_failed_ratio(args, failed, int(args.rollout_batch_size) * int(args.n_samples_per_prompt), f"rollout {rollout_id}")
-    _last_metrics.clear()
-    _last_metrics.update(_worker.take_metrics())
-    _last_metrics["rollout/failed_samples_all"] = float(len(failed))
-    return sorted(groups, key=lambda g: g[0].group_index if g and g[0].group_index is not None else -1)
-
-
-def last_rollout_metrics() -> dict[str, float]:
-    """Counters of the last collection: `rollout/aborted_groups` (cut short by pushes),
-    `rollout/stale_groups_regenerated`, `rollout/dynamic_filter/drop_<reason>`, `rollout/buffered_groups`,
-    `rollout/groups_in_flight`, `rollout/failed_samples_all` and `perf/rollout_wait_time_ratio` (share of
-    the time since the previous collection with no group in flight)."""
-    return dict(_last_metrics)
+# --- the RolloutManager's calls and the rollout function ------------------------------------------------
 
 
 def before_weight_update(args) -> None:
@@ -309,10 +280,28 @@ def shutdown_rollout(args) -> None:
         _worker = None
 
 
-def worker_state() -> dict[str, Any]:
-    """A snapshot for tests and debugging: groups in flight, finished, requeued; paused; weight version."""
-    w = _worker
-    if w is None:
-        return {}
-    return {"in_flight": len(w.in_flight), "finished": len(w.finished), "requeued": len(w.requeued),
-            "paused": w.paused, "weight_version": w.weight_version}
+@rollout_lifecycle(before_weight_update=before_weight_update, after_weight_update=after_weight_update,
+                   shutdown=shutdown_rollout)
+def generate_rollout_fully_async(args, rollout_id: int, data_source,
+                                 evaluation: bool = False) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
+    """`--rollout-function-path`: `rollout_batch_size` finished groups from the background worker, with the
+    counters of the collection as metrics: `rollout/aborted_groups` (cut short by pushes),
+    `rollout/stale_groups_regenerated`, `rollout/dynamic_filter/drop_<reason>`, `rollout/buffered_groups`,
+    `rollout/groups_in_flight`, `rollout/failed_samples_all` and `perf/rollout_wait_time_ratio` (share of
+    the time since the previous collection with no group in flight)."""
+    if evaluation:
+        return generate_rollout(args, rollout_id, data_source, evaluation=True)
+    return run_sync(_collect(args, rollout_id, data_source))
+
+
+async def _collect(args, rollout_id: int, data_source) -> RolloutFnTrainOutput:
+    global _worker
+    if _worker is None or _worker.data_source is not data_source or _worker.stopped:
+        _worker = AsyncRolloutWorker(args, data_source, _current_version)
+        logger.info("fully async rollout: worker started, %d groups in flight", _worker.target_in_flight)
+    groups = await _worker.collect(int(args.rollout_batch_size), rollout_id)
+    failed = [s for g in groups for s in g if s.status == Sample.Status.FAILED]
+    check_failed_ratio(args, failed, int(args.rollout_batch_size) * int(args.n_samples_per_prompt), f"rollout {rollout_id}")
+    metrics = {**_worker.take_metrics(), "rollout/failed_samples_all": float(len(failed))}
+    groups.sort(key=lambda g: g[0].group_index if g and g[0].group_index is not None else -1)
+    return RolloutFnTrainOutput(samples=groups, metrics=metrics)

@@ -49,7 +49,7 @@ _ASSISTANT_MARK = "SLIMEASSISTANTTURNEND"
 
 def context_left(args, sample: Sample) -> int | None:
     """Tokens left under --rollout-max-context-len (None: no limit)."""
-    limit = getattr(args, "rollout_max_context_len", None)
+    limit = args.rollout_max_context_len
     if not limit:
         return None
     used = len(sample.tokens) if sample.tokens else len(prompt_ids(args, sample.prompt))
@@ -62,7 +62,7 @@ def turn_budget_left(args, sample: Sample, turn: int, max_turns: int | None = No
     False once `turn` reaches `max_turns` (default: --max-turns; None: no turn limit) or no token is left
     under --rollout-max-context-len.
     """
-    limit = max_turns if max_turns is not None else getattr(args, "max_turns", None)
+    limit = max_turns if max_turns is not None else args.max_turns
     if limit is not None and turn >= int(limit):
         return False
     left = context_left(args, sample)
@@ -155,7 +155,7 @@ async def generate_turn(args, sample: Sample, sampling_params: dict, stop: str |
         return ""
     resuming = sample.status == Sample.Status.ABORTED and sample.response_length > 0
     init_response(args, sample)
-    if resuming and getattr(args, "mask_offpolicy_in_partial_rollout", False):
+    if resuming and args.mask_offpolicy_in_partial_rollout:
         sample.loss_mask = [0] * sample.response_length  # older weights' tokens: context, not targets
 
     params = dict(sampling_params)
@@ -219,7 +219,7 @@ async def tool_loop(
     `metadata["tool_calls"]` the tool results appended.
     """
     tokenizer = get_tokenizer(args)
-    template_kwargs = dict(getattr(args, "apply_chat_template_kwargs", None) or {})
+    template_kwargs = dict(args.apply_chat_template_kwargs or {})
     turns = tool_calls = 0
     while turn_budget_left(args, sample, turns, max_turns):
         text = await generate_turn(args, sample, sampling_params, stop=stop)

@@ -54,6 +54,14 @@ def _norm(url: str) -> str:
     return url.rstrip("/")
 
 
+def url_of(host: str, port: int) -> str:
+    """`http://host:port` to connect to (all interfaces -> loopback; an IPv6 address in brackets)."""
+    host = "127.0.0.1" if host in ("", "0.0.0.0") else host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
 class RouterClient:
     """Worker registration on a running sglang-router at `url` (ours or an external one)."""
 
@@ -178,10 +186,7 @@ class RouterProcess(RouterClient):
         if self._auto_prometheus_port:
             self._prometheus_port = free_port(self.host)
         self.log_path = os.path.join(self.log_dir, f"sglang_router_{port}.log")
-        connect_host = "127.0.0.1" if self.host in ("", "0.0.0.0") else self.host
-        if ":" in connect_host and not connect_host.startswith("["):
-            connect_host = f"[{connect_host}]"
-        super().__init__(f"http://{connect_host}:{port}")
+        super().__init__(url_of(self.host, port))
 
     def command(self) -> list[str]:
         extra = dict(self.extra_args)

@@ -1,8 +1,8 @@
 """The default rollout: `generate_rollout` (`--rollout-function-path`), `generate_and_rm[_group]`, `generate`.
 
-Generation goes to the router (`args.router_url`, set by the RolloutManager) over SGLang's native
-`/generate` API; control (`/abort_request`) goes to every engine in `args.engine_urls` directly, because
-sglang-router does not proxy it.
+Generation goes to the router (`--sglang-router-ip` / `--sglang-router-port`, filled in by the RolloutManager
+for a router it starts) over SGLang's native `/generate` API; an abort (`/abort_request`) goes to every engine
+the router lists (`GET /workers`) directly, because sglang-router does not proxy it.
 
 Choices and simplifications:
 - Dynamic sampling keeps `kept + in flight == --over-sampling-batch-size`: each group the filter drops is
@@ -35,7 +35,11 @@ import time
 import weakref
 from typing import Any
 
+import httpx
+
+from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.rm_hub import async_rm, batched_async_rm
+from slime.rollout.router import RouterClient, url_of
 from slime.utils.data import Dataset
 from slime.utils.eval_config import args_for, eval_datasets
 from slime.utils.http_utils import HTTPRequestError, post, run_sync
@@ -55,7 +59,6 @@ _abort_event: contextvars.ContextVar[asyncio.Event | None] = contextvars.Context
 _semaphores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[int, asyncio.Semaphore]] = (
     weakref.WeakKeyDictionary()
 )
-_last_metrics: dict[str, float] = {}
 _eval_dataset_cache: dict[tuple, Any] = {}
 
 
@@ -67,11 +70,25 @@ def _aborted() -> bool:
     return event is not None and event.is_set()
 
 
+def engine_count(args) -> int:
+    """Engines behind the router: the external ones, or one per --rollout-num-gpus-per-engine GPUs."""
+    if args.rollout_external_engine_addrs:
+        return len(args.rollout_external_engine_addrs)
+    return max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
+
+
+def router_url(args) -> str:
+    """The router every /generate goes to: --sglang-router-ip / --sglang-router-port (filled in by the
+    RolloutManager for a router it starts, as in slime)."""
+    if not args.sglang_router_ip or not args.sglang_router_port:
+        raise ValueError("no router address: --sglang-router-ip / --sglang-router-port are unset (the RolloutManager "
+                         "fills them in for the router it starts; a rollout function called outside it needs them)")
+    return url_of(args.sglang_router_ip, args.sglang_router_port)
+
+
 def _semaphore(args) -> asyncio.Semaphore:
     """One semaphore per event loop bounding concurrent requests: concurrency per engine x engines."""
-    size = int(getattr(args, "sglang_server_concurrency", None) or 512) * max(
-        1, int(getattr(args, "rollout_num_engines", None) or 1)
-    )
+    size = args.sglang_server_concurrency * engine_count(args)
     loop = asyncio.get_running_loop()
     entry = _semaphores.get(loop)
     if entry is None or entry[0] != size:
@@ -88,7 +105,7 @@ def _load_tokenizer(path: str):
 
 
 def get_tokenizer(args):
-    if not getattr(args, "hf_checkpoint", None):
+    if not args.hf_checkpoint:
         raise ValueError("generate needs --hf-checkpoint (its tokenizer turns prompts into input_ids)")
     return _load_tokenizer(args.hf_checkpoint)
 
@@ -100,39 +117,32 @@ def _custom_generate(path: str):
     return fn, takes_evaluation
 
 
-def last_rollout_metrics() -> dict[str, float]:
-    """Counters of the last `generate_rollout` call: `rollout/dynamic_filter/drop_<reason>`,
-    `rollout/aborted_groups`, `rollout/failed_samples_all` (including dropped groups)."""
-    return dict(_last_metrics)
-
-
 # --- sampling parameters and one request -----------------------------------------------------------------
 
 
 def build_sampling_params(args, evaluation: bool = False) -> dict[str, Any]:
     """SGLang sampling params from the rollout flags (eval flags override them when `evaluation`)."""
 
-    def pick(name: str, eval_name: str, default=None):
-        value = getattr(args, eval_name, None) if evaluation else None
-        if value is None:
-            value = getattr(args, name, None)
-        return default if value is None else value
+    def pick(name: str, eval_name: str):
+        value = getattr(args, eval_name) if evaluation else None
+        return getattr(args, name) if value is None else value
 
     # No response limit: up to the context length (parse_args sets it from the model when it can); `generate`
     # lowers max_new_tokens by the prompt so prompt + response fit.
-    max_new_tokens = pick("rollout_max_response_len", "eval_max_response_len",
-                          getattr(args, "rollout_max_context_len", None))
+    max_new_tokens = pick("rollout_max_response_len", "eval_max_response_len")
+    if max_new_tokens is None:
+        max_new_tokens = args.rollout_max_context_len
     if max_new_tokens is None:
         raise ValueError("set --rollout-max-response-len (the max_new_tokens of every generation) or "
                          "--rollout-max-context-len")
     params = {
-        "temperature": pick("rollout_temperature", "eval_temperature", 1.0),
-        "top_p": pick("rollout_top_p", "eval_top_p", 1.0),
-        "top_k": pick("rollout_top_k", "eval_top_k", -1),
+        "temperature": pick("rollout_temperature", "eval_temperature"),
+        "top_p": pick("rollout_top_p", "eval_top_p"),
+        "top_k": pick("rollout_top_k", "eval_top_k"),
         "max_new_tokens": int(max_new_tokens),
-        "stop": getattr(args, "rollout_stop", None),
-        "stop_token_ids": getattr(args, "rollout_stop_token_ids", None),
-        "skip_special_tokens": bool(getattr(args, "rollout_skip_special_tokens", False)),
+        "stop": args.rollout_stop,
+        "stop_token_ids": args.rollout_stop_token_ids,
+        "skip_special_tokens": args.rollout_skip_special_tokens,
         "no_stop_trim": True,
         "spaces_between_special_tokens": False,
     }
@@ -207,9 +217,9 @@ def append_model_tokens(
 async def post_generate(args, input_ids: list[int], params: dict):
     """POST `{router}/generate` for these token ids -> (text, new tokens, their log-probs, status, weight
     version). Retried (60 times under --use-fault-tolerance, else 3) with backoff."""
-    url = f"{args.router_url}/generate"
+    url = f"{router_url(args)}/generate"
     payload = {"input_ids": list(input_ids), "sampling_params": params, "return_logprob": True}
-    fault_tolerant = getattr(args, "use_fault_tolerance", False)
+    fault_tolerant = args.use_fault_tolerance
     retries = 60 if fault_tolerant else 3
     try:
         answer = await post(url, payload, retries=retries, backoff=GENERATE_BACKOFF_S)
@@ -234,13 +244,13 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
         return sample
     resuming = sample.status == Sample.Status.ABORTED and sample.response_length > 0
     init_response(args, sample)
-    if resuming and getattr(args, "mask_offpolicy_in_partial_rollout", False):
+    if resuming and args.mask_offpolicy_in_partial_rollout:
         # tokens from an earlier rollout were sampled by older weights: keep them as context, not as targets
         sample.loss_mask = [0] * sample.response_length
 
     params = dict(sampling_params)
     max_new = int(params["max_new_tokens"]) - sample.response_length
-    context_len = getattr(args, "rollout_max_context_len", None)
+    context_len = args.rollout_max_context_len
     if context_len:
         max_new = min(max_new, int(context_len) - len(sample.tokens))
     if max_new <= 0:
@@ -279,7 +289,7 @@ async def generate_and_rm(
     args, sample: Sample, sampling_params: dict, evaluation: bool = False
 ) -> Sample | list[Sample]:
     """Generate (unless already finished) and grade one sample; errors mark it FAILED instead of raising."""
-    group_rm = getattr(args, "group_rm", False)
+    group_rm = args.group_rm
     if sample.status == Sample.Status.FAILED:
         return sample
     if sample.status in _FINISHED:
@@ -287,7 +297,7 @@ async def generate_and_rm(
             await _reward_one(args, sample)
         return sample
 
-    path = getattr(args, "custom_generate_function_path", None)
+    path = args.custom_generate_function_path
     try:
         async with _semaphore(args):
             if _aborted():
@@ -323,7 +333,7 @@ async def generate_and_rm_group(
     flat: list[Sample] = []
     for r in results:
         flat.extend(r if isinstance(r, list) else [r])
-    if getattr(args, "group_rm", False) and not any(s.status == Sample.Status.ABORTED for s in flat):
+    if args.group_rm and not any(s.status == Sample.Status.ABORTED for s in flat):
         targets = [s for s in flat if s.status != Sample.Status.FAILED]
         if targets:
             try:
@@ -342,7 +352,7 @@ async def generate_and_rm_group(
 
 def check_failed_ratio(args, failed: list[Sample], total: int, where: str) -> None:
     """Raise when more than --max-failed-ratio of `total` samples failed, quoting the first error."""
-    ratio = getattr(args, "max_failed_ratio", None)
+    ratio = args.max_failed_ratio
     ratio = DEFAULT_MAX_FAILED_RATIO if ratio is None else float(ratio)
     if failed and len(failed) > ratio * total:
         first = failed[0].metadata.get("error", "unknown error")
@@ -354,8 +364,15 @@ def check_failed_ratio(args, failed: list[Sample], total: int, where: str) -> No
 
 
 async def abort_engines(args) -> None:
-    """POST /abort_request {"abort_all": true} to every engine (the router does not forward it)."""
-    urls = list(getattr(args, "engine_urls", None) or [])
+    """POST /abort_request {"abort_all": true} to every engine the router lists (it does not forward aborts).
+    Without a router address there is no engine to abort (a custom generate function that calls none)."""
+    if not args.sglang_router_ip:
+        return
+    try:
+        urls = await asyncio.to_thread(RouterClient(router_url(args)).list_workers)
+    except (httpx.HTTPError, ValueError) as e:
+        logger.warning("abort: cannot list the router's engines (%s); nothing aborted", e)
+        return
     results = await asyncio.gather(
         *(post(f"{u}/abort_request", {"abort_all": True}, retries=2, timeout=30) for u in urls), return_exceptions=True
     )
@@ -364,25 +381,29 @@ async def abort_engines(args) -> None:
             logger.warning("abort on %s failed: %s", url, r)
 
 
-def _filter_verdict(filter_fn, args, group: list[Sample]) -> tuple[bool, str | None]:
+def filter_verdict(filter_fn, args, group: list[Sample]) -> tuple[bool, str | None]:
+    """(keep, reason) from a --dynamic-sampling-filter-path function's bool or DynamicFilterOutput."""
     out = filter_fn(args, group)
     if isinstance(out, bool):
         return out, None
-    return bool(out.keep), getattr(out, "reason", None)
+    return bool(out.keep), out.reason
 
 
 # --- the rollout -----------------------------------------------------------------------------------------
 
 
-def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
-    """Default --rollout-function-path: `rollout_batch_size` kept groups sorted by group index
-    (with `evaluation`, the eval dict described in the module docstring). Synchronous."""
+def generate_rollout(args, rollout_id: int, data_source,
+                     evaluation: bool = False) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
+    """Default --rollout-function-path: `rollout_batch_size` kept groups sorted by group index, with the
+    rollout's counters as metrics (`rollout/dynamic_filter/drop_<reason>`, `rollout/aborted_groups`,
+    `rollout/failed_samples_all` including dropped groups); with `evaluation`, every eval dataset graded (the
+    module docstring). Synchronous."""
     if evaluation:
-        return run_sync(eval_rollout_async(args, rollout_id))
+        return RolloutFnEvalOutput(data=run_sync(eval_rollout_async(args, rollout_id)))
     return run_sync(generate_rollout_async(args, rollout_id, data_source))
 
 
-async def generate_rollout_async(args, rollout_id: int, data_source) -> list[list[Sample]]:
+async def generate_rollout_async(args, rollout_id: int, data_source) -> RolloutFnTrainOutput:
     token = _abort_event.set(asyncio.Event())
     try:
         return await _generate_rollout(args, rollout_id, data_source)
@@ -390,11 +411,11 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> list[lis
         _abort_event.reset(token)
 
 
-async def _generate_rollout(args, rollout_id: int, data_source) -> list[list[Sample]]:
+async def _generate_rollout(args, rollout_id: int, data_source) -> RolloutFnTrainOutput:
     target = int(args.rollout_batch_size)
-    over = max(target, int(getattr(args, "over_sampling_batch_size", None) or target))
+    over = max(target, int(args.over_sampling_batch_size or target))
     total_samples = target * int(args.n_samples_per_prompt)
-    filter_path = getattr(args, "dynamic_sampling_filter_path", None)
+    filter_path = args.dynamic_sampling_filter_path
     filter_fn = load_function(filter_path, "--dynamic-sampling-filter-path") if filter_path else None
     params = build_sampling_params(args)
 
@@ -422,7 +443,7 @@ async def _generate_rollout(args, rollout_id: int, data_source) -> list[list[Sam
                 failed.extend(s for s in group if s.status == Sample.Status.FAILED)
                 check_failed_ratio(args, failed, total_samples, where)
                 if filter_fn is not None and len(kept) < target:
-                    keep, reason = _filter_verdict(filter_fn, args, group)
+                    keep, reason = filter_verdict(filter_fn, args, group)
                     if not keep:
                         key = f"rollout/dynamic_filter/drop_{reason or 'filtered'}"
                         drops[key] = drops.get(key, 0) + 1
@@ -439,13 +460,11 @@ async def _generate_rollout(args, rollout_id: int, data_source) -> list[list[Sam
         leftovers = surplus + await _abort_and_collect(args, pending)
     _recycle(args, rollout_id, data_source, leftovers)
 
-    _last_metrics.clear()
-    _last_metrics.update(drops)
-    _last_metrics["rollout/aborted_groups"] = float(len(leftovers))
-    _last_metrics["rollout/failed_samples_all"] = float(len(failed))
+    metrics = {**drops, "rollout/aborted_groups": float(len(leftovers)), "rollout/failed_samples_all": float(len(failed))}
     if drops:
         logger.info("%s: dynamic filter dropped %s", where, drops)
-    return sorted(kept, key=lambda g: g[0].group_index if g and g[0].group_index is not None else -1)
+    kept.sort(key=lambda g: g[0].group_index if g and g[0].group_index is not None else -1)
+    return RolloutFnTrainOutput(samples=kept, metrics=metrics)
 
 
 async def _abort_and_collect(args, pending: set[asyncio.Task]) -> list[list[Sample]]:
@@ -471,7 +490,7 @@ async def _abort_and_collect(args, pending: set[asyncio.Task]) -> list[list[Samp
 
 def _recycle(args, rollout_id: int, data_source, groups: list[list[Sample]]) -> None:
     """With --partial-rollout, hand unfinished groups back to the buffer (complete groups only)."""
-    if not groups or not getattr(args, "partial_rollout", False):
+    if not groups or not args.partial_rollout:
         return
     n = int(args.n_samples_per_prompt)
     whole = [g for g in groups if len(g) == n]
@@ -494,21 +513,21 @@ def _eval_datasets(args) -> list[tuple[dict, argparse.Namespace, Any]]:
     out = []
     for config in eval_datasets(args):
         ds_args = args_for(args, config)
-        input_key = getattr(ds_args, "eval_input_key", None) or getattr(args, "input_key", "input")
-        label_key = getattr(ds_args, "eval_label_key", None) or getattr(args, "label_key", None)
-        key = (config["name"], config["path"], input_key, label_key, getattr(ds_args, "metadata_key", None),
-               getattr(ds_args, "tool_key", None), getattr(args, "hf_checkpoint", None))
+        input_key = ds_args.eval_input_key or args.input_key
+        label_key = ds_args.eval_label_key or args.label_key
+        key = (config["name"], config["path"], input_key, label_key, ds_args.metadata_key,
+               ds_args.tool_key, args.hf_checkpoint)
         if key not in _eval_dataset_cache:
             _eval_dataset_cache[key] = Dataset(
                 config["path"],
                 tokenizer=get_tokenizer(args),
-                max_prompt_len=getattr(args, "rollout_max_prompt_len", None),
+                max_prompt_len=args.rollout_max_prompt_len,
                 input_key=input_key,
                 label_key=label_key,
-                metadata_key=getattr(ds_args, "metadata_key", None),
-                tool_key=getattr(ds_args, "tool_key", None),
-                apply_chat_template=getattr(args, "apply_chat_template", False),
-                apply_chat_template_kwargs=getattr(args, "apply_chat_template_kwargs", None),
+                metadata_key=ds_args.metadata_key,
+                tool_key=ds_args.tool_key,
+                apply_chat_template=args.apply_chat_template,
+                apply_chat_template_kwargs=args.apply_chat_template_kwargs,
                 flag=f"--eval-prompt-data {config['name']}",
             )
         out.append((config, ds_args, _eval_dataset_cache[key]))
@@ -519,11 +538,11 @@ async def eval_rollout_async(args, rollout_id: int) -> dict[str, dict[str, list]
     datasets = _eval_datasets(args)
     if not datasets:
         raise ValueError("evaluation needs --eval-prompt-data name path [name path ...] or --eval-config FILE")
-    reward_key = getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None)
+    reward_key = args.eval_reward_key or args.reward_key
 
     async def one(config, ds_args, dataset) -> list[Sample]:
         params = build_sampling_params(ds_args, evaluation=True)
-        n = int(getattr(ds_args, "n_samples_per_eval_prompt", None) or 1)
+        n = int(ds_args.n_samples_per_eval_prompt or 1)
         groups = []
         for i, prompt in enumerate(dataset.samples):
             group = []

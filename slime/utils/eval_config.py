@@ -115,10 +115,10 @@ def load_eval_config(path: str) -> list[dict]:
 def eval_datasets(args: argparse.Namespace) -> list[dict]:
     """The eval datasets of a run: `args.eval_datasets` (set from --eval-config when the flags are
     validated), else the `--eval-prompt-data` name/path pairs."""
-    datasets = getattr(args, "eval_datasets", None)
+    datasets = args.eval_datasets
     if datasets:
         return datasets
-    values = list(getattr(args, "eval_prompt_data", None) or [])
+    values = list(args.eval_prompt_data or [])
     if len(values) == 1:
         values = ["aime", values[0]]
     return [{"name": n, "path": p} for n, p in zip(values[0::2], values[1::2])]

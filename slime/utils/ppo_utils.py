@@ -1,9 +1,10 @@
-"""The RL algorithm as pure functions on tensors and lists: KL estimators, group reward normalisation,
-advantages and returns of every `--advantage-estimator`, masked whitening, the policy losses (PPO clip,
-GSPO, CISPO), TIS, the PPO value loss and loss aggregation.
+"""The RL algorithm's math as pure functions on tensors and lists: KL estimators, group reward normalisation,
+the advantages and returns the estimators are built from, masked whitening, the policy losses (PPO clip,
+GSPO, CISPO), TIS, the PPO value loss and loss aggregation. Which estimator uses which is
+slime/algorithm/estimators.py.
 
 No Ray, no torch.distributed, no globals: every function here has a closed-form unit test
-(tests/unit/test_ppo_utils.py); the training backends call them. Conventions:
+(tests/unit/test_ppo_utils.py). Conventions:
 - per-sample quantities are lists of 1-D tensors (one entry per response token); per-token tensors of a
   micro-batch are padded `[B, R]` response-aligned tensors with a 0/1 `mask` of the same shape;
 - `log_probs` are the current policy's, `old_log_probs` the behaviour policy's, `ref_log_probs` the
@@ -18,16 +19,11 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from slime.utils.misc import load_function
 
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-# The advantage is the (group-normalised) scalar reward broadcast to every response token.
-SCALAR_REWARD_ESTIMATORS = ("grpo", "gspo", "cispo")
 
 
 # ---- KL ------------------------------------------------------------------------------------------------
@@ -133,65 +129,6 @@ def gae_advantages_and_returns(
         running = delta + gamma * lambd * running
         advantages[t] = running
     return advantages, advantages + values
-
-
-@dataclass
-class AdvantageInputs:
-    """Everything an advantage estimator may use, for the rows one rank trains on (one entry per row).
-
-    This is also the contract of `--custom-advantage-function-path fn(args, inputs) -> (advantages,
-    returns)`, both lists of [T_i] fp32 tensors (returns may be None where no critic needs them)."""
-
-    rewards: list[float]  # the rollout manager's training rewards (group-normalised for grpo-like estimators)
-    raw_rewards: list[float]
-    response_lengths: list[int]
-    loss_masks: list[torch.Tensor]  # [T_i] 0/1
-    group_indices: list[int]
-    kl: list[torch.Tensor] | None = None  # [T_i] KL(old policy || reference), when a reference model runs
-    values: list[torch.Tensor] | None = None  # [T_i] critic values (ppo)
-
-
-def compute_advantages_and_returns(
-    args, inputs: AdvantageInputs
-) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """Per-token advantages (and returns for the critic) of every row, dispatched on `--advantage-estimator`.
-
-    grpo / gspo / cispo: the scalar reward broadcast. reinforce_plus_plus: discounted returns of the
-    KL-shaped token rewards (advantages = returns). reinforce_plus_plus_baseline: reward (already
-    group-mean-centred) − kl_coef·KL per token. ppo: GAE over the KL-shaped token rewards and the critic's
-    values. `--custom-advantage-function-path` replaces all of these. Whitening (`--normalize-advantages`)
-    is applied afterwards by the caller, across ranks."""
-    custom = getattr(args, "custom_advantage_function_path", None)
-    if custom:
-        advantages, returns = load_function(custom, "--custom-advantage-function-path")(args, inputs)
-        if len(advantages) != len(inputs.rewards):
-            raise ValueError(f"--custom-advantage-function-path {custom} returned {len(advantages)} advantage "
-                             f"tensors for {len(inputs.rewards)} rows")
-        return [torch.as_tensor(a, dtype=torch.float32) for a in advantages], returns
-    estimator = args.advantage_estimator
-    kl_coef = float(getattr(args, "kl_coef", 0.0) or 0.0)
-    n = len(inputs.rewards)
-    kl = inputs.kl if inputs.kl is not None and kl_coef else [None] * n
-    if estimator in SCALAR_REWARD_ESTIMATORS:
-        return get_grpo_advantages(inputs.rewards, inputs.response_lengths), None
-    if estimator == "reinforce_plus_plus":
-        token_rewards = [kl_shaped_token_rewards(r, k, kl_coef, m) for r, k, m in zip(inputs.rewards, kl, inputs.loss_masks)]
-        returns = [discounted_returns(tr, float(getattr(args, "gamma", 1.0))) for tr in token_rewards]
-        return returns, returns
-    if estimator == "reinforce_plus_plus_baseline":
-        advantages = []
-        for r, k, m in zip(inputs.rewards, kl, inputs.loss_masks):
-            a = torch.full((m.shape[0],), float(r), dtype=torch.float32)
-            advantages.append(a if k is None else a - kl_coef * k.float() * m.float())
-        return advantages, advantages
-    if estimator == "ppo":
-        if inputs.values is None:
-            raise ValueError("--advantage-estimator ppo: no critic values were given to the actor's train step")
-        token_rewards = [kl_shaped_token_rewards(r, k, kl_coef, m) for r, k, m in zip(inputs.rewards, kl, inputs.loss_masks)]
-        out = [gae_advantages_and_returns(tr, v, float(args.gamma), float(args.lambd))
-               for tr, v in zip(token_rewards, inputs.values)]
-        return [a for a, _ in out], [r for _, r in out]
-    raise ValueError(f"--advantage-estimator {estimator!r}: unknown; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
 
 
 # ---- whitening -------------------------------------------------------------------------------------------

@@ -26,21 +26,21 @@ class Tracker:
     def __init__(self, args):
         self._tb = None
         self._wandb = None
-        if getattr(args, "use_tensorboard", False):
+        if args.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             os.makedirs(args.tensorboard_dir, exist_ok=True)
             self._tb = SummaryWriter(log_dir=args.tensorboard_dir)
             logger.info("TensorBoard logs: %s (view with `tensorboard --logdir %s`)", args.tensorboard_dir,
                         os.path.dirname(args.tensorboard_dir.rstrip("/")) or ".")
-        if getattr(args, "use_wandb", False):
+        if args.use_wandb:
             import wandb
 
             self._wandb = wandb.init(
                 project=args.wandb_project or "slime",
-                group=getattr(args, "wandb_group", None),
-                dir=getattr(args, "wandb_dir", None),
-                mode=getattr(args, "wandb_mode", None) or "online",
+                group=args.wandb_group,
+                dir=args.wandb_dir,
+                mode=args.wandb_mode,
                 config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
             )
 

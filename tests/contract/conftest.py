@@ -16,12 +16,14 @@ test hands over shared memory, so it runs against an external engine only with `
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass
 
 import httpx
 import pytest
+
+from slime.backends.hf_engine.engine import HFEngine
+from tests.args import make_args
 
 
 def pytest_addoption(parser):
@@ -68,15 +70,14 @@ def engine(request, tmp_path_factory) -> EngineUnderTest:
                               **common)
         return
 
-    from slime.backends.hf_engine.engine import HFEngine
     from tools.make_tiny_model import make_tiny_model
 
     model_path = make_tiny_model(str(tmp_path_factory.mktemp("contract") / "tiny-qwen3"), size="tiny", seed=0)
     os.environ.setdefault("SLIME_ENGINE_LOG_DIR", str(tmp_path_factory.mktemp("engine_logs")))
     # the disk-update test loads from its own tmp_path: allow this session's temporary folders, as a run's
     # --save folder is allowed
-    eng = HFEngine(argparse.Namespace(hf_checkpoint=model_path, rollout_seed=0, sglang_server_concurrency=16,
-                                      save=str(tmp_path_factory.getbasetemp())), rank=0)
+    eng = HFEngine(make_args(hf_checkpoint=model_path, rollout_seed=0, sglang_server_concurrency=16,
+                             save=str(tmp_path_factory.getbasetemp())), rank=0)
     try:
         yield EngineUnderTest(eng.init(), model_path, False, same_host=True, **common)
     finally:

@@ -24,6 +24,7 @@ sys.path.insert(0, REPO_ROOT)
 import torch
 
 from slime.utils.ppo_utils import group_normalize_rewards
+from tests.args import make_args as validated_args
 from tests.e2e_cpu.ranks import worker_parser
 from slime.utils.types import TrainBatch
 
@@ -31,18 +32,13 @@ TEMPERATURE = 1.0
 
 
 def make_args(model_dir: str, out_dir: str, backend: str = "gloo", **overrides) -> argparse.Namespace:
-    args = argparse.Namespace(
-        hf_checkpoint=model_dir, ref_load=None, load=None, save=os.path.join(out_dir, "ckpt"), start_rollout_id=None,
-        seed=1234, distributed_backend=backend, distributed_timeout_minutes=5,
-        lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay=0.0, clip_grad=1.0,
-        global_batch_size=8, micro_batch_size=2, rollout_temperature=TEMPERATURE,
-        advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=None,
-        entropy_coef=0.0, use_kl_loss=True, kl_loss_coef=0.01, kl_loss_type="low_var_kl",
-        calculate_per_token_loss=False, use_rollout_logprobs=False, use_tis=False,
-        update_weight_buffer_size=64 * 1024, no_load_optim=False, no_save_optim=False,
-    )
-    vars(args).update(overrides)
-    return args
+    """Validated args of one rollout of 8 samples (4 prompts x 2) in one optimizer step, with a KL loss against
+    the reference model; `overrides` set before validation."""
+    return validated_args(**{
+        "hf_checkpoint": model_dir, "save": os.path.join(out_dir, "ckpt"), "distributed_backend": backend,
+        "distributed_timeout_minutes": 5, "lr": 1e-3, "weight_decay": 0.0, "rollout_batch_size": 4,
+        "global_batch_size": 8, "micro_batch_size": 2, "eps_clip_high": 0.28, "use_kl_loss": True,
+        "kl_loss_coef": 0.01, "kl_loss_type": "low_var_kl", "update_weight_buffer_size": 64 * 1024, **overrides})
 
 
 def make_batch(n: int, seed: int, vocab: int = 192) -> TrainBatch:
@@ -96,8 +92,7 @@ def main() -> None:
         if cli.full and cli.rank == 0 and not cli.no_engine:
             from slime.backends.hf_engine.engine import HFEngine
 
-            engine = HFEngine(argparse.Namespace(hf_checkpoint=cli.model, rollout_seed=0,
-                                                 sglang_server_concurrency=8), 0)
+            engine = HFEngine(validated_args(hf_checkpoint=cli.model, rollout_seed=0, sglang_server_concurrency=8), 0)
             engine.init()
             result["engine_server_pid"] = engine.process.pid  # the test checks it is gone afterwards
         args = make_args(cli.model, cli.out, cli.backend, **dynamic)

@@ -31,6 +31,7 @@ if not torch.cuda.is_available():
 from tests.conftest import model_args  # noqa: E402
 from tests.e2e_cpu.fsdp_worker import engine_log_probs, make_batch  # noqa: E402
 from tests.e2e_cpu.ranks import worker_parser  # noqa: E402
+from tests.args import make_args as validated_args  # noqa: E402
 
 def make_args(cli) -> argparse.Namespace:
     from slime.config.arguments import parse_args
@@ -108,7 +109,7 @@ def main() -> None:
                 # NCCL refuses two ranks of one group on one GPU: the stand-apart engine takes the last GPU
                 # (on one GPU it shares it, and the broadcast test is for CPU/gloo or several GPUs).
                 os.environ["CUDA_VISIBLE_DEVICES"] = str(max(cli.world_size, torch.cuda.device_count()) - 1)
-            engine = HFEngine(argparse.Namespace(hf_checkpoint=cli.model, rollout_seed=0,
+            engine = HFEngine(validated_args(hf_checkpoint=cli.model, rollout_seed=0,
                                                  sglang_server_concurrency=8), 0)
             engine.init()
             result["engine_server_pid"] = engine.process.pid

@@ -1,6 +1,5 @@
 """The hf engine as a real server process (started by `HFEngine`), alone and behind the real sglang-router."""
 
-import argparse
 import os
 import signal
 import socket
@@ -22,6 +21,7 @@ from slime.backends.hf_engine.engine import HFEngine
 from slime.backends.server_engine import EngineHTTPError
 from slime.utils.net import free_port
 from slime.weight_sync.tensor_payload import flatten_bucket, serialize_bucket, split_into_buckets
+from tests.args import make_args
 
 SEQ = [56, 62, 137, 92, 138, 20, 21, 22, 23, 24, 25]
 TOL = 1e-5
@@ -36,7 +36,7 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    args = argparse.Namespace(hf_checkpoint=tiny_model, rollout_seed=1, sglang_server_concurrency=16)
+    args = make_args(hf_checkpoint=tiny_model, rollout_seed=1, sglang_server_concurrency=16)
     eng = HFEngine(args, rank=0)
     try:
         eng.init()
@@ -272,7 +272,7 @@ def _wait_workers(base, predicate):
 
 @pytest.mark.timeout(60)
 def test_bad_checkpoint_fails_fast_with_log(tmp_path):
-    eng = HFEngine(argparse.Namespace(hf_checkpoint=str(tmp_path / "missing"), rollout_seed=0), rank=3)
+    eng = HFEngine(make_args(hf_checkpoint=str(tmp_path / "missing"), rollout_seed=0), rank=3)
     with pytest.raises(RuntimeError, match="exited with code") as err:
         eng.init()
     assert "missing" in str(err.value) and eng.process is None
@@ -281,9 +281,10 @@ def test_bad_checkpoint_fails_fast_with_log(tmp_path):
 @pytest.mark.timeout(90)
 def test_server_dies_with_its_owner(tiny_model, tmp_path):
     """PR_SET_PDEATHSIG: SIGKILL the process that started the engine; the server must follow."""
-    script = (f"import argparse, sys; sys.path.insert(0, {ROOT!r})\n"
+    script = (f"import sys; sys.path.insert(0, {ROOT!r})\n"
               "from slime.backends.hf_engine.engine import HFEngine\n"
-              f"e = HFEngine(argparse.Namespace(hf_checkpoint={tiny_model!r}), rank=0); e.init()\n"
+              "from tests.args import make_args\n"
+              f"e = HFEngine(make_args(hf_checkpoint={tiny_model!r}), rank=0); e.init()\n"
               "print(e.process.pid, flush=True)\nimport time; time.sleep(600)\n")
     owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:

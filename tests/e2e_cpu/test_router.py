@@ -1,6 +1,5 @@
 """`RouterProcess` against the real sglang-router 0.3.2 and two real hf engine servers (no Ray)."""
 
-import argparse
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ sys.path.insert(0, ROOT)
 
 from slime.backends.hf_engine.engine import HFEngine  # noqa: E402
 from slime.rollout.router import RouterProcess  # noqa: E402
+from tests.args import make_args  # noqa: E402
 
 PROMPT = [56, 62, 137, 92]
 
@@ -44,7 +44,7 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(tiny_model):
-    engs = [HFEngine(argparse.Namespace(hf_checkpoint=tiny_model, rollout_seed=0), rank=i) for i in range(2)]
+    engs = [HFEngine(make_args(hf_checkpoint=tiny_model, rollout_seed=0), rank=i) for i in range(2)]
     try:
         for e in engs:  # from this thread: PDEATHSIG ties each server to the thread that started it
             e.init()

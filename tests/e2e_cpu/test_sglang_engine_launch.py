@@ -11,7 +11,6 @@ SGLang itself cannot run here (no GPU), so the `sglang` on PATH is a script writ
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import stat
@@ -24,6 +23,7 @@ import pytest
 
 from slime.backends.sglang_utils.sglang_engine import SGLangEngine
 from slime.utils.net import free_port
+from tests.args import make_args
 from slime.weight_sync.group import (
     broadcast_tensors,
     destroy_weight_update_group,
@@ -69,7 +69,7 @@ def _args(model, **kw):
     base = {"hf_checkpoint": model, "rollout_num_gpus_per_engine": 1, "num_gpus_per_node": 8, "seed": 5,
             "colocate": False, "offload_rollout": False,
             "sglang_args": {"mem_fraction_static": 0.7, "log_level": "warning"}}
-    return argparse.Namespace(**{**base, **kw})
+    return make_args(validate=False, **{**base, **kw})
 
 
 @pytest.mark.timeout(120)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 
@@ -11,6 +10,7 @@ import pytest
 from slime.config.arg_groups import reward
 from slime.rollout.rm_hub import RM_TYPES
 from slime.config.arguments import SlimeArgumentError, build_parser, parse_args, split_argv, validate_args
+from tests.args import make_args
 
 
 def base(*extra: str) -> list[str]:
@@ -482,7 +482,7 @@ def test_rm_type_check(files):
 def test_rm_type_check_logic(monkeypatch):
     """The check against a given registry (the real one is tested above)."""
     monkeypatch.setattr(reward, "RM_TYPES", frozenset({"math", "deepscaler"}))
-    ns = argparse.Namespace(rm_type="boxed_math", custom_rm_path=None, rm_url=None, reward_key="score",
+    ns = make_args(validate=False, rm_type="boxed_math", custom_rm_path=None, rm_url=None, reward_key="score",
                             eval_reward_key=None)  # fmt: skip
     reward.validate_reward(ns)
     assert ns.eval_reward_key == "score"

@@ -30,19 +30,21 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from slime.config.arguments import SlimeArgumentError, parse_args
 from tests.unit.test_sglang_rollout import ScriptedEngine
+from tests.args import make_args, router_fields
 
 # --- the environment: tokenizers, a model folder, a scripted engine ------------------------------------------
 
 
 class Engine(ScriptedEngine):
-    """A local HTTP server answering /<mode>/generate: `ok` (two tokens), `500` (an engine error), `html`
-    (200 with a body that is not JSON)."""
+    """A local HTTP server answering /generate as its `mode` says: `ok` (two tokens), `500` (an engine error),
+    `html` (200 with a body that is not JSON)."""
 
     def __init__(self):
         super().__init__(vocab={})
+        self.mode = "ok"
 
     def answer(self, path: str, body):
-        mode = path.strip("/").split("/")[0]
+        mode = self.mode
         if mode == "500":
             return 500, b"engine crashed: CUDA out of memory"
         if mode == "html":
@@ -102,14 +104,9 @@ def argv(env: Env, d: Path, *extra: str, data: str | None = None) -> list[str]:
 
 
 def source_args(env: Env, data: str, **kw) -> argparse.Namespace:
-    """What RolloutDataSource reads of the parsed args."""
-    base = dict(hf_checkpoint=env.model_dir, prompt_data=data, input_key="prompt", label_key="label",
-                metadata_key="metadata", tool_key="tools", apply_chat_template=False, apply_chat_template_kwargs={},
-                rollout_max_prompt_len=None, rollout_shuffle=False, rollout_seed=42, n_samples_per_prompt=2,
-                save=None, load=None, buffer_filter_path=None, disable_rollout_global_dataset=False,
-                streaming_data=False, num_data_workers=1)  # fmt: skip
-    base.update(kw)
-    return argparse.Namespace(**base)
+    """Parsed args the data source reads (`kw` set before validation)."""
+    return make_args(**{"hf_checkpoint": env.model_dir, "prompt_data": data, "input_key": "prompt",
+                        "label_key": "label", **kw})
 
 
 def make_source(args):
@@ -119,15 +116,10 @@ def make_source(args):
 
 
 def rollout_args(env: Env, mode: str, **kw) -> argparse.Namespace:
-    """What generate / generate_and_rm read, with the router at the engine's `mode` route."""
-    base = dict(hf_checkpoint=env.model_dir, router_url=f"{env.engine.url}/{mode}", engine_urls=[env.engine.url],
-                rollout_num_engines=1, sglang_server_concurrency=8, rollout_max_response_len=4,
-                rollout_max_context_len=None, rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1,
-                rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
-                mask_offpolicy_in_partial_rollout=False, custom_generate_function_path=None, custom_rm_path=None,
-                rm_type="toy", group_rm=False, max_failed_ratio=None, use_fault_tolerance=False)  # fmt: skip
-    base.update(kw)
-    return argparse.Namespace(**base)
+    """Parsed args for generate / generate_and_rm, the router at the engine, which answers as `mode` says."""
+    env.engine.mode = mode
+    return make_args(hf_checkpoint=env.model_dir, **router_fields(env.engine.url), sglang_server_concurrency=8,
+                     rollout_max_response_len=4, rm_type="toy", **kw)
 
 
 def generate_once(env: Env, mode: str) -> None:
@@ -356,9 +348,9 @@ CASES = [
          ("rollout 0: 2 samples failed", "--max-failed-ratio=0.05", "reward: KeyError: 'no such field'",
           "raise --max-failed-ratio"), RuntimeError),
     Case("engine answers HTTP 500", "generate against the local HTTP server", engine_http_500,
-         ("/500/generate", "HTTP 500", "CUDA out of memory", "see the engine's log", "--use-fault-tolerance")),
+         ("/generate", "HTTP 500", "CUDA out of memory", "see the engine's log", "--use-fault-tolerance")),
     Case("engine answers malformed JSON", "generate against the local HTTP server (200, HTML body)",
-         engine_not_json, ("/html/generate", "not JSON", "502 Bad Gateway", "SGLang's native /generate"),
+         engine_not_json, ("/generate", "not JSON", "502 Bad Gateway", "SGLang's native /generate"),
          ValueError),
     Case("--load: latest names a partial iteration", "parse_args --load, iter 7 has no weights",
          load_partial_iteration, ("--load", "names iteration 7", "missing: the weights", "write 3",

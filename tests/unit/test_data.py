@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -16,6 +15,7 @@ from slime.rollout.data_source import RolloutDataSource, RolloutDataSourceWithBu
 from slime.config.arguments import SlimeArgumentError, parse_args
 from slime.utils.data import Dataset, parse_prompt_path
 from slime.utils.types import Sample
+from tests.args import make_args
 
 HERE = __file__
 
@@ -232,7 +232,7 @@ def _ds_args(tokenizer_dir, prompt_data, **kw):
         save=None, load=None, buffer_filter_path=None, disable_rollout_global_dataset=False,
     )  # fmt: skip
     base.update(kw)
-    return argparse.Namespace(**base)
+    return make_args(validate=False, **base)
 
 
 def test_groups_indices_and_copies(tmp_path, tokenizer_dir):

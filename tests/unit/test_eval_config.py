@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 
 import pytest
 
 from slime.utils.eval_config import EvalConfigError, args_for, eval_datasets, load_eval_config
+from tests.args import make_args
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ eval:
     assert aime == {"name": "aime", "path": str(data / "a.jsonl"), "rm_type": "math", "n_samples_per_eval_prompt": 4,
                     "temperature": 0.0, "max_response_len": 16}
     assert gsm["temperature"] == 0.6 and gsm["max_response_len"] == 16
-    ns = args_for(argparse.Namespace(eval_temperature=None, rollout_stop=None, eval_max_response_len=None), gsm)
+    ns = args_for(make_args(validate=False, eval_temperature=None, rollout_stop=None, eval_max_response_len=None), gsm)
     assert (ns.eval_temperature, ns.eval_max_response_len, ns.rollout_stop) == (0.6, 16, ["</answer>"])
 
 
@@ -59,7 +59,7 @@ def test_errors_name_the_file_dataset_and_key(data, body, message):
 
 
 def test_eval_prompt_data_pairs_without_a_config():
-    args = argparse.Namespace(eval_datasets=None, eval_prompt_data=["aime", "/a", "gsm", "/b"])
+    args = make_args(validate=False, eval_datasets=None, eval_prompt_data=["aime", "/a", "gsm", "/b"])
     assert eval_datasets(args) == [{"name": "aime", "path": "/a"}, {"name": "gsm", "path": "/b"}]
 
 

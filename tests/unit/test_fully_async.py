@@ -5,7 +5,6 @@ the engine-side abort is exercised by tests/e2e_cpu/test_train_async.py)."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 
@@ -23,6 +22,7 @@ from slime.utils.metrics import (
     wait_time_ratio,
 )
 from slime.utils.types import Sample
+from tests.args import make_args
 
 # --- closed-form metrics ----------------------------------------------------------------------------------
 
@@ -131,13 +131,10 @@ class CountingDataSource:
 
 
 def _args(**kw):
-    base = dict(rollout_batch_size=2, over_sampling_batch_size=3, n_samples_per_prompt=2, async_buffer_size=1,
-                partial_rollout=False, max_weight_staleness=None, dynamic_sampling_filter_path=None,
-                custom_generate_function_path=f"{__name__}.scripted_generate",
-                custom_rm_path=f"{__name__}.constant_reward", rollout_max_response_len=4, engine_urls=[],
-                group_rm=False, sglang_server_concurrency=None, rollout_num_engines=1, max_failed_ratio=None)
-    base.update(kw)
-    return SimpleNamespace(**base)
+    """Parsed args: 2 prompts x 2 samples, 3 groups in flight, the scripted generate and reward functions."""
+    base = dict(over_sampling_batch_size=3, custom_generate_function_path=f"{__name__}.scripted_generate",
+                custom_rm_path=f"{__name__}.constant_reward", rollout_max_response_len=4)
+    return make_args(**{**base, **kw})
 
 
 @pytest.fixture(autouse=True)

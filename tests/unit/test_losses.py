@@ -4,7 +4,6 @@ hand-computed values; plus the plugin signatures of `--custom-loss-function-path
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 
@@ -12,15 +11,14 @@ import pytest
 import torch
 
 from slime.algorithm.loss import LossInputs, compute_actor_loss, critic_loss
+from slime.algorithm.estimators import AdvantageInputs, compute_advantages_and_returns
 from slime.utils import ppo_utils as pu
+from tests.args import make_args
 
 
 def _args(**kw):
-    base = dict(advantage_estimator="grpo", loss_type="policy_loss", eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=None,
-                entropy_coef=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k1", use_unbiased_kl=False,
-                use_tis=False, tis_clip=2.0, tis_clip_low=0.0, value_clip=0.2, custom_loss_function_path=None)
-    base.update(kw)
-    return argparse.Namespace(**base)
+    """GRPO's validated args (eps clip 0.2 both sides, no KL, no entropy, no TIS) with `kw` set before validation."""
+    return make_args(**kw)
 
 
 def _inputs(per_token=False, denominator=2.0, **kw):
@@ -120,10 +118,10 @@ def test_custom_loss_function_contract(tmp_path):
 def test_custom_advantage_function_contract(tmp_path):
     path = tmp_path / "my_adv.py"
     path.write_text(CUSTOM_ADV)
-    args = argparse.Namespace(advantage_estimator="grpo", custom_advantage_function_path=f"{path}:my_advantages")
-    inputs = pu.AdvantageInputs(rewards=[0.0, 0.0], raw_rewards=[1.0, 0.5], response_lengths=[2, 1],
+    args = _args(custom_advantage_function_path=f"{path}:my_advantages")
+    inputs = AdvantageInputs(rewards=[0.0, 0.0], raw_rewards=[1.0, 0.5], response_lengths=[2, 1],
                                 loss_masks=[torch.ones(2), torch.ones(1)], group_indices=[0, 0])
-    adv, ret = pu.compute_advantages_and_returns(args, inputs)
+    adv, ret = compute_advantages_and_returns(args, inputs)
     assert [a.tolist() for a in adv] == [[10.0, 10.0], [5.0]] and ret is None
 
 

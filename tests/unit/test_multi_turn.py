@@ -5,7 +5,7 @@ return them) equals the chat-template rendering of the whole conversation, with 
 model's tokens and rollout log-probs aligned (Qwen3 and Llama-3 style templates from tools/make_tiny_model.py).
 
 Engine part: `generate_turn` / `tool_loop` against a real hf engine server process on the tiny model (the
-server implements the same /generate API as the router, so `router_url` points at it directly; the router
+server implements the same /generate API as the router, so the router address points at it directly; the router
 itself is exercised in tests/e2e_cpu). The engine's teacher-forced log-probs of the final token sequence
 must equal the rollout log-probs at every model token: that only holds if tokens and log-probs are aligned.
 """
@@ -37,6 +37,7 @@ from slime.rollout.sglang_rollout import prompt_ids
 from slime.utils.http_utils import run_sync
 from slime.utils.mask_utils import build_loss_mask, render_ids
 from slime.utils.types import Sample
+from tests.args import make_args, router_fields
 from tools.make_tiny_model import build_tokenizer
 
 PROMPT = [{"role": "system", "content": "you are helpful"}, {"role": "user", "content": "what is one plus two ?"}]
@@ -67,10 +68,10 @@ def family_dirs(tmp_path_factory):
 
 
 def _namespace(checkpoint: str, url: str = "http://127.0.0.1:9", **kw) -> argparse.Namespace:
-    base = {"hf_checkpoint": checkpoint, "router_url": url, "rollout_max_context_len": None, "max_turns": None,
+    base = {"hf_checkpoint": checkpoint, **router_fields(url), "rollout_max_context_len": None, "max_turns": None,
             "apply_chat_template_kwargs": {}}  # fmt: skip
     base.update(kw)
-    return argparse.Namespace(**base)
+    return make_args(validate=False, **base)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama3"])
@@ -184,7 +185,7 @@ def engine_model(tmp_path_factory):
 def engine(engine_model):
     from slime.backends.hf_engine.engine import HFEngine
 
-    eng = HFEngine(argparse.Namespace(hf_checkpoint=engine_model, rollout_seed=1, sglang_server_concurrency=8), rank=0)
+    eng = HFEngine(make_args(validate=False, hf_checkpoint=engine_model, rollout_seed=1, sglang_server_concurrency=8), rank=0)
     try:
         eng.init()
         yield eng.get_url()
@@ -238,13 +239,13 @@ def test_generate_turn_respects_the_context_budget(engine, engine_model):
     run_sync(generate_turn(args, sample, _params(8, ignore_eos=True)))
     assert len(sample.tokens) == prompt_len + 3 and sample.status == Sample.Status.TRUNCATED
     before = list(sample.tokens)
-    args.router_url = "http://127.0.0.1:9"  # nothing left: no request is made (it would fail)
+    args.sglang_router_port = 9  # nothing left: no request is made (it would fail)
     assert run_sync(generate_turn(args, sample, _params(8))) == ""
     assert sample.tokens == before and sample.status == Sample.Status.TRUNCATED
 
 
 def test_generate_turn_aborted_rollout_makes_no_request(family_dirs):
-    args = _namespace(family_dirs["qwen3"])  # router_url points nowhere
+    args = _namespace(family_dirs["qwen3"])  # the router address points nowhere
 
     async def aborted_turn(sample):
         event = asyncio.Event()

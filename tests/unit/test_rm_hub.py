@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import threading
@@ -16,6 +15,7 @@ from slime.rollout.rm_hub.f1 import f1_reward, token_f1
 from slime.rollout.rm_hub.gpqa import gpqa_reward
 from slime.rollout.rm_hub.math_utils import deepscaler_reward, is_equiv, last_boxed_answer, math_reward
 from slime.utils.types import Sample
+from tests.args import make_args
 
 HERE = __file__
 
@@ -23,7 +23,7 @@ HERE = __file__
 def _args(**kw):
     base = dict(rm_type=None, custom_rm_path=None, group_rm=False, rm_url=None)
     base.update(kw)
-    return argparse.Namespace(**base)
+    return make_args(validate=False, **base)
 
 
 def _rm(args, response, label, metadata=None):

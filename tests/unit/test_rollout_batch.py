@@ -1,26 +1,19 @@
-"""Pure helpers of the rollout manager: samples -> TrainBatch, router flag forwarding, debug dumps."""
+"""Pure helpers of the rollout side: samples -> TrainBatch, router flag forwarding, debug dumps."""
 
-import argparse
 import math
 
 import pytest
 
-from slime.ray.rollout import (
-    build_train_batch,
-    flatten_groups,
-    load_debug_samples,
-    router_args_from,
-    save_debug_samples,
-)
+from slime.ray.rollout import router_args_from
 from slime.rollout.router import router_cli_args
+from slime.rollout.train_data import build_train_batch, flatten_groups, load_debug_samples, save_debug_samples
 from slime.utils.types import Sample
+from tests.args import make_args
 
 
 def _args(**kw):
-    base = {"n_samples_per_prompt": 2, "advantage_estimator": "grpo", "disable_grpo_std_normalization": False}
-    base["reward_key"] = None
-    base.update(kw)
-    return argparse.Namespace(**base)
+    """2 samples per prompt, GRPO unless `kw` says otherwise."""
+    return make_args(**kw)
 
 
 def _sample(group, index, reward, response_length=2, status=Sample.Status.COMPLETED, **kw):
@@ -105,12 +98,8 @@ def test_router_flags():
         "--disable-retries",
     ]
     assert router_cli_args({"worker_urls": ["a", "b"]}) == ["--worker-urls", "a", "b"]
-    args = argparse.Namespace(
-        router_url="http://x",
-        router_policy="cache_aware",
-        router_args={"balance_abs_threshold": "4", "disable_retries": True},
-        sglang_router_request_timeout_secs=99,
-    )
+    args = make_args("--router-balance-abs-threshold", "4", "--router-disable-retries", "--router-policy",
+                     "cache_aware", "--sglang-router-request-timeout-secs", "99")
     assert router_args_from(args) == {
         "balance_abs_threshold": "4",
         "disable_retries": True,

@@ -27,9 +27,11 @@ from slime.backends.sglang_utils.arguments import (
     fields_of,
     sglang_cli_args,
 )
+from slime.backends.hf_engine.engine import HFEngine
 from slime.backends.sglang_utils.sglang_engine import SGLangEngine, engine_nnodes
 from slime.config.arg_groups import SlimeArgumentError
 from slime.config.arg_groups.sglang import validate_sglang
+from tests.args import make_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -100,10 +102,10 @@ def test_cli_rendering():
 
 
 def _ns(**kw):
-    base = {"sglang_server_concurrency": 8, "sglang_router_port": None, "sglang_router_request_timeout_secs": 10,
-            "rollout_backend": "sglang", "use_cuda": True, "rollout_external_engine_addrs": None,
-            "debug_train_only": False}
-    return argparse.Namespace(**{**base, **kw})
+    """The parser's args of a GPU run with SGLang engines (not validated: validate_sglang is what runs)."""
+    base = {"sglang_server_concurrency": 8, "sglang_router_request_timeout_secs": 10, "rollout_backend": "sglang",
+            "use_cuda": True, "debug_train_only": False}
+    return make_args(validate=False, **{**base, **kw})
 
 
 def test_validation_keeps_strings_unless_slime_launches_sglang(monkeypatch):
@@ -137,7 +139,7 @@ def test_validation_types_fields_and_refuses_reserved_ones(monkeypatch):
 def _engine_args(**kw):
     base = {"hf_checkpoint": "/models/qwen", "rollout_num_gpus_per_engine": 2, "num_gpus_per_node": 8, "seed": 100,
             "colocate": False, "offload_rollout": False, "sglang_args": {"mem_fraction_static": 0.7}}
-    return argparse.Namespace(**{**base, **kw})
+    return make_args(validate=False, **{**base, **kw})
 
 
 def test_engine_server_args(monkeypatch):
@@ -200,6 +202,7 @@ from slime.backends.sglang_utils.arguments import (SGLangArgumentError, convert_
 from slime.backends.sglang_utils.sglang_engine import SGLangEngine
 from slime.config.arg_groups import SlimeArgumentError
 from slime.config.arg_groups.sglang import validate_sglang
+from tests.args import make_args
 import sglang
 from sglang.srt.server_args import ServerArgs
 
@@ -214,9 +217,9 @@ for bad in ({"mem_fraction_statik": "0.7"}, {"mem_fraction_static": "lots"}, {"t
         convert_sglang_args(bad, fields)
     except SGLangArgumentError as e:
         errors.append(str(e))
-ns = argparse.Namespace(sglang_server_concurrency=8, sglang_router_port=None, sglang_router_request_timeout_secs=10,
-                        rollout_backend="sglang", use_cuda=True, rollout_external_engine_addrs=None,
-                        debug_train_only=False, sglang_args={"mem_fraction_static": "0.7", "cuda_graph_max_bs": "8"})
+ns = make_args(validate=False, sglang_server_concurrency=8, sglang_router_request_timeout_secs=10,
+               rollout_backend="sglang", use_cuda=True, debug_train_only=False,
+               sglang_args={"mem_fraction_static": "0.7", "cuda_graph_max_bs": "8"})
 try:
     validate_sglang(ns)
     errors.append("no error")
@@ -225,8 +228,8 @@ except SlimeArgumentError as e:
 ns.sglang_args = dict(raw)
 validate_sglang(ns)
 
-engine_args = argparse.Namespace(hf_checkpoint="/models/qwen", rollout_num_gpus_per_engine=16, num_gpus_per_node=8,
-                                 seed=1, colocate=True, offload_rollout=True, sglang_args=ns.sglang_args)
+engine_args = make_args(validate=False, hf_checkpoint="/models/qwen", rollout_num_gpus_per_engine=16,
+                        num_gpus_per_node=8, seed=1, colocate=True, offload_rollout=True, sglang_args=ns.sglang_args)
 eng = SGLangEngine(engine_args, rank=2)
 cmd = eng.launch_command("127.0.0.1", 30000)
 parser = argparse.ArgumentParser()
@@ -277,11 +280,9 @@ def test_forwarding_against_real_server_args():
 
 def test_hf_engine_takes_the_sglang_cuda_graph_flag():
     """`--sglang-disable-cuda-graph` (a bare flag: True; or a typed string) reaches the hf engine's own flag."""
-    from slime.backends.hf_engine.engine import HFEngine
-
     def command(sglang_args):
-        args = argparse.Namespace(hf_checkpoint="/models/tiny", rollout_seed=0, sglang_server_concurrency=8,
-                                  sglang_args=sglang_args)
+        args = make_args(validate=False, hf_checkpoint="/models/tiny", rollout_seed=0, sglang_server_concurrency=8,
+                         sglang_args=sglang_args)
         return HFEngine(args, rank=0).launch_command("127.0.0.1", 1)
 
     assert "--disable-cuda-graph" in command({"disable_cuda_graph": True})

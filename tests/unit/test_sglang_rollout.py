@@ -8,7 +8,6 @@ until /abort_request, then answer with one token and finish_reason "abort"; "blu
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -33,6 +32,7 @@ from slime.rollout.sglang_rollout import (
 )
 from slime.utils.http_utils import HTTPRequestError, run_sync
 from slime.utils.types import Sample
+from tests.args import make_args, router_fields
 
 HERE = __file__
 BLOCK_LIMIT_S = 20.0
@@ -49,6 +49,15 @@ class ScriptedEngine:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def do_GET(self):  # the router's worker list: this peer is the only engine
+                data = json.dumps({"workers": [{"id": "w0", "url": outer.url}]} if self.path == "/workers"
+                                  else {"detail": f"no route {self.path}"}).encode()
+                self.send_response(200 if self.path == "/workers" else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
@@ -87,6 +96,8 @@ class ScriptedEngine:
         fresh = words[0] not in ids  # no earlier response tokens in the input
         if self.vocab["fish"] in ids:
             return 200, {"text": "no meta"}
+        if self.vocab["lost"] in ids:
+            return 404, {"detail": "no such model"}
         if self.vocab["red"] in ids and fresh:
             abort_event.wait(BLOCK_LIMIT_S)
             return 200, _answer(words[:1], "abort")
@@ -127,27 +138,18 @@ def engine(tokenizer_dir):
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     peer = ScriptedEngine(
-        {w: tok.convert_tokens_to_ids(w) for w in ("one", "two", "three", "red", "blue", "fish", "cat")}
+        {w: tok.convert_tokens_to_ids(w) for w in ("one", "two", "three", "red", "blue", "fish", "cat", "lost")}
     )
     yield peer
     peer.close()
 
 
 def _args(tokenizer_dir, engine, **kw):
-    base = dict(
-        hf_checkpoint=tokenizer_dir, router_url=engine.url, engine_urls=[engine.url], rollout_num_engines=1,
-        sglang_server_concurrency=64, rollout_max_response_len=8, rollout_max_context_len=None,
-        rollout_temperature=0.7, rollout_top_p=0.9, rollout_top_k=5, rollout_stop=None, rollout_stop_token_ids=[2],
-        rollout_skip_special_tokens=False, rollout_batch_size=2, n_samples_per_prompt=2,
-        over_sampling_batch_size=None, dynamic_sampling_filter_path=None, partial_rollout=False,
-        mask_offpolicy_in_partial_rollout=False, custom_generate_function_path=None, custom_rm_path=None,
-        rm_type="toy", group_rm=False, max_failed_ratio=None, use_fault_tolerance=False,
-        prompt_data=None, input_key="prompt", label_key="label", metadata_key=None, tool_key=None,
-        apply_chat_template=False, apply_chat_template_kwargs=None, rollout_max_prompt_len=None,
-        rollout_shuffle=False, rollout_seed=1, save=None, load=None, buffer_filter_path=None,
-    )  # fmt: skip
-    base.update(kw)
-    return argparse.Namespace(**base)
+    """Parsed args of 2 prompts x 2 samples against the scripted peer as router (`kw` set before validation)."""
+    base = dict(hf_checkpoint=tokenizer_dir, **router_fields(engine.url), sglang_server_concurrency=64,
+                rollout_max_response_len=8, rollout_temperature=0.7, rollout_top_p=0.9, rollout_top_k=5,
+                rollout_stop_token_ids=[2], rm_type="toy", input_key="prompt", label_key="label", rollout_seed=1)
+    return make_args(**{**base, **kw})
 
 
 def _data(tmp_path, rows):
@@ -202,7 +204,7 @@ async def group_scores(args, samples):
 
 
 def test_generate_request_accumulation_and_status(tokenizer_dir, engine):
-    args = _args(tokenizer_dir, engine, mask_offpolicy_in_partial_rollout=True)
+    args = _args(tokenizer_dir, engine, partial_rollout=True, mask_offpolicy_in_partial_rollout=True)
     params = build_sampling_params(args)
     ids = prompt_ids(args, "what comes after two?")
     one, two, three = (engine.vocab[w] for w in ("one", "two", "three"))
@@ -258,9 +260,8 @@ def test_malformed_answer_and_http_errors(tokenizer_dir, engine):
     failed = run_sync(generate_and_rm(args, Sample(prompt="fish", label="one"), params))
     assert failed.status == Sample.Status.FAILED and failed.reward == 0.0
     assert "malformed /generate answer" in failed.metadata["error"]
-    bad_url = _args(tokenizer_dir, engine, router_url=engine.url + "/nowhere")
-    with pytest.raises(HTTPRequestError, match=r"/nowhere/generate -> HTTP 404: .*no route /nowhere/generate"):
-        run_sync(generate(bad_url, Sample(prompt="x"), params))
+    with pytest.raises(HTTPRequestError, match=r"/generate -> HTTP 404: .*no such model"):
+        run_sync(generate(args, Sample(prompt="lost"), params))
 
 
 def test_generate_and_rm_rewards_and_failures(tokenizer_dir, engine):
@@ -320,13 +321,14 @@ def test_rollout_dynamic_filter_abort_and_partial_buffer(tmp_path, tokenizer_dir
     data_source = RolloutDataSourceWithBuffer(args)
     aborts_before = len(engine.aborts)
 
-    groups = generate_rollout(args, 0, data_source)
+    output = generate_rollout(args, 0, data_source)
+    groups = output.samples
 
     assert len(groups) == 2 and all(len(g) == 2 for g in groups)
     assert [g[0].group_index for g in groups] == sorted(g[0].group_index for g in groups)
     assert all(s.reward == 1.0 and s.status == Sample.Status.COMPLETED for g in groups for s in g)
     assert {g[0].group_index for g in groups} <= {0, 3, 4}
-    assert sglang_rollout.last_rollout_metrics()["rollout/dynamic_filter/drop_zero_reward"] == 1
+    assert output.metrics["rollout/dynamic_filter/drop_zero_reward"] == 1
     assert engine.aborts[aborts_before:] == [{"abort_all": True}]
 
     # the blocked group went back to the buffer, partial, tagged with its rollout; it is served first
@@ -353,10 +355,11 @@ def test_rollout_without_partial_drops_leftovers(tmp_path, tokenizer_dir, engine
         prompt_data=_data(tmp_path, rows),
         over_sampling_batch_size=3,
         rollout_batch_size=1,
+        global_batch_size=2,
         dynamic_sampling_filter_path=f"{HERE}:keep_all",
     )
     data_source = RolloutDataSourceWithBuffer(args)
-    groups = generate_rollout(args, 5, data_source)
+    groups = generate_rollout(args, 5, data_source).samples
     assert len(groups) == 1 and groups[0][0].status == Sample.Status.COMPLETED
     assert data_source.get_buffer_length() == 0
     assert engine.aborts[-1] == {"abort_all": True}
@@ -371,7 +374,7 @@ def test_rollout_fails_past_max_failed_ratio(tmp_path, tokenizer_dir, engine):
         generate_rollout(args, 3, RolloutDataSourceWithBuffer(args))
 
     tolerant = _args(tokenizer_dir, engine, max_failed_ratio=0.5, **common)
-    groups = generate_rollout(tolerant, 3, RolloutDataSourceWithBuffer(tolerant))
+    groups = generate_rollout(tolerant, 3, RolloutDataSourceWithBuffer(tolerant)).samples
     failed = [s for g in groups for s in g if s.status == Sample.Status.FAILED]
     assert len(failed) == 2 and all(s.reward == 0.0 and "boom on" in s.metadata["error"] for s in failed)
     assert sorted(s.group_index for s in failed) == [0, 0]
@@ -379,21 +382,9 @@ def test_rollout_fails_past_max_failed_ratio(tmp_path, tokenizer_dir, engine):
 
 def test_eval_rollout(tmp_path, tokenizer_dir, engine):
     path = _data(tmp_path, [("say", "one"), ("count", "two")])
-    args = _args(
-        tokenizer_dir,
-        engine,
-        eval_prompt_data=["toyset", path],
-        n_samples_per_eval_prompt=2,
-        eval_max_response_len=2,
-        eval_temperature=0.0,
-        eval_top_p=None,
-        eval_top_k=None,
-        eval_input_key=None,
-        eval_label_key=None,
-        reward_key=None,
-        eval_reward_key=None,
-    )
-    out = generate_rollout(args, 0, None, evaluation=True)
+    args = _args(tokenizer_dir, engine, eval_prompt_data=["toyset", path], n_samples_per_eval_prompt=2,
+                 eval_max_response_len=2, eval_temperature=0.0)
+    out = generate_rollout(args, 0, None, evaluation=True).data
     assert list(out) == ["toyset"]
     assert out["toyset"]["rewards"] == [1.0, 1.0, 0.0, 0.0]
     assert out["toyset"]["truncated"] == [True] * 4
@@ -402,8 +393,6 @@ def test_eval_rollout(tmp_path, tokenizer_dir, engine):
 
 
 def test_eval_config_overrides_per_dataset(tmp_path, tokenizer_dir, engine):
-    from slime.utils.eval_config import load_eval_config
-
     path = _data(tmp_path, [("say", "one"), ("count", "two")])
     config = tmp_path / "eval.yaml"
     config.write_text(f"""
@@ -413,11 +402,9 @@ eval:
     - {{name: greedy, path: {path}, temperature: 0.0, n_samples_per_eval_prompt: 1}}
     - {{name: sampled, path: {path}, temperature: 0.5, n_samples_per_eval_prompt: 3, rm_type: f1, max_response_len: 3}}
 """)
-    args = _args(tokenizer_dir, engine, eval_datasets=load_eval_config(str(config)), eval_prompt_data=None,
-                 n_samples_per_eval_prompt=1, eval_max_response_len=None, eval_temperature=None, eval_top_p=None,
-                 eval_top_k=None, eval_input_key=None, eval_label_key=None, reward_key=None, eval_reward_key=None)
+    args = _args(tokenizer_dir, engine, eval_config=str(config))
     before = len(engine.requests)
-    out = generate_rollout(args, 0, None, evaluation=True)
+    out = generate_rollout(args, 0, None, evaluation=True).data
     assert list(out) == ["greedy", "sampled"]
     assert len(out["greedy"]["rewards"]) == 2 and len(out["sampled"]["rewards"]) == 6
     assert all(s.metadata.get("rm_type") == "f1" for s in out["sampled"]["samples"])

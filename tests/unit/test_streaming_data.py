@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -16,6 +15,7 @@ sys.path.insert(0, REPO_ROOT)
 
 from slime.rollout.data_source import RolloutDataSource, RolloutDataSourceWithBuffer
 from slime.utils.data import StreamingDataset
+from tests.args import make_args
 
 
 def _write(path, rows):
@@ -33,7 +33,7 @@ def _rows(n, long_every=0):
 
 
 def _args(tokenizer_dir, prompt_data, **kw):
-    return argparse.Namespace(**{
+    return make_args(validate=False, **{
         "hf_checkpoint": tokenizer_dir, "prompt_data": prompt_data, "input_key": "prompt", "label_key": "label",
         "metadata_key": None, "tool_key": None, "apply_chat_template": True, "apply_chat_template_kwargs": None,
         "rollout_max_prompt_len": None, "rollout_shuffle": False, "rollout_seed": 42, "n_samples_per_prompt": 2,
@@ -121,11 +121,12 @@ def test_errors_are_raised_when_the_row_is_read(tmp_path, tokenizer_dir):
 
 
 MEASURE = r"""
-import argparse, json, sys, threading, time
+import json, sys, threading, time
 import psutil
 sys.path.insert(0, sys.argv[3])
 from transformers import AutoTokenizer
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
+from tests.args import make_args
 
 AutoTokenizer.from_pretrained(sys.argv[1])  # imports and tokenizer code paths warmed before the baseline
 proc = psutil.Process()
@@ -140,8 +141,8 @@ def sample():  # the peak of this section only (ru_maxrss would also cover the i
 
 thread = threading.Thread(target=sample)
 thread.start()
-args = argparse.Namespace(
-    hf_checkpoint=sys.argv[1], prompt_data=sys.argv[2], input_key="prompt", label_key="label", metadata_key="metadata",
+args = make_args(
+    validate=False, hf_checkpoint=sys.argv[1], prompt_data=sys.argv[2], input_key="prompt", label_key="label", metadata_key="metadata",
     tool_key=None, apply_chat_template=True, apply_chat_template_kwargs=None, rollout_max_prompt_len=4096,
     rollout_shuffle=True, rollout_seed=1, n_samples_per_prompt=4, save=None, load=None, buffer_filter_path=None,
     disable_rollout_global_dataset=False, streaming_data=True, num_data_workers=1,

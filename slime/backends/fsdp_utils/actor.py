@@ -67,13 +67,13 @@ def _fully_shard():
 
 def lr_at(args: Any, step: int) -> float:
     """Learning rate of optimizer step `step` (0-based): Megatron-style warm-up then decay."""
-    lr, min_lr = args.lr, getattr(args, "min_lr", 0.0)
-    warmup = getattr(args, "lr_warmup_iters", 0) or 0
+    lr, min_lr = args.lr, args.min_lr
+    warmup = args.lr_warmup_iters
     if step < warmup:
-        init = getattr(args, "lr_warmup_init", 0.0) or 0.0
+        init = args.lr_warmup_init
         return init + (lr - init) * (step + 1) / warmup
-    style = getattr(args, "lr_decay_style", "constant") or "constant"
-    decay_iters = getattr(args, "lr_decay_iters", None)
+    style = args.lr_decay_style
+    decay_iters = args.lr_decay_iters
     if style == "constant" or not decay_iters:
         return lr
     ratio = min(1.0, max(0.0, (step - warmup) / max(1, decay_iters - warmup)))
@@ -90,8 +90,8 @@ def setup_rank(actor: TrainRayActor, args: Any) -> None:
     """Process group, threads, seed, device and the 1-D data-parallel mesh of one rank (actor or critic)."""
     torch.set_num_threads(int(os.environ.get("SLIME_TRAIN_NUM_THREADS", "1")))
     if not dist.is_initialized():
-        backend = getattr(args, "distributed_backend", None) or ("nccl" if torch.cuda.is_available() else "gloo")
-        actor.init_process_group(backend, getattr(args, "distributed_timeout_minutes", 10))
+        backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        actor.init_process_group(backend, args.distributed_timeout_minutes)
     actor.rank, actor.world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     lr_at(args, 0)  # fail now, not after the first rollout, on an unsupported --lr-decay-style
@@ -162,11 +162,11 @@ class FSDPTrainRayActor(TrainRayActor):
                              f"{', '.join(ppo_utils.ADVANTAGE_ESTIMATORS)}")
         self._returns: list[list[float]] | None = None
 
-        ckpt = checkpoint.find_checkpoint(getattr(args, "load", None))
+        ckpt = checkpoint.find_checkpoint(args.load)
         self.model = self._build_model(ckpt.path if ckpt else args.hf_checkpoint, trainable=True)
         self.ref_model = None
         if with_ref:
-            ref_load = getattr(args, "ref_load", None)
+            ref_load = args.ref_load
             if ref_load and not checkpoint.is_hf_folder(ref_load):
                 logger.warning("--ref-load %s is not an HF folder (no config.json); the fsdp backend takes the "
                                "reference model from --hf-checkpoint %s", ref_load, args.hf_checkpoint)
@@ -176,8 +176,8 @@ class FSDPTrainRayActor(TrainRayActor):
         self.optimizer = make_optimizer(self.model, args, args.lr)
         self.global_step = 0
         if ckpt is None:
-            return getattr(args, "start_rollout_id", None) or 0
-        if not getattr(args, "no_load_optim", False):
+            return args.start_rollout_id or 0
+        if not args.no_load_optim:
             checkpoint.load_optimizer(self.model, self.optimizer, ckpt.path)
         self.global_step = int(ckpt.trainer_state.get("global_step", 0))
         logger.info("rank %d: resumed from %s (rollout %d)", self.rank, ckpt.path, ckpt.iteration)
@@ -231,7 +231,7 @@ class FSDPTrainRayActor(TrainRayActor):
         # the loss is still the trained one, so the training forward's own log-probs (detached) are the old
         # ones; skip the separate forward (old_lp = None: filled in per micro-batch).
         reuse_forward = len(plan) == 1 and self.ref_model is None
-        if getattr(args, "use_rollout_logprobs", False):
+        if args.use_rollout_logprobs:
             old_lp = rollout_lp
         elif reuse_forward:
             old_lp = None
@@ -248,7 +248,7 @@ class FSDPTrainRayActor(TrainRayActor):
                                                                   self.device)
         # Only a critic (ppo, given values) needs the returns of every row.
         self._returns = self._gather_rows(returns, len(batch)) if returns is not None and values is not None else None
-        if rollout_id < (getattr(args, "num_critic_only_steps", 0) or 0):
+        if rollout_id < (args.num_critic_only_steps or 0):
             extra["train/critic_only_step"] = 1.0
             return extra
 
@@ -328,12 +328,12 @@ class FSDPTrainRayActor(TrainRayActor):
 
     # ---- weights and checkpoints ------------------------------------------------------------------------
     def update_weights(self, engines: list[Any], weight_version: int) -> None:
-        buffer_size = getattr(self.args, "update_weight_buffer_size", None) or DEFAULT_UPDATE_WEIGHT_BUFFER_SIZE
+        buffer_size = self.args.update_weight_buffer_size or DEFAULT_UPDATE_WEIGHT_BUFFER_SIZE
         weight_sync.update_weights(self.model, engines, weight_version, buffer_size, self.engine_push)
 
     def save(self, rollout_id: int) -> None:
-        if not getattr(self.args, "save", None):
+        if not self.args.save:
             raise ValueError("save() called without --save; pass --save DIR to write checkpoints")
-        optimizer = None if getattr(self.args, "no_save_optim", False) else self.optimizer
+        optimizer = None if self.args.no_save_optim else self.optimizer
         checkpoint.save_checkpoint(self.model, optimizer, self.args.save, rollout_id, self.args.hf_checkpoint,
                                    {"global_step": self.global_step})

@@ -92,7 +92,7 @@ def write_value_model_folder(model: torch.nn.Module, state: dict[str, torch.Tens
 
 def critic_args(args: Any) -> argparse.Namespace:
     """The actor's args with the critic's learning rate."""
-    critic_lr = getattr(args, "critic_lr", None)
+    critic_lr = args.critic_lr
     return argparse.Namespace(**{**vars(args), "lr": args.lr if critic_lr is None else critic_lr})
 
 
@@ -102,16 +102,16 @@ class FSDPCriticRayActor(TrainRayActor):
             raise ValueError(f"FSDPCriticRayActor: role {role!r}; the actor is FSDPTrainRayActor (actor.py)")
         self.args = critic_args(args)
         setup_rank(self, self.args)
-        load = getattr(args, "load", None)
+        load = args.load
         ckpt = checkpoint.find_checkpoint(os.path.join(load, CRITIC_DIR)) if load else None
-        path = ckpt.path if ckpt else (getattr(args, "critic_load", None) or args.hf_checkpoint)
+        path = ckpt.path if ckpt else (args.critic_load or args.hf_checkpoint)
         model = load_value_model(path)
         self.model = shard_model(model, model.body, self.mesh, self.device, path)
         self.optimizer = make_optimizer(self.model, self.args, self.args.lr)
         self.global_step = 0
         if ckpt is None:
             return 0
-        if not getattr(args, "no_load_optim", False):
+        if not args.no_load_optim:
             checkpoint.load_optimizer(self.model, self.optimizer, ckpt.path)
         self.global_step = int(ckpt.trainer_state.get("global_step", 0))
         logger.info("critic rank %d: resumed from %s (rollout %d)", self.rank, ckpt.path, ckpt.iteration)
@@ -148,7 +148,7 @@ class FSDPCriticRayActor(TrainRayActor):
         if values is None or returns is None:
             raise ValueError("critic train needs the values it computed and the actor's returns for every row")
         args = self.args
-        per_token = getattr(args, "calculate_per_token_loss", False)
+        per_token = args.calculate_per_token_loss
         totals: dict[str, float] = defaultdict(float)
         plan = self._plan(batch)
         for s, micro_batches in enumerate(plan):
@@ -182,9 +182,9 @@ class FSDPCriticRayActor(TrainRayActor):
         raise NotImplementedError("the critic's weights are never sent to the rollout engines")
 
     def save(self, rollout_id: int) -> None:
-        if not getattr(self.args, "save", None):
+        if not self.args.save:
             raise ValueError("save() called without --save; pass --save DIR to write checkpoints")
-        optimizer = None if getattr(self.args, "no_save_optim", False) else self.optimizer
+        optimizer = None if self.args.no_save_optim else self.optimizer
         checkpoint.save_checkpoint(self.model, optimizer, os.path.join(self.args.save, CRITIC_DIR), rollout_id,
                                    self.args.hf_checkpoint, {"global_step": self.global_step},
                                    write_folder=write_value_model_folder)

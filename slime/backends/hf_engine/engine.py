@@ -1,7 +1,7 @@
 """`HFEngine`: the `ServerEngine` that launches the built-in hf engine server (server.py).
 
 Launch settings come from slime's args: `--hf-checkpoint` (model), `--rollout-seed` + rank (sampling
-seed), `--sglang-server-concurrency` (largest running batch, 64 when absent), `--sglang-disable-cuda-graph`
+seed), `--sglang-server-concurrency` (largest running batch), `--sglang-disable-cuda-graph`
 (decode steps run eagerly). Device is CUDA when visible, else CPU; dtype is float32 on CPU (so engine and trainer log-probs agree to ~1e-5) and
 bfloat16 on CUDA. Torch threads per server: env `SLIME_ENGINE_NUM_THREADS` (default 1, so several
 engines and a trainer can share a small CPU machine).
@@ -22,7 +22,7 @@ def weight_dirs(args) -> list[str]:
     """Folders the server may load weights from (update_weights_from_disk): the one holding --hf-checkpoint,
     --save, and any listed in SLIME_ENGINE_WEIGHT_DIRS (os.pathsep-separated)."""
     dirs = [os.path.dirname(os.path.abspath(str(args.hf_checkpoint)))]
-    if getattr(args, "save", None):
+    if args.save:
         dirs.append(os.path.abspath(args.save))
     dirs += [d for d in os.environ.get("SLIME_ENGINE_WEIGHT_DIRS", "").split(os.pathsep) if d]
     return dirs
@@ -44,17 +44,16 @@ class HFEngine(ServerEngine):
     def launch_command(self, host: str, port: int) -> list[str]:
         import torch
 
-        checkpoint = getattr(self.args, "hf_checkpoint", None)
+        checkpoint = self.args.hf_checkpoint
         if not checkpoint:
             raise ValueError("--hf-checkpoint is required for the hf rollout engine (an HF model folder)")
         cuda = torch.cuda.is_available()
-        sglang_args = getattr(self.args, "sglang_args", None) or {}
-        seed = getattr(self.args, "rollout_seed", None)
-        seed = (42 if seed is None else seed) + self.rank
+        sglang_args = self.args.sglang_args
+        seed = self.args.rollout_seed + self.rank
         return [sys.executable, "-m", "slime.backends.hf_engine",
                 "--model-path", str(checkpoint), "--host", host, "--port", str(port),
                 "--device", "cuda" if cuda else "cpu", "--dtype", "bfloat16" if cuda else "float32",
-                "--max-running-requests", str(getattr(self.args, "sglang_server_concurrency", None) or 64),
+                "--max-running-requests", str(self.args.sglang_server_concurrency),
                 "--random-seed", str(seed),
                 "--num-threads", os.environ.get("SLIME_ENGINE_NUM_THREADS", "1"),
                 *(["--disable-cuda-graph"] if _flag_on(sglang_args, "disable_cuda_graph") else []),

@@ -149,7 +149,7 @@ class MegatronTrainRayActor(TrainRayActor):
     @staticmethod
     def _total_steps(args) -> int:
         per_rollout = max(1, args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size)
-        return max(1, (getattr(args, "num_rollout", None) or 1) * per_rollout)
+        return max(1, (args.num_rollout or 1) * per_rollout)
 
     # ---- batching -----------------------------------------------------------------------------------------
     def _dp(self) -> tuple[int, int, Any]:

@@ -48,7 +48,7 @@ def check_megatron_runtime(args: argparse.Namespace, cuda_available: bool | None
 
 
 def require_model_args(args: argparse.Namespace) -> None:
-    missing = [f"--{d.replace('_', '-')}" for d in _REQUIRED if getattr(args, d, None) is None]
+    missing = [f"--{d.replace('_', '-')}" for d in _REQUIRED if getattr(args, d) is None]
     if missing:
         raise SlimeArgumentError(
             f"--train-backend megatron needs the model architecture; missing {' '.join(missing)}. "

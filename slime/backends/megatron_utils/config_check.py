@@ -145,7 +145,7 @@ def _flag_value(args: argparse.Namespace, dest: str):
         return query_groups(args)
     if dest == "moe_layer_pattern":
         return moe_layer_pattern(args)
-    return getattr(args, dest, None)
+    return getattr(args, dest)
 
 
 def _flag(dest: str) -> str:

@@ -62,8 +62,8 @@ FOLLOWER_SETTLE_S = 3.0  # a node-rank > 0 server that survives this long is tak
 
 def engine_nnodes(args) -> int:
     """Nodes one engine spans: an engine wider than a node takes whole nodes."""
-    per_engine = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
-    per_node = int(getattr(args, "num_gpus_per_node", 8) or 8)
+    per_engine = args.rollout_num_gpus_per_engine
+    per_node = args.num_gpus_per_node
     return max(1, math.ceil(per_engine / per_node)) if per_engine > per_node else 1
 
 
@@ -96,7 +96,7 @@ class SGLangEngine(ServerEngine):
         if not 0 <= node_rank < self.nnodes:
             raise ValueError(f"node_rank {node_rank}: engine {rank} spans {self.nnodes} node(s)")
         self.node_rank = node_rank
-        self.tp_size = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+        self.tp_size = args.rollout_num_gpus_per_engine
         self._dist_init_addr = dist_init_addr
         self.nccl_port: int | None = None
         self.gpu_ids = ray_gpu_ids()
@@ -129,11 +129,10 @@ class SGLangEngine(ServerEngine):
     def server_args(self, host: str, port: int) -> dict[str, Any]:
         """ServerArgs field -> value for this engine (slime's computed fields, then the forwarded ones)."""
         args = self.args
-        checkpoint = getattr(args, "hf_checkpoint", None)
+        checkpoint = args.hf_checkpoint
         if not checkpoint:
             raise ValueError("--hf-checkpoint is required for the sglang rollout engine (an HF model folder)")
         self.nccl_port = free_port(host)  # fresh per launch: a retry after "address in use" needs new ports
-        seed = getattr(args, "seed", None)
         values: dict[str, Any] = {
             "model_path": str(checkpoint),
             "host": host,
@@ -142,8 +141,8 @@ class SGLangEngine(ServerEngine):
             "tp_size": self.tp_size,
             "base_gpu_id": self.gpu_ids[0] if self.gpu_ids else 0,
             "gpu_id_step": 1,
-            "random_seed": (1234 if seed is None else int(seed)) + self.rank,
-            "enable_memory_saver": bool(getattr(args, "offload_rollout", False) or getattr(args, "colocate", False)),
+            "random_seed": args.seed + self.rank,
+            "enable_memory_saver": bool(args.offload_rollout or args.colocate),
             "skip_server_warmup": True,
             "trust_remote_code": True,
         }
@@ -153,7 +152,7 @@ class SGLangEngine(ServerEngine):
                 logger.info("engine %d spans %d nodes: its servers on node ranks 1..%d must be started with "
                             "dist_init_addr=%s, or this one waits for them", self.rank, self.nnodes,
                             self.nnodes - 1, values["dist_init_addr"])
-        values.update(getattr(args, "sglang_args", None) or {})
+        values.update(self.args.sglang_args)
         return values
 
     def launch_command(self, host: str, port: int) -> list[str]:
@@ -162,7 +161,7 @@ class SGLangEngine(ServerEngine):
         fields = server_fields() if self.uses_default_launcher() else None
         if fields is not None:
             # The driver may not have had sglang to check these; the engine's node has it.
-            values = {**values, **convert_sglang_args(getattr(self.args, "sglang_args", None) or {}, fields)}
+            values = {**values, **convert_sglang_args(self.args.sglang_args, fields)}
         return [*launcher, *sglang_cli_args(values, fields)]
 
     def launch_env(self) -> dict[str, str]:

@@ -84,7 +84,7 @@ class TrainRayActor:
         """Rank 0's `EnginePush` (slime/weight_sync/push.py), made on the first push, begun for
         `engines`: handles for colocated engines, a broadcast group kept across pushes otherwise."""
         if self._push is None:
-            self._push = EnginePush(bool(getattr(self.args, "colocate", False)))
+            self._push = EnginePush(bool(self.args.colocate))
         self._push.begin(engines)
         return self._push
 

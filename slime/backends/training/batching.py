@@ -92,7 +92,7 @@ def plan_micro_batches(args, tokens: Sequence[Sequence[int]], rows: Sequence[int
     Collective with dynamic batches: the ranks of `group` (None: all) run their forwards in lockstep (FSDP
     gathers parameters in every forward, expert parallelism exchanges tokens), so every rank takes as many
     micro-batches as the rank that needs most."""
-    if not getattr(args, "use_dynamic_batch_size", False):
+    if not args.use_dynamic_batch_size:
         return split_micro_batches(rows, args.micro_batch_size)
     import torch.distributed as dist
 

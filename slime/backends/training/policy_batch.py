@@ -31,14 +31,14 @@ def rollout_log_probs(args: Any, batch: TrainBatch, rows: list[int], device) -> 
     if batch.rollout_log_probs is not None:
         found = {r: torch.as_tensor(batch.rollout_log_probs[r], dtype=torch.float32, device=device) for r in rows}
     for flag, attr in (("--use-tis", "use_tis"), ("--use-rollout-logprobs", "use_rollout_logprobs")):
-        if getattr(args, attr, False) and found is None:
+        if getattr(args, attr) and found is None:
             raise ValueError(f"{flag}: the train batch has no rollout log-probs (the rollout function must "
                              "fill Sample.rollout_log_probs); drop the flag or return them")
     return found
 
 
 def require_ref(args: Any, has_ref: bool) -> None:
-    if (getattr(args, "use_kl_loss", False) or getattr(args, "kl_coef", 0.0)) and not has_ref:
+    if (args.use_kl_loss or args.kl_coef) and not has_ref:
         raise ValueError("--use-kl-loss / --kl-coef need the reference model, but the actor was initialised "
                          "without one (with_ref=False); the actor group must pass with_ref=True")
 
@@ -57,7 +57,7 @@ def advantages_and_returns(args: Any, batch: TrainBatch, rows: list[int], old_lp
         kl=kl, values=None if values is None else [torch.as_tensor(values[r], dtype=torch.float32) for r in rows],
     )
     adv_list, ret_list = ppo_utils.compute_advantages_and_returns(args, inputs)
-    if getattr(args, "normalize_advantages", False):
+    if args.normalize_advantages:
         adv_list = whiten(adv_list, inputs.loss_masks, device, group)
     advantages = {r: a.to(device) for r, a in zip(rows, adv_list)}
     returns = None if ret_list is None else dict(zip(rows, ret_list))
@@ -88,7 +88,7 @@ def logprob_abs_diff(old_lp, rollout_lp, batch: TrainBatch, device, group=None) 
 
 def loss_denominator(args: Any, batch: TrainBatch, global_rows) -> float:
     """Per-sample mean: the step's rows; --calculate-per-token-loss: its loss-masked tokens."""
-    if getattr(args, "calculate_per_token_loss", False):
+    if args.calculate_per_token_loss:
         return max(1, sum(sum(batch.loss_masks[r]) for r in global_rows))
     return len(global_rows)
 
@@ -104,6 +104,6 @@ def loss_inputs(args: Any, batch: TrainBatch, rows: list[int], mb: MicroBatch, l
         entropy=entropy, ref_log_probs=None if ref_lp is None else padded(ref_lp),
         rollout_log_probs=None if rollout_lp is None else padded(rollout_lp),
         aggregate=functools.partial(ppo_utils.aggregate_loss, mask=mask,
-                                    per_token=getattr(args, "calculate_per_token_loss", False),
+                                    per_token=args.calculate_per_token_loss,
                                     global_denominator=denominator),
     )

@@ -10,18 +10,19 @@ import argparse
 import logging
 import os
 
+from slime.algorithm.estimators import ESTIMATORS, estimator_of
 from slime.config.arg_groups._common import fail
 
 logger = logging.getLogger(__name__)
 
 FUNCTION_FLAGS = ("custom_loss_function_path", "custom_advantage_function_path", "custom_tis_function_path")
 
-ADVANTAGE_ESTIMATORS = ["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
 
 
 def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("algorithm", "Advantages, losses, KL and importance-sampling corrections.")
-    g.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="grpo")
+    g.add_argument("--advantage-estimator", choices=list(ESTIMATORS), default="grpo",
+                   help="How advantages are computed (slime/algorithm/estimators.py; ppo trains a critic).")
     g.add_argument(
         "--custom-advantage-function-path",
         type=str,
@@ -110,8 +111,8 @@ def validate_algorithm(args: argparse.Namespace) -> None:
     if args.kl_loss_coef != 0 and not args.use_kl_loss:
         logger.warning("--kl-loss-coef %s has no effect without --use-kl-loss.", args.kl_loss_coef)
 
-    reinforce_pp = args.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
-    if reinforce_pp and not args.normalize_advantages:
+    estimator = estimator_of(args)
+    if estimator.whitens and not args.normalize_advantages:
         fail(f"--advantage-estimator {args.advantage_estimator} whitens its advantages: add --normalize-advantages.")
     if args.use_rollout_logprobs and args.use_tis:
         fail(
@@ -126,8 +127,9 @@ def validate_algorithm(args: argparse.Namespace) -> None:
         fail(f"--ref-update-interval {args.ref_update_interval}: must be a positive number of rollouts.")
     if args.num_critic_only_steps < 0:
         fail(f"--num-critic-only-steps {args.num_critic_only_steps}: must be >= 0.")
-    if args.num_critic_only_steps and args.advantage_estimator != "ppo":
-        fail(f"--num-critic-only-steps {args.num_critic_only_steps} needs a critic: use --advantage-estimator ppo.")
+    if args.num_critic_only_steps and not estimator.needs_critic:
+        fail(f"--num-critic-only-steps {args.num_critic_only_steps} needs a critic: use --advantage-estimator "
+             f"{_critic_estimators()}.")
 
     validate_ppo_and_discounting(args)
     if args.custom_loss_function_path and args.loss_type != "custom_loss":
@@ -152,15 +154,19 @@ def validate_ppo_and_discounting(args: argparse.Namespace) -> None:
         fail(f"--value-clip {args.value_clip}: must be > 0 (e.g. 0.2).")
     if args.critic_lr is not None and args.critic_lr < 0:
         fail(f"--critic-lr {args.critic_lr}: must be >= 0.")
-    ppo = args.advantage_estimator == "ppo"
-    if not ppo and (args.critic_load or args.critic_lr is not None):
+    critic = estimator_of(args).needs_critic
+    if not critic and (args.critic_load or args.critic_lr is not None):
         flag = "--critic-load" if args.critic_load else "--critic-lr"
         fail(f"{flag} configures the PPO critic, which --advantage-estimator {args.advantage_estimator} does not "
-             "use; drop it or use --advantage-estimator ppo.")
+             f"use; drop it or use --advantage-estimator {_critic_estimators()}.")
     if args.critic_load and not args.debug_rollout_only and not os.path.isfile(
         os.path.join(args.critic_load, "config.json")
     ):
         fail(f"--critic-load {args.critic_load}: not an HF model folder (no config.json there); fix the path.")
-    if ppo and getattr(args, "train_backend", None) == "megatron":
-        fail("--advantage-estimator ppo: the critic is implemented for --train-backend fsdp only; "
-             "add --train-backend fsdp.")
+    if critic and args.train_backend == "megatron":
+        fail(f"--advantage-estimator {args.advantage_estimator}: the critic is implemented for --train-backend fsdp "
+             "only; add --train-backend fsdp.")
+
+
+def _critic_estimators() -> str:
+    return " or ".join(name for name, e in ESTIMATORS.items() if e.needs_critic)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from slime.algorithm.estimators import estimator_of
 from slime.config.arg_groups._common import fail, require_positive
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def validate_cluster(args: argparse.Namespace) -> None:
         fail("--distributed-backend nccl needs CUDA, which this machine does not have; use --distributed-backend gloo.")
 
     actor_gpus = args.actor_num_nodes * args.actor_num_gpus_per_node
-    external = getattr(args, "rollout_external_engine_addrs", None) is not None
+    external = args.rollout_external_engine_addrs is not None
 
     if args.debug_rollout_only:
         # No training: engines get the whole allocation, nothing is colocated or offloaded.
@@ -133,6 +134,12 @@ def validate_cluster(args: argparse.Namespace) -> None:
                 "e.g. --rollout-num-gpus 8, or use --colocate to share the actor's."
             )
 
+    if args.rollout_num_gpus < args.rollout_num_gpus_per_engine and not (external or args.debug_train_only):
+        fail(
+            f"--rollout-num-gpus {args.rollout_num_gpus} is smaller than --rollout-num-gpus-per-engine "
+            f"{args.rollout_num_gpus_per_engine}: no engine fits; raise the first, lower the second, or point "
+            "--rollout-external-engine-addrs at running engines."
+        )
     if args.rollout_num_gpus % args.rollout_num_gpus_per_engine != 0:
         fail(
             f"--rollout-num-gpus {args.rollout_num_gpus} is not divisible by --rollout-num-gpus-per-engine "
@@ -148,7 +155,7 @@ def validate_cluster(args: argparse.Namespace) -> None:
             f"e.g. {(per_engine // per_node + 1) * per_node}."
         )
 
-    args.use_critic = args.advantage_estimator == "ppo"
+    args.use_critic = estimator_of(args).needs_critic
     # The critic shares the actor's GPUs (slime forces these equal).
     args.critic_num_nodes = args.actor_num_nodes
     args.critic_num_gpus_per_node = args.actor_num_gpus_per_node

@@ -276,7 +276,7 @@ def data_parallel_size(args: argparse.Namespace) -> tuple[int, str]:
     )
     if args.train_backend != "megatron":
         return ranks, how
-    tokens = getattr(args, "megatron_args", None) or []
+    tokens = args.megatron_args
     tp = _megatron_int(tokens, "--tensor-model-parallel-size")
     pp = _megatron_int(tokens, "--pipeline-model-parallel-size")
     cp = _megatron_int(tokens, "--context-parallel-size")

@@ -89,15 +89,15 @@ def validate_debug(args: argparse.Namespace) -> None:
 
 
 def validate_dry_run(args: argparse.Namespace) -> None:
-    gpu_gb, cuda = getattr(args, "dry_run_gpu_gb", None), getattr(args, "dry_run_cuda", False)
-    if not getattr(args, "dry_run", False):
+    gpu_gb, cuda = args.dry_run_gpu_gb, args.dry_run_cuda
+    if not args.dry_run:
         if gpu_gb is not None or cuda:
             given = "--dry-run-gpu-gb" if gpu_gb is not None else "--dry-run-cuda"
             fail(f"{given} only applies to a dry run; add --dry-run or drop {given}.")
         return
     if gpu_gb is not None and not gpu_gb > 0:
         fail(f"--dry-run-gpu-gb {gpu_gb}: must be a positive number of GB, e.g. 80.")
-    if cuda and not getattr(args, "use_cuda", False):
+    if cuda and not args.use_cuda:
         args.use_cuda = True
     else:
         args.dry_run_cuda = False  # CUDA is here anyway: nothing to pretend

@@ -49,7 +49,7 @@ def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
 def run_name(args: argparse.Namespace) -> str:
     """`<--tb-project-name or slime>/<--tb-experiment-name or the parse time>`: the run's folder under
     outputs/tensorboard/ and (when --save is not given) outputs/checkpoints/. Fixed at the first call."""
-    if getattr(args, "run_name", None) is None:
+    if args.run_name is None:
         args.run_name = os.path.join(args.tb_project_name or "slime",
                                      args.tb_experiment_name or time.strftime("%Y%m%d-%H%M%S"))
     return args.run_name

@@ -283,7 +283,7 @@ def validate_megatron(args: argparse.Namespace) -> None:
         fail(f"--recompute-method {args.recompute_method} needs --recompute-granularity full.")
     if args.recompute_granularity == "full" and args.recompute_method and args.recompute_num_layers is None:
         fail("--recompute-granularity full with --recompute-method needs --recompute-num-layers N.")
-    if getattr(args, "train_backend", None) != "megatron":
+    if args.train_backend != "megatron":
         return
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     if args.num_attention_heads and args.num_attention_heads % tp:

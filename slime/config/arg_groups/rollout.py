@@ -157,10 +157,10 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
 def model_context_length(args: argparse.Namespace) -> tuple[int | None, str]:
     """The engines' context length: --sglang-context-length, else max_position_embeddings of
     --hf-checkpoint's config.json (its text config for multimodal models); (None, "") when neither says."""
-    sglang_context = (getattr(args, "sglang_args", None) or {}).get("context_length")
+    sglang_context = args.sglang_args.get("context_length")
     if sglang_context:
         return int(sglang_context), "--sglang-context-length"
-    checkpoint = getattr(args, "hf_checkpoint", None)
+    checkpoint = args.hf_checkpoint
     if not is_hf_folder(checkpoint):
         return None, ""
     value = load_hf_config(checkpoint).get("max_position_embeddings")

@@ -70,22 +70,25 @@ def validate_sglang(args: argparse.Namespace) -> None:
         fail(f"--sglang-server-concurrency {args.sglang_server_concurrency}: must be >= 1.")
     if args.sglang_router_port is not None and not 0 < args.sglang_router_port < 65536:
         fail(f"--sglang-router-port {args.sglang_router_port}: not a TCP port (1-65535).")
+    if args.sglang_router_ip and args.sglang_router_port is None:
+        fail(f"--sglang-router-ip {args.sglang_router_ip} names an external router but --sglang-router-port is not "
+             "set; pass both, or neither to let slime start a router.")
     if args.sglang_router_request_timeout_secs <= 0:
         fail(f"--sglang-router-request-timeout-secs {args.sglang_router_request_timeout_secs}: must be > 0.")
-    for field in sorted(getattr(args, "sglang_args", None) or {}):
+    for field in sorted(args.sglang_args):
         if field in RESERVED_SGLANG_FIELDS:
             instead = RESERVED_SGLANG_FIELDS[field]
             fix = f"use {instead} instead" if instead else "slime sets it for each engine; drop the flag"
             fail(f"--sglang-{field.replace('_', '-')}: slime computes this SGLang setting itself; {fix}.")
-    if getattr(args, "sglang_args", None) and _launches_sglang(args):
+    if args.sglang_args and _launches_sglang(args):
         _type_forwarded_fields(args)
 
 
 def _launches_sglang(args: argparse.Namespace) -> bool:
-    backend = getattr(args, "rollout_backend", None) or ("sglang" if getattr(args, "use_cuda", False) else "hf")
-    return (backend == "sglang" and bool(getattr(args, "use_cuda", False))
-            and not getattr(args, "rollout_external_engine_addrs", None)
-            and not getattr(args, "debug_train_only", False))
+    backend = args.rollout_backend or ("sglang" if args.use_cuda else "hf")
+    return (backend == "sglang" and bool(args.use_cuda)
+            and not args.rollout_external_engine_addrs
+            and not args.debug_train_only)
 
 
 def _type_forwarded_fields(args: argparse.Namespace) -> None:

@@ -49,15 +49,15 @@ class Layout:
 
 
 def compute_layout(args) -> Layout:
-    num_actor = 0 if getattr(args, "debug_rollout_only", False) else num_actor_devices(args)
+    num_actor = 0 if args.debug_rollout_only else num_actor_devices(args)
     total = num_actor + num_rollout_devices(args)
     if args.colocate:
         total = max(total, args.rollout_num_gpus or 0)
     rollout = list(range(total)) if args.colocate else list(range(num_actor, total))
-    external = list(getattr(args, "rollout_external_engine_addrs", None) or [])
+    external = list(args.rollout_external_engine_addrs or [])
     engines: list[Engine] = []
     per_engine = args.rollout_num_gpus_per_engine
-    if not external and not getattr(args, "debug_train_only", False):
+    if not external and not args.debug_train_only:
         nnodes = engine_nnodes(args) if args.rollout_backend == "sglang" else 1
         for i in range((args.rollout_num_gpus or 0) // per_engine):
             engines.append(Engine(rank=i, bundles=rollout[i * per_engine:(i + 1) * per_engine], nnodes=nnodes))
@@ -66,7 +66,7 @@ def compute_layout(args) -> Layout:
         node_size=args.num_gpus_per_node if args.use_cuda else max(1, total),
         total_bundles=total,
         actor=list(range(num_actor)),
-        critic=bool(getattr(args, "use_critic", False)) and num_actor > 0,
+        critic=bool(args.use_critic) and num_actor > 0,
         rollout=rollout,
         engines=engines,
         colocated=bool(args.colocate),

@@ -114,8 +114,8 @@ def stage_layers(args, shape: ModelShape, pp: int) -> list[int]:
     """Decoder layers per pipeline stage (Megatron's split, first/last stage flags honoured)."""
     ns = argparse.Namespace(
         pipeline_model_parallel_size=pp, num_layers=shape.num_layers,
-        decoder_first_pipeline_num_layers=getattr(args, "decoder_first_pipeline_num_layers", None),
-        decoder_last_pipeline_num_layers=getattr(args, "decoder_last_pipeline_num_layers", None),
+        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
     )  # fmt: skip
     try:
         return pipeline_layer_split(ns)
@@ -161,7 +161,7 @@ def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches
     dist_opt = bool(args.use_distributed_optimizer)
     vocab = padded_vocab_size(argparse.Namespace(
         vocab_size=max(args.vocab_size or 0, shape.vocab_size), tensor_model_parallel_size=par.tp,
-        make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128)))  # fmt: skip
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by))  # fmt: skip
     split = stage_layers(args, shape, par.pp)
     sp = bool(args.sequence_parallel) and par.tp > 1
     recompute = args.recompute_granularity
@@ -287,7 +287,7 @@ class EngineMemory:
 
 
 def mem_fraction_static(args) -> tuple[float, bool]:
-    raw = (getattr(args, "sglang_args", None) or {}).get("mem_fraction_static")
+    raw = args.sglang_args.get("mem_fraction_static")
     if raw is None:
         return DEFAULT_MEM_FRACTION_STATIC, False
     try:
@@ -313,7 +313,7 @@ def engine_memory(args, shape: ModelShape, gpu_bytes: float | None) -> tuple[Eng
     """Per-GPU memory of one engine, and how its KV bytes per token were computed."""
     sglang = args.rollout_backend == "sglang"
     tp = args.rollout_num_gpus_per_engine if sglang else 1
-    sglang_args = getattr(args, "sglang_args", None) or {}
+    sglang_args = args.sglang_args
     if not args.use_cuda:
         wbytes = 4  # the hf engine runs float32 on CPU
     elif shape.quant_method == "fp8" or str(sglang_args.get("quantization", "")).startswith("fp8"):

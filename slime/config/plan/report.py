@@ -101,7 +101,7 @@ def sample_length(args) -> Lengths:
 
 def count_prompt_rows(args) -> int | None:
     """Rows of --prompt-data after its @[start:end] slice, before length filtering (None: not countable)."""
-    if not args.prompt_data or not getattr(args, "rollout_global_dataset", True):
+    if not args.prompt_data or not args.rollout_global_dataset:
         return None
     path, rows = parse_prompt_path(args.prompt_data, "--prompt-data")
     if path.endswith(".parquet"):

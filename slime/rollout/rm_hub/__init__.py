@@ -38,6 +38,7 @@ _GRADERS = {
 }
 RM_TYPES = frozenset({*_GRADERS, "remote_rm"})
 BOXED_PREFIX = "boxed_"
+REMOTE_RM_RETRIES = 5  # retries of a failed --rm-url request (transport errors and 5xx)
 
 
 def validate_rm_type(rm_type: str | None, flag: str = "--rm-type") -> None:
@@ -57,7 +58,7 @@ async def _maybe_await(value):
 
 
 def _rm_type_of(args, sample: Sample) -> str:
-    rm_type = (sample.metadata or {}).get("rm_type") or getattr(args, "rm_type", None)
+    rm_type = (sample.metadata or {}).get("rm_type") or args.rm_type
     if not rm_type:
         raise ValueError(
             f"sample {sample.index}: no reward function: set --rm-type (one of {sorted(RM_TYPES)}), "
@@ -67,11 +68,11 @@ def _rm_type_of(args, sample: Sample) -> str:
 
 
 async def _remote_rm(args, sample: Sample) -> Any:
-    url = getattr(args, "rm_url", None)
+    url = args.rm_url
     if not url:
         raise ValueError("--rm-type remote_rm needs --rm-url (the reward server's POST endpoint)")
     payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
-    return await post(url, payload, retries=getattr(args, "rm_retries", 5), backoff=1.0)
+    return await post(url, payload, retries=REMOTE_RM_RETRIES, backoff=1.0)
 
 
 async def _builtin_reward(args, sample: Sample, rm_type: str) -> Any:
@@ -95,7 +96,7 @@ async def async_rm(args, sample: Sample, **kwargs) -> float | dict:
     path = (sample.metadata or {}).get("custom_rm_path")
     if path:
         return await _maybe_await(load_function(path, "metadata['custom_rm_path']")(args, sample, **kwargs))
-    path = getattr(args, "custom_rm_path", None)
+    path = args.custom_rm_path
     if path:
         return await _maybe_await(load_function(path, "--custom-rm-path")(args, sample, **kwargs))
     return await _builtin_reward(args, sample, _rm_type_of(args, sample))
@@ -104,8 +105,8 @@ async def async_rm(args, sample: Sample, **kwargs) -> float | dict:
 async def batched_async_rm(args, samples: list[Sample], **kwargs) -> list[float | dict]:
     """Rewards of several samples. With --group-rm and --custom-rm-path the plugin gets the whole list at
     once and must return one reward per sample; otherwise each sample is graded by `async_rm` concurrently."""
-    path = getattr(args, "custom_rm_path", None)
-    if getattr(args, "group_rm", False) and path:
+    path = args.custom_rm_path
+    if args.group_rm and path:
         rewards = await _maybe_await(load_function(path, "--custom-rm-path")(args, samples, **kwargs))
         if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):
             got = f"{len(rewards)} values" if isinstance(rewards, (list, tuple)) else type(rewards).__name__
