@@ -17,6 +17,8 @@ setup(
         # 0.16.1 is the newest wheel for Python 3.11; GPU machines with Python 3.12 take 0.19.x.
         "megatron": ["megatron-core>=0.16.1"],
         "sglang": ["sglang>=0.5.0"],
+        # --use-wandb.
+        "wandb": ["wandb==0.31.0"],
         # tools/plot_metrics.py (TensorBoard scalars -> PNG).
         "plot": ["matplotlib==3.11.2"],
         # examples/search-r1/retrieval_server.py (BM25 ranking).

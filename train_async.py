@@ -1,4 +1,4 @@
-"""Asynchronous RL training: the next rollout is generated while the current one trains (DESIGN §4).
+"""Asynchronous RL training: the next rollout is generated while the current one trains (docs/async.md).
 
     python train_async.py <the flags of train.py> [--async-buffer-size N] [--update-weights-interval K]
 
@@ -35,12 +35,10 @@ from collections import deque
 
 import ray
 
-from slime.ray.launcher import Run
 from slime.config.arguments import SlimeArgumentError, check_before_start, parse_args
-from slime.utils.metrics import compute_weight_version_lag, wait_time_ratio
 from slime.config.plan import print_plan
-from slime.utils.tracking import Tracker
-from train import (
+from slime.ray.launcher import Run
+from slime.ray.loop import (
     evaluate,
     init_training,
     push_weights,
@@ -52,6 +50,8 @@ from train import (
     should_save,
     train_on,
 )
+from slime.utils.metrics import compute_weight_version_lag, wait_time_ratio
+from slime.utils.tracking import Tracker
 
 logger = logging.getLogger("slime")
 
@@ -113,19 +113,17 @@ def train_async(args) -> None:
     check_async_args(args)
     tracker = Tracker(args)
     with Run(args) as run:
-        resolve_num_rollout(args, run)  # first: the trainers size their LR schedules by it
-        start_rollout_id = init_training(args, run)
-        if start_rollout_id > 0:
-            ray.get(run.rollout_manager.load.remote(start_rollout_id - 1))
+        num_rollout = resolve_num_rollout(args, run)
+        start_rollout_id = init_training(args, run, num_rollout)
         engines = ray.get(run.rollout_manager.get_engines.remote())
         weight_version = push_weights(run, engines, 0)
         if should_eval_before_training(args, start_rollout_id):
             tracker.log(evaluate(run, start_rollout_id), step=start_rollout_id)
 
-        generations = GenerationQueue(run.rollout_manager, start_rollout_id, args.num_rollout, args.async_buffer_size)
+        generations = GenerationQueue(run.rollout_manager, start_rollout_id, num_rollout, args.async_buffer_size)
         generations.fill()
         step_start = time.time()
-        for rollout_id in range(start_rollout_id, args.num_rollout):
+        for rollout_id in range(start_rollout_id, num_rollout):
             generations.wait_s = 0.0
             batch, metrics, timeline = generations.take(rollout_id)
             generations.fill()  # the next generation runs while this rollout trains
@@ -135,7 +133,7 @@ def train_async(args) -> None:
             metrics.update(train_on(run, rollout_id, batch))
             timeline["train_end"] = time.time()
             metrics["perf/train_time"] = timeline["train_end"] - timeline["train_start"]
-            if should_save(args, rollout_id):
+            if should_save(args, rollout_id, num_rollout):
                 save(run, rollout_id)
             if should_push(args, rollout_id):
                 generations.drain()  # never push in the middle of a generation

@@ -41,6 +41,7 @@ sys.path.insert(0, REPO_ROOT)
 
 from slime.backends.hf_engine.engine import HFEngine  # noqa: E402
 from slime.rollout.router import RouterProcess  # noqa: E402
+from tests.args import make_args  # noqa: E402
 
 
 def tree_rss_mb(pid: int) -> float:
@@ -231,8 +232,8 @@ def main() -> None:
     sampler: RssSampler | None = None
     try:
         for rank in range(args.engines):
-            engine = HFEngine(argparse.Namespace(hf_checkpoint=model_dir, rollout_seed=args.seed,
-                                                 sglang_server_concurrency=args.server_concurrency), rank=rank)
+            engine = HFEngine(make_args(hf_checkpoint=model_dir, rollout_seed=args.seed,
+                                        sglang_server_concurrency=args.server_concurrency), rank=rank)
             engines.append(engine)
             engine.init()  # main thread: PDEATHSIG ties the server to this process
         router = RouterProcess("127.0.0.1", None, log_dir=os.path.join(workdir, "logs")).start()

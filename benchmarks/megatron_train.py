@@ -41,6 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from grpo_step import MODEL_SCRIPTS, model_args  # noqa: E402
 from weight_sync import SHAPES, make_model_dir  # noqa: E402
 
+from tests.args import make_args  # noqa: E402
+
 
 def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Namespace:
     from slime.config.arguments import parse_args
@@ -131,7 +133,7 @@ def time_push(cli, actor, model_dir: str) -> list[float]:
     export of the Megatron weights, buckets, CUDA IPC hand-over), after one warm-up push."""
     from slime.backends.hf_engine.engine import HFEngine
 
-    engine = HFEngine(argparse.Namespace(hf_checkpoint=model_dir, rollout_seed=0, sglang_server_concurrency=8), 0)
+    engine = HFEngine(make_args(hf_checkpoint=model_dir, rollout_seed=0, sglang_server_concurrency=8), 0)
     engine.init()
     try:
         seconds = [timed(lambda v=v: actor.update_weights([engine], weight_version=v)) for v in range(cli.push + 1)]

@@ -54,11 +54,12 @@ def write_jsonl(path: str, size_mb: float) -> int:
 
 
 CHILD = r"""
-import argparse, json, os, sys, threading, time
+import json, os, sys, threading, time
 import psutil
 sys.path.insert(0, REPO_ROOT)
 from transformers import AutoTokenizer
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
+from tests.args import make_args
 
 tokenizer_dir, path, streaming, rollouts, batch, workers = sys.argv[1], sys.argv[2], sys.argv[3] == "1", *map(int, sys.argv[4:7])
 AutoTokenizer.from_pretrained(tokenizer_dir)  # code paths and caches warmed before the baseline
@@ -75,12 +76,9 @@ def sample():
 
 thread = threading.Thread(target=sample, daemon=True)
 thread.start()
-args = argparse.Namespace(
-    hf_checkpoint=tokenizer_dir, prompt_data=path, input_key="messages", label_key="label", metadata_key="metadata",
-    tool_key=None, apply_chat_template=True, apply_chat_template_kwargs=None, rollout_max_prompt_len=4096,
-    rollout_shuffle=True, rollout_seed=42, n_samples_per_prompt=1, save=None, load=None, buffer_filter_path=None,
-    disable_rollout_global_dataset=False, streaming_data=streaming, num_data_workers=workers,
-)
+args = make_args(hf_checkpoint=tokenizer_dir, prompt_data=path, input_key="messages", label_key="label",
+                 apply_chat_template=True, rollout_max_prompt_len=4096, rollout_shuffle=True,
+                 n_samples_per_prompt=1, global_batch_size=2, streaming_data=streaming, num_data_workers=workers)
 start = time.perf_counter()
 source = RolloutDataSourceWithBuffer(args)
 created = time.perf_counter() - start

@@ -23,7 +23,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from slime.backends.hf_engine.engine import HFEngine  # noqa: E402
-from slime.weight_sync.tensor_payload import send_bucket, split_into_buckets  # noqa: E402
+from slime.weight_sync.buckets import buckets  # noqa: E402
+from slime.weight_sync.push import send_bucket  # noqa: E402
+from tests.args import make_args  # noqa: E402
 
 # published Qwen3 dimensions (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-4B)
 SHAPES = {
@@ -63,15 +65,15 @@ def bench(name: str, bucket_bytes: int, repeats: int, root: str) -> dict:
     path, model = make_model_dir(name, root)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    engine = HFEngine(argparse.Namespace(hf_checkpoint=path, rollout_seed=0, sglang_server_concurrency=8), rank=0)
+    engine = HFEngine(make_args(hf_checkpoint=path, rollout_seed=0, sglang_server_concurrency=8), rank=0)
     try:
         engine.init()
-        buckets = split_into_buckets(named, bucket_bytes)
+        bucket_list = list(buckets(named, bucket_bytes))
         times = []
         for i in range(repeats + 1):  # the first push warms up the engine's copy kernels
             torch.cuda.synchronize()
             start = time.perf_counter()
-            for bucket in buckets:
+            for bucket in bucket_list:
                 send_bucket(bucket, [engine], str(i + 1))
             times.append(time.perf_counter() - start)
         assert engine.get_weight_version() == str(repeats + 1)

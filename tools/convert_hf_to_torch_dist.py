@@ -16,17 +16,15 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from slime.backends.megatron_utils import args as mg_args
+from slime.backends.megatron_utils import checkpoint, weights
+from slime.backends.megatron_utils.model import build_model, initialize_parallel
+from slime.backends.megatron_utils.standalone import init_distributed
+from slime.config.arguments import parse_model_flags
+from slime.utils.errors import SlimeArgumentError
 
 
 def main(argv: list[str] | None = None) -> None:
-    from slime.backends.megatron_utils import args as mg_args
-    from slime.backends.megatron_utils import checkpoint, weights
-    from slime.backends.megatron_utils.model import build_model, initialize_parallel
-    from slime.backends.megatron_utils.standalone import init_distributed
-    from slime.config.arguments import parse_model_flags
-    from slime.config.arg_groups._common import SlimeArgumentError
-
     tool_parser = argparse.ArgumentParser(add_help=False)
     try:
         _, args = parse_model_flags(sys.argv[1:] if argv is None else argv, tool_parser)

@@ -17,20 +17,18 @@ import os
 import shutil
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from slime.backends.megatron_utils import args as mg_args
+from slime.backends.megatron_utils import checkpoint, weights
+from slime.backends.megatron_utils.model import build_model, initialize_parallel
+from slime.backends.megatron_utils.standalone import init_distributed
+from slime.config.arguments import parse_model_flags
+from slime.utils.errors import SlimeArgumentError
 
 _SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 
 
 def main(argv: list[str] | None = None) -> None:
-    from slime.backends.megatron_utils import args as mg_args
-    from slime.backends.megatron_utils import checkpoint, weights
-    from slime.backends.megatron_utils.model import build_model, initialize_parallel
-    from slime.backends.megatron_utils.standalone import init_distributed
-    from slime.config.arguments import parse_model_flags
-    from slime.config.arg_groups._common import SlimeArgumentError
-
     argv = sys.argv[1:] if argv is None else argv
     tool_parser = argparse.ArgumentParser(add_help=False)
     tool_parser.add_argument("--input-dir", required=True)

@@ -10,11 +10,9 @@ import argparse
 import os
 import sys
 
+from slime.config.arguments import build_parser
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from slime.config.arguments import build_parser  # noqa: E402
-
 OUT = os.path.join(ROOT, "docs", "argument_reference.md")
 HEADER = """# Argument reference
 

@@ -26,8 +26,6 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from slime.utils.tracking import read_scalars
 
 GROUPS: dict[str, tuple[str, ...]] = {

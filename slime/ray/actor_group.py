@@ -75,9 +75,9 @@ class RayTrainGroup:
     def _all(self, method: str, *args: Any) -> list:
         return ray.get([getattr(a, method).remote(*args) for a in self._actors])
 
-    def init(self, with_ref: bool) -> int:
-        """Build models on every rank; returns the rollout id to start from."""
-        return self._all("init", self.args, self.role, with_ref)[0]
+    def init(self, with_ref: bool, num_rollout: int) -> int:
+        """Build models on every rank (LR schedules sized by `num_rollout`); returns the rollout id to start from."""
+        return self._all("init", self.args, self.role, with_ref, num_rollout)[0]
 
     def train(self, rollout_id: int, batch_ref: ray.ObjectRef, *per_row_refs: ray.ObjectRef) -> dict[str, float]:
         """Train on one rollout. `per_row_refs`: the actor under ppo takes the critic's values; the critic

@@ -1,4 +1,4 @@
-"""Bring-up and teardown of the processes of one run (DESIGN §2), used by train.py and train_async.py.
+"""Bring-up and teardown of the processes of one run (docs/architecture.md), used by train.py and train_async.py.
 
 `Run` is a context manager: whatever has been started when an exception, Ctrl-C or SIGTERM arrives is shut
 down in reverse order (rollout manager → its engines and router; training ranks; Ray itself when we started it).
@@ -26,11 +26,10 @@ def start_ray(args) -> bool:
     """Connect to the cluster in RAY_ADDRESS, or start a local one sized for this run. Returns True if we started it."""
     if ray.is_initialized():
         return False
-    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    pythonpath = os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH")) if p)
-    os.environ["PYTHONPATH"] = pythonpath
+    # Workers import slime as installed (pip install -e .); Ray puts the driver's working directory and script
+    # folder on their path, so plugins named by module path relative to either load there too.
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+        ray.init(address=os.environ["RAY_ADDRESS"])
         return False
     needed = num_actor_devices(args) + num_rollout_devices(args) + 1
     ray.init(

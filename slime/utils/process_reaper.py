@@ -23,9 +23,6 @@ import sys
 
 import psutil
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def _identity(proc: psutil.Process) -> str | None:
     try:
         return f"{proc.pid}:{proc.create_time()!r}"
@@ -76,9 +73,7 @@ def watch(processes: list[psutil.Process]) -> Reaper | None:
         return None
     ids = [i for i in (_identity(p) for p in processes) if i]
     proc = subprocess.Popen([sys.executable, "-m", "slime.utils.process_reaper", *ids], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                                p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)))
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     return Reaper(proc)
 
 

@@ -36,7 +36,10 @@ class Tracker:
         if args.use_wandb:
             import wandb
 
+            if args.wandb_mode == "online" and (args.wandb_key or args.wandb_host):
+                wandb.login(key=args.wandb_key, host=args.wandb_host)
             self._wandb = wandb.init(
+                entity=args.wandb_team,
                 project=args.wandb_project or "slime",
                 group=args.wandb_group,
                 dir=args.wandb_dir,

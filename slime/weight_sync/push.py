@@ -1,8 +1,11 @@
-"""Trainer side of the weight push: `EnginePush` picks the path, `BroadcastGroup` is SGLang's broadcast sync.
+"""Trainer side of the weight push: `push_weights` (the one loop every backend runs), `EnginePush` (the path a
+bucket takes) and `BroadcastGroup` (SGLang's broadcast sync).
 
-`EnginePush(colocate)` is what a training backend's rank 0 sends its buckets through: engines that share
-the training GPUs (`--colocate`) get handles to the bucket (`update_weights_from_tensor`, CUDA IPC or CPU
-shared memory: slime/weight_sync/tensor_payload.py); engines elsewhere get it by broadcast (below), which also
+A backend hands `push_weights` its weights as (HF name, full tensor) pairs, produced lazily (gathering a
+tensor may be a collective every rank joins); rank 0 groups them into buckets (slime/weight_sync/buckets.py)
+and sends each through its `EnginePush`. `EnginePush(colocate)`: engines that share the training GPUs
+(`--colocate`) get handles to the bucket (`update_weights_from_tensor`, CUDA IPC or CPU shared memory:
+slime/weight_sync/tensor_payload.py, `send_bucket`); engines elsewhere get it by broadcast (below), which also
 works across hosts. The group is formed again when an engine's server changed (a fault-tolerant restart).
 
 Training rank 0 forms a process group with every engine's TP ranks (`init_weights_update_group`: the
@@ -15,19 +18,17 @@ gloo on CPU. The group mechanics are slime/weight_sync/group.py, shared with the
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from slime.utils.net import free_port, node_ip
-from slime.weight_sync.group import (
-    broadcast_tensors,
-    destroy_weight_update_group,
-    init_weight_update_group,
-)
-from slime.weight_sync.tensor_payload import send_bucket
+from slime.utils.progress import progress
+from slime.weight_sync.buckets import Named, buckets
+from slime.weight_sync.group import broadcast_tensors, destroy_weight_update_group, init_weight_update_group
+from slime.weight_sync.tensor_payload import flatten_bucket, serialize_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -128,3 +129,37 @@ class EnginePush:
         except Exception as e:  # noqa: BLE001 - teardown goes on
             logger.warning("closing the weight broadcast group: %s", e)
         self._group = None
+
+
+def send_bucket(bucket: list[Named], engines, weight_version: str) -> None:
+    """Flatten one bucket, hand every engine a handle to it and wait until all have loaded it.
+
+    Engines are Ray actor handles or in-process objects (called concurrently, on threads), each with
+    `update_weights_from_tensor(payload, weight_version)`; an engine with several TP ranks gives each rank
+    its own copy of the payload. The flattened buffer stays referenced until every engine has answered,
+    because the payload carries a handle, not the data."""
+    flat = flatten_bucket(bucket)
+    payload = serialize_bucket(flat)
+    _start([(e, "update_weights_from_tensor", (payload, weight_version), {}) for e in engines])()
+    del flat, payload
+
+
+def push_weights(named_tensors: Iterable[Named], route: EnginePush | None, weight_version: int | str,
+                 max_bytes: int) -> int:
+    """Send a model's weights in buckets of `max_bytes` through `route` (rank 0); a rank without a route only
+    consumes `named_tensors` (its tensors take part in the collectives that produce them). Returns the
+    buckets sent."""
+    if route is None:
+        for _ in named_tensors:  # each tensor dropped as soon as it is made: this rank holds no bucket
+            pass
+        return 0
+    sent = 0
+    with progress(None, f"push v{weight_version}", "bucket") as bar:
+        for bucket in buckets(named_tensors, max_bytes):
+            route.send(bucket, str(weight_version))
+            sent += 1
+            bar.update(1)
+            logger.debug("update_weights v%s: bucket %d (%d tensors, %.1f MiB)", weight_version, sent, len(bucket),
+                         sum(t.numel() * t.element_size() for _, t in bucket) / 2**20)
+    logger.info("update_weights v%s: %d bucket(s) sent", weight_version, sent)
+    return sent

@@ -1,4 +1,4 @@
-"""HTTP contract of a rollout engine (SGLang's native API, DESIGN.md §5.2), against any engine URL.
+"""HTTP contract of a rollout engine (SGLang's native API: docs/hf_engine.md, docs/sglang_backend.md), against any engine URL.
 
 CI runs it against the built-in `hf` engine (started by conftest.py); `--engine-url` points it at another
 server, e.g. a real SGLang one. Every test leaves the engine as it found it: weights are restored after

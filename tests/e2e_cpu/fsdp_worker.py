@@ -118,6 +118,11 @@ def main() -> None:
             variant.rollout_log_probs = [[x + 0.05 for x in row] for row in lp_now]
             result["metrics_rollout_logprobs"] = actor.train(2, variant)
             result["variant_batch"] = variant.__dict__
+            vars(args).update(ref_update_interval=3)  # rollout 2 was the third: the reference takes the weights
+            result["metrics_ref_update"] = actor.train(2, variant)
+            ref_state = actor.ref_model.state_dict()
+            result["ref_equals_actor"] = all(torch.equal(ref_state[k].full_tensor(), t.full_tensor())
+                                             for k, t in actor.model.state_dict().items())
 
         if cli.full:
             if engine is not None:
@@ -131,7 +136,8 @@ def main() -> None:
             if cli.rank == 0:
                 from transformers import AutoModelForCausalLM
 
-                from slime.backends.fsdp_utils.data import forward_response_log_probs, make_micro_batch, unpad_per_token
+                from slime.backends.fsdp_utils.data import forward_response_log_probs
+                from slime.backends.training.batching import make_micro_batch, unpad_per_token
 
                 plain = AutoModelForCausalLM.from_pretrained(os.path.join(args.save, "iter_0000000")).eval()
                 mb = make_micro_batch(batch.tokens, batch.response_lengths)
@@ -147,6 +153,11 @@ def main() -> None:
             fresh_args = make_args(cli.model, cli.out, cli.backend, load=args.save, no_load_optim=True,
                                     **dynamic)
             fresh_optim.init(fresh_args, "actor", True)
+            finetuned = FSDPTrainRayActor(cli.world_size, cli.rank, "127.0.0.1", cli.port)
+            result["start_finetune"] = finetuned.init(
+                make_args(cli.model, cli.out, cli.backend, load=args.save, finetune=True, **dynamic), "actor", True)
+            result["global_step_finetune"] = finetuned.global_step
+            result["lp_finetune"] = finetuned.compute_log_probs(batch.tokens, batch.response_lengths)
 
             batch2 = make_batch(16, seed=1)  # two optimizer steps of 8
             for name, a in (("continued", actor), ("resumed", resumed), ("fresh_optim", fresh_optim)):

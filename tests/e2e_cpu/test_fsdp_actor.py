@@ -114,6 +114,9 @@ def test_loss_variants_closed_form(runs):
     assert m["train/pg_clipfrac"] == 0.0
     assert m["train/pg_loss"] == pytest.approx(-math.exp(-0.05) * 0.25, abs=1e-5)
     assert "train/train_rollout_logprob_abs_diff" not in m  # nothing recomputed to compare with
+    # --ref-update-interval 3: after the third rollout (id 2) the reference model holds the actor's weights
+    assert one["metrics_ref_update"]["train/ref_updated"] == 1.0 and one["ref_equals_actor"]
+    assert "train/ref_updated" not in one["metrics_rollout_logprobs"]
 
 
 @pytest.mark.timeout(600)
@@ -127,6 +130,9 @@ def test_save_then_load_restores_weights_and_optimizer(runs):
     assert _max_abs_diff(two["lp2_resumed"], two["lp2_continued"]) < 1e-6
     assert two["metrics2_resumed"]["train/loss"] == pytest.approx(two["metrics2_continued"]["train/loss"], abs=1e-7)
     assert _max_abs_diff(two["lp2_fresh_optim"], two["lp2_continued"]) > 1e-4
+    # --finetune: the saved weights, but a fresh start (rollout 0, optimizer step 0)
+    assert two["start_finetune"] == 0 and two["global_step_finetune"] == 0
+    assert _max_abs_diff(two["lp_finetune"], two["lp_after"]) < 1e-6
 
 
 @pytest.mark.timeout(600)

@@ -20,7 +20,8 @@ sys.path.insert(0, ROOT)
 from slime.backends.hf_engine.engine import HFEngine
 from slime.backends.server_engine import EngineHTTPError
 from slime.utils.net import free_port
-from slime.weight_sync.tensor_payload import flatten_bucket, serialize_bucket, split_into_buckets
+from slime.weight_sync.buckets import buckets
+from slime.weight_sync.tensor_payload import flatten_bucket, serialize_bucket
 from tests.args import make_args
 
 SEQ = [56, 62, 137, 92, 138, 20, 21, 22, 23, 24, 25]
@@ -114,7 +115,7 @@ def test_update_weights_from_tensor_and_disk(engine, reference, tiny_model):
 
     gen = torch.Generator().manual_seed(3)
     new = [(n, p.detach() + 0.05 * torch.randn(p.shape, generator=gen)) for n, p in reference.named_parameters()]
-    for bucket in split_into_buckets(new, max_bytes=1 << 20):
+    for bucket in buckets(new, max_bytes=1 << 20):
         flat = flatten_bucket(bucket)  # kept alive until the engine has copied it (shared memory)
         result = engine.update_weights_from_tensor(serialize_bucket(flat), weight_version="v1")
         assert result["success"]

@@ -46,7 +46,8 @@ def max_abs_diff(a, b) -> float:
 def hf_log_probs(model_dir: str, batch: dict) -> list[list[float]]:
     from transformers import AutoModelForCausalLM
 
-    from slime.backends.fsdp_utils.data import forward_response_log_probs, make_micro_batch, unpad_per_token
+    from slime.backends.fsdp_utils.data import forward_response_log_probs
+    from slime.backends.training.batching import make_micro_batch, unpad_per_token
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     mb = make_micro_batch(batch["tokens"], batch["response_lengths"])

@@ -215,9 +215,13 @@ def test_defaults_of_added_flags(files):
 # ---- couplings -------------------------------------------------------------------------------------------
 
 
-def test_colocate_turns_offload_on_and_shares_gpus(files):
-    args = parse_args(without(base("--colocate"), "--rollout-num-gpus"))
-    assert args.colocate and args.offload_train and args.offload_rollout
+def test_colocate_shares_gpus_and_says_it_does_not_offload(files, caplog):
+    with caplog.at_level(logging.WARNING):
+        args = parse_args(without(base("--colocate"), "--rollout-num-gpus"))
+    # slime's --colocate asks for both offloads; the loop performs neither yet, and the args say so
+    assert args.colocate and not args.offload_train and not args.offload_rollout
+    assert any("--offload-train and --offload-rollout (on with --colocate)" in r.getMessage()
+               and "does not hand GPU memory" in r.getMessage() for r in caplog.records)
     assert args.rollout_num_gpus == 8
     msg = error_of(base("--colocate", "--rollout-num-gpus", "4"))
     assert "--rollout-num-gpus 4" in msg and "= 8" in msg
@@ -291,21 +295,31 @@ def test_num_epoch_leaves_num_rollout_to_the_data_source(files):
     assert "--num-rollout" in error_of(without(base(), "--num-rollout"))
 
 
-def test_ppo_has_a_critic_on_the_actor_gpus(files):
-    args = parse_args(base("--advantage-estimator", "ppo"))
-    assert args.use_critic and args.offload_train
-    assert (args.critic_num_nodes, args.critic_num_gpus_per_node) == (1, 8)
-
-
-def test_offload_flags(files, caplog):
-    args = parse_args(base("--offload"))
-    assert args.offload_train and args.offload_rollout
-    args = parse_args(base())
-    assert args.offload_train is False and args.offload_rollout is False
+def test_ppo_has_a_critic_on_the_actor_gpus(files, caplog):
     with caplog.at_level(logging.WARNING):
-        args = parse_args(base("--colocate", "--no-offload-rollout"))
-    assert args.offload_train is True and args.offload_rollout is False
-    assert any("--no-offload-rollout" in r.getMessage() for r in caplog.records)
+        args = parse_args(base("--advantage-estimator", "ppo"))
+    assert args.use_critic and not args.offload_train  # slime's implied offload is warned about, not performed
+    assert any("--offload-train" in r.getMessage() for r in caplog.records)
+    assert (args.critic_num_nodes, args.critic_num_gpus_per_node) == (1, 8)
+    assert parse_args(base("--advantage-estimator", "ppo", "--critic-num-gpus-per-node", "8")).use_critic
+    msg = error_of(base("--advantage-estimator", "ppo", "--critic-num-gpus-per-node", "4"))
+    assert "--critic-num-gpus-per-node 4" in msg and "actor's GPUs" in msg and "(8)" in msg
+
+
+def test_offload_flags_are_warned_about_and_resolve_to_what_the_loop_does(files, caplog):
+    with caplog.at_level(logging.WARNING):
+        args = parse_args(base("--offload"))
+    assert args.offload_train is False and args.offload_rollout is False
+    assert any("--offload-train and --offload-rollout (asked for)" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        args = parse_args(base())
+    assert args.offload_train is False and args.offload_rollout is False
+    assert not any("offload" in r.getMessage() for r in caplog.records)
+    with caplog.at_level(logging.WARNING):
+        parse_args(base("--colocate", "--no-offload-rollout"))
+    # the explicit opt-out stays out; only the implied --offload-train is reported
+    assert any(r.getMessage().startswith("--offload-train (on with --colocate)") for r in caplog.records)
 
 
 def test_debug_flags(files):
@@ -489,3 +503,43 @@ def test_rm_type_check_logic(monkeypatch):
     ns.rm_type = "maths"
     with pytest.raises(SlimeArgumentError, match=r"--rm-type maths: unknown reward type; known types: \['deepscaler'"):
         reward.validate_reward(ns)
+
+
+# ---- slime flags this implementation refuses or warns about (never parsed and silently ignored) -------------
+@pytest.mark.parametrize("extra, message", [
+    (["--keep-old-actor"], "--keep-old-actor: not supported here yet"),
+    (["--custom-tis-function-path", "my.tis"], "--custom-tis-function-path my.tis: not supported here yet"),
+    (["--rollout-data-postprocess-path", "my.post"], "--rollout-data-postprocess-path my.post: not supported"),
+    (["--multimodal-keys", '{"image": "img"}'], "--multimodal-keys {\"image\": \"img\"}: not supported here yet"),
+    (["--train-backend", "megatron", "--ckpt-format", "torch"], "--ckpt-format torch: the megatron backend"),
+    (["--model-name", "nosuchfamily"], "--model-name nosuchfamily: no HF <-> Megatron weight converter"),
+])  # fmt: skip
+def test_unsupported_slime_flags_are_refused_with_the_reason(files, extra, message):
+    msg = error_of(base(*extra))
+    assert message in msg and ";" in msg  # the reason, then what to do instead
+
+
+def test_flags_with_nothing_to_act_on_are_warned_about(files, caplog):
+    with caplog.at_level(logging.WARNING):
+        args = parse_args(base("--no-load-rng", "--no-save-rng"))
+    assert args.no_load_rng and args.no_save_rng
+    warned = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("--no-load-rng: checkpoints here hold no RNG state") for m in warned)
+    assert any(m.startswith("--no-save-rng") for m in warned)
+    assert parse_args(base("--model-name", "qwen3")).model_name == "qwen3"
+
+
+def test_every_parsed_flag_is_read_somewhere_outside_its_definition():
+    """The defect this guards against: a flag that parses and changes nothing (refused or warned flags count as
+    read: validation reads them)."""
+    import re
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sources = []
+    for folder, _, names in os.walk(os.path.join(repo, "slime")):
+        sources += [os.path.join(folder, n) for n in names if n.endswith(".py")]
+    text = "\n".join(line for path in sources + [os.path.join(repo, "train.py"), os.path.join(repo, "train_async.py")]
+                     for line in open(path) if "add_argument" not in line)
+    unread = sorted(a.dest for a in build_parser()._actions if a.dest != "help" and not re.search(
+        rf"(args\.{a.dest}\b|[\"']{a.dest}[\"'])", text))
+    assert not unread, f"parsed but never read: {unread}"

@@ -64,3 +64,29 @@ def test_packed_row_padded_to_a_multiple_by_a_pad_sequence():
     assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]]
     assert mb.cu_seqlens == [0, 3, 5, 8]  # the pad tokens form a sequence of their own
     assert mb.response_starts == [2, 4] and len(mb.row_of_sequence) == 2
+
+
+# ---- --balance-data ----------------------------------------------------------------------------------------
+def test_balanced_shares_equal_counts_and_close_token_sums():
+    from slime.backends.training.batching import balanced_shares
+
+    rows, lengths = list(range(8)), [10, 1, 1, 1, 10, 1, 1, 1]
+    shares = balanced_shares(rows, lengths, 2)
+    assert sorted(r for s in shares for r in s) == rows and [len(s) for s in shares] == [4, 4]
+    assert [sum(lengths[r] for r in s) for s in shares] == [13, 13]
+    skewed = [10, 10, 1, 1, 1, 1, 1, 1]  # contiguous halves: 22 vs 4 tokens
+    assert sorted(sum(skewed[r] for r in s) for s in balanced_shares(rows, skewed, 2)) == [13, 13]
+    assert all(s == sorted(s) for s in shares)  # each share keeps row order
+
+
+def test_rows_per_step_balances_within_each_step_only():
+    from slime.backends.training.batching import rows_per_step
+
+    lengths = [9, 9, 1, 1, 5, 5, 5, 5]
+    contiguous = [rows_per_step(8, 4, 2, r) for r in (0, 1)]
+    assert contiguous == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    balanced = [rows_per_step(8, 4, 2, r, lengths) for r in (0, 1)]
+    for step in range(2):  # the same rows in each optimizer step, equal counts, each rank one long and one short
+        both = sorted(balanced[0][step] + balanced[1][step])
+        assert both == list(range(step * 4, step * 4 + 4)) and len(balanced[0][step]) == len(balanced[1][step]) == 2
+    assert [sum(lengths[r] for r in balanced[k][0]) for k in (0, 1)] == [10, 10]

@@ -277,3 +277,12 @@ def test_megatron_core_logits_match_hf_after_conversion(tiny, arch):
     assert run.returncode == 0, run.stderr[-3000:]
     err = float(run.stdout.split("MAXERR")[1])
     assert err < 1e-4, err
+
+
+def test_model_name_picks_the_converter_over_model_type():
+    """--model-name: slime's name for the family whose weight conversion to use (else config.json's model_type)."""
+    assert converter_for_hf_config({"model_type": "qwen3"}).name == get_converter("qwen3").name
+    assert converter_for_hf_config({"model_type": "qwen3"}, "llama").name == get_converter("llama").name
+    assert converter_for_hf_config({}, "glm4").name == get_converter("glm4").name
+    with pytest.raises(KeyError, match="--model-name"):
+        converter_for_hf_config({})

@@ -4,9 +4,8 @@ straightforward per-sample computation."""
 import pytest
 import torch
 
-from slime.backends.fsdp_utils.data import (
-    extract_response_log_probs,
-    forward_response_log_probs,
+from slime.backends.fsdp_utils.data import extract_response_log_probs, forward_response_log_probs
+from slime.backends.training.batching import (
     make_micro_batch,
     pad_per_token,
     rows_per_step,

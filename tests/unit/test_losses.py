@@ -145,7 +145,8 @@ def test_critic_loss_aggregates_value_loss():
 
 
 def test_critic_values_are_read_where_the_token_is_predicted():
-    from slime.backends.fsdp_utils.data import extract_response_values, make_micro_batch
+    from slime.backends.fsdp_utils.data import extract_response_values
+    from slime.backends.training.batching import make_micro_batch
 
     # row 0: 5 tokens, response of 2 (positions 3, 4) -> V read at positions 2, 3; row 1: 3 tokens, response
     # of 1 (position 2) -> V at position 1; padded slots are 0

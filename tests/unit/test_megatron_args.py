@@ -165,6 +165,20 @@ def test_optimizer_ddp_and_schedule_kwargs(files):
     sched = margs.lr_scheduler_kwargs(args, total_steps=100)
     assert (sched["max_lr"], sched["lr_warmup_steps"], sched["lr_decay_steps"]) == (2e-6, 5, 100)
     assert sched["lr_decay_style"] == "cosine"
+    fp32 = parse_args(base("--accumulate-allreduce-grads-in-fp32"))
+    assert margs.ddp_config_kwargs(fp32)["grad_reduce_in_fp32"]
+    bf16 = parse_args(base("--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16"))
+    assert not margs.ddp_config_kwargs(bf16)["grad_reduce_in_fp32"]  # --grad-reduce-in-bf16 wins, as in Megatron-LM
+
+
+def test_transformer_impl_local_never_builds_te_layers(files, monkeypatch):
+    from slime.backends.megatron_utils import model
+
+    monkeypatch.setattr(model, "te_available", lambda: True)
+    assert model.uses_te(parse_args(base()))
+    assert not model.uses_te(parse_args(base("--transformer-impl", "local")))
+    monkeypatch.setattr(model, "te_available", lambda: False)
+    assert not model.uses_te(parse_args(base()))
 
 
 def test_megatron_runtime_needs_cuda_and_model_args(files):

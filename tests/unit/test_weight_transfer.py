@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from slime.weight_sync.tensor_payload import deserialize_bucket, flatten_bucket, serialize_bucket, split_into_buckets
+from slime.weight_sync.buckets import buckets
+from slime.weight_sync.tensor_payload import deserialize_bucket, flatten_bucket, serialize_bucket
 
 # unequal sizes and dtypes, so unaligned offsets would appear without padding
 NAMED = [
@@ -80,10 +81,25 @@ def test_file_descriptor_sharing_is_refused_with_the_fix():
         deserialize_bucket(base64.b64encode(buf.getvalue()).decode())
 
 
-def test_split_into_buckets_keeps_order_and_bounds():
+def test_buckets_keep_order_and_bounds():
     tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5])]  # 40, 40, 120, 20 bytes
-    buckets = split_into_buckets(tensors, max_bytes=80)
-    assert [[n for n, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3"]]
+    out = list(buckets(tensors, max_bytes=80))
+    assert [[n for n, _ in b] for b in out] == [["t0", "t1"], ["t2"], ["t3"]]
+
+
+def test_buckets_stream_one_bucket_at_a_time():
+    """The next tensor is asked for only after the bucket before it was handed out."""
+    made = []
+
+    def tensors():
+        for i in range(4):
+            made.append(i)
+            yield f"t{i}", torch.zeros(10)  # 40 bytes each: two per 80-byte bucket
+
+    stream = buckets(tensors(), max_bytes=80)
+    first = next(stream)
+    assert [n for n, _ in first] == ["t0", "t1"] and made == [0, 1, 2]  # t2 was read to see t1's bucket is full
+    assert [[n for n, _ in b] for b in stream] == [["t2", "t3"]]
 
 
 # ---- against sglang's own code, where the wheel is importable (CI installs it without its GPU deps) ----

@@ -29,21 +29,15 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from transformers import AutoModelForCausalLM
 
 from slime.algorithm.loss import critic_loss
 from slime.backends.fsdp_utils import checkpoint
-from slime.backends.fsdp_utils.actor import (
-    clip_and_step,
-    lr_at,
-    make_optimizer,
-    setup_rank,
-    shard_model,
-    sum_over_ranks,
-)
-from slime.backends.fsdp_utils.data import forward_response_values, make_micro_batch, rows_per_step, split_micro_batches
+from slime.backends.fsdp_utils.data import forward_response_values
+from slime.backends.fsdp_utils.parallel import gather_rows, lr_at, make_optimizer, optimizer_step, setup_rank, shard_model
 from slime.backends.training.actor import TrainRayActor
-from slime.backends.training.policy_batch import padded_rows
+from slime.backends.training.batching import make_micro_batch, rows_per_step, split_micro_batches
+from slime.backends.training.record import loss_denominator, padded_rows
 from slime.utils.ppo_utils import aggregate_loss
 from slime.utils.types import TrainBatch
 
@@ -69,8 +63,6 @@ class ValueModel(torch.nn.Module):
 
 
 def load_value_model(path: str) -> ValueModel:
-    from transformers import AutoModelForCausalLM
-
     if not checkpoint.is_hf_folder(path):
         raise FileNotFoundError(f"--critic-load / --hf-checkpoint {path}: not an HF model folder (no config.json)")
     body = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).base_model  # the LM head is dropped
@@ -92,12 +84,11 @@ def write_value_model_folder(model: torch.nn.Module, state: dict[str, torch.Tens
 
 def critic_args(args: Any) -> argparse.Namespace:
     """The actor's args with the critic's learning rate."""
-    critic_lr = args.critic_lr
-    return argparse.Namespace(**{**vars(args), "lr": args.lr if critic_lr is None else critic_lr})
+    return argparse.Namespace(**{**vars(args), "lr": args.lr if args.critic_lr is None else args.critic_lr})
 
 
 class FSDPCriticRayActor(TrainRayActor):
-    def init(self, args: Any, role: str, with_ref: bool = False) -> int:
+    def init(self, args: Any, role: str, with_ref: bool = False, num_rollout: int | None = None) -> int:
         if role != "critic":
             raise ValueError(f"FSDPCriticRayActor: role {role!r}; the actor is FSDPTrainRayActor (actor.py)")
         self.args = critic_args(args)
@@ -118,7 +109,8 @@ class FSDPCriticRayActor(TrainRayActor):
         return ckpt.iteration + 1
 
     def _plan(self, batch: TrainBatch) -> list[list[list[int]]]:
-        steps = rows_per_step(len(batch), self.args.global_batch_size, self.world_size, self.rank)
+        lengths = [len(t) for t in batch.tokens] if self.args.balance_data else None
+        steps = rows_per_step(len(batch), self.args.global_batch_size, self.world_size, self.rank, lengths)
         return [split_micro_batches(rows, self.args.micro_batch_size) for rows in steps]
 
     def _forward(self, batch: TrainBatch, rows: list[int]):
@@ -129,52 +121,38 @@ class FSDPCriticRayActor(TrainRayActor):
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch) -> list[list[float]]:
         """Values of every row's response tokens; each rank computes its rows, all ranks return all rows."""
-        mine: dict[int, list[float]] = {}
+        mine: dict[int, torch.Tensor] = {}
         for micro_batches in self._plan(batch):
             for rows in micro_batches:
                 mb, values = self._forward(batch, rows)
                 for i, r in enumerate(rows):
-                    mine[r] = values[i, : mb.response_lengths[i]].tolist()
-        shards: list = [None] * self.world_size
-        dist.all_gather_object(shards, mine)
-        out: list[list[float] | None] = [None] * len(batch)
-        for shard in shards:
-            for r, v in shard.items():
-                out[r] = v
-        return out
+                    mine[r] = values[i, : mb.response_lengths[i]]
+        return gather_rows(mine, len(batch), self.world_size)
 
     def train(self, rollout_id: int, batch: TrainBatch, values: list[list[float]] | None = None,
               returns: list[list[float]] | None = None) -> dict[str, float]:
         if values is None or returns is None:
             raise ValueError("critic train needs the values it computed and the actor's returns for every row")
         args = self.args
-        per_token = args.calculate_per_token_loss
         totals: dict[str, float] = defaultdict(float)
         plan = self._plan(batch)
         for s, micro_batches in enumerate(plan):
             global_rows = range(s * args.global_batch_size, (s + 1) * args.global_batch_size)
-            denominator = (max(1, sum(sum(batch.loss_masks[r]) for r in global_rows)) if per_token
-                           else len(global_rows))
-            lr = lr_at(args, self.global_step)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.zero_grad(set_to_none=True)
-            local: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
-            for rows in micro_batches:
+            denominator = loss_denominator(args, batch, global_rows)
+
+            def micro_loss(rows):
                 mb, new_values = self._forward(batch, rows)
                 padded = functools.partial(padded_rows, rows=rows, width=mb.max_response_len, device=self.device)
                 mask = mb.response_mask * padded(batch.loss_masks)
-                aggregate = functools.partial(aggregate_loss, mask=mask, per_token=per_token,
+                aggregate = functools.partial(aggregate_loss, mask=mask, per_token=args.calculate_per_token_loss,
                                               global_denominator=denominator)
-                loss, shares = critic_loss(args, new_values, padded(values), padded(returns), aggregate)
-                (loss * self.world_size).backward()  # undo FSDP's gradient averaging (see the actor)
-                for k, v in shares.items():
-                    local[k] += v
-            metrics = sum_over_ranks(local)
-            metrics["critic/grad_norm"] = clip_and_step(self.model, self.optimizer, args.clip_grad)
-            metrics["critic/lr"] = lr
+                return critic_loss(args, new_values, padded(values), padded(returns), aggregate)
+
+            lr = lr_at(args, self.global_step)
+            metrics, grad_norm = optimizer_step(self.model, self.optimizer, lr, args.clip_grad, micro_batches,
+                                                micro_loss)
             self.global_step += 1
-            for k, v in metrics.items():
+            for k, v in {**metrics, "critic/grad_norm": grad_norm, "critic/lr": lr}.items():
                 totals[k] += v
         return {k: v / len(plan) for k, v in totals.items()}
 

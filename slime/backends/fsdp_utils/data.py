@@ -1,9 +1,9 @@
-"""Batch plumbing of the fsdp backend: which rows a rank trains on, micro-batching with right padding,
-and per-response-token log-prob / entropy extraction from a causal LM's logits.
+"""Per-response-token log-probs / entropies (and a critic's values) of the fsdp backend's micro-batches, read
+off a transformers model's outputs.
 
-Simplifications: micro-batches (slime/backends/training/batching.py) padded to their longest sequence with an
-attention mask; no sequence packing, no `--balance-data`. Right padding keeps every real token's position
-id and causal context unchanged, so a padded row computes the same log-probs as the row alone.
+Simplifications: micro-batches (slime/backends/training/batching.py) are padded to their longest sequence with
+an attention mask; no sequence packing. Right padding keeps every real token's position id and causal context
+unchanged, so a padded row computes the same log-probs as the row alone.
 """
 
 from __future__ import annotations
@@ -13,14 +13,7 @@ import inspect
 import torch
 
 from slime.backends.fsdp_utils.token_log_probs import token_log_probs
-from slime.backends.training.batching import (  # noqa: F401  (re-exported for the fsdp backend)
-    MicroBatch,
-    make_micro_batch,
-    pad_per_token,
-    rows_per_step,
-    split_micro_batches,
-    unpad_per_token,
-)
+from slime.backends.training.batching import MicroBatch
 
 
 # ---- log-prob extraction --------------------------------------------------------------------------------

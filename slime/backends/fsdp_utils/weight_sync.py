@@ -1,30 +1,23 @@
-"""Pushing the trainer's weights to rollout engines.
+"""Pushing the fsdp trainer's weights to rollout engines.
 
-The push walks the model's state dict in bucket-sized groups (HF parameter names: FSDP2 keeps the module's
-names). For each group every rank joins the all-gathers of its sharded tensors (`DTensor.full_tensor`,
-on the training device); rank 0 casts the full tensors to the engines' dtype (bf16 on CUDA, unchanged on
-CPU), sends the bucket through an `EnginePush` (slime/weight_sync/push.py): a CUDA-IPC handle
-(CPU shared memory on CPU) to a flattened copy for colocated engines (`update_weights_from_tensor`), a
-broadcast over a process group formed with the engines otherwise (`update_weights_from_distributed`),
-and drops it once every engine has loaded it. Memory beyond the sharded model: one bucket
-(`--update-weight-buffer-size`) plus the tensor being gathered; nothing goes through host memory on CUDA.
+Every rank walks the model's state dict (HF parameter names: FSDP2 keeps the module's names) and joins the
+all-gather of each sharded tensor (`DTensor.full_tensor`, on the training device); rank 0 casts the full tensors
+to the engines' dtype (bf16 on CUDA, unchanged on CPU) and sends them, bucket by bucket, through its
+`EnginePush` (slime/weight_sync/push.py `push_weights`). Memory beyond the sharded model: one bucket
+(`--update-weight-buffer-size`) and the tensor being gathered on rank 0, one tensor on the others; nothing goes
+through host memory on CUDA.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from slime.utils.progress import progress
-from slime.weight_sync.push import EnginePush
-from slime.weight_sync.tensor_payload import split_into_buckets
-
-logger = logging.getLogger(__name__)
+from slime.weight_sync.push import EnginePush, push_weights
 
 
 def engine_dtype(tensor: torch.Tensor) -> torch.dtype:
@@ -35,12 +28,6 @@ def engine_dtype(tensor: torch.Tensor) -> torch.dtype:
     return tensor.dtype
 
 
-def plan_buckets(state: dict[str, torch.Tensor], buffer_size: int) -> list[list[str]]:
-    """Names grouped in state-dict order so each group's full tensors (in their travel dtype) fit the buffer."""
-    shapes = [(name, torch.empty(t.shape, dtype=engine_dtype(t), device="meta")) for name, t in state.items()]
-    return [[name for name, _ in bucket] for bucket in split_into_buckets(shapes, buffer_size)]
-
-
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """Collective for a DTensor (all-gather on every rank): the whole tensor, in its travel dtype."""
     if isinstance(tensor, DTensor):
@@ -48,32 +35,22 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to(engine_dtype(tensor))
 
 
+def full_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every state-dict entry, gathered one at a time (every rank must iterate it all)."""
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            yield name, full_tensor(tensor)
+
+
 def update_weights(
     model: torch.nn.Module, engines: Sequence[Any], weight_version: int | str, buffer_size: int,
     engine_push: Callable[[Sequence[Any]], EnginePush],
 ) -> int:
-    """Collective: every rank gathers bucket by bucket, rank 0 pushes each (through `engine_push(engines)`),
-    then a barrier. Returns buckets sent (0 off rank 0)."""
-    state = model.state_dict()
-    plan = plan_buckets(state, buffer_size)
-    push = engine_push(engines) if dist.get_rank() == 0 and engines else None
-    sent = 0
+    """Collective: every rank gathers, rank 0 pushes (through `engine_push(engines)`), then a barrier. Returns
+    buckets sent (0 off rank 0)."""
+    route = engine_push(engines) if dist.get_rank() == 0 and engines else None
     try:
-        with progress(len(plan), f"push v{weight_version}", "bucket", enabled=push is not None) as bar:
-            for i, names in enumerate(plan):
-                with torch.no_grad():
-                    bucket = [(name, full_tensor(state[name])) for name in names]
-                if push is None:
-                    continue
-                push.send(bucket, str(weight_version))
-                sent += 1
-                bar.update(1)
-                nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-                logger.info("update_weights v%s: bucket %d/%d (%d tensors, %.1f MiB)", weight_version, i + 1,
-                            len(plan), len(bucket), nbytes / 2**20)
-                del bucket
+        return push_weights(full_state(model), route, weight_version, buffer_size)
     finally:
-        del state
         # Other ranks wait here so that no rank starts training while engines are still loading.
         dist.barrier()
-    return sent

@@ -15,9 +15,6 @@ import sys
 from slime.backends.server_engine import ServerEngine
 from slime.backends.sglang_utils.arguments import as_bool, flag_of
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
 def weight_dirs(args) -> list[str]:
     """Folders the server may load weights from (update_weights_from_disk): the one holding --hf-checkpoint,
     --save, and any listed in SLIME_ENGINE_WEIGHT_DIRS (os.pathsep-separated)."""
@@ -61,7 +58,5 @@ class HFEngine(ServerEngine):
 
     def launch_env(self) -> dict[str, str]:
         env = super().launch_env()
-        # The server imports `slime` by module path; make that work from any working directory.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH")) if p)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         return env

@@ -7,12 +7,12 @@ parallel), this pipeline stage's model chunks under megatron-core DDP, its (dist
 `--hf-checkpoint`, converted per model family; the reference model from `--ref-load` (torch_dist or HF)
 or `--hf-checkpoint`. MODEL_ARGS are checked against the HF config.json first.
 
-One `train` call = one rollout, as in the fsdp backend: the batch is cut into optimizer steps of
-`--global-batch-size` rows, each data-parallel rank takes a contiguous share of a step's rows, in
-micro-batches of `--micro-batch-size` rows (or, with `--use-dynamic-batch-size`, of at most
+One `train` call = one rollout, the shared `PolicyTrainer`'s steps (slime/backends/training/policy.py): the
+batch is cut into optimizer steps of `--global-batch-size` rows, each data-parallel rank takes its share of a
+step's rows, in micro-batches of `--micro-batch-size` rows (or, with `--use-dynamic-batch-size`, of at most
 `--max-tokens-per-gpu` tokens), packed into one row each (`--qkv-format thd`, default) or right-padded
-(`bshd`), which run through megatron-core's pipeline schedule. Log-probs,
-advantages and losses live on the last pipeline stage; metrics travel to rank 0.
+(`bshd`), which run through megatron-core's pipeline schedule. Log-probs, advantages and losses live on the
+last pipeline stage; metrics travel to rank 0.
 
 Simplifications (docs/megatron_backend.md): the model stays in eval mode (dropout off) so recomputed and
 training log-probs agree; no offloading between rollout and training.
@@ -23,33 +23,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from slime.algorithm.loss import compute_actor_loss
 from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import checkpoint, config_check, weights
 from slime.backends.megatron_utils.forward import response_log_probs, run_pipeline
 from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel, unwrap
-from slime.backends.training import policy_batch
-from slime.backends.training.actor import TrainRayActor
-from slime.backends.training.batching import (
-    make_micro_batch,
-    make_packed_micro_batch,
-    plan_micro_batches,
-    rows_per_step,
-)
-from slime.utils import ppo_utils
-from slime.utils.progress import progress
+from slime.backends.training.batching import make_micro_batch, make_packed_micro_batch, plan_micro_batches
+from slime.backends.training.policy import PolicyTrainer
+from slime.backends.training.record import RolloutRecord
 from slime.utils.types import TrainBatch
+from slime.weight_sync.push import push_weights
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_UPDATE_WEIGHT_BUFFER_SIZE = 512 * 2**20
-
 
 def _ps():
     from megatron.core import parallel_state
@@ -57,21 +46,17 @@ def _ps():
     return parallel_state
 
 
-class MegatronTrainRayActor(TrainRayActor):
+class MegatronTrainRayActor(PolicyTrainer):
     # ---- setup ------------------------------------------------------------------------------------------
-    def init(self, args: Any, role: str, with_ref: bool) -> int:
+    def init(self, args: Any, role: str, with_ref: bool, num_rollout: int | None = None) -> int:
         if role != "actor":
             raise ValueError(f"--train-backend megatron has no {role} role; the PPO critic runs with "
                              "--train-backend fsdp")
         mg_args.check_megatron_runtime(args)
-        if args.advantage_estimator not in ppo_utils.ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"--advantage-estimator {args.advantage_estimator!r}: choose one of "
-                             f"{', '.join(ppo_utils.ADVANTAGE_ESTIMATORS)}")
         self.args = args
         torch.set_num_threads(int(os.environ.get("SLIME_TRAIN_NUM_THREADS", "1")))
         if not dist.is_initialized():
-            backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-            self.init_process_group(backend, args.distributed_timeout_minutes)
+            self.init_process_group(args.distributed_backend, args.distributed_timeout_minutes)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(args.seed)
         initialize_parallel(args)
@@ -87,15 +72,14 @@ class MegatronTrainRayActor(TrainRayActor):
             self.ref_model = build_model(args, wrap=False)
             ref_ckpt, ref_hf = self._ref_source(args)
             if ckpt is None and ref_ckpt is None and ref_hf == args.hf_checkpoint:
-                # The policy was just loaded from the same HF weights: copy them instead of reading them again.
-                for ref, chunk in zip(self.ref_model, self.model):
-                    ref.load_state_dict(unwrap(chunk).state_dict())
+                self.copy_actor_to_ref()  # the policy was just loaded from the same HF weights: no second read
             else:
                 self._load_weights(self.ref_model, ref_ckpt, ref_hf)
         for chunk in self.model:
             chunk.eval()
 
-        self.optimizer, self.scheduler = build_optimizer(args, self.model, self._total_steps(args))
+        self.optimizer, self.scheduler = build_optimizer(
+            args, self.model, self._total_steps(args, args.num_rollout if num_rollout is None else num_rollout))
         config = self.model[0].config
         from megatron.core.distributed import finalize_model_grads
 
@@ -104,7 +88,7 @@ class MegatronTrainRayActor(TrainRayActor):
         no_sync = [chunk.no_sync for chunk in self.model]
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         self.global_step = 0
-        if ckpt is None or ckpt.iteration is None:
+        if ckpt is None or ckpt.iteration is None or args.finetune:  # --finetune: the weights only, rollout 0
             return args.start_rollout_id or 0
         if not args.no_load_optim:
             checkpoint.load_optimizer(ckpt, self.model, self.optimizer)
@@ -147,12 +131,13 @@ class MegatronTrainRayActor(TrainRayActor):
             )
 
     @staticmethod
-    def _total_steps(args) -> int:
+    def _total_steps(args, num_rollout: int | None) -> int:
+        """Optimizer steps of the run (the scheduler's horizon): rollouts × steps per rollout."""
         per_rollout = max(1, args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size)
-        return max(1, (args.num_rollout or 1) * per_rollout)
+        return max(1, (num_rollout or 1) * per_rollout)
 
-    # ---- batching -----------------------------------------------------------------------------------------
-    def _dp(self) -> tuple[int, int, Any]:
+    # ---- PolicyTrainer's hooks -------------------------------------------------------------------------
+    def data_parallel(self) -> tuple[int, int, Any]:
         ps = _ps()
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
 
@@ -160,8 +145,9 @@ class MegatronTrainRayActor(TrainRayActor):
     def _packed(self) -> bool:
         return self.args.qkv_format == "thd"
 
-    def _split(self, tokens: list[list[int]], rows: list[int], log_probs: bool = False) -> list[list[int]]:
-        return plan_micro_batches(self.args, tokens, rows, self.device, self._dp()[2], log_probs, self._packed)
+    def plan(self, tokens: list[list[int]], rows: list[int], log_probs: bool = False) -> list[list[int]]:
+        return plan_micro_batches(self.args, tokens, rows, self.device, self.data_parallel()[2], log_probs,
+                                  self._packed)
 
     def _micro_batch(self, tokens, response_lengths, rows):
         tokens, response_lengths = [tokens[r] for r in rows], [response_lengths[r] for r in rows]
@@ -170,10 +156,25 @@ class MegatronTrainRayActor(TrainRayActor):
         multiple = self.args.tensor_model_parallel_size if self.args.sequence_parallel else 1
         return make_packed_micro_batch(tokens, response_lengths, device=self.device, multiple=multiple)
 
-    # ---- log-probs --------------------------------------------------------------------------------------
+    def last_stage(self) -> bool:
+        return _ps().is_pipeline_last_stage(ignore_virtual=True)
+
+    def from_last_stage(self, obj):
+        """An object of the last pipeline stage, on every stage of this rank's pipeline."""
+        ps = _ps()
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        return box[0]
+
     @torch.no_grad()
-    def _log_probs_of_rows(self, model, tokens, response_lengths, micro_batches) -> dict[int, torch.Tensor]:
+    def log_probs_of_rows(self, model, batch: TrainBatch, micro_batches) -> dict[int, torch.Tensor]:
         """{row: response log-probs} on the last pipeline stage; {} on the others."""
+        return self._log_probs(model, batch.tokens, batch.response_lengths, micro_batches)
+
+    def _log_probs(self, model, tokens, response_lengths, micro_batches) -> dict[int, torch.Tensor]:
         mbs = [self._micro_batch(tokens, response_lengths, rows) for rows in micro_batches]
 
         def loss_fn(mb, logits):
@@ -187,76 +188,10 @@ class MegatronTrainRayActor(TrainRayActor):
                 result[r] = out["log_probs"][i, : response_lengths[r]]
         return result
 
-    def _from_last_stage(self, obj):
-        """An object of the last pipeline stage, on every stage of this rank's pipeline."""
-        ps = _ps()
-        if ps.get_pipeline_model_parallel_world_size() == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                   group=ps.get_pipeline_model_parallel_group())
-        return box[0]
-
-    @torch.no_grad()
-    def compute_log_probs(self, tokens: list[list[int]], response_lengths: list[int]) -> list[list[float]]:
-        """Every data-parallel replica runs all rows; each rank returns all rows."""
-        rows = list(range(len(tokens)))
-        lp = self._log_probs_of_rows(self.model, tokens, response_lengths, self._split(tokens, rows, log_probs=True))
-        result = [lp[r].float().cpu().tolist() for r in rows] if lp else None
-        return self._from_last_stage(result)
-
-    # ---- training ---------------------------------------------------------------------------------------
-    def train(self, rollout_id: int, batch: TrainBatch, values: list[list[float]] | None = None) -> dict[str, float]:
-        args = self.args
-        if values is not None:
-            raise ValueError("--train-backend megatron has no PPO critic; use --train-backend fsdp for "
-                             "--advantage-estimator ppo")
-        dp_rank, dp_size, dp_group = self._dp()
-        last_stage = _ps().is_pipeline_last_stage(ignore_virtual=True)
-        steps = rows_per_step(len(batch), args.global_batch_size, dp_size, dp_rank)
-        plan = [self._split(batch.tokens, rows) for rows in steps]
-        local_rows = [r for rows in steps for r in rows]
-        log_prob_micro_batches = self._split(batch.tokens, local_rows, log_probs=True)
-
-        rollout_lp = policy_batch.rollout_log_probs(args, batch, local_rows, self.device)
-        extra: dict[str, float] = {}
-        if args.use_rollout_logprobs:
-            old_lp = rollout_lp
-        else:
-            old_lp = self._log_probs_of_rows(self.model, batch.tokens, batch.response_lengths, log_prob_micro_batches)
-            if rollout_lp is not None and last_stage:
-                extra["train/train_rollout_logprob_abs_diff"] = policy_batch.logprob_abs_diff(
-                    old_lp, rollout_lp, batch, self.device, dp_group)
-        policy_batch.require_ref(args, self.ref_model is not None)
-        ref_lp = None
-        if self.ref_model is not None:
-            ref_lp = self._log_probs_of_rows(self.ref_model, batch.tokens, batch.response_lengths,
-                                             log_prob_micro_batches)
-        advantages = None
-        if last_stage:
-            advantages, _ = policy_batch.advantages_and_returns(args, batch, local_rows, old_lp, ref_lp, None,
-                                                                self.device, dp_group)
-        if rollout_id < (args.num_critic_only_steps or 0):
-            extra["train/critic_only_step"] = 1.0
-            return self._from_last_stage(extra)
-
-        totals: dict[str, float] = defaultdict(float)
-        with progress(sum(map(len, plan)), f"train {rollout_id}", "micro-batch", enabled=self.rank == 0) as bar:
-            for s, micro_batches in enumerate(plan):
-                global_rows = range(s * args.global_batch_size, (s + 1) * args.global_batch_size)
-                step_metrics = self._train_step(batch, micro_batches, global_rows, advantages, old_lp, ref_lp,
-                                                rollout_lp)
-                bar.update(len(micro_batches))  # the pipeline schedule runs a step's micro-batches in one call
-                for k, v in step_metrics.items():
-                    totals[k] += v
-        metrics = {k: v / len(plan) for k, v in totals.items()}
-        metrics.update(extra)
-        return self._from_last_stage(metrics)
-
-    def _train_step(self, batch, micro_batches, global_rows, advantages, old_lp, ref_lp, rollout_lp):
-        args = self.args
-        _, dp_size, dp_group = self._dp()
-        denominator = policy_batch.loss_denominator(args, batch, global_rows)
+    def optimizer_step(self, record: RolloutRecord, micro_batches: list[list[int]], denominator: float
+                       ) -> dict[str, float]:
+        args, batch = self.args, record.batch
+        _, dp_size, dp_group = self.data_parallel()
         mbs = [self._micro_batch(batch.tokens, batch.response_lengths, rows) for rows in micro_batches]
         rows_of = {id(mb): rows for mb, rows in zip(mbs, micro_batches)}
         # megatron-core divides each micro-batch loss by their number and DDP averages gradients over the
@@ -266,9 +201,7 @@ class MegatronTrainRayActor(TrainRayActor):
         def loss_fn(mb, logits):
             log_probs, entropy = response_log_probs(logits, mb, args.rollout_temperature, args.vocab_size,
                                                      with_entropy=True)
-            inputs = policy_batch.loss_inputs(args, batch, rows_of[id(mb)], mb, log_probs, entropy, advantages,
-                                              old_lp, ref_lp, rollout_lp, denominator)
-            loss, shares = compute_actor_loss(args, inputs)
+            loss, shares = record.micro_batch_loss(args, rows_of[id(mb)], mb, log_probs, entropy, denominator)
             return loss * scale, shares
 
         for chunk in self.model:
@@ -290,6 +223,20 @@ class MegatronTrainRayActor(TrainRayActor):
             metrics["train/skipped_step"] = 1.0
         return metrics
 
+    @torch.no_grad()
+    def copy_actor_to_ref(self) -> None:
+        """--ref-update-interval: the reference model takes the actor's weights (the same layout)."""
+        for ref, chunk in zip(self.ref_model, self.model):
+            ref.load_state_dict(unwrap(chunk).state_dict())
+
+    @torch.no_grad()
+    def compute_log_probs(self, tokens: list[list[int]], response_lengths: list[int]) -> list[list[float]]:
+        """Every data-parallel replica runs all rows; each rank returns all rows."""
+        rows = list(range(len(tokens)))
+        lp = self._log_probs(self.model, tokens, response_lengths, self.plan(tokens, rows, log_probs=True))
+        result = [lp[r].float().cpu().tolist() for r in rows] if lp else None
+        return self.from_last_stage(result)
+
     # ---- weights and checkpoints ------------------------------------------------------------------------
     def update_weights(self, engines: list[Any], weight_version: int) -> None:
         """Collective: HF tensors of the whole model stream to rank 0, which sends them in buckets of
@@ -298,33 +245,12 @@ class MegatronTrainRayActor(TrainRayActor):
         if self.hf_config is None:
             raise ValueError("--train-backend megatron: weight sync needs --hf-checkpoint (its config.json picks "
                              "the HF names the engines load)")
-        push = self.rank == 0 and bool(engines)
-        route = self.engine_push(engines) if push else None
-        version = str(weight_version)
-
-        def send(bucket):
-            route.send(bucket, version)
-
-        limit = self.args.update_weight_buffer_size or DEFAULT_UPDATE_WEIGHT_BUFFER_SIZE
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = sent = 0
-        with progress(None, f"push v{weight_version}", "bucket", enabled=push) as bar:
-            for name, t in weights.iter_hf_weights(self.model, self.args, self.hf_config):
-                if not push:
-                    continue
-                bucket.append((name, t))
-                size += t.numel() * t.element_size()
-                if size >= limit:
-                    send(bucket)
-                    sent, bucket, size = sent + 1, [], 0
-                    bar.update(1)
-            if push and bucket:
-                send(bucket)
-                sent += 1
-                bar.update(1)
-        if push:
-            logger.info("update_weights v%s: %d bucket(s) sent", weight_version, sent)
-        dist.barrier()
+        route = self.engine_push(engines) if self.rank == 0 and engines else None
+        try:
+            push_weights(weights.iter_hf_weights(self.model, self.args, self.hf_config), route, weight_version,
+                         self.args.update_weight_buffer_size)
+        finally:
+            dist.barrier()
 
     def save(self, rollout_id: int) -> None:
         if not self.args.save:

@@ -264,7 +264,7 @@ def optimizer_config_kwargs(args: argparse.Namespace) -> dict:
 
 def ddp_config_kwargs(args: argparse.Namespace) -> dict:
     return dict(
-        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 and not args.grad_reduce_in_bf16,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,

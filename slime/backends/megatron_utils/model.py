@@ -36,6 +36,11 @@ def te_available() -> bool:
     return True
 
 
+def uses_te(args: argparse.Namespace) -> bool:
+    """TransformerEngine's layers: asked for (--transformer-impl transformer_engine, the default) and installed."""
+    return args.transformer_impl == "transformer_engine" and te_available()
+
+
 def initialize_parallel(args: argparse.Namespace) -> None:
     """megatron-core's model-parallel groups over the default process group, and its RNG tracker."""
     import torch.distributed as dist
@@ -50,7 +55,7 @@ def initialize_parallel(args: argparse.Namespace) -> None:
             f"--pipeline-model-parallel-size {pp} × --context-parallel-size {cp} = {tp * pp * cp}; make "
             "--actor-num-nodes × --actor-num-gpus-per-node a multiple of it"
         )
-    if not te_available():
+    if not uses_te(args):
         for flag, on in (("--multi-latent-attention", args.multi_latent_attention),
                          ("--sequence-parallel", args.sequence_parallel)):
             if on:
@@ -59,7 +64,7 @@ def initialize_parallel(args: argparse.Namespace) -> None:
                     "nor sequence-parallel norms), which is not installed here; install transformer-engine"
                     + ("" if flag == "--multi-latent-attention" else " or drop --sequence-parallel")
                 )
-    if cp > 1 and not te_available():
+    if cp > 1 and not uses_te(args):
         raise SlimeArgumentError(
             f"--context-parallel-size {cp} needs TransformerEngine's attention, which is not installed here; "
             "use --context-parallel-size 1 or install transformer-engine"
@@ -91,7 +96,7 @@ def _patch_moe_without_te() -> None:
 def _layer_spec(args: argparse.Namespace, config, vp_stage: int | None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    te = te_available()
+    te = uses_te(args)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=args.normalization,
                                       vp_stage=vp_stage)
     if not te:
@@ -100,7 +105,7 @@ def _layer_spec(args: argparse.Namespace, config, vp_stage: int | None):
 
 
 def transformer_config(args: argparse.Namespace):
-    config = mg_args.build_transformer_config(args, te_available=te_available())
+    config = mg_args.build_transformer_config(args, te_available=uses_te(args))
     # The forward runs micro-batches of varying length and size; pipeline stages exchange shapes first.
     config.variable_seq_lengths = True
     if not torch.cuda.is_available():

@@ -11,7 +11,7 @@ in the local layer spec (`megatron_utils.model`) with the same constructor and f
   (`torch.nn.attention.varlen.varlen_attn`) on CUDA in bf16/fp16, else one SDPA call per sequence.
 
 Grouped-query attention runs without copying key/value heads where the kernel supports it. Attention
-dropout applies in training mode only (slime keeps the model in eval mode, DESIGN: recomputed and trained
+dropout applies in training mode only (slime keeps the model in eval mode: recomputed and trained
 log-probs must agree).
 """
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from slime.backends.megatron_utils.converters import ConverterConfig, converter_for_hf_config
 from slime.backends.megatron_utils.converters import tp as tp_layout
-from slime.backends.megatron_utils.model import te_available, unwrap
+from slime.backends.megatron_utils.model import uses_te, unwrap
 from slime.backends.megatron_utils.sandwich_norm import HF_STYLE_NAMES
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -97,8 +97,8 @@ def read_hf_state_dict(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
 def load_hf_weights(model: list[torch.nn.Module], args, path: str) -> None:
     """Copy this rank's shard of every parameter from the HF checkpoint at `path`."""
     config, hf = read_hf_state_dict(path)
-    converter = converter_for_hf_config(config)
-    full = converter.hf_to_megatron(hf, ConverterConfig.from_args(args), spec="te" if te_available() else "local")
+    converter = converter_for_hf_config(config, args.model_name)
+    full = converter.hf_to_megatron(hf, ConverterConfig.from_args(args), spec="te" if uses_te(args) else "local")
     del hf
     params = named_parameters(model, args)
     _check_all_used(full, {name for _, name, _ in params}, path, converter.name)
@@ -187,7 +187,7 @@ def iter_megatron_weights(model: list[torch.nn.Module], args) -> Iterator[tuple[
 
 def iter_hf_weights(model: list[torch.nn.Module], args, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: (HF name, tensor) pairs of the whole model, converted per family."""
-    converter = converter_for_hf_config(hf_config)
+    converter = converter_for_hf_config(hf_config, args.model_name)
     cfg = ConverterConfig.from_args(args)
     for name, t in iter_megatron_weights(model, args):
         yield from converter.megatron_to_hf(name, t, cfg)

@@ -52,9 +52,9 @@ class TrainRayActor:
         )
 
     # ---- the backend interface -------------------------------------------------------------------
-    def init(self, args: Any, role: str, with_ref: bool) -> int:
-        """Build model/optimizer (and reference model when `with_ref`), load checkpoints.
-        Returns the rollout id to start from."""
+    def init(self, args: Any, role: str, with_ref: bool, num_rollout: int | None = None) -> int:
+        """Build model/optimizer (and reference model when `with_ref`), load checkpoints; `num_rollout` (default
+        --num-rollout) sizes learning-rate schedules. Returns the rollout id to start from."""
         raise NotImplementedError
 
     def train(self, rollout_id: int, batch: Any) -> dict[str, float]:

@@ -17,10 +17,12 @@ import torch
 
 
 # ---- which rows -------------------------------------------------------------------------------------------
-def rows_per_step(num_rows: int, global_batch_size: int, world_size: int, rank: int) -> list[list[int]]:
+def rows_per_step(num_rows: int, global_batch_size: int, world_size: int, rank: int,
+                  lengths: Sequence[int] | None = None) -> list[list[int]]:
     """Row indices this rank trains on, one list per optimizer step.
 
-    Step s covers rows [s·gbs, (s+1)·gbs); each rank takes a contiguous 1/world_size share of them."""
+    Step s covers rows [s·gbs, (s+1)·gbs); each rank takes 1/world_size of them: a contiguous share, or with
+    `lengths` (`--balance-data`) the share `balanced_shares` gives it, so that the ranks' token counts are close."""
     if global_batch_size <= 0 or num_rows % global_batch_size != 0:
         raise ValueError(
             f"the train batch has {num_rows} samples, which is not a multiple of --global-batch-size "
@@ -32,10 +34,24 @@ def rows_per_step(num_rows: int, global_batch_size: int, world_size: int, rank: 
             f"use a multiple of {world_size}"
         )
     share = global_batch_size // world_size
-    return [
-        list(range(s * global_batch_size + rank * share, s * global_batch_size + (rank + 1) * share))
-        for s in range(num_rows // global_batch_size)
-    ]
+    steps = [list(range(s * global_batch_size, (s + 1) * global_batch_size)) for s in range(num_rows // global_batch_size)]
+    if lengths is None:
+        return [rows[rank * share : (rank + 1) * share] for rows in steps]
+    return [balanced_shares(rows, [lengths[r] for r in rows], world_size)[rank] for rows in steps]
+
+
+def balanced_shares(rows: Sequence[int], lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """`rows` split into `parts` shares of equal size whose token sums are close (`--balance-data`): longest
+    row first, each to the share with the fewest tokens that still has room (greedy LPT). Every rank computes the
+    same split from the same lengths; each share keeps row order."""
+    size = len(rows) // parts
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    tokens = [0] * parts
+    for r, n in sorted(zip(rows, lengths), key=lambda rn: (-rn[1], rn[0])):
+        i = min((i for i in range(parts) if len(shares[i]) < size), key=lambda i: (tokens[i], i))
+        shares[i].append(r)
+        tokens[i] += n
+    return [sorted(share) for share in shares]
 
 
 def split_micro_batches(rows: Sequence[int], micro_batch_size: int) -> list[list[int]]:

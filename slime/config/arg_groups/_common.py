@@ -17,6 +17,13 @@ def fail(message: str) -> None:
     raise SlimeArgumentError(message)
 
 
+def refuse(dest: str, value, why: str, instead: str) -> None:
+    """A slime flag this implementation does not have yet: fail naming it, why, and what to do instead (a flag that
+    would be parsed and ignored is worse: the run would silently differ from the user's intent)."""
+    shown = "" if value is True else f" {value}"
+    fail(f"{flag(dest)}{shown}: not supported here yet: {why}; {instead}.")
+
+
 def require_positive(args: argparse.Namespace, *dests: str, allow_none: bool = True) -> None:
     for dest in dests:
         value = getattr(args, dest)

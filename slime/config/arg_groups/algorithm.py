@@ -11,11 +11,11 @@ import logging
 import os
 
 from slime.algorithm.estimators import ESTIMATORS, estimator_of
-from slime.config.arg_groups._common import fail
+from slime.config.arg_groups._common import fail, refuse
 
 logger = logging.getLogger(__name__)
 
-FUNCTION_FLAGS = ("custom_loss_function_path", "custom_advantage_function_path", "custom_tis_function_path")
+FUNCTION_FLAGS = ("custom_loss_function_path", "custom_advantage_function_path")
 
 
 
@@ -75,7 +75,11 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--tis-clip", type=float, default=2.0, help="Upper clamp of the TIS weight.")
     g.add_argument("--tis-clip-low", type=float, default=0.0, help="Lower clamp of the TIS weight.")
-    g.add_argument("--custom-tis-function-path", type=str, default=None, help="fn computing custom TIS weights.")
+    g.add_argument(
+        "--custom-tis-function-path", type=str, default=None,
+        help="slime: fn computing custom TIS weights. Refused here (not implemented yet: --use-tis with "
+        "--tis-clip / --tis-clip-low is the built-in truncated importance sampling).",
+    )
     g.add_argument(
         "--calculate-per-token-loss",
         action="store_true",
@@ -94,6 +98,10 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_algorithm(args: argparse.Namespace) -> None:
+    if args.custom_tis_function_path:
+        refuse("custom_tis_function_path", args.custom_tis_function_path,
+               "slime calls it with its packed per-micro-batch tensors, which the loss here does not build",
+               "use --use-tis with --tis-clip / --tis-clip-low (clamp(exp(logp_old - logp_rollout), low, high))")
     if args.eps_clip <= 0:
         fail(f"--eps-clip {args.eps_clip}: must be > 0.")
     if args.eps_clip_high is None:

@@ -54,20 +54,23 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--colocate",
         action="store_true",
-        help="Training and engines share the same GPUs; turns on --offload-train and --offload-rollout.",
+        help="Training and engines share the same GPUs (in slime this turns on --offload-train and --offload-rollout, "
+        "which this loop does not perform yet: both stay resident, see docs/dry_run.md).",
     )
     g.add_argument("--offload", action="store_true", help="Shorthand for --offload-train --offload-rollout.")
     g.add_argument(
         "--offload-train",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="Move the training state off the GPU while engines generate (on with --colocate or PPO).",
+        help="slime: move the training state off the GPU while engines generate (on with --colocate or PPO). Not "
+        "performed by this loop yet: warned, and the training state stays resident.",
     )
     g.add_argument(
         "--offload-rollout",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="Release the engines' weights and KV cache while training runs (on with --colocate).",
+        help="slime: release the engines' weights and KV cache while training runs (on with --colocate). Not "
+        "performed by this loop yet: warned, and the engines stay resident.",
     )
     g.add_argument(
         "--distributed-backend",
@@ -107,14 +110,8 @@ def validate_cluster(args: argparse.Namespace) -> None:
         args.offload_rollout = True if args.offload_rollout is None else args.offload_rollout
 
     if args.colocate:
-        for dest in ("offload_train", "offload_rollout"):
-            if getattr(args, dest) is False:
-                # slime honours an explicit opt-out; say that it is unusual rather than refuse it.
-                logger.warning(
-                    "--colocate with --no-%s: engines and training will hold GPU memory at the same time.",
-                    dest.replace("_", "-"),
-                )
-            else:
+        for dest in ("offload_train", "offload_rollout"):  # slime's implication; an explicit --no-... stays
+            if getattr(args, dest) is None:
                 setattr(args, dest, True)
         if args.rollout_num_gpus is None:
             args.rollout_num_gpus = actor_gpus
@@ -156,12 +153,30 @@ def validate_cluster(args: argparse.Namespace) -> None:
         )
 
     args.use_critic = estimator_of(args).needs_critic
-    # The critic shares the actor's GPUs (slime forces these equal).
-    args.critic_num_nodes = args.actor_num_nodes
-    args.critic_num_gpus_per_node = args.actor_num_gpus_per_node
+    # The critic shares the actor's GPUs here (in slime it may have GPUs of its own).
+    for dest, actor_value in (("critic_num_nodes", args.actor_num_nodes),
+                              ("critic_num_gpus_per_node", args.actor_num_gpus_per_node)):
+        given = getattr(args, dest)
+        if given is not None and given != actor_value:
+            fail(f"--{dest.replace('_', '-')} {given}: the PPO critic runs on the actor's GPUs here, so it must equal "
+                 f"the actor's ({actor_value}); drop the flag.")
+        setattr(args, dest, actor_value)
     if args.use_critic and not args.debug_rollout_only:
-        # Actor and critic alternate on the same GPUs, so training state must be offloadable.
+        # slime: actor and critic alternate on the same GPUs, so the training state is offloadable.
         args.offload_train = True
+    resolve_offload(args)
 
-    args.offload_train = bool(args.offload_train)
-    args.offload_rollout = bool(args.offload_rollout)
+
+def resolve_offload(args: argparse.Namespace) -> None:
+    """The offload flags say what the loop does. Moving the training state off the GPU while the engines generate
+    and releasing the engines' memory while training runs is not implemented yet, so both stay resident whatever
+    was asked (explicitly, or through --colocate / PPO as in slime); the --dry-run memory table counts them
+    together."""
+    asked = [f"--{dest.replace('_', '-')}" for dest in ("offload_train", "offload_rollout") if getattr(args, dest)]
+    if asked:
+        logger.warning(
+            "%s (%s): the training loop does not hand GPU memory between training and generation yet; the trainer "
+            "and the engines stay resident together, so size --sglang-mem-fraction-static for both (python "
+            "train.py ... --dry-run shows the per-GPU total).", " and ".join(asked),
+            "on with --colocate" if args.colocate else "asked for")
+    args.offload = args.offload_train = args.offload_rollout = False

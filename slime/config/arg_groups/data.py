@@ -10,12 +10,14 @@ divisibility check reads Megatron's TP/PP/CP sizes from the raw `args.megatron_a
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 
 from slime.config.arg_groups._common import (
     SlimeArgumentError,
     fail,
     json_object,
+    refuse,
     require_existing_file,
     require_positive,
 )
@@ -74,7 +76,8 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
         "--multimodal-keys",
         type=json_object,
         default=None,
-        help='Media type -> record key, as JSON (e.g. \'{"image": "image_file"}\').',
+        help='slime: media type -> record key, as JSON (e.g. \'{"image": "image_file"}\'). Refused here: the '
+        "engines and trainers take text only.",
     )
     g.add_argument(
         "--streaming-data",
@@ -110,7 +113,9 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
         help="Optimizer steps per rollout (default: rollout batch × n ÷ --global-batch-size, else 1).",
     )
     g.add_argument(
-        "--balance-data", action="store_true", help="Balance tokens across data-parallel ranks (sorted partitioning)."
+        "--balance-data", action="store_true",
+        help="Within each optimizer step, give the data-parallel ranks equal numbers of samples with close token "
+        "counts (longest first, to the rank with the fewest tokens) instead of contiguous shares.",
     )
     g.add_argument(
         "--use-dynamic-batch-size",
@@ -127,6 +132,9 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_data(args: argparse.Namespace) -> None:
+    if args.multimodal_keys:
+        refuse("multimodal_keys", json.dumps(args.multimodal_keys), "the engines and trainers here take text only",
+               "drop it (and the media from the rows) for a text-only run")
     if args.rollout_batch_size is None:
         fail("--rollout-batch-size is required: the number of prompts per rollout, e.g. --rollout-batch-size 32.")
     require_positive(

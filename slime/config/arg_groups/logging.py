@@ -8,8 +8,11 @@ run started with no logging flags. `args.tensorboard_dir` is always resolved so 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import time
+
+from slime.config.arg_groups._common import fail
 
 
 def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,9 +42,10 @@ def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-dir", type=str, default=None, help="wandb files folder (default ./wandb).")
     g.add_argument("--wandb-project", type=str, default=None)
     g.add_argument("--wandb-group", type=str, default=None)
-    g.add_argument("--wandb-key", type=str, default=None, help="API key (else the environment's login).")
-    g.add_argument("--wandb-host", type=str, default=None)
-    g.add_argument("--wandb-team", type=str, default=None)
+    g.add_argument("--wandb-key", type=str, default=None, help="API key to log in with (online mode; else the "
+                   "environment's login).")
+    g.add_argument("--wandb-host", type=str, default=None, help="wandb server URL to log in to (online mode).")
+    g.add_argument("--wandb-team", type=str, default=None, help="wandb entity (team or user) the run belongs to.")
     g.add_argument("--log-passrate", action="store_true", help="Log pass@k of each rollout's groups.")
     g.add_argument("--log-multi-turn", action="store_true", help="Log turn counts of multi-turn rollouts.")
 
@@ -59,6 +63,8 @@ def validate_logging(args: argparse.Namespace) -> None:
     if args.tensorboard_dir is None:
         args.tensorboard_dir = os.environ.get("TENSORBOARD_DIR") or os.path.join("outputs", "tensorboard",
                                                                                  run_name(args))
+    if args.use_wandb and importlib.util.find_spec("wandb") is None:
+        fail('--use-wandb: the wandb package is not installed; pip install -e ".[wandb]" (or drop --use-wandb).')
     env_mode = os.environ.get("WANDB_MODE")
     if args.wandb_mode is None:
         args.wandb_mode = env_mode if env_mode in ("online", "offline", "disabled") else "online"

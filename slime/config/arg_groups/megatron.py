@@ -25,6 +25,7 @@ import ast
 import logging
 
 from slime.backends.megatron_utils.args import divisors, moe_layer_pattern, pipeline_layer_split, query_groups
+from slime.backends.megatron_utils.model import te_available
 from slime.config.arg_groups._common import fail
 
 logger = logging.getLogger(__name__)
@@ -188,7 +189,8 @@ def _add_parallel(parser) -> None:
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
-    g.add_argument("--grad-reduce-in-bf16", action="store_true")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="Reduce gradients over data-parallel ranks in bf16 (megatron-core DDP: not in fp32).")
     g.add_argument("--use-precision-aware-optimizer", action="store_true")
     g.add_argument("--initial-loss-scale", type=float, default=2**32, help="fp16 dynamic loss scale start.")
     g.add_argument("--min-loss-scale", type=float, default=1.0)
@@ -205,15 +207,21 @@ def _add_runtime(parser) -> None:
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--recompute-modules", nargs="*", default=None)
     g.add_argument(
-        "--ckpt-format", choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"], default="torch_dist"
+        "--ckpt-format", choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"], default="torch_dist",
+        help="Megatron checkpoint format; the megatron backend here reads and writes torch_dist only.",
     )
-    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true",
+                   help="Megatron-LM: do not save the RNG state. Checkpoints here hold none (warned).")
     g.add_argument("--finetune", action="store_true", help="Load weights only; reset the iteration to 0.")
     g.add_argument(
         "--attention-backend", choices=["flash", "fused", "unfused", "local", "auto"], default="auto",
         help="megatron-core attention backend (local when TransformerEngine is missing).",
     )  # fmt: skip
-    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="transformer_engine")
+    g.add_argument(
+        "--transformer-impl", choices=["local", "transformer_engine"], default="transformer_engine",
+        help="Layer implementation: TransformerEngine's layers when it is installed (else the local spec, warned), "
+        "or megatron-core's local layers.",
+    )
     g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false")
     g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
     g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false")
@@ -285,6 +293,13 @@ def validate_megatron(args: argparse.Namespace) -> None:
         fail("--recompute-granularity full with --recompute-method needs --recompute-num-layers N.")
     if args.train_backend != "megatron":
         return
+    if args.ckpt_format != "torch_dist":
+        fail(f"--ckpt-format {args.ckpt_format}: the megatron backend here reads and writes torch_dist checkpoints "
+             "only; drop the flag (tools/convert_hf_to_torch_dist.py makes one from an HF checkpoint).")
+    if args.transformer_impl == "transformer_engine" and not te_available() and not args.dry_run:
+        logger.warning("--transformer-impl transformer_engine: TransformerEngine is not installed here, so the "
+                       "training ranks build megatron-core's local layer spec (torch SDPA attention); pass "
+                       "--transformer-impl local to say so, or install transformer-engine.")
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     if args.num_attention_heads and args.num_attention_heads % tp:
         fail(

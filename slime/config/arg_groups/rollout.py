@@ -7,7 +7,9 @@ import logging
 import os
 
 from slime.backends.megatron_utils.config_check import is_hf_folder, load_hf_config
-from slime.config.arg_groups._common import fail, require_positive
+from slime.backends.megatron_utils.converters import REGISTRY as CONVERTERS
+from slime.config.arg_groups._common import fail, refuse, require_positive
+from slime.weight_sync.buckets import DEFAULT_BUFFER_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -18,7 +20,6 @@ FUNCTION_FLAGS = (
     "custom_generate_function_path",
     "dynamic_sampling_filter_path",
     "buffer_filter_path",
-    "rollout_data_postprocess_path",
 )
 
 
@@ -42,7 +43,7 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-name",
         type=str,
         default=None,
-        help="Weight-converter key (default: the HF config's model type).",
+        help="The model family whose HF <-> Megatron weight conversion to use (default: config.json's model_type).",
     )
     g.add_argument(
         "--rollout-function-path",
@@ -114,7 +115,7 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--update-weight-buffer-size",
         type=int,
-        default=512 * 1024**2,
+        default=DEFAULT_BUFFER_BYTES,
         help="Bytes per bucket when pushing weights to the engines.",
     )
     g.add_argument(
@@ -138,12 +139,17 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         help="Fully async rollout: a finished group generated (in part) by weights more than N pushes older "
         "than the engines' current ones is regenerated from its prompt (default: no bound).",
     )
-    g.add_argument("--keep-old-actor", action="store_true", help="Keep a copy of the pre-update actor weights.")
+    g.add_argument(
+        "--keep-old-actor", action="store_true",
+        help="slime: keep the weights that generated the rollout to recompute the old log-probs with. Refused "
+        "here (not implemented yet; --use-rollout-logprobs takes the engines' log-probs of those weights).",
+    )
     g.add_argument(
         "--rollout-data-postprocess-path",
         type=str,
         default=None,
-        help="fn called on the rollout data once log-probs are known (e.g. to edit loss masks).",
+        help="slime: fn(args, rollout_id, rollout_data) called once log-probs are known. Refused here (not "
+        "implemented yet).",
     )
     g.add_argument(
         "--rollout-external-engine-addrs",
@@ -168,6 +174,16 @@ def model_context_length(args: argparse.Namespace) -> tuple[int | None, str]:
 
 
 def validate_rollout(args: argparse.Namespace) -> None:
+    if args.keep_old_actor:
+        refuse("keep_old_actor", True, "the trainer keeps no copy of the weights that generated a rollout",
+               "add --use-rollout-logprobs to take the old log-probs from the engines, or drop the flag")
+    if args.rollout_data_postprocess_path:
+        refuse("rollout_data_postprocess_path", args.rollout_data_postprocess_path,
+               "the trainers hold a typed RolloutRecord, not slime's rollout_data dict this hook edits",
+               "edit the samples in a --custom-generate-function-path or --rollout-function-path instead")
+    if args.model_name and args.model_name.lower() not in CONVERTERS:
+        fail(f"--model-name {args.model_name}: no HF <-> Megatron weight converter of that name; known: "
+             f"{sorted(CONVERTERS)} (or drop the flag: config.json's model_type picks one).")
     external = args.rollout_external_engine_addrs is not None
     if args.rollout_backend is None:
         args.rollout_backend = "sglang" if args.use_cuda else "hf"

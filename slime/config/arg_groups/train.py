@@ -65,11 +65,17 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="Reference-model checkpoint (also the initial weights when --load holds no checkpoint).",
     )
     g.add_argument("--no-load-optim", action="store_true", help="Do not restore the optimizer state on --load.")
-    g.add_argument("--no-load-rng", action="store_true", help="Do not restore the RNG state on --load.")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="Megatron-LM: do not restore the RNG state on --load. Checkpoints here hold no RNG state "
+                   "(training draws no random numbers: dropout stays off), so there is nothing to skip (warned).")
     g.add_argument("--no-save-optim", action="store_true", help="Do not save the optimizer state.")
 
 
 def validate_train(args: argparse.Namespace) -> None:
+    for dest in ("no_load_rng", "no_save_rng"):
+        if getattr(args, dest):
+            logger.warning("--%s: checkpoints here hold no RNG state (the training draws no random numbers: dropout "
+                           "stays off in every forward), so the flag changes nothing.", dest.replace("_", "-"))
     if args.train_backend is None:
         # Megatron needs the architecture flags (MODEL_ARGS); without them fsdp reads the model from
         # --hf-checkpoint, so a GPU run without a model script still starts.

@@ -201,10 +201,10 @@ class _Builder:
         if not lay.actor or not (lay.engines or lay.external_engines):
             placement = "one side only: " + ("engines" if not lay.actor else "training ranks")
         elif lay.colocated:
-            placement = "colocated (--colocate): engines and training ranks share devices and take turns"
+            placement = "colocated (--colocate): engines and training ranks share devices, both resident"
         else:
             placement = "disaggregated: engines and training ranks on separate devices"
-        offload = f"train {'on' if a.offload_train else 'off'}, rollout {'on' if a.offload_rollout else 'off'}"
+        offload = "none: training state and engines stay resident (the memory handoff is not implemented yet)"
         algo = a.advantage_estimator + ("; frozen reference model for the KL term" if needs_reference_model(a) else "")
         return Section("Run", kv_table([
             ("mode", mode), ("devices", devices), ("training", train), ("rollout", rollout),
@@ -359,8 +359,8 @@ class _Builder:
             lines.append("activations not estimated: " + self.length.how)
         lines += [f"note: {n}" for n in est.notes]
         if self.layout.critic:
-            lines.append("note: the PPO critic is a model of the same size on the same devices; with --offload-train "
-                         "(forced by PPO) it alternates with the actor, so the peak is one of them")
+            lines.append("note: the PPO critic is a model of the same size on the same devices, resident next to the "
+                         "actor (no offloading yet): count it twice")
         if self.gpu_bytes and est.total > self.gpu_bytes:
             self.warnings.append(f"estimated training memory {fmt_bytes(est.total)} > {fmt_bytes(self.gpu_bytes)} per "
                                  f"GPU: {'; '.join(self._training_fixes(est)) or 'use more or larger GPUs'}")
@@ -521,9 +521,9 @@ class _Builder:
                              "(--rollout-num-gpus a multiple of it)")
 
     def _check_colocated(self, mem: EngineMemory) -> list[tuple[str, str]]:
-        """Both phases of a colocated GPU: training (engines released with --offload-rollout) and generation
-        (training state offloaded with --offload-train). Returns the report rows."""
-        a = self.args
+        """Both phases of a colocated GPU as the loop runs them: the training and the engines stay resident
+        together (the memory handoff of --offload-train / --offload-rollout is not performed yet, and validation
+        resolves both to off). Returns the report rows."""
         if mem.fraction > COLOCATE_MAX_FRACTION:
             self.warnings.append(
                 f"--colocate with mem_fraction_static {mem.fraction}"
@@ -534,27 +534,21 @@ class _Builder:
         if train is None:
             return []
         resident = sum(i.bytes for i in train.items if i.name not in ("activations", "logits"))
-        during_train = train.total + (0 if a.offload_rollout else mem.static)
-        during_gen = mem.static + (0 if a.offload_train else resident)
-        kept_engines = f" + static pool {fmt_bytes(mem.static)}"
-        kept_training = f" + training state {fmt_bytes(resident)}"
+        during_train = train.total + mem.static
+        during_gen = mem.static + resident
         rows = [
-            ("colocated, training", f"{fmt_bytes(during_train)} = training {fmt_bytes(train.total)}"
-             + (" (engines released: --offload-rollout)" if a.offload_rollout else kept_engines)),
-            ("colocated, generating", f"{fmt_bytes(during_gen)} = static pool {fmt_bytes(mem.static)}"
-             + (" (training state offloaded: --offload-train)" if a.offload_train else kept_training)),
+            ("colocated, training", f"{fmt_bytes(during_train)} = training {fmt_bytes(train.total)} + engines' "
+             f"static pool {fmt_bytes(mem.static)} (both resident: no memory handoff yet)"),
+            ("colocated, generating", f"{fmt_bytes(during_gen)} = static pool {fmt_bytes(mem.static)} + training "
+             f"state {fmt_bytes(resident)}"),
         ]  # fmt: skip
         if during_train > self.gpu_bytes:
+            fraction = max(0.05, math.floor((self.gpu_bytes - train.total) / self.gpu_bytes * 20) / 20)
             self.warnings.append(
                 f"colocated, while training: training {fmt_bytes(train.total)} + engines' static pool "
-                f"{fmt_bytes(mem.static)} (kept: --no-offload-rollout) = {fmt_bytes(during_train)} > "
-                f"{fmt_bytes(self.gpu_bytes)}: drop --no-offload-rollout or lower --sglang-mem-fraction-static")
-        if during_gen > self.gpu_bytes:
-            self.warnings.append(
-                f"colocated, while generating: engines' static pool {fmt_bytes(mem.static)} + resident training "
-                f"state {fmt_bytes(resident)} (kept: --no-offload-train) = {fmt_bytes(during_gen)} > "
-                f"{fmt_bytes(self.gpu_bytes)}: drop --no-offload-train or lower --sglang-mem-fraction-static to "
-                f"{max(0.05, math.floor((self.gpu_bytes - resident) / self.gpu_bytes * 20) / 20):.2f}")
+                f"{fmt_bytes(mem.static)} = {fmt_bytes(during_train)} > {fmt_bytes(self.gpu_bytes)}: both stay on "
+                "the GPU (the loop does not offload yet); lower --sglang-mem-fraction-static to "
+                f"{fraction:.2f}, or train on more GPUs")
         return rows
 
     def _check_training_model(self) -> None:

@@ -43,9 +43,13 @@ def get_converter(model_type: str) -> GPTConverter:
     return REGISTRY[key]()
 
 
-def converter_for_hf_config(config: dict) -> GPTConverter:
+def converter_for_hf_config(config: dict, model_name: str | None = None) -> GPTConverter:
+    """The converter `--model-name` names (slime's key for the family's weight conversion), else the one of
+    config.json's model_type."""
+    if model_name:
+        return get_converter(model_name)
     if "model_type" not in config:
-        raise KeyError("config.json has no model_type; cannot pick a converter")
+        raise KeyError("config.json has no model_type; cannot pick a converter (name the family with --model-name)")
     return get_converter(config["model_type"])
 
 

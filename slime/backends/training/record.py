@@ -1,0 +1,138 @@
+"""`RolloutRecord`: what a training rank holds of one rollout while it trains on it, and the per-micro-batch
+loss built from it. Backend-agnostic: both backends fill it the same way (slime/backends/training/policy.py).
+
+Per-row values are dicts {row index: [response_len] tensor} of the rows this data-parallel rank trains on;
+`group` is the rank's data-parallel process group (None: the whole world).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime.algorithm.estimators import AdvantageInputs, compute_advantages_and_returns
+from slime.algorithm.loss import LossInputs, compute_actor_loss
+from slime.backends.training.batching import MicroBatch, pad_per_token
+from slime.utils import ppo_utils
+from slime.utils.types import TrainBatch
+
+PerRow = dict[int, torch.Tensor]
+
+
+@dataclass
+class RolloutRecord:
+    batch: TrainBatch
+    steps: list[list[list[int]]]  # per optimizer step, this rank's micro-batches (row indices)
+    rollout_log_probs: PerRow | None = None  # the engines' (when the rollout returned them)
+    old_log_probs: PerRow | None = None  # the behaviour policy's; filled by the training forward when reused
+    ref_log_probs: PerRow | None = None  # the frozen reference model's (KL terms)
+    advantages: PerRow | None = None  # None off the last pipeline stage
+    returns: PerRow | None = None  # for a critic
+    reuse_training_forward: bool = False  # the old log-probs are the training forward's own (detached)
+
+    @property
+    def rows(self) -> list[int]:
+        return [r for step in self.steps for mb in step for r in mb]
+
+    def micro_batch_loss(self, args: Any, rows: list[int], mb: MicroBatch, log_probs: torch.Tensor,
+                         entropy: torch.Tensor, denominator: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This micro-batch's share of its step's loss (and metric shares) from its forward's `[B, R]`
+        log-probs and entropies. With `reuse_training_forward` the forward's detached log-probs are first
+        recorded as the old ones (one optimizer step per rollout: the trained policy generated them)."""
+        if self.reuse_training_forward:
+            if self.old_log_probs is None:
+                self.old_log_probs = {}
+            for i, r in enumerate(rows):
+                self.old_log_probs[r] = log_probs[i, : self.batch.response_lengths[r]].detach()
+        return compute_actor_loss(args, self.loss_inputs(args, rows, mb, log_probs, entropy, denominator))
+
+    def loss_inputs(self, args: Any, rows: list[int], mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor,
+                    denominator: float) -> LossInputs:
+        device = log_probs.device
+        padded = functools.partial(padded_rows, rows=rows, width=mb.max_response_len, device=device)
+        mask = mb.response_mask.to(device) * padded(self.batch.loss_masks)
+        return LossInputs(
+            log_probs=log_probs, old_log_probs=padded(self.old_log_probs), advantages=padded(self.advantages),
+            mask=mask, entropy=entropy,
+            ref_log_probs=None if self.ref_log_probs is None else padded(self.ref_log_probs),
+            rollout_log_probs=None if self.rollout_log_probs is None else padded(self.rollout_log_probs),
+            aggregate=functools.partial(ppo_utils.aggregate_loss, mask=mask, per_token=args.calculate_per_token_loss,
+                                        global_denominator=denominator),
+        )
+
+
+def padded_rows(per_row, rows: list[int], width: int, device) -> torch.Tensor:
+    """[len(rows), width] fp32 from a per-row mapping of per-token values (list or dict by row index)."""
+    return pad_per_token([per_row[r] for r in rows], width, device)
+
+
+def rollout_log_probs(args: Any, batch: TrainBatch, rows: list[int], device) -> PerRow | None:
+    """The engine's log-probs of `rows`, or None; errors when a flag needs them and the batch has none."""
+    found = None
+    if batch.rollout_log_probs is not None:
+        found = {r: torch.as_tensor(batch.rollout_log_probs[r], dtype=torch.float32, device=device) for r in rows}
+    for flag, attr in (("--use-tis", "use_tis"), ("--use-rollout-logprobs", "use_rollout_logprobs")):
+        if getattr(args, attr) and found is None:
+            raise ValueError(f"{flag}: the train batch has no rollout log-probs (the rollout function must "
+                             "fill Sample.rollout_log_probs); drop the flag or return them")
+    return found
+
+
+def require_ref(args: Any, has_ref: bool) -> None:
+    if (args.use_kl_loss or args.kl_coef) and not has_ref:
+        raise ValueError("--use-kl-loss / --kl-coef need the reference model, but the actor was initialised "
+                         "without one (with_ref=False); the actor group must pass with_ref=True")
+
+
+def advantages_and_returns(args: Any, record: RolloutRecord, values, device, group=None) -> None:
+    """Fill the record's advantages (whitened over `group` with --normalize-advantages) and returns."""
+    batch, rows = record.batch, record.rows
+    masks = {r: torch.as_tensor(batch.loss_masks[r], dtype=torch.float32) for r in rows}
+    kl = None
+    if record.ref_log_probs is not None:
+        old, ref = record.old_log_probs, record.ref_log_probs
+        kl = [ppo_utils.compute_approx_kl(old[r].cpu(), ref[r].cpu(), args.kl_loss_type) for r in rows]
+    inputs = AdvantageInputs(
+        rewards=[batch.rewards[r] for r in rows], raw_rewards=[batch.raw_rewards[r] for r in rows],
+        response_lengths=[batch.response_lengths[r] for r in rows],
+        loss_masks=[masks[r] for r in rows], group_indices=[batch.group_indices[r] for r in rows],
+        kl=kl, values=None if values is None else [torch.as_tensor(values[r], dtype=torch.float32) for r in rows],
+    )
+    adv_list, ret_list = compute_advantages_and_returns(args, inputs)
+    if args.normalize_advantages:
+        adv_list = whiten(adv_list, inputs.loss_masks, device, group)
+    record.advantages = {r: a.to(device) for r, a in zip(rows, adv_list)}
+    record.returns = None if ret_list is None else dict(zip(rows, ret_list))
+
+
+def whiten(advantages: list[torch.Tensor], masks: list[torch.Tensor], device, group=None) -> list[torch.Tensor]:
+    """--normalize-advantages: moments all-reduced over the group, so the whole rollout batch is whitened."""
+    if not advantages:
+        moments = torch.zeros(3, dtype=torch.float64)
+    else:
+        moments = ppo_utils.masked_moments(torch.cat(advantages), torch.cat(masks))
+    moments = moments.to(device)
+    dist.all_reduce(moments, group=group)
+    return [ppo_utils.whiten_with_moments(a, m, moments.cpu()) for a, m in zip(advantages, masks)]
+
+
+def logprob_abs_diff(old_lp: PerRow, rollout_lp: PerRow, batch: TrainBatch, device, group=None) -> float:
+    """Mean |recomputed − rollout| log-prob over loss-masked response tokens of the whole batch."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for r, lp in old_lp.items():
+        mask = torch.as_tensor(batch.loss_masks[r], dtype=torch.float32, device=device)
+        total[0] += ((lp - rollout_lp[r]).abs() * mask).sum().double()
+        total[1] += mask.sum().double()
+    dist.all_reduce(total, group=group)
+    return float(total[0] / total[1].clamp_min(1.0))
+
+
+def loss_denominator(args: Any, batch: TrainBatch, global_rows) -> float:
+    """Per-sample mean: the step's rows; --calculate-per-token-loss: its loss-masked tokens."""
+    if args.calculate_per_token_loss:
+        return max(1, sum(sum(batch.loss_masks[r]) for r in global_rows))
+    return len(global_rows)
