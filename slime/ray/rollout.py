@@ -3,16 +3,14 @@
 Created by the driver as `ray.remote(num_cpus=0)(RolloutManager).remote(args, pg)`. It starts an
 sglang-router (or uses `--sglang-router-ip/--sglang-router-port`), one engine actor per
 `--rollout-num-gpus-per-engine` GPUs, registers every engine with the router, and turns each rollout's
-samples into a `TrainBatch` plus `rollout/*` metrics.
+samples into a `TrainBatch` (slime/rollout/train_data.py) plus `rollout/*` metrics.
 
 Simplifications and choices:
 - Engines are created in one go; `shutdown()` is the single place that reaps them and the router. With
   `--use-fault-tolerance` a health monitor (slime/ray/engine_health.py) takes a failing engine out
   (deregistered, server stopped) and `before_weight_update` restarts its server in the same actor and
   re-registers it, so the push that follows brings it to the current weights; the actor handles stay the same.
-- Samples marked FAILED stay in the batch (so the batch size identity holds and groups stay whole) but
-  get an all-zero loss mask: a failed generation or reward never produces a gradient. They are counted
-  in `rollout/failed_count`.
+- Samples marked FAILED are counted in `rollout/failed_count` (train_data.py gives them an all-zero loss mask).
 - `--debug-train-only` skips the router and engines; with `--load-debug-rollout-data` the samples of
   each rollout are read from that file (a template with `{rollout_id}`) instead of being generated.
 - `--rollout-external-engine-addrs` registers already running engines (no engine actors are created).
@@ -21,9 +19,9 @@ Simplifications and choices:
   engine (URL, control calls), the others only run their server process and are reaped with it.
 - Weight pushes: the driver brackets each push with `before_weight_update()` / `after_weight_update(v)`.
   This actor runs one method at a time, so `before_weight_update` only starts once every `generate`
-  queued before it has returned: weights never change under the default rollout. A rollout function
-  whose module defines `before_weight_update(args)`, `after_weight_update(args, version)` or
-  `shutdown_rollout(args)` (the fully async rollout) is told about pushes and shutdown through them.
+  queued before it has returned: weights never change under the default rollout. A rollout function that
+  declares `@rollout_lifecycle(...)` (slime/rollout/base_types.py; the fully async rollout) is told about
+  pushes and shutdown through the calls it declared.
 """
 
 from __future__ import annotations

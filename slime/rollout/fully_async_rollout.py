@@ -109,7 +109,7 @@ class AsyncRolloutWorker:
         self.args = args
         self.data_source = data_source
         self.params = build_sampling_params(args)
-        self.target_in_flight = max(int(args.rollout_batch_size), int(args.over_sampling_batch_size or 0))
+        self.target_in_flight = args.over_sampling_batch_size  # validated: >= --rollout-batch-size
         self.max_buffered = args.async_buffer_size * int(args.rollout_batch_size)
         self.partial_rollout = bool(args.partial_rollout)
         self.max_staleness = args.max_weight_staleness

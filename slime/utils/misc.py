@@ -15,9 +15,7 @@ _FORMS = "pkg.module.fn, file.py (the function named like the file) or file.py:f
 # flag -> the function a bare file.py may define instead of one named like the file
 _FILE_FALLBACKS = {"--custom-generate-function-path": "generate"}
 
-# flag -> (positional arguments, keyword arguments, the call as the docs write it). Hooks that are only
-# loaded, never called with a fixed shape (--rollout-data-postprocess-path, --custom-tis-function-path),
-# are not listed.
+# flag -> (positional arguments, keyword arguments, the call as the docs write it): every hook flag slime calls.
 HOOK_CONTRACTS: dict[str, tuple[int, tuple[str, ...], str]] = {
     "--rollout-function-path": (3, ("evaluation",), "fn(args, rollout_id, data_source, evaluation=False)"),
     "--eval-function-path": (3, ("evaluation",), "fn(args, rollout_id, data_source, evaluation=True)"),

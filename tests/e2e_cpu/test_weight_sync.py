@@ -35,7 +35,7 @@ def test_pushed_weights_reach_the_engine(tiny_model_dir, toy_data_path, monkeypa
     ])
     before = run_processes()
     with Run(args) as run:
-        run.actor.init(with_ref=False)
+        run.actor.init(with_ref=False, num_rollout=1)
         engines = ray.get(run.rollout_manager.get_engines.remote())
         url = ray.get(run.rollout_manager.get_engine_urls.remote())[0]
         batch, _ = ray.get(run.rollout_manager.generate.remote(0))
