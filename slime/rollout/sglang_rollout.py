@@ -51,7 +51,6 @@ logger = logging.getLogger(__name__)
 
 ABORT_WAIT_S = 60.0
 GENERATE_BACKOFF_S = 1.0  # first retry delay of a failed /generate (doubling, capped at 5 s)
-DEFAULT_MAX_FAILED_RATIO = 0.05
 _FINISHED = (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
 _FINISH_REASONS = {"length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED, "stop": Sample.Status.COMPLETED}
 
@@ -353,7 +352,6 @@ async def generate_and_rm_group(
 def check_failed_ratio(args, failed: list[Sample], total: int, where: str) -> None:
     """Raise when more than --max-failed-ratio of `total` samples failed, quoting the first error."""
     ratio = args.max_failed_ratio
-    ratio = DEFAULT_MAX_FAILED_RATIO if ratio is None else float(ratio)
     if failed and len(failed) > ratio * total:
         first = failed[0].metadata.get("error", "unknown error")
         raise RuntimeError(

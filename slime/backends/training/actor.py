@@ -1,9 +1,9 @@
 """The training-backend interface: one `TrainRayActor` per training rank (GPU, or CPU rank without GPUs).
 
-`RayTrainGroup` creates the actors on placement-group bundles, hands every rank the rendezvous address
-of rank 0 and calls the same methods on all ranks; backends (`fsdp`, `megatron`) subclass this and
-implement `init`, `train`, `update_weights`, `compute_log_probs` and `save`. The orchestration never
-branches on which backend it holds.
+`RayTrainGroup` (slime/ray/actor_group.py) creates the actors on placement-group bundles, hands every rank the
+rendezvous address of rank 0 and calls the same methods on all ranks; backends (`fsdp`, `megatron`) subclass
+this (the policy trainers through `PolicyTrainer`, policy.py, which implements `train`) and implement `init`,
+`update_weights`, `compute_log_probs` and `save`. The orchestration never branches on which backend it holds.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from slime.weight_sync.push import EnginePush
 
 class TrainRayActor:
     _push = None  # rank 0's EnginePush, see engine_push
+
     def __init__(self, world_size: int, rank: int, master_addr: str | None, master_port: int | None):
         self.world_size = world_size
         self.rank = rank
