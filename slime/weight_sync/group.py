@@ -54,13 +54,6 @@ def destroy_weight_update_group(pg: dist.ProcessGroup) -> None:
     dist.destroy_process_group(pg)
 
 
-def find_group(group_name: str) -> dist.ProcessGroup | None:
-    for pg, name in c10d._world.pg_names.items():
-        if name == group_name:
-            return pg
-    return None
-
-
 def broadcast_tensors(pg: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
     """Rank 0 sends, every other rank receives into `tensors` (in place), one tensor after the other."""
     works = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors]

@@ -97,25 +97,16 @@ def fields_of(server_args_cls: type) -> dict[str, ServerField]:
     return {name: _field_of(name, tp) for name, tp in pairs if not name.startswith("_")}
 
 
-_IMPORT_ERROR: str | None = None
-
-
 @functools.lru_cache(maxsize=1)
 def server_fields() -> dict[str, ServerField] | None:
-    """The installed sglang's ServerArgs fields, or None when sglang cannot be imported here."""
-    global _IMPORT_ERROR
+    """The installed sglang's ServerArgs fields, or None when sglang cannot be imported here (said once)."""
     try:
         from sglang.srt.server_args import ServerArgs
     except Exception as e:  # noqa: BLE001 (a broken install is as good as none: say why, check nothing)
-        _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+        logger.warning("--sglang-<field> flags are not checked against SGLang's ServerArgs: sglang does not import "
+                       "here (%s: %s); %s", type(e).__name__, e, INSTALL_HINT)
         return None
     return fields_of(ServerArgs)
-
-
-def sglang_import_error() -> str | None:
-    """Why `server_fields()` returned None (None if it did not)."""
-    server_fields()
-    return _IMPORT_ERROR
 
 
 # ---- typing the values ----------------------------------------------------------------------------------
