@@ -366,11 +366,14 @@ async def abort_engines(args) -> None:
     Without a router address there is no engine to abort (a custom generate function that calls none)."""
     if not args.sglang_router_ip:
         return
+    router = RouterClient(router_url(args))
     try:
-        urls = await asyncio.to_thread(RouterClient(router_url(args)).list_workers)
+        urls = await asyncio.to_thread(router.list_workers)
     except (httpx.HTTPError, ValueError) as e:
         logger.warning("abort: cannot list the router's engines (%s); nothing aborted", e)
         return
+    finally:
+        router.close()  # one client per abort: its connection is not left open
     results = await asyncio.gather(
         *(post(f"{u}/abort_request", {"abort_all": True}, retries=2, timeout=30) for u in urls), return_exceptions=True
     )
