@@ -7,6 +7,7 @@ import logging
 
 from slime.config.arg_groups._common import fail
 from slime.rollout.rm_hub import RM_TYPES
+from slime.rollout.rm_hub.ifbench import ifbench_missing_reason
 
 logger = logging.getLogger(__name__)
 
@@ -19,8 +20,8 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
         "--rm-type",
         type=str,
         default=None,
-        help="Built-in reward (slime.rollout.rm_hub), e.g. deepscaler, math, dapo, f1, gpqa, remote_rm, random; "
-        "a boxed_ prefix grades the last \\boxed{} answer. Samples may override it with metadata['rm_type'].",
+        help="Built-in reward (slime.rollout.rm_hub), e.g. deepscaler, math, dapo, f1, gpqa, ifbench, remote_rm, "
+        "random; a boxed_ prefix grades the last \\boxed{} answer. Samples may override it with metadata['rm_type'].",
     )
     g.add_argument("--reward-key", type=str, default=None, help="Key of a dict reward that is the scalar reward.")
     g.add_argument("--eval-reward-key", type=str, default=None, help="--reward-key for eval (default: the same).")
@@ -55,3 +56,5 @@ def validate_reward(args: argparse.Namespace) -> None:
             f"--rm-type {args.rm_type}: unknown reward type; known types: {sorted(RM_TYPES)} (each may take a "
             "boxed_ prefix), or give --custom-rm-path pkg.module.fn."
         )
+    if base == "ifbench" and ifbench_missing_reason() is not None:
+        fail(f"--rm-type {args.rm_type}: {ifbench_missing_reason()}.")

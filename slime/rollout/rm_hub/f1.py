@@ -1,7 +1,8 @@
-"""`f1`: SQuAD-style token F1 between the response and the label (the best over a list of labels).
+"""The `f1` reward at slime's path (`slime.rollout.rm_hub.f1`): SQuAD-style token F1.
 
-Normalisation as in SQuAD evaluation: lower-case, drop punctuation and the articles a/an/the, split on
-whitespace. Text before a closing `</think>` is ignored so reasoning does not dilute the answer.
+Both sides are normalised as in SQuAD's evaluation (lower case, punctuation dropped, the articles a/an/the
+dropped, whitespace collapsed). A yes / no / noanswer answer on either side must match exactly: token
+overlap earns nothing there. The whole response is compared (no reasoning is stripped first).
 """
 
 from __future__ import annotations
@@ -10,28 +11,27 @@ import re
 import string
 from collections import Counter
 
+ZERO_METRIC = (0, 0, 0)
+_CLOSED_ANSWERS = ("yes", "no", "noanswer")
+_PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = set(string.punctuation)
 
 
-def normalize_text(text: str) -> str:
-    text = "".join(ch for ch in str(text).lower() if ch not in _PUNCT)
+def normalize_answer(s: str) -> str:
+    text = "".join(ch for ch in s.lower() if ch not in _PUNCTUATION)
     return " ".join(_ARTICLES.sub(" ", text).split())
 
 
-def token_f1(prediction: str, reference: str) -> float:
-    pred, ref = normalize_text(prediction).split(), normalize_text(reference).split()
-    if not pred or not ref:
-        return float(pred == ref)
-    common = sum((Counter(pred) & Counter(ref)).values())
+def f1_score(prediction: str | None, ground_truth: str) -> tuple[float, float, float]:
+    """(f1, precision, recall) of the prediction's tokens against the label's; (0, 0, 0) without overlap."""
+    if prediction is None:
+        return ZERO_METRIC
+    pred, truth = normalize_answer(prediction), normalize_answer(ground_truth)
+    if (pred in _CLOSED_ANSWERS or truth in _CLOSED_ANSWERS) and pred != truth:
+        return ZERO_METRIC
+    pred_tokens, truth_tokens = pred.split(), truth.split()
+    common = sum((Counter(pred_tokens) & Counter(truth_tokens)).values())
     if common == 0:
-        return 0.0
-    precision, recall = common / len(pred), common / len(ref)
-    return 2 * precision * recall / (precision + recall)
-
-
-def f1_reward(response: str, label) -> float:
-    if "</think>" in response:
-        response = response.split("</think>")[-1]
-    labels = label if isinstance(label, (list, tuple)) else [label]
-    return max((token_f1(response, str(ref)) for ref in labels if ref is not None), default=0.0)
+        return ZERO_METRIC
+    precision, recall = common / len(pred_tokens), common / len(truth_tokens)
+    return 2 * precision * recall / (precision + recall), precision, recall

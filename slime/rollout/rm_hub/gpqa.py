@@ -1,63 +1,127 @@
-"""`gpqa`: multiple choice. The label is the correct option letter ("C"), its 0-based index, or the
-correct choice's text; `metadata["choices"]` (a list of option texts), when present, maps between them.
+"""The `gpqa` reward at slime's path (`slime.rollout.rm_hub.gpqa`): rule-based multiple-choice grading.
 
-The predicted letter is taken, in order of preference, from `\\boxed{X}`, "answer is X" / "Answer: X",
-or the last standalone option letter of the text after `</think>`. A response that instead states the
-correct choice's text (normalised, exact) also scores 1. Simplification: no partial credit, no fuzzy text match.
+The correct letter comes from, in order: `metadata["correct_letter"]`; a one-letter label; an integer label
+(an index into the valid letters, winning over `correct_letter`); a label equal to one of
+`metadata["choices"]` (a list, or a dict whose values are the choices), compared case- and
+punctuation-insensitively. The valid letters are `metadata["valid_letters"]`, else one per choice, else
+`DEFAULT_VALID_LETTERS` (A-J).
+
+The chosen letter is read from the text after the last `</think>`: the first "answer/option/choice (is|:) X",
+else "X is (the) correct", else "final answer/option (is|:) X" (case-insensitive), each only when X is a
+valid letter; else the last standalone capital that is a valid letter. Equal letters score 1.0, different
+ones 0.0. Without both letters, a response that contains the correct choice's text, `metadata["correct_answer"]`,
+`metadata["answer_text"]` or the label (normalised) scores 1.0. A None response scores 0.0.
+
+Deliberate difference from slime: the letter after "answer is" must stand alone (slime's pattern reads the
+"i" of "answer is (C)" as the letter I, and the "c" of "answer is clearly B" as C).
 """
 
 from __future__ import annotations
 
 import re
 import string
+from collections.abc import Iterable
 
-from slime.rollout.rm_hub.f1 import normalize_text
-from slime.rollout.rm_hub.math_utils import last_boxed_answer
+DEFAULT_VALID_LETTERS = list(string.ascii_uppercase[:10])
+
+_NAMED_PATTERNS = (
+    r"(?:answer|option|choice)\s*(?:is|:)?\s*\b([A-Z])\b",
+    r"\b([A-Z])\b\s*(?:is\s*(?:the)?\s*correct)",
+    r"final\s*(?:answer|option)\s*(?:is|:)?\s*\b([A-Z])\b",
+)
+_STANDALONE_CAPITAL = re.compile(r"\b([A-Z])\b")
 
 
-def _letters(choices) -> str:
-    return string.ascii_uppercase[: len(choices)] if choices else "ABCD"
+def _strip_chain_of_thought(text: str | None) -> str:
+    if not text:
+        return ""
+    return text.rsplit("</think>", 1)[-1]
 
 
-def _correct_letter(label, choices) -> str | None:
-    letters = _letters(choices)
-    if isinstance(label, int) and 0 <= label < len(letters):
-        return letters[label]
-    text = str(label).strip()
-    if len(text) == 1 and text.upper() in letters:
-        return text.upper()
-    stripped = text.strip("()").strip()
-    if len(stripped) == 1 and stripped.upper() in letters:
-        return stripped.upper()
-    if choices:
-        for letter, choice in zip(letters, choices):
-            if normalize_text(choice) == normalize_text(text):
-                return letter
+def _normalize_text(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", " ", text.lower()).strip()
+
+
+def _extract_letter_from_response(response: str | None, valid_letters: Iterable[str]) -> str | None:
+    """The option letter the response chose (see the module docstring), or None."""
+    if not response:
+        return None
+    text = _strip_chain_of_thought(response)
+    valid = {letter.upper() for letter in valid_letters}
+    for pattern in _NAMED_PATTERNS:
+        match = re.search(pattern, text, flags=re.IGNORECASE)
+        if match and match.group(1).upper() in valid:
+            return match.group(1).upper()
+    for letter in reversed(_STANDALONE_CAPITAL.findall(text)):
+        if letter in valid:
+            return letter
     return None
 
 
-def predicted_letter(response: str, letters: str = "ABCD") -> str | None:
-    text = response.split("</think>")[-1]
-    boxed = last_boxed_answer(text)
-    if boxed is not None:
-        m = re.fullmatch(rf"\s*\(?([{letters}])\)?\s*", boxed.replace("\\text{", "").replace("}", ""))
-        if m:
-            return m.group(1)
-    said = re.findall(rf"(?i:answer)\s*(?:is|:)?\s*:?\s*\(?([{letters}])\)?(?![A-Za-z])", text)
-    if said:
-        return said[-1]
-    standalone = re.findall(rf"(?<![A-Za-z])\(?([{letters}])\)?(?![A-Za-z])", text)
-    return standalone[-1] if standalone else None
+def _choices_of(metadata: dict) -> list | None:
+    choices = metadata.get("choices")
+    if isinstance(choices, dict):
+        return list(choices.values())
+    return None if choices is None else list(choices)
 
 
-def gpqa_reward(response: str, label, metadata: dict | None = None) -> float:
-    choices = (metadata or {}).get("choices") or (metadata or {}).get("options")
-    correct = _correct_letter(label, choices)
-    if correct is not None and predicted_letter(response, _letters(choices)) == correct:
-        return 1.0
-    if choices and correct is not None:
-        tail = normalize_text(response.split("</think>")[-1])
-        target = normalize_text(choices[_letters(choices).index(correct)])
-        if target and tail.endswith(target):
+def _valid_letters_of(metadata: dict, choices: list | None) -> list[str]:
+    if metadata.get("valid_letters"):
+        return [str(letter).upper() for letter in metadata["valid_letters"]]
+    if choices:
+        return list(string.ascii_uppercase[: len(choices)])
+    return DEFAULT_VALID_LETTERS
+
+
+def _correct_letter_of(label, metadata: dict, choices: list | None, valid_letters: list[str]) -> str | None:
+    given = metadata.get("correct_letter")
+    correct = given.strip().upper() if isinstance(given, str) else None
+    if isinstance(label, str):
+        text = label.strip()
+        if not correct and len(text) == 1 and text.upper() in valid_letters:
+            correct = text.upper()
+    elif isinstance(label, (int, float)) and 0 <= int(label) < len(valid_letters):
+        correct = valid_letters[int(label)]
+    if not correct and choices and isinstance(label, str) and label.strip():
+        target = _normalize_text(label.strip())
+        for index, choice in enumerate(choices[: len(valid_letters)]):
+            if _normalize_text(str(choice)) == target:
+                return valid_letters[index]
+    return correct or None
+
+
+def _answer_texts(label, metadata: dict, choices: list | None, valid_letters: list[str], correct: str | None):
+    """The texts whose presence in the response counts as the right answer."""
+    texts = []
+    if correct and choices and correct in valid_letters:
+        index = valid_letters.index(correct)
+        if index < len(choices):
+            texts.append(str(choices[index]))
+    for key in ("correct_answer", "answer_text"):
+        if metadata.get(key):
+            texts.append(str(metadata[key]))
+    if isinstance(label, str) and label.strip():
+        texts.append(label.strip())
+    return texts
+
+
+def compute_gpqa_reward(response: str | None, label, metadata: dict | None = None) -> float:
+    """1.0 when the response chose (or states) the correct option, else 0.0 (see the module docstring)."""
+    if response is None:
+        return 0.0
+    metadata = metadata or {}
+    choices = _choices_of(metadata)
+    valid_letters = _valid_letters_of(metadata, choices)
+    correct = _correct_letter_of(label, metadata, choices, valid_letters)
+    chosen = _extract_letter_from_response(response, valid_letters)
+    if chosen and correct:
+        return 1.0 if chosen == correct else 0.0
+    said = _normalize_text(_strip_chain_of_thought(response))
+    for text in _answer_texts(label, metadata, choices, valid_letters, correct):
+        target = _normalize_text(text)
+        if target and target in said:
             return 1.0
+    label_text = label.strip() if isinstance(label, str) else ""
+    if chosen and not correct and label_text:
+        return 1.0 if chosen == label_text.upper() else 0.0
     return 0.0
