@@ -1,25 +1,35 @@
-"""Prompt datasets: JSONL (or parquet, when pyarrow is installed) rows -> `Sample`s.
+"""Prompt datasets: JSONL (or parquet, when pyarrow is installed) rows -> `Sample`s (slime's `slime.utils.data`).
 
 Each row gives the prompt under `input_key` (a string or a list of chat messages), the label under
 `label_key`, optional metadata (a dict, or a JSON string of one) under `metadata_key`, and optional tools
 (a list, or a JSON string of one) under `tool_key`. With `apply_chat_template` the prompt is rendered to a
 string by the tokenizer's chat template (a plain string becomes a single user message); without it the
-prompt is kept as given. Prompts longer than `max_prompt_len` tokens are dropped with a logged count; a file
-that leaves no prompt at all is an error saying why (no rows, or the limit and the shortest prompt's length).
-`check_prompt_file` parses the head of a file without a tokenizer, for `parse_args` to report bad rows early.
+prompt is kept as given. With `multimodal_keys` ({"image": "images", ...}) the prompt becomes chat messages whose
+`<image>` / `<video>` / `<audio>` placeholders take the row's media in order (`processing_utils.
+build_multimodal_messages`); with a `processor`, the media are read for it into `Sample.multimodal_inputs`.
+Prompts longer than `max_length` tokens are dropped with a logged count (`filter_long_prompt`: text through the
+tokenizer in batches, prompts with media one by one through the processor, so image tokens count; the order is
+kept); a file that leaves no prompt at all is an error saying why (no rows, or the limit and the shortest
+prompt's length). `check_prompt_file` parses the head of a file without a tokenizer, for `parse_args` to report
+bad rows early.
 
 `PATH@[start:end]` takes a Python slice of the file's rows (blank lines are not rows) before anything
 else happens to them. A JSONL file is first indexed by the byte offsets of its rows (8 bytes a row); rows
 are then read back by offset, so only the selected rows are parsed.
 
-- `Dataset` builds every `Sample` up front, optionally in `num_workers` processes (each loads the
-  tokenizer once from its `name_or_path`); the result does not depend on the number of workers.
+- `read_file(path)` yields the rows (dicts) of a file, slice applied; `_parse_generalized_path` is slime's name
+  for `parse_prompt_path`.
+- `Dataset(path, tokenizer, processor, max_length, *, prompt_key, ...)` (slime's signature) builds every
+  `Sample` up front, optionally in `num_workers` processes (each loads the tokenizer / processor once from its
+  `name_or_path`); the result does not depend on the number of workers.
 - `StreamingDataset` (`--streaming-data`, JSONL only) keeps just the offsets and builds samples when they
   are read; its shuffle permutes windows of `STREAMING_WINDOW` rows and the rows within each window.
+- `process_rollout_data` is slime's train-side step that makes the batch-wide lists of a data-parallel rank's
+  payload line up with its own samples.
 
 Simplifications: parquet files are read whole; tools found in a row are also kept in `metadata["tools"]`
 so custom generate functions can use them; the `Sample.tokens` are left empty (the generate function
-tokenises the prompt).
+tokenises the prompt); unlike slime, a malformed JSONL line is an error naming file:line, not skipped.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
+from slime.utils.processing_utils import build_multimodal_messages, load_processor, process_vision_info
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -64,6 +75,11 @@ def parse_prompt_path(value: str, flag: str = "--prompt-data") -> tuple[str, sli
             "(negative ones count from the end), e.g. data.jsonl@[0:1000] or data.jsonl@[-200:]"
         )
     return match["path"], slice(*bounds)
+
+
+def _parse_generalized_path(value: str) -> tuple[str, slice | None]:
+    """slime's name for `parse_prompt_path`: `path@[start:end]` -> (path, slice(start, end))."""
+    return parse_prompt_path(value)
 
 
 # --- reading rows ----------------------------------------------------------------------------------------
@@ -145,6 +161,18 @@ def _open_rows(path: str, rows: slice | None, flag: str):
     return _ParquetRows(path, rows) if path.endswith(".parquet") else _JsonlRows(path, rows)
 
 
+def read_file(path: str, flag: str = "--prompt-data"):
+    """Yield the rows (dicts) of a JSONL or parquet file, `path@[start:end]` taking a Python slice of them
+    (negative bounds count from the end). A malformed line raises ValueError naming file:line."""
+    rows = _open_rows(*parse_prompt_path(path, flag), flag)
+    for start in range(0, len(rows), _TOKENIZE_CHUNK):
+        for loc, raw in rows.items(range(start, min(start + _TOKENIZE_CHUNK, len(rows)))):
+            try:
+                yield _parse(raw)
+            except _RowError as e:
+                raise ValueError(f"{_where(loc)}: {e}") from None
+
+
 # --- rows -> samples ------------------------------------------------------------------------------------
 
 
@@ -163,6 +191,7 @@ class RowFormat:
     apply_chat_template: bool = False
     template_kwargs: dict | None = None
     max_prompt_len: int | None = None
+    multimodal_keys: dict | None = None  # media type -> row key (--multimodal-keys)
 
 
 def _parse(raw) -> dict:
@@ -197,7 +226,7 @@ def _maybe_json(value: Any, expected: type, what: str) -> Any:
     return value
 
 
-def _to_sample(raw, fmt: RowFormat, tokenizer) -> Sample:
+def _to_sample(raw, fmt: RowFormat, tokenizer, processor=None) -> Sample:
     row = _parse(raw)
     prompt = _require(row, fmt.input_key, "--input-key") if fmt.input_key is not None else ""
     if not isinstance(prompt, (str, list)):
@@ -211,18 +240,31 @@ def _to_sample(raw, fmt: RowFormat, tokenizer) -> Sample:
     tools = _maybe_json(row.get(fmt.tool_key), list, f"'{fmt.tool_key}' (--tool-key)") if fmt.tool_key else None
     if tools:
         metadata.setdefault("tools", tools)
+    if fmt.apply_chat_template or fmt.multimodal_keys:
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if fmt.multimodal_keys:
+        try:
+            prompt = build_multimodal_messages(prompt, row, fmt.multimodal_keys)
+        except ValueError as e:
+            raise _RowError(f"'{fmt.input_key}' with --multimodal-keys {json.dumps(fmt.multimodal_keys)}: {e}") from None
+    media = process_vision_info(prompt, processor) if processor is not None else None
     if fmt.apply_chat_template:
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         try:
             prompt = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, tools=tools or None, **(fmt.template_kwargs or {})
+                prompt, tokenize=False, add_generation_prompt=True, tools=tools or None, **(fmt.template_kwargs or {})
             )
         except Exception as e:
             raise _RowError(f"chat template failed: {type(e).__name__}: {e}") from e
-    return Sample(prompt=prompt, label=label, metadata=metadata)
+    return Sample(prompt=prompt, label=label, metadata=metadata, multimodal_inputs=media)
 
 
-def _prompt_lengths(samples: list[Sample], tokenizer, template_kwargs: dict | None) -> list[int]:
+def _has_media(sample: Sample) -> bool:
+    return bool(sample.multimodal_inputs) and any(v is not None for v in sample.multimodal_inputs.values())
+
+
+def _prompt_lengths(samples: list[Sample], tokenizer, processor=None, template_kwargs: dict | None = None) -> list[int]:
+    """Token length of each prompt: text prompts through the tokenizer in batches; with a processor, prompts
+    carrying media one at a time through it, with their media (image tokens count)."""
     texts = [
         s.prompt
         if isinstance(s.prompt, str)
@@ -230,46 +272,84 @@ def _prompt_lengths(samples: list[Sample], tokenizer, template_kwargs: dict | No
         else tokenizer.apply_chat_template(s.prompt, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
         for s in samples
     ]
-    lengths: list[int] = []
-    for start in range(0, len(texts), _TOKENIZE_CHUNK):
-        ids = tokenizer(texts[start : start + _TOKENIZE_CHUNK], add_special_tokens=False)["input_ids"]
-        lengths.extend(len(x) for x in ids)
+    lengths: list[int | None] = [None] * len(samples)
+    text_only = [i for i, s in enumerate(samples) if processor is None or not _has_media(s)]
+    for start in range(0, len(text_only), _TOKENIZE_CHUNK):
+        chunk = text_only[start : start + _TOKENIZE_CHUNK]
+        ids = tokenizer([texts[i] for i in chunk], add_special_tokens=False)["input_ids"]
+        for i, x in zip(chunk, ids, strict=True):
+            lengths[i] = len(x)
+    for i, s in enumerate(samples):
+        if lengths[i] is None:
+            media = {k: v for k, v in s.multimodal_inputs.items() if v is not None}
+            lengths[i] = len(processor(text=texts[i], **media)["input_ids"][0])
     return lengths
 
 
-def build_samples(items: list[tuple[Any, Any]], fmt: RowFormat, tokenizer) -> tuple[list[Sample], int, int | None]:
+def _split_by_length(samples: list[Sample], lengths: list[int], max_length: int) -> tuple[list[Sample], list[int]]:
+    """(the samples within `max_length`, in order; the lengths of those over it)."""
+    kept = [s for s, n in zip(samples, lengths) if n <= max_length]
+    return kept, [n for n in lengths if n > max_length]
+
+
+def filter_long_prompt(origin_samples: list[Sample], tokenizer, processor, max_length: int | None) -> list[Sample]:
+    """The samples whose prompt is at most `max_length` tokens, in their order (slime's signature); all of them
+    when `max_length` is None. Chat-message prompts are measured through the tokenizer's chat template."""
+    if max_length is None or not origin_samples:
+        return origin_samples
+    kept, too_long = _split_by_length(origin_samples, _prompt_lengths(origin_samples, tokenizer, processor), max_length)
+    logger.info("filter_long_prompt: dropped %d of %d prompts longer than %d tokens",
+                len(too_long), len(origin_samples), max_length)  # fmt: skip
+    return kept
+
+
+def build_samples(items: list[tuple[Any, Any]], fmt: RowFormat, tokenizer,
+                  processor=None) -> tuple[list[Sample], int, int | None]:  # fmt: skip
     """The samples of `items` ((loc, raw) rows) in order, minus prompts over the limit; that count; and the
     token length of the shortest prompt dropped (None when none was)."""
     samples = []
     for loc, raw in items:
         try:
-            samples.append(_to_sample(raw, fmt, tokenizer))
+            samples.append(_to_sample(raw, fmt, tokenizer, processor))
         except _RowError as e:
             raise ValueError(f"{_where(loc)}: {e}") from e.__cause__
     if fmt.max_prompt_len is None or tokenizer is None:
         return samples, 0, None
-    lengths = _prompt_lengths(samples, tokenizer, fmt.template_kwargs)
-    kept = [s for s, n in zip(samples, lengths) if n <= fmt.max_prompt_len]
-    too_long = [n for n in lengths if n > fmt.max_prompt_len]
+    lengths = _prompt_lengths(samples, tokenizer, processor, fmt.template_kwargs)
+    kept, too_long = _split_by_length(samples, lengths, fmt.max_prompt_len)
     return kept, len(too_long), min(too_long, default=None)
 
 
 _worker_tokenizer = None
+_worker_processor = None
 
 
-def _init_worker(tokenizer_path: str | None) -> None:
-    global _worker_tokenizer
+def _init_worker(tokenizer_path: str | None, processor_path: str | None = None) -> None:
+    global _worker_tokenizer, _worker_processor
     if tokenizer_path:
         from transformers import AutoTokenizer
 
         _worker_tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=True)
+    if processor_path:
+        _worker_processor = load_processor(processor_path, trust_remote_code=True)
 
 
 def _build_in_worker(items, fmt: RowFormat):
-    return build_samples(items, fmt, _worker_tokenizer)
+    return build_samples(items, fmt, _worker_tokenizer, _worker_processor)
 
 
-def _build_all(rows, fmt: RowFormat, tokenizer, num_workers: int) -> tuple[list[Sample], int, int | None]:
+def _load_path(obj, what: str, num_workers: int) -> str | None:
+    """Where a worker process loads `obj` (a tokenizer or processor) from: its name_or_path."""
+    if obj is None:
+        return None
+    path = getattr(obj, "name_or_path", None) or getattr(getattr(obj, "tokenizer", None), "name_or_path", None)
+    if not path:
+        raise ValueError(f"--num-data-workers {num_workers}: the {what} has no name_or_path for the workers to "
+                         f"load it from; load it with from_pretrained(path) or use --num-data-workers 1")  # fmt: skip
+    return path
+
+
+def _build_all(rows, fmt: RowFormat, tokenizer, processor, num_workers: int) -> tuple[list[Sample], int, int | None]:
     """Every row of `rows` as samples, in chunks; with `num_workers` > 1 the chunks go to spawned worker
     processes and come back in order. Spawn, not fork: the caller may be a threaded Ray actor. Each worker
     starts by importing transformers and loading the tokenizer (seconds), so workers pay off on big files."""
@@ -289,18 +369,15 @@ def _build_all(rows, fmt: RowFormat, tokenizer, num_workers: int) -> tuple[list[
 
     if num_workers <= 1 or n == 0:
         for chunk in chunks:
-            collect(build_samples(rows.items(chunk), fmt, tokenizer))
+            collect(build_samples(rows.items(chunk), fmt, tokenizer, processor))
         return samples, dropped, shortest
 
-    tokenizer_path = getattr(tokenizer, "name_or_path", None) if tokenizer is not None else None
-    if tokenizer is not None and not tokenizer_path:
-        raise ValueError(f"--num-data-workers {num_workers}: the tokenizer has no name_or_path for the workers to "
-                         "load it from; load it with from_pretrained(path) or use --num-data-workers 1")  # fmt: skip
+    paths = (_load_path(tokenizer, "tokenizer", num_workers), _load_path(processor, "processor", num_workers))
     pool = ProcessPoolExecutor(
         num_workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_init_worker,
-        initargs=(tokenizer_path,),
+        initargs=paths,
     )
     try:
         pending = deque()
@@ -322,15 +399,17 @@ def _build_all(rows, fmt: RowFormat, tokenizer, num_workers: int) -> tuple[list[
 
 
 def _row_format(tokenizer, max_prompt_len, input_key, label_key, metadata_key, tool_key, apply_chat_template,
-                apply_chat_template_kwargs) -> RowFormat:  # fmt: skip
+                apply_chat_template_kwargs, multimodal_keys=None) -> RowFormat:  # fmt: skip
     if apply_chat_template and tokenizer is None:
         raise ValueError("--apply-chat-template needs a tokenizer (--hf-checkpoint)")
     if apply_chat_template and hasattr(tokenizer, "chat_template") and not tokenizer.chat_template:
         raise ValueError(no_chat_template_message(getattr(tokenizer, "name_or_path", None) or "the tokenizer"))
     if isinstance(apply_chat_template_kwargs, str):
         apply_chat_template_kwargs = json.loads(apply_chat_template_kwargs)
+    if isinstance(multimodal_keys, str):
+        multimodal_keys = json.loads(multimodal_keys)
     return RowFormat(input_key, label_key, metadata_key, tool_key, apply_chat_template,
-                     dict(apply_chat_template_kwargs or {}), max_prompt_len)  # fmt: skip
+                     dict(apply_chat_template_kwargs or {}), max_prompt_len, multimodal_keys or None)  # fmt: skip
 
 
 def no_chat_template_message(where: str) -> str:
@@ -412,42 +491,65 @@ def _log_dropped(where: str, dropped: int, total: int, max_prompt_len) -> None:
 # --- datasets -------------------------------------------------------------------------------------------
 
 
+def _key_names(prompt_key: str | None, max_length: int | None, input_key: str | None, max_prompt_len: int | None):
+    """slime's `prompt_key` / `max_length`, or the names these classes took before (`input_key` /
+    `max_prompt_len`), which the callers in slime/rollout still pass."""
+    return (input_key if input_key is not None else prompt_key,
+            max_prompt_len if max_prompt_len is not None else max_length)  # fmt: skip
+
+
 class Dataset:
-    """Samples from a prompt file, in file order until `shuffle(epoch)` is called."""
+    """Samples from a prompt file, in file order until `shuffle(epoch)` is called (slime's signature:
+    `Dataset(path, tokenizer, processor, max_length, *, prompt_key=..., ...)`).
+
+    `samples` is the current order, `origin_samples` the file order, `epoch_id` the epoch last shuffled for
+    (-1: none). `dropped` counts the prompts over `max_length`.
+    """
 
     def __init__(
         self,
         path: str,
         tokenizer,
-        max_prompt_len: int | None,
-        input_key: str,
-        label_key: str | None,
-        metadata_key: str | None = None,
+        processor=None,
+        max_length: int | None = None,
+        *,
+        prompt_key: str = "text",
+        multimodal_keys: dict | str | None = None,
+        label_key: str | None = None,
         tool_key: str | None = None,
+        metadata_key: str | None = "metadata",
+        seed: int = 42,
         apply_chat_template: bool = False,
         apply_chat_template_kwargs: dict | str | None = None,
-        seed: int = 42,
         num_workers: int = 1,
         flag: str = "--prompt-data",
+        input_key: str | None = None,
+        max_prompt_len: int | None = None,
     ):
-        fmt = _row_format(tokenizer, max_prompt_len, input_key, label_key, metadata_key, tool_key,
-                          apply_chat_template, apply_chat_template_kwargs)  # fmt: skip
+        prompt_key, max_length = _key_names(prompt_key, max_length, input_key, max_prompt_len)
+        fmt = _row_format(tokenizer, max_length, prompt_key, label_key, metadata_key, tool_key,
+                          apply_chat_template, apply_chat_template_kwargs, multimodal_keys)  # fmt: skip
         self.path = path
         self.seed = seed
+        self.epoch_id = -1
         rows = _open_rows(*parse_prompt_path(path, flag), flag)
-        samples, dropped, shortest = _build_all(rows, fmt, tokenizer, num_workers)
+        samples, dropped, shortest = _build_all(rows, fmt, tokenizer, processor, num_workers)
         if not samples:
-            raise ValueError(_no_prompts_message(flag, path, len(rows), dropped, shortest, max_prompt_len))
-        _log_dropped(path, dropped, len(rows), max_prompt_len)
+            raise ValueError(_no_prompts_message(flag, path, len(rows), dropped, shortest, max_length))
+        _log_dropped(path, dropped, len(rows), max_length)
         self.dropped = dropped
         self.origin_samples = samples
         self.samples = list(samples)
 
-    def shuffle(self, epoch: int) -> None:
-        """Reorder deterministically from (seed + epoch), independent of earlier shuffles."""
+    def shuffle(self, new_epoch_id: int) -> None:
+        """Reorder deterministically from (seed + epoch), independent of earlier shuffles (the order slime's
+        `random.seed(seed + epoch); random.shuffle(...)` gives); a repeat call for the same epoch is a no-op."""
+        if new_epoch_id == self.epoch_id:
+            return
         order = list(range(len(self.origin_samples)))
-        random.Random(self.seed + epoch).shuffle(order)
+        random.Random(self.seed + new_epoch_id).shuffle(order)
         self.samples = [self.origin_samples[i] for i in order]
+        self.epoch_id = new_epoch_id
 
     def read(self, start: int, stop: int) -> list[Sample]:
         """Samples at positions [start, stop) of the current order."""
@@ -473,27 +575,33 @@ class StreamingDataset:
         self,
         path: str,
         tokenizer,
-        max_prompt_len: int | None,
-        input_key: str,
-        label_key: str | None,
-        metadata_key: str | None = None,
+        processor=None,
+        max_length: int | None = None,
+        *,
+        prompt_key: str = "text",
+        multimodal_keys: dict | str | None = None,
+        label_key: str | None = None,
         tool_key: str | None = None,
+        metadata_key: str | None = "metadata",
+        seed: int = 42,
         apply_chat_template: bool = False,
         apply_chat_template_kwargs: dict | str | None = None,
-        seed: int = 42,
         window: int = STREAMING_WINDOW,
         flag: str = "--prompt-data",
+        input_key: str | None = None,
+        max_prompt_len: int | None = None,
     ):
-        self.fmt = _row_format(tokenizer, max_prompt_len, input_key, label_key, metadata_key, tool_key,
-                               apply_chat_template, apply_chat_template_kwargs)  # fmt: skip
+        prompt_key, max_length = _key_names(prompt_key, max_length, input_key, max_prompt_len)
+        self.fmt = _row_format(tokenizer, max_length, prompt_key, label_key, metadata_key, tool_key,
+                               apply_chat_template, apply_chat_template_kwargs, multimodal_keys)  # fmt: skip
         real_path, rows = parse_prompt_path(path, flag)
         if real_path.endswith(".parquet"):
             raise ValueError(f"{flag} {path}: --streaming-data reads JSONL line by line; convert the parquet file "
                              "to JSONL or drop --streaming-data")  # fmt: skip
-        self.path, self.tokenizer, self.seed, self.window = path, tokenizer, seed, window
+        self.path, self.tokenizer, self.processor, self.seed, self.window = path, tokenizer, processor, seed, window
         self.rows = _open_rows(real_path, rows, flag)
         if len(self.rows) == 0:
-            raise ValueError(_no_prompts_message(flag, path, 0, 0, None, max_prompt_len))
+            raise ValueError(_no_prompts_message(flag, path, 0, 0, None, max_length))
         self.epoch: int | None = None  # None: file order
         self._window_order: list[int] = []
         self._cached: tuple[int, list[int]] | None = None
@@ -524,10 +632,37 @@ class StreamingDataset:
     def read(self, start: int, stop: int) -> list[Sample]:
         """Samples (templated and length-filtered now) at positions [start, stop) of the current order."""
         items = self.rows.items(self._row_at(i) for i in range(start, min(stop, len(self.rows))))
-        samples, dropped, _ = build_samples(items, self.fmt, self.tokenizer)
+        samples, dropped, _ = build_samples(items, self.fmt, self.tokenizer, self.processor)
         if dropped:
             if not self.dropped:
                 logger.warning("%s: prompts longer than --rollout-max-prompt-len=%d tokens are skipped as they are "
                                "read (running count in StreamingDataset.dropped)", self.path, self.fmt.max_prompt_len)
             self.dropped += dropped
         return samples
+
+
+# --- the train side ---------------------------------------------------------------------------------------
+
+
+def process_rollout_data(args, rollout_data_ref, dp_rank: int, dp_size: int) -> dict:
+    """The payload of data-parallel rank `dp_rank` (slime's train-side step), made consistent with its samples.
+
+    `rollout_data_ref[dp_rank].inner` is the Ray object ref of a dict (or, in one process, the dict itself) whose
+    per-sample lists hold this rank's samples and whose `partition` lists their positions in the whole batch.
+    `total_lengths` arrives for the whole batch and is cut down to this rank's samples; `raw_reward` stays
+    whole (pass-rate metrics group the full batch by prompt) and `local_raw_reward` is added: this rank's
+    rewards, aligned with its other lists. `args` is unused (slime's signature). Simplification: slime also
+    records the whole batch's lengths for its FLOPs timer; nothing here reads them.
+    """
+    import ray  # Ray is needed only where this runs (a training actor); the data module stays light without it
+
+    if len(rollout_data_ref) != dp_size:
+        raise ValueError(f"process_rollout_data: {len(rollout_data_ref)} payloads for dp_size={dp_size}; "
+                         "pass one per data-parallel rank")  # fmt: skip
+    inner = rollout_data_ref[dp_rank].inner
+    rollout_data = ray.get(inner) if isinstance(inner, ray.ObjectRef) else dict(inner)
+    partition = rollout_data["partition"]
+    rollout_data["total_lengths"] = [rollout_data["total_lengths"][i] for i in partition]
+    if "raw_reward" in rollout_data:
+        rollout_data["local_raw_reward"] = [rollout_data["raw_reward"][i] for i in partition]
+    return rollout_data

@@ -1,69 +1,430 @@
-"""Typed contracts that cross process boundaries: `Sample` (rollout side) and `TrainBatch` (rollout → training)."""
+"""Typed contracts that cross process boundaries: `Sample` (rollout side) and `TrainBatch` (rollout → training).
+
+`Sample` has slime's fields, methods and dict form (plugins written for slime build, read and append to it):
+
+- identity: `group_index` (the prompt group), `index` (unique in the rollout), `rollout_id` (the rollout
+  execution a training sample came from: several samples split from one execution share it; None means
+  "same as index");
+- prompt: `prompt` (text or chat messages), `tokens` (prompt + response ids), `multimodal_inputs` (raw media,
+  e.g. images, as the engine takes them), `multimodal_train_inputs` / `multimodal_train_input_id` (processed
+  media for the trainer), `apply_chat_template_kwargs`;
+- response: `response`, `response_length`, `label`, `reward` (float, or a dict with `--reward-key` choosing),
+  `loss_mask` and `rollout_log_probs` (one entry per response token), `weight_versions` (one per engine call),
+  `rollout_top_p_token_ids` / `rollout_top_p_token_offsets` (the ragged top-p nucleus of each response token:
+  token i kept `ids[offsets[i]:offsets[i + 1]]`), `rollout_routed_experts` (MoE routing of the rollout),
+  `teacher_log_probs` (on-policy distillation);
+- control: `status`, `remove_sample` (drop from training), `metadata`, `generate_function_path` /
+  `custom_rm_path` (per-sample overrides of the flags of those names), `train_metadata` (e.g. a per-sample
+  loss type), `session_id` (routing key for consistent hashing), `non_generation_time` (seconds spent outside
+  generation, e.g. in tools), `spec_info` (speculative decoding counters), `prefix_cache_info` (prompt tokens
+  served from the engine's prefix cache).
+
+`to_dict` / `from_dict` carry every attribute, unknown ones included (a newer producer's extra fields reach
+an older consumer as attributes). `append_response_tokens` is the one way to extend a response: it keeps
+`tokens`, `response_length`, `loss_mask`, `rollout_log_probs` and the top-p spans aligned and reads SGLang's
+`meta_info` (finish reason -> status, weight version, cache and speculative counters, routed experts).
+"""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import torch
+
+_TOP_P_IDS_KEYS = ("top_p_token_ids", "top_p_kept_token_ids")
+_TOP_P_OFFSETS_KEYS = ("top_p_token_offsets", "top_p_kept_token_offsets")
+
+
+def decode_int32_meta_array(meta_info: dict[str, Any], keys: str | Iterable[str]) -> torch.Tensor | None:
+    """The first of `keys` present in SGLang's `meta_info`, as a flat int32 CPU tensor: the value may be
+    base64 of little-endian int32 (SGLang's wire form), bytes, a tensor, an array or a list. None when absent."""
+    for key in (keys,) if isinstance(keys, str) else keys:
+        if key in meta_info:
+            value = meta_info[key]
+            break
+    else:
+        return None
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = base64.b64decode(value.encode("ascii"))
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return torch.frombuffer(bytearray(value), dtype=torch.int32)
+    if torch.is_tensor(value):
+        return value.detach().to(device="cpu", dtype=torch.int32).reshape(-1)
+    if hasattr(value, "flags") and not value.flags.writeable:
+        value = value.copy()  # torch.as_tensor warns on read-only numpy arrays
+    return torch.as_tensor(value, dtype=torch.int32).reshape(-1)
+
+
+def _int_list(values) -> list[int]:
+    if values is None:
+        return []
+    if torch.is_tensor(values):
+        return [int(v) for v in values.detach().cpu().reshape(-1).tolist()]
+    return [int(v) for v in values]
+
+
+def _float_list(values) -> list[float] | None:
+    if values is None:
+        return None
+    if torch.is_tensor(values):
+        return [float(v) for v in values.detach().cpu().reshape(-1).tolist()]
+    return [float(v) for v in values]
+
+
+def _int32(values, empty: list[int]) -> torch.Tensor:
+    return torch.as_tensor(empty if values is None else values, dtype=torch.int32).reshape(-1)
+
 
 @dataclass
 class Sample:
-    """One prompt + response. Tokens hold prompt and response ids; `loss_mask` and
-    `rollout_log_probs` have one entry per response token."""
+    """One prompt + response (the fields are described in the module docstring)."""
 
     class Status(Enum):
         PENDING = "pending"
         COMPLETED = "completed"
         TRUNCATED = "truncated"
         ABORTED = "aborted"
+        # a recoverable failure (tool call, external API, parsing): the sample may hold partial output
         FAILED = "failed"
+
+    @dataclass
+    class SpecInfo:
+        """Speculative-decoding counters summed over the engine calls of a sample."""
+
+        spec_accept_token_num: int = 0
+        spec_draft_token_num: int = 0
+        spec_verify_ct: int = 0
+        completion_token_num: int = 0
+
+        @property
+        def spec_accept_rate(self) -> float:
+            return self.spec_accept_token_num / self.spec_draft_token_num if self.spec_draft_token_num > 0 else 0.0
+
+        @property
+        def spec_accept_length(self) -> float:
+            return self.completion_token_num / self.spec_verify_ct if self.spec_verify_ct > 0 else 0.0
+
+        def add(self, meta_info: dict) -> None:
+            self.spec_accept_token_num += meta_info.get("spec_accept_token_num", 0)
+            self.spec_draft_token_num += meta_info.get("spec_draft_token_num", 0)
+            self.spec_verify_ct += meta_info.get("spec_verify_ct", 0)
+            self.completion_token_num += meta_info.get("completion_tokens", 0)
+
+        def to_dict(self) -> dict[str, int]:
+            return dataclasses.asdict(self)
+
+        @staticmethod
+        def from_dict(data: dict) -> Sample.SpecInfo:
+            names = {f.name for f in dataclasses.fields(Sample.SpecInfo)}
+            return Sample.SpecInfo(**{k: v for k, v in data.items() if k in names})
+
+    @dataclass
+    class PrefixCacheInfo:
+        """Prompt tokens sent to the engine and how many of them its prefix cache served."""
+
+        cached_tokens: int = 0
+        total_prompt_tokens: int = 0
+
+        @property
+        def prefix_cache_hit_rate(self) -> float:
+            return self.cached_tokens / self.total_prompt_tokens if self.total_prompt_tokens > 0 else 0.0
+
+        def add(self, meta_info: dict) -> None:
+            self.cached_tokens += meta_info.get("cached_tokens", 0)
+            self.total_prompt_tokens += meta_info.get("prompt_tokens", 0)
+
+        def to_dict(self) -> dict[str, int]:
+            return dataclasses.asdict(self)
+
+        @staticmethod
+        def from_dict(data: dict) -> Sample.PrefixCacheInfo:
+            names = {f.name for f in dataclasses.fields(Sample.PrefixCacheInfo)}
+            return Sample.PrefixCacheInfo(**{k: v for k, v in data.items() if k in names})
 
     group_index: int | None = None
     index: int | None = None
+    rollout_id: int | None = None
     prompt: str | list[dict[str, Any]] = ""
     tokens: list[int] = field(default_factory=list)
+    multimodal_inputs: dict[str, Any] | None = None
+    multimodal_train_inputs: dict[str, Any] | None = None
+    multimodal_train_input_id: str | None = None
+    apply_chat_template_kwargs: dict = field(default_factory=dict)
     response: str = ""
     response_length: int = 0
     label: Any = None
     reward: float | dict[str, Any] | None = None
     loss_mask: list[int] | None = None
-    rollout_log_probs: list[float] | None = None
     weight_versions: list[str] = field(default_factory=list)
+    rollout_log_probs: list[float] | None = None
+    rollout_top_p_token_ids: list[int] | torch.Tensor | None = None
+    rollout_top_p_token_offsets: list[int] | torch.Tensor | None = None
+    rollout_routed_experts: list[list[int]] | torch.Tensor | None = None
+    remove_sample: bool = False
+    teacher_log_probs: list[float] | None = None
     status: Status = Status.PENDING
-    metadata: dict[str, Any] = field(default_factory=dict)
-    multimodal_inputs: dict[str, Any] | None = None
+    metadata: dict = field(default_factory=dict)
+    generate_function_path: str | None = None
+    custom_rm_path: str | None = None
+    train_metadata: dict | None = None
+    session_id: str | None = None
+    non_generation_time: float = 0.0
+    spec_info: SpecInfo = field(default_factory=SpecInfo)
+    prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
 
     @property
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
 
+    @property
+    def effective_response_length(self) -> int:
+        """Response tokens that are trained on (loss mask 1); all of them when there is no mask."""
+        return int(sum(self.loss_mask)) if self.loss_mask is not None else self.response_length
+
+    # --- dict form --------------------------------------------------------------------------------------
+
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        """Every attribute (unknown ones too), with the status as its string value and the nested counters
+        as dicts. Shallow: lists and tensors are shared with the sample."""
+        d = dict(self.__dict__)
         d["status"] = self.status.value
+        d["spec_info"] = self.spec_info.to_dict()
+        d["prefix_cache_info"] = self.prefix_cache_info.to_dict()
         return d
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Sample":
-        d = dict(d)
-        d["status"] = cls.Status(d.get("status", cls.Status.PENDING.value))
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"Sample.from_dict: unknown fields {sorted(unknown)}")
-        return cls(**d)
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Sample:
+        """The inverse of `to_dict`; keys that are not fields become attributes of the sample."""
+        data = dict(data)
+        data["status"] = Sample.Status(data.get("status", Sample.Status.PENDING.value))
+        data["spec_info"] = Sample.SpecInfo.from_dict(data.get("spec_info") or {})
+        data["prefix_cache_info"] = Sample.PrefixCacheInfo.from_dict(data.get("prefix_cache_info") or {})
+        names = {f.name for f in dataclasses.fields(Sample)}
+        sample = Sample(**{k: v for k, v in data.items() if k in names})
+        for key, value in data.items():
+            if key not in names:
+                setattr(sample, key, value)
+        return sample
 
-    def get_reward_value(self, reward_key: str | None) -> float:
-        """The scalar reward; with a dict reward, `reward_key` (--reward-key) picks the entry."""
+    def get_reward_value(self, args) -> float:
+        """The scalar reward; with a dict reward, `args.reward_key` (--reward-key) picks the entry. `args` may
+        also be the reward key itself (a string or None)."""
+        reward_key = args if args is None or isinstance(args, str) else args.reward_key
         if isinstance(self.reward, dict):
             if not reward_key:
                 raise ValueError(
                     f"sample {self.index}: reward is a dict with keys {sorted(self.reward)}; "
                     "pass --reward-key to choose the scalar to train on"
                 )
+            if reward_key not in self.reward:
+                raise ValueError(
+                    f"sample {self.index}: --reward-key {reward_key} is not in the reward dict (keys "
+                    f"{sorted(self.reward)}); set --reward-key to one of them"
+                )
             return float(self.reward[reward_key])
         return float(self.reward if self.reward is not None else 0.0)
+
+    # --- extending the response ---------------------------------------------------------------------------
+
+    def append_response_tokens(
+        self,
+        args=None,
+        *,
+        tokens=None,
+        log_probs=None,
+        trainable: bool = True,
+        meta_info: dict | None = None,
+        text: str | None = None,
+        update_terminal_info: bool = True,
+    ) -> None:
+        """Append response tokens and keep the per-token fields aligned.
+
+        Model tokens: `trainable=True` with their `log_probs` (and SGLang's `meta_info`). Tool / environment
+        tokens: `trainable=False`, no log-probs: they get loss mask 0, log-prob 0.0 and empty top-p spans.
+        With `meta_info`, its top-p spans and routed experts are merged in; with `update_terminal_info` (the
+        default; off for streamed chunks) its `finish_reason` sets the status (length -> TRUNCATED, abort ->
+        ABORTED, stop -> COMPLETED, anything else leaves it), `weight_version` is appended, the prefix-cache
+        counters are added, and the speculative counters too when `args.sglang_speculative_algorithm` is set.
+        `args` is needed only to decode routed experts (`num_layers`, `moe_router_topk`).
+        """
+        tokens = _int_list(tokens)
+        log_probs = _float_list(log_probs)
+        if log_probs is not None and len(log_probs) != len(tokens):
+            raise ValueError(f"append_response_tokens: {len(log_probs)} log_probs for {len(tokens)} tokens")
+        if tokens and trainable and log_probs is None:
+            raise ValueError("append_response_tokens: trainable response tokens require rollout log probabilities; "
+                             "pass log_probs=..., or trainable=False for tool / environment tokens")  # fmt: skip
+        if tokens and not trainable:
+            if log_probs is not None:
+                raise ValueError("append_response_tokens: non-trainable response tokens should not pass rollout log "
+                                 "probabilities (they get 0.0); drop log_probs or set trainable=True")
+            log_probs = [0.0] * len(tokens)
+
+        if text is not None:
+            self.response += text
+        before = self.response_length
+        if tokens:
+            self.tokens = list(self.tokens) + tokens
+            self.response_length += len(tokens)
+            mask = [1] * before if self.loss_mask is None else list(self.loss_mask)
+            self.loss_mask = mask + [1 if trainable else 0] * len(tokens)
+        if log_probs is not None:
+            if self.rollout_log_probs is None:
+                if trainable and before:
+                    raise ValueError(
+                        f"append_response_tokens: the sample has {before} response tokens but no rollout_log_probs; "
+                        "model tokens cannot be appended with log-probs the earlier ones lack"
+                    )
+                self.rollout_log_probs = [0.0] * before
+            self.rollout_log_probs = list(self.rollout_log_probs) + log_probs
+
+        pad_top_p = bool(tokens and not trainable)
+        if meta_info is not None or pad_top_p:
+            self._apply_meta_info(args, meta_info or {}, len(tokens), pad_top_p, update_terminal_info)
+        self._check_aligned()
+
+    def _apply_meta_info(self, args, meta_info: dict, new_tokens: int, pad_top_p: bool, terminal: bool) -> None:
+        merged = new_tokens > 0 and self._merge_top_p(meta_info, new_tokens)
+        if pad_top_p and not merged and self.rollout_top_p_token_offsets is not None:
+            offsets = _int32(self.rollout_top_p_token_offsets, [0])
+            self.rollout_top_p_token_ids = _int32(self.rollout_top_p_token_ids, [])
+            self.rollout_top_p_token_offsets = torch.cat([offsets, offsets.new_full((new_tokens,), int(offsets[-1]))])
+        self._merge_routed_experts(args, meta_info)
+
+        if not terminal or "finish_reason" not in meta_info:
+            return
+        if args is not None and getattr(args, "sglang_speculative_algorithm", None):
+            self.spec_info.add(meta_info)
+        self.prefix_cache_info.add(meta_info)
+        if "weight_version" in meta_info:
+            self.weight_versions.append(meta_info["weight_version"])
+        reason = meta_info["finish_reason"]
+        status = _FINISH_STATUS.get(reason.get("type") if isinstance(reason, dict) else reason)
+        if status is not None:
+            self.status = status
+
+    def _merge_top_p(self, meta_info: dict, new_tokens: int) -> bool:
+        ids = decode_int32_meta_array(meta_info, _TOP_P_IDS_KEYS)
+        offsets = decode_int32_meta_array(meta_info, _TOP_P_OFFSETS_KEYS)
+        if ids is None and offsets is None:
+            return False
+        if ids is None or offsets is None:
+            raise ValueError("SGLang top-p replay: meta_info has token ids or offsets but not both")
+        if offsets.numel() != new_tokens + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != ids.numel():
+            raise ValueError(
+                f"SGLang top-p replay: offsets {offsets[:3].tolist()}... (length {offsets.numel()}, last "
+                f"{int(offsets[-1]) if offsets.numel() else None}) must start at 0, end at the {ids.numel()} token "
+                f"ids and have one entry more than the {new_tokens} generated tokens"
+            )
+        if self.rollout_top_p_token_ids is None and self.rollout_top_p_token_offsets is None:
+            self.rollout_top_p_token_ids, self.rollout_top_p_token_offsets = ids, offsets
+        else:
+            base_ids = _int32(self.rollout_top_p_token_ids, [])
+            base_offsets = _int32(self.rollout_top_p_token_offsets, [0])
+            self.rollout_top_p_token_ids = torch.cat([base_ids, ids])
+            self.rollout_top_p_token_offsets = torch.cat([base_offsets, offsets[1:] + int(base_offsets[-1])])
+        return True
+
+    def _merge_routed_experts(self, args, meta_info: dict) -> None:
+        """SGLang's `routed_experts`: [tokens - 1 - start, num_layers, topk] ids; `routed_experts_start_len`
+        > 0 continues the rows already held (a partial rollout resumed)."""
+        experts = decode_int32_meta_array(meta_info, "routed_experts")
+        if experts is None:
+            return
+        if args is None:
+            raise ValueError("append_response_tokens: pass args (num_layers, moe_router_topk) to decode routed_experts")
+        start = int(meta_info.get("routed_experts_start_len", 0) or 0)
+        if start < 0:
+            raise ValueError(f"SGLang routed_experts_start_len must be >= 0, got {start}")
+        rows = max(0, len(self.tokens) - 1 - start)
+        expected = rows * args.num_layers * args.moe_router_topk
+        if experts.numel() != expected:
+            raise ValueError(
+                f"SGLang routed_experts element count {experts.numel()} does not match the sample: expected "
+                f"{expected} = ({len(self.tokens)} tokens - 1 - routed_experts_start_len {start}) x num_layers "
+                f"{args.num_layers} x moe_router_topk {args.moe_router_topk}"
+            )
+        experts = experts.reshape(rows, args.num_layers, args.moe_router_topk)
+        if start == 0:
+            self.rollout_routed_experts = experts
+            return
+        held = self.rollout_routed_experts
+        if held is None:
+            raise ValueError(f"SGLang routed_experts_start_len={start} continues routed experts the sample does not have")
+        held = held if torch.is_tensor(held) else torch.as_tensor(held, dtype=experts.dtype)
+        if held.shape[0] < start:
+            raise ValueError(f"the sample holds {held.shape[0]} rows of routed experts, fewer than "
+                             f"routed_experts_start_len={start}")  # fmt: skip
+        self.rollout_routed_experts = torch.cat([held[:start], experts], dim=0)
+
+    def _check_aligned(self) -> None:
+        n = self.response_length
+        if self.loss_mask is not None and len(self.loss_mask) != n:
+            raise ValueError(f"loss_mask has {len(self.loss_mask)} entries, response_length is {n}")
+        if self.rollout_log_probs is not None and len(self.rollout_log_probs) != n:
+            raise ValueError(f"rollout_log_probs has {len(self.rollout_log_probs)} entries, response_length is {n}")
+        ids, offsets = self.rollout_top_p_token_ids, self.rollout_top_p_token_offsets
+        if ids is None and offsets is None:
+            return
+        if ids is None or offsets is None:
+            raise ValueError("rollout top-p replay needs both rollout_top_p_token_ids and rollout_top_p_token_offsets")
+        offsets = _int32(offsets, [])
+        count = _int32(ids, []).numel()
+        if offsets.numel() != n + 1 or int(offsets[-1]) != count:
+            raise ValueError(
+                f"rollout_top_p_token_offsets has {offsets.numel()} entries (last {int(offsets[-1])}); expected "
+                f"response_length + 1 = {n + 1}, ending at the {count} top-p token ids"
+            )
+
+
+_FINISH_STATUS = {
+    "length": Sample.Status.TRUNCATED,
+    "abort": Sample.Status.ABORTED,
+    "stop": Sample.Status.COMPLETED,
+}
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One trainer parameter as a weight push describes it (slime's record; HF name, dtype, shape)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: torch.Size
+    attrs: dict
+    size: int
+    src_rank: int
+
+
+# slime's dict-shaped rollout -> training batch, for plugins typed against it (here the batch is `TrainBatch`)
+RolloutBatch = dict[str, list[torch.Tensor] | list[int] | list[float] | list[str]]
+
+
+@dataclass
+class MultimodalType:
+    name: str  # the content type in chat messages, e.g. "image"
+    placeholder: str  # its placeholder in prompt text, e.g. "<image>"
+
+
+class MultimodalTypes:
+    IMAGE = MultimodalType(name="image", placeholder="<image>")
+    VIDEO = MultimodalType(name="video", placeholder="<video>")
+    AUDIO = MultimodalType(name="audio", placeholder="<audio>")
+
+    @classmethod
+    def all(cls) -> list[MultimodalType]:
+        return [cls.IMAGE, cls.VIDEO, cls.AUDIO]
+
+    @classmethod
+    def get(cls, name: str) -> MultimodalType | None:
+        return next((m for m in cls.all() if m.name == name), None)
 
 
 @dataclass

@@ -18,6 +18,10 @@ from slime.utils.data import StreamingDataset
 from tests.args import make_args
 
 
+# slime's Dataset(path, tokenizer, processor, max_length, *, prompt_key=..., label_key=..., ...)
+KEYS = {"prompt_key": "prompt", "label_key": "label"}
+
+
 def _write(path, rows):
     with open(path, "w") as f:
         f.writelines((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
@@ -38,6 +42,7 @@ def _args(tokenizer_dir, prompt_data, **kw):
         "metadata_key": None, "tool_key": None, "apply_chat_template": True, "apply_chat_template_kwargs": None,
         "rollout_max_prompt_len": None, "rollout_shuffle": False, "rollout_seed": 42, "n_samples_per_prompt": 2,
         "save": None, "load": None, "buffer_filter_path": None, "disable_rollout_global_dataset": False,
+        "rollout_global_dataset": True,
         "streaming_data": True, "num_data_workers": 1, **kw,
     })  # fmt: skip
 
@@ -63,7 +68,7 @@ def test_same_prompts_as_loading_whole_without_shuffle(tmp_path, tokenizer_dir):
 
 def test_windowed_shuffle(tmp_path):
     path = _write(tmp_path / "d.jsonl", _rows(23))
-    ds = StreamingDataset(path, None, None, "prompt", "label", seed=5, window=4)
+    ds = StreamingDataset(path, None, None, None, **KEYS, seed=5, window=4)
     assert [s.label for s in ds.read(0, 23)] == [str(i) for i in range(23)]  # file order until shuffled
     orders = []
     for epoch in (0, 1, 0):
@@ -117,7 +122,7 @@ def test_errors_are_raised_when_the_row_is_read(tmp_path, tokenizer_dir):
     with pytest.raises(ValueError, match=r"no prompts left \(every prompt is longer than --rollout-max-prompt-len=10\); raise"):
         ds.get_samples(1)
     with pytest.raises(ValueError, match=r"--streaming-data reads JSONL .* convert the parquet file"):
-        StreamingDataset(str(tmp_path / "d.parquet"), None, None, "prompt", "label")
+        StreamingDataset(str(tmp_path / "d.parquet"), None, None, None, **KEYS)
 
 
 MEASURE = r"""
@@ -145,7 +150,7 @@ args = make_args(
     validate=False, hf_checkpoint=sys.argv[1], prompt_data=sys.argv[2], input_key="prompt", label_key="label", metadata_key="metadata",
     tool_key=None, apply_chat_template=True, apply_chat_template_kwargs=None, rollout_max_prompt_len=4096,
     rollout_shuffle=True, rollout_seed=1, n_samples_per_prompt=4, save=None, load=None, buffer_filter_path=None,
-    disable_rollout_global_dataset=False, streaming_data=True, num_data_workers=1,
+    disable_rollout_global_dataset=False, rollout_global_dataset=True, streaming_data=True, num_data_workers=1,
 )
 source = RolloutDataSourceWithBuffer(args)
 prompts = sum(len(source.get_samples(64)) for _ in range(5))

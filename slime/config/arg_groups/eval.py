@@ -1,20 +1,23 @@
 """Evaluation: which datasets, how often, and the sampling overrides used for them.
 
-Eval sampling flags left unset fall back to the rollout's at use time. `--eval-prompt-data` is normalised
-to `[name, path, name, path, ...]` (a lone path is named "aime", as in slime); the `--eval-config` YAML is
-read and checked here (slime/utils/eval_config.py) into `args.eval_datasets`.
+Eval sampling flags left unset fall back to the rollout's. The datasets (`--eval-config` YAML, else the
+`--eval-prompt-data` name/path pairs, a lone path named "aime" as in slime) are resolved here by
+slime/utils/eval_config.py into `args.eval_datasets` (`EvalDatasetConfig`s, every setting resolved), and
+`--eval-prompt-data` becomes their `[name, path, name, path, ...]`. A dataset's rm_type, custom_rm_path and
+custom_generate_function_path are checked like the flags of those names; with the built-in eval rollout, a
+dataset setting it cannot act on (`eval_config.NOT_ACTED_ON`) is refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from slime.config.arg_groups._common import fail, require_existing_file, require_positive
+from slime.config.arg_groups.rollout import DEFAULT_ROLLOUT_FUNCTION
 from slime.rollout.rm_hub import validate_rm_type
-from slime.utils.data import parse_prompt_path
-from slime.utils.eval_config import dataset_where, load_eval_config
+from slime.utils.eval_config import EvalDatasetConfig, dataset_where, eval_source, not_acted_on, resolve_eval_datasets
+from slime.utils.misc import load_hook
 
 logger = logging.getLogger(__name__)
 
@@ -62,41 +65,16 @@ def validate_eval(args: argparse.Namespace) -> None:
     if args.eval_temperature is not None and args.eval_temperature < 0:
         fail(f"--eval-temperature {args.eval_temperature}: must be >= 0 (0 is greedy).")
 
-    if args.eval_prompt_data is not None:
-        values = list(args.eval_prompt_data)
-        if len(values) == 1:
-            logger.info("--eval-prompt-data has a single path; naming that dataset 'aime' (as slime does).")
-            values = ["aime", values[0]]
-        if len(values) % 2:
-            fail(
-                f"--eval-prompt-data {' '.join(values)}: expected name path pairs (got {len(values)} values), "
-                "e.g. --eval-prompt-data aime /data/aime.jsonl gsm8k /data/gsm8k.jsonl."
-            )
-        names = values[0::2]
-        duplicates = sorted({x for x in names if names.count(x) > 1})
-        if duplicates:
-            fail(f"--eval-prompt-data names {duplicates} more than one dataset; give each a distinct name.")
-        for name, value in zip(values[0::2], values[1::2]):
-            try:
-                path, _ = parse_prompt_path(value, "--eval-prompt-data")
-            except ValueError as e:
-                fail(str(e))
-            if not os.path.isfile(path):
-                fail(f"--eval-prompt-data {name} {value}: no such file (cwd: {os.getcwd()}); fix the path.")
-        args.eval_prompt_data = values
-
     require_existing_file("eval_config", args.eval_config)
-    args.eval_datasets = None
-    if args.eval_config is not None:
-        try:
-            args.eval_datasets = load_eval_config(args.eval_config)
-            for i, ds in enumerate(args.eval_datasets):
-                if ds.get("rm_type") is not None:
-                    validate_rm_type(ds["rm_type"], flag=f"{dataset_where(args.eval_config, i, ds['name'])}: rm_type")
-        except ValueError as e:  # EvalConfigError, or an unknown rm_type
-            fail(str(e))
-        if args.eval_prompt_data is not None:
-            logger.warning("--eval-config %s lists the eval datasets; --eval-prompt-data is ignored.", args.eval_config)
+    if args.eval_config is not None and args.eval_prompt_data is not None:
+        logger.warning("--eval-config %s lists the eval datasets; --eval-prompt-data is ignored.", args.eval_config)
+    try:
+        args.eval_datasets = resolve_eval_datasets(args)
+        for i, ds in enumerate(args.eval_datasets):
+            check_eval_dataset(args, dataset_where(eval_source(args), i, ds.name), ds)
+    except (ValueError, TypeError, ImportError, AttributeError) as e:  # EvalConfigError, a bad rm_type or hook
+        fail(str(e))
+    args.eval_prompt_data = [x for ds in args.eval_datasets for x in (ds.name, ds.path)] or None
 
     if args.eval_interval is not None and args.eval_prompt_data is None and args.eval_config is None:
         # The seed's launch example passes --eval-interval alone; slime asserts here, we switch eval off loudly.
@@ -108,3 +86,22 @@ def validate_eval(args: argparse.Namespace) -> None:
         args.eval_interval = None
     if args.eval_function_path is None:
         args.eval_function_path = args.rollout_function_path
+
+
+def check_eval_dataset(args: argparse.Namespace, where: str, ds: EvalDatasetConfig) -> None:
+    """A dataset's reward type and hooks load like their flags'; the built-in eval rollout acts on its settings."""
+    if ds.rm_type is not None:
+        validate_rm_type(ds.rm_type, flag=f"{where}: rm_type")
+    for key, flag in (("custom_rm_path", "--custom-rm-path"),
+                      ("custom_generate_function_path", "--custom-generate-function-path")):  # fmt: skip
+        path = getattr(ds, key)
+        if path is not None and path != getattr(args, key):  # the flag's own value is checked with the flag
+            try:
+                load_hook(path, flag)
+            except (ImportError, AttributeError, TypeError, ValueError) as e:
+                raise ValueError(f"{where}: {key}: {e}") from e
+    unused = not_acted_on(ds)
+    if unused and (args.eval_function_path or args.rollout_function_path) == DEFAULT_ROLLOUT_FUNCTION:
+        fail(f"{where}: {', '.join(f'{k}: {getattr(ds, k)!r}' for k in unused)}: the built-in eval rollout "
+             f"({DEFAULT_ROLLOUT_FUNCTION}) does not act on {'this setting' if len(unused) == 1 else 'these settings'}; "
+             "remove it, or evaluate with an --eval-function-path of your own that reads it")
