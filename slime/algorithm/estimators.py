@@ -5,9 +5,12 @@ the rollout (`group_normalized`, `divide_by_std`), the advantage and return comp
 policy loss (`policy_loss`), whether a PPO critic is trained next to the policy (`needs_critic`) and whether
 `--normalize-advantages` is required (`whitens`). Adding an estimator = one `Estimator(...)` in `ESTIMATORS`.
 
-The math is in slime/utils/ppo_utils.py (pure functions with closed-form tests); the records only wire it.
-`compute_advantages_and_returns` also honours `--custom-advantage-function-path`, which replaces the
-record's `advantages` for any estimator.
+The math is in slime/utils/ppo_utils.py (slime's functions, closed-form tests); the records only wire it.
+`compute_advantages_and_returns` also honours `--custom-advantage-function-path` with slime's contract:
+`fn(args, rollout_data) -> None` sets `rollout_data["advantages"]` and `rollout_data["returns"]` (one [T_i] tensor
+per sample) in place, after the KL is in `rollout_data["kl"]` (`AdvantageInputs.to_rollout_data` lists the keys).
+`compute_advantages_and_returns_in_place` is slime's dict-shaped `compute_advantages_and_returns(args,
+rollout_data)` (slime.backends.megatron_utils.loss) as an adapter onto the same code.
 """
 
 from __future__ import annotations
@@ -26,18 +29,58 @@ Tensors = list[torch.Tensor]
 
 @dataclass
 class AdvantageInputs:
-    """Everything an advantage estimator may use, for the rows one rank trains on (one entry per row).
-
-    This is also the contract of `--custom-advantage-function-path fn(args, inputs) -> (advantages,
-    returns)`, both lists of [T_i] fp32 tensors (returns may be None where no critic needs them)."""
+    """Everything an advantage estimator may use, for the rows one rank trains on (one entry per row)."""
 
     rewards: list[float]  # the rollout's training rewards (group-normalised when the estimator says so)
     raw_rewards: list[float]
     response_lengths: list[int]
     loss_masks: list[torch.Tensor]  # [T_i] 0/1
-    group_indices: list[int]
+    group_indices: list[int] | None = None
     kl: list[torch.Tensor] | None = None  # [T_i] KL(old policy || reference), when a reference model runs
     values: list[torch.Tensor] | None = None  # [T_i] critic values (ppo)
+    # For a custom advantage function (slime's rollout_data keys), when the trainer has them:
+    log_probs: list[torch.Tensor] | None = None  # [T_i] the old policy's
+    ref_log_probs: list[torch.Tensor] | None = None
+    rollout_log_probs: list[torch.Tensor] | None = None
+    total_lengths: list[int] | None = None  # prompt + response tokens
+
+    def to_rollout_data(self, kl: Tensors) -> dict[str, Any]:
+        """slime's `rollout_data` dict of these rows, as a custom advantage function receives it: "rewards",
+        "raw_reward", "response_lengths", "total_lengths", "loss_masks", "kl" (zeros without --kl-coef, as in
+        slime), "values", "log_probs", "ref_log_probs", "rollout_log_probs" (None where absent), and ours
+        "group_indices"."""
+        return {
+            "rewards": list(self.rewards), "raw_reward": list(self.raw_rewards),
+            "response_lengths": list(self.response_lengths),
+            "total_lengths": None if self.total_lengths is None else list(self.total_lengths),
+            "loss_masks": list(self.loss_masks), "kl": kl, "values": self.values, "log_probs": self.log_probs,
+            "ref_log_probs": self.ref_log_probs, "rollout_log_probs": self.rollout_log_probs,
+            "group_indices": None if self.group_indices is None else list(self.group_indices),
+        }
+
+    @classmethod
+    def from_rollout_data(cls, args: Any, rollout_data: dict[str, Any]) -> AdvantageInputs:
+        """The inputs of slime's `rollout_data` dict. The KL of the token rewards is computed here as slime does:
+        (the rollout's log-probs with --use-rollout-logprobs, else the old policy's) against the reference's,
+        with `--kl-loss-type`, only when --kl-coef is non-zero."""
+        rollout_lp = rollout_data.get("rollout_log_probs")
+        log_probs = rollout_lp if args.use_rollout_logprobs else rollout_data.get("log_probs")
+        ref = rollout_data.get("ref_log_probs")
+        kl = None
+        if args.kl_coef and log_probs:
+            if ref is None:
+                raise ValueError(f"--kl-coef {args.kl_coef}: rollout_data has no 'ref_log_probs' to compute the KL "
+                                 "from; run a reference model or set --kl-coef 0")
+            kl = [ppo_utils.compute_approx_kl(lp, r, args.kl_loss_type) for lp, r in zip(log_probs, ref)]
+        rewards = [float(r) for r in rollout_data["rewards"]]
+        return cls(
+            rewards=rewards, raw_rewards=[float(r) for r in rollout_data.get("raw_reward", rewards)],
+            response_lengths=list(rollout_data["response_lengths"]),
+            loss_masks=[torch.as_tensor(m, dtype=torch.float32) for m in rollout_data["loss_masks"]],
+            group_indices=rollout_data.get("group_indices"), kl=kl, values=rollout_data.get("values"),
+            log_probs=log_probs, ref_log_probs=ref, rollout_log_probs=rollout_lp,
+            total_lengths=rollout_data.get("total_lengths"),
+        )
 
 
 # (args, inputs) -> (advantages, returns or None), per row
@@ -59,62 +102,72 @@ class Estimator:
 
 
 # ---- advantages ----------------------------------------------------------------------------------------
-def _kl_per_row(args, inputs: AdvantageInputs) -> list[torch.Tensor | None]:
-    """The KL term of the token rewards: only with --kl-coef and a reference model."""
-    kl_coef = float(args.kl_coef)
-    return inputs.kl if inputs.kl is not None and kl_coef else [None] * len(inputs.rewards)
+def token_reward_kl(args, inputs: AdvantageInputs) -> Tensors:
+    """The KL term of the token rewards, per row: the given KL with --kl-coef, zeros otherwise (as slime)."""
+    if inputs.kl is not None and args.kl_coef:
+        return [k.float() for k in inputs.kl]
+    return [torch.zeros(m.shape[0], dtype=torch.float32) for m in inputs.loss_masks]
+
+
+def _total_lengths(inputs: AdvantageInputs) -> list[int]:
+    return inputs.total_lengths if inputs.total_lengths is not None else list(inputs.response_lengths)
 
 
 def scalar_reward_advantages(args, inputs: AdvantageInputs) -> tuple[Tensors, None]:
     """GRPO-like: each row's (normalised) reward broadcast to its response tokens; no returns."""
-    return ppo_utils.get_grpo_advantages(inputs.rewards, inputs.response_lengths), None
+    return ppo_utils.get_grpo_returns(inputs.rewards, token_reward_kl(args, inputs)), None
 
 
 def reinforce_plus_plus_advantages(args, inputs: AdvantageInputs) -> tuple[Tensors, Tensors]:
-    """REINFORCE++: discounted returns of the KL-shaped token rewards; advantages = returns."""
-    token_rewards = [ppo_utils.kl_shaped_token_rewards(r, k, float(args.kl_coef), m)
-                     for r, k, m in zip(inputs.rewards, _kl_per_row(args, inputs), inputs.loss_masks)]
-    returns = [ppo_utils.discounted_returns(tr, float(args.gamma)) for tr in token_rewards]
+    """REINFORCE++: discounted returns of the KL-penalised token rewards (the reward on the last loss-masked-in
+    token); advantages = returns."""
+    returns = ppo_utils.get_reinforce_plus_plus_returns(
+        inputs.rewards, token_reward_kl(args, inputs), [m.float() for m in inputs.loss_masks],
+        list(inputs.response_lengths), _total_lengths(inputs), float(args.kl_coef), float(args.gamma))
     return returns, returns
 
 
 def reinforce_plus_plus_baseline_advantages(args, inputs: AdvantageInputs) -> tuple[Tensors, Tensors]:
     """REINFORCE++-baseline: the (group-mean-centred) reward − kl_coef·KL on every token."""
-    kl_coef = float(args.kl_coef)
-    advantages = []
-    for r, k, m in zip(inputs.rewards, _kl_per_row(args, inputs), inputs.loss_masks):
-        a = torch.full((m.shape[0],), float(r), dtype=torch.float32)
-        advantages.append(a if k is None else a - kl_coef * k.float() * m.float())
+    advantages = ppo_utils.get_reinforce_plus_plus_baseline_advantages(
+        inputs.rewards, token_reward_kl(args, inputs), [m.float() for m in inputs.loss_masks], float(args.kl_coef))
     return advantages, advantages
 
 
 def gae_advantages(args, inputs: AdvantageInputs) -> tuple[Tensors, Tensors]:
-    """PPO: GAE over the KL-shaped token rewards and the critic's values; returns = advantages + values."""
+    """PPO: GAE over the KL-penalised token rewards (the reward on the last token) and the critic's values;
+    returns = advantages + values."""
     if inputs.values is None:
         raise ValueError("--advantage-estimator ppo: no critic values were given to the actor's train step")
-    token_rewards = [ppo_utils.kl_shaped_token_rewards(r, k, float(args.kl_coef), m)
-                     for r, k, m in zip(inputs.rewards, _kl_per_row(args, inputs), inputs.loss_masks)]
-    out = [ppo_utils.gae_advantages_and_returns(tr, v, float(args.gamma), float(args.lambd))
-           for tr, v in zip(token_rewards, inputs.values)]
-    return [a for a, _ in out], [r for _, r in out]
+    token_rewards = ppo_utils.kl_penalized_token_rewards(inputs.rewards, token_reward_kl(args, inputs),
+                                                         float(args.kl_coef))
+    values = [torch.as_tensor(v, dtype=torch.float32) for v in inputs.values]
+    return ppo_utils.get_advantages_and_returns_batch(_total_lengths(inputs), list(inputs.response_lengths), values,
+                                                      token_rewards, float(args.gamma), float(args.lambd))
 
 
 # ---- policy losses ---------------------------------------------------------------------------------------
 def ppo_clip_loss(log_probs, old_log_probs, advantages, mask, args):
     """Token-level PPO clipped surrogate (dual clip with --eps-clip-c)."""
-    return ppo_utils.compute_policy_loss(log_probs, old_log_probs, advantages, args.eps_clip, args.eps_clip_high,
-                                         args.eps_clip_c)
+    ppo_kl = old_log_probs - log_probs
+    pg, clipfrac = ppo_utils.compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high,
+                                                 eps_clip_c=args.eps_clip_c)
+    return pg, clipfrac, ppo_kl
 
 
 def gspo_loss(log_probs, old_log_probs, advantages, mask, args):
     """The clipped surrogate on GSPO's sequence-level ratio."""
-    return ppo_utils.compute_gspo_policy_loss(log_probs, old_log_probs, advantages, mask, args.eps_clip,
-                                              args.eps_clip_high, args.eps_clip_c)
+    ppo_kl = ppo_utils.sequence_ppo_kl(log_probs, old_log_probs, mask)
+    pg, clipfrac = ppo_utils.compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high,
+                                                 eps_clip_c=args.eps_clip_c)
+    return pg, clipfrac, ppo_kl
 
 
 def cispo_loss(log_probs, old_log_probs, advantages, mask, args):
     """CISPO: REINFORCE with a clipped, gradient-free importance weight."""
-    return ppo_utils.compute_cispo_policy_loss(log_probs, old_log_probs, advantages, args.eps_clip, args.eps_clip_high)
+    ppo_kl = old_log_probs - log_probs
+    pg, clipfrac = ppo_utils.compute_cispo_loss(ppo_kl, log_probs, advantages, args.eps_clip, args.eps_clip_high)
+    return pg, clipfrac, ppo_kl
 
 
 ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
@@ -139,12 +192,59 @@ def estimator_of(args) -> Estimator:
 def compute_advantages_and_returns(args, inputs: AdvantageInputs) -> tuple[Tensors, Tensors | None]:
     """Per-token advantages (and returns for a critic) of every row: `--custom-advantage-function-path` when
     given, else the estimator's. Whitening (`--normalize-advantages`) is applied afterwards by the trainer,
-    across data-parallel ranks."""
+    across data-parallel ranks (to the custom function's advantages too, as in slime)."""
     custom = args.custom_advantage_function_path
     if not custom:
         return estimator_of(args).advantages(args, inputs)
-    advantages, returns = load_function(custom, "--custom-advantage-function-path")(args, inputs)
-    if len(advantages) != len(inputs.rewards):
-        raise ValueError(f"--custom-advantage-function-path {custom} returned {len(advantages)} advantage "
-                         f"tensors for {len(inputs.rewards)} rows")
-    return [torch.as_tensor(a, dtype=torch.float32) for a in advantages], returns
+    rollout_data = inputs.to_rollout_data(token_reward_kl(args, inputs))
+    load_function(custom, "--custom-advantage-function-path")(args, rollout_data)
+    return _custom_results(args, custom, rollout_data, inputs)
+
+
+def _custom_results(args, path: str, rollout_data: dict, inputs: AdvantageInputs) -> tuple[Tensors, Tensors | None]:
+    """rollout_data's "advantages" / "returns" after a custom advantage function, checked row by row."""
+    where = f"--custom-advantage-function-path {path}"
+    if rollout_data.get("advantages") is None:
+        raise ValueError(f"{where}: set no rollout_data['advantages']; slime's contract is fn(args, rollout_data) -> "
+                         "None filling rollout_data['advantages'] and rollout_data['returns'] (one [T_i] tensor each "
+                         "per sample) in place")
+    returns = rollout_data.get("returns")
+    if returns is None and estimator_of(args).needs_critic:
+        raise ValueError(f"{where}: set no rollout_data['returns'], which the critic of --advantage-estimator "
+                         f"{args.advantage_estimator} trains on; fill it (e.g. advantages + rollout_data['values'])")
+    out = []
+    for name, rows in (("advantages", rollout_data["advantages"]), ("returns", returns)):
+        if rows is None:
+            out.append(None)
+            continue
+        if len(rows) != len(inputs.loss_masks):
+            raise ValueError(f"{where}: rollout_data['{name}'] has {len(rows)} entries for {len(inputs.loss_masks)} "
+                             "samples; give one [T_i] tensor per sample")
+        tensors = [torch.as_tensor(r, dtype=torch.float32) for r in rows]
+        for i, (t, m) in enumerate(zip(tensors, inputs.loss_masks)):
+            if t.shape != m.shape:
+                raise ValueError(f"{where}: rollout_data['{name}'][{i}] has shape {tuple(t.shape)} but sample {i} "
+                                 f"has {m.shape[0]} response tokens")
+        out.append(tensors)
+    return out[0], out[1]
+
+
+def compute_advantages_and_returns_in_place(args, rollout_data: dict[str, Any]) -> None:
+    """slime's `compute_advantages_and_returns(args, rollout_data)`: reads slime's rollout_data dict ("rewards",
+    "loss_masks", "response_lengths", "log_probs", "ref_log_probs", "values", ...), sets "kl", "advantages" and
+    "returns" in it. With --normalize-advantages the advantages are whitened over these rows (the trainers here
+    whiten across data-parallel ranks themselves and call `compute_advantages_and_returns`)."""
+    inputs = AdvantageInputs.from_rollout_data(args, rollout_data)
+    kl = token_reward_kl(args, inputs)
+    rollout_data["kl"] = kl
+    if args.custom_advantage_function_path:
+        load_function(args.custom_advantage_function_path, "--custom-advantage-function-path")(args, rollout_data)
+        advantages, returns = _custom_results(args, args.custom_advantage_function_path, rollout_data, inputs)
+    else:
+        advantages, returns = estimator_of(args).advantages(args, inputs)
+    if args.normalize_advantages and advantages:
+        masks = inputs.loss_masks
+        flat = ppo_utils.masked_whiten(torch.cat(advantages), torch.cat(masks))
+        advantages = list(flat.split([m.shape[0] for m in masks]))
+    rollout_data["advantages"] = advantages
+    rollout_data["returns"] = returns if returns is not None else advantages

@@ -4,18 +4,28 @@ Backend-agnostic: it only sees tensors and `args`; the math is in slime/utils/pp
 metric is this micro-batch's share of a global-batch value (see `ppo_utils.aggregate_loss`), so summing the
 shares over micro-batches and ranks gives the global figure.
 
-`--loss-type custom_loss` calls `--custom-loss-function-path fn(args, inputs: LossInputs) -> (loss,
-metrics)`: `loss` a scalar tensor that is this micro-batch's share of the global loss (use
-`inputs.aggregate`), `metrics` a dict of scalar tensors named like `train/<name>` (shares too).
+slime's loss hooks are called here, where slime calls them, with slime's arguments; they see slime's flat /
+per-sample layout (the rows' response tokens back to back, or one [T_i] tensor per sample), converted from and
+back to the padded rows by `SampleLayout`:
+- `--custom-tis-function-path fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
+  response_lengths, **kw) -> (pg_loss, loss_masks, metrics)` with `--use-tis` (slime/algorithm/tis.py);
+- `--custom-pg-loss-reducer-function-path fn(total_lengths, response_lengths, loss_masks,
+  calculate_per_token_loss) -> reducer`, the reducer of the flat pg_loss (a micro-batch sum, as slime's
+  `sum_of_sample_mean`);
+- `--loss-type custom_loss --custom-loss-function-path fn(args, batch, logits, sum_of_sample_mean) -> (loss,
+  metrics)` (`loss_batch` lists the batch's keys). Its loss and metrics are micro-batch sums like slime's; they
+  are divided here by the global denominator to become shares.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from slime.algorithm.estimators import estimator_of
 from slime.utils import ppo_utils
@@ -35,8 +45,59 @@ class LossInputs:
     entropy: torch.Tensor  # per-token entropy of the current policy, with gradient
     ref_log_probs: torch.Tensor | None = None  # when a reference model runs
     rollout_log_probs: torch.Tensor | None = None  # when the rollout returned log-probs
-    # [B, R] -> scalar share of the global aggregate (per-sample mean, or per-token with --calculate-per-token-loss)
+    # [B, R] -> scalar share of the global aggregate (per-sample mean, or per-token with --calculate-per-token-loss);
+    # None: built from `global_denominator`
     aggregate: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # What slime's hooks need besides (the slime layout, the micro-batch sums -> shares, a custom loss's logits):
+    response_lengths: list[int] | None = None
+    total_lengths: list[int] | None = None  # prompt + response tokens per row
+    global_denominator: float | None = None  # samples (or masked tokens, per token) of the global batch
+    logits: torch.Tensor | None = None  # the forward's logits, as the backend holds them
+
+
+class SampleLayout:
+    """Conversions between the padded `[B, R]` rows of a micro-batch and slime's layouts: per-sample lists of
+    [T_i] tensors and their flat concatenation (differentiable both ways)."""
+
+    def __init__(self, inputs: LossInputs, needed_by: str):
+        self.needed_by = needed_by
+        self._inputs = inputs
+        self.lengths = list(self._required("response_lengths"))
+        self.total_lengths = list(self._required("total_lengths"))
+        self.width = inputs.mask.shape[1]
+
+    @property
+    def denominator(self) -> float:
+        """What a micro-batch sum is divided by to become this micro-batch's share of the global value."""
+        return float(self._required("global_denominator"))
+
+    def _required(self, name: str):
+        value = getattr(self._inputs, name)
+        if value is None:
+            raise ValueError(f"{self.needed_by}: the training backend passed no LossInputs.{name}, which slime's "
+                             "hook contract needs (slime/backends/training/record.py builds LossInputs)")
+        return value
+
+    def rows(self, padded: torch.Tensor) -> list[torch.Tensor]:
+        return [padded[i, :n] for i, n in enumerate(self.lengths)]
+
+    def flat(self, padded: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.rows(padded))
+
+    def padded(self, flat: torch.Tensor) -> torch.Tensor:
+        if flat.shape[0] != sum(self.lengths):
+            raise ValueError(f"a flat per-token tensor has {flat.shape[0]} entries; this micro-batch has "
+                             f"{sum(self.lengths)} response tokens ({self.lengths})")
+        return torch.stack([F.pad(x, (0, self.width - n)) for x, n in zip(flat.split(self.lengths), self.lengths)])
+
+
+def aggregate_of(args: Any, inputs: LossInputs) -> Callable[[torch.Tensor], torch.Tensor]:
+    if inputs.aggregate is not None:
+        return inputs.aggregate
+    if inputs.global_denominator is None:
+        raise ValueError("LossInputs: give `aggregate` or `global_denominator`")
+    return functools.partial(ppo_utils.aggregate_loss, mask=inputs.mask, per_token=args.calculate_per_token_loss,
+                             global_denominator=inputs.global_denominator)
 
 
 def compute_actor_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -46,9 +107,7 @@ def compute_actor_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dic
     elif loss_type == "sft_loss":
         loss, metrics = sft_loss(args, inputs)
     elif loss_type == "custom_loss":
-        fn = load_function(args.custom_loss_function_path, "--custom-loss-function-path")
-        loss, metrics = fn(args, inputs)
-        metrics = dict(metrics)
+        loss, metrics = custom_loss(args, inputs)
     else:
         raise ValueError(f"--loss-type {loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
     metrics = {k: v.detach() for k, v in metrics.items()}
@@ -57,21 +116,17 @@ def compute_actor_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dic
 
 
 def policy_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """pg_loss (the estimator's: PPO clip / GSPO / CISPO, × TIS weight) − entropy_coef·entropy
-    (+ kl_loss_coef·KL)."""
-    agg = inputs.aggregate
+    """pg_loss (the estimator's: PPO clip / GSPO / CISPO, importance-corrected with --use-tis, reduced by
+    --custom-pg-loss-reducer-function-path when given) − entropy_coef·entropy (+ kl_loss_coef·KL)."""
+    agg = aggregate_of(args, inputs)
     lp, old = inputs.log_probs, inputs.old_log_probs
     pg, clipfrac, ppo_kl = estimator_of(args).policy_loss(lp, old, inputs.advantages, inputs.mask, args)
     metrics = {"train/pg_clipfrac": agg(clipfrac), "train/ppo_kl": agg(ppo_kl)}
-    if args.use_tis:
-        if inputs.rollout_log_probs is None:
-            raise ValueError("--use-tis: no rollout log-probs in the batch (the rollout function must fill "
-                             "Sample.rollout_log_probs); drop the flag or return them")
-        weights, tis_clipped = ppo_utils.compute_tis_weights(old, inputs.rollout_log_probs, args.tis_clip,
-                                                             args.tis_clip_low)
-        pg = pg * weights
-        metrics.update({"train/tis": agg(weights), "train/tis_clipfrac": agg(tis_clipped)})
-    pg_loss = agg(pg)
+    pg_masks = None  # per-token masks a TIS / rejection-sampling function returned (None: the loss masks)
+    if args.use_tis or args.get_mismatch_metrics:
+        pg, pg_masks, tis_metrics = importance_correction(args, inputs, pg, ppo_kl)
+        metrics.update({f"train/{name}": agg(value) for name, value in tis_metrics.items()})
+    pg_loss = reduce_pg_loss(args, inputs, pg, pg_masks, agg)
     entropy_coef = args.entropy_coef
     entropy_loss = agg(inputs.entropy if entropy_coef else inputs.entropy.detach())
     loss = pg_loss - entropy_coef * entropy_loss
@@ -79,20 +134,103 @@ def policy_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, 
     if inputs.ref_log_probs is not None:
         # Reported whenever a reference model runs (also under --kl-coef reward shaping); in the loss only
         # with --use-kl-loss.
-        kl = ppo_utils.compute_approx_kl(lp, inputs.ref_log_probs, args.kl_loss_type)
-        if args.use_unbiased_kl:
-            kl = ppo_utils.unbiased_kl(kl, lp, old)
-        kl_loss = agg(kl)
+        ratio = torch.exp(lp - old) if args.use_unbiased_kl else None
+        kl_loss = agg(ppo_utils.compute_approx_kl(lp, inputs.ref_log_probs, args.kl_loss_type, importance_ratio=ratio))
         if args.use_kl_loss:
             loss = loss + args.kl_loss_coef * kl_loss
         metrics["train/kl_loss"] = kl_loss
     return loss, metrics
 
 
+def importance_correction(args: Any, inputs: LossInputs, pg: torch.Tensor, ppo_kl: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """--use-tis (or --get-mismatch-metrics): the pg loss corrected for the rollout/training mismatch, by
+    `--custom-tis-function-path` when given, else truncated importance sampling. Returns (pg [B, R], the
+    function's modified masks [B, R] or None, per-token metrics [B, R] incl. slime's "ois" = exp(−ppo_kl))."""
+    if inputs.rollout_log_probs is None:
+        raise ValueError("--use-tis: no rollout log-probs in the batch (the rollout function must fill "
+                         "Sample.rollout_log_probs); drop the flag or return them")
+    metrics = {"ois": torch.exp(-ppo_kl).detach()}
+    path = args.custom_tis_function_path
+    if not path:
+        weights, tis_metrics = ppo_utils.tis_weights(inputs.old_log_probs, inputs.rollout_log_probs, args.tis_clip,
+                                                     args.tis_clip_low)
+        return pg * weights, None, {**metrics, **tis_metrics}
+    flag = "--custom-tis-function-path"
+    layout = SampleLayout(inputs, flag)
+    out = load_function(path, flag)(
+        args, pg_loss=layout.flat(pg), train_log_probs=layout.rows(inputs.old_log_probs),
+        rollout_log_probs=layout.rows(inputs.rollout_log_probs), loss_masks=layout.rows(inputs.mask),
+        total_lengths=layout.total_lengths, response_lengths=layout.lengths)
+    if not (isinstance(out, tuple) and len(out) == 3):
+        raise ValueError(f"{flag} {path}: returned {type(out).__name__}; slime's contract returns a tuple "
+                         "(pg_loss, loss_masks, metrics)")
+    flat_pg, masks, custom_metrics = out
+    if len(masks) != len(layout.lengths):
+        raise ValueError(f"{flag} {path}: returned {len(masks)} loss masks for {len(layout.lengths)} samples")
+    pg_masks = layout.padded(torch.cat([torch.as_tensor(m, dtype=pg.dtype, device=pg.device) for m in masks]))
+    metrics.update({name: layout.padded(torch.as_tensor(v)).detach() for name, v in custom_metrics.items()})
+    # Rejected tokens leave the numerator; the denominators stay the loss masks' (as slime).
+    return layout.padded(flat_pg) * pg_masks, pg_masks, metrics
+
+
+def reduce_pg_loss(args: Any, inputs: LossInputs, pg: torch.Tensor, pg_masks: torch.Tensor | None,
+                   agg: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The pg loss's share: `--custom-pg-loss-reducer-function-path`'s reducer of the flat pg loss (built from the
+    TIS function's masks when there are some, else the loss masks) over the global denominator, or `agg`."""
+    path = args.custom_pg_loss_reducer_function_path
+    if not path:
+        return agg(pg)
+    flag = "--custom-pg-loss-reducer-function-path"
+    layout = SampleLayout(inputs, flag)
+    masks = layout.rows(inputs.mask if pg_masks is None else pg_masks)
+    reducer = load_function(path, flag)(layout.total_lengths, layout.lengths, masks, args.calculate_per_token_loss)
+    return reducer(layout.flat(pg)) / layout.denominator
+
+
+def loss_batch(inputs: LossInputs, layout: SampleLayout) -> dict[str, Any]:
+    """slime's micro-batch dict for a custom loss, one [T_i] tensor per sample: "advantages", "log_probs" (the old
+    policy's), "ref_log_probs" / "rollout_log_probs" (None where absent), "loss_masks", "response_lengths",
+    "total_lengths"; and ours, computed by the trainer from the logits at the rollout temperature:
+    "cur_log_probs" and "entropy" (the current policy's, with gradient)."""
+    def rows(x):
+        return None if x is None else layout.rows(x)
+    return {
+        "advantages": rows(inputs.advantages), "log_probs": rows(inputs.old_log_probs),
+        "ref_log_probs": rows(inputs.ref_log_probs), "rollout_log_probs": rows(inputs.rollout_log_probs),
+        "loss_masks": rows(inputs.mask), "response_lengths": layout.lengths, "total_lengths": layout.total_lengths,
+        "cur_log_probs": rows(inputs.log_probs), "entropy": rows(inputs.entropy),
+    }
+
+
+def custom_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`--custom-loss-function-path fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`, slime's call:
+    `sum_of_sample_mean` reduces a flat per-token tensor to the micro-batch's sum of sample means (or of tokens
+    with --calculate-per-token-loss); the loss and each metric (named `train/<name>`) come back as such sums
+    and are divided by the global denominator into shares."""
+    flag = "--custom-loss-function-path"
+    layout = SampleLayout(inputs, flag)
+    per_token = args.calculate_per_token_loss
+
+    def sum_of_sample_mean(flat: torch.Tensor) -> torch.Tensor:
+        return ppo_utils.sum_of_sample_mean(layout.padded(flat), inputs.mask, per_token)
+
+    out = load_function(args.custom_loss_function_path, flag)(args, loss_batch(inputs, layout), inputs.logits,
+                                                              sum_of_sample_mean)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+        raise ValueError(f"{flag} {args.custom_loss_function_path}: returned {type(out).__name__}; slime's contract "
+                         "returns (loss, {name: scalar})")
+    loss, reported = out
+    metrics = {(k if k.startswith("train/") else f"train/{k}"): torch.as_tensor(v) / layout.denominator
+               for k, v in reported.items()}
+    return loss / layout.denominator, metrics
+
+
 def sft_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Negative log-likelihood of the loss-masked response tokens (aggregated like the policy loss)."""
-    loss = inputs.aggregate(-inputs.log_probs)
-    return loss, {"train/sft_loss": loss, "train/entropy_loss": inputs.aggregate(inputs.entropy.detach())}
+    agg = aggregate_of(args, inputs)
+    loss = agg(-inputs.log_probs)
+    return loss, {"train/sft_loss": loss, "train/entropy_loss": agg(inputs.entropy.detach())}
 
 
 def critic_loss(

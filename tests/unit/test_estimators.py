@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from slime.algorithm.estimators import ESTIMATORS, AdvantageInputs, Estimator, compute_advantages_and_returns
+from slime.algorithm.estimators import (
+    ESTIMATORS,
+    AdvantageInputs,
+    Estimator,
+    compute_advantages_and_returns,
+    compute_advantages_and_returns_in_place,
+)
 from slime.algorithm.loss import LossInputs, compute_actor_loss
 from slime.algorithm.rewards import train_rewards
 from slime.config.arguments import SlimeArgumentError
@@ -49,13 +55,19 @@ def test_unknown_estimator_names_flag():
 
 def test_ppo_estimator_uses_values_and_kl_shaped_rewards():
     args = _args(advantage_estimator="ppo", kl_coef=0.5, gamma=0.9, lambd=0.8)
-    # token rewards [-0.1, 0, 1.05] (KL 0.2 / masked / -0.1 plus reward 1), values [0.5, 0.2, 0.4]
-    # δ2 = 1.05 − 0.4 = 0.65; δ1 = 0 + 0.36 − 0.2 = 0.16; δ0 = −0.1 + 0.18 − 0.5 = −0.42
-    # A2 = 0.65; A1 = 0.16 + 0.72·0.65 = 0.628; A0 = −0.42 + 0.72·0.628 = 0.03216
+    # slime's token rewards: −kl_coef·KL on every response token (the loss mask does not enter), the reward on
+    # the last: [-0.1, -0.2, 1.05]; values [0.5, 0.2, 0.4]
+    # δ2 = 1.05 − 0.4 = 0.65; δ1 = −0.2 + 0.36 − 0.2 = −0.04; δ0 = −0.1 + 0.18 − 0.5 = −0.42
+    # A2 = 0.65; A1 = −0.04 + 0.72·0.65 = 0.428; A0 = −0.42 + 0.72·0.428 = −0.11184
     adv, ret = compute_advantages_and_returns(
         args, _inputs([1.0], [3], kl=[[0.2, 0.4, -0.1]], values=[[0.5, 0.2, 0.4]], masks=[[1.0, 0.0, 1.0]]))
-    torch.testing.assert_close(adv[0], torch.tensor([0.03216, 0.628, 0.65]))
-    torch.testing.assert_close(ret[0], torch.tensor([0.53216, 0.828, 1.05]))
+    torch.testing.assert_close(adv[0], torch.tensor([-0.11184, 0.428, 0.65]))
+    torch.testing.assert_close(ret[0], torch.tensor([0.38816, 0.628, 1.05]))
+    # --kl-coef 0: the KL given is not used (slime's zeros)
+    adv0, _ = compute_advantages_and_returns(
+        _args(advantage_estimator="ppo", gamma=1.0, lambd=1.0),
+        _inputs([1.0], [2], kl=[[5.0, 5.0]], values=[[0.0, 0.0]]))
+    torch.testing.assert_close(adv0[0], torch.tensor([1.0, 1.0]))
     with pytest.raises(ValueError, match="no critic values"):
         compute_advantages_and_returns(args, _inputs([1.0], [3]))
 
@@ -67,6 +79,11 @@ def test_reinforce_plus_plus():
     # token rewards [-0.1, 0, 1.05] -> returns [0.95, 1.05, 1.05]; [-0.1] -> [-0.1]; advantages = returns
     assert _lists(adv) == [[0.95, 1.05, 1.05], [-0.1]]
     assert _lists(ret) == _lists(adv)
+    # the reward sits on the last loss-masked-in token, here token 1 (token 2 is a tool token):
+    # token rewards [-0.1, 1 - 0.2, 0] -> G = [0.7, 0.8, 0]
+    adv_m, _ = compute_advantages_and_returns(
+        args, _inputs([1.0], [3], kl=[[0.2, 0.4, -0.1]], masks=[[1.0, 1.0, 0.0]]))
+    assert _lists(adv_m) == [[0.7, 0.8, 0.0]]
     # γ = 0.5: G = [-0.1 + 0.5·0.525, 0.5·1.05, 1.05]
     adv_g, _ = compute_advantages_and_returns(
         _args(advantage_estimator="reinforce_plus_plus", kl_coef=0.5, gamma=0.5),
@@ -78,11 +95,34 @@ def test_reinforce_plus_plus():
 
 
 def test_reinforce_plus_plus_baseline():
-    # rewards arrive group-mean-centred; per token: reward − kl_coef·KL (masked tokens: no KL)
+    # rewards arrive group-mean-centred; per token: reward − kl_coef·KL, as slime (a loss-masked token's value
+    # enters neither the loss nor the whitening)
     args = _args(advantage_estimator="reinforce_plus_plus_baseline", kl_coef=0.5)
     adv, _ = compute_advantages_and_returns(
         args, _inputs([0.5, -0.5], [3, 1], kl=[[0.2, 0.4, -0.1], [0.2]], masks=[[1.0, 0.0, 1.0], [1.0]]))
-    assert _lists(adv) == [[0.4, 0.5, 0.55], [-0.6]]
+    assert _lists(adv) == [[0.4, 0.3, 0.55], [-0.6]]
+
+
+# ---- slime's dict-shaped entry point ---------------------------------------------------------------------------
+def test_rollout_data_entry_point_fills_kl_advantages_and_returns_in_place():
+    """slime's compute_advantages_and_returns(args, rollout_data): the KL of the old policy to the reference
+    (--kl-loss-type) lands in rollout_data["kl"] untouched by the PPO reward shaping, then advantages/returns."""
+    args = _args(advantage_estimator="ppo", kl_coef=0.5, gamma=1.0, lambd=1.0)
+    log_probs, ref = [torch.tensor([0.5, 0.7, 0.9])], [torch.tensor([0.4, 0.5, 0.6])]
+    data = {"log_probs": log_probs, "ref_log_probs": ref, "rewards": [1.0], "values": [torch.zeros(3)],
+            "response_lengths": [3], "total_lengths": [5], "loss_masks": [torch.ones(3)]}
+    compute_advantages_and_returns_in_place(args, data)
+    torch.testing.assert_close(data["kl"][0], torch.tensor([0.1, 0.2, 0.3]))
+    # token rewards −0.5·KL + reward on the last: [−0.05, −0.1, 0.85]; γ = λ = 1, V = 0: reward-to-go
+    torch.testing.assert_close(data["advantages"][0], torch.tensor([0.7, 0.75, 0.85]))
+    torch.testing.assert_close(data["returns"][0], data["advantages"][0])
+    # grpo with --normalize-advantages: whitened over the rows given; returns = advantages as in slime
+    args = _args(advantage_estimator="grpo", normalize_advantages=True)
+    data = {"rewards": [1.0, -1.0], "response_lengths": [1, 1], "loss_masks": [torch.ones(1), torch.ones(1)]}
+    compute_advantages_and_returns_in_place(args, data)
+    assert _lists(data["advantages"]) == [[1.0], [-1.0]] and data["returns"] is data["advantages"]
+    with pytest.raises(ValueError, match="no 'ref_log_probs'"):
+        compute_advantages_and_returns_in_place(_args(kl_coef=0.1), {**data, "log_probs": log_probs * 2})
 
 
 # ---- adding an estimator: one record -------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """The actor's `--loss-type` assembly and the critic loss (slime.algorithm.loss.py), with
-hand-computed values; plus the plugin signatures of `--custom-loss-function-path` and
-`--custom-advantage-function-path`."""
+hand-computed values; plus slime's plugin contracts of the loss-side hooks, each with a plugin file that proves
+it is called with slime's arguments and its output used: `--custom-loss-function-path`,
+`--custom-advantage-function-path`, `--custom-tis-function-path`, `--custom-pg-loss-reducer-function-path`."""
 
 from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import torch
 from slime.algorithm.loss import LossInputs, compute_actor_loss, critic_loss
 from slime.algorithm.estimators import AdvantageInputs, compute_advantages_and_returns
 from slime.utils import ppo_utils as pu
+from slime.config.arguments import SlimeArgumentError
 from tests.args import make_args
 
 
@@ -22,13 +25,15 @@ def _args(**kw):
 
 
 def _inputs(per_token=False, denominator=2.0, **kw):
-    """Two samples: A with 2 tokens, B with 1 token (mask [[1, 1], [1, 0]]), on-policy (r = 1)."""
+    """Two samples: A with 2 tokens, B with 1 token (mask [[1, 1], [1, 0]]), on-policy (r = 1); both are the
+    only samples of the global batch (denominator 2)."""
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     logp = torch.log(torch.tensor([[0.5, 0.25], [0.5, 1.0]])).requires_grad_(True)
     base = dict(
         log_probs=logp, old_log_probs=logp.detach().clone(), advantages=torch.tensor([[1.0, 1.0], [-2.0, 0.0]]),
         mask=mask, entropy=torch.tensor([[0.6, 0.2], [1.0, 5.0]]),
         aggregate=functools.partial(pu.aggregate_loss, mask=mask, per_token=per_token, global_denominator=denominator),
+        response_lengths=[2, 1], total_lengths=[5, 3], global_denominator=denominator,
     )
     base.update(kw)
     return LossInputs(**base)
@@ -67,8 +72,11 @@ def test_tis_weights_the_pg_loss():
     loss, m = compute_actor_loss(_args(use_tis=True, tis_clip=1.5), _inputs(rollout_log_probs=rollout))
     # weights [[1.5 (clipped from 2), 1], [1, 1]]: pg = [[-1.5, -1], [2, ·]] -> (−1.25 + 2) / 2
     assert m["train/pg_loss"].item() == pytest.approx(0.375)
-    assert m["train/tis"].item() == pytest.approx(((1.5 + 1) / 2 + 1) / 2)
+    # slime's metrics: the raw ratio, its clipped fraction, |ratio − 1|, and ois = exp(−ppo_kl) (1 on-policy)
+    assert m["train/tis"].item() == pytest.approx(((2 + 1) / 2 + 1) / 2)
     assert m["train/tis_clipfrac"].item() == pytest.approx((0.5 + 0) / 2)
+    assert m["train/tis_abs"].item() == pytest.approx((0.5 + 0) / 2)
+    assert m["train/ois"].item() == pytest.approx(1.0)
     with pytest.raises(ValueError, match="--use-tis"):
         compute_actor_loss(_args(use_tis=True), _inputs())
 
@@ -88,41 +96,197 @@ def test_sft_loss_is_masked_nll():
 
 
 CUSTOM_LOSS = '''
-def my_loss(args, inputs):
-    """--custom-loss-function-path contract: (args, LossInputs) -> (scalar loss share, {name: scalar share})."""
-    loss = inputs.aggregate(-inputs.advantages * inputs.log_probs)
-    return loss, {"train/my_term": inputs.aggregate(inputs.advantages)}
+import torch
+
+CALLS = []
+
+def my_loss(args, batch, logits, sum_of_sample_mean):
+    # slime's contract: per-sample lists in batch, a flat reducer -> (micro-batch sum, {name: micro-batch sum})
+    CALLS.append({k: (v if not isinstance(v, list) else [x.tolist() if hasattr(x, "tolist") else x for x in v])
+                  for k, v in batch.items() if k != "entropy"})
+    adv, logp = batch["advantages"], batch["cur_log_probs"]
+    flat_adv, flat_logp = torch.cat(adv), torch.cat(logp)
+    loss = sum_of_sample_mean(-flat_adv * flat_logp)
+    return loss, {"my_term": sum_of_sample_mean(flat_adv), "logits_seen": torch.tensor(float(logits is not None))}
 '''
 
 CUSTOM_ADV = '''
 import torch
 
-def my_advantages(args, inputs):
-    """--custom-advantage-function-path contract: (args, AdvantageInputs) -> (advantages, returns)."""
-    adv = [torch.full((n,), r * 10.0) for r, n in zip(inputs.raw_rewards, inputs.response_lengths)]
-    return adv, None
+def my_advantages(args, rollout_data):
+    # slime's contract: fill rollout_data["advantages"] / ["returns"] in place, return nothing
+    rollout_data["advantages"] = [torch.full((n,), r * 10.0)
+                                  for r, n in zip(rollout_data["raw_reward"], rollout_data["response_lengths"])]
+    rollout_data["returns"] = [a + k for a, k in zip(rollout_data["advantages"], rollout_data["kl"])]
+    rollout_data["seen"] = sorted(rollout_data)
 '''
 
 
+def _plugin(tmp_path, name, text):
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    return path
+
+
 def test_custom_loss_function_contract(tmp_path):
-    path = tmp_path / "my_loss.py"
-    path.write_text(CUSTOM_LOSS)
+    path = _plugin(tmp_path, "my_loss", CUSTOM_LOSS)
+    logits = torch.zeros(2, 2, 3)
     loss, m = compute_actor_loss(_args(loss_type="custom_loss", custom_loss_function_path=f"{path}:my_loss"),
-                                 _inputs())
-    # −A·logp: A rows: (ln2 + 2 ln2)/2 = 1.5 ln2; B: −2·ln2 ... sample means averaged
+                                 _inputs(logits=logits))
+    # −A·logp: A: (ln2 + 2 ln2)/2 = 1.5 ln2; B: −2·ln2; the micro-batch sum divided by the 2 samples
     assert loss.item() == pytest.approx((1.5 * math.log(2) - 2 * math.log(2)) / 2)
     assert m["train/my_term"].item() == pytest.approx((1.0 - 2.0) / 2) and "train/loss" in m
+    assert m["train/logits_seen"].item() == pytest.approx(0.5)  # the backend's logits reach the hook
     loss.backward()  # the custom loss carries the policy gradient
+    module = sys.modules["_slime_plugin_my_loss"]
+    batch = module.CALLS[-1]
+    assert batch["advantages"] == [[1.0, 1.0], [-2.0]] and batch["loss_masks"] == [[1.0, 1.0], [1.0]]
+    assert batch["response_lengths"] == [2, 1] and batch["total_lengths"] == [5, 3]
+    assert batch["ref_log_probs"] is None and batch["rollout_log_probs"] is None
+
+
+def test_custom_loss_per_token_divides_by_the_global_token_count(tmp_path):
+    path = _plugin(tmp_path, "my_loss", CUSTOM_LOSS)
+    args = _args(loss_type="custom_loss", custom_loss_function_path=f"{path}:my_loss", calculate_per_token_loss=True)
+    loss, _ = compute_actor_loss(args, _inputs(per_token=True, denominator=3.0))
+    # Σ −A·logp over the 3 masked tokens: ln2 + 2 ln2 − 2 ln2 = ln2, over 3 tokens
+    assert loss.item() == pytest.approx(math.log(2) / 3)
 
 
 def test_custom_advantage_function_contract(tmp_path):
-    path = tmp_path / "my_adv.py"
-    path.write_text(CUSTOM_ADV)
+    path = _plugin(tmp_path, "my_adv", CUSTOM_ADV)
     args = _args(custom_advantage_function_path=f"{path}:my_advantages")
     inputs = AdvantageInputs(rewards=[0.0, 0.0], raw_rewards=[1.0, 0.5], response_lengths=[2, 1],
-                                loss_masks=[torch.ones(2), torch.ones(1)], group_indices=[0, 0])
+                             loss_masks=[torch.ones(2), torch.ones(1)], group_indices=[0, 0])
     adv, ret = compute_advantages_and_returns(args, inputs)
-    assert [a.tolist() for a in adv] == [[10.0, 10.0], [5.0]] and ret is None
+    assert [a.tolist() for a in adv] == [[10.0, 10.0], [5.0]]
+    assert [r.tolist() for r in ret] == [[10.0, 10.0], [5.0]]  # + kl: zeros without --kl-coef (slime's)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("pass", r"set no rollout_data\['advantages'\]"),
+    ("rollout_data['advantages'] = [torch.zeros(2)]", "has 1 entries for 2 samples"),
+    ("rollout_data['advantages'] = [torch.zeros(2), torch.zeros(3)]", r"\[1\] has shape \(3,\)"),
+])
+def test_custom_advantage_function_bad_results_name_the_hook(tmp_path, body, message):
+    path = _plugin(tmp_path, "bad_adv", f"import torch\n\ndef fn(args, rollout_data):\n    {body}\n")
+    args = _args(custom_advantage_function_path=f"{path}:fn")
+    inputs = AdvantageInputs(rewards=[0.0, 0.0], raw_rewards=[1.0, 0.5], response_lengths=[2, 1],
+                             loss_masks=[torch.ones(2), torch.ones(1)])
+    with pytest.raises(ValueError, match="--custom-advantage-function-path .*" + message):
+        compute_advantages_and_returns(args, inputs)
+
+
+CUSTOM_TIS = '''
+import torch
+
+CALLS = []
+
+def half_and_reject(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
+                    response_lengths, **kwargs):
+    # slime's contract: flat pg_loss, per-sample lists -> (flat pg_loss, per-sample masks, flat metrics)
+    CALLS.append({"pg_loss": pg_loss.tolist(), "train": [t.tolist() for t in train_log_probs],
+                  "rollout": [t.tolist() for t in rollout_log_probs], "masks": [m.tolist() for m in loss_masks],
+                  "total_lengths": total_lengths, "response_lengths": response_lengths})
+    masks = [m.clone() for m in loss_masks]
+    masks[0][1] = 0  # reject sample A's second token
+    return pg_loss * 0.5, masks, {"my_weight": torch.full_like(pg_loss, 0.5)}
+'''
+
+
+def test_custom_tis_function_is_called_with_slime_layout_and_used(tmp_path):
+    path = _plugin(tmp_path, "my_tis", CUSTOM_TIS)
+    rollout = torch.log(torch.tensor([[0.25, 0.25], [0.5, 1.0]]))
+    args = _args(use_tis=True, custom_tis_function_path=f"{path}:half_and_reject")
+    loss, m = compute_actor_loss(args, _inputs(rollout_log_probs=rollout))
+    call = sys.modules["_slime_plugin_my_tis"].CALLS[-1]
+    assert call["pg_loss"] == [-1.0, -1.0, 2.0]  # the rows' response tokens back to back (padding dropped)
+    assert call["response_lengths"] == [2, 1] and call["total_lengths"] == [5, 3]
+    assert call["masks"] == [[1.0, 1.0], [1.0]] and len(call["train"][0]) == 2 and len(call["rollout"][1]) == 1
+    # pg × 0.5 with A's token 1 rejected: A (−0.5 + 0) / 2 tokens (the denominator stays the loss mask's), B 1.0
+    assert m["train/pg_loss"].item() == pytest.approx((-0.25 + 1.0) / 2)
+    assert m["train/my_weight"].item() == pytest.approx(0.5)  # its metrics are logged as train/<name>
+    assert "train/tis" not in m and m["train/ois"].item() == pytest.approx(1.0)
+
+
+def test_icepop_through_the_tis_flag():
+    rollout = torch.log(torch.tensor([[0.25, 0.25], [0.5, 1.0]]))  # ratios [[2, 1], [1, ·]]
+    args = _args(use_tis=True, tis_clip=1.5, custom_tis_function_path="slime.algorithm.tis.icepop_function")
+    _, m = compute_actor_loss(args, _inputs(rollout_log_probs=rollout))
+    # ratio 2 is outside [0, 1.5]: that token is dropped; pg = [[0, −1], [2, ·]] -> (−0.5 + 2) / 2
+    assert m["train/pg_loss"].item() == pytest.approx(0.75)
+    assert m["train/tis_clipfrac"].item() == pytest.approx(0.25)
+    # vanilla_tis_function equals the built-in truncation
+    vanilla = _args(use_tis=True, tis_clip=1.5, custom_tis_function_path="slime.algorithm.tis.vanilla_tis_function")
+    _, mv = compute_actor_loss(vanilla, _inputs(rollout_log_probs=rollout))
+    _, mb = compute_actor_loss(_args(use_tis=True, tis_clip=1.5), _inputs(rollout_log_probs=rollout))
+    assert mv["train/pg_loss"].item() == pytest.approx(mb["train/pg_loss"].item()) == pytest.approx(0.375)
+
+
+def test_get_mismatch_metrics_runs_the_tis_function_without_use_tis(tmp_path):
+    path = _plugin(tmp_path, "my_tis", CUSTOM_TIS)
+    rollout = torch.log(torch.tensor([[0.25, 0.25], [0.5, 1.0]]))
+    args = _args(get_mismatch_metrics=True, custom_tis_function_path=f"{path}:half_and_reject")
+    _, m = compute_actor_loss(args, _inputs(rollout_log_probs=rollout))
+    assert m["train/my_weight"].item() == pytest.approx(0.5)
+
+
+REDUCER = '''
+import torch
+
+CALLS = []
+
+def constant_denominator(total_lengths, response_lengths, loss_masks, calculate_per_token_loss):
+    # Dr.GRPO-style: each sample's masked sum over a constant 4 instead of its token count
+    CALLS.append((total_lengths, response_lengths, [m.tolist() for m in loss_masks], calculate_per_token_loss))
+    def reduce(x):
+        return sum((part * m).sum() / 4.0 for part, m in zip(x.split(response_lengths), loss_masks))
+    return reduce
+'''
+
+
+def test_custom_pg_loss_reducer_reduces_only_the_pg_loss(tmp_path):
+    path = _plugin(tmp_path, "my_reducer", REDUCER)
+    args = _args(custom_pg_loss_reducer_function_path=f"{path}:constant_denominator")
+    loss, m = compute_actor_loss(args, _inputs())
+    # pg per token [[-1, -1], [2, ·]]: A −2/4, B 2/4 -> sum 0, over the 2 samples of the global batch
+    assert m["train/pg_loss"].item() == pytest.approx(0.0)
+    assert m["train/entropy_loss"].item() == pytest.approx(((0.6 + 0.2) / 2 + 1.0) / 2)  # default reduction
+    call = sys.modules["_slime_plugin_my_reducer"].CALLS[-1]
+    assert call == ([5, 3], [2, 1], [[1.0, 1.0], [1.0]], False)
+    inputs = _inputs(advantages=torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
+    _, m = compute_actor_loss(args, inputs)
+    assert m["train/pg_loss"].item() == pytest.approx((-2 / 4 - 1 / 4) / 2)
+
+
+def test_slime_hooks_need_the_rows_lengths(tmp_path):
+    path = _plugin(tmp_path, "my_reducer", REDUCER)
+    args = _args(custom_pg_loss_reducer_function_path=f"{path}:constant_denominator")
+    with pytest.raises(ValueError, match="--custom-pg-loss-reducer-function-path: .*LossInputs.response_lengths"):
+        compute_actor_loss(args, _inputs(response_lengths=None))
+
+
+@pytest.mark.parametrize("flag, source, call", [
+    ("--custom-loss-function-path", "def fn(args, inputs):\n    pass\n",
+     r"fn\(args, batch, logits, sum_of_sample_mean\)"),
+    ("--custom-advantage-function-path", "def fn(args):\n    pass\n", r"fn\(args, rollout_data\)"),
+    ("--custom-tis-function-path", "def fn(args, pg_loss, train_log_probs):\n    pass\n",
+     r"fn\(args, \*, pg_loss, train_log_probs"),
+    ("--custom-pg-loss-reducer-function-path", "def fn(total_lengths, response_lengths):\n    pass\n",
+     r"fn\(total_lengths, response_lengths, loss_masks, calculate_per_token_loss\)"),
+])
+def test_a_hook_with_the_wrong_signature_fails_at_parse_time(files, flag, source, call):
+    (files / "hook.py").write_text(source)
+    extra = ["--loss-type", "custom_loss"] if flag == "--custom-loss-function-path" else []
+    extra += ["--use-tis"] if flag == "--custom-tis-function-path" else []
+    with pytest.raises(SlimeArgumentError, match=f"{flag}=hook.py:fn: .*cannot be called as {call}"):
+        make_args(flag, "hook.py:fn", *extra)
+
+
+def test_the_slime_tis_functions_pass_the_parse_time_check(files):
+    for name in ("vanilla_tis_function", "icepop_function"):
+        args = make_args("--use-tis", "--custom-tis-function-path", f"slime.algorithm.tis.{name}")
+        assert args.custom_tis_function_path.endswith(name)
 
 
 def test_unknown_loss_type_names_flag():
@@ -136,8 +300,8 @@ def test_critic_loss_aggregates_value_loss():
     values = torch.tensor([[1.0, 0.0], [0.6, 9.0]], requires_grad=True)
     old, ret = torch.tensor([[0.5, 0.5], [0.5, 0.0]]), torch.tensor([[2.0, 0.0], [0.0, 0.0]])
     loss, m = critic_loss(_args(value_clip=0.2), values, old, ret, agg)
-    # per token ½·max(...) = [[0.845, 0.045], [0.18, ·]] -> ((0.845 + 0.045)/2 + 0.18)/2
-    assert loss.item() == pytest.approx(((0.845 + 0.045) / 2 + 0.18) / 2)
+    # per token max(...) = [[1.69, 0.09], [0.36, ·]] (slime's, no ½) -> ((1.69 + 0.09)/2 + 0.36)/2
+    assert loss.item() == pytest.approx(((1.69 + 0.09) / 2 + 0.36) / 2)
     assert m["train/value_loss"].item() == pytest.approx(loss.item())
     assert m["train/value_clipfrac"].item() == pytest.approx((1.0 + 0.0) / 2)
     loss.backward()
