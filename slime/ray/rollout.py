@@ -11,6 +11,12 @@ Simplifications and choices:
   (deregistered, server stopped) and `before_weight_update` restarts its server in the same actor and
   re-registers it, so the push that follows brings it to the current weights; the actor handles stay the same.
 - Samples marked FAILED are counted in `rollout/failed_count` (train_data.py gives them an all-zero loss mask).
+- slime's hooks around a rollout are called here as slime calls them: `set_current_rollout_id` before the
+  rollout / eval function (what `--rollout-sample-hook-path` hooks are told), the samples -> train data
+  conversion (`--custom-convert-samples-to-train-data-path`, slime/rollout/train_data.py), and
+  `--custom-rollout-log-function-path` / `--custom-eval-rollout-log-function-path` (True: this rollout's
+  default metrics are not returned). A rollout may hold more samples than rollouts: samples split from one
+  rollout by a custom generate function share its `rollout_id` and count once against the batch size.
 - `--debug-train-only` skips the router and engines; with `--load-debug-rollout-data` the samples of
   each rollout are read from that file (a template with `{rollout_id}`) instead of being generated.
 - `--rollout-external-engine-addrs` registers already running engines (no engine actors are created).
@@ -38,7 +44,14 @@ from slime.backends.sglang_utils.sglang_engine import engine_nnodes
 from slime.ray.engine_health import EngineHealthMonitor
 from slime.rollout.base_types import call_rollout_fn, lifecycle_of
 from slime.rollout.router import RouterClient, RouterProcess, url_of
-from slime.rollout.train_data import build_train_batch, flatten_groups, load_debug_samples, save_debug_samples
+from slime.rollout.sample_hooks import set_current_rollout_id
+from slime.rollout.train_data import (
+    flatten_groups,
+    load_debug_samples,
+    rollout_count,
+    samples_to_train_batch,
+    save_debug_samples,
+)
 from slime.utils.metrics import (
     compute_eval_metrics,
     compute_rollout_metrics,
@@ -176,8 +189,8 @@ class RolloutManager:
         return list(self.engine_urls)
 
     def dataset_size(self) -> int:
-        size = self.data_source.dataset_size
-        return int(size() if callable(size) else size)
+        """Prompts the data source holds (`len()`, slime's DataSource contract)."""
+        return len(self.data_source)
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, rollout_id: int, with_timing: bool = False):
@@ -189,28 +202,33 @@ class RolloutManager:
         args = self.args
         wall_start = time.time()
         start = time.perf_counter()
+        set_current_rollout_id(rollout_id)
         served_before = self._engine_request_counts()
-        fn_metrics: dict[str, Any] = {}
+        output_metrics: dict[str, Any] | None = None
         if args.load_debug_rollout_data:
             samples = load_debug_samples(args.load_debug_rollout_data, rollout_id)
         else:
             output = call_rollout_fn(self.generate_rollout, args, rollout_id, self.data_source, evaluation=False)
             samples = flatten_groups(output.samples, args.rollout_function_path)
-            fn_metrics = output.metrics or {}
+            output_metrics = output.metrics
+        fn_metrics = output_metrics or {}
         rollout_time = time.perf_counter() - start
 
         expected = args.rollout_batch_size * args.n_samples_per_prompt
-        if len(samples) != expected:
+        rollouts = rollout_count(samples)
+        if rollouts != expected:
+            split = f" in {len(samples)} samples" if len(samples) != rollouts else ""
             raise RuntimeError(
-                f"rollout {rollout_id}: {args.rollout_function_path} returned {len(samples)} samples, expected "
+                f"rollout {rollout_id}: {args.rollout_function_path} returned {rollouts} rollouts{split}, expected "
                 f"--rollout-batch-size ({args.rollout_batch_size}) x --n-samples-per-prompt "
                 f"({args.n_samples_per_prompt}) = {expected}; the rollout function must return "
-                "rollout_batch_size groups of n_samples_per_prompt samples"
+                "rollout_batch_size groups of n_samples_per_prompt samples (samples split from one rollout share "
+                "its rollout_id)"
             )
         if args.save_debug_rollout_data:
             save_debug_samples(args.save_debug_rollout_data, rollout_id, samples)
 
-        batch = build_train_batch(args, samples)
+        batch = samples_to_train_batch(args, samples)
         failed = sum(s.status == Sample.Status.FAILED for s in samples)
         metrics = compute_rollout_metrics(
             batch.raw_rewards, batch.rewards, batch.response_lengths, batch.truncated, batch.group_indices,
@@ -228,6 +246,9 @@ class RolloutManager:
             metrics["perf/rollout_wait_time_ratio"] = wait_time_ratio(idle, idle + rollout_time)
         metrics.update({k: float(v) for k, v in fn_metrics.items()})  # a background rollout reports its own ratio
         self._last_generate_end = time.time()
+        if _custom_log(args.custom_rollout_log_function_path, "--custom-rollout-log-function-path",
+                       rollout_id, args, samples, output_metrics, rollout_time):
+            metrics = {}  # the plugin logged this rollout itself
         if with_timing:
             return batch, metrics, {"generate_start": wall_start, "generate_end": self._last_generate_end}
         return batch, metrics
@@ -254,10 +275,14 @@ class RolloutManager:
         args = self.args
         path = args.eval_function_path
         fn = load_function(path, "--eval-function-path")
+        set_current_rollout_id(rollout_id)
         output = call_rollout_fn(fn, args, rollout_id, self.data_source, evaluation=True)
         if not isinstance(output.data, dict):
             raise TypeError(f"eval function {path} returned {type(output.data).__name__}, expected "
                             "RolloutFnEvalOutput or {name: {rewards, ...}}")
+        if _custom_log(args.custom_eval_rollout_log_function_path, "--custom-eval-rollout-log-function-path",
+                       rollout_id, args, output.data, output.metrics):
+            return {}  # the plugin logged this eval itself
         metrics: dict[str, float] = {k: float(v) for k, v in (output.metrics or {}).items()}
         for name, data in output.data.items():
             samples = data.get("samples")
@@ -389,6 +414,14 @@ def router_args_from(args: Any) -> dict[str, Any]:
     if args.sglang_router_request_timeout_secs is not None:
         out.setdefault("request_timeout_secs", args.sglang_router_request_timeout_secs)
     return out
+
+
+def _custom_log(path: str | None, flag: str, *call_args: Any) -> bool:
+    """Call a `--custom-(eval-)rollout-log-function-path` plugin with slime's arguments; True when it asks for
+    the default metrics of that rollout to be skipped."""
+    if not path:
+        return False
+    return bool(load_function(path, flag)(*call_args))
 
 
 def _best_effort(what: str, fn) -> None:

@@ -19,6 +19,7 @@ of an empty `Sample` and a `--custom-generate-function-path` makes up the prompt
 
 from __future__ import annotations
 
+import abc
 import copy
 import json
 import logging
@@ -35,7 +36,34 @@ def state_path(root: str, rollout_id: int) -> str:
     return os.path.join(root, "rollout", f"data_source_state_{rollout_id}.json")
 
 
-class RolloutDataSource:
+class DataSource(abc.ABC):
+    """What `--data-source-path` names: a class built as `DataSource(args)` by the RolloutManager. The rollout
+    function asks it for groups (`get_samples`) and may hand unfinished ones back (`add_samples`); `save` /
+    `load` run at each checkpoint and on resume; `len()` is the number of prompts it holds (it sizes
+    `--num-rollout` from `--num-epoch` when that is not given)."""
+
+    @abc.abstractmethod
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        """The next `num_samples` groups."""
+
+    @abc.abstractmethod
+    def add_samples(self, samples: list[list[Sample]]) -> None:
+        """Take groups back (e.g. partial ones after an abort)."""
+
+    @abc.abstractmethod
+    def save(self, rollout_id: int) -> None:
+        """Write the state reached after `rollout_id`."""
+
+    @abc.abstractmethod
+    def load(self, rollout_id: int | None = None) -> None:
+        """Restore the state written for `rollout_id`."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Prompts held (may change as groups are handed out and back)."""
+
+
+class RolloutDataSource(DataSource):
     def __init__(self, args):
         self.args = args
         self.epoch_id = 0
@@ -43,7 +71,8 @@ class RolloutDataSource:
         self.sample_group_index = 0
         self.sample_index = 0
         self.dataset = None
-        if args.prompt_data and not args.disable_rollout_global_dataset:
+        # slime's order: without the global dataset, --prompt-data is not read at all
+        if args.rollout_global_dataset and args.prompt_data:
             self.dataset = self._load_dataset(args)
             if len(self.dataset) == 0:
                 raise ValueError(
@@ -77,6 +106,9 @@ class RolloutDataSource:
     @property
     def dataset_size(self) -> int:
         return len(self.dataset) if self.dataset is not None else 0
+
+    def __len__(self) -> int:
+        return self.dataset_size
 
     def _next_prompts(self, num_groups: int) -> list[Sample]:
         if self.dataset is None:

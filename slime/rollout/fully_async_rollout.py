@@ -40,11 +40,11 @@ import logging
 import time
 
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, rollout_lifecycle
+from slime.rollout.filter_hub.base_types import call_dynamic_filter, drop_metric, should_drop_dynamic_filter_output
 from slime.rollout.sglang_rollout import (
     abort_engines,
     build_sampling_params,
     check_failed_ratio,
-    filter_verdict,
     generate_and_rm_group,
     generate_rollout,
 )
@@ -166,9 +166,13 @@ class AsyncRolloutWorker:
             self.requeued.append(requeue_unfinished(group, self.partial_rollout))
             return
         if self.filter_fn is not None:
-            keep, reason = filter_verdict(self.filter_fn, self.args, group)
-            if not keep:
-                self._count(f"rollout/dynamic_filter/drop_{reason or 'filtered'}")
+            verdict = call_dynamic_filter(self.filter_fn, self.args, group)
+            # a rejected group that asked to be kept when short is kept while the groups finished and in flight
+            # (this one included) could not fill the next rollout without it
+            remaining = len(self.finished) + len(self.in_flight) + 1
+            if should_drop_dynamic_filter_output(verdict, remaining_batch_size=remaining,
+                                                 target_data_size=int(self.args.rollout_batch_size)):
+                self._count(drop_metric(verdict.reason))
                 return
         self.finished.append(group)
 

@@ -4,6 +4,13 @@ Generation goes to the router (`--sglang-router-ip` / `--sglang-router-port`, fi
 for a router it starts) over SGLang's native `/generate` API; an abort (`/abort_request`) goes to every engine
 the router lists (`GET /workers`) directly, because sglang-router does not proxy it.
 
+Plugins written for slime use this module as slime's: `GenerateState(args)` (tokenizer, sampling params,
+semaphore, abort flag), `generate`, `generate_and_rm`, `generate_and_rm_group`, `get_model_url`. The hooks
+slime calls from its default rollout are called here at the same points: the dynamic filter on each finished
+group (`slime.rollout.filter_hub`), `--rollout-sample-hook-path` on each generated sample before its reward
+(`slime.rollout.sample_hooks`), and once the groups are chosen `--rollout-sample-filter-path` on the kept
+groups and `--rollout-all-samples-process-path` on every finished group (`finish_rollout`).
+
 Choices and simplifications:
 - Dynamic sampling keeps `kept + in flight == --over-sampling-batch-size`: each group the filter drops is
   replaced at once by one new group (slime refills in whole waves, issue #2217).
@@ -19,33 +26,44 @@ Choices and simplifications:
   hits its in-flight requests).
 - With `evaluation=True`, `generate_rollout` grades every prompt of each `--eval-prompt-data` dataset
   (`--n-samples-per-eval-prompt` each, eval sampling flags falling back to the rollout's) and returns
-  `{name: {"rewards", "truncated", "samples"}}`, as slime does; `--eval-config` is not read here.
+  `{name: {"rewards", "truncated", "samples"}}`, as slime does; a dataset's `custom_generate_function_path`
+  / `custom_rm_path` (from `--eval-config`) become its samples' `generate_function_path` / `custom_rm_path`.
+- A custom generate function that returns several samples for one leaves them side by side in the group
+  (slime nests them one level deeper); they share the input's `rollout_id` (else its index).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import contextvars
 import copy
 import functools
 import inspect
 import logging
 import time
+import uuid
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
+from slime.rollout.filter_hub.base_types import MetricGatherer, call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.router import RouterClient, url_of
+from slime.rollout.sample_hooks import apply_rollout_sample_hooks
 from slime.utils.data import Dataset
 from slime.utils.eval_config import args_for, eval_datasets
 from slime.utils.http_utils import HTTPRequestError, post, run_sync
-from slime.utils.misc import load_function
+from slime.utils.misc import SingletonMeta, load_function
+from slime.utils.processing_utils import load_processor
 from slime.utils.progress import progress
 from slime.utils.types import Sample
+
+__all__ = ["GenerateState", "generate", "generate_and_rm", "generate_and_rm_group", "generate_rollout", "get_model_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,11 +127,88 @@ def get_tokenizer(args):
     return _load_tokenizer(args.hf_checkpoint)
 
 
-@functools.lru_cache(maxsize=16)
-def _custom_generate(path: str):
-    fn = load_function(path, "--custom-generate-function-path")
-    takes_evaluation = "evaluation" in inspect.signature(fn).parameters
-    return fn, takes_evaluation
+def get_model_url(args, model_name: str, endpoint: str = "/generate") -> str:
+    """URL of `endpoint` on the router serving `model_name` (slime's helper for rollouts that address several
+    models): `args.sglang_model_routers[model_name]` (ip, port) when a multi-model deployment filled that
+    mapping in, else the one router every request goes to."""
+    routers = getattr(args, "sglang_model_routers", None) or {}  # only multi-model deployments set it
+    if model_name in routers:
+        ip, port = routers[model_name]
+        return f"{url_of(ip, port)}{endpoint}"
+    return f"{router_url(args)}{endpoint}"
+
+
+def sglang_flag_on(args, field: str) -> bool:
+    """Whether a forwarded boolean `--sglang-<field>` flag is on (a bare flag, or true/1/yes/on as text; the
+    SGLang launcher checks the value's type against SGLang's ServerArgs)."""
+    value = args.sglang_args.get(field)
+    return value is True or (isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"))
+
+
+class GenerateState(metaclass=SingletonMeta):
+    """The rollout's per-process state, as slime's plugins reach it: `GenerateState(args)` (one instance per
+    process, built from the first args it is given).
+
+    - `tokenizer` and `processor` (of `--hf-checkpoint`; the processor is None for a text-only model);
+    - `sampling_params`: the rollout's SGLang sampling parameters (`build_sampling_params`), a fresh copy to
+      edit is `dict(state.sampling_params)`;
+    - `semaphore`: bounds concurrent requests to `--sglang-server-concurrency` x engines (one per event loop);
+    - `aborted`: whether the rollout being generated has been aborted (per rollout call, not process-wide:
+      an eval running next to a training rollout is not marked aborted when the training rollout ends);
+    - `group_sampling_seeds`: per-sample-of-a-group seeds with `--sglang-enable-deterministic-inference`;
+    - `dp_rank_context()`: picks the least busy of the engines' `--sglang-dp-size` data-parallel ranks.
+    """
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.group_sampling_seeds = [args.rollout_seed + i for i in range(args.n_samples_per_prompt)]
+        self.dp_counts = [0] * int(args.sglang_args.get("dp_size") or 1)
+        self.dp_rank = 0
+
+    @functools.cached_property
+    def sampling_params(self) -> dict[str, Any]:
+        """Built on first use (a rollout made only of custom generate functions may set no response limit)."""
+        return build_sampling_params(self.args)
+
+    @property
+    def tokenizer(self):
+        return get_tokenizer(self.args)
+
+    @functools.cached_property
+    def processor(self):
+        """The multimodal processor of --hf-checkpoint; None for a text-only model."""
+        return load_processor(self.args.hf_checkpoint, trust_remote_code=True)
+
+    @property
+    def semaphore(self) -> asyncio.Semaphore:
+        return _semaphore(self.args)
+
+    @property
+    def aborted(self) -> bool:
+        return _aborted()
+
+    @aborted.setter
+    def aborted(self, value: bool) -> None:
+        event = _abort_event.get()
+        if event is None:
+            if value:  # outside a rollout call there is nothing in flight that the flag could stop
+                logger.warning("GenerateState.aborted set outside a rollout call; ignored")
+            return
+        event.set() if value else event.clear()
+
+    @contextlib.contextmanager
+    def dp_rank_context(self) -> Iterator[int]:
+        rank = min(range(len(self.dp_counts)), key=lambda r: (self.dp_counts[r], r))
+        self.dp_counts[rank] += 1
+        self.dp_rank = rank
+        try:
+            yield rank
+        finally:
+            self.dp_counts[rank] -= 1
+
+    def reset(self) -> None:
+        """Clear the abort flag of the current rollout call."""
+        self.aborted = False
 
 
 # --- sampling parameters and one request -----------------------------------------------------------------
@@ -232,6 +327,14 @@ async def post_generate(args, input_ids: list[int], params: dict):
     return _parse_generate_answer(url, answer)
 
 
+def mask_offpolicy(args, sample: Sample) -> None:
+    """With --mask-offpolicy-in-partial-rollout, a partial sample about to be continued keeps the tokens an
+    earlier rollout (older weights) generated as context only: loss mask 0. Idempotent."""
+    resuming = sample.status == Sample.Status.ABORTED and sample.response_length > 0
+    if resuming and args.partial_rollout and args.mask_offpolicy_in_partial_rollout:
+        sample.loss_mask = [0] * sample.response_length
+
+
 async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     """One /generate call that appends its tokens, text, log-probs and loss mask to `sample`.
 
@@ -241,11 +344,8 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     if _aborted():
         sample.status = Sample.Status.ABORTED
         return sample
-    resuming = sample.status == Sample.Status.ABORTED and sample.response_length > 0
+    mask_offpolicy(args, sample)
     init_response(args, sample)
-    if resuming and args.mask_offpolicy_in_partial_rollout:
-        # tokens from an earlier rollout were sampled by older weights: keep them as context, not as targets
-        sample.loss_mask = [0] * sample.response_length
 
     params = dict(sampling_params)
     max_new = int(params["max_new_tokens"]) - sample.response_length
@@ -287,48 +387,97 @@ async def _reward_one(args, sample: Sample) -> None:
 async def generate_and_rm(
     args, sample: Sample, sampling_params: dict, evaluation: bool = False
 ) -> Sample | list[Sample]:
-    """Generate (unless already finished) and grade one sample; errors mark it FAILED instead of raising."""
-    group_rm = args.group_rm
+    """Generate (unless already finished), run the `--rollout-sample-hook-path` hooks, and grade one sample.
+
+    The generate function is the sample's own `generate_function_path` (e.g. from an eval dataset's config),
+    else `--custom-generate-function-path`, else `generate`; it gets `evaluation=` when its signature has that
+    parameter. It may return several samples for this one (one prompt split into trajectories): they come back
+    as a list, every sibling with the same `rollout_id` (the input's, else its index). With `--group-rm` the
+    group is graded in `generate_and_rm_group` instead. Errors mark the sample FAILED instead of raising.
+    """
     if sample.status == Sample.Status.FAILED:
         return sample
+    mask_offpolicy(args, sample)
     if sample.status in _FINISHED:
-        if sample.reward is None and not group_rm:
+        if sample.reward is None and not args.group_rm:
             await _reward_one(args, sample)
         return sample
 
-    path = args.custom_generate_function_path
+    state = GenerateState(args)
+    path = sample.generate_function_path or args.custom_generate_function_path
     try:
-        async with _semaphore(args):
-            if _aborted():
+        async with state.semaphore:
+            if state.aborted:
                 sample.status = Sample.Status.ABORTED
                 return sample
-            params = copy.deepcopy(sampling_params)
-            if path:
-                fn, takes_evaluation = _custom_generate(path)
-                result = (
-                    fn(args, sample, params, evaluation=evaluation) if takes_evaluation else fn(args, sample, params)
-                )
-                result = await result if inspect.isawaitable(result) else result
-            else:
-                result = await generate(args, sample, params)
+            with state.dp_rank_context():
+                result = await _call_generate(path, args, sample, dict(sampling_params), evaluation)
+        _check_generated(result, sample, path)
+        result = await apply_rollout_sample_hooks(args, result, evaluation=evaluation)
+        samples = result if isinstance(result, list) else [result]
     except Exception as e:  # noqa: BLE001 - see _mark_failed
         _mark_failed(sample, e, path or "generate")
         return sample
 
-    samples = result if isinstance(result, list) else [result]
-    if not group_rm:
+    if not args.group_rm:
         for s in samples:
             if s.status not in (Sample.Status.ABORTED, Sample.Status.FAILED) and s.reward is None:
                 await _reward_one(args, s)
     return result
 
 
+async def _call_generate(path: str | None, args, sample: Sample, params: dict, evaluation: bool):
+    if not path:
+        return await generate(args, sample, params)
+    fn = load_function(path)
+    if "evaluation" in inspect.signature(fn).parameters:
+        result = fn(args, sample, params, evaluation=evaluation)
+    else:
+        result = fn(args, sample, params)
+    return await result if inspect.isawaitable(result) else result
+
+
+def _check_generated(result: Any, sample: Sample, path: str | None) -> None:
+    """A generate function returned a Sample or a non-empty list of them for `sample`; the siblings of a list
+    get one `rollout_id`."""
+    samples = result if isinstance(result, list) else [result]
+    where = f"--custom-generate-function-path={path}" if path else "generate"
+    if not samples or not all(isinstance(s, Sample) for s in samples):
+        got = [type(s).__name__ for s in samples] if isinstance(result, list) else type(result).__name__
+        raise TypeError(f"{where} returned {got} for sample {sample.index}; return the Sample or a non-empty "
+                        "list[Sample]")
+    if isinstance(result, list):
+        ids = {s.rollout_id for s in samples if s.rollout_id is not None}
+        if len(ids) > 1:
+            raise ValueError(f"{where} returned {len(samples)} samples for sample {sample.index} with different "
+                             f"rollout_id values {sorted(ids)}; samples split from one rollout share one rollout_id")
+        shared = ids.pop() if ids else (sample.rollout_id if sample.rollout_id is not None else sample.index)
+        for s in samples:
+            s.rollout_id = shared
+
+
 async def generate_and_rm_group(
     args, group: list[Sample], sampling_params: dict, evaluation: bool = False
 ) -> list[Sample]:
     """All samples of a group concurrently; with --group-rm the group is graded at once afterwards.
-    A custom generate function that returns several samples for one makes the group longer."""
-    results = await asyncio.gather(*(generate_and_rm(args, s, sampling_params, evaluation) for s in group))
+
+    Each sample gets a `session_id` (the routing key of consistent-hashing routers) and, with
+    `--sglang-enable-deterministic-inference`, the `sampling_seed` of its place in the group. A custom generate
+    function that returns several samples for one makes the group longer (flat, siblings next to each other;
+    slime nests them one level deeper). A rollout already aborted returns the group untouched."""
+    state = GenerateState(args)
+    if state.aborted:
+        return group
+    deterministic = sglang_flag_on(args, "enable_deterministic_inference")
+    tasks = []
+    for i, s in enumerate(group):
+        if s.session_id is None:
+            s.session_id = str(uuid.uuid4())
+        params = dict(sampling_params)
+        if deterministic:  # the i-th sample of every group draws with the same seed
+            params["sampling_seed"] = args.rollout_seed + i
+        tasks.append(generate_and_rm(args, s, params, evaluation))
+    results = await asyncio.gather(*tasks)
     flat: list[Sample] = []
     for r in results:
         flat.extend(r if isinstance(r, list) else [r])
@@ -382,14 +531,6 @@ async def abort_engines(args) -> None:
             logger.warning("abort on %s failed: %s", url, r)
 
 
-def filter_verdict(filter_fn, args, group: list[Sample]) -> tuple[bool, str | None]:
-    """(keep, reason) from a --dynamic-sampling-filter-path function's bool or DynamicFilterOutput."""
-    out = filter_fn(args, group)
-    if isinstance(out, bool):
-        return out, None
-    return bool(out.keep), out.reason
-
-
 # --- the rollout -----------------------------------------------------------------------------------------
 
 
@@ -422,9 +563,10 @@ async def _generate_rollout(args, rollout_id: int, data_source) -> RolloutFnTrai
 
     pending: set[asyncio.Task] = set()
     kept: list[list[Sample]] = []
+    finished: list[list[Sample]] = []  # every group that finished generating: kept, dropped or surplus
     surplus: list[list[Sample]] = []  # finished after the target was met: treated like the aborted leftovers
     failed: list[Sample] = []
-    drops: dict[str, int] = {}
+    drops = MetricGatherer()
     where = f"rollout {rollout_id}"
     bar = progress(target, where, "group")
     start, tokens = time.monotonic(), 0
@@ -439,15 +581,21 @@ async def _generate_rollout(args, rollout_id: int, data_source) -> RolloutFnTrai
                     f"{where}: the data source handed out no groups ({type(data_source).__name__}.get_samples)"
                 )
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            unjudged = len(done)
             for task in done:
                 group = task.result()
+                finished.append(group)
                 failed.extend(s for s in group if s.status == Sample.Status.FAILED)
                 check_failed_ratio(args, failed, total_samples, where)
+                # the groups that could still fill the batch: kept, running, and the finished ones not yet
+                # judged (this one included)
+                remaining = len(kept) + len(pending) + unjudged
+                unjudged -= 1
                 if filter_fn is not None and len(kept) < target:
-                    keep, reason = filter_verdict(filter_fn, args, group)
-                    if not keep:
-                        key = f"rollout/dynamic_filter/drop_{reason or 'filtered'}"
-                        drops[key] = drops.get(key, 0) + 1
+                    verdict = call_dynamic_filter(filter_fn, args, group)
+                    if should_drop_dynamic_filter_output(verdict, remaining_batch_size=remaining,
+                                                         target_data_size=target):
+                        drops.on_dynamic_filter_drop(verdict.reason)
                         continue
                 if len(kept) < target:
                     kept.append(group)
@@ -461,11 +609,30 @@ async def _generate_rollout(args, rollout_id: int, data_source) -> RolloutFnTrai
         leftovers = surplus + await _abort_and_collect(args, pending)
     _recycle(args, rollout_id, data_source, leftovers)
 
-    metrics = {**drops, "rollout/aborted_groups": float(len(leftovers)), "rollout/failed_samples_all": float(len(failed))}
-    if drops:
-        logger.info("%s: dynamic filter dropped %s", where, drops)
-    kept.sort(key=lambda g: g[0].group_index if g and g[0].group_index is not None else -1)
+    dropped = drops.collect()
+    metrics = {**dropped, "rollout/aborted_groups": float(len(leftovers)),
+               "rollout/failed_samples_all": float(len(failed))}
+    if dropped:
+        logger.info("%s: dynamic filter dropped %s", where, dropped)
+    kept.sort(key=_group_order)
+    finish_rollout(args, kept, sorted(finished, key=_group_order), data_source)
     return RolloutFnTrainOutput(samples=kept, metrics=metrics)
+
+
+def _group_order(group: list[Sample]) -> int:
+    return group[0].group_index if group and group[0].group_index is not None else -1
+
+
+def finish_rollout(args, groups: list[list[Sample]], all_groups: list[list[Sample]], data_source) -> None:
+    """The hooks slime runs once a rollout's groups are chosen: `--rollout-sample-filter-path fn(args, groups)`
+    (marks `sample.remove_sample` on samples to leave out of the loss) on the kept groups, then
+    `--rollout-all-samples-process-path fn(args, all_groups, data_source)` on every group that finished,
+    those the dynamic filter dropped included."""
+    if args.rollout_sample_filter_path:
+        load_function(args.rollout_sample_filter_path, "--rollout-sample-filter-path")(args, groups)
+    if args.rollout_all_samples_process_path:
+        load_function(args.rollout_all_samples_process_path, "--rollout-all-samples-process-path")(
+            args, all_groups, data_source)
 
 
 async def _abort_and_collect(args, pending: set[asyncio.Task]) -> list[list[Sample]]:
@@ -552,6 +719,9 @@ async def eval_rollout_async(args, rollout_id: int) -> dict[str, dict[str, list]
                 s.group_index, s.index = i, i * n + j
                 if config.get("rm_type"):
                     s.metadata = {**(s.metadata or {}), "rm_type": config["rm_type"]}
+                # a dataset's own generate / reward function (its eval config's keys of those names)
+                s.generate_function_path = config.get("custom_generate_function_path")
+                s.custom_rm_path = config.get("custom_rm_path")
                 group.append(s)
             groups.append(group)
         results = await asyncio.gather(*(generate_and_rm_group(ds_args, g, params, evaluation=True) for g in groups))

@@ -2,46 +2,122 @@
 (`--save-debug-rollout-data` / `--load-debug-rollout-data`).
 
 Samples marked FAILED stay in the batch (so the batch-size identity holds and groups stay whole) but get an
-all-zero loss mask: a failed generation or reward never produces a gradient.
+all-zero loss mask: a failed generation or reward never produces a gradient. So do samples a
+`--rollout-sample-filter-path` marked `remove_sample` (they still take part in the group's reward
+normalisation, as in slime).
+
+`--custom-convert-samples-to-train-data-path fn(args, samples) -> dict` replaces the conversion; its dict
+(slime's train data: tokens, response_lengths, rewards, raw_reward, truncated, loss_masks, optionally
+rollout_log_probs) is read into the `TrainBatch` (`train_batch_from_dict`); the group of each row is its
+sample's. Keys this trainer has no use for (sample_indices, round_number, metadata, ...) are logged once and
+not used.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from slime.algorithm.rewards import train_rewards
+from slime.utils.misc import load_function
 from slime.utils.types import Sample, TrainBatch
 
 logger = logging.getLogger(__name__)
 
 
+CONVERT_FLAG = "--custom-convert-samples-to-train-data-path"
+_REQUIRED_KEYS = ("tokens", "response_lengths", "rewards", "raw_reward", "truncated", "loss_masks")
+_USED_KEYS = set(_REQUIRED_KEYS) | {"rollout_log_probs"}
+_unused_keys_logged: set[str] = set()
+
+
 def flatten_groups(groups: Any, source: str) -> list[Sample]:
-    """Groups of samples in order -> one flat list (a bare Sample counts as a group of one)."""
+    """Groups of samples in order -> one flat list. A bare Sample counts as a group of one; a group may nest
+    lists (slime's shape for several samples split from one prompt's rollout), walked in order."""
     if not isinstance(groups, (list, tuple)):
         raise TypeError(
             f"--rollout-function-path={source} returned {type(groups).__name__}, expected list[list[Sample]]"
         )
     flat: list[Sample] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, Sample):
+            flat.append(node)
+        elif isinstance(node, (list, tuple)):
+            for item in node:
+                walk(item)
+        else:
+            raise TypeError(
+                f"--rollout-function-path={source} returned a {type(node).__name__} where a Sample was expected"
+            )
+
     for g in groups:
-        for s in [g] if isinstance(g, Sample) else g:
-            if not isinstance(s, Sample):
-                raise TypeError(
-                    f"--rollout-function-path={source} returned a {type(s).__name__} where a Sample was expected"
-                )
-            flat.append(s)
+        walk(g)
     return flat
+
+
+def rollout_count(samples: list[Sample]) -> int:
+    """How many rollouts (prompt x sample executions) `samples` hold: samples sharing a `rollout_id` came from
+    one rollout (a custom generate that split it); a sample without one is a rollout of its own."""
+    return len({s.rollout_id for s in samples if s.rollout_id is not None}) + sum(
+        s.rollout_id is None for s in samples)
+
+
+def samples_to_train_batch(args: Any, samples: list[Sample]) -> TrainBatch:
+    """The rollout's samples -> TrainBatch: `--custom-convert-samples-to-train-data-path` when set (its dict read
+    by `train_batch_from_dict`), else `build_train_batch`."""
+    path = args.custom_convert_samples_to_train_data_path
+    if not path:
+        return build_train_batch(args, samples)
+    data = load_function(path, CONVERT_FLAG)(args, samples)
+    return train_batch_from_dict(data, samples, f"{CONVERT_FLAG}={path}", args.n_samples_per_prompt)
+
+
+def train_batch_from_dict(data: Any, samples: list[Sample], where: str, n_samples_per_prompt: int) -> TrainBatch:
+    """slime's train-data dict (one entry per sample in each list) -> TrainBatch; errors name the key. A row's
+    group is its sample's `group_index` (else its position // n_samples_per_prompt)."""
+    if isinstance(data, TrainBatch):
+        return data
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{where} returned {type(data).__name__}; return a dict with the keys {list(_REQUIRED_KEYS)}")
+    missing = [k for k in _REQUIRED_KEYS if k not in data]
+    if missing:
+        raise KeyError(f"{where} returned a dict without {missing} (it has {sorted(data)}); every one of "
+                       f"{list(_REQUIRED_KEYS)} is needed, one entry per sample")
+    n = len(samples)
+    for key in _USED_KEYS & set(data):
+        if data[key] is not None and len(data[key]) != n:
+            raise ValueError(f"{where}: '{key}' has {len(data[key])} entries for {n} samples")
+    unused = sorted(set(data) - _USED_KEYS - _unused_keys_logged)
+    if unused:
+        _unused_keys_logged.update(unused)
+        logger.info("%s: keys %s are not used by this trainer", where, unused)
+    log_probs = data.get("rollout_log_probs")
+    return TrainBatch(
+        tokens=[[int(t) for t in row] for row in data["tokens"]],
+        response_lengths=[int(x) for x in data["response_lengths"]],
+        loss_masks=[[int(m) for m in row] for row in data["loss_masks"]],
+        rewards=[float(x) for x in data["rewards"]],
+        raw_rewards=[float(x) for x in data["raw_reward"]],
+        truncated=[bool(x) for x in data["truncated"]],
+        group_indices=_group_indices(samples, n_samples_per_prompt),
+        rollout_log_probs=None if log_probs is None else [[float(x) for x in row] for row in log_probs],
+    )
+
+
+def _group_indices(samples: list[Sample], n_samples_per_prompt: int) -> list[int]:
+    return [s.group_index if s.group_index is not None else i // n_samples_per_prompt for i, s in enumerate(samples)]
 
 
 def build_train_batch(args: Any, samples: list[Sample]) -> TrainBatch:
     """Samples (in order) -> TrainBatch: rewards for training (slime/algorithm/rewards.py), loss masks (all 0
-    for a FAILED sample), the engines' log-probs when every sample has them."""
+    for a FAILED sample and one marked `remove_sample`), the engines' log-probs when every sample has them."""
     raw = [s.get_reward_value(args.reward_key) for s in samples]
-    n = args.n_samples_per_prompt
-    group_indices = [s.group_index if s.group_index is not None else i // n for i, s in enumerate(samples)]
+    group_indices = _group_indices(samples, args.n_samples_per_prompt)
     rewards = train_rewards(args, samples, raw, group_indices)
 
     loss_masks = []
@@ -52,7 +128,7 @@ def build_train_batch(args: Any, samples: list[Sample]) -> TrainBatch:
                 f"sample {s.index} (group {s.group_index}): loss_mask has {len(mask)} entries but "
                 f"response_length={s.response_length}; a custom generate function must keep them equal"
             )
-        loss_masks.append([0] * len(mask) if s.status == Sample.Status.FAILED else mask)
+        loss_masks.append([0] * len(mask) if s.status == Sample.Status.FAILED or s.remove_sample else mask)
 
     log_probs = None
     if samples and all(s.rollout_log_probs is not None for s in samples):

@@ -1,5 +1,5 @@
-"""Small helpers shared across processes: loading plugin functions by path, and the call contract of each
-`*-path` hook (`HOOK_CONTRACTS`), checked by `load_hook` before anything starts."""
+"""Small helpers shared across processes: loading plugin functions by path, the call contract of each
+`*-path` hook (`HOOK_CONTRACTS`), checked by `load_hook` before anything starts, and `SingletonMeta`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -25,9 +26,54 @@ HOOK_CONTRACTS: dict[str, tuple[int, tuple[str, ...], str]] = {
     "--data-source-path": (1, (), "DataSource(args)"),
     "--custom-rm-path": (2, (), "async fn(args, sample) -> float | dict (with --group-rm: fn(args, samples) -> list)"),
     "--custom-reward-post-process-path": (2, (), "fn(args, samples) -> (raw_rewards, rewards)"),
-    "--custom-advantage-function-path": (2, (), "fn(args, inputs) -> (advantages, returns)"),
-    "--custom-loss-function-path": (2, (), "fn(args, inputs) -> (loss, metrics)"),
+    "--custom-advantage-function-path": (
+        2, (), "fn(args, rollout_data) -> None (sets rollout_data['advantages'] and rollout_data['returns'])"),
+    "--custom-loss-function-path": (4, (), "fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)"),
+    "--custom-tis-function-path": (
+        1, ("pg_loss", "train_log_probs", "rollout_log_probs", "loss_masks", "total_lengths", "response_lengths"),
+        "fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, "
+        "**kwargs) -> (pg_loss, loss_masks, metrics)"),
+    "--custom-pg-loss-reducer-function-path": (
+        4, (), "fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer(pg_loss)"),
+    "--rollout-sample-hook-path": (
+        2, (), "[async] fn(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None"),
+    "--rollout-sample-filter-path": (2, (), "fn(args, groups) -> None (sets sample.remove_sample)"),
+    "--rollout-all-samples-process-path": (3, (), "fn(args, all_groups, data_source) -> None"),
+    "--custom-convert-samples-to-train-data-path": (
+        2, (), "fn(args, samples) -> dict (tokens, response_lengths, rewards, raw_reward, truncated, loss_masks)"),
+    "--custom-rollout-log-function-path": (
+        5, (), "fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool (True: skip default log)"),
+    "--custom-eval-rollout-log-function-path": (
+        4, (), "fn(rollout_id, args, data, extra_metrics) -> bool (True: skip default log)"),
+    "--custom-update-weight-post-write-path": (3, (), "hook(args, version_dir, rollout_engines) -> None"),
+    # the training side (slime/backends/training, slime/backends/megatron_utils)
+    "--rollout-data-postprocess-path": (3, (), "fn(args, rollout_id, rollout_data) -> None (edits it in place)"),
+    "--custom-megatron-init-path": (1, (), "fn(args)"),
+    "--custom-megatron-before-log-prob-hook-path": (3, (), "fn(args, model, store_prefix)"),
+    "--custom-megatron-before-train-step-hook-path": (
+        6, (), "fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)"),
+    "--custom-model-provider-path": (
+        0, ("pre_process", "post_process"), "fn(pre_process=..., post_process=...[, vp_stage=...]) -> GPTModel"),
 }
+
+
+class SingletonMeta(type):
+    """Metaclass of a per-process singleton (slime's `GenerateState(args)`): the first call builds the instance,
+    every later call returns it whatever its arguments. `Cls.clear_instances()` forgets it (the next call builds a
+    new one; tests do, between cases that build it from different args)."""
+
+    _instances: dict[type, Any] = {}
+    _lock = threading.RLock()  # an __init__ may build another singleton
+
+    def __call__(cls, *args, **kwargs):
+        with SingletonMeta._lock:
+            if cls not in SingletonMeta._instances:
+                SingletonMeta._instances[cls] = super().__call__(*args, **kwargs)
+            return SingletonMeta._instances[cls]
+
+    def clear_instances(cls) -> None:
+        with SingletonMeta._lock:
+            SingletonMeta._instances.pop(cls, None)
 
 
 def load_function(path: str, flag: str | None = None) -> Any:
@@ -133,7 +179,13 @@ def _import(module_part: str):
         spec = importlib.util.spec_from_file_location(name, file)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            # a half-executed module must not be found by the next load: that one would report a missing
+            # attribute instead of this error
+            sys.modules.pop(name, None)
+            raise
         return module
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())

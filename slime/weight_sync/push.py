@@ -13,17 +13,31 @@ trainer is group rank 0, engine i's ranks follow), then per bucket tells every e
 (`update_weights_from_distributed`: names, dtypes, shapes, in order) and broadcasts them while the engines
 wait. The group is formed once and kept for the run; `close` dissolves it on both ends. NCCL on GPUs,
 gloo on CPU. The group mechanics are slime/weight_sync/group.py, shared with the engines.
+
+`DiskPush(args)` is slime's disk transport (`--update-weight-transport disk`): every push writes the weights as
+an HF safetensors checkpoint under `--update-weight-disk-dir/weight_v{version:06d}` (one shard per bucket, an
+index, the model's config files), calls `--custom-update-weight-post-write-path hook(args, version_dir,
+rollout_engines)` (slime's hook to publish the files on a filesystem without cross-host read-after-write, e.g.
+an object-store mount), then has every engine load the folder (`update_weights_from_disk`) and removes the
+previous version's folder (unless `--update-weight-disk-keep-files`). Only rank 0 writes, so the hook runs on rank 0 (slime calls it on every rank and
+asks it to gate itself). Every route has `begin(engines)`, `send(bucket, version)`, `finish(version)` (after
+the last bucket) and `close()`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
+from slime.utils.misc import load_hook
 from slime.utils.net import free_port, node_ip
 from slime.utils.progress import progress
 from slime.weight_sync.buckets import Named, buckets
@@ -120,6 +134,9 @@ class EnginePush:
         else:
             self._group.send(bucket, weight_version)
 
+    def finish(self, weight_version: str) -> None:
+        """Nothing left to do: every bucket was loaded when it was sent."""
+
     def close(self) -> None:
         """Dissolve the broadcast group, if any; the engines may be gone already, so failures only warn."""
         if self._group is None:
@@ -129,6 +146,69 @@ class EnginePush:
         except Exception as e:  # noqa: BLE001 - teardown goes on
             logger.warning("closing the weight broadcast group: %s", e)
         self._group = None
+
+
+POST_WRITE_FLAG = "--custom-update-weight-post-write-path"
+_CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+class DiskPush:
+    """Rank 0's route for `--update-weight-transport disk` (the module docstring)."""
+
+    def __init__(self, args: Any):
+        self.args = args
+        self.root = args.update_weight_disk_dir
+        path = args.custom_update_weight_post_write_path
+        self.post_write = load_hook(path, POST_WRITE_FLAG) if path else None
+        self._engines: list[Any] = []
+        self._dir: str | None = None
+        self._files: dict[str, str] = {}
+        self._previous: str | None = None
+
+    def version_dir(self, weight_version: str) -> str:
+        return os.path.join(self.root, f"weight_v{int(weight_version):06d}")
+
+    def begin(self, engines: Sequence[Any]) -> None:
+        self._engines = list(engines)
+        self._dir, self._files = None, {}
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str) -> None:
+        if self._dir is None:
+            self._dir = self.version_dir(weight_version)
+            shutil.rmtree(self._dir, ignore_errors=True)  # a half-written folder of an interrupted run
+            os.makedirs(self._dir)
+        name = f"model-{len(set(self._files.values())) + 1:05d}.safetensors"
+        # copies on the CPU: tensors that share storage (tied embeddings) cannot go into one file as views
+        save_file({n: t.detach().to("cpu", copy=True).contiguous() for n, t in bucket}, os.path.join(self._dir, name),
+                  metadata={"format": "pt"})
+        self._files.update({n: name for n, _ in bucket})
+
+    def finish(self, weight_version: str) -> None:
+        if self._dir is None:
+            raise RuntimeError(f"update_weights v{weight_version}: no bucket was written; nothing for the engines "
+                               "to load")
+        with open(os.path.join(self._dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": self._files}, f)
+        for config in _CONFIG_FILES:
+            source = os.path.join(self.args.hf_checkpoint, config)
+            if os.path.isfile(source):
+                shutil.copy(source, self._dir)
+        if self.post_write is not None:
+            self.post_write(self.args, self._dir, self._engines)
+        _start([(e, "update_weights_from_disk", (self._dir, str(weight_version)), {}) for e in self._engines])()
+        if self._previous and self._previous != self._dir and not self.args.update_weight_disk_keep_files:
+            shutil.rmtree(self._previous, ignore_errors=True)
+        self._previous = self._dir
+
+    def close(self) -> None:
+        """The last version's folder stays: the engines hold what it holds."""
+
+
+def weight_route(args: Any) -> EnginePush | DiskPush:
+    """Rank 0's route for `args`: the disk transport, else handles (`--colocate`) or broadcast."""
+    if args.update_weight_transport == "disk":
+        return DiskPush(args)
+    return EnginePush(bool(args.colocate))
 
 
 def send_bucket(bucket: list[Named], engines, weight_version: str) -> None:
@@ -161,5 +241,6 @@ def push_weights(named_tensors: Iterable[Named], route: EnginePush | None, weigh
             bar.update(1)
             logger.debug("update_weights v%s: bucket %d (%d tensors, %.1f MiB)", weight_version, sent, len(bucket),
                          sum(t.numel() * t.element_size() for _, t in bucket) / 2**20)
+    route.finish(str(weight_version))
     logger.info("update_weights v%s: %d bucket(s) sent", weight_version, sent)
     return sent

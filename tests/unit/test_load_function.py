@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from slime.utils.misc import load_function
@@ -41,3 +43,21 @@ def test_errors_name_the_flag_and_what_exists(tmp_path):
         load_function("no_such_module.fn", "--rollout-function-path")
     with pytest.raises(ValueError, match="not a dotted path"):
         load_function("justaname")
+
+
+def test_a_broken_plugin_file_reports_its_error_every_time(tmp_path):
+    (tmp_path / "broken_rm.py").write_text("def broken_rm(args, sample):\n    return 1.0\n\nraise RuntimeError('no db')\n")
+    for _ in range(2):  # the half-executed module is not kept: the second load fails the same way
+        with pytest.raises(ImportError, match=r"--custom-rm-path=.*cannot import .*RuntimeError: no db \(at .*"
+                                              r"broken_rm\.py:4\)"):
+            load_function(str(tmp_path / "broken_rm.py"), "--custom-rm-path")
+
+
+def test_a_broken_plugin_module_reports_its_error_every_time(tmp_path, monkeypatch):
+    (tmp_path / "broken_pkg_mod.py").write_text("import no_such_dependency_xyz\n\ndef fn():\n    return 1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for _ in range(2):
+        with pytest.raises(ImportError, match="No module named 'no_such_dependency_xyz'"):
+            load_function("broken_pkg_mod.fn", "--rollout-function-path")
+    sys.modules.pop("broken_pkg_mod", None)
