@@ -79,6 +79,29 @@ def test_balanced_shares_equal_counts_and_close_token_sums():
     assert all(s == sorted(s) for s in shares)  # each share keeps row order
 
 
+def test_balance_data_keeps_rank_token_sums_close_on_long_tailed_lengths():
+    """--balance-data on a long-tailed batch (each step's first group has four very long responses): the busiest
+    rank holds at most the even share plus one row, where with contiguous shares it holds nearly all the tokens."""
+    import random
+
+    from slime.backends.training.batching import rows_per_step
+
+    rng = random.Random(0)
+    lengths = [rng.randint(1500, 2000) if i % 32 < 4 else rng.randint(20, 80) for i in range(64)]
+    for ranks in (2, 4, 8):
+        for step in range(2):
+            rows = range(step * 32, step * 32 + 32)
+            even, longest = sum(lengths[i] for i in rows) / ranks, max(lengths[i] for i in rows)
+            loads = {}
+            for balanced in (False, True):
+                shares = [rows_per_step(64, 32, ranks, r, lengths if balanced else None)[step] for r in range(ranks)]
+                assert sorted(i for share in shares for i in share) == list(rows)
+                assert {len(share) for share in shares} == {32 // ranks}
+                loads[balanced] = max(sum(lengths[i] for i in share) for share in shares)
+            assert loads[True] <= even + longest and loads[True] < loads[False] / 1.7
+            assert loads[False] > 0.75 * sum(lengths[i] for i in rows)  # contiguous: rank 0 has the long rows
+
+
 def test_rows_per_step_balances_within_each_step_only():
     from slime.backends.training.batching import rows_per_step
 

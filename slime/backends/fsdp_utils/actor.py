@@ -7,8 +7,9 @@ gradients and optimizer state sharded), and AdamW. fp32 on CPU (gloo); on CUDA, 
 master weights and fp32 gradient reduction (FSDP2 MixedPrecisionPolicy).
 
 One `train` call = one rollout: the batch's rows are cut into `num_steps = len(batch) // gbs` optimizer
-steps; each rank trains on a contiguous share of every step's rows, in micro-batches. Old-policy (and
-reference) log-probs are computed first, with the same micro-batches, so the first step's ppo_kl is 0.
+steps; each rank trains on a contiguous share of every step's rows (--balance-data: a share with a close token
+count), in micro-batches. Old-policy (and reference) log-probs are computed first, with the same micro-batches,
+so the first step's ppo_kl is 0.
 
 The rollout's steps (log-probs, advantages, optimizer steps) are the shared `PolicyTrainer`'s
 (slime/backends/training/policy.py); this class supplies FSDP's mechanics. For `--advantage-estimator ppo` the
@@ -29,6 +30,8 @@ import logging
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from slime.backends.fsdp_utils import checkpoint, weight_sync
@@ -69,6 +72,7 @@ class FSDPTrainRayActor(PolicyTrainer):
             )
         self.optimizer = make_optimizer(self.model, args, args.lr)
         self.global_step = 0
+        self.init_policy_hooks()
         if ckpt is None or args.finetune:  # --finetune: the weights only, a fresh start at rollout 0
             return args.start_rollout_id or 0
         if not args.no_load_optim:
@@ -101,7 +105,8 @@ class FSDPTrainRayActor(PolicyTrainer):
                                 device=self.device)
 
     @torch.no_grad()
-    def log_probs_of_rows(self, model, batch: TrainBatch, micro_batches: list[list[int]]) -> dict[int, torch.Tensor]:
+    def log_probs_of_rows(self, model, batch: TrainBatch, micro_batches: list[list[int]], store_prefix: str = ""
+                          ) -> dict[int, torch.Tensor]:
         out = {}
         for rows in micro_batches:
             lp, _ = forward_response_log_probs(model, self._micro_batch(batch, rows), self.args.rollout_temperature)
@@ -109,9 +114,9 @@ class FSDPTrainRayActor(PolicyTrainer):
                 out[r] = lp[i, : batch.response_lengths[r]]
         return out
 
-    def optimizer_step(self, record: RolloutRecord, micro_batches: list[list[int]], denominator: float
-                       ) -> dict[str, float]:
+    def optimizer_step(self, record: RolloutRecord, step_id: int) -> dict[str, float]:
         args = self.args
+        denominator = record.denominators[step_id]
 
         def micro_loss(rows):
             mb = self._micro_batch(record.batch, rows)
@@ -120,7 +125,8 @@ class FSDPTrainRayActor(PolicyTrainer):
             return record.micro_batch_loss(args, rows, mb, log_probs, entropy, denominator)
 
         lr = lr_at(args, self.global_step)
-        metrics, grad_norm = optimizer_step(self.model, self.optimizer, lr, args.clip_grad, micro_batches, micro_loss)
+        metrics, grad_norm = optimizer_step(self.model, self.optimizer, lr, args.clip_grad, record.steps[step_id],
+                                            micro_loss)
         self.global_step += 1
         return {**metrics, "train/grad_norm": grad_norm, "train/lr": lr}
 
@@ -133,8 +139,8 @@ class FSDPTrainRayActor(PolicyTrainer):
         for name, tensor in self.model.state_dict().items():
             ref_state[name].copy_(tensor)
 
-    def prepare(self, batch: TrainBatch, values: list[list[float]] | None) -> RolloutRecord:
-        record = super().prepare(batch, values)
+    def prepare(self, rollout_id: int, batch: TrainBatch, values: list[list[float]] | None) -> RolloutRecord:
+        record = super().prepare(rollout_id, batch, values)
         # Only a critic (ppo, given values) needs the returns of every row.
         self._returns = (gather_rows(record.returns, len(batch), self.world_size)
                          if record.returns is not None and values is not None else None)
@@ -155,9 +161,20 @@ class FSDPTrainRayActor(PolicyTrainer):
             result.extend(unpad_per_token(lp, mb.response_lengths))
         return result
 
-    def update_weights(self, engines: list[Any], weight_version: int) -> None:
+    def push_weights(self, engines: list[Any], weight_version: int) -> None:
         weight_sync.update_weights(self.model, engines, weight_version, self.args.update_weight_buffer_size,
                                    self.engine_push)
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's shards of the policy's state (the local tensors of FSDP's sharded DTensors)."""
+        return {name: t.to_local() if isinstance(t, DTensor) else t for name, t in self.model.state_dict().items()}
+
+    def after_weights_loaded(self) -> None:
+        """Drop any parameters FSDP holds gathered (the root's may stay so after a forward): the next forward
+        gathers the shards just written."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def save(self, rollout_id: int) -> None:
         if not self.args.save:

@@ -12,7 +12,9 @@ batch is cut into optimizer steps of `--global-batch-size` rows, each data-paral
 step's rows, in micro-batches of `--micro-batch-size` rows (or, with `--use-dynamic-batch-size`, of at most
 `--max-tokens-per-gpu` tokens), packed into one row each (`--qkv-format thd`, default) or right-padded
 (`bshd`), which run through megatron-core's pipeline schedule. Log-probs, advantages and losses live on the
-last pipeline stage; metrics travel to rank 0.
+last pipeline stage; metrics travel to rank 0. slime's Megatron hooks (--custom-megatron-init-path,
+--custom-megatron-before-log-prob-hook-path, --custom-megatron-before-train-step-hook-path) are called here, where
+slime calls them; --custom-model-provider-path and --spec build the model (plugins.py, model.py).
 
 Simplifications (docs/megatron_backend.md): the model stays in eval mode (dropout off) so recomputed and
 training log-probs agree; no offloading between rollout and training.
@@ -29,14 +31,14 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.megatron_utils import args as mg_args
-from slime.backends.megatron_utils import checkpoint, config_check, weights
+from slime.backends.megatron_utils import checkpoint, config_check, plugins, weights
 from slime.backends.megatron_utils.forward import response_log_probs, run_pipeline
 from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel, unwrap
 from slime.backends.training.batching import make_micro_batch, make_packed_micro_batch, plan_micro_batches
 from slime.backends.training.policy import PolicyTrainer
 from slime.backends.training.record import RolloutRecord
 from slime.utils.types import TrainBatch
-from slime.weight_sync.push import push_weights
+from slime.weight_sync import push as weight_push
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +56,18 @@ class MegatronTrainRayActor(PolicyTrainer):
                              "--train-backend fsdp")
         mg_args.check_megatron_runtime(args)
         self.args = args
+        plugins.set_args(args)
+        self.hooks = plugins.MegatronHooks.from_args(args)
         torch.set_num_threads(int(os.environ.get("SLIME_TRAIN_NUM_THREADS", "1")))
+        if args.deterministic_mode:
+            mg_args.enable_deterministic_mode()
         if not dist.is_initialized():
             self.init_process_group(args.distributed_backend, args.distributed_timeout_minutes)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(args.seed)
         initialize_parallel(args)
+        if self.hooks.init is not None:
+            self.hooks.init(args)
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.hf_config = self._hf_config(args.hf_checkpoint)
@@ -77,6 +85,7 @@ class MegatronTrainRayActor(PolicyTrainer):
                 self._load_weights(self.ref_model, ref_ckpt, ref_hf)
         for chunk in self.model:
             chunk.eval()
+        self.init_policy_hooks()
 
         self.optimizer, self.scheduler = build_optimizer(
             args, self.model, self._total_steps(args, args.num_rollout if num_rollout is None else num_rollout))
@@ -170,8 +179,11 @@ class MegatronTrainRayActor(PolicyTrainer):
         return box[0]
 
     @torch.no_grad()
-    def log_probs_of_rows(self, model, batch: TrainBatch, micro_batches) -> dict[int, torch.Tensor]:
+    def log_probs_of_rows(self, model, batch: TrainBatch, micro_batches, store_prefix: str = ""
+                          ) -> dict[int, torch.Tensor]:
         """{row: response log-probs} on the last pipeline stage; {} on the others."""
+        if self.hooks.before_log_prob is not None:
+            self.hooks.before_log_prob(self.args, model, store_prefix)
         return self._log_probs(model, batch.tokens, batch.response_lengths, micro_batches)
 
     def _log_probs(self, model, tokens, response_lengths, micro_batches) -> dict[int, torch.Tensor]:
@@ -188,9 +200,9 @@ class MegatronTrainRayActor(PolicyTrainer):
                 result[r] = out["log_probs"][i, : response_lengths[r]]
         return result
 
-    def optimizer_step(self, record: RolloutRecord, micro_batches: list[list[int]], denominator: float
-                       ) -> dict[str, float]:
+    def optimizer_step(self, record: RolloutRecord, step_id: int) -> dict[str, float]:
         args, batch = self.args, record.batch
+        micro_batches, denominator = record.steps[step_id], record.denominators[step_id]
         _, dp_size, dp_group = self.data_parallel()
         mbs = [self._micro_batch(batch.tokens, batch.response_lengths, rows) for rows in micro_batches]
         rows_of = {id(mb): rows for mb, rows in zip(mbs, micro_batches)}
@@ -202,11 +214,17 @@ class MegatronTrainRayActor(PolicyTrainer):
             log_probs, entropy = response_log_probs(logits, mb, args.rollout_temperature, args.vocab_size,
                                                      with_entropy=True)
             loss, shares = record.micro_batch_loss(args, rows_of[id(mb)], mb, log_probs, entropy, denominator)
+            if args.check_for_nan_in_loss_and_grad and not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"rank {self.rank}: the loss of rollout {record.rollout_id}, optimizer step {step_id} is "
+                    f"{loss.item()} (rows {rows_of[id(mb)]}); --no-check-for-nan-in-loss-and-grad skips this check")
             return loss * scale, shares
 
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.hooks.before_train_step is not None:
+            self.hooks.before_train_step(args, record.rollout_id, step_id, self.model, self.optimizer, self.scheduler)
         outputs = run_pipeline(self.model, mbs, loss_fn, forward_only=False)
         update_ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
@@ -237,8 +255,13 @@ class MegatronTrainRayActor(PolicyTrainer):
         result = [lp[r].float().cpu().tolist() for r in rows] if lp else None
         return self.from_last_stage(result)
 
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's model chunks' state (its TP/PP/EP shards), by chunk index and name."""
+        return {f"{i}.{name}": t for i, chunk in enumerate(self.model) for name, t in unwrap(chunk).state_dict().items()
+                if isinstance(t, torch.Tensor)}
+
     # ---- weights and checkpoints ------------------------------------------------------------------------
-    def update_weights(self, engines: list[Any], weight_version: int) -> None:
+    def push_weights(self, engines: list[Any], weight_version: int) -> None:
         """Collective: HF tensors of the whole model stream to rank 0, which sends them in buckets of
         --update-weight-buffer-size: as CUDA IPC handles when the engines share the GPUs (--colocate), else
         by broadcast over a process group formed with the engines (slime/weight_sync/push.py)."""
@@ -247,8 +270,8 @@ class MegatronTrainRayActor(PolicyTrainer):
                              "the HF names the engines load)")
         route = self.engine_push(engines) if self.rank == 0 and engines else None
         try:
-            push_weights(weights.iter_hf_weights(self.model, self.args, self.hf_config), route, weight_version,
-                         self.args.update_weight_buffer_size)
+            weight_push.push_weights(weights.iter_hf_weights(self.model, self.args, self.hf_config), route,
+                                     weight_version, self.args.update_weight_buffer_size)
         finally:
             dist.barrier()
 

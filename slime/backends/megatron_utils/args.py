@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import math
+import os
 
 from slime.utils.errors import SlimeArgumentError
+
+logger = logging.getLogger(__name__)
 
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 
@@ -54,6 +58,76 @@ def require_model_args(args: argparse.Namespace) -> None:
             f"--train-backend megatron needs the model architecture; missing {' '.join(missing)}. "
             "Source a scripts/models/<model>.sh and pass ${MODEL_ARGS[@]}."
         )
+
+
+def resolve_training_options(args: argparse.Namespace) -> None:
+    """Validation (--train-backend megatron) of the optimizer, schedule, position-embedding and --keep-old-actor
+    flags, with Megatron-LM's rules; fills in what they imply."""
+    if args.optimizer_cpu_offload and not args.use_precision_aware_optimizer:
+        raise SlimeArgumentError(
+            "--optimizer-cpu-offload needs --use-precision-aware-optimizer (megatron-core's hybrid CPU/GPU "
+            "optimizer runs on that code path, as in Megatron-LM); add it."
+        )
+    if args.optimizer_cpu_offload and not (args.bf16 or args.fp16):
+        raise SlimeArgumentError(
+            "--optimizer-cpu-offload needs --bf16 (or --fp16): megatron-core's hybrid optimizer updates fp32 host "
+            "copies of 16-bit model parameters (slime's megatron runs are always bf16); add --bf16."
+        )
+    if args.overlap_cpu_optimizer_d2h_h2d and not args.optimizer_cpu_offload:
+        raise SlimeArgumentError("--overlap-cpu-optimizer-d2h-h2d overlaps the copies of --optimizer-cpu-offload; add "
+                                 "--optimizer-cpu-offload or drop it.")
+    if not 0.0 <= args.optimizer_offload_fraction <= 1.0:
+        raise SlimeArgumentError(f"--optimizer-offload-fraction {args.optimizer_offload_fraction}: must lie in [0, 1] "
+                                 "(the share of the optimizer state kept on the host).")
+    if args.use_precision_aware_optimizer and not args.optimizer_cpu_offload and not _te_installed() \
+            and not args.dry_run:
+        raise SlimeArgumentError(
+            "--use-precision-aware-optimizer without --optimizer-cpu-offload runs TransformerEngine's FusedAdam, and "
+            "TransformerEngine is not installed here; install transformer-engine, add --optimizer-cpu-offload, or "
+            "drop the flag."
+        )
+    if args.use_precision_aware_optimizer and not args.use_distributed_optimizer:
+        # slime's megatron backend always uses the distributed optimizer; megatron-core requires it here.
+        logger.info("--use-precision-aware-optimizer: using the distributed optimizer (--use-distributed-optimizer), "
+                    "which it requires")
+        args.use_distributed_optimizer = True
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters:
+            raise SlimeArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} and --lr-warmup-iters "
+                                     f"{args.lr_warmup_iters}: give one warm-up length (Megatron-LM's rule).")
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            raise SlimeArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction}: must lie in [0, 1) (the share "
+                                     "of the decay steps spent warming up).")
+    if not args.add_position_embedding and args.position_embedding_type not in ("rope", "mrope"):
+        raise SlimeArgumentError(
+            f"--no-position-embedding with --position-embedding-type {args.position_embedding_type}: Megatron-LM "
+            "refuses it (deprecated); say --position-embedding-type rope (or none) instead."
+        )
+    if args.keep_old_actor and args.overlap_param_gather:
+        raise SlimeArgumentError(
+            "--keep-old-actor with --overlap-param-gather: the old weights are swapped into the model between "
+            "optimizer steps, where an overlapped parameter all-gather may still be writing it; drop one."
+        )
+
+
+DETERMINISTIC_NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+
+
+def enable_deterministic_mode(environ=os.environ) -> None:
+    """--deterministic-mode on a training rank, before its first CUDA kernel and collective: torch's deterministic
+    kernels (cuBLAS then needs a fixed workspace, CUBLAS_WORKSPACE_CONFIG), no cuDNN autotuning, and an NCCL
+    all-reduce algorithm with a fixed reduction order (NCCL_ALGO, default Ring). megatron-core's
+    `deterministic_mode` (transformer_config_kwargs) picks its deterministic kernels."""
+    import torch
+
+    environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    algo = environ.setdefault("NCCL_ALGO", "Ring")
+    if algo not in DETERMINISTIC_NCCL_ALGOS:
+        raise SlimeArgumentError(f"--deterministic-mode: NCCL_ALGO={algo} does not reduce in a fixed order; set it "
+                                 f"to one of {list(DETERMINISTIC_NCCL_ALGOS)} or unset it (Ring).")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
 
 
 # ---- the layout MODEL_ARGS describe (also read by validation and the dry-run planner) ----------------
@@ -167,6 +241,7 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        deterministic_mode=args.deterministic_mode,
     )
     if args.recompute_modules is not None:
         kw["recompute_modules"] = list(args.recompute_modules)
@@ -259,6 +334,14 @@ def optimizer_config_kwargs(args: argparse.Namespace) -> dict:
         use_distributed_optimizer=args.use_distributed_optimizer,
         use_precision_aware_optimizer=args.use_precision_aware_optimizer,
         overlap_param_gather=args.overlap_param_gather,
+        # --optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer keeps (a fraction of) the optimizer state
+        # and its update on the host
+        optimizer_cpu_offload=args.optimizer_cpu_offload,
+        optimizer_offload_fraction=args.optimizer_offload_fraction,
+        overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
+        use_torch_optimizer_for_cpu_offload=args.use_torch_optimizer_for_cpu_offload,
+        pin_cpu_grads=args.pin_cpu_grads,
+        pin_cpu_params=args.pin_cpu_params,
     )
 
 
@@ -268,18 +351,21 @@ def ddp_config_kwargs(args: argparse.Namespace) -> dict:
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
     )
 
 
 def lr_scheduler_kwargs(args: argparse.Namespace, total_steps: int) -> dict:
-    """OptimizerParamScheduler kwargs; without --lr-decay-iters the decay spans the whole run."""
+    """OptimizerParamScheduler kwargs; without --lr-decay-iters the decay spans the whole run. Warm-up:
+    --lr-warmup-iters steps, or --lr-warmup-fraction of the decay steps (Megatron-LM's rule)."""
     decay = args.lr_decay_iters or max(total_steps, 1)
+    warmup = args.lr_warmup_iters if args.lr_warmup_fraction is None else args.lr_warmup_fraction * decay
     return dict(
         init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=max(decay, args.lr_warmup_iters + 1),
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(decay, math.floor(warmup) + 1),
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
@@ -335,7 +421,22 @@ def build_transformer_config(args: argparse.Namespace, te_available: bool | None
 def build_optimizer_config(args: argparse.Namespace):
     from megatron.core.optimizer import OptimizerConfig
 
-    return OptimizerConfig(**_resolve(optimizer_config_kwargs(args)))
+    kw = _resolve(optimizer_config_kwargs(args))
+    if not (kw["use_precision_aware_optimizer"] and kw["optimizer_cpu_offload"]) or _te_installed():
+        return OptimizerConfig(**kw)
+    # --optimizer-cpu-offload runs megatron-core's HybridDeviceOptimizer (torch's Adam on host and device), which
+    # needs no TransformerEngine, on the precision-aware code path; but megatron-core 0.16's OptimizerConfig reads
+    # TE's version for that flag and fails without TE. Built without the flag, then given what its __post_init__
+    # derives for it with the CPU offload (no parameter remainders: those are TE FusedAdam's).
+    config = OptimizerConfig(**{**kw, "use_precision_aware_optimizer": False})
+    config.use_precision_aware_optimizer = True
+    config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+    config.store_param_remainders = False
+    return config
+
+
+def _te_installed() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def build_ddp_config(args: argparse.Namespace):

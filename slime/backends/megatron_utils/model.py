@@ -4,12 +4,14 @@
 default process group and seeds its RNG tracker. `build_model(args, wrap=True)` returns the model chunks
 of this pipeline rank (one, or several with `--num-layers-per-virtual-pipeline-stage`): megatron-core's
 `GPTModel` with the TransformerEngine layer spec when TE is importable, the local spec otherwise, wrapped
-in megatron-core's `DistributedDataParallel` for training (`wrap=False` for the frozen reference model).
+in megatron-core's `DistributedDataParallel` for training (`wrap=False` for the frozen reference model). A
+`--custom-model-provider-path` provider or a `--spec` builds the chunks instead (plugins.py).
 `build_optimizer` gives megatron-core's (distributed) optimizer and `OptimizerParamScheduler`.
 
 Without TE, MoE experts run as `SequentialMLP` (no grouped GEMM) and attention is torch's SDPA / varlen
 flash attention (`sdpa_attention.SDPAttention`, in place of megatron-core's unfused local attention);
-context parallelism needs TE's attention, so `--context-parallel-size > 1` is refused there. Parameters live in `--bf16` / `--fp16` precision with fp32 master weights in the optimizer.
+context parallelism needs TE's attention, so `--context-parallel-size > 1` is refused there. Parameters live in
+`--bf16` / `--fp16` precision with fp32 master weights in the optimizer (on the host with --optimizer-cpu-offload).
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import logging
 import torch
 
 from slime.backends.megatron_utils import args as mg_args
-from slime.backends.megatron_utils import packed_rope
+from slime.backends.megatron_utils import packed_rope, plugins
 from slime.backends.megatron_utils.sandwich_norm import add_sandwich_norms
 from slime.backends.megatron_utils.sdpa_attention import with_sdpa_attention
 from slime.utils.errors import SlimeArgumentError
+from slime.utils.misc import load_function
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +97,8 @@ def _patch_moe_without_te() -> None:
 
 
 def _layer_spec(args: argparse.Namespace, config, vp_stage: int | None):
+    """The built-in spec: megatron-core's GPT decoder block (TE or local layers; SDPA attention without TE) with
+    GLM-4's sandwich norms when asked for."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     te = uses_te(args)
@@ -116,24 +121,19 @@ def transformer_config(args: argparse.Namespace):
 def build_model(args: argparse.Namespace, wrap: bool = True) -> list[torch.nn.Module]:
     """This rank's model chunks (virtual pipeline stages), on the current device, in the params dtype."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(args)
     if config.num_moe_experts:
         _patch_moe_without_te()
     if args.qkv_format == "thd":
         packed_rope.install()
+    provider = load_function(args.custom_model_provider_path, "--custom-model-provider-path") \
+        if args.custom_model_provider_path else None
+    spec = plugins.load_spec(args)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     chunks = []
     for vp_stage in range(vpp) if vpp > 1 else [None]:
-        model = GPTModel(
-            config,
-            _layer_spec(args, config, vp_stage),
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            vp_stage=vp_stage,
-            **mg_args.gpt_model_kwargs(args),
-        )
+        model = _build_chunk(args, config, provider, spec, vp_stage)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         if device is not None:
             model.to(device)
@@ -145,6 +145,26 @@ def build_model(args: argparse.Namespace, wrap: bool = True) -> list[torch.nn.Mo
             model.eval()
         return chunks
     return [_wrap_ddp(args, config, model, i) for i, model in enumerate(chunks)]
+
+
+def _build_chunk(args: argparse.Namespace, config, provider, spec, vp_stage: int | None) -> torch.nn.Module:
+    """One model chunk: --custom-model-provider-path's provider, else GPTModel with --spec's layer spec (which may
+    return a model provider instead, as in slime) or the built-in one."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    layer_spec = None
+    if provider is None:
+        layer_spec = _layer_spec(args, config, vp_stage) if spec is None else \
+            plugins.custom_layer_spec(spec, args, config, vp_stage)
+        if plugins.is_model_provider(layer_spec):
+            provider = layer_spec
+    if provider is not None:
+        return plugins.call_model_provider(provider, pre, post, vp_stage, config)
+    return GPTModel(config, layer_spec, pre_process=pre, post_process=post, vp_stage=vp_stage,
+                    **mg_args.gpt_model_kwargs(args))
 
 
 def _wrap_ddp(args, config, model, index: int):

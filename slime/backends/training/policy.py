@@ -2,18 +2,22 @@
 
     train(rollout_id, batch[, values]):
       1. plan: this data-parallel rank's rows of each optimizer step, in micro-batches;
-      2. log-probs: the engines' (from the batch), the old policy's (recomputed, the engines' with
-         --use-rollout-logprobs, or the training forward's own when one optimizer step covers the rollout and no
-         reference model runs) and the reference model's;
+      2. log-probs: the engines' (from the batch), the old policy's (recomputed — with --keep-old-actor by the
+         weights the engines generated with, old_actor.py —, the engines' with --use-rollout-logprobs, or the
+         training forward's own when one optimizer step covers the rollout and no reference model runs) and the
+         reference model's;
       3. advantages and returns (slime/algorithm/estimators.py; whitened across ranks);
-      4. one optimizer step per `--global-batch-size` rows (skipped for the first --num-critic-only-steps);
-      5. metrics averaged over the steps; every --ref-update-interval rollouts the reference model takes the
+      4. --rollout-data-postprocess-path: fn(args, rollout_id, rollout_data) may edit them (rollout_data.py);
+      5. one optimizer step per `--global-batch-size` rows (skipped for the first --num-critic-only-steps);
+      6. metrics averaged over the steps; every --ref-update-interval rollouts the reference model takes the
          actor's weights.
+    update_weights(engines, version): the backend's push, then --keep-old-actor's queue moves on.
 
 A backend subclasses it and supplies the mechanics: `data_parallel()`, `plan(tokens, rows, log_probs)`,
-`log_probs_of_rows(model, batch, micro_batches)`, `optimizer_step(record, micro_batches, denominator)`,
-`copy_actor_to_ref()`, and, with pipeline stages, `last_stage()` / `from_last_stage(obj)`. It sets `self.args`,
-`self.device`, `self.model`, `self.ref_model` (None without a KL term) in `init`.
+`log_probs_of_rows(model, batch, micro_batches, store_prefix)`, `optimizer_step(record, step_id)`,
+`copy_actor_to_ref()`, `push_weights(engines, version)`, for --keep-old-actor `weight_tensors()` (and
+`after_weights_loaded()`), and, with pipeline stages, `last_stage()` / `from_last_stage(obj)`. It sets `self.args`,
+`self.device`, `self.model`, `self.ref_model` (None without a KL term) in `init`, then calls `init_policy_hooks()`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from slime.backends.training.actor import TrainRayActor
 from slime.backends.training.batching import rows_per_step
+from slime.backends.training.old_actor import OldActor
 from slime.backends.training.record import (
     RolloutRecord,
     advantages_and_returns,
@@ -33,6 +38,9 @@ from slime.backends.training.record import (
     require_ref,
     rollout_log_probs,
 )
+from slime.backends.training.rollout_data import FLAG as POSTPROCESS_FLAG
+from slime.backends.training.rollout_data import apply_rollout_data, rollout_data_of
+from slime.utils.misc import load_function
 from slime.utils.progress import progress
 from slime.utils.types import TrainBatch
 
@@ -44,6 +52,8 @@ class PolicyTrainer(TrainRayActor):
     device: torch.device
     model: Any
     ref_model: Any = None
+    old_actor: OldActor | None = None
+    rollout_data_postprocess: Any = None
     _returns: list[list[float]] | None = None
 
     # ---- backend hooks -------------------------------------------------------------------------------------
@@ -55,20 +65,31 @@ class PolicyTrainer(TrainRayActor):
         """Micro-batches of `rows` (forward-only passes may take a larger token budget)."""
         raise NotImplementedError
 
-    def log_probs_of_rows(self, model: Any, batch: TrainBatch, micro_batches: list[list[int]]
+    def log_probs_of_rows(self, model: Any, batch: TrainBatch, micro_batches: list[list[int]], store_prefix: str
                           ) -> dict[int, torch.Tensor]:
         """{row: response log-probs} of `model` (no gradient); {} where they are not available (off the last
-        pipeline stage)."""
+        pipeline stage). `store_prefix` names the pass as slime does: "" the old policy, "ref_" the reference."""
         raise NotImplementedError
 
-    def optimizer_step(self, record: RolloutRecord, micro_batches: list[list[int]], denominator: float
-                       ) -> dict[str, float]:
-        """Forward and backward every micro-batch through `record.micro_batch_loss`, one optimizer step; the
-        step's metrics summed over the data-parallel ranks, plus train/grad_norm and train/lr."""
+    def optimizer_step(self, record: RolloutRecord, step_id: int) -> dict[str, float]:
+        """Forward and backward every micro-batch of `record.steps[step_id]` through `record.micro_batch_loss`
+        (denominator `record.denominators[step_id]`), one optimizer step; the step's metrics summed over the
+        data-parallel ranks, plus train/grad_norm and train/lr."""
         raise NotImplementedError
 
     def copy_actor_to_ref(self) -> None:
         raise NotImplementedError
+
+    def push_weights(self, engines: list[Any], weight_version: int) -> None:
+        """Collective: the current weights to every engine (the backend's `update_weights`)."""
+        raise NotImplementedError
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """--keep-old-actor: this rank's weight tensors by name, live (writing them changes the model)."""
+        raise NotImplementedError
+
+    def after_weights_loaded(self) -> None:
+        """--keep-old-actor: called after `weight_tensors()` were overwritten (e.g. to drop cached copies)."""
 
     def log_prob_plan(self, record: RolloutRecord) -> list[list[int]]:
         """Micro-batches of the forward-only passes (old and reference log-probs) over this rank's rows."""
@@ -80,12 +101,27 @@ class PolicyTrainer(TrainRayActor):
     def from_last_stage(self, obj):
         return obj
 
+    # ---- set-up and weight pushes ------------------------------------------------------------------------------
+    def init_policy_hooks(self) -> None:
+        """The end of a backend's `init`: load --rollout-data-postprocess-path, copy the weights for
+        --keep-old-actor."""
+        args = self.args
+        if args.rollout_data_postprocess_path:
+            self.rollout_data_postprocess = load_function(args.rollout_data_postprocess_path, POSTPROCESS_FLAG)
+        if args.keep_old_actor:
+            self.old_actor = OldActor(self.weight_tensors, args.update_weights_interval, self.after_weights_loaded)
+
+    def update_weights(self, engines: list[Any], weight_version: int) -> None:
+        self.push_weights(engines, weight_version)
+        if self.old_actor is not None:
+            self.old_actor.pushed()
+
     # ---- the rollout --------------------------------------------------------------------------------------
     def train(self, rollout_id: int, batch: TrainBatch, values: list[list[float]] | None = None) -> dict[str, float]:
         """One rollout's policy update. `values`: a critic's per-token values of every row (ppo); the returns
         computed from them are then available from `get_returns`."""
         args = self.args
-        record = self.prepare(batch, values)
+        record = self.prepare(rollout_id, batch, values)
         extra: dict[str, float] = {}
         recomputed = record.old_log_probs is not None and not args.use_rollout_logprobs
         if recomputed and record.rollout_log_probs is not None and self.last_stage():
@@ -97,8 +133,7 @@ class PolicyTrainer(TrainRayActor):
         totals: dict[str, float] = defaultdict(float)
         with progress(len(record.rows), f"train {rollout_id}", "sample", enabled=self.rank == 0) as bar:
             for s, micro_batches in enumerate(record.steps):
-                global_rows = range(s * args.global_batch_size, (s + 1) * args.global_batch_size)
-                step_metrics = self.optimizer_step(record, micro_batches, loss_denominator(args, batch, global_rows))
+                step_metrics = self.optimizer_step(record, s)
                 bar.update(sum(map(len, micro_batches)))
                 for k, v in step_metrics.items():
                     totals[k] += v
@@ -112,31 +147,48 @@ class PolicyTrainer(TrainRayActor):
             metrics["train/ref_updated"] = 1.0
         return self.from_last_stage(metrics)
 
-    def prepare(self, batch: TrainBatch, values: list[list[float]] | None) -> RolloutRecord:
-        """Steps 1-3 of the module docstring: the record the optimizer steps read."""
+    def prepare(self, rollout_id: int, batch: TrainBatch, values: list[list[float]] | None) -> RolloutRecord:
+        """Steps 1-4 of the module docstring: the record the optimizer steps read."""
         args = self.args
         dp_rank, dp_size, dp_group = self.data_parallel()
         steps = rows_per_step(len(batch), args.global_batch_size, dp_size, dp_rank,
                               [len(t) for t in batch.tokens] if args.balance_data else None)
-        record = RolloutRecord(batch, [self.plan(batch.tokens, rows) for rows in steps])
+        record = RolloutRecord(batch, [self.plan(batch.tokens, rows) for rows in steps], rollout_id)
+        gbs = args.global_batch_size
+        record.denominators = [loss_denominator(args, batch, range(s * gbs, (s + 1) * gbs)) for s in range(len(steps))]
+        record.loss_masks = {r: torch.as_tensor(batch.loss_masks[r], dtype=torch.float32, device=self.device)
+                             for r in record.rows}
         record.rollout_log_probs = rollout_log_probs(args, batch, record.rows, self.device)
         require_ref(args, self.ref_model is not None)
         # One optimizer step and no reference model: the policy that generated the log-probs of the loss is still
         # the trained one, so the training forward's own log-probs (detached) are the old ones (one forward fewer).
-        record.reuse_training_forward = (len(steps) == 1 and self.ref_model is None and not args.use_rollout_logprobs)
+        # Not with --keep-old-actor, whose old policy is another set of weights.
+        record.reuse_training_forward = (len(steps) == 1 and self.ref_model is None and not args.use_rollout_logprobs
+                                         and self.old_actor is None)
         forward_only = None
         if not (args.use_rollout_logprobs or record.reuse_training_forward) or self.ref_model is not None:
             forward_only = self.log_prob_plan(record)
+        if self.ref_model is not None:
+            record.ref_log_probs = self.log_probs_of_rows(self.ref_model, batch, forward_only, "ref_")
         if args.use_rollout_logprobs:
             record.old_log_probs = record.rollout_log_probs
+        elif self.old_actor is not None:
+            with self.old_actor.loaded():
+                record.old_log_probs = self.log_probs_of_rows(self.model, batch, forward_only, "")
         elif not record.reuse_training_forward:
-            record.old_log_probs = self.log_probs_of_rows(self.model, batch, forward_only)
-        if self.ref_model is not None:
-            record.ref_log_probs = self.log_probs_of_rows(self.ref_model, batch, forward_only)
+            record.old_log_probs = self.log_probs_of_rows(self.model, batch, forward_only, "")
         if self.last_stage():
             advantages_and_returns(args, record, values, self.device, dp_group)
+        if self.rollout_data_postprocess is not None:
+            self._postprocess(record)
         return record
 
+    def _postprocess(self, record: RolloutRecord) -> None:
+        data = rollout_data_of(record)
+        given = set(data)
+        self.rollout_data_postprocess(self.args, record.rollout_id, data)
+        apply_rollout_data(record, data, given, self.args.rollout_data_postprocess_path)
+
     def _abs_diff(self, record: RolloutRecord) -> float:
-        return logprob_abs_diff(record.old_log_probs, record.rollout_log_probs, record.batch, self.device,
+        return logprob_abs_diff(record.old_log_probs, record.rollout_log_probs, record.loss_masks, self.device,
                                 self.data_parallel()[2])

@@ -27,6 +27,9 @@ PerRow = dict[int, torch.Tensor]
 class RolloutRecord:
     batch: TrainBatch
     steps: list[list[list[int]]]  # per optimizer step, this rank's micro-batches (row indices)
+    rollout_id: int = 0
+    loss_masks: PerRow | None = None  # the batch's, as --rollout-data-postprocess-path leaves them
+    denominators: list[float] | None = None  # per optimizer step, its loss_denominator
     rollout_log_probs: PerRow | None = None  # the engines' (when the rollout returned them)
     old_log_probs: PerRow | None = None  # the behaviour policy's; filled by the training forward when reused
     ref_log_probs: PerRow | None = None  # the frozen reference model's (KL terms)
@@ -54,7 +57,7 @@ class RolloutRecord:
                     denominator: float) -> LossInputs:
         device = log_probs.device
         padded = functools.partial(padded_rows, rows=rows, width=mb.max_response_len, device=device)
-        mask = mb.response_mask.to(device) * padded(self.batch.loss_masks)
+        mask = mb.response_mask.to(device) * padded(self.loss_masks)
         return LossInputs(
             log_probs=log_probs, old_log_probs=padded(self.old_log_probs), advantages=padded(self.advantages),
             mask=mask, entropy=entropy,
@@ -91,7 +94,7 @@ def require_ref(args: Any, has_ref: bool) -> None:
 def advantages_and_returns(args: Any, record: RolloutRecord, values, device, group=None) -> None:
     """Fill the record's advantages (whitened over `group` with --normalize-advantages) and returns."""
     batch, rows = record.batch, record.rows
-    masks = {r: torch.as_tensor(batch.loss_masks[r], dtype=torch.float32) for r in rows}
+    masks = {r: record.loss_masks[r].cpu() for r in rows}
     kl = None
     if record.ref_log_probs is not None:
         old, ref = record.old_log_probs, record.ref_log_probs
@@ -120,11 +123,11 @@ def whiten(advantages: list[torch.Tensor], masks: list[torch.Tensor], device, gr
     return [ppo_utils.whiten_with_moments(a, m, moments.cpu()) for a, m in zip(advantages, masks)]
 
 
-def logprob_abs_diff(old_lp: PerRow, rollout_lp: PerRow, batch: TrainBatch, device, group=None) -> float:
+def logprob_abs_diff(old_lp: PerRow, rollout_lp: PerRow, masks: PerRow, device, group=None) -> float:
     """Mean |recomputed − rollout| log-prob over loss-masked response tokens of the whole batch."""
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for r, lp in old_lp.items():
-        mask = torch.as_tensor(batch.loss_masks[r], dtype=torch.float32, device=device)
+        mask = masks[r].to(device)
         total[0] += ((lp - rollout_lp[r]).abs() * mask).sum().double()
         total[1] += mask.sum().double()
     dist.all_reduce(total, group=group)

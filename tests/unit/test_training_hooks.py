@@ -1,0 +1,334 @@
+"""The training side of slime's plugin API and Megatron options, in pieces (pure CPU): the rollout_data view of
+--rollout-data-postprocess-path, --keep-old-actor's weight queue, the Megatron hook / provider / --spec
+contracts, and the mapping of --optimizer-cpu-offload, --no-check-for-nan-in-loss-and-grad,
+--lr-warmup-fraction, --no-position-embedding and --deterministic-mode onto megatron-core. The hooks running
+inside real trainers: tests/e2e_cpu/test_training_hooks.py."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import textwrap
+
+import pytest
+import torch
+
+from slime.backends.megatron_utils import args as margs
+from slime.backends.megatron_utils import plugins
+from slime.backends.training.old_actor import OldActor
+from slime.backends.training.record import RolloutRecord
+from slime.backends.training.rollout_data import apply_rollout_data, rollout_data_of
+from slime.config.arguments import SlimeArgumentError
+from slime.utils.misc import check_hook_signature
+from slime.utils.types import TrainBatch
+from tests.args import make_args
+from tests.conftest import model_args
+
+HAS_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+HAS_TE = importlib.util.find_spec("transformer_engine") is not None
+OFFLOAD = ("--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--bf16")
+
+
+def megatron_args(*argv: str, **fields) -> argparse.Namespace:
+    return make_args("--train-backend", "megatron", *model_args("tiny-qwen3"), *argv, **fields)
+
+
+def megatron_error(*argv: str) -> str:
+    with pytest.raises(SlimeArgumentError) as info:
+        megatron_args(*argv)
+    return str(info.value)
+
+
+# ---- --rollout-data-postprocess-path: slime's rollout_data of one rank ------------------------------------------
+def record_of_two_rows() -> RolloutRecord:
+    batch = TrainBatch(tokens=[[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]], response_lengths=[2, 1, 3],
+                       loss_masks=[[1, 1], [1], [1, 0, 1]], rewards=[0.5, -0.5, 1.0], raw_rewards=[1.0, 0.0, 1.0],
+                       truncated=[False, True, False], group_indices=[0, 0, 1])
+    record = RolloutRecord(batch, [[[2, 0]]], rollout_id=7)  # this rank trains rows 2 and 0
+    record.loss_masks = {r: torch.tensor(batch.loss_masks[r], dtype=torch.float32) for r in (0, 2)}
+    record.advantages = {0: torch.tensor([0.5, 0.5]), 2: torch.tensor([1.0, 1.0, 1.0])}
+    record.old_log_probs = {0: torch.tensor([-1.0, -2.0]), 2: torch.tensor([-0.5, -0.25, -0.125])}
+    return record
+
+
+def test_rollout_data_has_slimes_keys_for_this_ranks_rows():
+    data = rollout_data_of(record_of_two_rows())
+    assert data["partition"] == [2, 0]
+    assert [t.tolist() for t in data["tokens"]] == [[8, 9, 10, 11, 12], [1, 2, 3, 4]]
+    assert data["response_lengths"] == [3, 2] and data["total_lengths"] == [5, 4]
+    assert data["rewards"] == [1.0, 0.5] and data["truncated"] == [0, 0]
+    assert data["raw_reward"] == [1.0, 0.0, 1.0]  # the whole batch's, as slime ships it
+    assert data["loss_masks"][0].dtype == torch.int and data["loss_masks"][0].tolist() == [1, 0, 1]
+    assert data["log_probs"][1].tolist() == [-1.0, -2.0] and data["advantages"][0].tolist() == [1.0, 1.0, 1.0]
+    assert "ref_log_probs" not in data and "returns" not in data and "rollout_log_probs" not in data
+
+
+def test_the_hooks_edits_reach_the_record_in_place_or_assigned():
+    record = record_of_two_rows()
+    data = rollout_data_of(record)
+    given = set(data)
+    data["loss_masks"][1].zero_()  # row 0, in place
+    data["advantages"] = [a * 2 for a in data["advantages"]]  # a new list
+    data["extra_key"] = [1, 2]  # keys the hook adds are for itself
+    assert record.loss_masks[0].tolist() == [1.0, 1.0]  # untouched until applied
+    apply_rollout_data(record, data, given, "my.hook")
+    assert record.loss_masks[0].tolist() == [0.0, 0.0] and record.loss_masks[2].tolist() == [1.0, 0.0, 1.0]
+    assert record.advantages[2].tolist() == [2.0, 2.0, 2.0] and record.loss_masks[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["loss_masks"].pop(), "rollout_data['loss_masks'] has 1 entries after the hook"),
+    (lambda d: d.__setitem__("advantages", [torch.ones(2), torch.ones(2)]),
+     "rollout_data['advantages'][0] (row 2) has 2 values after the hook; it needs one per response token (3)"),
+    (lambda d: d.pop("log_probs"), "the hook removed rollout_data['log_probs']"),
+])  # fmt: skip
+def test_bad_edits_name_the_hook_key_and_row(edit, message):
+    record = record_of_two_rows()
+    data = rollout_data_of(record)
+    given = set(data)
+    edit(data)
+    with pytest.raises(ValueError, match="--rollout-data-postprocess-path my.hook") as info:
+        apply_rollout_data(record, data, given, "my.hook")
+    assert message in str(info.value)
+
+
+def test_postprocess_hook_signature_is_checked_at_parse_time(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "post.py").write_text("def good(args, rollout_id, rollout_data):\n    pass\n"
+                                      "def bad(args, rollout_data):\n    pass\n")
+    assert make_args("--rollout-data-postprocess-path", "post.py:good").rollout_data_postprocess_path == "post.py:good"
+    with pytest.raises(SlimeArgumentError, match=r"cannot be called as fn\(args, rollout_id, rollout_data\)"):
+        make_args("--rollout-data-postprocess-path", "post.py:bad")
+
+
+# ---- --keep-old-actor -------------------------------------------------------------------------------------------
+def weights_of(module: torch.nn.Module):
+    return lambda: dict(module.state_dict())
+
+
+def set_weight(module: torch.nn.Linear, value: float) -> None:
+    with torch.no_grad():
+        module.weight.fill_(value)
+        module.bias.fill_(value)
+
+
+def old_weight(old: OldActor, module: torch.nn.Linear) -> float:
+    with old.loaded():
+        return float(module.weight[0, 0])
+
+
+def test_old_actor_queue_with_interval_one_lags_one_push():
+    """Weights W0 at start; pushes of W0 (start), W1, W2: the old actor is W0, W0, W1 (slime's queue)."""
+    model = torch.nn.Linear(2, 2)
+    set_weight(model, 0.0)
+    old = OldActor(weights_of(model), update_weights_interval=1)
+    seen = []
+    for version in range(3):
+        set_weight(model, float(version))
+        old.pushed()
+        seen.append(old_weight(old, model))
+    assert seen == [0.0, 0.0, 1.0]
+
+
+def test_old_actor_with_a_longer_interval_is_the_last_push():
+    model = torch.nn.Linear(2, 2)
+    set_weight(model, 0.0)
+    old = OldActor(weights_of(model), update_weights_interval=2)
+    assert old_weight(old, model) == 0.0
+    set_weight(model, 5.0)
+    assert old_weight(old, model) == 0.0  # not pushed yet
+    old.pushed()
+    assert old_weight(old, model) == 5.0
+
+
+def test_old_actor_swap_restores_the_model_bit_for_bit_and_calls_after_load():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    old = OldActor(weights_of(model), 1, after_load=lambda: loads.append(float(model.weight.sum())))
+    loads: list[float] = []
+    with torch.no_grad():
+        model.weight.mul_(1.0 + 1e-7).add_(0.3)  # "trained"
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 4)
+    with old.loaded():
+        inside = model(x)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
+    assert not torch.equal(inside, model(x)) and len(loads) == 2  # swapped in, then back
+
+
+def test_keep_old_actor_refuses_rollout_logprobs_and_overlapped_param_gather():
+    with pytest.raises(SlimeArgumentError, match="--keep-old-actor recomputes.*drop one"):
+        make_args("--keep-old-actor", "--use-rollout-logprobs")
+    assert "--keep-old-actor with --overlap-param-gather" in megatron_error(
+        "--keep-old-actor", "--overlap-param-gather", "--use-distributed-optimizer")
+    assert make_args("--keep-old-actor").keep_old_actor
+
+
+# ---- the Megatron hooks, the model provider, --spec --------------------------------------------------------------
+@pytest.mark.parametrize("flag, good, bad", [
+    ("--custom-megatron-init-path", "def f(args): pass", "def f(): pass"),
+    ("--custom-megatron-before-log-prob-hook-path", "def f(args, model, store_prefix): pass",
+     "def f(args, model): pass"),
+    ("--custom-megatron-before-train-step-hook-path",
+     "def f(args, rollout_id, step_id, model, optimizer, opt_param_scheduler): pass", "def f(args, step_id): pass"),
+    ("--custom-model-provider-path", "def f(pre_process=True, post_process=True, vp_stage=None): pass",
+     "def f(config): pass"),
+])  # fmt: skip
+def test_megatron_hook_contracts_are_slimes(flag, good, bad):
+    namespace: dict = {}
+    exec(good, namespace)
+    check_hook_signature(namespace["f"], "p.f", flag)
+    exec(bad, namespace)
+    with pytest.raises(TypeError, match=f"{flag}=p.f: f.* cannot be called as"):
+        check_hook_signature(namespace["f"], "p.f", flag)
+
+
+def test_megatron_hooks_load_from_their_flags(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text("def init(args): pass\ndef step(a, r, s, m, o, p): pass\n")
+    args = make_args("--custom-megatron-init-path", "mine.py:init",
+                     "--custom-megatron-before-train-step-hook-path", "mine.py:step")
+    hooks = plugins.MegatronHooks.from_args(args)
+    assert hooks.init.__name__ == "init" and hooks.before_train_step.__name__ == "step"
+    assert hooks.before_log_prob is None
+
+
+def test_model_provider_gets_vp_stage_and_config_only_when_it_names_them():
+    calls = []
+
+    def two(pre_process, post_process):
+        calls.append((pre_process, post_process))
+
+    def four(pre_process, post_process, vp_stage=None, config=None):
+        calls.append((pre_process, post_process, vp_stage, config))
+
+    plugins.call_model_provider(two, True, False, 1, "cfg")
+    plugins.call_model_provider(four, False, True, 1, "cfg")
+    assert calls == [(True, False), (False, True, 1, "cfg")]
+    assert plugins.is_model_provider(four) and not plugins.is_model_provider(lambda args, config, vp: None)
+
+
+def test_plugins_get_args_is_the_runs_args():
+    plugins.set_args(None)
+    with pytest.raises(RuntimeError, match="no megatron training rank has started"):
+        plugins.get_args()
+    args = make_args()
+    plugins.set_args(args)
+    try:
+        assert plugins.get_args() is args
+    finally:
+        plugins.set_args(None)
+
+
+def test_spec_in_slimes_two_token_form_is_loaded_at_validation(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_specs.py").write_text(textwrap.dedent("""
+        def get_spec(args, config, vp_stage):
+            return ("spec", args.num_layers, config, vp_stage)
+    """))
+    args = megatron_args("--spec", "my_specs", "get_spec")
+    assert args.spec == ["my_specs", "get_spec"] and plugins.spec_path(args) == "my_specs:get_spec"
+    spec = plugins.load_spec(args)
+    assert plugins.custom_layer_spec(spec, args, "cfg", None) == ("spec", args.num_layers, "cfg", None)
+    assert plugins.custom_layer_spec("a spec object", args, "cfg", None) == "a spec object"
+    assert "my_specs' has no attribute 'nope'" in megatron_error("--spec", "my_specs", "nope")
+    assert "expected MODULE FUNCTION" in megatron_error("--spec", "a", "b", "c")
+
+
+def test_slimes_own_model_specs_are_built_in_or_refused_with_the_reason():
+    glm = megatron_args("--spec", "slime_plugins.models.glm4", "get_glm_spec")
+    assert plugins.load_spec(glm) is None  # the built-in spec (sandwich norms from the GLM-4 flags)
+    msg = megatron_error("--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec")
+    assert "Qwen3.5 (gated DeltaNet linear attention)" in msg and "not built here" in msg
+    assert "GLM-5" in megatron_error("--spec", "slime_plugins.models.glm5.glm5", "get_glm5_spec")
+    # a dry run (a login node may lack megatron-core) checks the form and slime's plugins, without importing
+    assert megatron_args("--spec", "not_importable_here", "fn", "--dry-run").spec == ["not_importable_here", "fn"]
+    assert "Qwen3-Next" in megatron_error("--spec", "slime_plugins.models.qwen3_next", "f", "--dry-run")
+
+
+# ---- Megatron options -> megatron-core ---------------------------------------------------------------------------
+def test_optimizer_cpu_offload_maps_onto_optimizer_config():
+    args = megatron_args(*OFFLOAD, "--overlap-cpu-optimizer-d2h-h2d")
+    kw = margs.optimizer_config_kwargs(args)
+    assert kw["optimizer_cpu_offload"] and kw["overlap_cpu_optimizer_d2h_h2d"] and kw["use_precision_aware_optimizer"]
+    assert kw["optimizer_offload_fraction"] == 1.0  # Megatron-LM's default (megatron-core's field defaults to 0)
+    assert kw["pin_cpu_grads"] and kw["pin_cpu_params"] and not kw["use_torch_optimizer_for_cpu_offload"]
+    # megatron-core needs the distributed optimizer there; slime always uses it
+    assert args.use_distributed_optimizer and margs.ddp_config_kwargs(args)["use_distributed_optimizer"]
+    half = margs.optimizer_config_kwargs(megatron_args(*OFFLOAD, "--optimizer-offload-fraction", "0.5",
+                                                       "--no-pin-cpu-grads"))
+    assert half["optimizer_offload_fraction"] == 0.5 and not half["pin_cpu_grads"]
+    assert not margs.optimizer_config_kwargs(megatron_args())["optimizer_cpu_offload"]
+
+
+def test_optimizer_cpu_offload_rules_are_megatron_lms():
+    assert "needs --use-precision-aware-optimizer" in megatron_error("--optimizer-cpu-offload", "--bf16")
+    assert "needs --bf16" in megatron_error("--optimizer-cpu-offload", "--use-precision-aware-optimizer")
+    assert "add --optimizer-cpu-offload or drop it" in megatron_error("--overlap-cpu-optimizer-d2h-h2d")
+    assert "must lie in [0, 1]" in megatron_error(*OFFLOAD, "--optimizer-offload-fraction", "1.5")
+
+
+@pytest.mark.skipif(HAS_TE, reason="TransformerEngine is installed")
+def test_precision_aware_optimizer_alone_needs_transformer_engine():
+    msg = megatron_error("--use-precision-aware-optimizer", "--bf16")
+    assert "runs TransformerEngine's FusedAdam" in msg and "add --optimizer-cpu-offload" in msg
+
+
+@pytest.mark.skipif(not HAS_MCORE, reason="megatron-core not installed")
+def test_optimizer_config_with_cpu_offload_builds():
+    """megatron-core's OptimizerConfig itself, with or without TransformerEngine (its hybrid CPU optimizer is
+    torch's Adam)."""
+    config = margs.build_optimizer_config(megatron_args(*OFFLOAD, "--overlap-cpu-optimizer-d2h-h2d"))
+    assert config.optimizer_cpu_offload and config.overlap_cpu_optimizer_d2h_h2d and config.bf16
+    assert config.optimizer_offload_fraction == 1.0 and config.use_distributed_optimizer
+    assert config.use_precision_aware_optimizer and config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    if not HAS_TE:
+        assert not config.store_param_remainders  # TE FusedAdam's; the hybrid optimizer keeps fp32 copies
+
+
+def test_nan_check_is_on_by_default_and_reaches_ddp():
+    assert margs.ddp_config_kwargs(megatron_args())["check_for_nan_in_grad"] is True
+    args = megatron_args("--no-check-for-nan-in-loss-and-grad")
+    assert args.check_for_nan_in_loss_and_grad is False
+    assert margs.ddp_config_kwargs(args)["check_for_nan_in_grad"] is False
+
+
+def test_lr_warmup_fraction_is_a_share_of_the_decay_steps():
+    kw = margs.lr_scheduler_kwargs(megatron_args("--lr-warmup-fraction", "0.1"), total_steps=50)
+    assert kw["lr_warmup_steps"] == pytest.approx(5.0) and kw["lr_decay_steps"] == 50
+    kw = margs.lr_scheduler_kwargs(megatron_args("--lr-warmup-fraction", "0.25", "--lr-decay-iters", "40"), 50)
+    assert kw["lr_warmup_steps"] == pytest.approx(10.0) and kw["lr_decay_steps"] == 40
+    assert margs.lr_scheduler_kwargs(megatron_args("--lr-warmup-iters", "3"), 50)["lr_warmup_steps"] == 3
+    assert "give one warm-up length" in megatron_error("--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2")
+    assert "must lie in [0, 1)" in megatron_error("--lr-warmup-fraction", "1.0")
+
+
+def test_no_position_embedding_is_megatron_lms_rule():
+    args = megatron_args("--no-position-embedding")  # the tiny model is RoPE: no learned position table
+    assert not args.add_position_embedding and margs.gpt_model_kwargs(args)["position_embedding_type"] == "rope"
+    with pytest.raises(SlimeArgumentError) as info:
+        megatron_args("--no-position-embedding", position_embedding_type="learned_absolute",
+                      use_rotary_position_embeddings=False)
+    msg = str(info.value)
+    assert "--no-position-embedding with --position-embedding-type learned_absolute" in msg
+
+
+def test_deterministic_mode_reaches_the_transformer_config_and_torch():
+    assert margs.transformer_config_kwargs(megatron_args("--deterministic-mode"))["deterministic_mode"] is True
+    assert margs.transformer_config_kwargs(megatron_args())["deterministic_mode"] is False
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+              torch.backends.cudnn.benchmark)
+    env: dict[str, str] = {}
+    try:
+        margs.enable_deterministic_mode(env)
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert not torch.backends.cudnn.benchmark
+        assert env == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
+        kept = {"NCCL_ALGO": "Tree", "CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+        margs.enable_deterministic_mode(kept)
+        assert kept == {"NCCL_ALGO": "Tree", "CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+        with pytest.raises(SlimeArgumentError, match="NCCL_ALGO=NVLS does not reduce in a fixed order"):
+            margs.enable_deterministic_mode({"NCCL_ALGO": "NVLS"})
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1], before[2]
