@@ -24,16 +24,16 @@ import os
 import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 from slime.backends.fsdp_utils import checkpoint as fsdp_checkpoint
 from slime.backends.megatron_utils import checkpoint as megatron_checkpoint
 from slime.backends.megatron_utils.args import require_model_args
 from slime.backends.megatron_utils.config_check import ConfigMismatchError, check_against_hf_config
 from slime.config.arg_groups import FUNCTION_FLAGS, SlimeArgumentError, add_all_arguments, validate_all
-from slime.config.arg_groups.data import DEFAULT_DATA_SOURCE
+from slime.config.arg_groups.data import DEFAULT_DATA_SOURCE, check_training_divisibility
 from slime.config.arg_groups.megatron import MEGATRON_DESTS, add_megatron_arguments, validate_megatron
-from slime.config.arg_groups.rollout import DEFAULT_ROLLOUT_FUNCTION
+from slime.config.arg_groups.rollout import DEFAULT_ROLLOUT_FUNCTION, check_hf_checkpoint
 from slime.rollout.rm_hub import RM_TYPES
 from slime.utils.data import chat_template_missing, check_prompt_file, no_chat_template_message
 from slime.utils.misc import load_hook
@@ -41,6 +41,8 @@ from slime.utils.misc import load_hook
 logger = logging.getLogger(__name__)
 
 __all__ = ["SlimeArgumentError", "build_parser", "parse_args", "split_argv", "validate_args"]
+
+CustomArguments = Callable[[argparse.ArgumentParser], "argparse.ArgumentParser | None"]
 
 _SGLANG_PREFIX = "--sglang-"
 _ROUTER_PREFIX = "--router-"
@@ -84,7 +86,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     pass
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(add_custom_arguments: CustomArguments | None = None) -> argparse.ArgumentParser:
+    """The whole command line. `add_custom_arguments(parser)` (slime's hook for a plugin's own flags) adds flags
+    first, so a plugin may also take a name slime defines later (`reset_arg` changes an existing default)."""
     # allow_abbrev=False: an unknown Megatron flag must never be taken for a prefix of one of ours.
     parser = _Parser(
         prog=os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py",
@@ -94,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         formatter_class=_HelpFormatter,
     )
+    if add_custom_arguments is not None:
+        parser = add_custom_arguments(parser) or parser
     add_all_arguments(parser)
     add_megatron_arguments(parser)
     parser.add_argument(
@@ -105,6 +111,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.set_defaults(**dict.fromkeys(DERIVED_FIELDS))
     return parser
+
+
+# slime's names that are the opposite of ours: (our dest, slime's dest) of the same --disable-* flag.
+NEGATED_DESTS = (
+    ("disable_rollout_global_dataset", "rollout_global_dataset"),
+    ("disable_grpo_std_normalization", "grpo_std_normalization"),
+    ("disable_rewards_normalization", "rewards_normalization"),
+)
+
+
+def complete_namespace(args: Any, parser: argparse.ArgumentParser | None = None) -> Any:
+    """Give `args` (any object with attributes, e.g. a plugin's or a test's partial namespace) every argument it
+    lacks, at the parser's default; a lacking `disable_*` flag follows slime's positive name when that is set."""
+    defaults = vars((parser or build_parser()).parse_args([]))
+    for ours, slimes in NEGATED_DESTS:
+        if not hasattr(args, ours) and getattr(args, slimes, None) is not None:
+            setattr(args, ours, not getattr(args, slimes))
+    for name, value in defaults.items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    return args
+
+
+def reset_arg(parser: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:
+    """slime's helper for `add_custom_arguments`: give the flag `name` a new default, or add it when the parser
+    does not have it."""
+    action = parser._option_string_actions.get(name)
+    if action is None:
+        parser.add_argument(name, **kwargs)
+    elif "default" in kwargs:
+        action.default = kwargs["default"]
 
 
 @dataclass
@@ -280,16 +317,26 @@ def check_function_flags(args: argparse.Namespace, parser: argparse.ArgumentPars
             raise SlimeArgumentError(str(e)) from e
 
 
-def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    """Run every area's validation (deriving defaults in place), then check the plugin paths."""
-    parser = parser or build_parser()
+def validate_slime_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """slime's own flags: every area's validation (deriving defaults in place). What slime's
+    `slime_validate_args` covers; `validate_args` adds the Megatron flags, plugin paths and files."""
     if args.use_cuda is None:
         args.use_cuda = _cuda_available()
     for name, empty in (("sglang_args", dict), ("router_args", dict), ("megatron_args", list)):
         if getattr(args, name) is None:
             setattr(args, name, empty())
     validate_all(args)
+    return args
+
+
+def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Run every area's validation (deriving defaults in place), then check the plugin paths."""
+    parser = parser or build_parser()
+    validate_slime_flags(args)
+    check_hf_checkpoint(args)
     validate_megatron(args)
+    if not args.debug_rollout_only:
+        check_training_divisibility(args)  # Megatron-LM's check in slime: data-parallel size needs its flags
     check_function_flags(args, parser)
     check_model_args(args)
     check_prompt_rows(args, parser)
@@ -382,17 +429,27 @@ def check_checkpoint_to_load(args: argparse.Namespace) -> None:
             raise SlimeArgumentError(str(e)) from e
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and validate a slime command line (default: sys.argv[1:]); raises SlimeArgumentError."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
-    split = split_argv(parser, argv)
+def parse_command_line(
+    argv: list[str], add_custom_arguments: CustomArguments | None = None
+) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """(parser, args) for a command line, parsed but not validated: the three flag families sorted, unknown
+    flags and ill-typed values refused. tools/check_launch_script.py reports this step apart from validation."""
+    parser = build_parser(add_custom_arguments)
+    split = split_argv(parser, list(argv))
     check_unknown_flags(parser, split.unknown)
     args = parser.parse_args(split.known)
     args.sglang_args = split.sglang_args
     args.router_args = split.router_args
     args.megatron_args = split.megatron_args
     args.use_cuda = _cuda_available()
+    return parser, args
+
+
+def parse_args(
+    argv: list[str] | None = None, add_custom_arguments: CustomArguments | None = None
+) -> argparse.Namespace:
+    """Parse and validate a slime command line (default: sys.argv[1:]); raises SlimeArgumentError."""
+    parser, args = parse_command_line(sys.argv[1:] if argv is None else argv, add_custom_arguments)
     if args.custom_config_path is not None:
         apply_custom_config(parser, args, args.custom_config_path)
     return validate_args(args, parser)

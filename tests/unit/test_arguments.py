@@ -275,7 +275,7 @@ def test_prompt_len_fits_context(files):
 
 
 def test_temperature_must_be_positive(files):
-    assert "--rollout-temperature 0.0" in error_of(base("--rollout-temperature", "0"))
+    assert "--rollout-temperature must be > 0, got --rollout-temperature 0.0" in error_of(base("--rollout-temperature", "0"))
 
 
 def test_over_sampling_batch_size(files):
@@ -345,7 +345,7 @@ def test_eval_prompt_data_pairs(files):
 def test_eval_config_is_read_and_checked_at_parse_time(files):
     (files / "eval.yaml").write_text("datasets:\n  - {name: aime, path: train.jsonl, top_p: 0.7}\n")
     args = parse_args(base("--eval-config", "eval.yaml", "--eval-interval", "5"))
-    assert args.eval_interval == 5 and [d["name"] for d in args.eval_datasets] == ["aime"]
+    assert args.eval_interval == 5 and [d.name for d in args.eval_datasets] == ["aime"]
     (files / "bad.yaml").write_text("datasets:\n  - {name: aime, path: train.jsonl, topp: 0.7}\n")
     assert "bad.yaml: datasets[0] (aime): unknown key(s) ['topp']" in error_of(base("--eval-config", "bad.yaml"))
     (files / "rm.yaml").write_text("datasets:\n  - {name: aime, path: train.jsonl}\n  - {name: gsm, path: train.jsonl, "
@@ -507,9 +507,10 @@ def test_rm_type_check_logic(monkeypatch):
 
 # ---- slime flags this implementation refuses or warns about (never parsed and silently ignored) -------------
 @pytest.mark.parametrize("extra, message", [
-    (["--keep-old-actor"], "--keep-old-actor: not supported here yet"),
-    (["--custom-tis-function-path", "my.tis"], "--custom-tis-function-path my.tis: not supported here yet"),
-    (["--rollout-data-postprocess-path", "my.post"], "--rollout-data-postprocess-path my.post: not supported"),
+    (["--use-opd", "--opd-type", "sglang"], "--use-opd: not supported here: on-policy distillation"),
+    (["--freeze-params-name-list", "embedding", "output_layer"], "--freeze-params-name-list embedding output_layer:"),
+    (["--update-weight-mode", "delta", "--update-weight-transport", "disk", "--update-weight-disk-dir", "/d",
+      "--update-weight-local-checkpoint-dir", "/l"], "--update-weight-mode delta: not supported here yet"),
     (["--multimodal-keys", '{"image": "img"}'], "--multimodal-keys {\"image\": \"img\"}: not supported here yet"),
     (["--train-backend", "megatron", "--ckpt-format", "torch"], "--ckpt-format torch: the megatron backend"),
     (["--model-name", "nosuchfamily"], "--model-name nosuchfamily: no HF <-> Megatron weight converter"),

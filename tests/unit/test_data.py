@@ -229,11 +229,13 @@ def test_process_rollout_data_lines_the_batch_lists_up_with_the_rank():
         process_rollout_data(None, boxes, 0, 4)
 
 
-def test_slime_signature_and_the_earlier_names_read_the_same(tmp_path, tokenizer):
+def test_slime_signature_positional_and_keyword_forms_read_the_same(tmp_path, tokenizer):
     path = _write(tmp_path / "d.jsonl", [{"text": "one two", "metadata": {"k": 1}}, {"text": "one two three"}])
     slime_style = Dataset(path, tokenizer, None, 2)  # slime's defaults: prompt_key "text", metadata_key "metadata"
-    ours = Dataset(path, tokenizer=tokenizer, max_prompt_len=2, input_key="text")
-    assert [s.to_dict() for s in slime_style] == [s.to_dict() for s in ours]
+    keywords = Dataset(path=path, tokenizer=tokenizer, processor=None, max_length=2, prompt_key="text")
+    assert [s.to_dict() for s in slime_style] == [s.to_dict() for s in keywords]
+    with pytest.raises(TypeError, match="max_prompt_len"):  # the names these classes took before slime's are gone
+        Dataset(path, tokenizer, max_prompt_len=2)
     assert [(s.prompt, s.metadata) for s in slime_style] == [("one two", {"k": 1})]
     assert slime_style.epoch_id == -1
     ds = Dataset(_write(tmp_path / "s.jsonl", [{"text": str(i)} for i in range(20)]), None, seed=1)

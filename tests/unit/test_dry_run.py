@@ -181,7 +181,7 @@ def test_megatron_and_engine_memory_of_qwen3_4b_closed_form(files):
     assert mem.kv_tokens == int((0.7 * 80 * GiB - mem.weights) // mem.kv_bytes_per_token)
 
     plan = format_plan(args)
-    assert "GPU (planned with --dry-run-cuda; this machine has no CUDA)" in plan or "GPU (CUDA)" in plan
+    assert "GPU (planned as a GPU run: --dry-run-cuda, or GPU-only flags; this machine has no CUDA)" in plan or "GPU (CUDA)" in plan
     assert re.search(r"engine 3\s+6-7\s+node 0: GPU 6-7\s+TP 2", plan), plan
     assert re.search(r"rollout\s+0-7\s+node 0: GPU 0-7\s+shared with actor \(--colocate\)", plan)
     assert "colocated, generating" in plan
@@ -294,3 +294,25 @@ def test_dry_run_flags_need_dry_run(files):
     with pytest.raises(SlimeArgumentError, match="--dry-run-gpu-gb 0.0: must be a positive number"):
         parse_args(base("--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--dry-run",
                         "--dry-run-gpu-gb", "0"))
+
+
+def test_a_gpu_command_line_is_planned_as_a_gpu_run_without_dry_run_cuda(files, monkeypatch):
+    """What --dry-run is for: planning slime's GPU job from a machine without GPUs. A command line naming a
+    GPU-only piece (SGLang engines, megatron, nccl) is planned as the GPU run; one naming a CPU-only piece, or
+    none, is planned as what this machine would run."""
+    monkeypatch.setattr("slime.config.arguments._cuda_available", lambda: False)
+    write_config(files / "model", QWEN3_4B)
+    gpu = base(*model_args("qwen3-4B"), "--dry-run", "--colocate", "--tensor-model-parallel-size", "2")
+    for extra in (["--rollout-backend", "sglang"], ["--sglang-mem-fraction-static", "0.7"],
+                  ["--train-backend", "megatron"]):  # fmt: skip
+        args = parse_args(gpu + extra)
+        assert (args.use_cuda, args.dry_run_cuda, args.rollout_backend, args.train_backend) == (
+            True, True, "sglang", "megatron"), extra
+        assert args.distributed_backend == "nccl"
+    cpu = parse_args(gpu + ["--sglang-mem-fraction-static", "0.7", "--rollout-backend", "hf"])
+    assert (cpu.use_cuda, cpu.rollout_backend, cpu.train_backend) == (False, "hf", "fsdp")
+    plain = parse_args(base("--dry-run", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"))
+    assert (plain.use_cuda, plain.rollout_backend) == (False, "hf")
+    not_a_dry_run = [t for t in gpu if t != "--dry-run"]
+    with pytest.raises(SlimeArgumentError, match="--rollout-backend sglang needs CUDA"):
+        parse_args(not_a_dry_run + ["--rollout-backend", "sglang"])  # a real run still needs the GPUs

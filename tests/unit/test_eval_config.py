@@ -122,10 +122,22 @@ def test_parse_args_resolves_and_checks_the_datasets(files):
     assert [(d.name, d.top_p, d.temperature) for d in args.eval_datasets] == [("aime", 0.7, 1.0)]
     assert args.eval_prompt_data == ["aime", "train.jsonl"]  # found from the working directory: kept as given
 
-    (files / "pen.yaml").write_text("datasets:\n  - {name: aime, path: train.jsonl, repetition_penalty: 1.2}\n")
-    with pytest.raises(SlimeArgumentError, match=r"datasets\[0\] \(aime\): repetition_penalty: 1.2: the built-in "
+    (files / "app.yaml").write_text("datasets:\n  - {name: aime, path: train.jsonl, app_service: http://x}\n")
+    with pytest.raises(SlimeArgumentError, match=r"datasets\[0\] \(aime\): app_service: 'http://x': the built-in "
                                                  r"eval rollout .* does not act on this setting"):
+        parse_args(_argv("--eval-config", "app.yaml"))
+    # sent with the eval requests (sglang_rollout.eval_sampling_params), but the hf engine (the CPU default)
+    # does not implement them: refused up front, naming the engine; the "off" values pass
+    (files / "pen.yaml").write_text("datasets:\n  - {name: aime, path: train.jsonl, repetition_penalty: 1.2}\n")
+    with pytest.raises(SlimeArgumentError, match=r"datasets\[0\] \(aime\): repetition_penalty: 1.2: the hf engine "
+                                                 r"\(--rollout-backend hf\) does not implement this sampling setting"):
         parse_args(_argv("--eval-config", "pen.yaml"))
+    with pytest.raises(SlimeArgumentError, match=r"min_new_tokens: 4: the hf engine"):
+        parse_args(_argv("--eval-config", "eval.yaml", "--eval-min-new-tokens", "4"))
+    (files / "off.yaml").write_text("datasets:\n  - {name: aime, path: train.jsonl, repetition_penalty: 1.0, "
+                                    "min_new_tokens: 0, no_stop_trim: false}\n")
+    (off,) = parse_args(_argv("--eval-config", "off.yaml")).eval_datasets
+    assert (off.repetition_penalty, off.min_new_tokens, off.no_stop_trim) == (1.0, 0, False)
 
     (files / "hook.yaml").write_text("datasets:\n  - {name: aime, path: train.jsonl, custom_rm_path: my_rm.nope}\n")
     (files / "my_rm.py").write_text("async def score(args, sample):\n    return 1.0\n")

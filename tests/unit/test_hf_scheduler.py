@@ -115,14 +115,18 @@ def test_stop_token_is_included_and_max_new_tokens_gives_length(model_and_tokeni
     stop_at = next(i for i, t in enumerate(probe.output_ids) if i >= 2 and t not in probe.output_ids[:i])
     stop_tok = probe.output_ids[stop_at]
 
-    stopped = make_request(1, PROMPTS[2], temperature=0.0, max_new_tokens=8, stop_token_ids=[stop_tok])
+    stopped = make_request(1, PROMPTS[2], temperature=0.0, max_new_tokens=8, stop_token_ids=[stop_tok],
+                           ignore_eos=False)
     limited = make_request(2, PROMPTS[2], temperature=0.0, max_new_tokens=3)
-    run(model_and_tokenizer, [stopped, limited])
+    # SGLang's rule: ignore_eos turns off every token-based stop, stop_token_ids included.
+    ignoring = make_request(3, PROMPTS[2], temperature=0.0, max_new_tokens=8, stop_token_ids=[stop_tok])
+    run(model_and_tokenizer, [stopped, limited, ignoring])
     assert stopped.output_ids == probe.output_ids[: stop_at + 1]
     assert stopped.finish_reason == {"type": "stop", "matched": stop_tok}
     assert len(stopped.output_logprobs) == len(stopped.output_ids)
     assert limited.finish_reason == {"type": "length", "length": 3}
     assert limited.output_ids == probe.output_ids[:3]
+    assert ignoring.finish_reason == {"type": "length", "length": 8} and ignoring.output_ids == probe.output_ids
 
 
 def test_eos_from_generation_config_stops(model_and_tokenizer):

@@ -107,9 +107,12 @@ def test_expert_parallel_must_divide_experts(files):
     assert "--expert-model-parallel-size 4 does not divide --num-experts 6" in msg
 
 
-def test_expert_parallel_needs_the_alltoall_dispatcher(files):
-    msg = error_of(base("--num-layers", "2", "--num-experts", "8", "--expert-model-parallel-size", "4"))
-    assert "--moe-token-dispatcher-type alltoall" in msg and "allgather" in msg
+def test_moe_models_use_the_alltoall_dispatcher_as_in_slime(files):
+    """slime replaces Megatron-LM's default allgather dispatcher by alltoall (variable-length micro-batches)."""
+    args = parse_args(base("--num-layers", "2", "--num-experts", "8", "--expert-model-parallel-size", "4"))
+    assert args.moe_token_dispatcher_type == "alltoall"
+    dense = parse_args(base("--num-layers", "2"))
+    assert dense.moe_token_dispatcher_type == "allgather"  # no experts: nothing is dispatched
 
 
 def test_packed_micro_batches_refuse_context_parallelism(files):

@@ -3,7 +3,8 @@
 The peer answers /generate with three tokens ("one two three", log-probs -0.5/-0.25/-0.125, weight version
 "7"), fewer with finish_reason "length" when max_new_tokens is smaller. Prompts containing "red" block
 until /abort_request, then answer with one token and finish_reason "abort"; "blue" answers "abort" at once;
-"fish" gets a malformed answer; "cat" answers after 0.4 s.
+"fish" gets a malformed answer; "query" a 404; "cat" answers after 0.4 s. (Trigger words are in the tiny
+tokenizer's vocabulary: a word outside it is <unk>, and two such words would look the same to the peer.)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from slime.rollout.sglang_rollout import (
     generate_rollout,
     prompt_ids,
 )
+from slime.utils.eval_config import EvalDatasetConfig
 from slime.utils.http_utils import HTTPRequestError, run_sync
 from slime.utils.types import Sample
 from tests.args import make_args, router_fields
@@ -96,7 +98,7 @@ class ScriptedEngine:
         fresh = words[0] not in ids  # no earlier response tokens in the input
         if self.vocab["fish"] in ids:
             return 200, {"text": "no meta"}
-        if self.vocab["lost"] in ids:
+        if self.vocab["query"] in ids:
             return 404, {"detail": "no such model"}
         if self.vocab["red"] in ids and fresh:
             abort_event.wait(BLOCK_LIMIT_S)
@@ -138,7 +140,7 @@ def engine(tokenizer_dir):
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     peer = ScriptedEngine(
-        {w: tok.convert_tokens_to_ids(w) for w in ("one", "two", "three", "red", "blue", "fish", "cat", "lost")}
+        {w: tok.convert_tokens_to_ids(w) for w in ("one", "two", "three", "red", "blue", "fish", "cat", "query")}
     )
     yield peer
     peer.close()
@@ -261,7 +263,7 @@ def test_malformed_answer_and_http_errors(tokenizer_dir, engine):
     assert failed.status == Sample.Status.FAILED and failed.reward == 0.0
     assert "malformed /generate answer" in failed.metadata["error"]
     with pytest.raises(HTTPRequestError, match=r"/generate -> HTTP 404: .*no such model"):
-        run_sync(generate(args, Sample(prompt="lost"), params))
+        run_sync(generate(args, Sample(prompt="query"), params))
 
 
 def test_generate_and_rm_rewards_and_failures(tokenizer_dir, engine):
@@ -412,3 +414,36 @@ eval:
     params = sorted((r["sampling_params"]["temperature"], r["sampling_params"]["max_new_tokens"])
                     for r in engine.requests[before:])
     assert params == [(0.0, 2)] * 2 + [(0.5, 3)] * 6
+
+
+def test_eval_dataset_settings_reach_prompts_metadata_and_requests(tmp_path, tokenizer_dir, engine):
+    """A dataset's own chat-template setting, metadata_overrides (through inject_metadata) and no_stop_trim act;
+    eval prompts are cut by --eval-max-prompt-len (templated length), not by --rollout-max-prompt-len."""
+    path = _data(tmp_path, [("say", "one"), ("count one two three four", "two")])  # 1 and 5 tokens; templated 6, 10
+    config = tmp_path / "eval.yaml"
+    config.write_text(f"""
+datasets:
+  - {{name: chat, path: {path}, apply_chat_template: true, no_stop_trim: false,
+      metadata_overrides: {{rm_type: f1, source: chat}}}}
+  - {{name: plain, path: {path}, rm_type: toy}}
+""")
+    args = _args(tokenizer_dir, engine, eval_config=str(config), eval_max_prompt_len=6, rollout_max_prompt_len=2)
+    before = len(engine.requests)
+    out = generate_rollout(args, 0, None, evaluation=True).data
+    (chat,) = out["chat"]["samples"]  # the 10-token templated prompt is over --eval-max-prompt-len 6
+    assert chat.prompt.startswith("<|im_start|>user\nsay") and chat.metadata == {"rm_type": "f1", "source": "chat"}
+    assert out["chat"]["rewards"] == [pytest.approx(0.5)]  # f1 of "one two three" against "one"
+    assert [s.prompt for s in out["plain"]["samples"]] == ["say", "count one two three four"]  # 5 > 2: still kept
+    assert out["plain"]["rewards"] == [1.0, 0.0] and all(s.metadata == {"rm_type": "toy"} for s in out["plain"]["samples"])
+    assert sorted(r["sampling_params"]["no_stop_trim"] for r in engine.requests[before:]) == [False, True, True]
+
+
+def test_eval_sampling_params_send_the_datasets_penalty_and_min_new_tokens(tokenizer_dir, engine):
+    args = _args(tokenizer_dir, engine, eval_min_new_tokens=4, eval_temperature=0.0)
+    params = sglang_rollout.eval_sampling_params(args, EvalDatasetConfig(name="x", path="x.jsonl",
+                                                                         repetition_penalty=1.1, top_k=3))
+    assert (params["repetition_penalty"], params["min_new_tokens"], params["no_stop_trim"]) == (1.1, 4, True)
+    assert (params["temperature"], params["top_k"]) == (0.0, 3)  # the eval flag, the dataset's override
+    own = sglang_rollout.eval_sampling_params(args, EvalDatasetConfig(name="x", path="x.jsonl", min_new_tokens=2))
+    assert own["min_new_tokens"] == 2 and "repetition_penalty" not in own
+    assert "min_new_tokens" not in build_sampling_params(args, evaluation=True)  # the training request's builder

@@ -16,10 +16,12 @@ from slime.config.arg_groups import (
     eval,
     fault_tolerance,
     logging,
+    not_built,
     reward,
     rollout,
     sglang,
     train,
+    weight_update,
 )
 from slime.config.arg_groups._common import SlimeArgumentError
 
@@ -35,12 +37,16 @@ ADD_ORDER = [
     logging.add_logging_arguments,
     debug.add_debug_arguments,
     fault_tolerance.add_fault_tolerance_arguments,
+    weight_update.add_weight_update_arguments,
+    not_built.add_not_built_arguments,
 ]
 
 VALIDATE_ORDER = [
     debug.validate_debug,
+    not_built.validate_not_built,
     train.validate_train,
     cluster.validate_cluster,
+    weight_update.validate_weight_update,
     sglang.validate_sglang,
     data.validate_data,
     rollout.validate_rollout,

@@ -11,11 +11,12 @@ import logging
 import os
 
 from slime.algorithm.estimators import ESTIMATORS, estimator_of
-from slime.config.arg_groups._common import fail, refuse
+from slime.config.arg_groups._common import fail
 
 logger = logging.getLogger(__name__)
 
-FUNCTION_FLAGS = ("custom_loss_function_path", "custom_advantage_function_path")
+FUNCTION_FLAGS = ("custom_loss_function_path", "custom_advantage_function_path", "custom_tis_function_path",
+                  "custom_pg_loss_reducer_function_path")
 
 
 
@@ -27,7 +28,8 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
         "--custom-advantage-function-path",
         type=str,
         default=None,
-        help="fn replacing the built-in advantage/return computation.",
+        help="fn(args, rollout_data) -> None replacing the built-in advantages: it sets rollout_data['advantages'] "
+        "and rollout_data['returns'] in place (slime's contract; docs/algorithms.md lists the keys).",
     )
     g.add_argument(
         "--loss-type",
@@ -35,7 +37,9 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
         default="policy_loss",
         help="custom_loss uses --custom-loss-function-path.",
     )
-    g.add_argument("--custom-loss-function-path", type=str, default=None, help="Loss fn for --loss-type custom_loss.")
+    g.add_argument("--custom-loss-function-path", type=str, default=None,
+                   help="Loss fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics) for --loss-type "
+                   "custom_loss (slime's contract).")
     g.add_argument("--eps-clip", type=float, default=0.2, help="PPO clip range (lower side: 1 - eps).")
     g.add_argument("--eps-clip-high", type=float, default=None, help="Upper clip range (default: --eps-clip).")
     g.add_argument("--eps-clip-c", type=float, default=None, help="Dual-clip bound for negative advantages (> 1).")
@@ -77,8 +81,18 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tis-clip-low", type=float, default=0.0, help="Lower clamp of the TIS weight.")
     g.add_argument(
         "--custom-tis-function-path", type=str, default=None,
-        help="slime: fn computing custom TIS weights. Refused here (not implemented yet: --use-tis with "
-        "--tis-clip / --tis-clip-low is the built-in truncated importance sampling).",
+        help="With --use-tis: fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, "
+        "response_lengths, **kw) -> (pg_loss, loss_masks, metrics) replacing the built-in truncation (slime's "
+        "contract; e.g. slime.algorithm.tis.icepop_function).",
+    )
+    g.add_argument(
+        "--custom-pg-loss-reducer-function-path", type=str, default=None,
+        help="fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer of the flat "
+        "pg_loss (e.g. Dr.GRPO's constant denominator); the other metrics keep the default reduction.",
+    )
+    g.add_argument(
+        "--get-mismatch-metrics", action="store_true",
+        help="Run --custom-tis-function-path (and log its metrics) even without --use-tis.",
     )
     g.add_argument(
         "--calculate-per-token-loss",
@@ -95,13 +109,23 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
         help="HF folder the PPO critic's body (and value_head.pt, if there) starts from (default: --hf-checkpoint).",
     )
     g.add_argument("--critic-lr", type=float, default=None, help="Learning rate of the PPO critic (default: --lr).")
+    g.add_argument(
+        "--disable-compute-advantages-and-returns", dest="compute_advantages_and_returns", action="store_false",
+        help="slime: skip the advantages (for --loss-type sft_loss or a custom loss that reads none). Here they are "
+        "still computed and left unread; refused with --loss-type policy_loss, which needs them.",
+    )
 
 
 def validate_algorithm(args: argparse.Namespace) -> None:
-    if args.custom_tis_function_path:
-        refuse("custom_tis_function_path", args.custom_tis_function_path,
-               "slime calls it with its packed per-micro-batch tensors, which the loss here does not build",
-               "use --use-tis with --tis-clip / --tis-clip-low (clamp(exp(logp_old - logp_rollout), low, high))")
+    if args.get_mismatch_metrics and not args.custom_tis_function_path:
+        fail("--get-mismatch-metrics runs --custom-tis-function-path, which is not set; add it (e.g. "
+             "slime.algorithm.tis.vanilla_tis_function) or drop the flag.")
+    if args.get_mismatch_metrics and args.use_rollout_logprobs:
+        fail("--get-mismatch-metrics with --use-rollout-logprobs: the metrics compare recomputed with rollout "
+             "log-probs, and --use-rollout-logprobs skips the recompute here; drop one of them.")
+    if args.custom_tis_function_path and not (args.use_tis or args.get_mismatch_metrics):
+        logger.warning("--custom-tis-function-path %s is not called without --use-tis (or --get-mismatch-metrics).",
+                       args.custom_tis_function_path)
     if args.eps_clip <= 0:
         fail(f"--eps-clip {args.eps_clip}: must be > 0.")
     if args.eps_clip_high is None:
@@ -131,6 +155,9 @@ def validate_algorithm(args: argparse.Namespace) -> None:
         fail(f"--tis-clip-low {args.tis_clip_low} / --tis-clip {args.tis_clip}: need 0 <= low <= high.")
     if args.loss_type == "custom_loss" and args.custom_loss_function_path is None:
         fail("--loss-type custom_loss needs --custom-loss-function-path pkg.module.fn.")
+    if not args.compute_advantages_and_returns and args.loss_type == "policy_loss":
+        fail("--disable-compute-advantages-and-returns with --loss-type policy_loss: the policy loss is weighted by "
+             "the advantages; use it with --loss-type sft_loss (or custom_loss), or drop it.")
     if args.ref_update_interval is not None and args.ref_update_interval <= 0:
         fail(f"--ref-update-interval {args.ref_update_interval}: must be a positive number of rollouts.")
     if args.num_critic_only_steps < 0:

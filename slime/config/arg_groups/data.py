@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 
 from slime.config.arg_groups._common import (
     SlimeArgumentError,
@@ -159,6 +160,10 @@ def validate_data(args: argparse.Namespace) -> None:
 
     if args.start_rollout_id is not None and args.start_rollout_id < 0:
         fail(f"--start-rollout-id {args.start_rollout_id}: must be >= 0.")
+    if args.start_rollout_id is None and not (
+        args.load and os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt"))
+    ):
+        args.start_rollout_id = 0  # slime: a fresh run starts at 0; a resumed one where its checkpoint says
 
     needs_prompts = (
         args.rollout_global_dataset and args.data_source_path == DEFAULT_DATA_SOURCE and not args.debug_train_only
@@ -177,9 +182,7 @@ def validate_data(args: argparse.Namespace) -> None:
         if args.log_probs_max_tokens_per_gpu is None:
             args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
 
-    resolve_batch_identity(args)
-    if not args.debug_rollout_only:
-        check_training_divisibility(args)
+    resolve_batch_identity(args)  # its split over data-parallel ranks: check_training_divisibility (Megatron's check)
 
 
 def check_prompt_data(args: argparse.Namespace) -> None:

@@ -80,6 +80,9 @@ def validate_debug(args: argparse.Namespace) -> None:
         fail("--debug-rollout-only and --debug-train-only are both set; choose one half of the loop.")
     if args.dump_details is not None and args.save_debug_rollout_data is None:
         args.save_debug_rollout_data = f"{args.dump_details}/rollout_data/{{rollout_id}}.pt"
+    if args.save_debug_train_data is not None and args.save_debug_train_data == args.save_debug_rollout_data:
+        fail(f"--save-debug-train-data must not be equal to --save-debug-rollout-data ({args.save_debug_train_data}): "
+             "the two dumps would overwrite each other; give each its own path.")
     for dest in ("save_debug_rollout_data", "load_debug_rollout_data"):
         path = getattr(args, dest)
         if path is not None and "{rollout_id}" not in path:
@@ -97,7 +100,29 @@ def validate_dry_run(args: argparse.Namespace) -> None:
         return
     if gpu_gb is not None and not gpu_gb > 0:
         fail(f"--dry-run-gpu-gb {gpu_gb}: must be a positive number of GB, e.g. 80.")
-    if cuda and not args.use_cuda:
-        args.use_cuda = True
-    else:
+    if args.use_cuda:
         args.dry_run_cuda = False  # CUDA is here anyway: nothing to pretend
+        return
+    gpu_pieces = gpu_only_pieces(args)
+    if not cuda and gpu_pieces and not cpu_only_pieces(args):
+        logger.info("--dry-run on a machine without CUDA: planning the GPU run this command line describes (%s); "
+                    "add --rollout-backend hf to plan a CPU run instead.", ", ".join(gpu_pieces))
+        cuda = args.dry_run_cuda = True
+    args.use_cuda = bool(cuda)
+
+
+def gpu_only_pieces(args: argparse.Namespace) -> list[str]:
+    """Flags of the command line that only a GPU machine runs: a dry run plans for one when it names them."""
+    pieces = [f"--{flag} {value}" for flag, value in (("rollout-backend", args.rollout_backend),
+                                                       ("train-backend", args.train_backend),
+                                                       ("distributed-backend", args.distributed_backend))
+              if value in ("sglang", "megatron", "nccl")]  # fmt: skip
+    if args.sglang_args:
+        pieces.append("--sglang-" + next(iter(args.sglang_args)).replace("_", "-") + " (SGLang engines)")
+    return pieces
+
+
+def cpu_only_pieces(args: argparse.Namespace) -> list[str]:
+    return [f"--{flag} {value}" for flag, value in (("rollout-backend", args.rollout_backend),
+                                                     ("distributed-backend", args.distributed_backend))
+            if value in ("hf", "gloo")]  # fmt: skip

@@ -58,10 +58,22 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--eval-max-response-len", type=int, default=None, help="Eval max_new_tokens (default: the rollout's)."
     )
+    g.add_argument("--eval-tool-key", type=str, default=None, help="Tools key of eval records (default --tool-key).")
+    g.add_argument("--eval-min-new-tokens", type=int, default=None,
+                   help="min_new_tokens of eval requests (a dataset's min_new_tokens overrides it; the hf engine "
+                   "does not implement it: refused with --rollout-backend hf).")
+    g.add_argument("--eval-max-prompt-len", type=int, default=None,
+                   help="Drop eval prompts longer than this many tokens (default: none dropped, as in slime; "
+                   "--rollout-max-prompt-len does not apply to eval prompts).")
+    g.add_argument("--eval-max-context-len", type=int, default=None,
+                   help="slime: the eval context length (default: --rollout-max-context-len).")
 
 
 def validate_eval(args: argparse.Namespace) -> None:
-    require_positive(args, "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len")
+    require_positive(args, "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
+                     "eval_max_prompt_len", "eval_max_context_len")
+    if args.eval_max_context_len is None:
+        args.eval_max_context_len = args.rollout_max_context_len
     if args.eval_temperature is not None and args.eval_temperature < 0:
         fail(f"--eval-temperature {args.eval_temperature}: must be >= 0 (0 is greedy).")
 
@@ -100,6 +112,13 @@ def check_eval_dataset(args: argparse.Namespace, where: str, ds: EvalDatasetConf
                 load_hook(path, flag)
             except (ImportError, AttributeError, TypeError, ValueError) as e:
                 raise ValueError(f"{where}: {key}: {e}") from e
+    if args.rollout_backend == "hf" and args.rollout_external_engine_addrs is None:
+        on = [f"{k}: {v!r}" for k, v, off in (("min_new_tokens", ds.min_new_tokens, 0),
+                                              ("repetition_penalty", ds.repetition_penalty, 1.0)) if v not in (None, off)]
+        if on:
+            fail(f"{where}: {', '.join(on)}: the hf engine (--rollout-backend hf) does not implement "
+                 f"{'this sampling setting' if len(on) == 1 else 'these sampling settings'}; remove it (min_new_tokens "
+                 "may come from --eval-min-new-tokens), or use --rollout-backend sglang")
     unused = not_acted_on(ds)
     if unused and (args.eval_function_path or args.rollout_function_path) == DEFAULT_ROLLOUT_FUNCTION:
         fail(f"{where}: {', '.join(f'{k}: {getattr(ds, k)!r}' for k in unused)}: the built-in eval rollout "

@@ -24,9 +24,20 @@ import argparse
 import ast
 import logging
 
-from slime.backends.megatron_utils.args import divisors, moe_layer_pattern, pipeline_layer_split, query_groups
+from slime.backends.megatron_utils.args import (
+    divisors,
+    moe_layer_pattern,
+    padded_vocab_size,
+    pipeline_layer_split,
+    query_groups,
+    resolve_training_options,
+)
+from slime.backends.megatron_utils.arguments import validate_allgather_cp
+from slime.backends.megatron_utils.config_check import is_hf_folder, load_hf_config
+from slime.backends.megatron_utils.plugins import check_spec
 from slime.backends.megatron_utils.model import te_available
 from slime.config.arg_groups._common import fail
+from slime.utils.megatron_roles import megatron_role_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +208,24 @@ def _add_parallel(parser) -> None:
     g.add_argument("--loss-scale", type=float, default=None, help="Static fp16 loss scale.")
     g.add_argument("--loss-scale-window", type=float, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
+    # Megatron-LM's optimizer offload, schedule and checks (their effect: slime/backends/megatron_utils/args.py)
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="Keep the optimizer state and its update on the host (megatron-core's HybridDeviceOptimizer; "
+                   "needs --use-precision-aware-optimizer).")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
+                   help="Share of the optimizer state --optimizer-cpu-offload keeps on the host.")
+    g.add_argument("--use-torch-optimizer-for-cpu-offload", action="store_true",
+                   help="--optimizer-cpu-offload with torch's optimizer on the GPU share too.")
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+                   help="Overlap --optimizer-cpu-offload's device<->host copies with the host update.")
+    g.add_argument("--no-pin-cpu-grads", dest="pin_cpu_grads", action="store_false",
+                   help="--optimizer-cpu-offload: pageable (not pinned) host gradients.")
+    g.add_argument("--no-pin-cpu-params", dest="pin_cpu_params", action="store_false",
+                   help="--optimizer-cpu-offload: pageable (not pinned) host parameters.")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="Warm-up over this share of the decay steps (instead of --lr-warmup-iters).")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", help="Do not stop at a NaN/Inf loss or local gradient norm.")
 
 
 def _add_runtime(parser) -> None:
@@ -234,6 +263,25 @@ def _add_runtime(parser) -> None:
         help="Micro-batch layout of the megatron backend: thd packs a micro-batch's samples into one row, each "
              "attending only to itself (no padding); bshd right-pads them into [batch, longest] rows.",
     )  # fmt: skip
+    g.add_argument(
+        "--spec", type=str, nargs="*", default=None,
+        help="MODULE FUNCTION of a layer spec (or of fn(args, config, vp_stage) returning one, or a model provider) "
+        "instead of the built-in one; slime's slime_plugins.models.glm4 get_glm_spec is the built-in spec here.",
+    )
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="Deterministic kernels and all-reduce order on every training rank (NCCL_ALGO default Ring).")
+    g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false",
+                   help="Megatron-LM's deprecated switch: no learned absolute position table (allowed with RoPE).")
+    g.add_argument("--padded-vocab-size", type=int, default=None,
+                   help="Megatron-LM's padded vocabulary (derived: --vocab-size up to a multiple of "
+                   "--make-vocab-size-divisible-by × TP); a different value is refused.")
+    g.add_argument("--allgather-cp", action="store_true",
+                   help="slime: all-gather context parallelism for DSA attention models; refused with "
+                   "--context-parallel-size > 1 (no DSA model is built here), no effect without.")
+    g.add_argument("--megatron-config-path", type=str, default=None,
+                   help="slime: YAML of per-role (actor / critic) Megatron overrides, `megatron: [{role: critic, "
+                   "overrides: {lr: 1e-5}}]`; read and checked, then refused: the training groups here use one "
+                   "set of flags for both roles.")
 
 
 def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
@@ -268,6 +316,35 @@ def derive_megatron(args: argparse.Namespace) -> None:
         args.sequence_parallel = False
 
 
+def check_slime_megatron_flags(args: argparse.Namespace) -> None:
+    """--padded-vocab-size, --allgather-cp and --megatron-config-path: what slime does with them, and what is
+    refused here."""
+    if args.padded_vocab_size is not None:
+        derived = padded_vocab_size(args) if args.vocab_size else None
+        if derived != args.padded_vocab_size:
+            fail(f"--padded-vocab-size {args.padded_vocab_size}: the vocabulary here is padded to a multiple of "
+                 f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} × TP "
+                 f"{args.tensor_model_parallel_size}" + (f" (= {derived} for --vocab-size {args.vocab_size})"
+                                                         if derived else " of --vocab-size, which is not given")
+                 + "; drop --padded-vocab-size and set --vocab-size / --make-vocab-size-divisible-by instead.")
+    if args.allgather_cp:
+        try:
+            validate_allgather_cp(args, load_hf_config(args.hf_checkpoint) if is_hf_folder(args.hf_checkpoint) else None)
+        except ValueError as e:
+            fail(str(e))
+        if args.context_parallel_size == 1:
+            logger.warning("--allgather-cp has no effect with --context-parallel-size 1.")
+    if args.megatron_config_path is not None:
+        try:
+            for role in ("actor", "critic"):
+                megatron_role_overrides(args.megatron_config_path, role)
+        except (OSError, ValueError) as e:
+            fail(str(e))
+        fail(f"--megatron-config-path {args.megatron_config_path}: not supported here yet: the training groups "
+             "build the actor and the critic from one set of flags; put the overrides on the command line "
+             "(they then apply to both roles) and drop the flag.")
+
+
 def validate_megatron(args: argparse.Namespace) -> None:
     """Megatron-LM's derived defaults, then (for --train-backend megatron) the parallel-layout checks."""
     derive_megatron(args)
@@ -291,8 +368,11 @@ def validate_megatron(args: argparse.Namespace) -> None:
         fail(f"--recompute-method {args.recompute_method} needs --recompute-granularity full.")
     if args.recompute_granularity == "full" and args.recompute_method and args.recompute_num_layers is None:
         fail("--recompute-granularity full with --recompute-method needs --recompute-num-layers N.")
+    check_slime_megatron_flags(args)
     if args.train_backend != "megatron":
         return
+    resolve_training_options(args)
+    check_spec(args)  # a --spec that does not load fails here, before Ray starts
     if args.ckpt_format != "torch_dist":
         fail(f"--ckpt-format {args.ckpt_format}: the megatron backend here reads and writes torch_dist checkpoints "
              "only; drop the flag (tools/convert_hf_to_torch_dist.py makes one from an HF checkpoint).")
@@ -312,12 +392,12 @@ def validate_megatron(args: argparse.Namespace) -> None:
             f"--tensor-model-parallel-size {tp} does not divide --num-query-groups {groups}; each TP rank needs "
             f"whole key/value heads: use TP in {divisors(groups)}."
         )
-    if args.num_experts and ep > 1 and args.moe_token_dispatcher_type == "allgather":
-        fail(
-            f"--expert-model-parallel-size {ep} with --moe-token-dispatcher-type allgather: that dispatcher needs "
-            "the same number of tokens on every expert-parallel rank, which RL micro-batches of different lengths "
-            "do not have; use --moe-token-dispatcher-type alltoall."
-        )
+    if args.num_experts and args.moe_token_dispatcher_type == "allgather":
+        # slime's rule: the allgather dispatcher needs the same number of tokens on every expert-parallel rank,
+        # which RL micro-batches of different lengths do not have, so MoE models always use alltoall.
+        logger.info("--moe-token-dispatcher-type allgather does not handle variable sequence lengths; using "
+                    "alltoall (as slime does).")
+        args.moe_token_dispatcher_type = "alltoall"
     if args.num_experts and args.num_experts % ep:
         fail(
             f"--expert-model-parallel-size {ep} does not divide --num-experts {args.num_experts}; use EP in "

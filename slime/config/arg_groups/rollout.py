@@ -8,7 +8,8 @@ import os
 
 from slime.backends.megatron_utils.config_check import is_hf_folder, load_hf_config
 from slime.backends.megatron_utils.converters import REGISTRY as CONVERTERS
-from slime.config.arg_groups._common import fail, refuse, require_positive
+from slime.config.arg_groups._common import fail, require_positive
+from slime.utils.misc import load_hook
 from slime.weight_sync.buckets import DEFAULT_BUFFER_BYTES
 
 logger = logging.getLogger(__name__)
@@ -20,7 +21,14 @@ FUNCTION_FLAGS = (
     "custom_generate_function_path",
     "dynamic_sampling_filter_path",
     "buffer_filter_path",
-)
+    "rollout_sample_filter_path",
+    "rollout_all_samples_process_path",
+    "custom_convert_samples_to_train_data_path",
+    "custom_rollout_log_function_path",
+    "custom_eval_rollout_log_function_path",
+    "custom_update_weight_post_write_path",
+    "rollout_data_postprocess_path",
+)  # --rollout-sample-hook-path (a list) is checked in validate_rollout
 
 
 def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +109,13 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         "(multi-turn, tool calls).",
     )
     g.add_argument(
+        "--rollout-sample-hook-path",
+        action="append",
+        default=[],
+        help="[async] hook(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None run on every "
+        "generated sample before its reward (repeatable; run in order).",
+    )
+    g.add_argument(
         "--max-turns",
         type=int,
         default=None,
@@ -113,10 +128,72 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         help="fn(args, rollout_id, buffer, num_samples) -> groups taken from the buffer (default FIFO).",
     )
     g.add_argument(
+        "--rollout-sample-filter-path",
+        type=str,
+        default=None,
+        help="fn(args, groups) -> None called on the default rollout's kept groups; it sets "
+        "sample.remove_sample on samples to leave out of the loss (they still count in reward normalisation).",
+    )
+    g.add_argument(
+        "--rollout-all-samples-process-path",
+        type=str,
+        default=None,
+        help="fn(args, all_groups, data_source) -> None called once per default rollout with every group that "
+        "finished, those the dynamic filter dropped included.",
+    )
+    g.add_argument(
+        "--custom-convert-samples-to-train-data-path",
+        type=str,
+        default=None,
+        help="fn(args, samples) -> dict replacing the samples -> train data conversion; the dict has tokens, "
+        "response_lengths, rewards, raw_reward, truncated, loss_masks (optional: rollout_log_probs).",
+    )
+    g.add_argument(
+        "--custom-rollout-log-function-path",
+        type=str,
+        default=None,
+        help="fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool called on every "
+        "rollout's samples; True skips the default rollout/ metrics of that rollout.",
+    )
+    g.add_argument(
+        "--custom-eval-rollout-log-function-path",
+        type=str,
+        default=None,
+        help="fn(rollout_id, args, data, extra_metrics) -> bool called on every eval's data; True skips the "
+        "default eval/ metrics.",
+    )
+    g.add_argument(
         "--update-weight-buffer-size",
         type=int,
         default=DEFAULT_BUFFER_BYTES,
         help="Bytes per bucket when pushing weights to the engines.",
+    )
+    g.add_argument(
+        "--update-weight-transport",
+        choices=["nccl", "disk"],
+        default="nccl",
+        help="How pushed weights reach the engines: 'nccl' hands colocated engines the buckets and broadcasts to "
+        "the others (gloo on CPU); 'disk' writes an HF checkpoint per push under --update-weight-disk-dir that "
+        "the engines load (update_weights_from_disk).",
+    )
+    g.add_argument(
+        "--update-weight-disk-dir",
+        type=str,
+        default=None,
+        help="Folder shared by the trainer and the engines for --update-weight-transport disk: one weight_v<N> "
+        "checkpoint per push (the previous one is removed once the engines loaded the new one).",
+    )
+    g.add_argument(
+        "--update-weight-disk-keep-files",
+        action="store_true",
+        help="Keep every pushed weight_v<N> folder of --update-weight-transport disk.",
+    )
+    g.add_argument(
+        "--custom-update-weight-post-write-path",
+        type=str,
+        default=None,
+        help="hook(args, version_dir, rollout_engines) -> None called after a disk push wrote its files and before "
+        "the engines read them (e.g. to publish them on an object-store mount); runs on training rank 0.",
     )
     g.add_argument(
         "--update-weights-interval",
@@ -141,15 +218,17 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--keep-old-actor", action="store_true",
-        help="slime: keep the weights that generated the rollout to recompute the old log-probs with. Refused "
-        "here (not implemented yet; --use-rollout-logprobs takes the engines' log-probs of those weights).",
+        help="Keep host copies of the pushed weights and recompute the old log-probs with the weights of the push "
+        "before the last (with --update-weights-interval 1; else the last pushed): the rollout's weights when "
+        "train_async.py generates one rollout ahead (slime's queue; docs/training_loop.md).",
     )
     g.add_argument(
         "--rollout-data-postprocess-path",
         type=str,
         default=None,
-        help="slime: fn(args, rollout_id, rollout_data) called once log-probs are known. Refused here (not "
-        "implemented yet).",
+        help="fn(args, rollout_id, rollout_data) called on every training rank once log-probs and advantages are "
+        "known, before the first optimizer step; its edits of loss_masks, advantages, returns and the log-probs "
+        "are trained on.",
     )
     g.add_argument(
         "--rollout-external-engine-addrs",
@@ -174,13 +253,14 @@ def model_context_length(args: argparse.Namespace) -> tuple[int | None, str]:
 
 
 def validate_rollout(args: argparse.Namespace) -> None:
-    if args.keep_old_actor:
-        refuse("keep_old_actor", True, "the trainer keeps no copy of the weights that generated a rollout",
-               "add --use-rollout-logprobs to take the old log-probs from the engines, or drop the flag")
-    if args.rollout_data_postprocess_path:
-        refuse("rollout_data_postprocess_path", args.rollout_data_postprocess_path,
-               "the trainers hold a typed RolloutRecord, not slime's rollout_data dict this hook edits",
-               "edit the samples in a --custom-generate-function-path or --rollout-function-path instead")
+    for path in args.rollout_sample_hook_path:
+        try:
+            load_hook(path, "--rollout-sample-hook-path")
+        except Exception as e:  # noqa: BLE001 - the message names the flag, the path and the fix
+            fail(str(e))
+    if args.keep_old_actor and args.use_rollout_logprobs:
+        fail("--keep-old-actor recomputes the old log-probs with the rollout's weights, --use-rollout-logprobs "
+             "takes them from the engines instead; drop one.")
     if args.model_name and args.model_name.lower() not in CONVERTERS:
         fail(f"--model-name {args.model_name}: no HF <-> Megatron weight converter of that name; known: "
              f"{sorted(CONVERTERS)} (or drop the flag: config.json's model_type picks one).")
@@ -197,13 +277,10 @@ def validate_rollout(args: argparse.Namespace) -> None:
         logger.warning("--rollout-backend sglang without CUDA: engines start through SLIME_SGLANG_LAUNCHER=%s",
                        os.environ["SLIME_SGLANG_LAUNCHER"])
 
-    if not args.debug_train_only:
-        _check_hf_checkpoint(args.hf_checkpoint)
-
     if not args.rollout_temperature > 0:
         fail(
-            f"--rollout-temperature {args.rollout_temperature}: must be > 0 (0 is greedy decoding, which has no "
-            "sampling distribution to train on); use e.g. 1.0."
+            f"--rollout-temperature must be > 0, got --rollout-temperature {args.rollout_temperature} (0 is greedy "
+            "decoding, which has no sampling distribution to train on); use e.g. 1.0."
         )
     if not 0 < args.rollout_top_p <= 1:
         fail(f"--rollout-top-p {args.rollout_top_p}: must lie in (0, 1].")
@@ -252,8 +329,23 @@ def validate_rollout(args: argparse.Namespace) -> None:
             "current weights are trained on; 1: one push behind is fine); drop it for no bound."
         )
 
+    if args.update_weight_transport == "disk" and not args.update_weight_disk_dir:
+        fail("--update-weight-transport disk needs --update-weight-disk-dir: a folder the trainer writes and every "
+             "engine can read (shared between their hosts).")
+    if args.custom_update_weight_post_write_path and args.update_weight_transport != "disk":
+        fail(f"--custom-update-weight-post-write-path {args.custom_update_weight_post_write_path}: it runs after "
+             "a disk push writes its files; add --update-weight-transport disk --update-weight-disk-dir DIR, or "
+             "drop it.")
+
     if args.mask_offpolicy_in_partial_rollout and not args.partial_rollout:
         fail("--mask-offpolicy-in-partial-rollout only applies with --partial-rollout; add it or drop the mask flag.")
+
+
+def check_hf_checkpoint(args: argparse.Namespace) -> None:
+    """--hf-checkpoint names an HF model folder (the engines and the tokenizer need one, unless the run only
+    trains). A file check: parse_args runs it after the flag checks, as slime reads the folder after its own."""
+    if not args.debug_train_only:
+        _check_hf_checkpoint(args.hf_checkpoint)
 
 
 def _check_hf_checkpoint(path: str | None) -> None:

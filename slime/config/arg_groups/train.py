@@ -16,6 +16,13 @@ from slime.config.arg_groups.logging import run_name
 
 logger = logging.getLogger(__name__)
 
+FUNCTION_FLAGS = (
+    "custom_megatron_init_path",
+    "custom_megatron_before_log_prob_hook_path",
+    "custom_megatron_before_train_step_hook_path",
+    "custom_model_provider_path",
+)
+
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("train", "Optimiser, precision and checkpoints of the training backend.")
@@ -69,6 +76,21 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Megatron-LM: do not restore the RNG state on --load. Checkpoints here hold no RNG state "
                    "(training draws no random numbers: dropout stays off), so there is nothing to skip (warned).")
     g.add_argument("--no-save-optim", action="store_true", help="Do not save the optimizer state.")
+
+    p = parser.add_argument_group("megatron plugins", "slime's hooks into the megatron backend "
+                                  "(docs/megatron_backend.md, 'Plugins').")
+    p.add_argument("--custom-megatron-init-path", type=str, default=None,
+                   help="fn(args), called on every training rank once megatron-core's parallel groups exist, "
+                   "before the model is built.")
+    p.add_argument("--custom-megatron-before-log-prob-hook-path", type=str, default=None,
+                   help="fn(args, model, store_prefix), called before each forward-only log-prob pass (store_prefix "
+                   "'' for the old policy, 'ref_' for the reference model); model is the list of model chunks.")
+    p.add_argument("--custom-megatron-before-train-step-hook-path", type=str, default=None,
+                   help="fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler), called before each "
+                   "optimizer step's forward/backward, once the gradients are zeroed.")
+    p.add_argument("--custom-model-provider-path", type=str, default=None,
+                   help="fn(pre_process, post_process[, vp_stage]) -> GPTModel, called per model chunk instead of "
+                   "the built-in GPTModel construction (the policy and the reference model).")
 
 
 def validate_train(args: argparse.Namespace) -> None:

@@ -176,7 +176,7 @@ class _Builder:
     def run(self) -> Section:
         a, lay = self.args, self.layout
         if a.use_cuda and getattr(a, "dry_run_cuda", False):
-            devices = "GPU (planned with --dry-run-cuda; this machine has no CUDA)"
+            devices = "GPU (planned as a GPU run: --dry-run-cuda, or GPU-only flags; this machine has no CUDA)"
         elif a.use_cuda:
             devices = "GPU (CUDA)"
         else:
