@@ -27,6 +27,7 @@ import os
 
 from slime.utils.data import Dataset, StreamingDataset
 from slime.utils.misc import load_function
+from slime.utils.processing_utils import load_tokenizer
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -85,13 +86,12 @@ class RolloutDataSource(DataSource):
 
     @staticmethod
     def _load_dataset(args):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
+        tokenizer = load_tokenizer(args.hf_checkpoint, trust_remote_code=True)
         common = {
             "tokenizer": tokenizer,
-            "max_prompt_len": args.rollout_max_prompt_len,
-            "input_key": args.input_key,
+            "processor": None,  # text only: --multimodal-keys is refused when the flags are validated
+            "max_length": args.rollout_max_prompt_len,
+            "prompt_key": args.input_key,
             "label_key": args.label_key,
             "metadata_key": args.metadata_key,
             "tool_key": args.tool_key,

@@ -3,7 +3,7 @@
     --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async
 
 Meant for `train_async.py`. The first call starts an `AsyncRolloutWorker` on the persistent event loop of
-`slime.utils.http_utils.run_sync`; it keeps `--over-sampling-batch-size` groups (default
+`slime.utils.async_utils.run_sync`; it keeps `--over-sampling-batch-size` groups (default
 `--rollout-batch-size`) generating all the time, through the default `generate_and_rm_group` (so custom
 generate / reward functions apply). Each call of the rollout function only takes `--rollout-batch-size`
 finished groups from the worker, waiting for more when there are not enough.
@@ -48,7 +48,7 @@ from slime.rollout.sglang_rollout import (
     generate_and_rm_group,
     generate_rollout,
 )
-from slime.utils.http_utils import run_sync
+from slime.utils.async_utils import run_sync
 from slime.utils.metrics import oldest_weight_version, wait_time_ratio
 from slime.utils.misc import load_function
 from slime.utils.types import Sample

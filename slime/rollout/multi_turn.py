@@ -77,7 +77,7 @@ def append_tool_tokens(sample: Sample, tokenizer, text_or_ids: str | list[int]) 
 
     A string is tokenised without special tokens added (special tokens written in it, like `<|im_start|>`,
     are still recognised); a list is taken as token ids. `sample.response` gets the decoded text. Returns
-    the ids appended.
+    the ids appended. The appending is `Sample.append_response_tokens` with `trainable=False`.
     """
     if isinstance(text_or_ids, str):
         ids = list(tokenizer(text_or_ids, add_special_tokens=False)["input_ids"])
@@ -85,15 +85,7 @@ def append_tool_tokens(sample: Sample, tokenizer, text_or_ids: str | list[int]) 
     else:
         ids = [int(t) for t in text_or_ids]
         text = tokenizer.decode(ids)
-    if sample.loss_mask is None:
-        sample.loss_mask = []
-    if sample.rollout_log_probs is None:
-        sample.rollout_log_probs = []
-    sample.tokens = list(sample.tokens) + ids
-    sample.response += text
-    sample.response_length += len(ids)
-    sample.loss_mask = list(sample.loss_mask) + [0] * len(ids)
-    sample.rollout_log_probs = list(sample.rollout_log_probs) + [0.0] * len(ids)
+    sample.append_response_tokens(tokens=ids, trainable=False, text=text)
     return ids
 
 

@@ -24,23 +24,27 @@ Choices and simplifications:
 - The abort flag is per rollout call (a context variable), so an eval running at the same time in the same
   process is not marked aborted by a training rollout finishing (though the engines' `abort_all` still
   hits its in-flight requests).
-- With `evaluation=True`, `generate_rollout` grades every prompt of each `--eval-prompt-data` dataset
-  (`--n-samples-per-eval-prompt` each, eval sampling flags falling back to the rollout's) and returns
-  `{name: {"rewards", "truncated", "samples"}}`, as slime does; a dataset's `custom_generate_function_path`
-  / `custom_rm_path` (from `--eval-config`) become its samples' `generate_function_path` / `custom_rm_path`.
+- With `evaluation=True`, `generate_rollout` grades every prompt of each eval dataset (`args.eval_datasets`,
+  `EvalDatasetConfig`s: `--n-samples-per-eval-prompt` each, eval sampling flags falling back to the rollout's,
+  a dataset's own settings over both) and returns `{name: {"rewards", "truncated", "samples"}}`, as slime
+  does. As in slime: prompts are read with the dataset's keys and chat-template settings and cut by
+  `--eval-max-prompt-len` only; each sample's metadata goes through `config.inject_metadata` (`rm_type`,
+  `metadata_overrides`); the dataset's `custom_generate_function_path` / `custom_rm_path` become the samples'
+  `generate_function_path` / `custom_rm_path`; its `no_stop_trim`, `repetition_penalty` and `min_new_tokens`
+  join the sampling params (`eval_sampling_params`).
 - A custom generate function that returns several samples for one leaves them side by side in the group
   (slime nests them one level deeper); they share the input's `rollout_id` (else its index).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import contextvars
 import copy
 import functools
 import inspect
+import json
 import logging
 import time
 import uuid
@@ -55,11 +59,12 @@ from slime.rollout.filter_hub.base_types import MetricGatherer, call_dynamic_fil
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.router import RouterClient, url_of
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks
+from slime.utils.async_utils import run_sync
 from slime.utils.data import Dataset
-from slime.utils.eval_config import args_for, eval_datasets
-from slime.utils.http_utils import HTTPRequestError, post, run_sync
+from slime.utils.eval_config import EvalDatasetConfig, args_for, eval_datasets
+from slime.utils.http_utils import HTTPRequestError, post
 from slime.utils.misc import SingletonMeta, load_function
-from slime.utils.processing_utils import load_processor
+from slime.utils.processing_utils import load_processor, load_tokenizer
 from slime.utils.progress import progress
 from slime.utils.types import Sample
 
@@ -116,9 +121,7 @@ def _semaphore(args) -> asyncio.Semaphore:
 
 @functools.lru_cache(maxsize=4)
 def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    return load_tokenizer(path, trust_remote_code=True)
 
 
 def get_tokenizer(args):
@@ -296,14 +299,9 @@ def init_response(args, sample: Sample) -> None:
 def append_model_tokens(
     sample: Sample, token_ids: list[int], log_probs: list[float], text: str = "", weight_version: Any = None
 ) -> None:
-    """Append tokens the policy generated: loss mask 1, their log-probs, the weight version they came from."""
-    if len(token_ids) != len(log_probs):
-        raise ValueError(f"append_model_tokens: {len(token_ids)} tokens but {len(log_probs)} log-probs")
-    sample.tokens = list(sample.tokens) + list(token_ids)
-    sample.response += text
-    sample.response_length += len(token_ids)
-    sample.loss_mask = list(sample.loss_mask or []) + [1] * len(token_ids)
-    sample.rollout_log_probs = list(sample.rollout_log_probs or []) + [float(x) for x in log_probs]
+    """Append tokens the policy generated: loss mask 1, their log-probs (`Sample.append_response_tokens` with
+    `trainable=True`), and the weight version they came from."""
+    sample.append_response_tokens(tokens=token_ids, log_probs=log_probs, trainable=True, text=text)
     if weight_version is not None:
         sample.weight_versions.append(str(weight_version))
 
@@ -676,54 +674,78 @@ def _recycle(args, rollout_id: int, data_source, groups: list[list[Sample]]) -> 
 # --- evaluation ------------------------------------------------------------------------------------------
 
 
-def _eval_datasets(args) -> list[tuple[dict, argparse.Namespace, Any]]:
-    """(config, args with the dataset's overrides, loaded prompts) of every eval dataset."""
-    out = []
-    for config in eval_datasets(args):
-        ds_args = args_for(args, config)
-        input_key = ds_args.eval_input_key or args.input_key
-        label_key = ds_args.eval_label_key or args.label_key
-        key = (config["name"], config["path"], input_key, label_key, ds_args.metadata_key,
-               ds_args.tool_key, args.hf_checkpoint)
-        if key not in _eval_dataset_cache:
-            _eval_dataset_cache[key] = Dataset(
-                config["path"],
-                tokenizer=get_tokenizer(args),
-                max_prompt_len=args.rollout_max_prompt_len,
-                input_key=input_key,
-                label_key=label_key,
-                metadata_key=ds_args.metadata_key,
-                tool_key=ds_args.tool_key,
-                apply_chat_template=args.apply_chat_template,
-                apply_chat_template_kwargs=args.apply_chat_template_kwargs,
-                flag=f"--eval-prompt-data {config['name']}",
-            )
-        out.append((config, ds_args, _eval_dataset_cache[key]))
-    return out
+def _or(value: Any, fallback: Any) -> Any:
+    return fallback if value is None else value
+
+
+def eval_prompts(args, config: EvalDatasetConfig) -> Dataset:
+    """The prompts of one eval dataset, read once per (dataset, keys, template, model, length limit): its own
+    keys and chat-template settings (falling back to the flags'), prompts over `--eval-max-prompt-len` dropped
+    (slime's limit for eval prompts; unset: none dropped)."""
+    template = _or(config.apply_chat_template, args.apply_chat_template)
+    template_kwargs = _or(config.apply_chat_template_kwargs, args.apply_chat_template_kwargs)
+    key = config.cache_key + (args.hf_checkpoint, args.eval_max_prompt_len, template,
+                              json.dumps(template_kwargs, sort_keys=True))  # fmt: skip
+    if key not in _eval_dataset_cache:
+        _eval_dataset_cache[key] = Dataset(
+            config.path,
+            get_tokenizer(args),
+            None,  # text only: a dataset's multimodal_keys is refused (eval_config.NOT_ACTED_ON)
+            args.eval_max_prompt_len,
+            prompt_key=config.input_key,
+            label_key=config.label_key,
+            metadata_key=config.metadata_key,
+            tool_key=config.tool_key,
+            apply_chat_template=template,
+            apply_chat_template_kwargs=template_kwargs,
+            flag=f"--eval-prompt-data {config.name}",
+            length_flag="--eval-max-prompt-len",
+        )
+    return _eval_dataset_cache[key]
+
+
+def eval_sampling_params(args, config: EvalDatasetConfig) -> dict[str, Any]:
+    """The sampling params of a dataset's eval requests: `build_sampling_params` of the eval flags with the
+    dataset's overrides on them, plus, when set, its `no_stop_trim`, `repetition_penalty` and `min_new_tokens`
+    (falling back to `--eval-min-new-tokens`), as slime sends them."""
+    params = build_sampling_params(args_for(args, config), evaluation=True)
+    extra = {
+        "no_stop_trim": config.no_stop_trim,
+        "repetition_penalty": config.repetition_penalty,
+        "min_new_tokens": _or(config.min_new_tokens, args.eval_min_new_tokens),
+    }
+    params.update({k: v for k, v in extra.items() if v is not None})
+    return params
+
+
+def eval_groups(config: EvalDatasetConfig, dataset: Dataset, n: int) -> list[list[Sample]]:
+    """`n` copies of each prompt of `dataset`, numbered, with the dataset's metadata (`rm_type`,
+    `metadata_overrides`: `config.inject_metadata`), generate function and reward function on each."""
+    groups = []
+    for i, prompt in enumerate(dataset.samples):
+        group = []
+        for j in range(n):
+            s = copy.deepcopy(prompt)
+            s.group_index, s.index = i, i * n + j
+            s.metadata = config.inject_metadata(s.metadata)
+            s.generate_function_path = config.custom_generate_function_path
+            s.custom_rm_path = config.custom_rm_path
+            group.append(s)
+        groups.append(group)
+    return groups
 
 
 async def eval_rollout_async(args, rollout_id: int) -> dict[str, dict[str, list]]:
-    datasets = _eval_datasets(args)
-    if not datasets:
+    configs = eval_datasets(args)
+    if not configs:
         raise ValueError("evaluation needs --eval-prompt-data name path [name path ...] or --eval-config FILE")
     reward_key = args.eval_reward_key or args.reward_key
+    datasets = [(config, eval_prompts(args, config)) for config in configs]
 
-    async def one(config, ds_args, dataset) -> list[Sample]:
-        params = build_sampling_params(ds_args, evaluation=True)
-        n = int(ds_args.n_samples_per_eval_prompt or 1)
-        groups = []
-        for i, prompt in enumerate(dataset.samples):
-            group = []
-            for j in range(n):
-                s = copy.deepcopy(prompt)
-                s.group_index, s.index = i, i * n + j
-                if config.get("rm_type"):
-                    s.metadata = {**(s.metadata or {}), "rm_type": config["rm_type"]}
-                # a dataset's own generate / reward function (its eval config's keys of those names)
-                s.generate_function_path = config.get("custom_generate_function_path")
-                s.custom_rm_path = config.get("custom_rm_path")
-                group.append(s)
-            groups.append(group)
+    async def one(config: EvalDatasetConfig, dataset: Dataset) -> list[Sample]:
+        ds_args = args_for(args, config)
+        params = eval_sampling_params(args, config)
+        groups = eval_groups(config, dataset, int(config.n_samples_per_eval_prompt or 1))
         results = await asyncio.gather(*(generate_and_rm_group(ds_args, g, params, evaluation=True) for g in groups))
         return [s for g in results for s in g]
 
@@ -733,8 +755,8 @@ async def eval_rollout_async(args, rollout_id: int) -> dict[str, dict[str, list]
     finally:
         _abort_event.reset(token)
     out = {}
-    for (config, _, _), samples in zip(datasets, per_set):
-        name = config["name"]
+    for (config, _), samples in zip(datasets, per_set):
+        name = config.name
         check_failed_ratio(
             args,
             [s for s in samples if s.status == Sample.Status.FAILED],

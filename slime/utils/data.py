@@ -1,6 +1,6 @@
 """Prompt datasets: JSONL (or parquet, when pyarrow is installed) rows -> `Sample`s (slime's `slime.utils.data`).
 
-Each row gives the prompt under `input_key` (a string or a list of chat messages), the label under
+Each row gives the prompt under `prompt_key` (`--input-key`; a string or a list of chat messages), the label under
 `label_key`, optional metadata (a dict, or a JSON string of one) under `metadata_key`, and optional tools
 (a list, or a JSON string of one) under `tool_key`. With `apply_chat_template` the prompt is rendered to a
 string by the tokenizer's chat template (a plain string becomes a single user message); without it the
@@ -437,16 +437,21 @@ def chat_template_missing(model_dir: str) -> bool:
         return False
 
 
-def _no_prompts_message(flag: str, path: str, rows: int, dropped: int, shortest: int | None, max_prompt_len) -> str:
+_LENGTH_FLAG = "--rollout-max-prompt-len"
+
+
+def _no_prompts_message(flag: str, path: str, rows: int, dropped: int, shortest: int | None, max_prompt_len,
+                        length_flag: str = _LENGTH_FLAG) -> str:  # fmt: skip
     if rows == 0:
         if "@[" in path and not os.path.exists(path):
             return f"{flag} {path}: no prompts left: the row slice selects no rows of the file; widen or drop the slice"
         return (f"{flag} {path}: no prompts left: the file has no rows (blank lines are not rows); give a JSONL file "
                 "with one JSON object per line")  # fmt: skip
+    context = " (and --rollout-max-context-len)" if length_flag == _LENGTH_FLAG else ""
     return (
-        f"{flag} {path}: no prompts left: all {dropped} prompts are longer than --rollout-max-prompt-len="
-        f"{max_prompt_len} tokens (the shortest has {shortest}); raise --rollout-max-prompt-len (and "
-        f"--rollout-max-context-len) to at least {shortest}, or shorten the prompts"
+        f"{flag} {path}: no prompts left: all {dropped} prompts are longer than {length_flag}="
+        f"{max_prompt_len} tokens (the shortest has {shortest}); raise {length_flag}{context} to at least "
+        f"{shortest}, or shorten the prompts"
     )
 
 
@@ -482,20 +487,13 @@ def check_prompt_file(value: str, input_key: str | None, label_key: str | None =
     return build_samples(items, RowFormat(input_key, label_key, metadata_key, tool_key), None)[0]
 
 
-def _log_dropped(where: str, dropped: int, total: int, max_prompt_len) -> None:
+def _log_dropped(where: str, dropped: int, total: int, max_prompt_len, length_flag: str = _LENGTH_FLAG) -> None:
     if dropped:
-        logger.warning("%s: dropped %d of %d prompts longer than --rollout-max-prompt-len=%d tokens",
-                       where, dropped, total, max_prompt_len)  # fmt: skip
+        logger.warning("%s: dropped %d of %d prompts longer than %s=%d tokens",
+                       where, dropped, total, length_flag, max_prompt_len)  # fmt: skip
 
 
 # --- datasets -------------------------------------------------------------------------------------------
-
-
-def _key_names(prompt_key: str | None, max_length: int | None, input_key: str | None, max_prompt_len: int | None):
-    """slime's `prompt_key` / `max_length`, or the names these classes took before (`input_key` /
-    `max_prompt_len`), which the callers in slime/rollout still pass."""
-    return (input_key if input_key is not None else prompt_key,
-            max_prompt_len if max_prompt_len is not None else max_length)  # fmt: skip
 
 
 class Dataset:
@@ -503,7 +501,8 @@ class Dataset:
     `Dataset(path, tokenizer, processor, max_length, *, prompt_key=..., ...)`).
 
     `samples` is the current order, `origin_samples` the file order, `epoch_id` the epoch last shuffled for
-    (-1: none). `dropped` counts the prompts over `max_length`.
+    (-1: none). `dropped` counts the prompts over `max_length`. `flag` / `length_flag` (ours) name the flags
+    that gave `path` / `max_length` in errors and logs (the eval rollout: its dataset, `--eval-max-prompt-len`).
     """
 
     def __init__(
@@ -523,10 +522,8 @@ class Dataset:
         apply_chat_template_kwargs: dict | str | None = None,
         num_workers: int = 1,
         flag: str = "--prompt-data",
-        input_key: str | None = None,
-        max_prompt_len: int | None = None,
+        length_flag: str = _LENGTH_FLAG,
     ):
-        prompt_key, max_length = _key_names(prompt_key, max_length, input_key, max_prompt_len)
         fmt = _row_format(tokenizer, max_length, prompt_key, label_key, metadata_key, tool_key,
                           apply_chat_template, apply_chat_template_kwargs, multimodal_keys)  # fmt: skip
         self.path = path
@@ -535,8 +532,8 @@ class Dataset:
         rows = _open_rows(*parse_prompt_path(path, flag), flag)
         samples, dropped, shortest = _build_all(rows, fmt, tokenizer, processor, num_workers)
         if not samples:
-            raise ValueError(_no_prompts_message(flag, path, len(rows), dropped, shortest, max_length))
-        _log_dropped(path, dropped, len(rows), max_length)
+            raise ValueError(_no_prompts_message(flag, path, len(rows), dropped, shortest, max_length, length_flag))
+        _log_dropped(path, dropped, len(rows), max_length, length_flag)
         self.dropped = dropped
         self.origin_samples = samples
         self.samples = list(samples)
@@ -565,7 +562,7 @@ class Dataset:
 class StreamingDataset:
     """A JSONL prompt file read on access: only the rows' byte offsets are held (8 bytes a row).
 
-    `len()` counts rows *before* the length filter (prompts over `max_prompt_len` are dropped when read,
+    `len()` counts rows *before* the length filter (prompts over `max_length` are dropped when read,
     so `read` may return fewer samples than positions). `shuffle(epoch)` permutes, from
     (seed, epoch), the order of the windows of `window` consecutive rows (a short last window stays last)
     and the rows within each window, computed one window at a time, so memory stays flat.
@@ -588,10 +585,7 @@ class StreamingDataset:
         apply_chat_template_kwargs: dict | str | None = None,
         window: int = STREAMING_WINDOW,
         flag: str = "--prompt-data",
-        input_key: str | None = None,
-        max_prompt_len: int | None = None,
     ):
-        prompt_key, max_length = _key_names(prompt_key, max_length, input_key, max_prompt_len)
         self.fmt = _row_format(tokenizer, max_length, prompt_key, label_key, metadata_key, tool_key,
                                apply_chat_template, apply_chat_template_kwargs, multimodal_keys)  # fmt: skip
         real_path, rows = parse_prompt_path(path, flag)

@@ -75,11 +75,11 @@ _ARGS_FOR: dict[str, str] = {
     "apply_chat_template_kwargs": "apply_chat_template_kwargs",
 }
 
-# fields the built-in eval rollout does not act on (no_stop_trim: only `false`; it always sends true)
+# fields the built-in eval rollout does not act on (it sends no_stop_trim, repetition_penalty and min_new_tokens
+# with each request: `sglang_rollout.eval_sampling_params`)
 NOT_ACTED_ON = (
-    "min_new_tokens", "repetition_penalty", "no_stop_trim", "app_service", "eval_task_timeout", "min_eval_samples",
-    "eval_early_stop_remaining", "eval_early_stop_idle_timeout", "message_processor", "reward_model",
-    "remote_environment", "multimodal_keys",
+    "app_service", "eval_task_timeout", "min_eval_samples", "eval_early_stop_remaining",
+    "eval_early_stop_idle_timeout", "message_processor", "reward_model", "remote_environment", "multimodal_keys",
 )  # fmt: skip
 
 # type checks of the fields a YAML most often gets wrong
@@ -165,15 +165,6 @@ class EvalDatasetConfig:
             metadata["rm_type"] = self.rm_type
         metadata.update(self.metadata_overrides)
         return metadata
-
-    # Transitional: dict-style reads for callers written against the earlier dict form of a dataset.
-    def __getitem__(self, key: str) -> Any:
-        if key not in FIELDS:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key) if key in FIELDS else default
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(EvalDatasetConfig))
@@ -333,8 +324,7 @@ def resolve_eval_datasets(args: argparse.Namespace) -> list[EvalDatasetConfig]:
 
 def not_acted_on(dataset: EvalDatasetConfig) -> list[str]:
     """The fields of `dataset` that are set but that the built-in eval rollout does not act on."""
-    return [name for name in NOT_ACTED_ON
-            if getattr(dataset, name) is not None and not (name == "no_stop_trim" and dataset.no_stop_trim)]  # fmt: skip
+    return [name for name in NOT_ACTED_ON if getattr(dataset, name) is not None]
 
 
 def eval_datasets(args: argparse.Namespace) -> list[EvalDatasetConfig]:

@@ -1,6 +1,7 @@
-"""HTTP helpers for the rollout side: one shared `aiohttp.ClientSession` per event loop, `post`/`get` with
-retries, and a persistent background event loop so synchronous callers (Ray actor methods) can run
-coroutines without creating a fresh loop (and fresh connection pools) on every call.
+"""HTTP helpers for the rollout side: one shared `aiohttp.ClientSession` per event loop and `post`/`get` with
+retries. `run_sync` (run a coroutine on the process's background event loop, so synchronous callers such as Ray
+actor methods reuse one loop and its connection pools) lives in `slime.utils.async_utils` and is re-exported
+here for callers that import it from this module.
 
 Simplifications: retries cover transport errors (connection refused/reset, timeouts) and 5xx answers;
 a 4xx answer is the caller's fault and fails at once. Backoff is exponential, capped at 5 s.
@@ -15,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import weakref
-from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
+
+from slime.utils.async_utils import run_sync
+
+__all__ = ["HTTPRequestError", "close_client", "get", "get_client", "post", "run_sync"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,44 +108,3 @@ async def _request(method: str, url: str, payload: Any, retries: int, backoff: f
             )
             await asyncio.sleep(delay)
     raise HTTPRequestError(url, f"{method} {url} failed after {attempts} attempt(s): {last_error}")
-
-
-class _BackgroundLoop:
-    """An event loop running forever in a daemon thread; `run` blocks the caller until the coroutine is done."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def _ensure(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None or self._loop.is_closed():
-                loop = asyncio.new_event_loop()
-                thread = threading.Thread(target=loop.run_forever, name="slime-rollout-loop", daemon=True)
-                thread.start()
-                self._loop = loop
-            return self._loop
-
-    def run(self, coro: Coroutine) -> Any:
-        loop = self._ensure()
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            coro.close()
-            raise RuntimeError("run_sync() called from inside the background loop; await the coroutine instead")
-        future = asyncio.run_coroutine_threadsafe(coro, loop)
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()
-            raise
-
-
-_background = _BackgroundLoop()
-
-
-def run_sync(coro: Coroutine) -> Any:
-    """Run `coro` on the shared background loop and return its result (usable from sync and async callers)."""
-    return _background.run(coro)

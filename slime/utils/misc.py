@@ -1,5 +1,7 @@
 """Small helpers shared across processes: loading plugin functions by path, the call contract of each
-`*-path` hook (`HOOK_CONTRACTS`), checked by `load_hook` before anything starts, and `SingletonMeta`."""
+`*-path` hook (`HOOK_CONTRACTS`), checked by `load_hook` before anything starts, and `SingletonMeta`.
+`decode_int32_meta_array` (SGLang's base64 int32 `meta_info` arrays) is `slime.utils.types`'s, importable
+here at slime's path."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import sys
 import threading
 import traceback
 from typing import Any
+
+from slime.utils.types import decode_int32_meta_array  # noqa: F401 - slime's path for it
 
 _FORMS = "pkg.module.fn, file.py (the function named like the file) or file.py:fn"
 # flag -> the function a bare file.py may define instead of one named like the file
