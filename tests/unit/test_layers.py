@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
      ("floor", "algorithm", "weight sync")),
     ("rollout", ("slime.rollout",), ("floor", "algorithm")),
     ("orchestration", ("slime.ray",), ("floor", "algorithm", "weight sync", "engines", "training", "rollout")),
-    ("configuration", ("slime.config",),
+    # slime.utils.arguments is slime's entry-point path onto slime/config: configuration, though it sits in utils.
+    ("configuration", ("slime.config", "slime.utils.arguments"),
      ("floor", "algorithm", "weight sync", "engines", "training", "rollout", "orchestration")),
 ]
 # Package markers that import nothing and belong to no layer of their own.
@@ -93,10 +94,10 @@ def imports_of(modules: dict[str, str]) -> list[Import]:
 
 
 def layer_of(module: str) -> str | None:
-    for name, prefixes, _ in LAYERS:
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
-            return name
-    return None
+    """The layer whose longest prefix matches `module` (so slime.utils.arguments is configuration, not floor)."""
+    matches = [(len(p), name) for name, prefixes, _ in LAYERS for p in prefixes
+               if module == p or module.startswith(p + ".")]
+    return max(matches)[1] if matches else None
 
 
 def violations(imports: list[Import]) -> list[str]:

@@ -128,7 +128,7 @@ def test_eval_flags_fall_back_like_slimes(files):
     assert args.eval_max_context_len == 4096  # slime: defaults to --rollout-max-context-len
     assert args.eval_datasets[0].tool_key == "functions"
     assert "min_new_tokens: 8" in error_of(base("--eval-prompt-data", "aime", "eval.jsonl", "--eval-min-new-tokens",
-                                                "8"))  # the built-in eval rollout does not send it
+                                                "8"))  # the hf engine does not implement it
 
 
 def test_start_rollout_id_is_kept_and_left_to_a_checkpoint(files):
