@@ -210,3 +210,12 @@ def test_kwargs_are_megatron_core_fields(files):
         assert set(kwargs) <= fields, sorted(set(kwargs) - fields)
     assert margs.build_optimizer_config(args).lr == args.lr
     assert margs.build_ddp_config(args).use_distributed_optimizer is False
+
+
+def test_megatron_on_gpu_trains_in_bf16_unless_fp16_as_slime_does(files):
+    model = ("--num-layers", "2", "--hidden-size", "96", "--num-attention-heads", "4")
+    gpu = ("--dry-run", "--dry-run-cuda")
+    assert parse_args(base(*model, *gpu)).bf16
+    fp16 = parse_args(base(*model, *gpu, "--fp16"))
+    assert fp16.fp16 and not fp16.bf16
+    assert not parse_args(base(*model)).bf16  # CPU (the megatron-core shim): fp32 unless --bf16

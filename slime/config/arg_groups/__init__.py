@@ -63,6 +63,7 @@ FUNCTION_FLAGS = (
     + eval.FUNCTION_FLAGS
     + algorithm.FUNCTION_FLAGS
     + reward.FUNCTION_FLAGS
+    + train.FUNCTION_FLAGS
 )
 
 

@@ -59,7 +59,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="Samples per forward/backward pass (ignored with --use-dynamic-batch-size).",
     )
     g.add_argument("--seed", type=int, default=1234, help="Seed of the training ranks (and of the engines, + rank).")
-    g.add_argument("--bf16", action="store_true", help="Train in bfloat16 (fp32 master weights).")
+    g.add_argument("--bf16", action="store_true", help="Train in bfloat16 (fp32 master weights). Megatron on GPU trains in bf16 unless --fp16, as slime does.")
     g.add_argument("--fp16", action="store_true", help="Train in float16 with loss scaling.")
     g.add_argument("--save", type=str, default=None, help="Checkpoint folder to write (default with --save-interval: outputs/checkpoints/<run name>, "
                    "the run name as in the TensorBoard folder).")
@@ -110,6 +110,11 @@ def validate_train(args: argparse.Namespace) -> None:
 
     if args.bf16 and args.fp16:
         fail("--bf16 and --fp16 are both set; choose one precision.")
+    if args.train_backend == "megatron" and args.use_cuda and not args.fp16 and not args.bf16:
+        # slime's Megatron backend always trains in bf16 unless --fp16 (its scripts pass neither); fp32 stays
+        # the rule on CPU, where megatron-core runs only through the test shim.
+        logger.info("--train-backend megatron on GPU: training in bf16 as slime does (pass --fp16 for fp16).")
+        args.bf16 = True
     require_positive(args, "micro_batch_size", "save_interval", "lr_decay_iters")
     if args.lr < 0 or args.min_lr < 0:
         fail(f"--lr {args.lr} / --min-lr {args.min_lr}: learning rates must be >= 0.")
