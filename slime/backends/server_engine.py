@@ -171,11 +171,13 @@ class ServerEngine:
 
     # ---- control calls ----
     def update_weights_from_tensor(self, serialized_bucket: str | list[str], weight_version: str,
-                                   load_format: str = "flattened_bucket", flush_cache: bool = False) -> dict:
+                                   load_format: str = "flattened_bucket", flush_cache: bool = True) -> dict:
         """Load one bucket (`serialize_bucket(flatten_bucket(named))`). SGLang takes one payload per engine
         TP rank: a single payload is repeated `tp_size` times (every rank opens the same handle), a list is
         sent as given. The caller keeps the flattened bucket alive until this returns: the payload holds
-        handles to its memory, not a copy."""
+        handles to its memory, not a copy. `flush_cache` (SGLang's default, True) empties the prefix cache after
+        loading: without it SGLang keeps serving prompts from KV computed with the old weights (seen on the
+        H200: log-probs 0.12 nats off the trainer's after every push)."""
         payloads = [serialized_bucket] * self.tp_size if isinstance(serialized_bucket, str) else list(serialized_bucket)
         return self._call("POST", "/update_weights_from_tensor", {
             "serialized_named_tensors": payloads, "load_format": load_format,
@@ -192,7 +194,7 @@ class ServerEngine:
             timeout=self.weight_update_timeout_s)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
-                                        group_name: str = "weight_update_group", flush_cache: bool = False,
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
                                         weight_version: str | None = None) -> dict:
         """Receive `names` (in this order) by broadcast from group rank 0; the trainer broadcasts them while
         this call waits. `dtypes` are torch dtypes or their names ("bfloat16")."""
@@ -211,10 +213,15 @@ class ServerEngine:
                           timeout=self.weight_update_timeout_s)
 
     def get_weight_version(self) -> str:
-        return self._call("GET", "/get_weight_version")["weight_version"]
+        """The version stamped by the last weight update. SGLang 0.5.16 serves it in `/model_info` only
+        (its `/get_weight_version` answers 404)."""
+        return self.get_model_info()["weight_version"]
+
+    def get_model_info(self) -> dict:
+        return self._call("GET", "/model_info")
 
     def get_server_info(self) -> dict:
-        return self._call("GET", "/get_server_info")
+        return self._call("GET", "/server_info")  # /get_server_info is SGLang's deprecated alias
 
     def flush_cache(self):
         return self._call("POST", "/flush_cache")
@@ -222,13 +229,18 @@ class ServerEngine:
     def abort_all(self):
         return self._call("POST", "/abort_request", {"abort_all": True})
 
-    def pause_generation(self):
-        return self._call("POST", "/pause_generation", {})
+    def pause_generation(self, mode: str | None = None):
+        """Stop generating until `continue_generation`. SGLang's default mode ("abort", also when `mode` is
+        None) aborts the requests in flight and returns once they are answered; "in_place" / "retract" keep them."""
+        return self._call("POST", "/pause_generation", {"mode": mode} if mode else {})
 
     def continue_generation(self):
         return self._call("POST", "/continue_generation", {})
 
     def release_memory_occupation(self, tags=None):
+        """Free GPU memory by tag ("weights", "kv_cache", "cuda_graph"; none: all). The server must be idle.
+        SGLang (without --enable-weights-cpu-backup) does not keep released weights: push them again after
+        `resume_memory_occupation(["weights"])`."""
         return self._call("POST", "/release_memory_occupation", {"tags": tags} if tags else {})
 
     def resume_memory_occupation(self, tags=None):

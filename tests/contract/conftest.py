@@ -8,10 +8,15 @@ server started by hand:
         [--engine-model-path /models/Qwen3-4B] [--trainer-address 10.0.0.5] [--logprob-tol 0.05] \
         [--engine-same-host] [--weight-sync-backend nccl]
 
-`--engine-model-path` (default: the engine's /get_model_info `model_path`) must be a local HF folder: the
+`--engine-model-path` (default: the engine's /model_info `model_path`) must be a local HF folder: the
 weight tests read parameter names, shapes and values from its safetensors. `--trainer-address` is the
 address the engine can reach this process at (it is rank 0 of the broadcast group). The tensor-update
 test hands over shared memory, so it runs against an external engine only with `--engine-same-host`.
+NCCL refuses two ranks on one GPU, so against an engine on this process's only GPU use
+`--weight-sync-backend gloo` (SGLang receives into CUDA tensors over gloo too).
+
+Against a real SGLang server start it with `--enable-memory-saver` (the release/resume tests are about its
+memory saver; without it they release nothing) and, for bf16 weights, pass `--logprob-tol 0.05`.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ def engine(request, tmp_path_factory) -> EngineUnderTest:
     if url:
         url = url.rstrip("/")
         model_path = _option(config, "--engine-model-path") or httpx.get(
-            url + "/get_model_info", timeout=30, trust_env=False).json()["model_path"]
+            url + "/model_info", timeout=30, trust_env=False).json()["model_path"]
         yield EngineUnderTest(url, model_path, True, same_host=bool(_option(config, "--engine-same-host")),
                               **common)
         return

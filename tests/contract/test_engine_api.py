@@ -1,8 +1,14 @@
 """HTTP contract of a rollout engine (SGLang's native API: docs/hf_engine.md, docs/sglang_backend.md), against any engine URL.
 
 CI runs it against the built-in `hf` engine (started by conftest.py); `--engine-url` points it at another
-server, e.g. a real SGLang one. Every test leaves the engine as it found it: weights are restored after
-each update (checked by scoring a fixed sequence), paused/released state is undone.
+server, e.g. a real SGLang one. SGLang (0.5.16, run on an H200) is the reference: where the two differed,
+the `hf` engine and this suite follow SGLang (docs/sglang_backend.md lists the differences found). Every
+test leaves the engine as it found it: weights are restored after each update (checked by scoring a fixed
+sequence), paused/released state is undone.
+
+Released weights are not expected back on resume: SGLang's memory saver returns their memory uninitialised
+(unless the server has --enable-weights-cpu-backup), so, as slime's colocated loop does, the tests push the
+model's weights after resuming them.
 
 Weight tests perturb one tensor of the model (the LM head, or else the largest matrix) and then put the
 original back, through each update path; the engine's log-probs of a fixed sequence must move after the
@@ -114,10 +120,15 @@ def base_scores(engine):
     return score(engine)[0]
 
 
+def weight_version(engine) -> str:
+    """The engine's current version: /model_info's `weight_version` (SGLang 0.5.16 has no other endpoint)."""
+    return get(engine, "/model_info").json()["weight_version"]
+
+
 def check_update(engine, base_scores, version, changed: bool):
     scores, stamped = score(engine)
     assert stamped == version
-    assert get(engine, "/get_weight_version").json()["weight_version"] == version
+    assert weight_version(engine) == version
     diff = max_diff(scores, base_scores)
     if changed:
         assert diff > 1e-3, f"the update to version {version} did not change the engine's log-probs"
@@ -151,13 +162,35 @@ def joined(t, result, timeout=120.0):
 def test_health_and_info(engine):
     get(engine, "/health")
     get(engine, "/health_generate")
-    info = get(engine, "/get_model_info").json()
-    assert info["model_path"] and info["is_generation"] is True
+    info = get(engine, "/model_info").json()
+    assert info["model_path"] and info["is_generation"] is True and isinstance(info["weight_version"], str)
+    server = get(engine, "/server_info").json()
+    assert isinstance(server, dict) and int(server.get("tp_size", 1)) >= 1
+    # The deprecated names still answer the same (SGLang logs a warning for each call).
+    assert get(engine, "/get_model_info").json()["model_path"] == info["model_path"]
     assert isinstance(get(engine, "/get_server_info").json(), dict)
-    assert isinstance(get(engine, "/get_weight_version").json()["weight_version"], str)
+
+
+@pytest.mark.parametrize("path", ["/get_weight_version", "/weight_version"])
+def test_weight_version_lives_in_model_info(engine, path):
+    """SGLang 0.5.16 answers these 404, pointing to /model_info; clients must read the version there or from
+    /generate's meta_info."""
+    resp = httpx.get(engine.url + path, timeout=30, trust_env=False)
+    assert resp.status_code == 404 and "/model_info" in resp.text, resp.text
+    stamped = generate(engine, input_ids=PROMPT, sampling_params={"max_new_tokens": 1})["meta_info"]["weight_version"]
+    assert stamped == weight_version(engine)
 
 
 # ---- generation -----------------------------------------------------------------------------------------
+def test_update_weight_version_restamps_without_a_weight_change(engine):
+    """SGLang's /update_weight_version: the version moves, the weights do not."""
+    before = score(engine)[0]
+    resp = post(engine, "/update_weight_version", {"new_version": "contract-restamp"}).json()
+    assert resp["success"] is True and resp["new_version"] == "contract-restamp"
+    scores, stamped = score(engine)
+    assert stamped == weight_version(engine) == "contract-restamp" and max_diff(scores, before) <= engine.logprob_tol
+
+
 def test_generate_length_with_logprobs_matching_scoring(engine):
     out = generate(engine, input_ids=PROMPT, return_logprob=True,
                    sampling_params={"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True})
@@ -180,15 +213,21 @@ def test_generate_from_text(engine):
 
 
 def test_stop_token_ids(engine):
-    greedy = generate(engine, input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 8,
-                                                                  "ignore_eos": True})["output_ids"]
-    stop_at = next((i for i in range(1, len(greedy)) if greedy[i] not in greedy[:i]), None)
+    """A stop token ends the output with it, finish_reason {"type": "stop", "matched": id}. As in SGLang,
+    ignore_eos turns every token-based stop off, stop_token_ids included."""
+    params = {"temperature": 0, "max_new_tokens": 8}
+    greedy = generate(engine, input_ids=PROMPT, sampling_params=params)["output_ids"]
+    stop_at = next((i for i in range(1, len(greedy) - 1) if greedy[i] not in greedy[:i]), None)
     if stop_at is None:
         pytest.skip(f"greedy output {greedy} repeats one token; no stop token to pick")
-    out = generate(engine, input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 8,
-                                                               "ignore_eos": True, "stop_token_ids": [greedy[stop_at]]})
-    assert out["meta_info"]["finish_reason"]["type"] == "stop"
-    assert out["output_ids"][-1] == greedy[stop_at] and out["output_ids"] == greedy[:stop_at + 1]
+    stop = greedy[stop_at]
+    out = generate(engine, input_ids=PROMPT, sampling_params={**params, "stop_token_ids": [stop]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["output_ids"] == greedy[:stop_at + 1]
+    ignored = generate(engine, input_ids=PROMPT, sampling_params={**params, "stop_token_ids": [stop],
+                                                                   "ignore_eos": True})
+    assert ignored["meta_info"]["finish_reason"]["type"] == "length" and len(ignored["output_ids"]) == 8
+    assert ignored["output_ids"][:len(greedy)] == greedy
 
 
 def test_stop_string(engine):
@@ -230,6 +269,14 @@ def test_abort(engine, by):
     assert generate(engine, input_ids=PROMPT, sampling_params={"max_new_tokens": 2})["output_ids"]
 
 
+def test_abort_of_an_unknown_or_missing_rid_is_ignored(engine):
+    """SGLang answers 200 and aborts nothing (it only logs a warning when neither rid nor abort_all is given)."""
+    assert post(engine, "/abort_request", {"rid": f"contract-unknown-{uuid.uuid4().hex}"}).status_code == 200
+    assert post(engine, "/abort_request", {}).status_code == 200
+    out = generate(engine, input_ids=PROMPT, sampling_params={"max_new_tokens": 2, "ignore_eos": True})
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_scoring_with_max_new_tokens_zero(engine):
     from transformers import AutoModelForCausalLM
 
@@ -263,6 +310,28 @@ def push_tensor(engine, named, version):
     assert control_ok(resp)
 
 
+PUSH_BUCKET_BYTES = 256 * 2**20
+
+
+def push_model(engine, version, replace: dict | None = None):
+    """Push every tensor of the model folder (with `replace`'s instead where named), as the trainer does after
+    resuming released weights: by tensor hand-over on the same host, else by reloading from disk."""
+    if not (engine.same_host or replace):
+        assert control_ok(post(engine, "/update_weights_from_disk",
+                               {"model_path": engine.model_path, "weight_version": version}))
+        return
+    bucket, size = [], 0
+    for name, tensor in model_tensors(engine.model_path).items():
+        tensor = (replace or {}).get(name, tensor)
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= PUSH_BUCKET_BYTES:
+            push_tensor(engine, bucket, version)
+            bucket, size = [], 0
+    if bucket:
+        push_tensor(engine, bucket, version)
+
+
 def test_update_weights_from_tensor(engine, weights, base_scores):
     if engine.external and not engine.same_host:
         pytest.skip("the tensor path hands over shared memory: pass --engine-same-host for an external engine")
@@ -273,30 +342,11 @@ def test_update_weights_from_tensor(engine, weights, base_scores):
     check_update(engine, base_scores, "contract-tensor-2", changed=False)
 
 
-def test_update_weights_from_tensor_refuses_other_pickles(engine, base_scores):
-    """The payload may name tensors, dtypes and bucket metadata only: a pickle that calls anything else is
-    refused before it runs, and the engine's weights and version stay as they were."""
-    marker = f"/tmp/slime-contract-{uuid.uuid4().hex}"
-    evil = base64.b64encode(pickle.dumps(EvilPayload(marker))).decode()
-    version = get(engine, "/get_weight_version").json()["weight_version"]
-    resp = post(engine, "/update_weights_from_tensor", {
-        "serialized_named_tensors": [evil] * tp_size(engine), "load_format": "flattened_bucket",
-        "weight_version": "contract-evil"}, expect=None)
-    assert resp.status_code >= 400 or not control_ok(resp), resp.text
-    assert not os.path.exists(marker), "the engine ran a callable named by the payload"
-    check_update(engine, base_scores, version, changed=False)
-
-
-class EvilPayload:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
 def test_update_weights_from_distributed(engine, weights, base_scores):
     """This process is the trainer: rank 0 of the group, broadcasting; the engine's ranks follow."""
+    if engine.weight_sync_backend == "nccl" and engine.same_host and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL refuses two ranks on one GPU ('Duplicate GPU detected'), and this host has one: "
+                    "use --weight-sync-backend gloo")
     name, original, perturbed = weights
     tp = tp_size(engine)
     group, port = f"contract-{uuid.uuid4().hex[:8]}", free_port()
@@ -339,14 +389,18 @@ def test_update_weights_from_disk(engine, weights, base_scores, tmp_path):
 
 # ---- memory, pause, cache -------------------------------------------------------------------------------
 def test_release_and_resume_memory(engine, base_scores):
-    for tags in (["kv_cache"], ["weights", "kv_cache"]):
-        assert control_ok(post(engine, "/release_memory_occupation", {"tags": tags}))
-        assert control_ok(post(engine, "/resume_memory_occupation", {"tags": tags}))
-        assert max_diff(score(engine)[0], base_scores) <= engine.logprob_tol
-    # no tags: everything
-    assert control_ok(post(engine, "/release_memory_occupation", {}))
-    assert control_ok(post(engine, "/resume_memory_occupation", {}))
-    assert max_diff(score(engine)[0], base_scores) <= engine.logprob_tol
+    """Release and resume by tag on an idle engine (SGLang asserts it is idle). The KV cache comes back
+    empty and is recomputed; weights are pushed after resuming them (their memory comes back uninitialised in
+    SGLang); no tags means all (SGLang's: weights, kv_cache and cuda_graph)."""
+    for i, tags in enumerate((["kv_cache"], ["weights", "kv_cache"], None)):
+        body = {"tags": tags} if tags else {}
+        assert control_ok(post(engine, "/release_memory_occupation", body))
+        assert control_ok(post(engine, "/resume_memory_occupation", body))
+        if tags is None or "weights" in tags:
+            push_model(engine, f"contract-release-{i}")
+            check_update(engine, base_scores, f"contract-release-{i}", changed=False)
+        else:
+            assert max_diff(score(engine)[0], base_scores) <= engine.logprob_tol
 
 
 def test_colocated_update_while_kv_cache_is_released(engine, weights, base_scores):
@@ -356,7 +410,7 @@ def test_colocated_update_while_kv_cache_is_released(engine, weights, base_score
     name, original, perturbed = weights
     post(engine, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
     post(engine, "/resume_memory_occupation", {"tags": ["weights"]})
-    push_tensor(engine, [(name, perturbed)], "contract-colocate-1")
+    push_model(engine, "contract-colocate-1", replace={name: perturbed})  # the whole model: see the docstring above
     post(engine, "/resume_memory_occupation", {"tags": ["kv_cache"]})
     check_update(engine, base_scores, "contract-colocate-1", changed=True)
     push_tensor(engine, [(name, original)], "contract-colocate-2")
@@ -374,6 +428,23 @@ def test_pause_and_continue_generation(engine):
         assert control_ok(post(engine, "/continue_generation", {}))
     resp = joined(t, result)
     assert resp.status_code == 200 and resp.json()["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_pause_aborts_requests_in_flight_by_default(engine):
+    """SGLang's /pause_generation mode defaults to "abort": requests in flight are answered with finish_reason
+    abort before the call returns; requests sent while paused wait for /continue_generation."""
+    long = {"input_ids": PROMPT, "sampling_params": {"temperature": 1.0, "max_new_tokens": 1900, "ignore_eos": True}}
+    t, result = in_thread(post, engine, "/generate", long, 300.0, None)
+    time.sleep(0.5)
+    try:
+        assert control_ok(post(engine, "/pause_generation", {}))
+        resp = joined(t, result, timeout=60.0)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(resp.json()["output_ids"]) < 1900
+    finally:
+        assert control_ok(post(engine, "/continue_generation", {}))
+    assert generate(engine, input_ids=PROMPT, sampling_params={"max_new_tokens": 2})["output_ids"]
 
 
 def test_flush_cache(engine):
@@ -398,3 +469,43 @@ def test_router_registration_and_removal(engine, tmp_path):
         assert resp.status_code >= 400, "the router still routes to a removed worker"
     finally:
         router.stop()
+
+
+# ---- last: SGLang 0.5.16 does not survive it --------------------------------------------------------
+def test_update_weights_from_tensor_refuses_other_pickles(engine, base_scores):
+    """The payload may name tensors, dtypes and bucket metadata only: a pickle that calls anything else is
+    refused before it runs, and the engine's weights and version stay as they were. Last in this file: SGLang
+    0.5.16 refuses it but stops serving."""
+    marker = f"/tmp/slime-contract-{uuid.uuid4().hex}"
+    evil = base64.b64encode(pickle.dumps(EvilPayload(marker))).decode()
+    version = weight_version(engine)
+    tp = tp_size(engine)
+    try:
+        resp = post(engine, "/update_weights_from_tensor", {
+            "serialized_named_tensors": [evil] * tp, "load_format": "flattened_bucket",
+            "weight_version": "contract-evil"}, expect=None)
+    except httpx.TransportError:
+        resp = None
+    assert not os.path.exists(marker), "the engine ran a callable named by the payload"
+    if resp is None or not engine_answers(engine):
+        # Seen with SGLang 0.5.16: its SafeUnpickler refuses the pickle ("Blocked unsafe class loading"), but
+        # the exception is raised in the scheduler, which dies and takes the server with it.
+        pytest.xfail("the engine refused the payload's callable but stopped serving (SGLang 0.5.16's scheduler "
+                     "dies on the refusal); this test runs last for that reason")
+    assert resp.status_code >= 400 or not control_ok(resp), resp.text
+    check_update(engine, base_scores, version, changed=False)
+
+
+def engine_answers(engine) -> bool:
+    try:
+        return httpx.get(engine.url + "/health", timeout=10, trust_env=False).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+class EvilPayload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)

@@ -407,7 +407,9 @@ class Scheduler:
                     seed = self.random_seed * _SEED_STRIDE + self._num_sampled_requests
                     self._num_sampled_requests += 1
                 req.generator = torch.Generator().manual_seed(seed % (2**63))
-            req.stop_ids = frozenset(req.params.stop_token_ids) | (frozenset() if req.params.ignore_eos else self.eos_ids)
+            # SGLang's rule: ignore_eos turns off every token-based stop, stop_token_ids included (stop strings
+            # still apply).
+            req.stop_ids = frozenset() if req.params.ignore_eos else frozenset(req.params.stop_token_ids) | self.eos_ids
             req.arrival = self._last_arrival = time.monotonic()
             self._waiting.append(req)
             self._cv.notify_all()

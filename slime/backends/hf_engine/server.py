@@ -35,7 +35,7 @@ import uuid
 import torch
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
@@ -47,6 +47,11 @@ logger = logging.getLogger("slime.hf_engine")
 ENGINE_VERSION = "slime-hf-engine 0.1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's; no tags (or []) means all of them
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes; "abort" is its default
+PAUSE_ABORT_WAIT_S = 60.0
+WEIGHT_VERSION_MOVED = ("Endpoint '/get_weight_version' or '/weight_version' is deprecated. "
+                        "Please use '/model_info' instead.")
 
 
 class EngineState:
@@ -232,8 +237,12 @@ def build_app(state: EngineState) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     def model_info():
+        config = state.model.config
         return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
-                "weight_version": state.weight_version, "preferred_sampling_params": None}
+                "preferred_sampling_params": None, "weight_version": state.weight_version,
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": getattr(config, "model_type", None),
+                "architectures": getattr(config, "architectures", None)}
 
     def server_info():
         running, waiting = sched.counts()
@@ -244,55 +253,81 @@ def build_app(state: EngineState) -> FastAPI:
                 "paused": sched.paused, "released_tags": sorted(state.released), "tp_size": 1, "dp_size": 1,
                 "context_length": sched.max_context_len, **sched.stats}
 
-    for path in ("/get_model_info", "/model_info"):
-        app.add_api_route(path, model_info, methods=["GET"])
-    for path in ("/get_server_info", "/server_info"):
-        app.add_api_route(path, server_info, methods=["GET"])
+    app.add_api_route("/model_info", model_info, methods=["GET"])
+    app.add_api_route("/server_info", server_info, methods=["GET"])
+    for old, new, handler in (("/get_model_info", "/model_info", model_info),
+                              ("/get_server_info", "/server_info", server_info)):
+        app.add_api_route(old, _deprecated(old, new, handler), methods=["GET"])
 
     @app.get("/get_load")
     async def get_load():
+        """SGLang's shape: one entry per data-parallel rank (this engine has one)."""
         running, waiting = sched.counts()
-        return {"load": running + waiting, "num_running_reqs": running, "num_waiting_reqs": waiting}
+        return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": 0,
+                 "num_pending_tokens": 0, "ts_tic": time.perf_counter()}]
 
     @app.get("/get_weight_version")
+    @app.get("/weight_version")
     async def get_weight_version():
-        return {"weight_version": state.weight_version}
+        # As SGLang 0.5.16 answers: the version is a field of /model_info (and of every /generate's meta_info).
+        return JSONResponse({"detail": WEIGHT_VERSION_MOVED}, status_code=404)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(http: HTTPRequest):
+        """Restamp the weights without changing them (SGLang's endpoint of the same name)."""
+        body = await _json_or_empty(http)
+        if body.get("new_version") is None:
+            return _error(400, "update_weight_version needs {\"new_version\": \"...\"}")
+        if body.get("abort_all_requests"):
+            sched.abort(abort_all=True)
+        state.weight_version = str(body["new_version"])
+        return {"success": True, "message": f"Weight version updated to {state.weight_version}",
+                "new_version": state.weight_version}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
-        return {"success": True, "message": "the hf engine keeps no prefix cache; nothing to flush"}
+        # SGLang answers in plain text; the hf engine keeps no prefix cache, so there is nothing to flush.
+        return PlainTextResponse("Cache flushed.\n")
 
     @app.post("/abort_request")
     async def abort_request(http: HTTPRequest):
         body = await _json_or_empty(http)
         if not body.get("abort_all") and not body.get("rid"):
-            return _error(400, "abort_request needs {\"rid\": ...} or {\"abort_all\": true}")
-        n = sched.abort(rid=body.get("rid"), abort_all=bool(body.get("abort_all")))
-        return {"success": True, "num_aborted": n}
+            # SGLang ignores it (200) with a warning in its log; so do we, saying what was expected.
+            logger.warning("abort_request without rid or abort_all=true aborts nothing: %s", body)
+            return Response(status_code=200)
+        sched.abort(rid=body.get("rid"), abort_all=bool(body.get("abort_all")))
+        return Response(status_code=200)  # SGLang's answer: an empty 200, whether or not the rid was known
 
     @app.post("/pause_generation")
     async def pause_generation(http: HTTPRequest):
-        body = await _json_or_empty(http)
-        if body.get("mode") == "abort":
-            sched.abort(abort_all=True)
-        await run_in_threadpool(sched.pause, "user")
-        return {"success": True, "message": "paused; requests wait until /continue_generation"}
+        mode = (await _json_or_empty(http)).get("mode") or "abort"  # SGLang's default mode
+        if mode not in PAUSE_MODES:
+            return _error(400, f"pause_generation mode {mode!r}: choose one of {list(PAUSE_MODES)}")
+        await run_in_threadpool(_pause, sched, mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
     async def continue_generation():
         sched.resume("user")
-        return {"success": True, "message": "generation continues"}
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
-    @app.post("/release_memory_occupation")
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation(http: HTTPRequest):
-        tags = (await _json_or_empty(http)).get("tags") or ["weights", "kv_cache"]
-        await run_in_threadpool(_release, state, set(tags))
+        try:
+            tags = _memory_tags(await _json_or_empty(http))
+        except ValueError as e:
+            return _error(400, str(e))
+        await run_in_threadpool(_release, state, tags)
         return {"success": True, "message": f"released {sorted(tags)}", "released_tags": sorted(state.released)}
 
-    @app.post("/resume_memory_occupation")
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def resume_memory_occupation(http: HTTPRequest):
-        tags = (await _json_or_empty(http)).get("tags") or ["weights", "kv_cache"]
-        await run_in_threadpool(_resume, state, set(tags))
+        try:
+            tags = _memory_tags(await _json_or_empty(http))
+        except ValueError as e:
+            return _error(400, str(e))
+        await run_in_threadpool(_resume, state, tags)
         return {"success": True, "message": f"resumed {sorted(tags)}", "released_tags": sorted(state.released)}
 
     @app.post("/update_weights_from_tensor")
@@ -426,6 +461,41 @@ async def _json_or_empty(http: HTTPRequest) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _deprecated(old: str, new: str, handler):
+    """SGLang keeps `old` answering like `new` and logs that it is deprecated; we log it once per path."""
+    warned = []
+
+    def route():
+        if not warned:
+            warned.append(True)
+            logger.warning("Endpoint '%s' is deprecated (as in SGLang); use '%s'", old, new)
+        return handler()
+
+    return route
+
+
+def _memory_tags(body: dict) -> set[str]:
+    """The tags of a release/resume body; none (or an empty list) means all, as in SGLang."""
+    tags = body.get("tags") or list(MEMORY_TAGS)
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise ValueError(f"unknown memory tag(s) {unknown}; the tags are {list(MEMORY_TAGS)} (none: all of them)")
+    return set(tags)
+
+
+def _pause(sched: Scheduler, mode: str) -> None:
+    """Stop generating. "abort" (SGLang's default) also aborts every request in flight and returns once they
+    have been answered; "in_place" and "retract" keep them, to continue after /continue_generation (this
+    engine keeps their KV cache either way)."""
+    sched.pause("user")
+    if mode != "abort":
+        return
+    sched.abort(abort_all=True)
+    deadline = time.monotonic() + PAUSE_ABORT_WAIT_S
+    while sched.counts()[0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def check_weight_dir(path: str, allowed: list[str]) -> None:
     """Refuse a folder outside every allowed one (symlinks resolved), so the endpoint cannot read arbitrary files."""
     real = os.path.realpath(path)
@@ -460,7 +530,12 @@ def _release(state: EngineState, tags: set[str]) -> None:
 
     On CPU nothing is freed: the weights stay resident (there is nowhere cheaper to put them) and the KV
     cache of paused requests is kept so they can continue. Either way, while "weights" is released the
-    scheduler is paused and /generate answers 503.
+    scheduler is paused and /generate answers 503. "cuda_graph" drops the captured decode graphs (they are
+    captured again when needed).
+
+    Unlike SGLang, released weights come back with their values on resume (SGLang without
+    --enable-weights-cpu-backup gets its memory back uninitialised, so the trainer must push after
+    resuming, as slime's loop does; doing so here is harmless).
     """
     with state.memory_lock:
         if "weights" in tags and "weights" not in state.released:
@@ -469,10 +544,13 @@ def _release(state: EngineState, tags: set[str]) -> None:
                 with state.scheduler.exclusive():
                     state.scheduler.drop_graphs()  # they point at the tensors being moved
                     state.model.to("cpu")
+        if "cuda_graph" in tags:
+            with state.scheduler.exclusive():
+                state.scheduler.drop_graphs()
         if "kv_cache" in tags and state.device != "cpu":
             with state.scheduler.exclusive():
                 state.scheduler.free_idle_kv_cache()
-        state.released |= tags & {"weights", "kv_cache"}
+        state.released |= tags
         if state.device != "cpu" and torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -1,0 +1,94 @@
+"""`ServerEngine`'s control calls on the wire, against a scripted HTTP peer that records what it is sent and
+answers as SGLang 0.5.16 does (docs/sglang_backend.md, "Differences found"). The peer stands in for nothing users
+run: it checks the request shapes our client builds."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from slime.backends.server_engine import EngineHTTPError, ServerEngine
+from tests.args import make_args
+
+
+class Peer(BaseHTTPRequestHandler):
+    seen: list = []
+
+    def log_message(self, *a):
+        pass
+
+    def _answer(self, status: int, body) -> None:
+        data = b"" if body is None else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        if data:
+            self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self.seen.append(("GET", self.path, None))
+        if self.path == "/model_info":
+            self._answer(200, {"model_path": "/m", "is_generation": True, "weight_version": "7"})
+        elif self.path == "/server_info":
+            self._answer(200, {"tp_size": 1, "weight_version": "7"})
+        else:  # /get_weight_version: 404 in SGLang 0.5.16
+            self._answer(404, {"detail": "Endpoint '/get_weight_version' is deprecated. Please use '/model_info'"})
+
+    def do_POST(self):
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.seen.append(("POST", self.path, json.loads(raw) if raw else None))
+        if self.path == "/update_weights_from_disk":
+            self._answer(400, {"success": False, "message": "no such folder"})
+        elif self.path in ("/abort_request", "/release_memory_occupation", "/resume_memory_occupation"):
+            self._answer(200, None)  # SGLang: an empty 200 (release/resume: null)
+        else:
+            self._answer(200, {"success": True, "message": "ok"})
+
+
+@pytest.fixture
+def engine():
+    Peer.seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Peer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    eng = ServerEngine(make_args(), rank=0)
+    eng.host, eng.port = "127.0.0.1", server.server_address[1]
+    yield eng
+    eng.shutdown()
+    server.shutdown()
+
+
+def test_weight_version_and_info_come_from_the_current_endpoints(engine):
+    assert engine.get_weight_version() == "7"
+    assert engine.get_server_info()["tp_size"] == 1
+    assert [(m, p) for m, p, _ in Peer.seen] == [("GET", "/model_info"), ("GET", "/server_info")]
+
+
+def test_weight_updates_flush_the_prefix_cache_by_default(engine):
+    """SGLang's default, and needed: without a flush it serves prompts from KV computed with the old weights."""
+    engine.update_weights_from_tensor("payload", weight_version="3")
+    engine.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 2]], weight_version="3")
+    tensor, dist = (body for _, _, body in Peer.seen)
+    assert tensor == {"serialized_named_tensors": ["payload"], "load_format": "flattened_bucket",
+                      "flush_cache": True, "weight_version": "3"}
+    assert dist["flush_cache"] is True and dist["dtypes"] == ["bfloat16"] and dist["weight_version"] == "3"
+
+
+def test_pause_modes_memory_tags_and_empty_answers(engine):
+    assert engine.pause_generation() == {"success": True, "message": "ok"}
+    engine.pause_generation("in_place")
+    assert engine.abort_all() == ""  # an empty 200 is a success
+    engine.release_memory_occupation()
+    engine.resume_memory_occupation(["weights"])
+    assert [(p, b) for _, p, b in Peer.seen] == [
+        ("/pause_generation", {}), ("/pause_generation", {"mode": "in_place"}),
+        ("/abort_request", {"abort_all": True}), ("/release_memory_occupation", {}),
+        ("/resume_memory_occupation", {"tags": ["weights"]})]
+
+
+def test_a_refused_update_raises_with_the_servers_message(engine):
+    with pytest.raises(EngineHTTPError, match=r"update_weights_from_disk -> HTTP 400: no such folder"):
+        engine.update_weights_from_disk("/nowhere", weight_version="2")
