@@ -11,8 +11,8 @@ engine, CPU) with `--save DIR --save-interval 1 --use-tensorboard`. Each trial:
    every process of the run: Ray's daemons and workers, the engine server, the router; the marker finds those
    that start sessions of their own, the session id those that wipe their environment, Ray's agents);
 2. picks a rollout k at random and kills the driver (SIGKILL, nothing of it runs again) in the asked phase
-   of rollout k. Phases are read from the outside: the engine's `/get_load` (requests running or waiting:
-   generation) and `/get_weight_version` (the push count, so which rollout the run is in), and the
+   of rollout k. Phases are read from the outside: the engine's `/server_info` (requests running or waiting:
+   generation; `weight_version`: the push count, so which rollout the run is in), and the
    checkpoint folder (`iter_000000k` appears: saving). `training` is a random point between the end of
    rollout k's generation and the appearance of its checkpoint folder, scaled by that gap in rollout k-1.
    The phase is confirmed at the moment of the kill and reported as seen then;

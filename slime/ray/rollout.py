@@ -69,7 +69,7 @@ ENGINE_CLASSES = {
     "hf": "slime.backends.hf_engine.engine.HFEngine",
     "sglang": "slime.backends.sglang_utils.sglang_engine.SGLangEngine",
 }
-MEMORY_TAGS = ("weights", "kv_cache")  # what release_memory_occupation frees when no tags are given
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # what SGLang's release_memory_occupation frees with no tags
 
 
 class RolloutManager:
@@ -254,12 +254,12 @@ class RolloutManager:
         return batch, metrics
 
     def _engine_request_counts(self) -> list[int] | None:
-        """Finished requests per engine so far (`num_finished_requests` of GET /get_server_info), or None
+        """Finished requests per engine so far (`num_finished_requests` of GET /server_info), or None
         when an engine does not report it (SGLang servers do not) or does not answer within a second."""
         counts = []
         for url in self.engine_urls if self._counts_reported else []:
             try:
-                info = httpx.get(url + "/get_server_info", timeout=1.0, trust_env=False).json()
+                info = httpx.get(url + "/server_info", timeout=1.0, trust_env=False).json()
                 counts.append(int(info["num_finished_requests"]))
             except (httpx.HTTPError, ValueError, TypeError):
                 return None

@@ -125,7 +125,7 @@ def test_generate_control_and_shutdown(workdir, ray_cluster):
         assert saved["rollout_id"] == 0 and [s.tokens for s in samples] == batch.tokens
         assert all(s.weight_versions and set(s.weight_versions) == {"default"} for s in samples)
 
-        infos = [httpx.get(u + "/get_server_info", timeout=10).json() for u in urls]
+        infos = [httpx.get(u + "/server_info", timeout=10).json() for u in urls]
         assert [i["num_finished_requests"] for i in infos] == [2, 2]  # round robin over both engines
 
         evals = ray.get(manager.eval.remote(0))
@@ -133,13 +133,13 @@ def test_generate_control_and_shutdown(workdir, ray_cluster):
         assert all(0.0 <= v <= 1.0 for v in evals.values()) and evals["eval/toy-pass@2"] >= evals["eval/toy-pass@1"]
 
         ray.get(manager.pause_engines.remote())
-        assert all(httpx.get(u + "/get_server_info", timeout=10).json()["paused"] for u in urls)
+        assert all(httpx.get(u + "/server_info", timeout=10).json()["paused"] for u in urls)
         ray.get(manager.continue_engines.remote())
         ray.get(manager.flush_cache.remote())
         ray.get(manager.release_memory.remote())
-        assert all(httpx.get(u + "/get_server_info", timeout=10).json()["released_tags"] for u in urls)
+        assert all(httpx.get(u + "/server_info", timeout=10).json()["released_tags"] for u in urls)
         ray.get(manager.resume_memory.remote())
-        assert not any(httpx.get(u + "/get_server_info", timeout=10).json()["paused"] for u in urls)
+        assert not any(httpx.get(u + "/server_info", timeout=10).json()["paused"] for u in urls)
 
         ports = {urlparse(u).port for u in urls + [router_url]}
         pids = listening_pids(ports)
