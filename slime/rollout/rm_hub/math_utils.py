@@ -21,11 +21,8 @@ would hang its sympy call).
 
 from __future__ import annotations
 
+import functools
 import re
-
-import sympy
-from pylatexenc import latex2text
-from sympy.parsing import sympy_parser
 
 _BOXED = "\\boxed"
 _FBOX = "\\fbox"
@@ -198,18 +195,35 @@ TUPLE_CHARS = "()[]"
 _UNITS = ("degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month", "year",
           "foot", "feet", "inch", "yard")  # fmt: skip
 _LATEX_SYMBOLS = (("√", "sqrt"), ("π", "pi"), ("∞", "inf"), ("∪", "U"), ("·", "*"), ("×", "*"))
-_SYMPY_NAMES = {name: value for name, value in vars(sympy).items() if not name.startswith("_")}
-_LATEX_TO_TEXT = latex2text.LatexNodes2Text()
-_TRANSFORMATIONS = sympy_parser.standard_transformations + (sympy_parser.implicit_multiplication_application,)
+
+
+@functools.cache
+def _sympy():
+    """sympy and its parser, imported on the first grade (importing them costs a third of a second, which
+    every `train.py` argument parse would pay otherwise)."""
+    import sympy
+    from sympy.parsing import sympy_parser
+
+    names = {name: value for name, value in vars(sympy).items() if not name.startswith("_")}
+    transformations = sympy_parser.standard_transformations + (sympy_parser.implicit_multiplication_application,)
+    return sympy, sympy_parser, names, transformations
+
+
+@functools.cache
+def _latex_to_text():
+    from pylatexenc import latex2text
+
+    return latex2text.LatexNodes2Text()
 
 
 def _sympy_parse(expr: str):
     """Parse with sympy's names only (no Python builtins, so the text cannot reach arbitrary code)."""
+    _, sympy_parser, names, transformations = _sympy()
     return sympy_parser.parse_expr(
         expr.replace("^", "**"),
         local_dict={},
-        global_dict={"__builtins__": {}, **_SYMPY_NAMES},
-        transformations=_TRANSFORMATIONS,
+        global_dict={"__builtins__": {}, **names},
+        transformations=transformations,
     )
 
 
@@ -217,7 +231,7 @@ def _parse_latex(expr: str) -> str:
     """LaTeX -> plain text sympy can read (`\\frac{1}{2}` -> `1/2`, `\\sqrt{2}` -> `sqrt(2)`, `\\pi` -> `pi`)."""
     expr = expr.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac")
     expr = expr.replace("\\frac", " \\frac")  # "1\frac{1}{2}" is a mixed number, not 1 times a half
-    text = _LATEX_TO_TEXT.latex_to_text(expr)
+    text = _latex_to_text().latex_to_text(expr)
     for symbol, name in _LATEX_SYMBOLS:
         text = text.replace(symbol, name)
     return text.strip()
@@ -319,7 +333,7 @@ def are_equal_under_sympy(ground_truth_normalized: str, given_normalized: str) -
     if not should_allow_eval(expr):
         return False
     try:
-        return sympy.simplify(_sympy_parse(expr)) == 0
+        return _sympy()[0].simplify(_sympy_parse(expr)) == 0
     except Exception:  # noqa: BLE001 - whatever sympy cannot parse or simplify is "not equal"
         return False
 
