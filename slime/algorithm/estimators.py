@@ -29,7 +29,8 @@ Tensors = list[torch.Tensor]
 
 @dataclass
 class AdvantageInputs:
-    """Everything an advantage estimator may use, for the rows one rank trains on (one entry per row)."""
+    """Everything an advantage estimator may use, for the rows one rank trains on (one entry per row); the typed
+    form of slime's `rollout_data` dict, which `to_rollout_data` builds for every hook that receives it."""
 
     rewards: list[float]  # the rollout's training rewards (group-normalised when the estimator says so)
     raw_rewards: list[float]
@@ -43,20 +44,31 @@ class AdvantageInputs:
     ref_log_probs: list[torch.Tensor] | None = None
     rollout_log_probs: list[torch.Tensor] | None = None
     total_lengths: list[int] | None = None  # prompt + response tokens
+    # slime's other rollout_data keys, for the hooks that receive the dict (when the trainer has them):
+    partition: list[int] | None = None  # the rows' indices in the rollout's train batch
+    tokens: list[torch.Tensor] | None = None  # prompt + response
+    truncated: list[int] | None = None
+    batch_raw_rewards: list[float] | None = None  # the whole train batch's (slime's "raw_reward" is the batch's)
+    advantages: list[torch.Tensor] | None = None  # once computed (--rollout-data-postprocess-path)
+    returns: list[torch.Tensor] | None = None
 
-    def to_rollout_data(self, kl: Tensors) -> dict[str, Any]:
-        """slime's `rollout_data` dict of these rows, as a custom advantage function receives it: "rewards",
-        "raw_reward", "response_lengths", "total_lengths", "loss_masks", "kl" (zeros without --kl-coef, as in
-        slime), "values", "log_probs", "ref_log_probs", "rollout_log_probs" (None where absent), and ours
-        "group_indices"."""
-        return {
-            "rewards": list(self.rewards), "raw_reward": list(self.raw_rewards),
-            "response_lengths": list(self.response_lengths),
-            "total_lengths": None if self.total_lengths is None else list(self.total_lengths),
-            "loss_masks": list(self.loss_masks), "kl": kl, "values": self.values, "log_probs": self.log_probs,
-            "ref_log_probs": self.ref_log_probs, "rollout_log_probs": self.rollout_log_probs,
-            "group_indices": None if self.group_indices is None else list(self.group_indices),
+    def to_rollout_data(self, kl: Tensors | None = None) -> dict[str, Any]:
+        """slime's `rollout_data` dict of these rows (fresh lists), as --custom-advantage-function-path and
+        --rollout-data-postprocess-path receive it, with slime's keys and dtypes: "partition", "tokens",
+        "response_lengths", "total_lengths", "rewards", "raw_reward" (the whole batch's when known), "truncated",
+        "loss_masks" (int), "kl" (given by the advantage step: zeros without --kl-coef, as in slime), "values",
+        "log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "returns", and ours "group_indices". A key
+        whose values are not known here is absent, as in slime's dict."""
+        raw = self.batch_raw_rewards if self.batch_raw_rewards is not None else self.raw_rewards
+        data = {
+            "partition": self.partition, "tokens": self.tokens, "response_lengths": self.response_lengths,
+            "total_lengths": self.total_lengths, "rewards": self.rewards, "raw_reward": raw,
+            "truncated": self.truncated, "loss_masks": [m.to(torch.int) for m in self.loss_masks], "kl": kl,
+            "values": self.values, "log_probs": self.log_probs, "ref_log_probs": self.ref_log_probs,
+            "rollout_log_probs": self.rollout_log_probs, "advantages": self.advantages, "returns": self.returns,
+            "group_indices": self.group_indices,
         }
+        return {key: list(value) for key, value in data.items() if value is not None}
 
     @classmethod
     def from_rollout_data(cls, args: Any, rollout_data: dict[str, Any]) -> AdvantageInputs:
@@ -229,11 +241,14 @@ def _custom_results(args, path: str, rollout_data: dict, inputs: AdvantageInputs
     return out[0], out[1]
 
 
-def compute_advantages_and_returns_in_place(args, rollout_data: dict[str, Any]) -> None:
+def compute_advantages_and_returns_in_place(args, rollout_data: dict[str, Any],
+                                            whiten: Callable[[Tensors, Tensors], Tensors] | None = None) -> None:
     """slime's `compute_advantages_and_returns(args, rollout_data)`: reads slime's rollout_data dict ("rewards",
     "loss_masks", "response_lengths", "log_probs", "ref_log_probs", "values", ...), sets "kl", "advantages" and
-    "returns" in it. With --normalize-advantages the advantages are whitened over these rows (the trainers here
-    whiten across data-parallel ranks themselves and call `compute_advantages_and_returns`)."""
+    "returns" in it. With --normalize-advantages the advantages are whitened by `whiten(advantages, loss_masks)`
+    when given (every rank calls it, rows or none: slime.backends.megatron_utils.loss whitens across its
+    data-parallel group), else over these rows (the trainers here whiten across data-parallel ranks themselves
+    and call `compute_advantages_and_returns`)."""
     inputs = AdvantageInputs.from_rollout_data(args, rollout_data)
     kl = token_reward_kl(args, inputs)
     rollout_data["kl"] = kl
@@ -242,7 +257,9 @@ def compute_advantages_and_returns_in_place(args, rollout_data: dict[str, Any]) 
         advantages, returns = _custom_results(args, args.custom_advantage_function_path, rollout_data, inputs)
     else:
         advantages, returns = estimator_of(args).advantages(args, inputs)
-    if args.normalize_advantages and advantages:
+    if args.normalize_advantages and whiten is not None:
+        advantages = whiten(advantages, inputs.loss_masks)
+    elif args.normalize_advantages and advantages:
         masks = inputs.loss_masks
         flat = ppo_utils.masked_whiten(torch.cat(advantages), torch.cat(masks))
         advantages = list(flat.split([m.shape[0] for m in masks]))

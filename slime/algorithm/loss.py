@@ -1,8 +1,10 @@
 """The per-micro-batch loss of the actor (`--loss-type`) and of the PPO critic, on padded `[B, R]` tensors.
 
 Backend-agnostic: it only sees tensors and `args`; the math is in slime/utils/ppo_utils.py. Every returned
-metric is this micro-batch's share of a global-batch value (see `ppo_utils.aggregate_loss`), so summing the
-shares over micro-batches and ranks gives the global figure.
+metric is this micro-batch's share of a global-batch value (`global_share`), so summing the shares over
+micro-batches and ranks gives the global figure: by default the mean over the step's rollouts of each rollout's
+token mean (a rollout split into several rows weighs as one, as in slime), with --calculate-per-token-loss the
+step's token mean.
 
 slime's loss hooks are called here, where slime calls them, with slime's arguments; they see slime's flat /
 per-sample layout (the rows' response tokens back to back, or one [T_i] tensor per sample), converted from and
@@ -40,19 +42,23 @@ class LossInputs:
 
     log_probs: torch.Tensor  # current policy, with gradient
     old_log_probs: torch.Tensor  # behaviour policy (recomputed, or the rollout's with --use-rollout-logprobs)
-    advantages: torch.Tensor
+    advantages: torch.Tensor | None  # None with --disable-compute-advantages-and-returns
     mask: torch.Tensor
     entropy: torch.Tensor  # per-token entropy of the current policy, with gradient
     ref_log_probs: torch.Tensor | None = None  # when a reference model runs
     rollout_log_probs: torch.Tensor | None = None  # when the rollout returned log-probs
     # [B, R] -> scalar share of the global aggregate (per-sample mean, or per-token with --calculate-per-token-loss);
-    # None: built from `global_denominator`
+    # None: `global_share` of `global_denominator` and `sample_denominators`
     aggregate: Callable[[torch.Tensor], torch.Tensor] | None = None
     # What slime's hooks need besides (the slime layout, the micro-batch sums -> shares, a custom loss's logits):
     response_lengths: list[int] | None = None
     total_lengths: list[int] | None = None  # prompt + response tokens per row
-    global_denominator: float | None = None  # samples (or masked tokens, per token) of the global batch
-    logits: torch.Tensor | None = None  # the forward's logits, as the backend holds them
+    global_denominator: float | None = None  # rollouts (or masked tokens, per token) of the global batch
+    # [B] what each row's masked sum is divided by in the per-sample mean: its rollout's loss-masked tokens (slime's
+    # rollout_mask_sums); None: the row's own masked tokens
+    sample_denominators: torch.Tensor | None = None
+    tokens: list[torch.Tensor] | None = None  # each row's prompt + response tokens (slime's unconcat_tokens)
+    logits: torch.Tensor | None = None  # the forward's logits, [1, T, V(/tp)]: the rows back to back (slime's layout)
 
 
 class SampleLayout:
@@ -91,13 +97,35 @@ class SampleLayout:
         return torch.stack([F.pad(x, (0, self.width - n)) for x, n in zip(flat.split(self.lengths), self.lengths)])
 
 
+def micro_batch_sum(values: torch.Tensor, mask: torch.Tensor, per_token: bool,
+                    sample_denominators: torch.Tensor | None = None) -> torch.Tensor:
+    """slime's `sum_of_sample_mean` of `[B, R]` values: with `per_token` Σ x·mask; else Σ over rows of the row's
+    masked sum over its denominator (`sample_denominators`, slime's rollout_mask_sums; None: the row's own
+    masked tokens, i.e. Σ of per-row means)."""
+    if per_token or sample_denominators is None:
+        return ppo_utils.sum_of_sample_mean(values, mask, per_token)
+    row_sums = (values * mask.to(values.dtype)).sum(-1)
+    return (row_sums / sample_denominators.to(row_sums).clamp_min(1.0)).sum()
+
+
+def global_share(values: torch.Tensor, mask: torch.Tensor, per_token: bool, global_denominator: float,
+                 sample_denominators: torch.Tensor | None = None) -> torch.Tensor:
+    """A micro-batch's share of a global-batch value: its `micro_batch_sum` over the global denominator (the
+    step's rollouts, or with `per_token` its masked tokens), so the shares of all micro-batches and ranks sum
+    to the step's mean over rollouts of each rollout's token mean (or its token mean)."""
+    if global_denominator <= 0:
+        raise ValueError(f"global_share: the global denominator must be > 0, got {global_denominator}")
+    return micro_batch_sum(values, mask, per_token, sample_denominators) / global_denominator
+
+
 def aggregate_of(args: Any, inputs: LossInputs) -> Callable[[torch.Tensor], torch.Tensor]:
     if inputs.aggregate is not None:
         return inputs.aggregate
     if inputs.global_denominator is None:
         raise ValueError("LossInputs: give `aggregate` or `global_denominator`")
-    return functools.partial(ppo_utils.aggregate_loss, mask=inputs.mask, per_token=args.calculate_per_token_loss,
-                             global_denominator=inputs.global_denominator)
+    return functools.partial(global_share, mask=inputs.mask, per_token=args.calculate_per_token_loss,
+                             global_denominator=inputs.global_denominator,
+                             sample_denominators=inputs.sample_denominators)
 
 
 def compute_actor_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -189,18 +217,24 @@ def reduce_pg_loss(args: Any, inputs: LossInputs, pg: torch.Tensor, pg_masks: to
 
 
 def loss_batch(inputs: LossInputs, layout: SampleLayout) -> dict[str, Any]:
-    """slime's micro-batch dict for a custom loss, one [T_i] tensor per sample: "advantages", "log_probs" (the old
-    policy's), "ref_log_probs" / "rollout_log_probs" (None where absent), "loss_masks", "response_lengths",
-    "total_lengths"; and ours, computed by the trainer from the logits at the rollout temperature:
-    "cur_log_probs" and "entropy" (the current policy's, with gradient)."""
+    """slime's micro-batch dict for a custom loss, one [T_i] tensor per sample: "unconcat_tokens" (prompt +
+    response, for slime's `get_log_probs_and_entropy(logits, ...)` at slime.backends.megatron_utils.loss),
+    "advantages", "log_probs" (the old policy's), "ref_log_probs" / "rollout_log_probs" (None where absent),
+    "loss_masks", "response_lengths", "total_lengths", "rollout_mask_sums" ([B], when known); and ours, computed
+    by the trainer from the logits at the rollout temperature: "cur_log_probs" and "entropy" (the current
+    policy's, with gradient)."""
     def rows(x):
         return None if x is None else layout.rows(x)
-    return {
+    batch = {
+        "unconcat_tokens": inputs.tokens,
         "advantages": rows(inputs.advantages), "log_probs": rows(inputs.old_log_probs),
         "ref_log_probs": rows(inputs.ref_log_probs), "rollout_log_probs": rows(inputs.rollout_log_probs),
         "loss_masks": rows(inputs.mask), "response_lengths": layout.lengths, "total_lengths": layout.total_lengths,
         "cur_log_probs": rows(inputs.log_probs), "entropy": rows(inputs.entropy),
     }
+    if inputs.sample_denominators is not None:
+        batch["rollout_mask_sums"] = inputs.sample_denominators
+    return batch
 
 
 def custom_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -213,7 +247,7 @@ def custom_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, 
     per_token = args.calculate_per_token_loss
 
     def sum_of_sample_mean(flat: torch.Tensor) -> torch.Tensor:
-        return ppo_utils.sum_of_sample_mean(layout.padded(flat), inputs.mask, per_token)
+        return micro_batch_sum(layout.padded(flat), inputs.mask, per_token, inputs.sample_denominators)
 
     out = load_function(args.custom_loss_function_path, flag)(args, loss_batch(inputs, layout), inputs.logits,
                                                               sum_of_sample_mean)

@@ -8,9 +8,9 @@ normalisation, as in slime).
 
 `--custom-convert-samples-to-train-data-path fn(args, samples) -> dict` replaces the conversion; its dict
 (slime's train data: tokens, response_lengths, rewards, raw_reward, truncated, loss_masks, optionally
-rollout_log_probs) is read into the `TrainBatch` (`train_batch_from_dict`); the group of each row is its
-sample's. Keys this trainer has no use for (sample_indices, round_number, metadata, ...) are logged once and
-not used.
+rollout_log_probs and rollout_ids, else the samples' `rollout_ids`) is read into the `TrainBatch`
+(`train_batch_from_dict`); the group of each row is its sample's. Keys this trainer has no use for
+(sample_indices, round_number, metadata, ...) are logged once and not used.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 CONVERT_FLAG = "--custom-convert-samples-to-train-data-path"
 _REQUIRED_KEYS = ("tokens", "response_lengths", "rewards", "raw_reward", "truncated", "loss_masks")
-_USED_KEYS = set(_REQUIRED_KEYS) | {"rollout_log_probs"}
+_USED_KEYS = set(_REQUIRED_KEYS) | {"rollout_log_probs", "rollout_ids"}
 _unused_keys_logged: set[str] = set()
 
 
@@ -60,11 +60,25 @@ def flatten_groups(groups: Any, source: str) -> list[Sample]:
     return flat
 
 
+def rollout_ids(samples: list[Sample]) -> list[int]:
+    """The rollout of each sample (`TrainBatch.rollout_ids`): samples sharing a `rollout_id` came from one rollout
+    (a custom generate that split it); a sample without one is a rollout of its own, given the smallest id no
+    other sample holds (slime's rule)."""
+    ids = [s.rollout_id for s in samples]
+    taken = {i for i in ids if i is not None}
+    fresh = 0
+    for k, rid in enumerate(ids):
+        if rid is None:
+            while fresh in taken:
+                fresh += 1
+            ids[k] = fresh
+            taken.add(fresh)
+    return ids
+
+
 def rollout_count(samples: list[Sample]) -> int:
-    """How many rollouts (prompt x sample executions) `samples` hold: samples sharing a `rollout_id` came from
-    one rollout (a custom generate that split it); a sample without one is a rollout of its own."""
-    return len({s.rollout_id for s in samples if s.rollout_id is not None}) + sum(
-        s.rollout_id is None for s in samples)
+    """How many rollouts (prompt x sample executions) `samples` hold (see `rollout_ids`)."""
+    return len(set(rollout_ids(samples)))
 
 
 def samples_to_train_batch(args: Any, samples: list[Sample]) -> TrainBatch:
@@ -97,6 +111,7 @@ def train_batch_from_dict(data: Any, samples: list[Sample], where: str, n_sample
         _unused_keys_logged.update(unused)
         logger.info("%s: keys %s are not used by this trainer", where, unused)
     log_probs = data.get("rollout_log_probs")
+    ids = data.get("rollout_ids")
     return TrainBatch(
         tokens=[[int(t) for t in row] for row in data["tokens"]],
         response_lengths=[int(x) for x in data["response_lengths"]],
@@ -106,6 +121,7 @@ def train_batch_from_dict(data: Any, samples: list[Sample], where: str, n_sample
         truncated=[bool(x) for x in data["truncated"]],
         group_indices=_group_indices(samples, n_samples_per_prompt),
         rollout_log_probs=None if log_probs is None else [[float(x) for x in row] for row in log_probs],
+        rollout_ids=rollout_ids(samples) if ids is None else [int(x) for x in ids],
     )
 
 
@@ -148,6 +164,7 @@ def build_train_batch(args: Any, samples: list[Sample]) -> TrainBatch:
         truncated=[s.status == Sample.Status.TRUNCATED for s in samples],
         group_indices=group_indices,
         rollout_log_probs=log_probs,
+        rollout_ids=rollout_ids(samples),
     )
 
 

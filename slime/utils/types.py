@@ -432,7 +432,10 @@ class TrainBatch:
     """What the rollout manager hands to training for one rollout: flat, ordered by (group_index, index).
 
     `rewards` are the values advantages are computed from (already group-normalised for GRPO-like
-    estimators); `raw_rewards` are the reward function's values, for logging.
+    estimators); `raw_rewards` are the reward function's values, for logging. `rollout_ids`: the rollout each
+    row came from (rows a custom generate split from one rollout share its id; slime's `rollout_ids`); None:
+    every row is a rollout of its own. Training counts --global-batch-size in rollouts and averages the loss per
+    rollout (slime/backends/training/batching.py).
     """
 
     tokens: list[list[int]]
@@ -443,13 +446,19 @@ class TrainBatch:
     truncated: list[bool]
     group_indices: list[int]
     rollout_log_probs: list[list[float]] | None = None
+    rollout_ids: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def rollout_of_rows(self) -> list[int]:
+        """The rollout of each row: `rollout_ids`, or each row's own index when there are none."""
+        return list(self.rollout_ids) if self.rollout_ids is not None else list(range(len(self)))
+
     def __post_init__(self) -> None:
         n = len(self.tokens)
-        for name in ("response_lengths", "loss_masks", "rewards", "raw_rewards", "truncated", "group_indices"):
+        per_row = ["response_lengths", "loss_masks", "rewards", "raw_rewards", "truncated", "group_indices"]
+        for name in per_row + ["rollout_ids"] * (self.rollout_ids is not None):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"TrainBatch.{name} has {len(getattr(self, name))} entries, tokens has {n}")
         for i, (mask, rl) in enumerate(zip(self.loss_masks, self.response_lengths)):

@@ -142,5 +142,5 @@ def test_rollout_function_of_its_own_with_samples_split_per_rollout(tiny_model_d
     samples = _dump(tmp_path / "rollout_0.pt")
     assert len(samples) == 8 and len({s["rollout_id"] for s in samples}) == 4
     assert read_scalars(str(tb), "multi_agent/samples_per_group") == {0: 4.0}
-    assert sorted(read_scalars(str(tb), "train/loss")) == [0]  # the 8 samples trained (2 steps of 4)
+    assert sorted(read_scalars(str(tb), "train/loss")) == [0]  # the 8 samples trained (one step: 4 rollouts in 8 rows)
     assert sorted(read_scalars(str(tb), "eval/agents")) == [0]

@@ -1,4 +1,5 @@
-"""slime/backends/training/batching.py: token-budget micro-batches (--use-dynamic-batch-size)."""
+"""slime/backends/training/batching.py: token-budget micro-batches (--use-dynamic-batch-size), --balance-data
+shares, and optimizer steps of rollouts split into several rows."""
 
 from __future__ import annotations
 
@@ -113,3 +114,115 @@ def test_rows_per_step_balances_within_each_step_only():
         both = sorted(balanced[0][step] + balanced[1][step])
         assert both == list(range(step * 4, step * 4 + 4)) and len(balanced[0][step]) == len(balanced[1][step]) == 2
     assert [sum(lengths[r] for r in balanced[k][0]) for k in (0, 1)] == [10, 10]
+
+
+# ---- rollouts split into several rows (a custom generate returning list[Sample]) ------------------------------
+def test_a_step_is_global_batch_size_rollouts_with_their_rows_kept_together():
+    from slime.backends.training.batching import step_rows
+
+    # rollouts 7, 3, 9, 5 in order of appearance; 7 and 9 were split into 2 and 3 rows
+    ids = [7, 7, 3, 9, 5, 9, 9]
+    assert step_rows(7, 2, ids) == [[0, 1, 2], [3, 5, 6, 4]]
+    assert step_rows(7, 4, ids) == [[0, 1, 2, 3, 5, 6, 4]]
+    assert step_rows(4, 2) == [[0, 1], [2, 3]]  # one row per rollout: contiguous steps of gbs rows
+    with pytest.raises(ValueError, match=r"4 rollouts \(in 7 samples\), which is not a multiple of "
+                                         r"--global-batch-size 3"):
+        step_rows(7, 3, ids)
+
+
+def test_split_rollouts_shares_differ_by_at_most_one_row():
+    from slime.backends.training.batching import balanced_shares, rows_per_step
+
+    ids = [0, 0, 1, 2, 3]  # 4 rollouts in 5 rows, one step of gbs 4 over 2 ranks
+    shares = [rows_per_step(5, 4, 2, r, rollout_ids=ids) for r in (0, 1)]
+    assert shares == [[[0, 1, 2]], [[3, 4]]]
+    lengths = [9, 9, 1, 1, 1]  # contiguous shares: 19 and 2 tokens
+    balanced = [rows_per_step(5, 4, 2, r, lengths, ids)[0] for r in (0, 1)]
+    assert sorted(balanced[0] + balanced[1]) == [0, 1, 2, 3, 4] and sorted(map(len, balanced)) == [2, 3]
+    assert sorted(sum(lengths[r] for r in s) for s in balanced) == [10, 11]
+    assert [len(s) for s in balanced_shares(list(range(7)), [1] * 7, 3)] == [3, 2, 2]
+
+
+def test_rollout_mask_sums_are_per_rollout_token_counts():
+    from slime.backends.training.batching import rollout_mask_sums
+
+    masks = [[1, 1, 0], [1], [0, 0], [1, 1, 1, 1]]
+    assert rollout_mask_sums(masks, [5, 5, 6, 7]) == [3.0, 3.0, 0.0, 4.0]
+    assert rollout_mask_sums(masks, [0, 1, 2, 3]) == [2.0, 1.0, 0.0, 4.0]  # own rollouts: their own tokens
+
+
+def _same_count_worker(rank: int, store_path: str, rows_of: list, micro_batch_size: int, results) -> None:
+    import torch.distributed as dist
+
+    from slime.backends.training.batching import same_count, split_micro_batches
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=len(rows_of))
+    try:
+        rows = rows_of[rank]
+        results[rank] = same_count(rows, [4] * len(rows), split_micro_batches(rows, micro_batch_size))
+    except ValueError as e:
+        results[rank] = str(e)
+    finally:
+        dist.destroy_process_group()
+
+
+def _same_count(tmp_path, rows_of, micro_batch_size):
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_same_count_worker, args=(str(tmp_path / "store"), rows_of, micro_batch_size, results),
+                 nprocs=len(rows_of))
+        return [results[r] for r in range(len(rows_of))]
+
+
+def test_ranks_with_a_row_more_or_less_plan_as_many_micro_batches(tmp_path):
+    """Over a real gloo group: 5 rows of a step over 2 ranks (3 + 2) with --micro-batch-size 2 would be 2 and 1
+    micro-batches; FSDP forwards are collective, so the rank with fewer cuts one more. With 1 row per micro-batch
+    it cannot: the error names the flags that fix it."""
+    assert _same_count(tmp_path, [[0, 1, 2], [3, 4]], 2) == [[[0, 1], [2]], [[3], [4]]]
+    (tmp_path / "store").unlink(missing_ok=True)
+    errors = _same_count(tmp_path, [[0, 1, 2], [3, 4]], 1)
+    assert errors[0] == [[0], [1], [2]]
+    assert "this rank has 2 rows of an optimizer step but another data-parallel rank runs 3 micro-batches" in errors[1]
+    assert "--micro-batch-size 2 or more" in errors[1]
+
+
+def test_sequences_and_slime_logits_of_padded_and_packed_micro_batches():
+    import torch
+
+    from slime.backends.training.batching import make_micro_batch, make_packed_micro_batch
+
+    tokens, responses = [[5, 6, 7], [8, 9]], [1, 1]
+    padded, packed = make_micro_batch(tokens, responses), make_packed_micro_batch(tokens, responses, multiple=4)
+    for mb in (padded, packed):
+        assert [t.tolist() for t in mb.sequences()] == tokens
+    logits = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 3, 2)  # [B, L, V] of the padded rows
+    # slime's layout: row 0's 3 positions, then row 1's 2 (its pad position dropped)
+    assert padded.slime_logits(logits).tolist() == [[[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]]
+    packed_logits = torch.zeros(1, 8, 2)
+    assert packed.slime_logits(packed_logits) is packed_logits  # already back to back
+
+
+def test_samples_carry_their_rollout_into_the_train_batch_and_its_steps():
+    """A custom generate split rollouts 0 and 2 into two samples each (they share its rollout_id); the others
+    have none and get the smallest ids no sample holds (slime's rule). 4 rollouts in 6 rows: one step of 4."""
+    from slime.backends.training.batching import step_rows
+    from slime.rollout.train_data import build_train_batch, rollout_count, train_batch_from_dict
+    from slime.utils.types import Sample, TrainBatch
+    from tests.args import make_args
+
+    ids = [0, 0, None, 2, 2, None]
+    samples = [Sample(group_index=i // 3, index=i, tokens=[5, 6, 7], response_length=1, reward=1.0, rollout_id=rid)
+               for i, rid in enumerate(ids)]
+    batch = build_train_batch(make_args(), samples)
+    assert batch.rollout_ids == [0, 0, 1, 2, 2, 3] and rollout_count(samples) == 4
+    assert batch.select([3, 0]).rollout_ids == [2, 0]
+    assert step_rows(len(batch), 4, batch.rollout_ids) == [[0, 1, 2, 3, 4, 5]]
+    data = {"tokens": [[1, 2]] * 6, "response_lengths": [1] * 6, "rewards": [0.0] * 6, "raw_reward": [0.0] * 6,
+            "truncated": [0] * 6, "loss_masks": [[1]] * 6}
+    assert train_batch_from_dict(data, samples, "convert", 2).rollout_ids == [0, 0, 1, 2, 2, 3]
+    assert train_batch_from_dict({**data, "rollout_ids": [7] * 6}, samples, "convert", 2).rollout_ids == [7] * 6
+    with pytest.raises(ValueError, match="TrainBatch.rollout_ids has 1 entries, tokens has 2"):
+        TrainBatch(tokens=[[1, 2]] * 2, response_lengths=[1] * 2, loss_masks=[[1]] * 2, rewards=[0.0] * 2,
+                   raw_rewards=[0.0] * 2, truncated=[False] * 2, group_indices=[0, 0], rollout_ids=[0])

@@ -20,13 +20,17 @@ LAYERS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     ("weight sync", ("slime.weight_sync",), ("floor",)),
     ("engines", ("slime.backends.server_engine", "slime.backends.hf_engine", "slime.backends.sglang_utils"),
      ("floor", "weight sync")),
-    ("training", ("slime.backends.training", "slime.backends.fsdp_utils", "slime.backends.megatron_utils"),
-     ("floor", "algorithm", "weight sync")),
+    # cp_utils (slime's path for the context-parallel helpers) is observability: the train dump restores with it.
+    ("observability", ("slime.observability", "slime.backends.megatron_utils.cp_utils"), ("floor", "algorithm")),
+    # slime.utils.dp_schedule is slime's path onto the trainers' batching: training, though it sits in utils.
+    ("training", ("slime.backends.training", "slime.backends.fsdp_utils", "slime.backends.megatron_utils",
+                  "slime.utils.dp_schedule"), ("floor", "algorithm", "weight sync", "observability")),
     ("rollout", ("slime.rollout",), ("floor", "algorithm")),
-    ("orchestration", ("slime.ray",), ("floor", "algorithm", "weight sync", "engines", "training", "rollout")),
+    ("orchestration", ("slime.ray",),
+     ("floor", "algorithm", "weight sync", "engines", "training", "rollout", "observability")),
     # slime.utils.arguments is slime's entry-point path onto slime/config: configuration, though it sits in utils.
     ("configuration", ("slime.config", "slime.utils.arguments"),
-     ("floor", "algorithm", "weight sync", "engines", "training", "rollout", "orchestration")),
+     ("floor", "algorithm", "weight sync", "engines", "training", "rollout", "orchestration", "observability")),
 ]
 # Package markers that import nothing and belong to no layer of their own.
 NEUTRAL = {"slime", "slime.backends"}

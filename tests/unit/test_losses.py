@@ -259,6 +259,24 @@ def test_custom_pg_loss_reducer_reduces_only_the_pg_loss(tmp_path):
     assert m["train/pg_loss"].item() == pytest.approx((-2 / 4 - 1 / 4) / 2)
 
 
+def test_rows_split_from_one_rollout_weigh_as_one_token_mean(tmp_path):
+    """A and B are the two rows of one rollout (slime's rollout_mask_sums: 3 tokens for both) and the step's only
+    rollout: every term is that rollout's token mean, the custom loss's sum_of_sample_mean too."""
+    split = dict(aggregate=None, denominator=1.0, sample_denominators=torch.tensor([3.0, 3.0]))
+    _, m = compute_actor_loss(_args(), _inputs(**split))
+    # pg per token [[-1, -1], [2, ·]] -> (−1 − 1 + 2) / 3; as two rollouts it was the mean of −1 and 2
+    assert m["train/pg_loss"].item() == pytest.approx(0.0)
+    assert m["train/entropy_loss"].item() == pytest.approx((0.6 + 0.2 + 1.0) / 3)
+    path = _plugin(tmp_path, "my_loss", CUSTOM_LOSS)
+    args = _args(loss_type="custom_loss", custom_loss_function_path=f"{path}:my_loss")
+    loss, m = compute_actor_loss(args, _inputs(**split))
+    # Σ −A·logp over the rollout's 3 tokens: 3 ln2 − 2 ln2, over its 3 tokens; Σ A = 1 + 1 − 2
+    assert loss.item() == pytest.approx(math.log(2) / 3) and m["train/my_term"].item() == pytest.approx(0.0)
+    assert sys.modules["_slime_plugin_my_loss"].CALLS[-1]["rollout_mask_sums"].tolist() == [3.0, 3.0]
+    with pytest.raises(ValueError, match="global denominator must be > 0, got 0"):
+        compute_actor_loss(_args(), _inputs(aggregate=None, denominator=0.0))
+
+
 def test_slime_hooks_need_the_rows_lengths(tmp_path):
     path = _plugin(tmp_path, "my_reducer", REDUCER)
     args = _args(custom_pg_loss_reducer_function_path=f"{path}:constant_denominator")

@@ -15,8 +15,16 @@ import torch
 
 from slime.backends.megatron_utils import args as margs
 from slime.backends.megatron_utils import plugins
+from slime.backends.fsdp_utils.data import extract_response_log_probs
+from slime.backends.megatron_utils.loss import get_log_probs_and_entropy, policy_loss_function
+from slime.backends.training.batching import MicroBatch, make_micro_batch, rollout_mask_sums
 from slime.backends.training.old_actor import OldActor
-from slime.backends.training.record import RolloutRecord
+from slime.backends.training.record import (
+    RolloutRecord,
+    advantages_and_returns,
+    loss_denominator,
+    rollout_log_probs,
+)
 from slime.backends.training.rollout_data import apply_rollout_data, rollout_data_of
 from slime.config.arguments import SlimeArgumentError
 from slime.utils.misc import check_hook_signature
@@ -99,6 +107,128 @@ def test_postprocess_hook_signature_is_checked_at_parse_time(tmp_path, monkeypat
     assert make_args("--rollout-data-postprocess-path", "post.py:good").rollout_data_postprocess_path == "post.py:good"
     with pytest.raises(SlimeArgumentError, match=r"cannot be called as fn\(args, rollout_id, rollout_data\)"):
         make_args("--rollout-data-postprocess-path", "post.py:bad")
+
+
+# ---- slime's loss and advantage hooks fed by a trainer's RolloutRecord ---------------------------------------------
+HERE = __name__
+SEEN: list = []
+
+
+def slime_style_loss(args, batch, logits, sum_of_sample_mean):
+    """A --custom-loss-function-path written for slime: log-probs from the logits with slime's helper, then
+    slime's policy loss."""
+    _, current = get_log_probs_and_entropy(logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
+                                           total_lengths=batch["total_lengths"],
+                                           response_lengths=batch["response_lengths"], with_entropy=True)
+    SEEN.append((current, batch))
+    return policy_loss_function(args, batch, logits, sum_of_sample_mean)
+
+
+def seeing_advantages(args, rollout_data):
+    """A --custom-advantage-function-path: keeps what it was given; advantages = the old log-probs."""
+    SEEN.append({k: list(v) if isinstance(v, list) else v for k, v in rollout_data.items()})
+    rollout_data["advantages"] = [lp.clone() for lp in rollout_data["log_probs"]]
+    rollout_data["returns"] = rollout_data["advantages"]
+
+
+def split_rollout_record(args) -> tuple[RolloutRecord, MicroBatch, torch.Tensor]:
+    """Rows 0 and 1 split from rollout 4, row 2 rollout 9: one optimizer step of 2 rollouts on this rank, its
+    forward's logits (vocabulary 16) and the old policy a little off the current one."""
+    batch = TrainBatch(tokens=[[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]], response_lengths=[2, 1, 3],
+                       loss_masks=[[1, 1], [1], [1, 0, 1]], rewards=[0.5, 0.5, -1.0], raw_rewards=[1.0, 1.0, 0.0],
+                       truncated=[False, True, False], group_indices=[0, 0, 1],
+                       rollout_log_probs=[[-2.5, -2.0], [-3.0], [-2.2, -2.9, -2.4]], rollout_ids=[4, 4, 9])
+    record = RolloutRecord(batch, [[[0, 1, 2]]], rollout_id=3)
+    record.loss_masks = {r: torch.tensor(m, dtype=torch.float32) for r, m in enumerate(batch.loss_masks)}
+    record.rollout_log_probs = rollout_log_probs(args, batch, [0, 1, 2], "cpu")
+    record.denominators = [loss_denominator(args, batch, [0, 1, 2])]
+    record.mask_sums = rollout_mask_sums(batch.loss_masks, batch.rollout_of_rows())
+    mb = make_micro_batch(batch.tokens, batch.response_lengths)
+    logits = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    lp, _ = extract_response_log_probs(logits.detach(), mb, args.rollout_temperature)
+    record.old_log_probs = {r: lp[r, :n] + 0.05 * (r + 1) for r, n in enumerate(batch.response_lengths)}
+    record.advantages = {0: torch.tensor([1.0, 1.0]), 1: torch.tensor([1.0]), 2: torch.tensor([-1.0, -1.0, -1.0])}
+    return record, mb, logits
+
+
+def test_the_record_gives_slimes_loss_hooks_what_they_read():
+    args = make_args(rollout_temperature=0.7)
+    record, mb, logits = split_rollout_record(args)
+    lp, ent = extract_response_log_probs(logits, mb, args.rollout_temperature, with_entropy=True)
+    inputs = record.loss_inputs([0, 1, 2], mb, lp, ent, record.denominators[0], mb.slime_logits(logits))
+    assert inputs.response_lengths == [2, 1, 3] and inputs.total_lengths == [4, 3, 5]
+    assert inputs.global_denominator == 2  # the step's rollouts, not its 3 rows
+    assert inputs.sample_denominators.tolist() == [3.0, 3.0, 2.0]  # each row's rollout's masked tokens
+    assert [t.tolist() for t in inputs.tokens] == record.batch.tokens and inputs.logits.shape == (1, 12, 16)
+
+
+@pytest.mark.parametrize("tis", [{}, {"use_tis": True,
+                                      "custom_tis_function_path": "slime.backends.megatron_utils.loss.icepop_function",
+                                      "tis_clip": 1.2, "tis_clip_low": 0.9}])
+def test_a_slime_custom_loss_trains_like_the_built_in_policy_loss(tis):
+    """The same micro-batch through --loss-type policy_loss and through a slime-written custom loss that rebuilds
+    the log-probs from the logits (slime.backends.megatron_utils.loss): the same loss, metrics and gradient."""
+    results = {}
+    for loss_type in ("policy_loss", "custom_loss"):
+        custom = {"custom_loss_function_path": f"{HERE}.slime_style_loss"} if loss_type == "custom_loss" else {}
+        args = make_args(rollout_temperature=0.7, loss_type=loss_type, **custom, **tis)
+        record, mb, logits = split_rollout_record(args)
+        lp, ent = extract_response_log_probs(logits, mb, args.rollout_temperature, with_entropy=True)
+        loss, metrics = record.micro_batch_loss(args, [0, 1, 2], mb, lp, ent, record.denominators[0],
+                                                mb.slime_logits(logits) if loss_type == "custom_loss" else None)
+        loss.backward()
+        results[loss_type] = (loss.item(), metrics, logits.grad)
+    (policy, policy_metrics, policy_grad), (custom, custom_metrics, custom_grad) = results.values()
+    assert custom == pytest.approx(policy) and policy != 0
+    for name in ("train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/entropy_loss"):
+        assert custom_metrics[name].item() == pytest.approx(policy_metrics[name].item(), abs=1e-6)
+    if tis:
+        assert policy_metrics["train/tis_clipfrac"].item() > 0  # icepop rejected some tokens
+    torch.testing.assert_close(custom_grad, policy_grad)
+    current, batch = SEEN[-1]
+    for got, want in zip(current["log_probs"], batch["cur_log_probs"]):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_custom_advantage_function_gets_slimes_rollout_data_and_the_hooks_share_it():
+    args = make_args(custom_advantage_function_path=f"{HERE}.seeing_advantages")
+    record, _, _ = split_rollout_record(args)
+    record.steps = [[[2, 0]]]  # this rank trains rows 2 and 0
+    record.advantages = None
+    advantages_and_returns(args, record, None, "cpu")
+    seen = SEEN[-1]
+    assert seen["partition"] == [2, 0] and seen["total_lengths"] == [5, 4] and seen["response_lengths"] == [3, 2]
+    assert seen["raw_reward"] == [1.0, 1.0, 0.0]  # the whole batch's, as slime ships it
+    for key, per_row in (("log_probs", record.old_log_probs), ("rollout_log_probs", record.rollout_log_probs)):
+        assert [x.tolist() for x in seen[key]] == [per_row[2].tolist(), per_row[0].tolist()]
+    assert [k.tolist() for k in seen["kl"]] == [[0.0] * 3, [0.0] * 2]  # no --kl-coef: zeros, as slime
+    torch.testing.assert_close(record.advantages[2], record.old_log_probs[2])  # its advantages are trained on
+    # --rollout-data-postprocess-path reads the same dict, with the advantages and returns filled in
+    assert set(rollout_data_of(record)) == set(seen) - {"kl"} | {"advantages", "returns"}
+
+
+def test_slimes_megatron_loss_module_is_ours_behind_slimes_names():
+    from slime.algorithm import tis
+    from slime.algorithm.estimators import compute_advantages_and_returns_in_place
+    from slime.backends.megatron_utils import loss as mloss
+
+    data = {"rewards": [1.0, -1.0], "response_lengths": [2, 1], "loss_masks": [torch.ones(2), torch.ones(1)]}
+    ours = {k: list(v) for k, v in data.items()}
+    mloss.compute_advantages_and_returns(make_args(normalize_advantages=True), data)  # no megatron groups here
+    compute_advantages_and_returns_in_place(make_args(normalize_advantages=True), ours)
+    assert [a.tolist() for a in data["advantages"]] == [a.tolist() for a in ours["advantages"]]
+    assert [k.tolist() for k in data["kl"]] == [[0.0, 0.0], [0.0]]
+    assert (mloss.icepop_function, mloss.vanilla_tis_function) == (tis.icepop_function, tis.vanilla_tis_function)
+    args = make_args()
+    common = dict(args=args, unconcat_tokens=[torch.tensor([1, 2, 3])], total_lengths=[3], response_lengths=[2])
+    _, values = mloss.get_values(torch.tensor([[[0.5], [1.5], [2.5]]]), **common)
+    assert values["values"][0].tolist() == [0.5, 1.5]  # read where each response token is predicted
+    with pytest.raises(ValueError, match=r"logits of shape \(2, 3, 4\); slime's layout is \[1, T, V\]"):
+        mloss.get_log_probs_and_entropy(torch.zeros(2, 3, 4), **common)
+    with pytest.raises(ValueError, match="the samples hold 3 tokens .* but the logits cover 2 positions"):
+        mloss.get_log_probs_and_entropy(torch.zeros(1, 2, 4), **common)
+    with pytest.raises(ValueError, match="top-p replay"):
+        mloss.get_log_probs_and_entropy(torch.zeros(1, 3, 4), top_p_token_ids=[[1]], **common)
 
 
 # ---- --keep-old-actor -------------------------------------------------------------------------------------------
@@ -332,3 +462,17 @@ def test_deterministic_mode_reaches_the_transformer_config_and_torch():
     finally:
         torch.use_deterministic_algorithms(before[0])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1], before[2]
+
+
+def test_disabled_advantages_are_never_computed_and_a_custom_loss_sees_none():
+    args = make_args("--disable-compute-advantages-and-returns", "--loss-type", "custom_loss",
+                     custom_loss_function_path=f"{HERE}.slime_style_loss",
+                     custom_advantage_function_path=f"{HERE}.seeing_advantages")
+    record, mb, logits = split_rollout_record(args)
+    record.advantages = None
+    calls = len(SEEN)
+    advantages_and_returns(args, record, None, "cpu")
+    assert record.advantages is None and record.returns is None and len(SEEN) == calls  # the hook never ran
+    lp, ent = extract_response_log_probs(logits, mb, args.rollout_temperature, with_entropy=True)
+    inputs = record.loss_inputs([0, 1, 2], mb, lp, ent, record.denominators[0], mb.slime_logits(logits))
+    assert inputs.advantages is None

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from slime.backends.fsdp_utils import checkpoint, weight_sync
-from slime.backends.fsdp_utils.data import forward_response_log_probs
+from slime.backends.fsdp_utils.data import extract_response_log_probs, forward_logits, forward_response_log_probs
 from slime.backends.fsdp_utils.parallel import (
     gather_rows,
     lr_at,
@@ -117,12 +117,15 @@ class FSDPTrainRayActor(PolicyTrainer):
     def optimizer_step(self, record: RolloutRecord, step_id: int) -> dict[str, float]:
         args = self.args
         denominator = record.denominators[step_id]
+        custom = args.loss_type == "custom_loss"  # a custom loss gets the logits, in slime's layout
 
         def micro_loss(rows):
             mb = self._micro_batch(record.batch, rows)
-            log_probs, entropy = forward_response_log_probs(self.model, mb, args.rollout_temperature,
+            logits, offset = forward_logits(self.model, mb, all_positions=custom)
+            log_probs, entropy = extract_response_log_probs(logits, mb, args.rollout_temperature, offset,
                                                             with_entropy=True)
-            return record.micro_batch_loss(args, rows, mb, log_probs, entropy, denominator)
+            return record.micro_batch_loss(args, rows, mb, log_probs, entropy, denominator,
+                                           mb.slime_logits(logits) if custom else None)
 
         lr = lr_at(args, self.global_step)
         metrics, grad_norm = optimizer_step(self.model, self.optimizer, lr, args.clip_grad, record.steps[step_id],

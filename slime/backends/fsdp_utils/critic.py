@@ -31,14 +31,20 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from slime.algorithm.loss import critic_loss
+from slime.algorithm.loss import critic_loss, global_share
 from slime.backends.fsdp_utils import checkpoint
 from slime.backends.fsdp_utils.data import forward_response_values
 from slime.backends.fsdp_utils.parallel import gather_rows, lr_at, make_optimizer, optimizer_step, setup_rank, shard_model
 from slime.backends.training.actor import TrainRayActor
-from slime.backends.training.batching import make_micro_batch, rows_per_step, split_micro_batches
+from slime.backends.training.batching import (
+    make_micro_batch,
+    rollout_mask_sums,
+    rows_per_step,
+    same_count,
+    split_micro_batches,
+    step_rows,
+)
 from slime.backends.training.record import loss_denominator, padded_rows
-from slime.utils.ppo_utils import aggregate_loss
 from slime.utils.types import TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -109,9 +115,13 @@ class FSDPCriticRayActor(TrainRayActor):
         return ckpt.iteration + 1
 
     def _plan(self, batch: TrainBatch) -> list[list[list[int]]]:
-        lengths = [len(t) for t in batch.tokens] if self.args.balance_data else None
-        steps = rows_per_step(len(batch), self.args.global_batch_size, self.world_size, self.rank, lengths)
-        return [split_micro_batches(rows, self.args.micro_batch_size) for rows in steps]
+        """The actor's steps (rollouts split into several rows kept in one step); as many micro-batches on every
+        rank (FSDP forwards are collective)."""
+        lengths = [len(t) for t in batch.tokens]
+        steps = rows_per_step(len(batch), self.args.global_batch_size, self.world_size, self.rank,
+                              lengths if self.args.balance_data else None, batch.rollout_ids)
+        return [same_count(rows, [lengths[r] for r in rows], split_micro_batches(rows, self.args.micro_batch_size),
+                           self.device) for rows in steps]
 
     def _forward(self, batch: TrainBatch, rows: list[int]):
         mb = make_micro_batch([batch.tokens[r] for r in rows], [batch.response_lengths[r] for r in rows],
@@ -136,16 +146,18 @@ class FSDPCriticRayActor(TrainRayActor):
         args = self.args
         totals: dict[str, float] = defaultdict(float)
         plan = self._plan(batch)
+        global_steps = step_rows(len(batch), args.global_batch_size, batch.rollout_ids)
+        mask_sums = rollout_mask_sums(batch.loss_masks, batch.rollout_of_rows())
         for s, micro_batches in enumerate(plan):
-            global_rows = range(s * args.global_batch_size, (s + 1) * args.global_batch_size)
-            denominator = loss_denominator(args, batch, global_rows)
+            denominator = loss_denominator(args, batch, global_steps[s])
 
             def micro_loss(rows):
                 mb, new_values = self._forward(batch, rows)
                 padded = functools.partial(padded_rows, rows=rows, width=mb.max_response_len, device=self.device)
                 mask = mb.response_mask * padded(batch.loss_masks)
-                aggregate = functools.partial(aggregate_loss, mask=mask, per_token=args.calculate_per_token_loss,
-                                              global_denominator=denominator)
+                sample_denominators = torch.tensor([mask_sums[r] for r in rows], device=self.device)
+                aggregate = functools.partial(global_share, mask=mask, per_token=args.calculate_per_token_loss,
+                                              global_denominator=denominator, sample_denominators=sample_denominators)
                 return critic_loss(args, new_values, padded(values), padded(returns), aggregate)
 
             lr = lr_at(args, self.global_step)

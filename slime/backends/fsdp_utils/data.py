@@ -53,20 +53,25 @@ def supports_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def forward_response_log_probs(
-    model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the model on a micro-batch and return [B, R] response log-probs (and entropies).
-
-    Only the positions from the earliest response-predicting one onwards go through the LM head, which
-    saves the [B, L, V] logits of long prompts."""
+def forward_logits(model: torch.nn.Module, mb: MicroBatch, all_positions: bool = False) -> tuple[torch.Tensor, int]:
+    """Run the model on a micro-batch: (`[B, K, V]` logits, the position K starts at). Only the positions from the
+    earliest response-predicting one onwards go through the LM head, which saves the `[B, L, V]` logits of long
+    prompts; with `all_positions` every position does (a custom loss reads slime's whole-sequence layout)."""
     kwargs = {}
     offset = 0
-    if supports_logits_to_keep(model):
+    if supports_logits_to_keep(model) and not all_positions:
         offset = mb.first_predicting_position()
         kwargs["logits_to_keep"] = mb.input_ids.shape[1] - offset
     out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, **kwargs)
-    return extract_response_log_probs(out.logits, mb, temperature, offset, with_entropy)
+    return out.logits, offset
+
+
+def forward_response_log_probs(
+    model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the model on a micro-batch and return [B, R] response log-probs (and entropies)."""
+    logits, offset = forward_logits(model, mb)
+    return extract_response_log_probs(logits, mb, temperature, offset, with_entropy)
 
 
 # ---- critic values --------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Every rank walks the model's state dict (HF parameter names: FSDP2 keeps the module's names) and joins the
 all-gather of each sharded tensor (`DTensor.full_tensor`, on the training device); rank 0 casts the full tensors
-to the engines' dtype (bf16 on CUDA, unchanged on CPU) and sends them, bucket by bucket, through its
-`EnginePush` (slime/weight_sync/push.py `push_weights`). Memory beyond the sharded model: one bucket
+to the engines' dtype (bf16 on CUDA, unchanged on CPU) and sends them, bucket by bucket, through its route
+(slime/weight_sync/push.py `weight_route`, `push_weights`). Memory beyond the sharded model: one bucket
 (`--update-weight-buffer-size`) and the tensor being gathered on rank 0, one tensor on the others; nothing goes
 through host memory on CUDA.
 """
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from slime.weight_sync.push import EnginePush, push_weights
+from slime.weight_sync.push import DiskPush, EnginePush, push_weights
 
 
 def engine_dtype(tensor: torch.Tensor) -> torch.dtype:
@@ -44,7 +44,7 @@ def full_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 def update_weights(
     model: torch.nn.Module, engines: Sequence[Any], weight_version: int | str, buffer_size: int,
-    engine_push: Callable[[Sequence[Any]], EnginePush],
+    engine_push: Callable[[Sequence[Any]], EnginePush | DiskPush],
 ) -> int:
     """Collective: every rank gathers, rank 0 pushes (through `engine_push(engines)`), then a barrier. Returns
     buckets sent (0 off rank 0)."""

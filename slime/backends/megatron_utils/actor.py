@@ -209,11 +209,13 @@ class MegatronTrainRayActor(PolicyTrainer):
         # megatron-core divides each micro-batch loss by their number and DDP averages gradients over the
         # data-parallel ranks; each loss here is a share of the global-batch loss, so undo both.
         scale = dp_size * len(mbs)
+        custom = args.loss_type == "custom_loss"  # a custom loss gets the logits, in slime's layout
 
         def loss_fn(mb, logits):
             log_probs, entropy = response_log_probs(logits, mb, args.rollout_temperature, args.vocab_size,
                                                      with_entropy=True)
-            loss, shares = record.micro_batch_loss(args, rows_of[id(mb)], mb, log_probs, entropy, denominator)
+            loss, shares = record.micro_batch_loss(args, rows_of[id(mb)], mb, log_probs, entropy, denominator,
+                                                   mb.slime_logits(logits) if custom else None)
             if args.check_for_nan_in_loss_and_grad and not torch.isfinite(loss):
                 raise FloatingPointError(
                     f"rank {self.rank}: the loss of rollout {record.rollout_id}, optimizer step {step_id} is "

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from slime.utils.net import free_port, node_ip
-from slime.weight_sync.push import EnginePush
+from slime.weight_sync.push import DiskPush, EnginePush, weight_route
 
 
 class TrainRayActor:
-    _push = None  # rank 0's EnginePush, see engine_push
+    _push: EnginePush | DiskPush | None = None  # rank 0's route to the engines, see engine_push
 
     def __init__(self, world_size: int, rank: int, master_addr: str | None, master_port: int | None):
         self.world_size = world_size
@@ -81,11 +81,12 @@ class TrainRayActor:
         torch.cuda.reset_peak_memory_stats()
         return peak
 
-    def engine_push(self, engines: list[Any]):
-        """Rank 0's `EnginePush` (slime/weight_sync/push.py), made on the first push, begun for
-        `engines`: handles for colocated engines, a broadcast group kept across pushes otherwise."""
+    def engine_push(self, engines: list[Any]) -> EnginePush | DiskPush:
+        """Rank 0's route to the engines (`weight_route`, slime/weight_sync/push.py), made on the first push and
+        begun for `engines`: HF checkpoint folders with --update-weight-transport disk, else handles for
+        colocated engines or a broadcast group kept across pushes."""
         if self._push is None:
-            self._push = EnginePush(bool(self.args.colocate))
+            self._push = weight_route(self.args)
         self._push.begin(engines)
         return self._push
 

@@ -2,6 +2,10 @@
 rank trains on, fixed-size or token-budget micro-batches, right padding or packing, and per-token value
 (un)padding.
 
+Steps count rollouts, as slime's: `--global-batch-size` rollouts per optimizer step, the rows a custom generate
+split from one rollout kept in one step (`step_rows`), and in the per-sample mean each row's token sum divided
+by its rollout's loss-masked tokens (`rollout_mask_sums`), so each rollout weighs as one sample.
+
 Right padding keeps every real token's position id and causal context unchanged, so a padded row computes
 the same log-probs as the row alone; a causal attention mask alone is then enough for the real tokens.
 Packing (the megatron backend's `--qkv-format thd`) puts the sequences back to back in one row; the model
@@ -14,44 +18,82 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 
 # ---- which rows -------------------------------------------------------------------------------------------
-def rows_per_step(num_rows: int, global_batch_size: int, world_size: int, rank: int,
-                  lengths: Sequence[int] | None = None) -> list[list[int]]:
-    """Row indices this rank trains on, one list per optimizer step.
-
-    Step s covers rows [s·gbs, (s+1)·gbs); each rank takes 1/world_size of them: a contiguous share, or with
-    `lengths` (`--balance-data`) the share `balanced_shares` gives it, so that the ranks' token counts are close."""
-    if global_batch_size <= 0 or num_rows % global_batch_size != 0:
+def step_rows(num_rows: int, global_batch_size: int, rollout_ids: Sequence[int] | None = None) -> list[list[int]]:
+    """The rows of every optimizer step (all ranks'), as slime counts them: a step is `global_batch_size`
+    rollouts, and the rows split from one rollout (those sharing a `rollout_ids` entry; None: every row is a
+    rollout) stay in one step, rollouts in order of first appearance. With one row per rollout, step s is rows
+    [s·gbs, (s+1)·gbs)."""
+    ids = list(range(num_rows)) if rollout_ids is None else list(rollout_ids)
+    if len(ids) != num_rows:
+        raise ValueError(f"{len(ids)} rollout ids for a train batch of {num_rows} samples")
+    rows_of: dict[int, list[int]] = {}
+    for row, rid in enumerate(ids):
+        rows_of.setdefault(rid, []).append(row)
+    rollouts = list(rows_of)
+    if global_batch_size <= 0 or len(rollouts) % global_batch_size != 0:
+        split = f" (in {num_rows} samples)" if num_rows != len(rollouts) else ""
         raise ValueError(
-            f"the train batch has {num_rows} samples, which is not a multiple of --global-batch-size "
+            f"the train batch has {len(rollouts)} rollouts{split}, which is not a multiple of --global-batch-size "
             f"{global_batch_size}; make --rollout-batch-size × --n-samples-per-prompt a multiple of it"
         )
+    return [[row for rid in rollouts[s : s + global_batch_size] for row in rows_of[rid]]
+            for s in range(0, len(rollouts), global_batch_size)]
+
+
+def rows_per_step(num_rows: int, global_batch_size: int, world_size: int, rank: int,
+                  lengths: Sequence[int] | None = None, rollout_ids: Sequence[int] | None = None) -> list[list[int]]:
+    """Row indices this rank trains on, one list per optimizer step (`step_rows`).
+
+    Each rank takes 1/world_size of a step's rows: a contiguous share, or with `lengths` (`--balance-data`) the
+    share `balanced_shares` gives it, so that the ranks' token counts are close. When rollouts were split into
+    several rows the step's rows may not divide evenly: shares then differ by one row."""
     if global_batch_size % world_size != 0:
         raise ValueError(
             f"--global-batch-size {global_batch_size} is not divisible by the {world_size} training ranks; "
             f"use a multiple of {world_size}"
         )
-    share = global_batch_size // world_size
-    steps = [list(range(s * global_batch_size, (s + 1) * global_batch_size)) for s in range(num_rows // global_batch_size)]
-    if lengths is None:
-        return [rows[rank * share : (rank + 1) * share] for rows in steps]
-    return [balanced_shares(rows, [lengths[r] for r in rows], world_size)[rank] for rows in steps]
+    out = []
+    for rows in step_rows(num_rows, global_batch_size, rollout_ids):
+        if lengths is None:
+            sizes = share_sizes(len(rows), world_size)
+            start = sum(sizes[:rank])
+            out.append(rows[start : start + sizes[rank]])
+        else:
+            out.append(balanced_shares(rows, [lengths[r] for r in rows], world_size)[rank])
+    return out
+
+
+def share_sizes(count: int, parts: int) -> list[int]:
+    """`count` items over `parts` shares as evenly as possible: the first `count % parts` take one more."""
+    return [count // parts + (i < count % parts) for i in range(parts)]
 
 
 def balanced_shares(rows: Sequence[int], lengths: Sequence[int], parts: int) -> list[list[int]]:
-    """`rows` split into `parts` shares of equal size whose token sums are close (`--balance-data`): longest
+    """`rows` split into `parts` shares of `share_sizes` whose token sums are close (`--balance-data`): longest
     row first, each to the share with the fewest tokens that still has room (greedy LPT). Every rank computes the
     same split from the same lengths; each share keeps row order."""
-    size = len(rows) // parts
+    sizes = share_sizes(len(rows), parts)
     shares: list[list[int]] = [[] for _ in range(parts)]
     tokens = [0] * parts
     for r, n in sorted(zip(rows, lengths), key=lambda rn: (-rn[1], rn[0])):
-        i = min((i for i in range(parts) if len(shares[i]) < size), key=lambda i: (tokens[i], i))
+        i = min((i for i in range(parts) if len(shares[i]) < sizes[i]), key=lambda i: (tokens[i], i))
         shares[i].append(r)
         tokens[i] += n
     return [sorted(share) for share in shares]
+
+
+def rollout_mask_sums(loss_masks: Sequence[Sequence[int]], rollout_ids: Sequence[int]) -> list[float]:
+    """Per row, the loss-masked tokens of its whole rollout (slime's `rollout_mask_sums`): what a row's masked
+    token sum is divided by in the per-sample mean, so the rows split from one rollout together give one
+    token mean per rollout (a rollout of one row: the row's own token mean)."""
+    total: dict[int, float] = {}
+    for mask, rid in zip(loss_masks, rollout_ids):
+        total[rid] = total.get(rid, 0.0) + float(sum(mask))
+    return [total[rid] for rid in rollout_ids]
 
 
 def split_micro_batches(rows: Sequence[int], micro_batch_size: int) -> list[list[int]]:
@@ -105,18 +147,33 @@ def plan_micro_batches(args, tokens: Sequence[Sequence[int]], rows: Sequence[int
     `--max-tokens-per-gpu` tokens (`--log-probs-max-tokens-per-gpu` for forward-only passes), counted padded
     or, for `packed` micro-batches, as the rows' own tokens.
 
-    Collective with dynamic batches: the ranks of `group` (None: all) run their forwards in lockstep (FSDP
+    Collective (under torch.distributed): the ranks of `group` (None: all) run their forwards in lockstep (FSDP
     gathers parameters in every forward, expert parallelism exchanges tokens), so every rank takes as many
-    micro-batches as the rank that needs most."""
-    if not args.use_dynamic_batch_size:
-        return split_micro_batches(rows, args.micro_batch_size)
-    import torch.distributed as dist
-
-    budget = args.log_probs_max_tokens_per_gpu if log_probs else args.max_tokens_per_gpu
+    micro-batches as the rank that needs most (`same_count`)."""
     lengths = [len(tokens[r]) for r in rows]
-    groups = split_by_tokens(rows, lengths, budget, packed)
+    if not args.use_dynamic_batch_size:
+        groups = split_micro_batches(rows, args.micro_batch_size)
+    else:
+        budget = args.log_probs_max_tokens_per_gpu if log_probs else args.max_tokens_per_gpu
+        groups = split_by_tokens(rows, lengths, budget, packed)
+    return same_count(rows, lengths, groups, device, group)
+
+
+def same_count(rows: Sequence[int], lengths: Sequence[int], groups: list[list[int]], device=None, group=None
+               ) -> list[list[int]]:
+    """`groups` cut (`split_into`) to the largest micro-batch count of the ranks of `group`. Ranks whose shares
+    of a step differ by a row (rollouts split into several samples) may otherwise plan different counts."""
+    if not dist.is_initialized():
+        return groups
     count = torch.tensor([len(groups)], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    if int(count) > len(rows):
+        raise ValueError(
+            f"this rank has {len(rows)} rows of an optimizer step but another data-parallel rank runs {int(count)} "
+            "micro-batches, and their forwards run in lockstep: the step's rows (rollouts split into several "
+            "samples) do not divide evenly over the ranks. Use --micro-batch-size 2 or more, or "
+            "--use-dynamic-batch-size with a larger --max-tokens-per-gpu"
+        )
     return split_into(rows, lengths, groups, int(count))
 
 
@@ -149,6 +206,21 @@ class MicroBatch:
         if self.cu_seqlens is None:
             return torch.arange(count)
         return torch.zeros(count, dtype=torch.long)
+
+    def sequences(self) -> list[torch.Tensor]:
+        """Each sequence's tokens, prompt + response (views of `input_ids`; slime's `unconcat_tokens`)."""
+        ends = [s + n for s, n in zip(self.response_starts, self.response_lengths)]
+        if self.cu_seqlens is None:
+            return [self.input_ids[i, :end] for i, end in enumerate(ends)]
+        return [self.input_ids[0, start:end] for start, end in zip(self.cu_seqlens, ends)]
+
+    def slime_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The forward's logits (`[B, L, V]` of padded rows from position 0, or `[1, T, V]` packed) in slime's
+        layout: `[1, T, V]` with the sequences back to back (a packed micro-batch's already are)."""
+        if self.cu_seqlens is not None:
+            return logits
+        ends = [s + n for s, n in zip(self.response_starts, self.response_lengths)]
+        return torch.cat([logits[i, :end] for i, end in enumerate(ends)]).unsqueeze(0)
 
     def first_predicting_position(self) -> int:
         """The earliest position whose logits are needed (for `logits_to_keep`)."""

@@ -8,7 +8,8 @@
          reference model's;
       3. advantages and returns (slime/algorithm/estimators.py; whitened across ranks);
       4. --rollout-data-postprocess-path: fn(args, rollout_id, rollout_data) may edit them (rollout_data.py);
-      5. one optimizer step per `--global-batch-size` rows (skipped for the first --num-critic-only-steps);
+      5. one optimizer step per `--global-batch-size` rollouts (the rows split from one rollout stay in one step
+         and weigh as one sample: batching.py), skipped for the first --num-critic-only-steps;
       6. metrics averaged over the steps; every --ref-update-interval rollouts the reference model takes the
          actor's weights.
     update_weights(engines, version): the backend's push, then --keep-old-actor's queue moves on.
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from slime.backends.training.actor import TrainRayActor
-from slime.backends.training.batching import rows_per_step
+from slime.backends.training.batching import rollout_mask_sums, rows_per_step, step_rows
 from slime.backends.training.old_actor import OldActor
 from slime.backends.training.record import (
     RolloutRecord,
@@ -152,10 +153,11 @@ class PolicyTrainer(TrainRayActor):
         args = self.args
         dp_rank, dp_size, dp_group = self.data_parallel()
         steps = rows_per_step(len(batch), args.global_batch_size, dp_size, dp_rank,
-                              [len(t) for t in batch.tokens] if args.balance_data else None)
+                              [len(t) for t in batch.tokens] if args.balance_data else None, batch.rollout_ids)
         record = RolloutRecord(batch, [self.plan(batch.tokens, rows) for rows in steps], rollout_id)
-        gbs = args.global_batch_size
-        record.denominators = [loss_denominator(args, batch, range(s * gbs, (s + 1) * gbs)) for s in range(len(steps))]
+        record.denominators = [loss_denominator(args, batch, rows)
+                               for rows in step_rows(len(batch), args.global_batch_size, batch.rollout_ids)]
+        record.mask_sums = rollout_mask_sums(batch.loss_masks, batch.rollout_of_rows())
         record.loss_masks = {r: torch.as_tensor(batch.loss_masks[r], dtype=torch.float32, device=self.device)
                              for r in record.rows}
         record.rollout_log_probs = rollout_log_probs(args, batch, record.rows, self.device)

@@ -2,7 +2,9 @@
 loss built from it. Backend-agnostic: both backends fill it the same way (slime/backends/training/policy.py).
 
 Per-row values are dicts {row index: [response_len] tensor} of the rows this data-parallel rank trains on;
-`group` is the rank's data-parallel process group (None: the whole world).
+`group` is the rank's data-parallel process group (None: the whole world). `rollout_inputs` is the one view of
+them as the algorithm's `AdvantageInputs` (slime's rollout_data dict, `AdvantageInputs.to_rollout_data`): the
+advantage step and --rollout-data-postprocess-path both read it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class RolloutRecord:
     rollout_id: int = 0
     loss_masks: PerRow | None = None  # the batch's, as --rollout-data-postprocess-path leaves them
     denominators: list[float] | None = None  # per optimizer step, its loss_denominator
+    mask_sums: list[float] | None = None  # per row of the batch, its rollout's loss-masked tokens (rollout_mask_sums)
     rollout_log_probs: PerRow | None = None  # the engines' (when the rollout returned them)
     old_log_probs: PerRow | None = None  # the behaviour policy's; filled by the training forward when reused
     ref_log_probs: PerRow | None = None  # the frozen reference model's (KL terms)
@@ -42,29 +45,38 @@ class RolloutRecord:
         return [r for step in self.steps for mb in step for r in mb]
 
     def micro_batch_loss(self, args: Any, rows: list[int], mb: MicroBatch, log_probs: torch.Tensor,
-                         entropy: torch.Tensor, denominator: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                         entropy: torch.Tensor, denominator: float, logits: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of its step's loss (and metric shares) from its forward's `[B, R]`
-        log-probs and entropies. With `reuse_training_forward` the forward's detached log-probs are first
-        recorded as the old ones (one optimizer step per rollout: the trained policy generated them)."""
+        log-probs and entropies (`logits`: the forward's, in slime's `[1, T, V]` layout, for a custom loss).
+        With `reuse_training_forward` the forward's detached log-probs are first recorded as the old ones (one
+        optimizer step per rollout: the trained policy generated them)."""
         if self.reuse_training_forward:
             if self.old_log_probs is None:
                 self.old_log_probs = {}
             for i, r in enumerate(rows):
                 self.old_log_probs[r] = log_probs[i, : self.batch.response_lengths[r]].detach()
-        return compute_actor_loss(args, self.loss_inputs(args, rows, mb, log_probs, entropy, denominator))
+        return compute_actor_loss(args, self.loss_inputs(rows, mb, log_probs, entropy, denominator, logits))
 
-    def loss_inputs(self, args: Any, rows: list[int], mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor,
-                    denominator: float) -> LossInputs:
+    def loss_inputs(self, rows: list[int], mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor,
+                    denominator: float, logits: torch.Tensor | None = None) -> LossInputs:
+        """The loss's inputs of one micro-batch: padded `[B, R]` per-token values and what slime's loss hooks
+        read (the rows' lengths and tokens, the step's denominator, the rollouts' mask sums, the logits)."""
         device = log_probs.device
         padded = functools.partial(padded_rows, rows=rows, width=mb.max_response_len, device=device)
         mask = mb.response_mask.to(device) * padded(self.loss_masks)
+        sample_denominators = None
+        if self.mask_sums is not None:
+            sample_denominators = torch.tensor([self.mask_sums[r] for r in rows], dtype=torch.float32, device=device)
         return LossInputs(
-            log_probs=log_probs, old_log_probs=padded(self.old_log_probs), advantages=padded(self.advantages),
+            log_probs=log_probs, old_log_probs=padded(self.old_log_probs),
+            advantages=None if self.advantages is None else padded(self.advantages),
             mask=mask, entropy=entropy,
             ref_log_probs=None if self.ref_log_probs is None else padded(self.ref_log_probs),
             rollout_log_probs=None if self.rollout_log_probs is None else padded(self.rollout_log_probs),
-            aggregate=functools.partial(ppo_utils.aggregate_loss, mask=mask, per_token=args.calculate_per_token_loss,
-                                        global_denominator=denominator),
+            response_lengths=[self.batch.response_lengths[r] for r in rows],
+            total_lengths=[len(self.batch.tokens[r]) for r in rows], global_denominator=denominator,
+            sample_denominators=sample_denominators, tokens=mb.sequences(), logits=logits,
         )
 
 
@@ -91,20 +103,45 @@ def require_ref(args: Any, has_ref: bool) -> None:
                          "without one (with_ref=False); the actor group must pass with_ref=True")
 
 
-def advantages_and_returns(args: Any, record: RolloutRecord, values, device, group=None) -> None:
-    """Fill the record's advantages (whitened over `group` with --normalize-advantages) and returns."""
+def rollout_inputs(record: RolloutRecord, device=None) -> AdvantageInputs:
+    """This rank's rows as `AdvantageInputs` (copies, on `device`; None: where each tensor is): the batch's
+    per-row fields, the record's loss masks and log-probs, and its advantages / returns once computed. A per-row
+    value is given only when the record holds it for every row (e.g. no old log-probs off the last stage)."""
     batch, rows = record.batch, record.rows
-    masks = {r: record.loss_masks[r].cpu() for r in rows}
-    kl = None
-    if record.ref_log_probs is not None:
-        old, ref = record.old_log_probs, record.ref_log_probs
-        kl = [ppo_utils.compute_approx_kl(old[r].cpu(), ref[r].cpu(), args.kl_loss_type) for r in rows]
-    inputs = AdvantageInputs(
+
+    def per_row(values: PerRow | None) -> list[torch.Tensor] | None:
+        if values is None or not all(r in values for r in rows):
+            return None
+        return [values[r].detach().to(device if device is not None else values[r].device, torch.float32, copy=True)
+                for r in rows]
+
+    return AdvantageInputs(
         rewards=[batch.rewards[r] for r in rows], raw_rewards=[batch.raw_rewards[r] for r in rows],
-        response_lengths=[batch.response_lengths[r] for r in rows],
-        loss_masks=[masks[r] for r in rows], group_indices=[batch.group_indices[r] for r in rows],
-        kl=kl, values=None if values is None else [torch.as_tensor(values[r], dtype=torch.float32) for r in rows],
+        response_lengths=[batch.response_lengths[r] for r in rows], loss_masks=per_row(record.loss_masks),
+        group_indices=[batch.group_indices[r] for r in rows], log_probs=per_row(record.old_log_probs),
+        ref_log_probs=per_row(record.ref_log_probs), rollout_log_probs=per_row(record.rollout_log_probs),
+        total_lengths=[len(batch.tokens[r]) for r in rows], partition=list(rows),
+        tokens=[torch.as_tensor(batch.tokens[r], dtype=torch.long) for r in rows],
+        truncated=[int(batch.truncated[r]) for r in rows], batch_raw_rewards=list(batch.raw_rewards),
+        advantages=per_row(record.advantages), returns=per_row(record.returns),
     )
+
+
+def advantages_and_returns(args: Any, record: RolloutRecord, values, device, group=None) -> None:
+    """Fill the record's advantages (whitened over `group` with --normalize-advantages) and returns, computed on
+    the CPU from `rollout_inputs` with the KL of the old policy to the reference (when one runs) and the critic's
+    `values` (per row of the batch); with --disable-compute-advantages-and-returns both stay None, as in slime
+    (a custom loss then finds `advantages` None)."""
+    if not args.compute_advantages_and_returns:  # slime's --disable-compute-advantages-and-returns: none at all
+        record.advantages = record.returns = None
+        return
+    rows = record.rows
+    inputs = rollout_inputs(record, "cpu")
+    if inputs.ref_log_probs is not None:
+        inputs.kl = [ppo_utils.compute_approx_kl(old, ref, args.kl_loss_type)
+                     for old, ref in zip(inputs.log_probs, inputs.ref_log_probs)]
+    if values is not None:
+        inputs.values = [torch.as_tensor(values[r], dtype=torch.float32) for r in rows]
     adv_list, ret_list = compute_advantages_and_returns(args, inputs)
     if args.normalize_advantages:
         adv_list = whiten(adv_list, inputs.loss_masks, device, group)
@@ -135,7 +172,9 @@ def logprob_abs_diff(old_lp: PerRow, rollout_lp: PerRow, masks: PerRow, device, 
 
 
 def loss_denominator(args: Any, batch: TrainBatch, global_rows) -> float:
-    """Per-sample mean: the step's rows; --calculate-per-token-loss: its loss-masked tokens."""
+    """The step's (`global_rows`, every rank's) loss denominator: per-sample mean, its rollouts (slime's
+    step_global_batch_size: --global-batch-size); --calculate-per-token-loss: its loss-masked tokens."""
     if args.calculate_per_token_loss:
         return max(1, sum(sum(batch.loss_masks[r]) for r in global_rows))
-    return len(global_rows)
+    rollout_of = batch.rollout_of_rows()
+    return len({rollout_of[r] for r in global_rows})

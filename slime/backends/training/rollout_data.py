@@ -9,9 +9,10 @@ length. `raw_reward` is the whole batch's (slime ships it whole). Keys whose val
 are absent (e.g. `log_probs` when the training forward's own are reused, advantages off the last pipeline stage).
 
 What the hook changes in the `EDITABLE` keys it is given (in place or by assigning a new list) is what training
-uses; the other keys, and keys it adds, are for reading only. Assumed: the per-step loss denominator of
---calculate-per-token-loss is counted before the hook, from the batch's loss masks (slime also counts its mask
-sums before).
+uses; the other keys, and keys it adds, are for reading only. The loss denominators are counted before the
+hook, from the batch's loss masks: the per-step token count of --calculate-per-token-loss (assumed here) and
+the per-rollout masked tokens the per-sample mean divides by (slime's `rollout_mask_sums`, counted by its rollout
+manager before the hook runs), so a hook that masks tokens out takes them out of the numerators only.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from slime.backends.training.record import RolloutRecord
+from slime.backends.training.record import RolloutRecord, rollout_inputs
 
 # rollout_data key -> the RolloutRecord field training reads
 EDITABLE = {
@@ -35,24 +36,9 @@ FLAG = "--rollout-data-postprocess-path"
 
 
 def rollout_data_of(record: RolloutRecord) -> dict[str, Any]:
-    """slime's `rollout_data` of this rank's rows (copies: editing it leaves the record alone until
-    `apply_rollout_data`)."""
-    batch, rows = record.batch, record.rows
-    data: dict[str, Any] = {
-        "partition": list(rows),
-        "tokens": [torch.as_tensor(batch.tokens[r], dtype=torch.long) for r in rows],
-        "response_lengths": [batch.response_lengths[r] for r in rows],
-        "total_lengths": [len(batch.tokens[r]) for r in rows],
-        "rewards": [batch.rewards[r] for r in rows],
-        "raw_reward": list(batch.raw_rewards),
-        "truncated": [int(batch.truncated[r]) for r in rows],
-    }
-    for key, field in EDITABLE.items():
-        per_row = getattr(record, field)
-        if per_row is not None and all(r in per_row for r in rows):
-            dtype = torch.int if key == "loss_masks" else torch.float32  # slime's dtypes
-            data[key] = [per_row[r].detach().to(dtype=dtype, copy=True) for r in rows]
-    return data
+    """slime's `rollout_data` of this rank's rows (`AdvantageInputs.to_rollout_data` of `rollout_inputs`: copies,
+    so editing it leaves the record alone until `apply_rollout_data`)."""
+    return rollout_inputs(record).to_rollout_data()
 
 
 def apply_rollout_data(record: RolloutRecord, data: dict[str, Any], given: set[str], path: str) -> None:

@@ -111,8 +111,8 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--critic-lr", type=float, default=None, help="Learning rate of the PPO critic (default: --lr).")
     g.add_argument(
         "--disable-compute-advantages-and-returns", dest="compute_advantages_and_returns", action="store_false",
-        help="slime: skip the advantages (for --loss-type sft_loss or a custom loss that reads none). Here they are "
-        "still computed and left unread; refused with --loss-type policy_loss, which needs them.",
+        help="Skip the advantages and returns (slime: for --loss-type sft_loss or a custom loss that reads none; the "
+        "custom loss's batch then has advantages None); refused with --loss-type policy_loss, which needs them.",
     )
 
 
