@@ -41,6 +41,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime.backends.sglang_utils.sglang_engine import engine_nnodes
+from slime.observability.rollout_metrics import top_p_kept_vocab_metrics
 from slime.ray.engine_health import EngineHealthMonitor
 from slime.rollout.base_types import call_rollout_fn, lifecycle_of
 from slime.rollout.router import RouterClient, RouterProcess, url_of
@@ -235,6 +236,8 @@ class RolloutManager:
             failed_count=failed, rollout_time=rollout_time,
         )  # fmt: skip
         metrics.update(compute_weight_version_metrics([s.weight_versions for s in samples]))
+        # samples whose generate recorded top-p spans (Sample.append_response_tokens): vocab kept per token
+        metrics.update({f"rollout/{k}": v for k, v in top_p_kept_vocab_metrics(samples).items()})
         if args.log_multi_turn:
             metrics.update(multi_turn_metrics([s.metadata for s in samples]))
         metrics.update(engine_load_metrics(served_before, self._engine_request_counts()))

@@ -87,6 +87,8 @@ class RolloutDataSource(DataSource):
     @staticmethod
     def _load_dataset(args):
         tokenizer = load_tokenizer(args.hf_checkpoint, trust_remote_code=True)
+        if args.dump_details is not None:  # slime's --dump-details keeps the tokenizer next to the dumps
+            tokenizer.save_pretrained(os.path.join(args.dump_details, "tokenizer"))
         common = {
             "tokenizer": tokenizer,
             "processor": None,  # text only: --multimodal-keys is refused when the flags are validated

@@ -131,10 +131,16 @@ def test_rollout_function_of_its_own_with_samples_split_per_rollout(tiny_model_d
         "--eval-prompt-data", "agents", toy_data_path, "--eval-interval", "1", "--skip-eval-before-train",
         "--custom-generate-function-path", f"{PLUGINS}.multi_agent.solve_and_critique",
         "--custom-rm-path", f"{PLUGINS}.multi_agent.reward",
-        "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt"),
+        "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt"), "--dump-details", str(tmp_path / "dump"),
         "--use-tensorboard", "--tensorboard-dir", str(tb),
         timeout=140,
     )
+    # --dump-details: the train side's dump (slime's format 2) and the tokenizer; the rollout path was given
+    train = torch.load(tmp_path / "dump" / "train_data" / "0.pt", weights_only=False)
+    assert train["format_version"] == 2 and train["rollout_id"] == 0 and len(train["samples"]) == 8
+    assert all(len(s["log_probs"]) == len(s["advantages"]) == s["response_lengths"] for s in train["samples"])
+    assert (tmp_path / "dump" / "tokenizer" / "tokenizer_config.json").exists()
+    assert not (tmp_path / "dump" / "rollout_data").exists()
     [rollout] = [r for r in records if r["kind"] == "multi_agent_rollout"]
     assert rollout["group_sizes"] == [4, 4]  # 2 samples x (solver, critic)
     assert all(ids[0] == ids[1] and ids[2] == ids[3] and ids[1] != ids[2] for ids in rollout["rollout_ids"])

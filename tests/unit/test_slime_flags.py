@@ -243,3 +243,13 @@ def test_slime_validate_args_completes_a_partial_namespace_and_validates_slimes_
                                 rollout_global_dataset=False)  # fmt: skip
     with pytest.raises(ValueError, match="--rollout-temperature must be > 0"):
         slime_arguments.slime_validate_args(bad)
+
+
+def test_dump_details_sets_both_dumps_like_slime_unless_given(files):
+    args = parse_args(base("--dump-details", "/d"))
+    assert args.save_debug_rollout_data == "/d/rollout_data/{rollout_id}.pt"
+    assert args.save_debug_train_data == "/d/train_data/{rollout_id}.pt"
+    args = parse_args(base("--dump-details", "/d", "--save-debug-train-data", "/t_{rollout_id}.pt"))
+    assert args.save_debug_train_data == "/t_{rollout_id}.pt"
+    assert "must not be equal" in error_of(base("--save-debug-rollout-data", "/x.pt", "--save-debug-train-data",
+                                                "/x.pt"))

@@ -41,6 +41,7 @@ from slime.backends.training.record import (
 )
 from slime.backends.training.rollout_data import FLAG as POSTPROCESS_FLAG
 from slime.backends.training.rollout_data import apply_rollout_data, rollout_data_of
+from slime.observability.train_data_utils import save_debug_train_data
 from slime.utils.misc import load_function
 from slime.utils.progress import progress
 from slime.utils.types import TrainBatch
@@ -129,6 +130,7 @@ class PolicyTrainer(TrainRayActor):
             extra[ABS_DIFF] = self._abs_diff(record)
         if rollout_id < args.num_critic_only_steps:
             extra["train/critic_only_step"] = 1.0
+            self._save_train_data(record)
             return self.from_last_stage(extra)
 
         totals: dict[str, float] = defaultdict(float)
@@ -142,6 +144,7 @@ class PolicyTrainer(TrainRayActor):
             extra[ABS_DIFF] = self._abs_diff(record)
         metrics = {k: v / len(record.steps) for k, v in totals.items()}
         metrics.update(extra)
+        self._save_train_data(record)
         interval = args.ref_update_interval
         if interval and (rollout_id + 1) % interval == 0 and self.ref_model is not None:
             self.copy_actor_to_ref()
@@ -184,6 +187,18 @@ class PolicyTrainer(TrainRayActor):
         if self.rollout_data_postprocess is not None:
             self._postprocess(record)
         return record
+
+    def _save_train_data(self, record: RolloutRecord) -> None:
+        """--save-debug-train-data: what this rollout's training read, with its step / micro-batch layout (slime's
+        format; collective: every rank calls it, `save_debug_train_data` decides who writes)."""
+        if self.args.save_debug_train_data is None:
+            return
+        data = rollout_data_of(record)  # after training: the training forward's log-probs when it was reused
+        position = iter(range(len(record.rows)))
+        data["micro_batch_indices"] = [[next(position) for _ in mb] for step in record.steps for mb in step]  # slime's
+        data["num_microbatches"] = [len(step) for step in record.steps]
+        data["global_batch_sizes"] = [self.args.global_batch_size] * len(record.steps)
+        save_debug_train_data(self.args, rollout_id=record.rollout_id, rollout_data=data)
 
     def _postprocess(self, record: RolloutRecord) -> None:
         data = rollout_data_of(record)

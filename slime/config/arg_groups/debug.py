@@ -32,11 +32,18 @@ def add_debug_arguments(parser: argparse.ArgumentParser) -> None:
         "--debug-train-only.",
     )
     g.add_argument(
+        "--save-debug-train-data",
+        type=str,
+        default=None,
+        help="Save what each rollout's training read (per-sample tensors and the step / micro-batch layout, "
+        "slime's format 2; docs/training_loop.md) to this path; put {rollout_id} (and optionally {rank}) in it.",
+    )
+    g.add_argument(
         "--dump-details",
         type=str,
         default=None,
-        help="Folder for a full dump for post-hoc analysis (not implemented yet: warns; use "
-        "--save-debug-rollout-data).",
+        help="Folder for a full dump for post-hoc analysis, as slime's: DIR/rollout_data/{rollout_id}.pt (unless "
+        "--save-debug-rollout-data), DIR/train_data/{rollout_id}.pt (unless --save-debug-train-data), DIR/tokenizer.",
     )
     g.add_argument(
         "--check-weight-update-equal",
@@ -66,9 +73,6 @@ def add_debug_arguments(parser: argparse.ArgumentParser) -> None:
 
 def validate_debug(args: argparse.Namespace) -> None:
     validate_dry_run(args)
-    if args.dump_details:
-        logger.warning("--dump-details is not implemented: nothing is dumped there; --save-debug-rollout-data "
-                       "PATH_{rollout_id}.pt saves each rollout's samples.")
     if args.check_weight_update_equal:
         logger.warning("--check-weight-update-equal is not implemented: no check runs after a push; compare "
                        "train/train_rollout_logprob_abs_diff instead (~1e-7 fp32, ~1e-2 bf16 when weights agree).")
@@ -78,12 +82,15 @@ def validate_debug(args: argparse.Namespace) -> None:
         args.debug_train_only = True
     if args.debug_rollout_only and args.debug_train_only:
         fail("--debug-rollout-only and --debug-train-only are both set; choose one half of the loop.")
-    if args.dump_details is not None and args.save_debug_rollout_data is None:
-        args.save_debug_rollout_data = f"{args.dump_details}/rollout_data/{{rollout_id}}.pt"
+    if args.dump_details is not None:
+        if args.save_debug_rollout_data is None:
+            args.save_debug_rollout_data = f"{args.dump_details}/rollout_data/{{rollout_id}}.pt"
+        if args.save_debug_train_data is None:
+            args.save_debug_train_data = f"{args.dump_details}/train_data/{{rollout_id}}.pt"
     if args.save_debug_train_data is not None and args.save_debug_train_data == args.save_debug_rollout_data:
         fail(f"--save-debug-train-data must not be equal to --save-debug-rollout-data ({args.save_debug_train_data}): "
              "the two dumps would overwrite each other; give each its own path.")
-    for dest in ("save_debug_rollout_data", "load_debug_rollout_data"):
+    for dest in ("save_debug_rollout_data", "load_debug_rollout_data", "save_debug_train_data"):
         path = getattr(args, dest)
         if path is not None and "{rollout_id}" not in path:
             logger.warning(

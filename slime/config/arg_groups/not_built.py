@@ -131,8 +131,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "replay saved rollouts with --load-debug-rollout-data"),
     NotBuilt("load_debug_rollout_data_subsample", {"type": float, "default": None}, "--load-debug-rollout-data "
              "trains on every saved sample here", "drop it"),
-    NotBuilt("save_debug_train_data", {"type": str, "default": None}, "the train-side debug dump is not written here",
-             "save the rollouts with --save-debug-rollout-data", kind="warn"),
     NotBuilt("http_proxy", {"type": str, "default": None}, "slime's HTTP clients here do not go through a proxy",
              "set HTTP_PROXY / NO_PROXY in the environment instead", kind="warn"),
     NotBuilt("use_distributed_post", _BOOL, "requests are posted from the rollout manager here; " + _WARN_PERF,
