@@ -115,10 +115,11 @@ def test_moe_models_use_the_alltoall_dispatcher_as_in_slime(files):
     assert dense.moe_token_dispatcher_type == "allgather"  # no experts: nothing is dispatched
 
 
-def test_packed_micro_batches_refuse_context_parallelism(files):
+def test_context_parallelism_is_refused_with_the_reason(files):
     assert parse_args(base(*QWEN3_4B)).qkv_format == "thd"  # slime's default: packed micro-batches
-    assert "--context-parallel-size 2; add --qkv-format bshd" in error_of(base(*QWEN3_4B, "--context-parallel-size", "2"))
-    assert parse_args(base(*QWEN3_4B, "--context-parallel-size", "2", "--qkv-format", "bshd")).qkv_format == "bshd"
+    for layout in ((), ("--qkv-format", "bshd")):
+        message = error_of(base(*QWEN3_4B, "--context-parallel-size", "2", *layout))
+        assert "--context-parallel-size 2: the trainer here does not split sequences" in message
 
 
 def test_recompute_method_needs_full_granularity(files):

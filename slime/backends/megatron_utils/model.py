@@ -67,10 +67,10 @@ def initialize_parallel(args: argparse.Namespace) -> None:
                     "nor sequence-parallel norms), which is not installed here; install transformer-engine"
                     + ("" if flag == "--multi-latent-attention" else " or drop --sequence-parallel")
                 )
-    if cp > 1 and not uses_te(args):
+    if cp > 1:  # validation refuses it too; this guards callers that skip validation
         raise SlimeArgumentError(
-            f"--context-parallel-size {cp} needs TransformerEngine's attention, which is not installed here; "
-            "use --context-parallel-size 1 or install transformer-engine"
+            f"--context-parallel-size {cp}: sequences are not split across context-parallel ranks here; use "
+            "--context-parallel-size 1"
         )
     vpp = None
     if args.num_layers_per_virtual_pipeline_stage is not None:

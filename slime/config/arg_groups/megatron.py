@@ -405,10 +405,11 @@ def validate_megatron(args: argparse.Namespace) -> None:
         )
     if args.num_layers:
         pipeline_layer_split(args)
-    if args.qkv_format == "thd" and args.context_parallel_size > 1:
+    if args.context_parallel_size > 1 and args.train_backend == "megatron":
         fail(
-            f"--qkv-format thd (packed micro-batches) is not implemented with --context-parallel-size "
-            f"{args.context_parallel_size}; add --qkv-format bshd."
+            f"--context-parallel-size {args.context_parallel_size}: the trainer here does not split sequences across "
+            "context-parallel ranks (slime's zigzag layout), so every rank would attend over whole sequences; use "
+            "--context-parallel-size 1 (the GPUs then serve data or tensor parallelism)."
         )
     if args.vocab_size is not None and args.vocab_size <= 0:
         fail(f"--vocab-size {args.vocab_size}: must be positive.")
