@@ -27,6 +27,7 @@ from slime.backends.sglang_utils.arguments import (
     fields_of,
     sglang_cli_args,
 )
+from slime.backends.sglang_utils.server_fields import RENAMED_FLAGS, with_cli_options
 from slime.backends.hf_engine.engine import HFEngine
 from slime.backends.sglang_utils.sglang_engine import SGLangEngine, engine_nnodes
 from slime.config.arg_groups import SlimeArgumentError
@@ -58,6 +59,90 @@ class FakeServerArgs:
 
 
 FIELDS = fields_of(FakeServerArgs)
+
+
+# ---- flags resolved through SGLang's own option strings ------------------------------------------------------
+class DeprecatedStoreTrueAction(argparse.Action):  # named like sglang's own: it stores True, and SGLang warns
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, const=True, default=False, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True)
+
+
+class DeprecatedAliasStoreAction(argparse._StoreAction):  # an old name storing its value in the new field
+    pass
+
+
+@dataclasses.dataclass
+class AliasedServerArgs:  # fields as a 0.5.2x ServerArgs declares them; flags below as its add_cli_args adds them
+    mem_fraction_static: Optional[float] = None  # noqa: UP045
+    tp_size: int = 1
+    ep_size: int = 1
+    fp8_backend: str = "auto"
+    enable_dp_attention: Annotated[bool, _Arg(no_cli=True)] = False  # only its deprecated flag reaches it
+    sampling_backend: Annotated[Optional[str], _Arg(no_cli=True)] = None  # noqa: UP045 (a flag added by hand)
+    cuda_graph_bs_decode: list[int] | None = None
+    schedule_policy: str = "fcfs"
+    overlap: bool | None = None
+    hidden: Annotated[int, _Arg(no_cli=True)] = 0
+
+
+def _aliased_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--mem-fraction-static", type=float)
+    p.add_argument("--tp-size", "--tensor-parallel-size", type=int, dest="tp_size")
+    p.add_argument("--ep-size", "--expert-parallel-size", "--ep", type=int, dest="ep_size")
+    p.add_argument("--fp8-gemm-backend", dest="fp8_backend")
+    p.add_argument("--enable-dp-attention", action=DeprecatedStoreTrueAction)
+    p.add_argument("--sampling-backend", choices=["pytorch", "flashinfer"])
+    p.add_argument("--cuda-graph-bs-decode", type=int, nargs="+")
+    p.add_argument("--old-graph-bs", type=int, nargs="+", dest="cuda_graph_bs_decode", action=DeprecatedAliasStoreAction)
+    p.add_argument("--schedule-policy")
+    p.add_argument("--prefer-lpm", action="store_const", const="lpm", dest="schedule_policy")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction)
+    return p
+
+
+ALIASED = with_cli_options(fields_of(AliasedServerArgs), _aliased_parser()._actions)
+
+
+def test_flags_resolve_through_sglangs_option_strings():
+    """Aliases and deprecated flags set their field; flags whose meaning is their own stay themselves."""
+    raw = {"expert_parallel_size": "8", "fp8_gemm_backend": "cutlass", "enable_dp_attention": True,
+           "sampling_backend": "pytorch", "old_graph_bs": ["1", "2"], "prefer_lpm": True, "no_overlap": True}
+    typed = convert_sglang_args(raw, ALIASED)
+    assert typed == {"ep_size": 8, "fp8_backend": "cutlass", "enable_dp_attention": True, "sampling_backend": "pytorch",
+                     "cuda_graph_bs_decode": [1, 2], "prefer_lpm": True, "no_overlap": True}
+    assert sglang_cli_args(typed, ALIASED) == [
+        "--ep-size", "8", "--fp8-gemm-backend", "cutlass", "--enable-dp-attention", "--sampling-backend", "pytorch",
+        "--cuda-graph-bs-decode", "1", "2", "--prefer-lpm", "--no-overlap"]
+    assert convert_sglang_args({"ep": "4"}, ALIASED) == {"ep_size": 4}
+    assert convert_sglang_args({"ep_size": "2", "expert_parallel_size": "2"}, ALIASED) == {"ep_size": 2}
+    assert sglang_cli_args({"overlap": False}, ALIASED) == ["--no-overlap"]
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"ep_size": "8", "expert_parallel_size": "4"},
+     "--sglang-expert-parallel-size '4': sets ServerArgs.ep_size, which --sglang-ep-size already sets to 8"),
+    ({"sampling_backend": "torch"}, "'torch' is not one of ['pytorch', 'flashinfer']"),
+    ({"expert_paralel_size": "8"}, "has no flag --expert-paralel-size; did you mean --sglang-expert-parallel-size"),
+    ({"hidden": "1"}, "--sglang-hidden: SGLang offers no command-line flag for 'hidden'"),
+])
+def test_aliased_flags_refused_with_the_flag_given(raw, message):
+    with pytest.raises(SGLangArgumentError) as info:
+        convert_sglang_args(raw, ALIASED)
+    assert message in str(info.value)
+
+
+def test_renamed_flags_are_forwarded_under_the_name_sglang_knows(caplog):
+    """slime's scripts pass `--sglang-cuda-graph-bs` (SGLang 0.5.15's name); 0.5.16 takes it as a deprecated alias
+    of `--cuda-graph-bs-decode`, later releases only the new name; an older one only the old name."""
+    with caplog.at_level("INFO", logger="slime.backends.sglang_utils.arguments"):
+        assert convert_sglang_args({"cuda_graph_bs": ["1", "2"]}, ALIASED) == {"cuda_graph_bs_decode": [1, 2]}
+    assert "--sglang-cuda-graph-bs: forwarded as --cuda-graph-bs-decode" in caplog.text and "0.5.16" in caplog.text
+    assert convert_sglang_args({"cuda_graph_bs_decode": [4]}, FIELDS) == {"cuda_graph_bs": [4]}  # FIELDS: old names
+    assert "cuda_graph_bs" in RENAMED_FLAGS and "nsa_prefill_backend" in RENAMED_FLAGS
 
 
 def test_values_are_typed_by_annotation():
@@ -128,11 +213,56 @@ def test_validation_types_fields_and_refuses_reserved_ones(monkeypatch):
         validate_sglang(_ns(sglang_args={"mem_fraction_statik": "0.7"}))
     with pytest.raises(SlimeArgumentError, match="--sglang-tp-size.*--rollout-num-gpus-per-engine"):
         validate_sglang(_ns(sglang_args={"tp_size": "2"}))
+    with pytest.raises(SlimeArgumentError, match=r"--sglang-tensor-parallel-size \(it sets SGLang's tp_size\): "
+                                                 r"slime computes.*--rollout-num-gpus-per-engine"):
+        monkeypatch.setattr("slime.backends.sglang_utils.arguments.server_fields", lambda: ALIASED)
+        validate_sglang(_ns(sglang_args={"tensor_parallel_size": "2"}))
     # sglang not importable: strings stay, the engine refuses to launch later
     monkeypatch.setattr("slime.backends.sglang_utils.arguments.server_fields", lambda: None)
     args = _ns(sglang_args={"anything_at_all": "x"})
     validate_sglang(args)
     assert args.sglang_args == {"anything_at_all": "x"}
+
+
+def test_cpu_dry_run_warns_about_flags_this_sglang_refuses(monkeypatch, caplog):
+    """Planning a GPU run away from the GPUs (--dry-run-cuda): this machine's SGLang need not be the engines', so
+    a flag it refuses is a warning there and an error everywhere else."""
+    monkeypatch.setattr("slime.backends.sglang_utils.arguments.server_fields", lambda: ALIASED)
+    forwarded = {"mem_fraction_static": "0.7", "expert_parallel_size": "8", "only_in_another_release": "1"}
+    args = _ns(sglang_args=dict(forwarded), dry_run=True, dry_run_cuda=True)
+    with caplog.at_level("WARNING", logger="slime.config.arg_groups.sglang"):
+        validate_sglang(args)
+    assert args.sglang_args == {"mem_fraction_static": 0.7, "ep_size": 8, "only_in_another_release": "1"}
+    assert "--sglang-only-in-another-release: the installed SGLang" in caplog.text
+    assert "need not be the engines'" in caplog.text
+    with pytest.raises(SlimeArgumentError, match="--sglang-only-in-another-release: the installed SGLang"):
+        validate_sglang(_ns(sglang_args=dict(forwarded), dry_run=True))  # a dry run on a GPU node
+    with pytest.raises(SlimeArgumentError, match="--sglang-only-in-another-release"):
+        validate_sglang(_ns(sglang_args=dict(forwarded)))
+
+
+_STUBBED_ARGUMENTS = r"""
+import sys, types
+import slime.backends.sglang_utils as package
+assert not [m for m in sys.modules if m.startswith("slime.backends.sglang_utils.")], "the package imported a module"
+# what slime's tests/test_megatron_argument_validation.py does: a stub in place of the arguments module
+stub = types.ModuleType("slime.backends.sglang_utils.arguments")
+stub.sglang_parse_args = lambda *a, **k: None
+stub.validate_args = lambda args: args
+sys.modules["slime.backends.sglang_utils.arguments"] = stub
+import slime.utils.arguments
+print("imported", "slime.backends.sglang_utils.sglang_engine" in sys.modules)
+"""
+
+
+def test_the_package_imports_none_of_its_modules():
+    """As slime's: importing slime.backends.sglang_utils (or the parser, with its arguments module stubbed) pulls
+    neither sglang_engine nor arguments."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-c", _STUBBED_ARGUMENTS], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-2:] == ["imported", "False"]
 
 
 # ---- SGLangEngine's server arguments ---------------------------------------------------------------------
@@ -157,6 +287,18 @@ def test_engine_server_args(monkeypatch):
     assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.7"
     colocated = SGLangEngine(_engine_args(colocate=True, offload_rollout=True), rank=0)
     assert "--enable-memory-saver" in colocated.launch_command("127.0.0.1", 1)
+
+
+def test_engine_resolves_forwarded_flags_against_its_own_sglang(monkeypatch):
+    """A driver without sglang hands the flags over as given; the engine resolves them (each rendered once)."""
+    monkeypatch.delenv("SLIME_SGLANG_LAUNCHER", raising=False)
+    monkeypatch.setattr(SGLangEngine, "launcher_command", lambda self: ["sglang-stand-in"])
+    monkeypatch.setattr(engine_mod, "server_fields", lambda: ALIASED)
+    args = _engine_args(sglang_args={"expert_parallel_size": "8", "cuda_graph_bs": ["1", "2"]})
+    cmd = SGLangEngine(args, rank=0).launch_command("127.0.0.1", 30000)
+    assert cmd[cmd.index("--ep-size") + 1] == "8" and cmd.count("--ep-size") == 1
+    assert "--expert-parallel-size" not in cmd and "--cuda-graph-bs" not in cmd
+    assert cmd[cmd.index("--cuda-graph-bs-decode") + 1:][:2] == ["1", "2"]
 
 
 def test_engine_gpu_placement(monkeypatch):
@@ -197,6 +339,7 @@ def test_default_launcher_needs_sglang(monkeypatch):
 # ---- against the installed sglang's real ServerArgs ----------------------------------------------------------
 _REAL_CHECK = r"""
 import argparse, json, sys
+from tests.unit.test_sglang_args import SCRIPT_FLAGS
 from slime.backends.sglang_utils.arguments import (SGLangArgumentError, convert_sglang_args, server_fields,
                                                    sglang_cli_args)
 from slime.backends.sglang_utils.sglang_engine import SGLangEngine
@@ -219,12 +362,16 @@ for bad in ({"mem_fraction_statik": "0.7"}, {"mem_fraction_static": "lots"}, {"t
         errors.append(str(e))
 ns = make_args(validate=False, sglang_server_concurrency=8, sglang_router_request_timeout_secs=10,
                rollout_backend="sglang", use_cuda=True, debug_train_only=False,
-               sglang_args={"mem_fraction_static": "0.7", "cuda_graph_max_bs": "8"})
+               sglang_args={"mem_fraction_statik": "0.7"})
 try:
     validate_sglang(ns)
     errors.append("no error")
 except SlimeArgumentError as e:
     errors.append(str(e))
+# flags of slime's launch scripts: aliases, deprecated flags, flags added by hand, renamed flags
+ns.sglang_args = dict(SCRIPT_FLAGS)
+validate_sglang(ns)
+scripts = dict(ns.sglang_args)
 ns.sglang_args = dict(raw)
 validate_sglang(ns)
 
@@ -237,14 +384,24 @@ ServerArgs.add_cli_args(parser)
 launch_module = cmd.index("sglang.launch_server")
 parsed = vars(parser.parse_args(cmd[launch_module + 1:]))
 computed = eng.server_args("127.0.0.1", 30000)
+# the raw script flags straight to the engine (a driver without sglang): resolved there, parsed by sglang
+engine_args.sglang_args = dict(SCRIPT_FLAGS)
+script_cmd = SGLangEngine(engine_args, rank=0).launch_command("127.0.0.1", 30001)
+script_parsed = vars(parser.parse_args(script_cmd[launch_module + 1:]))
 print(json.dumps({
     "version": sglang.__version__, "num_fields": len(fields), "typed": typed, "validated": ns.sglang_args,
-    "errors": errors, "cmd_head": cmd[:launch_module + 1],
+    "errors": errors, "cmd_head": cmd[:launch_module + 1], "scripts": scripts,
     "computed_unknown": sorted(k for k in computed if k not in fields),
     "parsed": {k: parsed[k] for k in list(computed) if k in parsed},
     "expected": {k: v for k, v in computed.items() if k != "nccl_port"},
+    "script_parsed": {k: script_parsed[k] for k in scripts},
 }))
 """
+
+# As slime's scripts/run-*.sh pass them (kimi-k2-Thinking, qwen3-235B-A22B, qwen3-30B-A3B, glm5, qwen3.5-27B).
+SCRIPT_FLAGS = {"enable_dp_attention": True, "dp_size": "8", "expert_parallel_size": "8", "cuda_graph_bs": ["1", "2"],
+                "cuda_graph_max_bs": "8", "nsa_prefill_backend": "flashmla_sparse", "nsa_decode_backend": "flashmla_kv",
+                "mamba_scheduler_strategy": "extra_buffer", "reasoning_parser": "qwen3", "sampling_backend": "pytorch"}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
@@ -267,7 +424,13 @@ def test_forwarding_against_real_server_args():
     did_you_mean, bad_float, bad_choice, validate_error = out["errors"]
     assert "did you mean --sglang-mem-fraction-static" in did_you_mean
     assert "--sglang-mem-fraction-static 'lots'" in bad_float and "'fast' is not one of" in bad_choice
-    assert "--sglang-cuda-graph-max-bs" in validate_error  # not a ServerArgs field in sglang 0.5.2x
+    assert validate_error.startswith("--sglang-mem-fraction-statik: the installed SGLang (0.5.")
+    # slime's scripts' flags: each stored under the field it sets in this SGLang (renamed ones under the new name)
+    assert out["scripts"] == {"enable_dp_attention": True, "dp_size": 8, "ep_size": 8, "cuda_graph_bs_decode": [1, 2],
+                              "cuda_graph_max_bs_decode": 8, "dsa_prefill_backend": "flashmla_sparse",
+                              "dsa_decode_backend": "flashmla_kv", "mamba_radix_cache_strategy": "extra_buffer",
+                              "reasoning_parser": "qwen3", "sampling_backend": "pytorch"}
+    assert out["script_parsed"] == out["scripts"]  # and SGLang's own parser reads them so from our command line
     # every field slime computes is a real ServerArgs field, and sglang's own parser reads our command line
     assert out["computed_unknown"] == []
     assert out["cmd_head"][1:] == ["-m", "sglang.launch_server"]

@@ -1,12 +1,14 @@
-"""`--sglang-<field>` forwarding, checked against SGLang's own `ServerArgs`.
+"""`--sglang-<flag>` forwarding, checked against the installed SGLang's own command line.
 
-The accepted fields are read from the installed sglang (`sglang.srt.server_args.ServerArgs`), so an option
-added to SGLang works here without a code change. `ServerArgs` is a dataclass in older releases and a
-msgspec Struct (fields annotated `Annotated[T, help | Arg(...)]`) in 0.5.2x; both are read. A forwarded
-value arrives from the command line as a string (a bare flag is True, several values a list) or from
-`--custom-config-path` YAML already typed; `convert_sglang_args` types it by the field's annotation
-(bool, int, float, str, Literal choices, Optional/Union, lists, JSON dicts) and `sglang_cli_args` turns the
-typed values back into `sglang.launch_server` flags.
+A forwarded `--sglang-<flag>` is resolved through what the installed sglang accepts (server_fields.py: the
+fields of `ServerArgs` and every option string `ServerArgs.add_cli_args` registers, aliases and deprecated
+flags included) and stored under the field it sets (`--sglang-expert-parallel-size 8` -> `ep_size: 8`), so an
+option added to SGLang works here without a code change. A flag SGLang renamed (`RENAMED_FLAGS`) that the
+installed release knows only by its other name is forwarded under that name, with an info line. A value
+arrives from the command line as a string (a bare flag is True, several values a list) or from
+`--custom-config-path` YAML already typed; it is typed by the field's annotation (bool, int, float, str,
+Literal choices, Optional/Union, lists, JSON dicts) and `sglang_cli_args` turns the typed values back into
+`sglang.launch_server` flags.
 
 Simplifications:
 - fields whose CLI value SGLang parses with a parser of its own (JSON lists, "16k"-style integers; the
@@ -18,21 +20,32 @@ Simplifications:
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import functools
 import json
 import logging
 import types
 import typing
-from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from slime.backends.sglang_utils.server_fields import (
+    INSTALL_HINT,
+    ServerField,
+    fields_of,
+    flag_of,
+    renamed,
+    server_fields,
+    sglang_version,
+    strip_annotated,
+)
 
-SGLANG_REQUIREMENT = "sglang==0.5.23"
-INSTALL_HINT = (f"install SGLang where the engines run: pip install {SGLANG_REQUIREMENT} "
-                "(or use the docker/Dockerfile image), or use --rollout-backend hf")
+# INSTALL_HINT, fields_of, flag_of, server_fields and sglang_version are server_fields.py's, named here too
+# because the engines and the parser import this module for everything about forwarded flags.
+__all__ = [
+    "INSTALL_HINT", "SGLangArgumentError", "ServerField", "as_bool", "check_sglang_args", "convert_sglang_args",
+    "convert_value", "fields_of", "flag_of", "resolve_flag", "server_fields", "sglang_cli_args", "sglang_version",
+]
+
+logger = logging.getLogger(__name__)
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -40,73 +53,7 @@ _NONE = {"none", "null"}
 
 
 class SGLangArgumentError(ValueError):
-    """A forwarded `--sglang-<field>` that SGLang's ServerArgs does not accept; the message names the flag."""
-
-
-@dataclass(frozen=True)
-class ServerField:
-    """One `ServerArgs` field as far as forwarding needs it."""
-
-    name: str
-    annotation: Any  # `Annotated[...]` stripped
-    cli_flag: str | None  # None: SGLang has no command-line flag for it
-    negatable: bool = False  # an `--x / --no-x` boolean
-    own_parser: bool = False  # SGLang parses the string itself (type_parser)
-    choices: tuple | None = None  # the CLI's allowed values, when SGLang lists them
-
-
-def flag_of(field: str) -> str:
-    return "--sglang-" + field.replace("_", "-")
-
-
-def _strip_annotated(tp: Any) -> tuple[Any, tuple]:
-    if typing.get_origin(tp) is typing.Annotated:
-        args = typing.get_args(tp)
-        return args[0], tuple(args[1:])
-    return tp, ()
-
-
-def _field_of(name: str, annotation: Any) -> ServerField:
-    tp, meta = _strip_annotated(annotation)
-    cli_flag, negatable, own_parser, choices = "--" + name.replace("_", "-"), False, False, None
-    for m in meta:  # sglang's `Arg(...)` CLI metadata, read by attribute so any release's shape works
-        if getattr(m, "no_cli", False):
-            cli_flag = None
-        elif getattr(m, "cli_name", None):
-            cli_flag = m.cli_name
-        action = getattr(m, "action", None)
-        negatable = negatable or getattr(action, "__name__", "") == "BooleanOptionalAction"
-        own_parser = own_parser or getattr(m, "type_parser", None) is not None
-        if getattr(m, "choices", None):
-            choices = tuple(m.choices)
-    return ServerField(name, tp, cli_flag, negatable, own_parser, choices)
-
-
-def fields_of(server_args_cls: type) -> dict[str, ServerField]:
-    """Public fields of a `ServerArgs` class (dataclass or msgspec Struct)."""
-    if dataclasses.is_dataclass(server_args_cls):
-        try:
-            hints = typing.get_type_hints(server_args_cls, include_extras=True)
-        except Exception:  # noqa: BLE001 (unresolvable forward refs: fall back to the raw annotations)
-            hints = {}
-        pairs = [(f.name, hints.get(f.name, f.type)) for f in dataclasses.fields(server_args_cls)]
-    else:
-        import msgspec
-
-        pairs = [(f.name, f.type) for f in msgspec.structs.fields(server_args_cls)]
-    return {name: _field_of(name, tp) for name, tp in pairs if not name.startswith("_")}
-
-
-@functools.lru_cache(maxsize=1)
-def server_fields() -> dict[str, ServerField] | None:
-    """The installed sglang's ServerArgs fields, or None when sglang cannot be imported here (said once)."""
-    try:
-        from sglang.srt.server_args import ServerArgs
-    except Exception as e:  # noqa: BLE001 (a broken install is as good as none: say why, check nothing)
-        logger.warning("--sglang-<field> flags are not checked against SGLang's ServerArgs: sglang does not import "
-                       "here (%s: %s); %s", type(e).__name__, e, INSTALL_HINT)
-        return None
-    return fields_of(ServerArgs)
+    """A forwarded `--sglang-<flag>` that the installed SGLang does not accept; the message names the flag."""
 
 
 # ---- typing the values ----------------------------------------------------------------------------------
@@ -141,7 +88,7 @@ def _scalar(tp: Any, raw: Any) -> Any:
 
 def convert_value(tp: Any, raw: Any) -> Any:
     """Type `raw` (str, True for a bare flag, list of str, or an already typed YAML value) as annotation `tp`."""
-    tp, _ = _strip_annotated(tp)
+    tp, _ = strip_annotated(tp)
     origin, targs = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any or tp is object:
         return raw
@@ -180,30 +127,68 @@ def convert_value(tp: Any, raw: Any) -> Any:
     return raw  # a class or callable: SGLang's own parsing decides
 
 
-def convert_sglang_args(raw_args: dict[str, Any], fields: dict[str, ServerField]) -> dict[str, Any]:
-    """Check every forwarded field exists in `fields` and type its value; raises SGLangArgumentError."""
-    out = {}
+# ---- resolving and checking forwarded flags -------------------------------------------------------------
+def resolve_flag(name: str, fields: dict[str, ServerField]) -> ServerField:
+    """The field `--sglang-<name>` sets; raises SGLangArgumentError for a flag the installed SGLang lacks."""
+    field = fields.get(name)
+    if field is None and (rename := renamed(name, fields)) is not None:
+        known, both = rename
+        field = fields[known]
+        logger.info("%s: forwarded as --%s, the name SGLang %s knows it by (SGLang renamed it; %s accepts both)",
+                    flag_of(name), known.replace("_", "-"), sglang_version(), both)
+    if field is None:
+        close = difflib.get_close_matches(name, list(fields), n=3)
+        hint = f"; did you mean {', '.join(flag_of(c) for c in close)}?" if close else ""
+        raise SGLangArgumentError(f"{flag_of(name)}: the installed SGLang ({sglang_version()}) has no flag "
+                                  f"--{name.replace('_', '-')}{hint}")
+    if field.cli_flag is None:
+        raise SGLangArgumentError(f"{flag_of(name)}: SGLang offers no command-line flag for {name!r}, so "
+                                  "it cannot be forwarded; drop it")
+    return field
+
+
+def _typed(name: str, field: ServerField, raw: Any) -> Any:
+    if field.own_parser:
+        return raw
+    try:
+        value = convert_value(field.annotation, raw)
+        for v in value if isinstance(value, list) else [value]:
+            if field.choices and v is not None and v not in field.choices:
+                raise ValueError(f"{v!r} is not one of {list(field.choices)}")
+    except (ValueError, TypeError) as e:
+        raise SGLangArgumentError(f"{flag_of(name)} {raw!r}: not a valid value for ServerArgs.{field.name} "
+                                  f"({_type_name(field.annotation)}): {e}") from e
+    return value
+
+
+def check_sglang_args(raw_args: dict[str, Any], fields: dict[str, ServerField]
+                      ) -> tuple[dict[str, Any], list[SGLangArgumentError]]:
+    """Resolve and type every forwarded flag: ({field: typed value}, the problems). A flag with a problem
+    keeps its name and raw value in the result."""
+    out: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
+    problems: list[SGLangArgumentError] = []
     for name, raw in raw_args.items():
-        field = fields.get(name)
-        if field is None:
-            close = difflib.get_close_matches(name, list(fields), n=3)
-            hint = f"; did you mean {', '.join(flag_of(c) for c in close)}?" if close else ""
-            raise SGLangArgumentError(f"{flag_of(name)}: the installed SGLang's ServerArgs has no field "
-                                      f"{name!r}{hint}")
-        if field.cli_flag is None:
-            raise SGLangArgumentError(f"{flag_of(name)}: SGLang offers no command-line flag for {name!r}, so "
-                                      "it cannot be forwarded; drop it")
-        if field.own_parser:
+        try:
+            field = resolve_flag(name, fields)
+            value = _typed(name, field, raw)
+            if field.name in out and out[field.name] != value:
+                raise SGLangArgumentError(f"{flag_of(name)} {raw!r}: sets ServerArgs.{field.name}, which "
+                                          f"{flag_of(given_as[field.name])} already sets to {out[field.name]!r}; "
+                                          "keep one of the two")
+        except SGLangArgumentError as e:
+            problems.append(e)
             out[name] = raw
             continue
-        try:
-            out[name] = value = convert_value(field.annotation, raw)
-            for v in value if isinstance(value, list) else [value]:
-                if field.choices and v is not None and v not in field.choices:
-                    raise ValueError(f"{v!r} is not one of {list(field.choices)}")
-        except (ValueError, TypeError) as e:
-            raise SGLangArgumentError(f"{flag_of(name)} {raw!r}: not a valid value for ServerArgs.{name} "
-                                      f"({_type_name(field.annotation)}): {e}") from e
+        out[field.name], given_as[field.name] = value, name
+    return out, problems
+
+
+def convert_sglang_args(raw_args: dict[str, Any], fields: dict[str, ServerField]) -> dict[str, Any]:
+    """{field: typed value} for the forwarded flags; raises SGLangArgumentError (the first problem)."""
+    out, problems = check_sglang_args(raw_args, fields)
+    if problems:
+        raise problems[0]
     return out
 
 

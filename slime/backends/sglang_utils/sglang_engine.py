@@ -13,7 +13,7 @@ engine, or per node of a multi-node engine. It computes the server's arguments f
 | `enable_memory_saver` | `--colocate` (so that the engines can release their memory to the trainer) |
 | `skip_server_warmup`, `trust_remote_code` | always on |
 | `dist_init_addr`, `nnodes`, `node_rank` | engines wider than `--num-gpus-per-node`: one actor per node |
-| anything else | every `--sglang-<field>` (checked against the installed ServerArgs) |
+| anything else | every `--sglang-<flag>` (resolved and checked against the installed SGLang's flags) |
 
 and waits for `GET /health_generate` (a real one-token generation), quoting the tail of the server's log
 if it exits first. Control calls (weights, memory, pause, abort) are the base class's HTTP calls.
@@ -127,7 +127,12 @@ class SGLangEngine(ServerEngine):
         return not os.environ.get(LAUNCHER_ENV) and not self.launcher
 
     def server_args(self, host: str, port: int) -> dict[str, Any]:
-        """ServerArgs field -> value for this engine (slime's computed fields, then the forwarded ones)."""
+        """ServerArgs field -> value for this engine: slime's computed fields, then the forwarded ones as
+        `args.sglang_args` holds them."""
+        return {**self.computed_args(host, port), **self.args.sglang_args}
+
+    def computed_args(self, host: str, port: int) -> dict[str, Any]:
+        """The ServerArgs fields slime computes for this engine (picks a fresh `nccl_port`)."""
         args = self.args
         checkpoint = args.hf_checkpoint
         if not checkpoint:
@@ -152,16 +157,17 @@ class SGLangEngine(ServerEngine):
                 logger.info("engine %d spans %d nodes: its servers on node ranks 1..%d must be started with "
                             "dist_init_addr=%s, or this one waits for them", self.rank, self.nnodes,
                             self.nnodes - 1, values["dist_init_addr"])
-        values.update(self.args.sglang_args)
         return values
 
     def launch_command(self, host: str, port: int) -> list[str]:
         launcher = self.launcher_command()
-        values = self.server_args(host, port)
+        forwarded = self.args.sglang_args
         fields = server_fields() if self.uses_default_launcher() else None
         if fields is not None:
-            # The driver may not have had sglang to check these; the engine's node has it.
-            values = {**values, **convert_sglang_args(self.args.sglang_args, fields)}
+            # The driver may not have had sglang to check these (or another release of it); the engine's node has
+            # the SGLang that will run them: resolve them again against it (aliases, renamed flags) and type them.
+            forwarded = convert_sglang_args(forwarded, fields)
+        values = {**self.computed_args(host, port), **forwarded}
         return [*launcher, *sglang_cli_args(values, fields)]
 
     def launch_env(self) -> dict[str, str]:

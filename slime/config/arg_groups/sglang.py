@@ -3,15 +3,18 @@
 Every other `--sglang-<field>` flag is collected by slime/config/arguments.py into `args.sglang_args`
 (ServerArgs field -> raw value) and every other `--router-<field>` into `args.router_args`. Here we refuse
 the fields slime sets itself and, when slime will launch SGLang servers (`--rollout-backend sglang` with
-CUDA, no external engines, not `--debug-train-only`) and sglang is importable, check every forwarded field
-against the installed `ServerArgs` and type its value (slime/backends/sglang_utils/arguments.py). Without
-sglang the values stay strings and the SGLang engine refuses to launch, naming the package to install.
+CUDA, no external engines, not `--debug-train-only`) and sglang is importable, resolve every forwarded flag
+through the installed SGLang's own flags (aliases and deprecated flags to the field they set, renamed flags to
+the name it knows) and type its value (slime/backends/sglang_utils/arguments.py); a CPU dry run planning a GPU
+run only warns about the ones it refuses (its SGLang need not be the engines'). Without sglang the values stay
+strings and the SGLang engine refuses to launch, naming the package to install.
 For the `hf` backend the forwarded fields are not used and stay as given.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 
 from slime.backends.sglang_utils import arguments as sglang_arguments
 from slime.config.arg_groups._common import fail
@@ -32,6 +35,8 @@ RESERVED_SGLANG_FIELDS = {
     "skip_server_warmup": None,
     "trust_remote_code": None,
 }
+
+logger = logging.getLogger(__name__)
 
 
 def add_sglang_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,13 +80,19 @@ def validate_sglang(args: argparse.Namespace) -> None:
              "set; pass both, or neither to let slime start a router.")
     if args.sglang_router_request_timeout_secs <= 0:
         fail(f"--sglang-router-request-timeout-secs {args.sglang_router_request_timeout_secs}: must be > 0.")
-    for field in sorted(args.sglang_args):
-        if field in RESERVED_SGLANG_FIELDS:
-            instead = RESERVED_SGLANG_FIELDS[field]
-            fix = f"use {instead} instead" if instead else "slime sets it for each engine; drop the flag"
-            fail(f"--sglang-{field.replace('_', '-')}: slime computes this SGLang setting itself; {fix}.")
+    for name in sorted(args.sglang_args):
+        _refuse_reserved(name, name)
     if args.sglang_args and _launches_sglang(args):
         _type_forwarded_fields(args)
+
+
+def _refuse_reserved(flag_name: str, field: str) -> None:
+    """`--sglang-<flag_name>` (which sets ServerArgs.<field>) is refused when slime computes that field."""
+    if field in RESERVED_SGLANG_FIELDS:
+        instead = RESERVED_SGLANG_FIELDS[field]
+        fix = f"use {instead} instead" if instead else "slime sets it for each engine; drop the flag"
+        sets = f" (it sets SGLang's {field})" if field != flag_name else ""
+        fail(f"--sglang-{flag_name.replace('_', '-')}{sets}: slime computes this SGLang setting itself; {fix}.")
 
 
 def _launches_sglang(args: argparse.Namespace) -> bool:
@@ -92,10 +103,23 @@ def _launches_sglang(args: argparse.Namespace) -> bool:
 
 
 def _type_forwarded_fields(args: argparse.Namespace) -> None:
+    """Resolve the forwarded flags against the installed SGLang (aliases to their fields) and type them.
+
+    A dry run planning a GPU run on a machine without CUDA (`--dry-run-cuda`, e.g. a login node) only warns:
+    the SGLang installed there need not be the release the GPU nodes run, and the engines check the flags
+    against theirs when they launch. Everywhere else (the driver of a run, a dry run on a GPU node) a flag the
+    installed SGLang refuses is an error here, before anything starts."""
     fields = sglang_arguments.server_fields()  # imports sglang (seconds): only done when SGLang servers will be launched
     if fields is None:
         return
-    try:
-        args.sglang_args = sglang_arguments.convert_sglang_args(args.sglang_args, fields)
-    except sglang_arguments.SGLangArgumentError as e:
-        fail(f"{e}.")
+    typed, problems = sglang_arguments.check_sglang_args(args.sglang_args, fields)
+    for name in args.sglang_args:
+        if name in fields:
+            _refuse_reserved(name, fields[name].name)
+    if problems and not args.dry_run_cuda:
+        fail(f"{problems[0]}.")
+    for problem in problems:
+        logger.warning("%s. Not refused by a dry run away from the GPUs: this machine's SGLang (%s) need not be "
+                       "the engines'; they check the flag against theirs when they launch.", problem,
+                       sglang_arguments.sglang_version())
+    args.sglang_args = typed
