@@ -18,6 +18,7 @@ overrides the command line and is then validated like it.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import math
 import os
@@ -274,12 +275,19 @@ def apply_custom_config(parser: argparse.ArgumentParser, args: argparse.Namespac
 
     actions = {a.dest: a for a in parser._actions}
     data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(k for k in data if not hasattr(args, k) or k == "custom_config_path")
-    if unknown:
+    if "custom_config_path" in data:
+        raise SlimeArgumentError(f"--custom-config-path {path}: a config cannot name another config; drop the key.")
+    unknown = sorted(k for k in data if not hasattr(args, k))
+    typos = {k: difflib.get_close_matches(k, list(actions), n=1, cutoff=0.85) for k in unknown}
+    typos = {k: m[0] for k, m in typos.items() if m}
+    if typos:
         raise SlimeArgumentError(
-            f"--custom-config-path {path}: unknown argument name(s) {unknown}; use names of slime flags "
-            "(e.g. rollout_batch_size), or sglang_args / router_args / megatron_args for forwarded flags."
+            f"--custom-config-path {path}: " + "; ".join(f"{k}: did you mean {m}?" for k, m in sorted(typos.items()))
+            + " (a key that is no slime flag is kept for plugins, but these look like misspelt flags; fix them)"
         )
+    for key in unknown:  # slime's contract: every key becomes an attribute (plugins such as MIS read theirs)
+        logger.info("--custom-config-path %s: %s is no slime flag; set as args.%s for plugins", path, key, key)
+        setattr(args, key, data.pop(key))
     for key, value in data.items():
         action = actions.get(key)
         if action is not None and isinstance(value, str) and callable(action.type):

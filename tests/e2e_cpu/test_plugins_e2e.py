@@ -66,10 +66,13 @@ eval:
       custom_generate_function_path: {PLUGINS}.retool_agent.generate
       custom_rm_path: {PLUGINS}.retool_agent.reward
 """)
+    mis_config = tmp_path / "mis.yaml"  # keys no slime flag has: slime sets them on args for the TIS plugin
+    mis_config.write_text("tis_mode: mask\ntis_lower_bound: 0.5\ntis_upper_bound: 2.0\n")
     tb = tmp_path / "tb"
     records = _run(
         tmp_path, tmp_path / "plugins.jsonl",
         "--hf-checkpoint", tiny_model_dir, "--num-rollout", "2", "--over-sampling-batch-size", "3",
+        "--use-tis", "--custom-tis-function-path", f"{PLUGINS}.mis.masked_is", "--custom-config-path", str(mis_config),
         "--data-source-path", f"{PLUGINS}.hooks.CountingDataSource",
         "--custom-generate-function-path", f"{PLUGINS}.search_agent.generate",
         "--custom-rm-path", f"{PLUGINS}.search_agent.reward",
@@ -117,6 +120,12 @@ eval:
     assert len(retool) == 8 and all(r["evaluation"] is True and r["tool_calls"] == 1 for r in retool)
     assert sorted(read_scalars(str(tb), "eval/tools")) == [0, 1]
     assert sorted(read_scalars(str(tb), "rollout/raw_reward")) == [0, 1]  # default logging was kept
+
+    # training: the MIS-style TIS function weighed every micro-batch, with the YAML's settings
+    mis = [r for r in records if r["kind"] == "mis"]
+    assert mis and all(r["mode"] == "mask" and r["samples"] > 0 and r["tokens"] > 0 for r in mis)
+    assert sum(r["samples"] for r in mis) == 8  # 2 rollouts x 4 samples, each weighed once
+    assert sorted(read_scalars(str(tb), "train/mis_rejected")) == [0, 1]  # its metric, logged per rollout
 
 
 @pytest.mark.timeout(150)

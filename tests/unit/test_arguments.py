@@ -444,10 +444,13 @@ def test_custom_config_overrides_and_is_validated(files):
     assert "--global-batch-size 100 does not divide" in error_of(base("--custom-config-path", "bad.yaml"))
 
 
-def test_custom_config_unknown_keys_and_choices(files):
+def test_custom_config_keeps_plugin_keys_and_refuses_misspelt_flags(files):
+    (files / "plugin.yaml").write_text("tis_mode: mask\nrs_lower_bound: null\n")  # slime's MIS example keys
+    args = parse_args(base("--custom-config-path", "plugin.yaml"))
+    assert args.tis_mode == "mask" and args.rs_lower_bound is None  # slime sets every key on args
     (files / "unknown.yaml").write_text("rollout_batch_sise: 16\nfoo: 1\n")
     msg = error_of(base("--custom-config-path", "unknown.yaml"))
-    assert "unknown.yaml" in msg and "['foo', 'rollout_batch_sise']" in msg
+    assert "unknown.yaml" in msg and "rollout_batch_sise: did you mean rollout_batch_size?" in msg
     (files / "choice.yaml").write_text("kl_loss_type: k9\n")
     assert "kl_loss_type: 'k9' is not one of" in error_of(base("--custom-config-path", "choice.yaml"))
 
