@@ -286,3 +286,21 @@ def test_model_name_picks_the_converter_over_model_type():
     assert converter_for_hf_config({}, "glm4").name == get_converter("glm4").name
     with pytest.raises(KeyError, match="--model-name"):
         converter_for_hf_config({})
+
+
+def test_config_check_follows_slimes_partial_and_moe_rules():
+    from types import SimpleNamespace
+
+    from slime.backends.megatron_utils.config_check import find_mismatches
+
+    # a partial config.json and a partial namespace (slime's hf_validate_args takes both): only what both hold
+    assert find_mismatches(SimpleNamespace(hidden_size=64), {"hidden_size": 64, "model_type": "qwen3_moe",
+                                                             "num_experts": 4}) == []
+    assert find_mismatches(SimpleNamespace(hidden_size=32), {"hidden_size": 64}) == [
+        "hidden_size: config.json says 64, --hidden-size gives 32"]
+    # every layer an MoE layer: no dense FFN, so intermediate_size is not compared; one dense layer: it is
+    moe = dict(num_experts=4, num_layers=2, ffn_hidden_size=1, moe_layer_freq=[1, 1])
+    cfg = {"model_type": "qwen3_moe", "num_experts": 4, "intermediate_size": 256}
+    assert find_mismatches(SimpleNamespace(**moe), cfg) == []
+    assert find_mismatches(SimpleNamespace(**{**moe, "moe_layer_freq": [0, 1]}), cfg) == [
+        "intermediate_size: config.json says 256, --ffn-hidden-size gives 1"]
