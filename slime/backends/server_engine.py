@@ -212,6 +212,12 @@ class ServerEngine:
                           {"model_path": model_path, "weight_version": weight_version},
                           timeout=self.weight_update_timeout_s)
 
+    def check_weights(self, action: str) -> dict:
+        """SGLang's `POST /weights_checker`: "snapshot" copies every parameter, "reset_tensors" overwrites them
+        (only a complete push restores them), "compare" fails (EngineHTTPError naming each differing tensor)
+        unless all equal the snapshot; "checksum" hashes them. Used by --check-weight-update-equal."""
+        return self._call("POST", "/weights_checker", {"action": action}, timeout=self.weight_update_timeout_s)
+
     def get_weight_version(self) -> str:
         """The version stamped by the last weight update. SGLang 0.5.16 serves it in `/model_info` only
         (its `/get_weight_version` answers 404)."""

@@ -53,6 +53,7 @@ class Run:
         self._started_ray = False
         self._reaper: process_reaper.Reaper | None = None
         self._old_sigterm = None
+        self.weight_check_pending = False  # --check-weight-update-equal: compare after the next push
 
     def __enter__(self) -> "Run":
         self._old_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
@@ -71,6 +72,8 @@ class Run:
             if use_critic:
                 self.critic = RayTrainGroup(self.args, placements["actor"], role="critic", num_gpus_per_actor=0.2)
             ray.get(self.rollout_manager.get_router_url.remote())
+            if self.args.check_weight_update_equal:
+                start_weight_check(self)
         except BaseException:
             self.__exit__(*sys.exc_info())
             raise
@@ -107,6 +110,16 @@ class Run:
 def create_rollout_manager(args, placement):
     """The manager actor, constructing (engines and router starting); `ray.get` any call to wait for it."""
     return ray.remote(num_cpus=0)(RolloutManager).remote(args, (placement.pg, placement.bundle_indices))
+
+
+def start_weight_check(run: Run) -> None:
+    """--check-weight-update-equal, as slime's: once the engines are up, snapshot their weights (the checkpoint
+    they loaded) and overwrite them, so the first push must restore every tensor; `loop.push_weights` then
+    compares (an engine that misses a tensor fails the run naming it)."""
+    ray.get(run.rollout_manager.check_weights.remote(action="snapshot"))
+    ray.get(run.rollout_manager.check_weights.remote(action="reset_tensors"))
+    run.weight_check_pending = True
+    logger.info("--check-weight-update-equal: engine weights snapshotted and reset; the first push is compared")
 
 
 def _raise_on_sigterm(signum, frame):

@@ -63,6 +63,15 @@ def push_weights(run: Run, engines: list, weight_version: int) -> int:
     ray.get(run.rollout_manager.before_weight_update.remote())
     run.actor.update_weights(engines, weight_version)
     ray.get(run.rollout_manager.after_weight_update.remote(weight_version))
+    if getattr(run, "weight_check_pending", False):  # --check-weight-update-equal: the first push after the reset
+        run.weight_check_pending = False
+        try:
+            ray.get(run.rollout_manager.check_weights.remote(action="compare"))
+        except Exception as e:
+            raise RuntimeError(f"--check-weight-update-equal: after the first push the engines do not hold the "
+                               f"weights they loaded from --hf-checkpoint (the trainer starts from those too, unless "
+                               f"--load names trained ones): {e}") from e
+        logger.info("--check-weight-update-equal: every engine holds exactly the pushed weights")
     return weight_version
 
 

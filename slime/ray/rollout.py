@@ -323,6 +323,13 @@ class RolloutManager:
         if self.monitor is not None and was_released and not self._released_tags:
             self.monitor.resume()
 
+    def check_weights(self, action: str) -> list[Any]:
+        """slime's: every engine's `check_weights(action)` (POST /weights_checker); raises if any engine fails."""
+        if not self.engines and self.engine_urls:
+            logger.warning("check_weights(%s): the engines of --rollout-external-engine-addrs are not ours; "
+                           "nothing is checked", action)
+        return self._fan_out("check_weights", action=action)
+
     # ---- weight pushes (the driver pushes; these bracket it) ---------------------------------------
     def before_weight_update(self) -> None:
         """Called right before a push; returns once no generation of ours is in flight. Engines the health

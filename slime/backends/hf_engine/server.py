@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
+from slime.backends.hf_engine.weight_checker import WeightChecker
 from slime.weight_sync import group as update_group
 from slime.weight_sync.tensor_payload import deserialize_bucket
 
@@ -69,6 +70,7 @@ class EngineState:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.params.update(dict(model.named_buffers(remove_duplicate=False)))
+        self.weight_checker = WeightChecker(self.params)  # POST /weights_checker (--check-weight-update-equal)
 
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]], source: str) -> int:
         """Copy tensors into the model by name (dtype/device cast); all-or-nothing on bad names/shapes."""
@@ -288,6 +290,18 @@ def build_app(state: EngineState) -> FastAPI:
     async def flush_cache():
         # SGLang answers in plain text; the hf engine keeps no prefix cache, so there is nothing to flush.
         return PlainTextResponse("Cache flushed.\n")
+
+    @app.api_route("/weights_checker", methods=["GET", "POST"])
+    async def weights_checker(http: HTTPRequest):
+        """SGLang's answer: 200 {"success": true, "message": "Success."}, or 400 with success false and the error
+        (compare names every tensor that differs from the snapshot); "checksum" adds ranks / per_engine_checksum."""
+        action = (await _json_or_empty(http)).get("action") or "checksum"  # SGLang's default action
+        try:
+            extra = await run_in_threadpool(_check_weights, state, action)
+        except Exception as e:  # noqa: BLE001 - every failure is the answer, as SGLang's
+            logger.warning("weights_checker %s: %s", action, e)
+            return JSONResponse({"success": False, "message": str(e)}, status_code=400)
+        return JSONResponse({"success": True, "message": "Success.", **(extra or {})})
 
     @app.post("/abort_request")
     async def abort_request(http: HTTPRequest):
@@ -523,6 +537,12 @@ def _load_from_disk(state: EngineState, path: str | None) -> int:
             named = [(k, sf.get_tensor(k)) for k in sf.keys()]  # noqa: SIM118 (safe_open is not a dict)
         total += state.load_named_tensors(named, f"update_weights_from_disk ({f})")
     return total
+
+
+def _check_weights(state: EngineState, action: str) -> dict | None:
+    """Run one weights_checker action between two forward steps (reset_tensors writes the parameters)."""
+    with state.memory_lock, state.scheduler.exclusive(), torch.no_grad():
+        return state.weight_checker.handle(action)
 
 
 def _release(state: EngineState, tags: set[str]) -> None:

@@ -48,8 +48,9 @@ def add_debug_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--check-weight-update-equal",
         action="store_true",
-        help="After each push, check that the engines hold exactly the trainer's weights (not implemented yet: "
-        "warns; train/train_rollout_logprob_abs_diff shows whether they agree).",
+        help="As slime's: once the engines are up, snapshot their weights and overwrite them with random values; "
+        "after the first push, fail unless every engine tensor equals its snapshot again, naming each one that "
+        "differs (POST /weights_checker; checks that the push covers every weight and converts it losslessly).",
     )
     g.add_argument(
         "--dry-run",
@@ -73,15 +74,18 @@ def add_debug_arguments(parser: argparse.ArgumentParser) -> None:
 
 def validate_debug(args: argparse.Namespace) -> None:
     validate_dry_run(args)
-    if args.check_weight_update_equal:
-        logger.warning("--check-weight-update-equal is not implemented: no check runs after a push; compare "
-                       "train/train_rollout_logprob_abs_diff instead (~1e-7 fp32, ~1e-2 bf16 when weights agree).")
     if args.load_debug_rollout_data is not None:
         if args.debug_rollout_only:
             fail("--load-debug-rollout-data (train on saved data) contradicts --debug-rollout-only; drop one.")
         args.debug_train_only = True
     if args.debug_rollout_only and args.debug_train_only:
         fail("--debug-rollout-only and --debug-train-only are both set; choose one half of the loop.")
+    if args.check_weight_update_equal and args.debug_rollout_only:
+        fail("--check-weight-update-equal overwrites the engines' weights until the trainer's first push restores "
+             "them, but --debug-rollout-only runs no trainer (the rollout would sample from random weights); "
+             "drop one of them.")
+    if args.check_weight_update_equal and args.debug_train_only:
+        logger.warning("--check-weight-update-equal with --debug-train-only: there are no engines, nothing is checked.")
     if args.dump_details is not None:
         if args.save_debug_rollout_data is None:
             args.save_debug_rollout_data = f"{args.dump_details}/rollout_data/{{rollout_id}}.pt"
