@@ -37,7 +37,7 @@ from slime.config.arg_groups.megatron import MEGATRON_DESTS, add_megatron_argume
 from slime.config.arg_groups.rollout import DEFAULT_ROLLOUT_FUNCTION, check_hf_checkpoint
 from slime.rollout.rm_hub import RM_TYPES
 from slime.utils.data import chat_template_missing, check_prompt_file, no_chat_template_message
-from slime.utils.misc import load_hook
+from slime.utils.misc import load_hook, read_yaml
 
 logger = logging.getLogger(__name__)
 
@@ -261,15 +261,7 @@ def _cuda_available() -> bool:
 
 def apply_custom_config(parser: argparse.ArgumentParser, args: argparse.Namespace, path: str) -> None:
     """Override attributes of `args` from a YAML mapping; values given as strings are typed like the flag."""
-    import yaml
-
-    if not os.path.isfile(path):
-        raise SlimeArgumentError(f"--custom-config-path {path}: no such file (cwd: {os.getcwd()}).")
-    with open(path) as f:
-        try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise SlimeArgumentError(f"--custom-config-path {path}: not valid YAML: {e}") from e
+    data = read_yaml(path, "--custom-config-path", SlimeArgumentError) or {}
     if not isinstance(data, dict):
         raise SlimeArgumentError(f"--custom-config-path {path}: expected a mapping of argument names to values.")
 

@@ -21,12 +21,10 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import os
 from typing import Any
 
-import yaml
-
 from slime.utils.errors import SlimeArgumentError
+from slime.utils.misc import read_yaml
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +41,7 @@ def megatron_role_overrides(path: str, role: str) -> dict[str, Any]:
     """The `overrides` (or `args`) mapping of `role`'s entry in the YAML at `path`; {} when it has none."""
     if role not in ROLES:
         raise MegatronRoleConfigError(f"role {role!r}: a Megatron config role is one of {list(ROLES)}")
-    if not os.path.isfile(path):
-        raise MegatronRoleConfigError(f"--megatron-config-path {path}: no such file (cwd: {os.getcwd()})")
-    with open(path) as f:
-        try:
-            config = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise MegatronRoleConfigError(f"--megatron-config-path {path}: not valid YAML: {e}") from e
+    config = read_yaml(path, "--megatron-config-path", MegatronRoleConfigError) or {}
     entries = config.get("megatron") if isinstance(config, dict) else None
     if not isinstance(entries, list):
         raise MegatronRoleConfigError(f"--megatron-config-path {path}: the file must have a top-level 'megatron' "

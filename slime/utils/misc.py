@@ -194,3 +194,17 @@ def _import(module_part: str):
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     return importlib.import_module(module_part)
+
+
+def read_yaml(path: str, flag: str, error: type[Exception] = ValueError) -> Any:
+    """The YAML document a flag names (None for an empty file); `error` names the flag, the path and what is wrong
+    (missing file, invalid YAML)."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise error(f"{flag} {path}: no such file (cwd: {os.getcwd()})")
+    with open(path) as f:
+        try:
+            return yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise error(f"{flag} {path}: not valid YAML: {e}") from e
