@@ -40,6 +40,8 @@ def train(args) -> None:
         num_rollout = resolve_num_rollout(args, run)
         start_rollout_id = init_training(args, run, num_rollout)
         engines = ray.get(run.rollout_manager.get_engines.remote())
+        if args.use_fault_tolerance:  # the trainer is idle while a rollout generates: it can re-push mid-rollout
+            ray.get(run.rollout_manager.set_weight_source.remote(run.actor.actors))
         weight_version = push_weights(run, engines, 0)
         if should_eval_before_training(args, start_rollout_id):
             tracker.log(evaluate(run, start_rollout_id), step=start_rollout_id)

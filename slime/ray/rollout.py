@@ -10,6 +10,10 @@ Simplifications and choices:
   `--use-fault-tolerance` a health monitor (slime/ray/engine_health.py) takes a failing engine out
   (deregistered, server stopped) and `before_weight_update` restarts its server in the same actor and
   re-registers it, so the push that follows brings it to the current weights; the actor handles stay the same.
+  When the engine lost mid-rollout was the last one serving (one engine, as on a single GPU) and the driver
+  named the trainer ranks (`set_weight_source`, train.py), it is restarted at once and given the current
+  weights by the trainer (idle while train.py generates) before the router sends it anything; the rollout's
+  retried requests then complete on it.
 - Samples marked FAILED are counted in `rollout/failed_count` (train_data.py gives them an all-zero loss mask).
 - slime's hooks around a rollout are called here as slime calls them: `set_current_rollout_id` before the
   rollout / eval function (what `--rollout-sample-hook-path` hooks are told), the samples -> train data
@@ -33,6 +37,7 @@ Simplifications and choices:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -90,6 +95,9 @@ class RolloutManager:
         self._released_tags: set[str] = set()  # engine memory released (release_memory), not yet resumed
         self._counts_reported = True  # False once an engine turned out not to report num_finished_requests
         self.engine_restarts = 0
+        self._restart_lock = threading.Lock()  # the monitor's thread and before_weight_update both restart engines
+        self._weight_source: list[Any] = []  # trainer ranks that can push the current weights (set_weight_source)
+        self._generating = False
         try:
             # The cheap, error-prone parts first, so a bad plugin path or dataset starts no process.
             self.generate_rollout = load_function(args.rollout_function_path, "--rollout-function-path")
@@ -209,7 +217,11 @@ class RolloutManager:
         if args.load_debug_rollout_data:
             samples = load_debug_samples(args.load_debug_rollout_data, rollout_id)
         else:
-            output = call_rollout_fn(self.generate_rollout, args, rollout_id, self.data_source, evaluation=False)
+            self._generating = True
+            try:
+                output = call_rollout_fn(self.generate_rollout, args, rollout_id, self.data_source, evaluation=False)
+            finally:
+                self._generating = False
             samples = flatten_groups(output.samples, args.rollout_function_path)
             output_metrics = output.metrics
         fn_metrics = output_metrics or {}
@@ -352,21 +364,50 @@ class RolloutManager:
             hook(self.args, self.weight_version)
 
     # ---- fault tolerance (--use-fault-tolerance) ------------------------------------------------------
+    def set_weight_source(self, trainer_ranks: list[Any]) -> None:
+        """train.py names its training ranks (Ray actor handles): they are idle while a rollout generates, so
+        an engine restarted mid-rollout can be given the current weights by them at once."""
+        self._weight_source = list(trainer_ranks)
+
     def _take_out(self, i: int) -> None:
         """Called by the health monitor's thread: no new requests to engine i, and its server is stopped
-        (requests it had in flight fail and are retried through the router on the other engines)."""
+        (requests it had in flight fail and are retried through the router on the other engines). If no
+        engine is left serving a rollout in progress, the dead ones are brought back now (`_recover_now`)."""
         url = self.engine_urls[i]
         _best_effort(f"deregister {url}", lambda: self.router.remove_worker(url))
-        self.engines[i].shutdown.remote()
+        ray.get(self.engines[i].shutdown.remote())
+        if self._generating and self._weight_source and len(self.monitor.dead()) == len(self.engines):
+            self._recover_now()
+
+    def _recover_now(self) -> None:
+        """Every engine is dead and a rollout waits on them: restart their servers, have the trainer push the
+        version they served (`self.weight_version`), and only then register them with the router, so the
+        retried requests are never served by the checkpoint's weights."""
+        with self._restart_lock:
+            dead = self.monitor.dead()
+            if not dead:
+                return
+            logger.warning("no engine left serving rollout requests; restarting engine(s) %s now and pushing "
+                           "weight version %s to them", dead, self.weight_version)
+            for i in dead:
+                self.engine_urls[i] = ray.get(self.engines[i].init.remote())
+            if self.weight_version is not None:
+                restarted = [self.engines[i] for i in dead]
+                ray.get([rank.update_weights.remote(restarted, self.weight_version) for rank in self._weight_source])
+            for i in dead:
+                self._register_restarted(i, "with the current weights; the rollout's retried requests go to it")
 
     def _restart_dead_engines(self) -> None:
-        for i in self.monitor.dead():
-            self.engine_urls[i] = ray.get(self.engines[i].init.remote())  # the actor starts a fresh server
-            self.router.add_worker(self.engine_urls[i])
-            self.monitor.revive(i)
-            self.engine_restarts += 1
-            logger.warning("engine %d restarted at %s; the weight push that follows brings it to the current "
-                           "version", i, self.engine_urls[i])
+        with self._restart_lock:
+            for i in self.monitor.dead():
+                self.engine_urls[i] = ray.get(self.engines[i].init.remote())  # the actor starts a fresh server
+                self._register_restarted(i, "the weight push that follows brings it to the current version")
+
+    def _register_restarted(self, i: int, what_next: str) -> None:
+        self.router.add_worker(self.engine_urls[i])
+        self.monitor.revive(i)
+        self.engine_restarts += 1
+        logger.warning("engine %d restarted at %s; %s", i, self.engine_urls[i], what_next)
 
     def get_weight_version(self) -> int | None:
         return self.weight_version
