@@ -1,7 +1,7 @@
-"""The hf engine's decode speed against the memory-bandwidth bound (GPU).
+"""The hf engine's decode speed against the memory-bandwidth bound (GPU), next to a real SGLang server's.
 
     python benchmarks/decode_speed.py [--shape qwen3-0.6b] [--batch 64,256] [--prompt-len 64] [--new-tokens 256]
-                                      [--bandwidth-tb-s 4.3]
+                                      [--bandwidth-tb-s 4.3] [--kv-cache dynamic,slots] [--sglang triton,flashinfer]
 
 A random-init model of the shape (benchmarks/weight_sync.py's helper, bf16 on the GPU) served by the engine's
 scheduler in this process (no HTTP), once per `--kv-cache` mode (`dynamic`: a transformers DynamicCache;
@@ -12,13 +12,25 @@ forward steps are timed apart (every step ends in a host sync, so wall time per 
 host's share). The bound of one decode step is the bytes it must read, the weights once plus every live
 row's KV cache (2 x layers x KV heads x head dim x 2 bytes per token of context), over `--bandwidth-tb-s`
 (device copy bandwidth measured on the H200); efficiency = bound / measured.
+
+`--sglang BACKENDS` adds one row per batch for a real SGLang server per attention backend, on the same model
+folder (bf16, pytorch sampler, CUDA graphs up to the largest batch, radix cache off so nothing is reused), started
+by `SLIME_SGLANG_LAUNCHER` when set (docs/sglang_backend.md), else `python -m sglang.launch_server`. SGLang is
+timed over HTTP: one `/generate` of the whole batch (its `input_ids` lists) with 1 new token (prefill) and one
+with `--new-tokens` (fresh random prompts each time); its decode step is the difference over `--new-tokens - 1`,
+so host and HTTP overhead of the second call count against it. The server's start-up seconds (JIT compiles and
+CUDA graph capture included) are printed per backend.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
+import shlex
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -79,6 +91,77 @@ def bench(model, tokenizer, kv_cache: str, batch: int, prompt_len: int, new_toke
             "decode tok/s": batch * len(decode) / sum(decode)}
 
 
+def sglang_server(model_dir: str, attention_backend: str, max_batch: int, log_path: str):
+    """Start SGLang on `model_dir`; returns (process, base URL, start-up seconds). The caller stops it."""
+    import httpx
+
+    from slime.utils.net import free_port
+
+    port = free_port("127.0.0.1")
+    launcher = shlex.split(os.environ.get("SLIME_SGLANG_LAUNCHER", "")) or [sys.executable, "-m",
+                                                                           "sglang.launch_server"]
+    cmd = [*launcher, "--model-path", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+           "--attention-backend", attention_backend, "--sampling-backend", "pytorch", "--mem-fraction-static", "0.5",
+           "--cuda-graph-max-bs", str(max_batch), "--max-running-requests", str(max_batch),
+           "--disable-prefill-cuda-graph", "--disable-radix-cache", "--skip-server-warmup", "--random-seed", "0"]
+    log = open(log_path, "w")
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        if proc.poll() is not None:
+            log.close()
+            with open(log_path) as f:
+                raise SystemExit(f"SGLang ({attention_backend}) exited with {proc.returncode}:\n{f.read()[-4000:]}")
+        try:
+            if httpx.get(url + "/health_generate", timeout=60, trust_env=False).status_code == 200:
+                return proc, url, time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        if time.perf_counter() - start > 900:
+            stop_server(proc)
+            raise SystemExit(f"SGLang ({attention_backend}) did not answer /health_generate in 900 s; see {log_path}")
+        time.sleep(1)
+
+
+def stop_server(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def bench_sglang(url: str, name: str, vocab: int, batch: int, prompt_len: int, new_tokens: int,
+                 bound_s: float) -> dict:
+    import httpx
+
+    rng = random.Random(batch)
+
+    def timed(max_new: int) -> float:
+        body = {"input_ids": [[rng.randrange(1, vocab - 1) for _ in range(prompt_len)] for _ in range(batch)],
+                "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new, "ignore_eos": True},
+                "return_logprob": True}
+        start = time.perf_counter()
+        answer = httpx.post(url + "/generate", json=body, timeout=600, trust_env=False)
+        wall = time.perf_counter() - start
+        answer.raise_for_status()
+        lengths = {len(a["meta_info"]["output_token_logprobs"]) for a in answer.json()}
+        assert lengths == {max_new}, f"SGLang returned {lengths} tokens per request, expected {max_new}"
+        return wall
+
+    timed(8)  # warm-up
+    prefill, wall = timed(1), timed(new_tokens)
+    step = (wall - prefill) / (new_tokens - 1)
+    return {"kv cache": f"sglang {name}", "batch": batch, "wall s": wall, "prefill s": prefill,
+            "decode steps": new_tokens - 1, "ms / decode step": 1e3 * step, "bound ms / step": 1e3 * bound_s,
+            "efficiency": bound_s / step, "decode tok/s": batch / step}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="qwen3-0.6b")
@@ -86,7 +169,9 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--bandwidth-tb-s", type=float, default=4.3)
-    p.add_argument("--kv-cache", default="dynamic,slots", help="scheduler KV cache modes to compare")
+    p.add_argument("--kv-cache", default="dynamic,slots", help="scheduler KV cache modes to compare ('' for none)")
+    p.add_argument("--sglang", default="", help="attention backends of a real SGLang server to add rows for, "
+                   "e.g. triton,flashinfer")
     args = p.parse_args()
     import torch
 
@@ -96,23 +181,42 @@ def main() -> None:
 
     from weight_sync import make_model_dir
 
+    header = []
+
+    def print_row(row: dict) -> None:  # rows are printed as they finish, so a run cut short keeps what it measured
+        if not header:
+            print("| " + " | ".join(row) + " |")
+            print("|" + " ---: |" * len(row))
+            header.append(True)
+        print("| " + " | ".join(f"{v:.1%}" if k == "efficiency" else (f"{v:,.2f}" if isinstance(v, float) else str(v))
+                                for k, v in row.items()) + " |", flush=True)
+
+    batches = [int(b) for b in args.batch.split(",")]
+    bandwidth = args.bandwidth_tb_s * 1e12
     with tempfile.TemporaryDirectory() as root:
         path, model = make_model_dir(args.shape, root)
         tokenizer = AutoTokenizer.from_pretrained(path)
-    model.eval()
-    print(f"{args.shape}, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens per request, bf16, "
-          f"{torch.cuda.get_device_name()}, bound at {args.bandwidth_tb_s} TB/s")
-    header = False
-    for mode in args.kv_cache.split(","):
-        bench(model, tokenizer, mode, 8, args.prompt_len, 8, args.bandwidth_tb_s * 1e12)  # warm-up (kernels)
-        for b in args.batch.split(","):
-            row = bench(model, tokenizer, mode, int(b), args.prompt_len, args.new_tokens, args.bandwidth_tb_s * 1e12)
-            if not header:  # rows are printed as they finish, so a run cut short keeps what it measured
-                print("| " + " | ".join(row) + " |")
-                print("|" + " ---: |" * len(row))
-                header = True
-            print("| " + " | ".join(f"{v:.1%}" if k == "efficiency" else (f"{v:,.2f}" if isinstance(v, float) else str(v))
-                                    for k, v in row.items()) + " |", flush=True)
+        model.eval()
+        print(f"{args.shape}, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens per request, bf16, "
+              f"{torch.cuda.get_device_name()}, bound at {args.bandwidth_tb_s} TB/s")
+        for mode in filter(None, args.kv_cache.split(",")):
+            bench(model, tokenizer, mode, 8, args.prompt_len, 8, bandwidth)  # warm-up (kernels)
+            for b in batches:
+                print_row(bench(model, tokenizer, mode, b, args.prompt_len, args.new_tokens, bandwidth))
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        per_token, vocab = kv_bytes_per_token(model.config), model.config.vocab_size
+        del model
+        torch.cuda.empty_cache()
+        for backend in filter(None, args.sglang.split(",")):
+            proc, url, startup = sglang_server(path, backend, max(batches), os.path.join(root, f"sglang-{backend}.log"))
+            print(f"SGLang ({backend}): up in {startup:.1f} s (until /health_generate answers)", flush=True)
+            try:
+                for b in batches:
+                    bound = statistics.fmean((weight_bytes + b * (args.prompt_len + k) * per_token) / bandwidth
+                                             for k in range(1, args.new_tokens))
+                    print_row(bench_sglang(url, backend, vocab, b, args.prompt_len, args.new_tokens, bound))
+            finally:
+                stop_server(proc)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/grpo_step.py [--shape qwen3-0.6b] [--prompts 32] [--prompt-len 64] [--response-len 256]
                                    [--steps 5] [--micro-batch-size 16] [--systems slime,trl]
+                                   [--sglang-attention-backend triton]
 
 Both sides get the same random-init model (published Qwen3 dimensions, benchmarks/weight_sync.py's helper,
 loaded in fp32 and trained with bf16 compute), the same prompts (`--prompts` strings of exactly
@@ -13,6 +14,11 @@ no reference model.
 
 - slime: `train.py`, colocated on the one GPU (fsdp trainer + the `hf` engine; a CUDA-IPC weight push after
   every step). Its numbers are the per-rollout `perf/*` scalars of its TensorBoard directory.
+  `slime-megatron`: the Megatron trainer + the `hf` engine. `slime-sglang`: the Megatron trainer + a real SGLang
+  server behind sglang-router (what slime users run; `update_weights_from_tensor` over CUDA IPC after every
+  step). SGLang is started by `SLIME_SGLANG_LAUNCHER` when it is set (docs/sglang_backend.md), with
+  `--sglang-attention-backend` (triton by default), the pytorch sampler, bf16, CUDA graphs up to the batch
+  and no prefill CUDA graphs; its start-up is not part of any step.
 - TRL: `GRPOTrainer` with its default generation path (`model.generate` inside the trainer), timed by a
   callback (step) and a wrapper around the model's `generate` (rollout).
 
@@ -134,14 +140,29 @@ def backend_flags(args, backend: str) -> list[str]:
             "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(tokens)]
 
 
-def slime_command(args, model_dir: str, data: str, tb_dir: str, backend: str = "fsdp") -> list[str]:
+# system -> (training backend, rollout backend)
+SLIME_SYSTEMS = {"slime": ("fsdp", "hf"), "slime-megatron": ("megatron", "hf"), "slime-sglang": ("megatron", "sglang")}
+
+
+def rollout_flags(args, rollout: str) -> list[str]:
+    if rollout == "hf":
+        return ["--rollout-backend", "hf"]
+    batch = args.prompts * SAMPLES_PER_PROMPT
+    return ["--rollout-backend", "sglang", "--sglang-attention-backend", args.sglang_attention_backend,
+            "--sglang-sampling-backend", "pytorch", "--sglang-dtype", "bfloat16",
+            "--sglang-mem-fraction-static", "0.3", "--sglang-cuda-graph-max-bs", str(batch),
+            "--sglang-disable-prefill-cuda-graph"]
+
+
+def slime_command(args, model_dir: str, data: str, tb_dir: str, backend: str = "fsdp",
+                  rollout: str = "hf") -> list[str]:
     batch = args.prompts * SAMPLES_PER_PROMPT
     here = os.path.abspath(__file__)
     return [
         sys.executable, os.path.join(ROOT, "train.py"),
         "--hf-checkpoint", model_dir, "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
         "--custom-rm-path", f"{here}:reward", "--custom-generate-function-path", f"{here}:generate",
-        *backend_flags(args, backend), "--rollout-backend", "hf", "--colocate",
+        *backend_flags(args, backend), *rollout_flags(args, rollout), "--colocate",
         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
         "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(SAMPLES_PER_PROMPT),
         "--global-batch-size", str(batch),
@@ -154,16 +175,17 @@ def slime_command(args, model_dir: str, data: str, tb_dir: str, backend: str = "
     ]
 
 
-def run_slime(args, model_dir: str, data: str, workdir: str, backend: str = "fsdp") -> dict:
+def run_slime(args, model_dir: str, data: str, workdir: str, name: str = "slime") -> dict:
     from slime.utils.tracking import read_scalars
 
-    name = "slime" if backend == "fsdp" else f"slime-{backend}"
+    backend, rollout = SLIME_SYSTEMS[name]
     tb_dir = os.path.join(workdir, f"{name}_tb")
     log_path = os.path.join(workdir, f"{name}.log")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               SLIME_ENGINE_LOG_DIR=os.path.join(workdir, f"{name}_engine_logs"))
     print(f"[{name}] train.py ... (log: {log_path})", flush=True)
     with MemoryPeak() as mem, open(log_path, "w") as log:
-        rc = subprocess.run(slime_command(args, model_dir, data, tb_dir, backend), stdout=log,
+        rc = subprocess.run(slime_command(args, model_dir, data, tb_dir, backend, rollout), stdout=log,
                             stderr=subprocess.STDOUT, env=env, cwd=workdir).returncode
     if rc != 0:
         with open(log_path) as f:
@@ -313,7 +335,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1, help="first steps left out of the means")
     p.add_argument("--micro-batch-size", type=int, default=16)
-    p.add_argument("--systems", default="slime,trl", help="of slime (fsdp), slime-megatron, trl")
+    p.add_argument("--systems", default="slime,trl", help="of slime (fsdp), slime-megatron, slime-sglang, trl")
+    p.add_argument("--sglang-attention-backend", default="triton", help="slime-sglang: SGLang's attention backend")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
@@ -324,6 +347,10 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("benchmarks/grpo_step.py needs CUDA")
+    runners = {**{name: functools.partial(run_slime, name=name) for name in SLIME_SYSTEMS}, "trl": run_trl}
+    unknown = [name for name in args.systems.split(",") if name not in runners]
+    if unknown:
+        sys.exit(f"--systems: unknown {unknown}; choose from {', '.join(runners)}")
     if (args.prompts * SAMPLES_PER_PROMPT) % args.micro_batch_size:
         sys.exit(f"--micro-batch-size {args.micro_batch_size} must divide {args.prompts} x {SAMPLES_PER_PROMPT}")
     from weight_sync import SHAPES, make_model_dir
@@ -334,8 +361,6 @@ def main() -> None:
         torch.cuda.empty_cache()
         data = write_prompts(os.path.join(workdir, "prompts.jsonl"), args.prompts, args.prompt_len,
                              SHAPES[args.shape]["vocab_size"])
-        runners = {"slime": run_slime, "slime-megatron": functools.partial(run_slime, backend="megatron"),
-                   "trl": run_trl}
         results = {name: runners[name](args, model_dir, data, workdir) for name in args.systems.split(",")}
     print(report(args, results))
 

@@ -149,7 +149,8 @@ def test_sglang_server_killed_mid_rollout_is_restarted(tiny_model_dir, toy_data_
     backend = pick_backend()
     cmd = train_cmd(backend, tiny_model_dir, toy_data_path, tb)
     cmd[cmd.index("--num-rollout") + 1] = str(n)
-    cmd += ["--use-fault-tolerance", "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "30",
+    cmd += ["--sglang-disable-cuda-graph",  # the restart is on the clock of the rollout's retries
+            "--use-fault-tolerance", "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "30",
             "--custom-generate-function-path", "tests.e2e_cpu.plugins.engine_kill.generate",
             "--save-debug-rollout-data", os.path.join(dump, "rollout_{rollout_id}.pt")]  # fmt: skip
     killed: dict = {}
