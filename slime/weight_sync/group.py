@@ -43,6 +43,9 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
     url = f"tcp://{master_address}:{master_port}"
     store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
+    # SGLang (init_custom_process_group) and slime key the group's rendezvous under the group name: without the
+    # same prefix the two sides wait for each other's keys until the timeout.
+    store = c10d.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name,
                                            timeout=timeout)
     # Group rank r is rank r for the collectives' src/dst arguments (there is no default group to map into).
