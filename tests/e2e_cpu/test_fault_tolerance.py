@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from slime.utils.tracking import read_scalars
-from tests.conftest import REPO_ROOT
 from tests.e2e_cpu.test_train_e2e import _env, _train_cmd
 
 
@@ -37,6 +36,31 @@ def _engine_servers(root: psutil.Process) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def _run_and_kill(cmd, env, cwd, wait_for, servers_expected: int, after_kill=None) -> tuple[str, dict]:
+    """Run train.py; once `wait_for` exists, SIGKILL the first of exactly `servers_expected` engine servers
+    (then call `after_kill`). Returns the run's output and {"pid": killed pid} (empty if none was killed)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+    killed: dict = {}
+
+    def killer():
+        deadline = time.monotonic() + 400
+        while not wait_for.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        servers = _engine_servers(psutil.Process(proc.pid))
+        if wait_for.exists() and len(servers) == servers_expected:
+            killed["pid"] = servers[0].pid
+            os.kill(servers[0].pid, signal.SIGKILL)
+        if after_kill is not None:
+            after_kill()
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    out, _ = proc.communicate(timeout=560)
+    thread.join(5)
+    assert proc.returncode == 0, out[-4000:]
+    return out, killed
 
 
 def _groups_and_versions(dump) -> tuple[dict, dict, dict]:
@@ -69,25 +93,7 @@ def test_killed_engine_is_replaced_and_nothing_is_lost(tiny_model_dir, toy_data_
         "--use-tensorboard", "--tensorboard-dir", str(tmp_path / "tb"),
         "--save-debug-rollout-data", str(dump / "rollout_{rollout_id}.pt"),
     )  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
-                            cwd=str(tmp_path))
-    killed: dict = {}
-
-    def kill_one_engine_after_first_rollout():
-        deadline = time.monotonic() + 400
-        while not (dump / "rollout_0.pt").exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        servers = _engine_servers(psutil.Process(proc.pid))
-        if len(servers) == 2:
-            killed["pid"] = servers[0].pid
-            killed["at"] = time.time()
-            os.kill(servers[0].pid, signal.SIGKILL)
-
-    killer = threading.Thread(target=kill_one_engine_after_first_rollout, daemon=True)
-    killer.start()
-    out, _ = proc.communicate(timeout=560)
-    killer.join(5)
-    assert proc.returncode == 0, out[-4000:]
+    out, killed = _run_and_kill(cmd, _env(), str(tmp_path), dump / "rollout_0.pt", servers_expected=2)
     assert "pid" in killed, "the test never found two engine servers to kill one of"
 
     versions, groups, _ = _groups_and_versions(dump)
@@ -116,26 +122,8 @@ def test_lone_engine_killed_mid_rollout_is_restarted_with_current_weights(tiny_m
         "--save-debug-rollout-data", str(dump / "rollout_{rollout_id}.pt"),
     )  # fmt: skip
     env = dict(_env(), SLIME_KILL_MARKER=str(marker), SLIME_KILL_ROLLOUT=str(kill_rollout))
-    env["PYTHONPATH"] = REPO_ROOT
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=str(tmp_path))
-    killed: dict = {}
-
-    def kill_the_engine_when_asked():
-        deadline = time.monotonic() + 400
-        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        servers = _engine_servers(psutil.Process(proc.pid))
-        if marker.exists() and len(servers) == 1:
-            killed["pid"] = servers[0].pid
-            os.kill(servers[0].pid, signal.SIGKILL)
-        (tmp_path / "kill_now.done").touch()  # the waiting samples go on either way
-
-    killer = threading.Thread(target=kill_the_engine_when_asked, daemon=True)
-    killer.start()
-    out, _ = proc.communicate(timeout=560)
-    killer.join(5)
-    assert proc.returncode == 0, out[-4000:]
+    out, killed = _run_and_kill(cmd, env, str(tmp_path), marker, servers_expected=1,
+                                after_kill=(tmp_path / "kill_now.done").touch)  # the waiting samples go on
     assert "pid" in killed, "the plugin never opened the kill window, or there was not exactly one engine server"
 
     versions, groups, failed = _groups_and_versions(dump)
