@@ -1,4 +1,4 @@
-"""Synchronous RL training: generate → train → save → push weights, once per rollout (docs/training_loop.md).
+"""Synchronous RL training: generate → train → log → save → push weights, once per rollout (docs/training_loop.md).
 
     source scripts/models/qwen3-4B.sh
     python train.py --hf-checkpoint ... --prompt-data ... --rollout-batch-size 32 --n-samples-per-prompt 8 \
@@ -52,16 +52,18 @@ def train(args) -> None:
             train_start = time.time()
             metrics.update(train_on(run, rollout_id, batch))
             metrics["perf/train_time"] = time.time() - train_start
+            tracker.log(metrics, step=rollout_id, console=False)  # before the checkpoint: a kill while saving
+            late: dict[str, float] = {}  # leaves no gap in the curves
             if should_save(args, rollout_id, num_rollout):
                 save(run, rollout_id)
             if should_push(args, rollout_id):
                 push_start = time.time()
                 weight_version = push_weights(run, engines, weight_version)
-                metrics["perf/update_weights_time"] = time.time() - push_start
-            metrics["perf/step_time"] = time.time() - step_start
+                late["perf/update_weights_time"] = time.time() - push_start
+            late["perf/step_time"] = time.time() - step_start
             if should_eval(args, rollout_id):
-                metrics.update(evaluate(run, rollout_id))
-            tracker.log(metrics, step=rollout_id)
+                late.update(evaluate(run, rollout_id))
+            tracker.log(late, step=rollout_id)
     tracker.close()
 
 

@@ -133,6 +133,8 @@ def train_async(args) -> None:
             metrics.update(train_on(run, rollout_id, batch))
             timeline["train_end"] = time.time()
             metrics["perf/train_time"] = timeline["train_end"] - timeline["train_start"]
+            tracker.log(metrics, step=rollout_id, console=False)  # before the checkpoint (see train.py)
+            late: dict[str, float] = {}
             if should_save(args, rollout_id, num_rollout):
                 save(run, rollout_id)
             if should_push(args, rollout_id):
@@ -140,17 +142,17 @@ def train_async(args) -> None:
                 timeline["push_start"] = time.time()
                 weight_version = push_weights(run, engines, weight_version)
                 timeline["push_end"] = time.time()
-                metrics["perf/update_weights_time"] = timeline["push_end"] - timeline["push_start"]
+                late["perf/update_weights_time"] = timeline["push_end"] - timeline["push_start"]
             if should_eval(args, rollout_id):
-                metrics.update(evaluate(run, rollout_id))
+                late.update(evaluate(run, rollout_id))
             generations.fill()
 
             step_end = time.time()
-            metrics["perf/step_time"] = step_end - step_start
-            metrics["perf/train_wait_time_ratio"] = wait_time_ratio(generations.wait_s, step_end - step_start)
+            late["perf/step_time"] = step_end - step_start
+            late["perf/train_wait_time_ratio"] = wait_time_ratio(generations.wait_s, step_end - step_start)
             logger.info("timeline %s", json.dumps({"rollout_id": rollout_id, "weight_version": weight_version,
                                                    **{k: round(v, 4) for k, v in timeline.items()}}))
-            tracker.log(metrics, step=rollout_id)
+            tracker.log(late, step=rollout_id)
             step_start = step_end
     tracker.close()
 

@@ -1,6 +1,9 @@
 """Metrics sinks: TensorBoard (`--use-tensorboard`), wandb (`--use-wandb`, offline works) and a console line.
 
-All metrics reach the driver, which is the only writer; the step is the rollout id.
+All metrics reach the driver, which is the only writer; the step is the rollout id. A step may be logged in
+parts (the loops log a rollout's generation and training metrics before its checkpoint is written, the step time
+and evaluation after): every part is written and flushed at once, and the console line shows the step's parts so
+far.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class Tracker:
     def __init__(self, args):
         self._tb = None
         self._wandb = None
+        self._step: int | None = None
+        self._step_scalars: dict[str, float] = {}  # the parts of the current step logged so far
         if args.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -47,7 +52,9 @@ class Tracker:
                 config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
             )
 
-    def log(self, metrics: dict[str, Any], step: int) -> None:
+    def log(self, metrics: dict[str, Any], step: int, console: bool = True) -> None:
+        """Write `metrics` at `step` to every sink now. `console=False`: an early part of the step (no console
+        line yet; the next part's line includes it)."""
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
             for k, v in scalars.items():
@@ -55,8 +62,13 @@ class Tracker:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log({**scalars, "rollout_id": step}, step=step)
-        shown = " ".join(f"{k.split('/', 1)[1]}={scalars[k]:.4g}" for k in _CONSOLE_KEYS if k in scalars)
-        logger.info("rollout %d: %s", step, shown)
+        if step != self._step:
+            self._step, self._step_scalars = step, {}
+        self._step_scalars.update(scalars)
+        if console:
+            seen = self._step_scalars
+            shown = " ".join(f"{k.split('/', 1)[1]}={seen[k]:.4g}" for k in _CONSOLE_KEYS if k in seen)
+            logger.info("rollout %d: %s", step, shown)
 
     def close(self) -> None:
         if self._tb is not None:

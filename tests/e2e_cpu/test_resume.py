@@ -71,3 +71,33 @@ def test_resume_gets_the_same_prompts_and_replay_the_same_loss(tiny_model_dir, t
         assert first_d == pytest.approx(first_a, rel=1e-5, abs=1e-7), tag
     assert read_scalars(tb_a, "train/grad_norm")[0] > 1e-3
     assert wait_for_no_new_processes(before) == {}
+
+
+@pytest.mark.timeout(300)
+def test_driver_killed_while_saving_leaves_no_gap_in_the_curves(tiny_model_dir, toy_data_path, tmp_path):
+    """A rollout's metrics reach TensorBoard before its checkpoint is written: the driver SIGKILLed the moment
+    rollout 1's checkpoint folder appears has logged rollouts 0 and 1, so a resume from the last complete
+    checkpoint continues the curve without a gap."""
+    import signal
+    import time
+
+    save, tb = tmp_path / "ckpt", tmp_path / "tb"
+    cmd = _train_cmd(tiny_model_dir, toy_data_path, "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+                     "--global-batch-size", "16", "--rm-type", "toy", "--num-rollout", "4",
+                     "--save", str(save), "--save-interval", "1", "--use-tensorboard", "--tensorboard-dir", str(tb))
+    before = run_processes()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=_env(), cwd=str(tmp_path))
+    try:
+        deadline = time.monotonic() + 240
+        while not (save / "iter_0000001").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (save / "iter_0000001").exists(), "rollout 1's checkpoint never started"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left = wait_for_no_new_processes(before, timeout_s=90)
+    assert left == {}, left
+    logged = read_scalars(str(tb), "train/loss")
+    assert {0, 1} <= set(logged), f"TensorBoard steps of train/loss: {sorted(logged)}"
