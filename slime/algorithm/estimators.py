@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from slime.algorithm.opd import apply_opd_kl_to_advantages
 from slime.utils import ppo_utils
 from slime.utils.misc import load_function
 
@@ -51,14 +52,15 @@ class AdvantageInputs:
     batch_raw_rewards: list[float] | None = None  # the whole train batch's (slime's "raw_reward" is the batch's)
     advantages: list[torch.Tensor] | None = None  # once computed (--rollout-data-postprocess-path)
     returns: list[torch.Tensor] | None = None
+    teacher_log_probs: list[torch.Tensor] | None = None  # on-policy distillation's teacher (--use-opd)
 
     def to_rollout_data(self, kl: Tensors | None = None) -> dict[str, Any]:
         """slime's `rollout_data` dict of these rows (fresh lists), as --custom-advantage-function-path and
         --rollout-data-postprocess-path receive it, with slime's keys and dtypes: "partition", "tokens",
         "response_lengths", "total_lengths", "rewards", "raw_reward" (the whole batch's when known), "truncated",
         "loss_masks" (int), "kl" (given by the advantage step: zeros without --kl-coef, as in slime), "values",
-        "log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "returns", and ours "group_indices". A key
-        whose values are not known here is absent, as in slime's dict."""
+        "log_probs", "ref_log_probs", "rollout_log_probs", "teacher_log_probs", "advantages", "returns", and ours
+        "group_indices". A key whose values are not known here is absent, as in slime's dict."""
         raw = self.batch_raw_rewards if self.batch_raw_rewards is not None else self.raw_rewards
         data = {
             "partition": self.partition, "tokens": self.tokens, "response_lengths": self.response_lengths,
@@ -66,7 +68,7 @@ class AdvantageInputs:
             "truncated": self.truncated, "loss_masks": [m.to(torch.int) for m in self.loss_masks], "kl": kl,
             "values": self.values, "log_probs": self.log_probs, "ref_log_probs": self.ref_log_probs,
             "rollout_log_probs": self.rollout_log_probs, "advantages": self.advantages, "returns": self.returns,
-            "group_indices": self.group_indices,
+            "group_indices": self.group_indices, "teacher_log_probs": self.teacher_log_probs,
         }
         return {key: list(value) for key, value in data.items() if value is not None}
 
@@ -91,7 +93,7 @@ class AdvantageInputs:
             loss_masks=[torch.as_tensor(m, dtype=torch.float32) for m in rollout_data["loss_masks"]],
             group_indices=rollout_data.get("group_indices"), kl=kl, values=rollout_data.get("values"),
             log_probs=log_probs, ref_log_probs=ref, rollout_log_probs=rollout_lp,
-            total_lengths=rollout_data.get("total_lengths"),
+            total_lengths=rollout_data.get("total_lengths"), teacher_log_probs=rollout_data.get("teacher_log_probs"),
         )
 
 
@@ -257,6 +259,9 @@ def compute_advantages_and_returns_in_place(args, rollout_data: dict[str, Any],
         advantages, returns = _custom_results(args, args.custom_advantage_function_path, rollout_data, inputs)
     else:
         advantages, returns = estimator_of(args).advantages(args, inputs)
+    if args.use_opd:  # slime: the teacher's reverse KL enters the advantages before they are whitened
+        advantages = list(advantages)
+        apply_opd_kl_to_advantages(args, rollout_data, advantages, inputs.log_probs)
     if args.normalize_advantages and whiten is not None:
         advantages = whiten(advantages, inputs.loss_masks)
     elif args.normalize_advantages and advantages:

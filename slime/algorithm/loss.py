@@ -59,6 +59,9 @@ class LossInputs:
     sample_denominators: torch.Tensor | None = None
     tokens: list[torch.Tensor] | None = None  # each row's prompt + response tokens (slime's unconcat_tokens)
     logits: torch.Tensor | None = None  # the forward's logits, [1, T, V(/tp)]: the rows back to back (slime's layout)
+    # --use-opd: the teacher's log-probs and the reverse KL (student − teacher) the advantages were given
+    teacher_log_probs: torch.Tensor | None = None
+    opd_reverse_kl: torch.Tensor | None = None
 
 
 class SampleLayout:
@@ -167,6 +170,8 @@ def policy_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, 
         if args.use_kl_loss:
             loss = loss + args.kl_loss_coef * kl_loss
         metrics["train/kl_loss"] = kl_loss
+    if inputs.opd_reverse_kl is not None:  # slime's OPD metric, reduced like the loss's terms
+        metrics["train/opd_reverse_kl"] = agg(inputs.opd_reverse_kl)
     return loss, metrics
 
 
@@ -220,9 +225,9 @@ def loss_batch(inputs: LossInputs, layout: SampleLayout) -> dict[str, Any]:
     """slime's micro-batch dict for a custom loss, one [T_i] tensor per sample: "unconcat_tokens" (prompt +
     response, for slime's `get_log_probs_and_entropy(logits, ...)` at slime.backends.megatron_utils.loss),
     "advantages", "log_probs" (the old policy's), "ref_log_probs" / "rollout_log_probs" (None where absent),
-    "loss_masks", "response_lengths", "total_lengths", "rollout_mask_sums" ([B], when known); and ours, computed
-    by the trainer from the logits at the rollout temperature: "cur_log_probs" and "entropy" (the current
-    policy's, with gradient)."""
+    "loss_masks", "response_lengths", "total_lengths", "rollout_mask_sums" ([B], when known), with --use-opd
+    "teacher_log_probs" and "opd_reverse_kl"; and ours, computed by the trainer from the logits at the rollout
+    temperature: "cur_log_probs" and "entropy" (the current policy's, with gradient)."""
     def rows(x):
         return None if x is None else layout.rows(x)
     batch = {
@@ -234,6 +239,9 @@ def loss_batch(inputs: LossInputs, layout: SampleLayout) -> dict[str, Any]:
     }
     if inputs.sample_denominators is not None:
         batch["rollout_mask_sums"] = inputs.sample_denominators
+    if inputs.opd_reverse_kl is not None:
+        batch["teacher_log_probs"] = rows(inputs.teacher_log_probs)
+        batch["opd_reverse_kl"] = rows(inputs.opd_reverse_kl)
     return batch
 
 

@@ -4,7 +4,6 @@ trainers up, train on one rollout, push weights, save, evaluate, and when to do 
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import ray
@@ -15,14 +14,18 @@ logger = logging.getLogger("slime")
 
 
 def resolve_num_rollout(args, run: Run) -> int:
-    """`--num-rollout`, or when it is unset: num_epoch × dataset size ÷ rollout batch size (the data source knows
-    the size once it has loaded the data)."""
+    """`--num-rollout`, or when it is unset slime's count: --num-epoch × the whole rollouts of one epoch (dataset
+    size // rollout batch size; the data source knows the size once it has loaded the data)."""
     if args.num_rollout is not None:
         return args.num_rollout
     dataset_size = ray.get(run.rollout_manager.dataset_size.remote())
-    num_rollout = math.ceil((args.num_epoch or 1) * dataset_size / args.rollout_batch_size)
-    logger.info("--num-rollout resolved to %d (%s epochs of %d prompts)", num_rollout, args.num_epoch or 1,
-                dataset_size)
+    num_rollout = dataset_size // args.rollout_batch_size * (args.num_epoch or 1)
+    if num_rollout <= 0:
+        raise ValueError(f"--num-epoch {args.num_epoch}: --prompt-data holds {dataset_size} prompts, fewer than one "
+                         f"rollout of --rollout-batch-size {args.rollout_batch_size}; lower the batch size or give "
+                         "--num-rollout")
+    logger.info("--num-rollout resolved to %d (%s epochs of %d rollouts of %d prompts)", num_rollout,
+                args.num_epoch or 1, dataset_size // args.rollout_batch_size, dataset_size)
     return num_rollout
 
 

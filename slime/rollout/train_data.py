@@ -8,7 +8,7 @@ normalisation, as in slime).
 
 `--custom-convert-samples-to-train-data-path fn(args, samples) -> dict` replaces the conversion; its dict
 (slime's train data: tokens, response_lengths, rewards, raw_reward, truncated, loss_masks, optionally
-rollout_log_probs and rollout_ids, else the samples' `rollout_ids`) is read into the `TrainBatch`
+rollout_log_probs, teacher_log_probs and rollout_ids, else the samples' `rollout_ids`) is read into the `TrainBatch`
 (`train_batch_from_dict`); the group of each row is its sample's. Keys this trainer has no use for
 (sample_indices, round_number, metadata, ...) are logged once and not used.
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from slime.algorithm.rewards import train_rewards
+from slime.algorithm.rewards import rollout_rewards
 from slime.utils.misc import load_function
 from slime.utils.types import Sample, TrainBatch
 
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 CONVERT_FLAG = "--custom-convert-samples-to-train-data-path"
 _REQUIRED_KEYS = ("tokens", "response_lengths", "rewards", "raw_reward", "truncated", "loss_masks")
-_USED_KEYS = set(_REQUIRED_KEYS) | {"rollout_log_probs", "rollout_ids"}
+_USED_KEYS = set(_REQUIRED_KEYS) | {"rollout_log_probs", "rollout_ids", "teacher_log_probs"}
 _unused_keys_logged: set[str] = set()
 
 
@@ -110,7 +110,7 @@ def train_batch_from_dict(data: Any, samples: list[Sample], where: str, n_sample
     if unused:
         _unused_keys_logged.update(unused)
         logger.info("%s: keys %s are not used by this trainer", where, unused)
-    log_probs = data.get("rollout_log_probs")
+    log_probs, teacher = data.get("rollout_log_probs"), data.get("teacher_log_probs")
     ids = data.get("rollout_ids")
     return TrainBatch(
         tokens=[[int(t) for t in row] for row in data["tokens"]],
@@ -122,7 +122,13 @@ def train_batch_from_dict(data: Any, samples: list[Sample], where: str, n_sample
         group_indices=_group_indices(samples, n_samples_per_prompt),
         rollout_log_probs=None if log_probs is None else [[float(x) for x in row] for row in log_probs],
         rollout_ids=rollout_ids(samples) if ids is None else [int(x) for x in ids],
+        teacher_log_probs=None if teacher is None else [_floats(row) for row in teacher],
     )
+
+
+def _floats(values) -> list[float]:
+    """A per-token row (list or tensor) as floats."""
+    return [float(x) for x in (values.tolist() if isinstance(values, torch.Tensor) else values)]
 
 
 def _group_indices(samples: list[Sample], n_samples_per_prompt: int) -> list[int]:
@@ -131,10 +137,10 @@ def _group_indices(samples: list[Sample], n_samples_per_prompt: int) -> list[int
 
 def build_train_batch(args: Any, samples: list[Sample]) -> TrainBatch:
     """Samples (in order) -> TrainBatch: rewards for training (slime/algorithm/rewards.py), loss masks (all 0
-    for a FAILED sample and one marked `remove_sample`), the engines' log-probs when every sample has them."""
-    raw = [s.get_reward_value(args.reward_key) for s in samples]
+    for a FAILED sample and one marked `remove_sample`), the engines' log-probs when every sample has them, the
+    teacher's (on-policy distillation) when the samples have them."""
     group_indices = _group_indices(samples, args.n_samples_per_prompt)
-    rewards = train_rewards(args, samples, raw, group_indices)
+    raw, rewards = rollout_rewards(args, samples, group_indices)
 
     loss_masks = []
     for s in samples:
@@ -165,7 +171,20 @@ def build_train_batch(args: Any, samples: list[Sample]) -> TrainBatch:
         group_indices=group_indices,
         rollout_log_probs=log_probs,
         rollout_ids=rollout_ids(samples),
+        teacher_log_probs=teacher_log_probs(samples),
     )
+
+
+def teacher_log_probs(samples: list[Sample]) -> list[list[float]] | None:
+    """Every sample's `teacher_log_probs` (one per response token), or None when none has them."""
+    have = [s.teacher_log_probs is not None for s in samples]
+    if not any(have):
+        return None
+    if not all(have):
+        missing = [s.index for s, h in zip(samples, have) if not h]
+        raise ValueError(f"samples {missing[:8]} have no teacher_log_probs but others do; on-policy distillation "
+                         "needs them on every sample (the reward post-process fills them)")
+    return [_floats(s.teacher_log_probs) for s in samples]  # their lengths: checked by TrainBatch
 
 
 def save_debug_samples(template: str, rollout_id: int, samples: list[Sample]) -> str:

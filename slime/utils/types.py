@@ -435,7 +435,8 @@ class TrainBatch:
     estimators); `raw_rewards` are the reward function's values, for logging. `rollout_ids`: the rollout each
     row came from (rows a custom generate split from one rollout share its id; slime's `rollout_ids`); None:
     every row is a rollout of its own. Training counts --global-batch-size in rollouts and averages the loss per
-    rollout (slime/backends/training/batching.py).
+    rollout (slime/backends/training/batching.py). `teacher_log_probs`: on-policy distillation's teacher
+    log-probs of each response token (`Sample.teacher_log_probs`), when the rollout filled them.
     """
 
     tokens: list[list[int]]
@@ -447,6 +448,7 @@ class TrainBatch:
     group_indices: list[int]
     rollout_log_probs: list[list[float]] | None = None
     rollout_ids: list[int] | None = None
+    teacher_log_probs: list[list[float]] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -458,12 +460,18 @@ class TrainBatch:
     def __post_init__(self) -> None:
         n = len(self.tokens)
         per_row = ["response_lengths", "loss_masks", "rewards", "raw_rewards", "truncated", "group_indices"]
-        for name in per_row + ["rollout_ids"] * (self.rollout_ids is not None):
+        optional = ["rollout_ids"] * (self.rollout_ids is not None) + ["teacher_log_probs"] * (
+            self.teacher_log_probs is not None)
+        for name in per_row + optional:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"TrainBatch.{name} has {len(getattr(self, name))} entries, tokens has {n}")
         for i, (mask, rl) in enumerate(zip(self.loss_masks, self.response_lengths)):
             if len(mask) != rl:
                 raise ValueError(f"TrainBatch sample {i}: loss_mask has {len(mask)} entries, response_length={rl}")
+        for i, (teacher, rl) in enumerate(zip(self.teacher_log_probs or [], self.response_lengths)):
+            if len(teacher) != rl:
+                raise ValueError(f"TrainBatch sample {i}: teacher_log_probs has {len(teacher)} entries, "
+                                 f"response_length={rl}; on-policy distillation needs one per response token")
 
     def select(self, indices: list[int]) -> "TrainBatch":
         """A new batch holding the given rows, in the given order."""

@@ -510,7 +510,7 @@ def test_rm_type_check_logic(monkeypatch):
 
 # ---- slime flags this implementation refuses or warns about (never parsed and silently ignored) -------------
 @pytest.mark.parametrize("extra, message", [
-    (["--use-opd", "--opd-type", "sglang"], "--use-opd: not supported here: on-policy distillation"),
+    (["--use-opsm"], "--use-opsm: not supported here: off-policy sequence masking"),
     (["--freeze-params-name-list", "embedding", "output_layer"], "--freeze-params-name-list embedding output_layer:"),
     (["--update-weight-mode", "delta", "--update-weight-transport", "disk", "--update-weight-disk-dir", "/d",
       "--update-weight-local-checkpoint-dir", "/l"], "--update-weight-mode delta: not supported here yet"),

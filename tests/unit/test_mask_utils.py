@@ -1,6 +1,8 @@
 """Loss masks of multi-turn chat data (`slime.utils.mask_utils`) on offline tokenizers with Qwen3, GLM-4 and
 Llama-3 style chat templates (tools/make_tiny_model.py CHAT_TEMPLATES; the word-level tokenizer drops
-whitespace, so expected spans below are lists of tokens)."""
+whitespace, so expected spans below are lists of tokens). slime's loss-mask types (`--loss-mask-type`) are
+checked token by token on those tokenizers with a newline token added (as Qwen's tokenizers have one), and on a
+Qwen2.5-style template that puts a default system prompt before a lone message."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from slime.utils.mask_utils import (
     ChatTemplatePrefixError,
     MultiTurnLossMaskGenerator,
     build_loss_mask,
+    get_response_lengths,
     render_ids,
 )
 from tools.make_tiny_model import build_tokenizer
@@ -169,7 +172,139 @@ def test_template_whose_prefix_changes_is_rejected_with_tokenizer_and_index(toke
 
 
 def test_generator_wrapper_and_text_spans(tokenizers):
-    gen = MultiTurnLossMaskGenerator(tokenizers["llama3"], tokenizer_type="llama3")
+    gen = MultiTurnLossMaskGenerator(tokenizers["llama3"], tokenizer_type=None)  # None: build_loss_mask
     ids, mask = gen.get_loss_mask(TRAJECTORY[:3])
     assert gen.get_text_from_loss_mask(ids, mask) == [tokenizers["llama3"].decode(
         tokenizers["llama3"].convert_tokens_to_ids(["<think>", "add", "</think>"] + CALL1 + ["<|eot_id|>"]))]
+
+
+# ---- slime's loss-mask types -------------------------------------------------------------------------------
+SFT_CONVERSATION = [
+    {"role": "system", "content": "you are helpful"},
+    {"role": "user", "content": "what is one plus two ?"},
+    {"role": "assistant", "content": "<think>\nadd\n</think>\n\n<tool_call>\nsearch one\n</tool_call>"},
+    {"role": "tool", "content": "result one"},
+    {"role": "tool", "content": "result two"},
+    {"role": "assistant", "content": "three"},
+]
+PROMPT = ("<|im_start|> system NL you are helpful <|im_end|> NL <|im_start|> user NL what is one plus two ? "
+          "<|im_end|> NL")
+FIRST_TURN = "<|im_start|> assistant NL [<think>] [NL] [add] [NL] [</think>] [NL] [NL] [<tool_call>] [NL] [search] " \
+             "[one] [NL] [</tool_call>] [<|im_end|>] [NL]"
+# Qwen2.5 style: a default system prompt unless the conversation starts with one
+QWEN25_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nyou are a helpful math tutor<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}{%- if not (m.role == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def newline_tokenizers(tmp_path_factory):
+    """The default (Qwen-style) and Qwen3 test tokenizers with a newline token, and a Qwen2.5-style one."""
+    out = {}
+    for family, template in (("default", None), ("qwen3", None), ("qwen25", QWEN25_TEMPLATE)):
+        path = str(tmp_path_factory.mktemp(family))
+        build_tokenizer(path, "default" if family == "qwen25" else family)
+        tok = AutoTokenizer.from_pretrained(path)
+        tok.add_tokens(["\n"])
+        if template:
+            tok.chat_template = template
+        out[family] = tok
+    return out
+
+
+def marked(tok, ids, mask) -> str:
+    """The tokens, trained ones in brackets, the newline as NL."""
+    names = [t.replace("\n", "NL") for t in tok.convert_ids_to_tokens(ids)]
+    return " ".join(f"[{t}]" if m else t for t, m in zip(names, mask, strict=True))
+
+
+def test_qwen3_type_trains_each_assistant_turn_after_its_header(newline_tokenizers):
+    tok = newline_tokenizers["qwen3"]
+    ids, mask = MultiTurnLossMaskGenerator(tok, "qwen3").get_loss_mask(SFT_CONVERSATION)
+    assert marked(tok, ids, mask) == " ".join([
+        PROMPT, FIRST_TURN,
+        # consecutive tool results: one user turn, as the template renders them
+        "<|im_start|> user NL <tool_response> NL result one NL </tool_response> NL <tool_response> NL result two NL "
+        "</tool_response> <|im_end|> NL",
+        # the last turn has no reasoning: the template's empty think block is part of what the model writes
+        "<|im_start|> assistant NL [<think>] [NL] [NL] [</think>] [NL] [NL] [three] [<|im_end|>] [NL]",
+    ])
+    assert ids == render_ids(tok, SFT_CONVERSATION)  # here the turns render as inside the conversation
+
+
+def test_qwen_type_renders_each_message_alone(newline_tokenizers):
+    tok = newline_tokenizers["qwen3"]
+    ids, mask = MultiTurnLossMaskGenerator(tok, "qwen").get_loss_mask(SFT_CONVERSATION)
+    # each tool result is a user turn of its own (rendered alone), unlike in the conversation's rendering
+    assert marked(tok, ids, mask) == " ".join([
+        PROMPT, FIRST_TURN,
+        "<|im_start|> user NL <tool_response> NL result one NL </tool_response> <|im_end|> NL",
+        "<|im_start|> user NL <tool_response> NL result two NL </tool_response> <|im_end|> NL",
+        "<|im_start|> assistant NL [<think>] [NL] [NL] [</think>] [NL] [NL] [three] [<|im_end|>] [NL]",
+    ])
+
+
+def test_qwen_type_cuts_the_default_system_prompt_of_lone_messages(newline_tokenizers):
+    tok = newline_tokenizers["qwen25"]
+    gen = MultiTurnLossMaskGenerator(tok, "qwen")
+    assert (gen.system_message_length, gen.gen_token_length) == (11, 3)  # "<|im_start|> system NL ... NL"; header
+    messages = [{"role": "user", "content": "one plus two ?"}, {"role": "assistant", "content": "three"},
+                {"role": "user", "content": "two plus two ?"}, {"role": "assistant", "content": "four"}]
+    ids, mask = gen.get_loss_mask(messages)
+    assert ids == render_ids(tok, messages)  # the first message keeps the default system prompt, the others not
+    assert marked(tok, ids, mask) == (
+        "<|im_start|> system NL you are a helpful math tutor <|im_end|> NL <|im_start|> user NL one plus two ? "
+        "<|im_end|> NL <|im_start|> assistant NL [three] [<|im_end|>] [NL] <|im_start|> user NL two plus two ? "
+        "<|im_end|> NL <|im_start|> assistant NL [four] [<|im_end|>] [NL]")
+    assert get_response_lengths([mask]) == [len(mask) - mask.index(1)]
+
+
+def test_step_loss_mask_zero_leaves_a_turn_untrained(newline_tokenizers):
+    tok = newline_tokenizers["default"]
+    messages = [{"role": "user", "content": "one ?"}, {"role": "assistant", "content": "one", "step_loss_mask": 0},
+                {"role": "user", "content": "two ?"}, {"role": "assistant", "content": "two"}]
+    for kind in ("qwen", "qwen3", "qwen3_5"):
+        ids, mask = MultiTurnLossMaskGenerator(tok, kind).get_loss_mask(messages)
+        assert marked(tok, ids, mask) == (
+            "<|im_start|> user NL one ? <|im_end|> NL <|im_start|> assistant NL one <|im_end|> NL <|im_start|> user NL "
+            "two ? <|im_end|> NL <|im_start|> assistant NL [two] [<|im_end|>] [NL]"), kind
+
+
+def test_qwen3_5_type_marks_characters_after_the_think_opening(newline_tokenizers):
+    tok = newline_tokenizers["qwen3"]
+    ids, mask = MultiTurnLossMaskGenerator(tok, "qwen3_5").get_loss_mask(SFT_CONVERSATION)
+    assert ids == render_ids(tok, SFT_CONVERSATION)
+    text = marked(tok, ids, mask)
+    assert text.startswith(PROMPT + " <|im_start|> assistant NL <think> NL [add] [NL] [</think>]")
+    assert text.endswith("</tool_response> <|im_end|> NL <|im_start|> assistant NL <think> NL [NL] [</think>] [NL] "
+                         "[NL] [three] [<|im_end|>] [NL]")
+
+
+def test_distill_qwen_type_trains_the_last_content_after_the_first_prompt(newline_tokenizers):
+    tok = newline_tokenizers["default"]
+    messages = [{"role": "user", "content": "one plus two ?"}, {"role": "assistant", "content": "it is three"}]
+    ids, mask = MultiTurnLossMaskGenerator(tok, "distill_qwen").get_loss_mask(messages)
+    assert marked(tok, ids, mask) == "<|im_start|> user NL one plus two ? <|im_end|> NL <|im_start|> assistant NL " \
+                                     "[it] [is] [three]"  # no end-of-turn token: slime's rule
+    tok_with_r1 = AutoTokenizer.from_pretrained(tok.name_or_path)
+    tok_with_r1.add_tokens(["\n"])
+    tok_with_r1.add_special_tokens({"additional_special_tokens": ["<｜Assistant｜>"]})
+    # the qwen type hands a DeepSeek-R1-distill tokenizer to distill_qwen, as slime does
+    assert MultiTurnLossMaskGenerator(tok_with_r1, "qwen").get_loss_mask(messages) == (ids, mask)
+
+
+def test_a_type_whose_template_assumption_fails_says_so(newline_tokenizers):
+    # the qwen3 type renders each message next to a probe user message; the Qwen2.5-style default system
+    # prompt breaks that (slime returns token ids and a mask of different lengths here)
+    with pytest.raises(ChatTemplatePrefixError, match="loss mask type 'qwen3'"):
+        MultiTurnLossMaskGenerator(newline_tokenizers["qwen25"], "qwen3").get_loss_mask(SFT_CONVERSATION[1:])
+    with pytest.raises(ValueError, match=r"loss mask type 'llama3' \(--loss-mask-type\): choose one of qwen, qwen3"):
+        MultiTurnLossMaskGenerator(newline_tokenizers["default"], "llama3")
+
+
+def test_get_response_lengths_counts_from_the_first_trained_token():
+    assert get_response_lengths([[0, 0, 1, 0, 1, 0], [0, 0], [1]]) == [4, 0, 1]

@@ -1,9 +1,9 @@
 """`FSDPTrainRayActor`: one training rank of the `fsdp` backend (a transformers causal LM under FSDP2).
 
-Per rank: the policy model (and, with a KL term, a frozen reference model) loaded with
-`AutoModelForCausalLM.from_pretrained`, each decoder layer and the root wrapped with
-`torch.distributed.fsdp.fully_shard` on a 1-D mesh over all ranks (pure data parallel, parameters,
-gradients and optimizer state sharded), and AdamW. fp32 on CPU (gloo); on CUDA, bf16 compute with fp32
+Per rank: the policy model (and, with a KL term, a frozen reference model; with --use-opd --opd-type megatron, a
+frozen teacher model from --opd-teacher-load) loaded with `AutoModelForCausalLM.from_pretrained`, each decoder
+layer and the root wrapped with `torch.distributed.fsdp.fully_shard` on a 1-D mesh over all ranks (pure data
+parallel, parameters, gradients and optimizer state sharded), and AdamW. fp32 on CPU (gloo); on CUDA, bf16 compute with fp32
 master weights and fp32 gradient reduction (FSDP2 MixedPrecisionPolicy).
 
 One `train` call = one rollout: the batch's rows are cut into `num_steps = len(batch) // gbs` optimizer
@@ -27,6 +27,7 @@ between rollout and training; no gradient checkpointing.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from slime.backends.fsdp_utils.parallel import (
     setup_rank,
     shard_model,
 )
-from slime.backends.training.batching import make_micro_batch, plan_micro_batches, unpad_per_token
+from slime.backends.training.batching import make_micro_batch, plan_micro_batches, run_optimizer_steps, unpad_per_token
 from slime.backends.training.policy import PolicyTrainer
 from slime.backends.training.record import RolloutRecord
 from slime.utils.types import TrainBatch
@@ -70,7 +71,12 @@ class FSDPTrainRayActor(PolicyTrainer):
             self.ref_model = self._build_model(
                 ref_load if checkpoint.is_hf_folder(ref_load) else args.hf_checkpoint, trainable=False
             )
+        self.teacher_model = None
+        if args.use_opd and args.opd_type == "megatron":  # slime's trainer-held teacher, here an fsdp model
+            self.teacher_model = self._build_model(self._teacher_folder(args), trainable=False)
+            self._check_teacher_vocabulary()
         self.optimizer = make_optimizer(self.model, args, args.lr)
+        self.total_steps = run_optimizer_steps(args, args.num_rollout if num_rollout is None else num_rollout)
         self.global_step = 0
         self.init_policy_hooks()
         if ckpt is None or args.finetune:  # --finetune: the weights only, a fresh start at rollout 0
@@ -80,6 +86,34 @@ class FSDPTrainRayActor(PolicyTrainer):
         self.global_step = int(ckpt.trainer_state.get("global_step", 0))
         logger.info("rank %d: resumed from %s (rollout %d)", self.rank, ckpt.path, ckpt.iteration)
         return ckpt.iteration + 1
+
+    @staticmethod
+    def _teacher_folder(args: Any) -> str:
+        """The HF folder of the teacher: --opd-teacher-load itself, or the iteration of the fsdp checkpoint folder
+        it names (--opd-teacher-ckpt-step, else its latest)."""
+        path, step = args.opd_teacher_load, args.opd_teacher_ckpt_step
+        if step is None and checkpoint.is_hf_folder(path):
+            return path
+        if step is not None:
+            folder = checkpoint.iteration_dir(path, step)
+            if not checkpoint.is_hf_folder(folder):
+                found = checkpoint.complete_iterations(path) if os.path.isdir(path) else []
+                raise FileNotFoundError(f"--opd-teacher-ckpt-step {step}: {folder} is no saved iteration of "
+                                        f"--opd-teacher-load {path} (complete ones: {found}); give one of them")
+            return folder
+        ckpt = checkpoint.find_checkpoint(path)
+        if ckpt is None:
+            raise FileNotFoundError(f"--opd-teacher-load {path}: neither an HF model folder (config.json) nor an "
+                                    "fsdp checkpoint folder (latest_checkpointed_iteration.txt); the fsdp backend "
+                                    "loads the teacher from one of them")
+        return ckpt.path
+
+    def _check_teacher_vocabulary(self) -> None:
+        student, teacher = self.model.config.vocab_size, self.teacher_model.config.vocab_size
+        if student != teacher:
+            raise ValueError(f"--opd-teacher-load {self.args.opd_teacher_load}: the teacher's vocabulary has {teacher} "
+                             f"tokens, the student's {student}; its log-probs of the student's tokens need the same "
+                             "tokenizer")
 
     def _build_model(self, path: str, trainable: bool) -> torch.nn.Module:
         if not checkpoint.is_hf_folder(path):
@@ -127,7 +161,7 @@ class FSDPTrainRayActor(PolicyTrainer):
             return record.micro_batch_loss(args, rows, mb, log_probs, entropy, denominator,
                                            mb.slime_logits(logits) if custom else None)
 
-        lr = lr_at(args, self.global_step)
+        lr = lr_at(args, self.global_step, self.total_steps)
         metrics, grad_norm = optimizer_step(self.model, self.optimizer, lr, args.clip_grad, record.steps[step_id],
                                             micro_loss)
         self.global_step += 1

@@ -40,6 +40,7 @@ from slime.backends.training.batching import (
     make_micro_batch,
     rollout_mask_sums,
     rows_per_step,
+    run_optimizer_steps,
     same_count,
     split_micro_batches,
     step_rows,
@@ -105,6 +106,7 @@ class FSDPCriticRayActor(TrainRayActor):
         model = load_value_model(path)
         self.model = shard_model(model, model.body, self.mesh, self.device, path)
         self.optimizer = make_optimizer(self.model, self.args, self.args.lr)
+        self.total_steps = run_optimizer_steps(args, args.num_rollout if num_rollout is None else num_rollout)
         self.global_step = 0
         if ckpt is None:
             return 0
@@ -160,7 +162,7 @@ class FSDPCriticRayActor(TrainRayActor):
                                               global_denominator=denominator, sample_denominators=sample_denominators)
                 return critic_loss(args, new_values, padded(values), padded(returns), aggregate)
 
-            lr = lr_at(args, self.global_step)
+            lr = lr_at(args, self.global_step, self.total_steps)
             metrics, grad_norm = optimizer_step(self.model, self.optimizer, lr, args.clip_grad, micro_batches,
                                                 micro_loss)
             self.global_step += 1

@@ -15,20 +15,26 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from slime.backends.training.actor import TrainRayActor
 
-def lr_at(args: Any, step: int) -> float:
-    """Learning rate of optimizer step `step` (0-based): Megatron-style warm-up then decay."""
+def lr_at(args: Any, step: int, total_steps: int = 1) -> float:
+    """Learning rate of optimizer step `step` (0-based: the steps taken before it), by Megatron-LM's
+    OptimizerParamScheduler rule, slime's schedule: a linear warm-up from --lr-warmup-init over --lr-warmup-iters
+    steps (or --lr-warmup-fraction of the decay steps), then --lr-decay-style down to --min-lr over the decay steps
+    (--lr-decay-iters, else the run's `total_steps`), --min-lr after them. As in Megatron-LM the first warm-up step
+    runs at --lr-warmup-init."""
     lr, min_lr = args.lr, args.min_lr
-    warmup = args.lr_warmup_iters
-    if step < warmup:
-        init = args.lr_warmup_init
-        return init + (lr - init) * (step + 1) / warmup
+    decay = args.lr_decay_iters or max(total_steps, 1)
+    warmup = args.lr_warmup_iters if args.lr_warmup_fraction is None else args.lr_warmup_fraction * decay
+    decay = max(decay, math.floor(warmup) + 1)  # the decay horizon ends after the warm-up (Megatron-LM's kwargs)
+    if warmup > 0 and step <= warmup:
+        return args.lr_warmup_init + (lr - args.lr_warmup_init) * step / warmup
     style = args.lr_decay_style
-    decay_iters = args.lr_decay_iters
-    if style == "constant" or not decay_iters:
+    if style == "constant":
         return lr
-    ratio = min(1.0, max(0.0, (step - warmup) / max(1, decay_iters - warmup)))
+    if step > decay:
+        return min_lr
+    ratio = (step - warmup) / (decay - warmup)
     if style == "linear":
-        return lr - (lr - min_lr) * ratio
+        return min_lr + (lr - min_lr) * (1.0 - ratio)
     if style == "cosine":
         return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * ratio))
     raise NotImplementedError(

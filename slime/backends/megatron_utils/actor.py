@@ -2,10 +2,12 @@
 
 Per rank: megatron-core's parallel groups (TP × PP × CP × EP over the training ranks, the rest data
 parallel), this pipeline stage's model chunks under megatron-core DDP, its (distributed) optimizer and
-`OptimizerParamScheduler`; with a KL term a frozen reference model of the same layout. Weights come from
-`--load` (a torch_dist checkpoint: resume, or a "release" starting point) or else from the HF
-`--hf-checkpoint`, converted per model family; the reference model from `--ref-load` (torch_dist or HF)
-or `--hf-checkpoint`. MODEL_ARGS are checked against the HF config.json first.
+`OptimizerParamScheduler`; with a KL term a frozen reference model of the same layout, with --use-opd
+--opd-type megatron a frozen teacher too. Weights come from `--load` (a torch_dist checkpoint: resume, or a
+"release" starting point) or else from the HF `--hf-checkpoint`, converted per model family; the reference
+model from `--ref-load` (torch_dist or HF) or `--hf-checkpoint`; the teacher from `--opd-teacher-load`
+(torch_dist, at `--opd-teacher-ckpt-step` when given, or HF). MODEL_ARGS are checked against the HF config.json
+first.
 
 One `train` call = one rollout, the shared `PolicyTrainer`'s steps (slime/backends/training/policy.py): the
 batch is cut into optimizer steps of `--global-batch-size` rows, each data-parallel rank takes its share of a
@@ -34,7 +36,12 @@ from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import checkpoint, config_check, plugins, weights
 from slime.backends.megatron_utils.forward import response_log_probs, run_pipeline
 from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel, unwrap
-from slime.backends.training.batching import make_micro_batch, make_packed_micro_batch, plan_micro_batches
+from slime.backends.training.batching import (
+    make_micro_batch,
+    make_packed_micro_batch,
+    plan_micro_batches,
+    run_optimizer_steps,
+)
 from slime.backends.training.policy import PolicyTrainer
 from slime.backends.training.record import RolloutRecord
 from slime.utils.types import TrainBatch
@@ -83,12 +90,16 @@ class MegatronTrainRayActor(PolicyTrainer):
                 self.copy_actor_to_ref()  # the policy was just loaded from the same HF weights: no second read
             else:
                 self._load_weights(self.ref_model, ref_ckpt, ref_hf)
+        self.teacher_model = None
+        if args.use_opd and args.opd_type == "megatron":  # slime's trainer-held teacher (the student's layout)
+            self.teacher_model = build_model(args, wrap=False)
+            self._load_weights(self.teacher_model, *self._teacher_source(args))
         for chunk in self.model:
             chunk.eval()
         self.init_policy_hooks()
 
         self.optimizer, self.scheduler = build_optimizer(
-            args, self.model, self._total_steps(args, args.num_rollout if num_rollout is None else num_rollout))
+            args, self.model, run_optimizer_steps(args, args.num_rollout if num_rollout is None else num_rollout))
         config = self.model[0].config
         from megatron.core.distributed import finalize_model_grads
 
@@ -128,6 +139,26 @@ class MegatronTrainRayActor(PolicyTrainer):
                                     "torch_dist checkpoint (tools/convert_hf_to_torch_dist.py writes one)")
         return ckpt, None
 
+    @staticmethod
+    def _teacher_source(args):
+        """(torch_dist checkpoint, HF folder) of the --use-opd teacher: --opd-teacher-load, a torch_dist checkpoint
+        (its iteration --opd-teacher-ckpt-step when given) or an HF folder."""
+        path, step = args.opd_teacher_load, args.opd_teacher_ckpt_step
+        if step is not None:
+            folder = checkpoint.iteration_dir(path, step)
+            if not checkpoint.is_torch_dist_dir(folder):
+                found = checkpoint.complete_iterations(path) if os.path.isdir(path) else []
+                raise FileNotFoundError(f"--opd-teacher-ckpt-step {step}: {folder} holds no torch_dist checkpoint of "
+                                        f"--opd-teacher-load {path} (complete iterations: {found}); give one of them")
+            return checkpoint.TorchDistCheckpoint(folder, step, {}), None
+        if config_check.is_hf_folder(path):
+            return None, path
+        ckpt = checkpoint.find_checkpoint(path, "--opd-teacher-load")
+        if ckpt is None:
+            raise FileNotFoundError(f"--opd-teacher-load {path}: neither an HF model folder (config.json) nor a "
+                                    "torch_dist checkpoint (tools/convert_hf_to_torch_dist.py writes one)")
+        return ckpt, None
+
     def _load_weights(self, model, ckpt, hf_path: str | None) -> None:
         if ckpt is not None:
             checkpoint.load_model(ckpt, model)
@@ -138,12 +169,6 @@ class MegatronTrainRayActor(PolicyTrainer):
                 f"--train-backend megatron: no weights to start from: --load {self.args.load} holds no torch_dist "
                 f"checkpoint and --hf-checkpoint {hf_path} is not an HF model folder"
             )
-
-    @staticmethod
-    def _total_steps(args, num_rollout: int | None) -> int:
-        """Optimizer steps of the run (the scheduler's horizon): rollouts × steps per rollout."""
-        per_rollout = max(1, args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size)
-        return max(1, (num_rollout or 1) * per_rollout)
 
     # ---- PolicyTrainer's hooks -------------------------------------------------------------------------
     def data_parallel(self) -> tuple[int, int, Any]:

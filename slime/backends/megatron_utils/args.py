@@ -91,13 +91,6 @@ def resolve_training_options(args: argparse.Namespace) -> None:
         logger.info("--use-precision-aware-optimizer: using the distributed optimizer (--use-distributed-optimizer), "
                     "which it requires")
         args.use_distributed_optimizer = True
-    if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_iters:
-            raise SlimeArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} and --lr-warmup-iters "
-                                     f"{args.lr_warmup_iters}: give one warm-up length (Megatron-LM's rule).")
-        if not 0.0 <= args.lr_warmup_fraction < 1.0:
-            raise SlimeArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction}: must lie in [0, 1) (the share "
-                                     "of the decay steps spent warming up).")
     if not args.add_position_embedding and args.position_embedding_type not in ("rope", "mrope"):
         raise SlimeArgumentError(
             f"--no-position-embedding with --position-embedding-type {args.position_embedding_type}: Megatron-LM "

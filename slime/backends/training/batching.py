@@ -44,6 +44,13 @@ def step_rows(num_rows: int, global_batch_size: int, rollout_ids: Sequence[int] 
             for s in range(0, len(rollouts), global_batch_size)]
 
 
+def run_optimizer_steps(args, num_rollout: int | None) -> int:
+    """Optimizer steps of the whole run, the learning-rate schedule's horizon: rollouts × steps per rollout
+    (`--num-rollout`, or the count resolved from `--num-epoch`, passed as `num_rollout`)."""
+    per_rollout = max(1, args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size)
+    return max(1, (num_rollout or 1) * per_rollout)
+
+
 def rows_per_step(num_rows: int, global_batch_size: int, world_size: int, rank: int,
                   lengths: Sequence[int] | None = None, rollout_ids: Sequence[int] | None = None) -> list[list[int]]:
     """Row indices this rank trains on, one list per optimizer step (`step_rows`).

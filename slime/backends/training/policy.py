@@ -4,9 +4,11 @@
       1. plan: this data-parallel rank's rows of each optimizer step, in micro-batches;
       2. log-probs: the engines' (from the batch), the old policy's (recomputed — with --keep-old-actor by the
          weights the engines generated with, old_actor.py —, the engines' with --use-rollout-logprobs, or the
-         training forward's own when one optimizer step covers the rollout and no reference model runs) and the
-         reference model's;
-      3. advantages and returns (slime/algorithm/estimators.py; whitened across ranks);
+         training forward's own when one optimizer step covers the rollout and no reference model or
+         distillation runs), the reference model's and, with --use-opd, the teacher's (the batch's with
+         --opd-type sglang, the trainer-held teacher model's with --opd-type megatron);
+      3. advantages and returns (slime/algorithm/estimators.py; --use-opd's reverse KL, slime/algorithm/opd.py;
+         whitened across ranks);
       4. --rollout-data-postprocess-path: fn(args, rollout_id, rollout_data) may edit them (rollout_data.py);
       5. one optimizer step per `--global-batch-size` rollouts (the rows split from one rollout stay in one step
          and weigh as one sample: batching.py), skipped for the first --num-critic-only-steps;
@@ -18,7 +20,8 @@ A backend subclasses it and supplies the mechanics: `data_parallel()`, `plan(tok
 `log_probs_of_rows(model, batch, micro_batches, store_prefix)`, `optimizer_step(record, step_id)`,
 `copy_actor_to_ref()`, `push_weights(engines, version)`, for --keep-old-actor `weight_tensors()` (and
 `after_weights_loaded()`), and, with pipeline stages, `last_stage()` / `from_last_stage(obj)`. It sets `self.args`,
-`self.device`, `self.model`, `self.ref_model` (None without a KL term) in `init`, then calls `init_policy_hooks()`.
+`self.device`, `self.model`, `self.ref_model` (None without a KL term), `self.teacher_model` (--use-opd --opd-type
+megatron: the teacher loaded from --opd-teacher-load; else None) in `init`, then calls `init_policy_hooks()`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from slime.backends.training.old_actor import OldActor
 from slime.backends.training.record import (
     RolloutRecord,
     advantages_and_returns,
+    batch_teacher_log_probs,
     logprob_abs_diff,
     loss_denominator,
     require_ref,
@@ -54,6 +58,7 @@ class PolicyTrainer(TrainRayActor):
     device: torch.device
     model: Any
     ref_model: Any = None
+    teacher_model: Any = None
     old_actor: OldActor | None = None
     rollout_data_postprocess: Any = None
     _returns: list[list[float]] | None = None
@@ -70,7 +75,8 @@ class PolicyTrainer(TrainRayActor):
     def log_probs_of_rows(self, model: Any, batch: TrainBatch, micro_batches: list[list[int]], store_prefix: str
                           ) -> dict[int, torch.Tensor]:
         """{row: response log-probs} of `model` (no gradient); {} where they are not available (off the last
-        pipeline stage). `store_prefix` names the pass as slime does: "" the old policy, "ref_" the reference."""
+        pipeline stage). `store_prefix` names the pass as slime does: "" the old policy, "ref_" the reference,
+        "teacher_" the distillation teacher."""
         raise NotImplementedError
 
     def optimizer_step(self, record: RolloutRecord, step_id: int) -> dict[str, float]:
@@ -167,14 +173,20 @@ class PolicyTrainer(TrainRayActor):
         require_ref(args, self.ref_model is not None)
         # One optimizer step and no reference model: the policy that generated the log-probs of the loss is still
         # the trained one, so the training forward's own log-probs (detached) are the old ones (one forward fewer).
-        # Not with --keep-old-actor, whose old policy is another set of weights.
+        # Not with --keep-old-actor, whose old policy is another set of weights, nor with --use-opd, whose
+        # advantages need the student's log-probs first (slime's rule).
         record.reuse_training_forward = (len(steps) == 1 and self.ref_model is None and not args.use_rollout_logprobs
-                                         and self.old_actor is None)
+                                         and self.old_actor is None and not args.use_opd)
         forward_only = None
-        if not (args.use_rollout_logprobs or record.reuse_training_forward) or self.ref_model is not None:
+        if (not (args.use_rollout_logprobs or record.reuse_training_forward) or self.ref_model is not None
+                or self.teacher_model is not None):
             forward_only = self.log_prob_plan(record)
         if self.ref_model is not None:
             record.ref_log_probs = self.log_probs_of_rows(self.ref_model, batch, forward_only, "ref_")
+        if self.teacher_model is not None:
+            record.teacher_log_probs = self.log_probs_of_rows(self.teacher_model, batch, forward_only, "teacher_")
+        elif args.use_opd and args.compute_advantages_and_returns:
+            record.teacher_log_probs = batch_teacher_log_probs(args, batch, record.rows, self.device)
         if args.use_rollout_logprobs:
             record.old_log_probs = record.rollout_log_probs
         elif self.old_actor is not None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from slime.algorithm.estimators import AdvantageInputs, compute_advantages_and_returns
 from slime.algorithm.loss import LossInputs, compute_actor_loss
+from slime.algorithm.opd import missing_teacher_message, opd_advantages
 from slime.backends.training.batching import MicroBatch, pad_per_token
 from slime.utils import ppo_utils
 from slime.utils.types import TrainBatch
@@ -38,6 +39,8 @@ class RolloutRecord:
     ref_log_probs: PerRow | None = None  # the frozen reference model's (KL terms)
     advantages: PerRow | None = None  # None off the last pipeline stage
     returns: PerRow | None = None  # for a critic
+    teacher_log_probs: PerRow | None = None  # on-policy distillation's teacher (--use-opd)
+    opd_reverse_kl: PerRow | None = None  # student − teacher log-probs, once the advantages hold them
     reuse_training_forward: bool = False  # the old log-probs are the training forward's own (detached)
 
     @property
@@ -77,6 +80,8 @@ class RolloutRecord:
             response_lengths=[self.batch.response_lengths[r] for r in rows],
             total_lengths=[len(self.batch.tokens[r]) for r in rows], global_denominator=denominator,
             sample_denominators=sample_denominators, tokens=mb.sequences(), logits=logits,
+            teacher_log_probs=None if self.teacher_log_probs is None else padded(self.teacher_log_probs),
+            opd_reverse_kl=None if self.opd_reverse_kl is None else padded(self.opd_reverse_kl),
         )
 
 
@@ -95,6 +100,14 @@ def rollout_log_probs(args: Any, batch: TrainBatch, rows: list[int], device) -> 
             raise ValueError(f"{flag}: the train batch has no rollout log-probs (the rollout function must "
                              "fill Sample.rollout_log_probs); drop the flag or return them")
     return found
+
+
+def batch_teacher_log_probs(args: Any, batch: TrainBatch, rows: list[int], device) -> PerRow:
+    """--use-opd --opd-type sglang: the teacher's log-probs the rollout put in the batch; an error naming the
+    plugins that fill them when there are none."""
+    if batch.teacher_log_probs is None:
+        raise ValueError(missing_teacher_message(args.opd_type))
+    return {r: torch.as_tensor(batch.teacher_log_probs[r], dtype=torch.float32, device=device) for r in rows}
 
 
 def require_ref(args: Any, has_ref: bool) -> None:
@@ -124,13 +137,15 @@ def rollout_inputs(record: RolloutRecord, device=None) -> AdvantageInputs:
         tokens=[torch.as_tensor(batch.tokens[r], dtype=torch.long) for r in rows],
         truncated=[int(batch.truncated[r]) for r in rows], batch_raw_rewards=list(batch.raw_rewards),
         advantages=per_row(record.advantages), returns=per_row(record.returns),
+        teacher_log_probs=per_row(record.teacher_log_probs),
     )
 
 
 def advantages_and_returns(args: Any, record: RolloutRecord, values, device, group=None) -> None:
     """Fill the record's advantages (whitened over `group` with --normalize-advantages) and returns, computed on
     the CPU from `rollout_inputs` with the KL of the old policy to the reference (when one runs) and the critic's
-    `values` (per row of the batch); with --disable-compute-advantages-and-returns both stay None, as in slime
+    `values` (per row of the batch); with --use-opd the teacher's reverse KL enters the advantages before the
+    whitening (slime/algorithm/opd.py). With --disable-compute-advantages-and-returns both stay None, as in slime
     (a custom loss then finds `advantages` None)."""
     if not args.compute_advantages_and_returns:  # slime's --disable-compute-advantages-and-returns: none at all
         record.advantages = record.returns = None
@@ -143,6 +158,11 @@ def advantages_and_returns(args: Any, record: RolloutRecord, values, device, gro
     if values is not None:
         inputs.values = [torch.as_tensor(values[r], dtype=torch.float32) for r in rows]
     adv_list, ret_list = compute_advantages_and_returns(args, inputs)
+    if args.use_opd:
+        if inputs.teacher_log_probs is None:
+            raise ValueError(missing_teacher_message(args.opd_type))
+        adv_list, reverse_kls = opd_advantages(adv_list, inputs.log_probs, inputs.teacher_log_probs, args.opd_kl_coef)
+        record.opd_reverse_kl = {r: kl.to(device) for r, kl in zip(rows, reverse_kls)}
     if args.normalize_advantages:
         adv_list = whiten(adv_list, inputs.loss_masks, device, group)
     record.advantages = {r: a.to(device) for r, a in zip(rows, adv_list)}

@@ -114,6 +114,31 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
         help="Skip the advantages and returns (slime: for --loss-type sft_loss or a custom loss that reads none; the "
         "custom loss's batch then has advantages None); refused with --loss-type policy_loss, which needs them.",
     )
+    add_opd_arguments(parser)
+
+
+def add_opd_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "on-policy distillation", "A teacher's log-probs of the student's samples in the advantages (docs/"
+        "on_policy_distillation.md): advantages −= --opd-kl-coef × (student − teacher log-prob), per token, on top "
+        "of any --advantage-estimator.")
+    g.add_argument("--use-opd", action="store_true", help="On-policy distillation; needs --opd-type.")
+    g.add_argument(
+        "--opd-type", choices=["sglang", "megatron"], default=None,
+        help="Where the teacher's log-probs come from: sglang, a teacher server at --rm-url queried by the reward "
+        "function slime.rollout.on_policy_distillation.reward_func (its post-process fills Sample.teacher_log_probs); "
+        "megatron, a teacher model the trainer holds, loaded from --opd-teacher-load (with --train-backend fsdp an "
+        "HF folder or an fsdp checkpoint).",
+    )
+    g.add_argument("--opd-kl-coef", type=float, default=1.0, help="Weight of the reverse KL in the advantages.")
+    g.add_argument(
+        "--opd-teacher-load", type=str, default=None,
+        help="--opd-type megatron: the teacher's weights (a torch_dist checkpoint or an HF folder for megatron; an HF "
+        "folder or an fsdp checkpoint folder for fsdp), the student's architecture and vocabulary.",
+    )
+    g.add_argument("--opd-teacher-ckpt-step", type=int, default=None,
+                   help="--opd-type megatron: the iteration of the --opd-teacher-load checkpoint folder to load "
+                   "(default: its latest).")
 
 
 def validate_algorithm(args: argparse.Namespace) -> None:
@@ -167,6 +192,7 @@ def validate_algorithm(args: argparse.Namespace) -> None:
              f"{_critic_estimators()}.")
 
     validate_ppo_and_discounting(args)
+    validate_opd(args)
     if args.custom_loss_function_path and args.loss_type != "custom_loss":
         logger.warning("--custom-loss-function-path %s is ignored unless --loss-type custom_loss.",
                        args.custom_loss_function_path)
@@ -179,6 +205,53 @@ def validate_algorithm(args: argparse.Namespace) -> None:
         args.disable_grpo_std_normalization = True
     args.grpo_std_normalization = not args.disable_grpo_std_normalization
     args.rewards_normalization = not args.disable_rewards_normalization
+
+
+OPD_REWARD_FUNCTION = "slime.rollout.on_policy_distillation.reward_func"
+OPD_POST_PROCESS = "slime.rollout.on_policy_distillation.post_process_rewards"
+
+
+def validate_opd(args: argparse.Namespace) -> None:
+    """slime's OPD checks (in slime's order), then what OPD needs here to act at all."""
+    if not args.use_opd:
+        if args.opd_teacher_load is not None:
+            fail(f"--opd-teacher-load {args.opd_teacher_load} is set but --use-opd is not; add --use-opd (with "
+                 "--opd-type megatron) or drop it.")
+        if args.opd_type is not None or args.opd_teacher_ckpt_step is not None:
+            flag = "--opd-type" if args.opd_type is not None else "--opd-teacher-ckpt-step"
+            fail(f"{flag} configures on-policy distillation, which is off; add --use-opd or drop it.")
+        return
+    if args.opd_type is None:
+        fail("--use-opd needs --opd-type: sglang (teacher log-probs from a teacher server during the rollout) or "
+             "megatron (a teacher model loaded from --opd-teacher-load into the trainer).")
+    if args.opd_type == "megatron":
+        if args.opd_teacher_load is None:
+            fail("--opd-type megatron needs --opd-teacher-load: the teacher model's checkpoint (the student's "
+                 "architecture).")
+        if not args.debug_rollout_only and not os.path.exists(args.opd_teacher_load):
+            fail(f"--opd-teacher-load {args.opd_teacher_load}: no such checkpoint folder (cwd: {os.getcwd()}); fix "
+                 "the path.")
+    else:
+        if args.opd_teacher_load is not None:
+            fail(f"--opd-teacher-load {args.opd_teacher_load} with --opd-type sglang: the teacher's log-probs come "
+                 "from the teacher server during the rollout; drop --opd-teacher-load (or use --opd-type megatron).")
+        if args.opd_teacher_ckpt_step is not None:
+            fail(f"--opd-teacher-ckpt-step {args.opd_teacher_ckpt_step} with --opd-type sglang: the step picks the "
+                 "trainer-held teacher's checkpoint (--opd-type megatron); drop it.")
+        if args.custom_rm_path == OPD_REWARD_FUNCTION and not args.rm_url:
+            fail(f"--custom-rm-path {OPD_REWARD_FUNCTION} posts every sample to the teacher server: add --rm-url "
+                 "http://HOST:PORT/generate of it.")
+        if args.custom_reward_post_process_path is None and not args.debug_train_only:
+            logger.warning("--use-opd --opd-type sglang without --custom-reward-post-process-path: the rollout "
+                           "must fill Sample.teacher_log_probs itself (slime's pair: --custom-rm-path %s "
+                           "--custom-reward-post-process-path %s --rm-url <teacher>/generate).",
+                           OPD_REWARD_FUNCTION, OPD_POST_PROCESS)
+    if not args.compute_advantages_and_returns:
+        fail("--use-opd with --disable-compute-advantages-and-returns: the teacher's KL enters through the "
+             "advantages; drop one of them.")
+    if args.loss_type == "sft_loss":
+        fail("--use-opd with --loss-type sft_loss: the SFT loss reads no advantages, where the teacher's KL enters; "
+             "use --loss-type policy_loss (or a custom loss that reads them).")
 
 
 def validate_ppo_and_discounting(args: argparse.Namespace) -> None:

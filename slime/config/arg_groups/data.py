@@ -23,6 +23,7 @@ from slime.config.arg_groups._common import (
     require_positive,
 )
 from slime.utils.data import parse_prompt_path
+from slime.utils.mask_utils import LOSS_MASK_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,13 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--label-key", type=str, default=None, help="Label key of each record.")
     g.add_argument("--metadata-key", type=str, default="metadata", help="Metadata key of each record.")
     g.add_argument("--tool-key", type=str, default="tools", help="Key of the tool specs passed to the chat template.")
+    g.add_argument(
+        "--loss-mask-type", choices=list(LOSS_MASK_TYPES), default="qwen",
+        help="How slime.rollout.sft_rollout marks the trained tokens of a conversation (slime.utils.mask_utils): "
+        "qwen (each message rendered alone), qwen3 (each next to a probe user turn, keeping its think block), "
+        "qwen3_5 (character spans of the assistant turns), distill_qwen (the last message's content only); "
+        "docs/sft.md.",
+    )
     g.add_argument(
         "--multimodal-keys",
         type=json_object,
@@ -156,7 +164,11 @@ def validate_data(args: argparse.Namespace) -> None:
         fail("Neither --num-rollout nor --num-epoch is set; give one (e.g. --num-rollout 100).")
     if args.num_rollout is not None and args.num_epoch is not None:
         logger.info("Both --num-rollout and --num-epoch are set; --num-epoch is ignored.")
-    # With only --num-epoch, num_rollout stays None: the data source resolves it once it knows the dataset size.
+    if args.num_rollout is None and not args.rollout_global_dataset:
+        fail(f"--num-epoch {args.num_epoch} counts epochs of --prompt-data, which --disable-rollout-global-dataset "
+             "does not load; give --num-rollout instead (slime's rule).")
+    # With only --num-epoch, num_rollout stays None: the data source resolves it once it knows the dataset size
+    # (slime's count: --num-epoch × dataset size // --rollout-batch-size).
 
     if args.start_rollout_id is not None and args.start_rollout_id < 0:
         fail(f"--start-rollout-id {args.start_rollout_id}: must be >= 0.")
@@ -173,7 +185,9 @@ def validate_data(args: argparse.Namespace) -> None:
             "--prompt-data is required by the default data source: a JSONL file of prompts "
             "(or pass --disable-rollout-global-dataset / --data-source-path for a source of your own)."
         )
-    if not args.debug_train_only and args.prompt_data is not None:
+    # --debug-train-only still reads --prompt-data (an engine-free rollout such as slime.rollout.sft_rollout)
+    # unless the samples come from a dump
+    if args.prompt_data is not None and not (args.debug_train_only and args.load_debug_rollout_data):
         check_prompt_data(args)
 
     if args.use_dynamic_batch_size:

@@ -222,8 +222,6 @@ def _add_parallel(parser) -> None:
                    help="--optimizer-cpu-offload: pageable (not pinned) host gradients.")
     g.add_argument("--no-pin-cpu-params", dest="pin_cpu_params", action="store_false",
                    help="--optimizer-cpu-offload: pageable (not pinned) host parameters.")
-    g.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help="Warm-up over this share of the decay steps (instead of --lr-warmup-iters).")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false", help="Do not stop at a NaN/Inf loss or local gradient norm.")
 

@@ -55,8 +55,6 @@ _QWEN_GATED_INSTEAD = "train a Qwen3 or Qwen3-MoE checkpoint (scripts/models/qwe
 _DSA = "DeepSeek-V3.2 / GLM-5 sparse attention (DSA) and its indexer are not built here"
 _DEEPGEMM = ("the SGLang-compatible block-FP8 DeepGEMM forward needs deep_gemm and TransformerEngine's FP8 layers, "
              "which the megatron backend here does not build")  # fmt: skip
-_OPD = "on-policy distillation (a teacher's log-probs in the loss) is not built here"
-_OPD_INSTEAD = "drop the --opd-* / --use-opd flags (a KL to the reference model: --use-kl-loss --kl-loss-coef)"
 _WARN_PERF = "only speed or memory differ, not what is trained"
 
 NOT_BUILT: tuple[NotBuilt, ...] = (
@@ -116,11 +114,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
     NotBuilt("use_opsm", _BOOL, "off-policy sequence masking (OPSM) is not built here", "drop it"),
     NotBuilt("opsm_delta", {"type": float, "default": 1e-4}, "off-policy sequence masking (OPSM) is not built here",
              "drop it"),
-    NotBuilt("use_opd", _BOOL, _OPD, _OPD_INSTEAD),
-    NotBuilt("opd_type", {"type": str, "choices": ["sglang", "megatron"], "default": None}, _OPD, _OPD_INSTEAD),
-    NotBuilt("opd_kl_coef", {"type": float, "default": 1.0}, _OPD, _OPD_INSTEAD),
-    NotBuilt("opd_teacher_load", {"type": str, "default": None}, _OPD, _OPD_INSTEAD),
-    NotBuilt("opd_teacher_ckpt_step", {"type": int, "default": None}, _OPD, _OPD_INSTEAD),
     # ---- rollout, data ----
     NotBuilt("prefill_num_servers", {"type": int, "default": None}, "prefill/decode disaggregated SGLang engines "
              "are not built here", "drop it (every engine serves both)"),
@@ -143,8 +136,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "", kind="plugin"),
     NotBuilt("rollout_task_type", {"type": str, "default": "math"}, "read by slime's rollout-buffer plugin",
              "", kind="plugin"),
-    NotBuilt("loss_mask_type", {"type": str, "default": "qwen", "choices": ["qwen", "qwen3", "qwen3_5", "distill_qwen"]},
-             "read by SFT / rollout-buffer plugins (MultiTurnLossMaskGenerator's tokenizer_type)", "", kind="plugin"),
     # ---- logging, profiling, CI ----
     NotBuilt("wandb_random_suffix", {"action": "store_false", "default": True}, "wandb runs here are named by "
              "--wandb-group / the run name, with no random suffix to disable", "drop it", kind="warn",

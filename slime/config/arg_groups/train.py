@@ -46,6 +46,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="Optimizer steps of linear warm-up.")
     g.add_argument("--lr-warmup-init", type=float, default=0.0, help="Learning rate at the start of warm-up.")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="Warm-up over this share of the decay steps (--lr-decay-iters, else the run's optimizer "
+                   "steps) instead of --lr-warmup-iters (Megatron-LM's rule, both backends).")
     g.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled (AdamW) weight decay.")
     g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="Optimizer (adam is AdamW).")
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -122,6 +125,13 @@ def validate_train(args: argparse.Namespace) -> None:
         fail(f"--min-lr {args.min_lr} is above --lr {args.lr}; the decay floor must not exceed the peak.")
     if args.lr_warmup_iters < 0:
         fail(f"--lr-warmup-iters {args.lr_warmup_iters}: must be >= 0.")
+    if args.lr_warmup_fraction is not None:  # both backends schedule by Megatron-LM's rules
+        if args.lr_warmup_iters:
+            fail(f"--lr-warmup-fraction {args.lr_warmup_fraction} and --lr-warmup-iters {args.lr_warmup_iters}: give "
+                 "one warm-up length (Megatron-LM's rule).")
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            fail(f"--lr-warmup-fraction {args.lr_warmup_fraction}: must lie in [0, 1) (the share of the decay steps "
+                 "spent warming up).")
     if args.clip_grad < 0:
         fail(f"--clip-grad {args.clip_grad}: must be >= 0 (0 disables clipping).")
     if not (0.0 <= args.adam_beta1 < 1.0 and 0.0 <= args.adam_beta2 < 1.0):

@@ -121,8 +121,8 @@ def resolve_num_rollout(args) -> tuple[int | None, str]:
     if rows is None:
         return None, (f"{epochs} epoch(s) × dataset size ÷ {args.rollout_batch_size}: resolved when the data source "
                       "loads")
-    n = math.ceil(epochs * rows / args.rollout_batch_size)
-    return n, (f"{n} = ceil({epochs} epoch(s) × {rows} rows of --prompt-data ÷ --rollout-batch-size "
+    n = rows // args.rollout_batch_size * epochs
+    return n, (f"{n} = {epochs} epoch(s) × ({rows} rows of --prompt-data // --rollout-batch-size "
                f"{args.rollout_batch_size}) (rows before length filtering; the real count can be lower)")
 
 
