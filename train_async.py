@@ -3,7 +3,8 @@
     python train_async.py <the flags of train.py> [--async-buffer-size N] [--update-weights-interval K]
 
 Disaggregated only: training ranks and engines must run at the same time on their own devices, so
-`--colocate` is refused. The loop, per rollout id:
+`--colocate` (and `--offload-rollout`) is refused. `--debug-train-only` runs without engines, as slime's SFT scripts
+do: the rollout function prepares the next batch while this one trains. The loop, per rollout id:
 
 1. take rollout k's data (waiting for it if generation is behind);
 2. start generating the next rollouts, so that up to `--async-buffer-size` are generated or in flight
@@ -62,11 +63,19 @@ def check_async_args(args) -> None:
             "--colocate: train_async.py generates while it trains, so engines and training ranks cannot share "
             "devices; drop --colocate and give the engines their own (--rollout-num-gpus), or use train.py"
         )
-    if args.debug_rollout_only or args.debug_train_only:
+    if args.offload_rollout:
         raise SlimeArgumentError(
-            "--debug-rollout-only / --debug-train-only: there is nothing to overlap with one side switched "
-            "off; use train.py"
+            "--offload-rollout: train_async.py generates while it trains, so the engines never release their memory; "
+            "drop it, or use train.py"
         )
+    if args.offload_train:  # PPO turns it on; with generation overlapping training nothing is handed over
+        logger.info("--offload-train: train_async.py keeps the training state resident (the engines have their own "
+                    "GPUs); the actor and critic share theirs as they do without it")
+        args.offload_train = args.offload = False
+    if args.debug_rollout_only:
+        raise SlimeArgumentError("--debug-rollout-only: there is no training to overlap generation with; use train.py")
+    # --debug-train-only (slime's SFT scripts): no engines; the rollout function (sft_rollout) prepares the next
+    # batch while this one trains, and the pushes have no engine to reach.
 
 
 class GenerationQueue:

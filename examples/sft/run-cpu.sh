@@ -3,7 +3,7 @@
 # tiny random-init Qwen3: no engine (--debug-train-only), one fsdp rank, the chat rows of
 # examples/sft/make_data.py. Makes the model and the data if missing. Extra flags are passed on (later flags win,
 # e.g. --num-epoch 1, --save ckpt --save-interval 8, --train-backend megatron on a GPU).
-# slime runs these flags with train_async.py; here train.py takes them (train_async.py refuses --debug-train-only).
+# slime runs these flags with train_async.py; ENTRY=train_async.py does the same here (default: train.py).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -38,5 +38,5 @@ OPTIMIZER_ARGS=(
    --adam-beta2 0.95
 )
 
-python train.py --actor-num-nodes 1 --actor-num-gpus-per-node 1 --hf-checkpoint "$MODEL_DIR" \
+python "${ENTRY:-train.py}" --actor-num-nodes 1 --actor-num-gpus-per-node 1 --hf-checkpoint "$MODEL_DIR" \
    "${SFT_ARGS[@]}" "${PERF_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" --use-tensorboard ${MODEL_ARGS[@]} "$@"

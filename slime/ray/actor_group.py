@@ -101,6 +101,13 @@ class RayTrainGroup:
     def update_weights(self, engines: list, weight_version: int) -> None:
         self._all("update_weights", engines, weight_version)
 
+    def offload(self) -> dict[str, float]:
+        """--offload-train: every rank moves its training state to host memory; rank 0's memory figures."""
+        return self._all("offload")[0]
+
+    def onload(self) -> dict[str, float]:
+        return self._all("onload")[0]
+
     def compute_log_probs(self, tokens: list[list[int]], response_lengths: list[int]) -> list[list[float]]:
         return self._all("compute_log_probs", tokens, response_lengths)[0]
 

@@ -79,6 +79,17 @@ class Run:
             raise
         return self
 
+    def offload_training(self) -> None:
+        """--offload-train: the actor's (and critic's) training state to host memory (slime/ray/handoff.py)."""
+        for group in (self.actor, self.critic):
+            if group is not None:
+                group.offload()
+
+    def onload_training(self) -> None:
+        for group in (self.actor, self.critic):
+            if group is not None:
+                group.onload()
+
     def __exit__(self, exc_type, exc, tb) -> None:
         self.shutdown()
         signal.signal(signal.SIGTERM, self._old_sigterm or signal.SIG_DFL)

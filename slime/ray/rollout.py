@@ -92,7 +92,8 @@ class RolloutManager:
         self.weight_version: int | None = None  # the last version pushed to the engines (after_weight_update)
         self._last_generate_end: float | None = None  # wall clock; idle time between generates = waiting
         self.monitor: EngineHealthMonitor | None = None  # --use-fault-tolerance
-        self._released_tags: set[str] = set()  # engine memory released (release_memory), not yet resumed
+        self._released: dict[int, set[str]] = {}  # engine index -> memory tags released and not yet resumed
+        self._monitor_rests = False  # the health monitor is paused because engine memory is released
         self._counts_reported = True  # False once an engine turned out not to report num_finished_requests
         self.engine_restarts = 0
         self._restart_lock = threading.Lock()  # the monitor's thread and before_weight_update both restart engines
@@ -323,17 +324,53 @@ class RolloutManager:
         self._fan_out("flush_cache")
 
     def release_memory(self, tags: list[str] | None = None) -> None:
-        if self.monitor is not None and not self._released_tags:  # a released engine is not a dead one
+        """Every engine releases `tags` (all three when None: weights, KV cache, CUDA graphs) that it still holds;
+        the health monitor rests meanwhile (a released engine is not a dead one)."""
+        wanted = set(tags or MEMORY_TAGS)
+        if self.monitor is not None and not self._monitor_rests:
             self.monitor.pause()
-        self._released_tags |= set(tags or MEMORY_TAGS)
-        self._fan_out("release_memory_occupation", tags)
+            self._monitor_rests = True
+        refs = []
+        for i, engine in enumerate(self.engines):
+            todo = sorted(wanted - self._released.get(i, set()))
+            if todo:
+                refs.append(engine.release_memory_occupation.remote(todo))
+                self._released.setdefault(i, set()).update(todo)
+        ray.get(refs)
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
-        self._fan_out("resume_memory_occupation", tags)
-        was_released = bool(self._released_tags)
-        self._released_tags -= set(tags or MEMORY_TAGS)
-        if self.monitor is not None and was_released and not self._released_tags:
+        """Every engine takes back those of `tags` it released (SGLang's scheduler fails on resuming a tag it holds,
+        so an engine restarted meanwhile, which holds everything, is left alone)."""
+        wanted = set(tags or MEMORY_TAGS)
+        refs = []
+        for i, engine in enumerate(self.engines):
+            todo = sorted(wanted & self._released.get(i, set()))
+            if todo:
+                refs.append(engine.resume_memory_occupation.remote(todo))
+                self._released[i] -= set(todo)
+        ray.get(refs)
+        self._wake_monitor_if_all_resumed()
+
+    def _wake_monitor_if_all_resumed(self) -> None:
+        if self._monitor_rests and not any(self._released.values()):
             self.monitor.resume()
+            self._monitor_rests = False
+
+    # slime's names (RolloutManager.offload / onload / onload_weights / onload_kv), as its train.py calls them
+    def offload(self) -> None:
+        """Release the engines' weights, KV cache and CUDA graphs (the trainer takes the GPUs)."""
+        self.release_memory(list(MEMORY_TAGS))
+
+    def onload(self, tags: list[str] | None = None) -> None:
+        self.resume_memory(tags)
+
+    def onload_weights(self) -> None:
+        """Before a push: the engines' weight memory back (SGLang's comes back uninitialised; the push fills it)."""
+        self.resume_memory(["weights"])
+
+    def onload_kv(self) -> None:
+        """After a push: KV cache and CUDA graphs back, ready to generate."""
+        self.resume_memory(["kv_cache", "cuda_graph"])
 
     def check_weights(self, action: str) -> list[Any]:
         """slime's: every engine's `check_weights(action)` (POST /weights_checker); raises if any engine fails."""
@@ -393,7 +430,11 @@ class RolloutManager:
                 self.engine_urls[i] = ray.get(self.engines[i].init.remote())
             if self.weight_version is not None:
                 restarted = [self.engines[i] for i in dead]
-                ray.get([rank.update_weights.remote(restarted, self.weight_version) for rank in self._weight_source])
+                ranks = self._weight_source
+                ray.get([rank.onload.remote() for rank in ranks])  # offloaded while generating (--offload-train)
+                ray.get([rank.update_weights.remote(restarted, self.weight_version) for rank in ranks])
+                if self.args.offload_train:
+                    ray.get([rank.offload.remote() for rank in ranks])
             for i in dead:
                 self._register_restarted(i, "with the current weights; the rollout's retried requests go to it")
 
@@ -404,6 +445,8 @@ class RolloutManager:
                 self._register_restarted(i, "the weight push that follows brings it to the current version")
 
     def _register_restarted(self, i: int, what_next: str) -> None:
+        self._released.pop(i, None)  # a fresh server holds all its memory
+        self._wake_monitor_if_all_resumed()
         self.router.add_worker(self.engine_urls[i])
         self.monitor.revive(i)
         self.engine_restarts += 1

@@ -8,7 +8,8 @@ flags, CPU sizes) on the tiny random-init model and examples/sft/make_data.py's 
 - megatron (through the test-only CPU shim, tests/e2e_cpu/training_modes_worker.py): the same rollouts train to
   the same losses as fsdp.
 
-slime runs this script with train_async.py, which refuses --debug-train-only here; train.py takes the same flags.
+slime runs this script with train_async.py: with ENTRY=train_async.py the same flags train through it (the next
+batch prepared while one trains) to the same losses.
 """
 
 from __future__ import annotations
@@ -59,10 +60,10 @@ def sft_data(tmp_path_factory) -> str:
     return make_data.write_rows(str(tmp_path_factory.mktemp("sft") / "sft.jsonl"), ROWS, seed=0)
 
 
-def train(model_dir: str, data: str, out, name: str, *extra: str) -> str:
+def train(model_dir: str, data: str, out, name: str, *extra: str, entry: str = "train.py") -> str:
     """examples/sft/run-cpu.sh (slime's SFT command line, the flags of `sft_flags`) with `extra` flags."""
     tb = str(out / name / "tb")
-    env = dict(_env(), MODEL_DIR=model_dir, DATA=data)
+    env = dict(_env(), MODEL_DIR=model_dir, DATA=data, ENTRY=entry)
     done = subprocess.run(["bash", SCRIPT, "--tensorboard-dir", tb, *extra], capture_output=True, text=True,
                           env=env, timeout=300)
     assert done.returncode == 0, f"{name}: {done.stderr[-4000:]}"
@@ -133,6 +134,16 @@ def test_sft_on_megatron_trains_like_fsdp(tiny_model_dir, sft_data, tmp_path):
     assert losses["megatron"][:2] == pytest.approx(losses["fsdp"][:2], rel=1e-5)
     for k, (mg, fs) in enumerate(zip(losses["megatron"], losses["fsdp"])):
         assert mg == pytest.approx(fs, rel=1e-2), k
+
+
+@pytest.mark.timeout(400)
+def test_sft_through_train_async_as_slimes_script_runs_it(tiny_model_dir, sft_data, tmp_path):
+    sync = read_scalars(train(tiny_model_dir, sft_data, tmp_path, "sync", "--num-epoch", "1"), "train/loss")
+    overlapped = read_scalars(train(tiny_model_dir, sft_data, tmp_path, "async", "--num-epoch", "1",
+                                    entry="train_async.py"), "train/loss")
+    assert sorted(overlapped) == list(range(ROWS // BATCH))
+    # the same conversations in the same order, the same optimizer: the same losses
+    assert all(math.isclose(overlapped[k], sync[k], rel_tol=1e-4) for k in sync), (sync, overlapped)
 
 
 def test_the_example_script_passes_these_flags():

@@ -215,16 +215,14 @@ def test_defaults_of_added_flags(files):
 # ---- couplings -------------------------------------------------------------------------------------------
 
 
-def test_colocate_shares_gpus_and_says_it_does_not_offload(files, caplog):
-    with caplog.at_level(logging.WARNING):
-        args = parse_args(without(base("--colocate"), "--rollout-num-gpus"))
-    # slime's --colocate asks for both offloads; the loop performs neither yet, and the args say so
-    assert args.colocate and not args.offload_train and not args.offload_rollout
-    assert any("--offload-train and --offload-rollout (on with --colocate)" in r.getMessage()
-               and "does not hand GPU memory" in r.getMessage() for r in caplog.records)
+def test_colocate_shares_gpus_and_turns_on_both_offloads(files):
+    args = parse_args(without(base("--colocate"), "--rollout-num-gpus"))
+    assert args.colocate and args.offload_train and args.offload_rollout and args.offload  # slime's implication
     assert args.rollout_num_gpus == 8
     msg = error_of(base("--colocate", "--rollout-num-gpus", "4"))
     assert "--rollout-num-gpus 4" in msg and "= 8" in msg
+    args = parse_args(without(base("--colocate", "--no-offload-rollout"), "--rollout-num-gpus"))
+    assert args.offload_train and not args.offload_rollout and not args.offload  # the explicit opt-out stays out
 
 
 def test_disaggregated_needs_rollout_gpus(files):
@@ -295,31 +293,23 @@ def test_num_epoch_leaves_num_rollout_to_the_data_source(files):
     assert "--num-rollout" in error_of(without(base(), "--num-rollout"))
 
 
-def test_ppo_has_a_critic_on_the_actor_gpus(files, caplog):
-    with caplog.at_level(logging.WARNING):
-        args = parse_args(base("--advantage-estimator", "ppo"))
-    assert args.use_critic and not args.offload_train  # slime's implied offload is warned about, not performed
-    assert any("--offload-train" in r.getMessage() for r in caplog.records)
+def test_ppo_has_a_critic_on_the_actor_gpus(files):
+    args = parse_args(base("--advantage-estimator", "ppo"))
+    assert args.use_critic and args.offload_train  # slime: actor and critic take turns with their GPUs
     assert (args.critic_num_nodes, args.critic_num_gpus_per_node) == (1, 8)
     assert parse_args(base("--advantage-estimator", "ppo", "--critic-num-gpus-per-node", "8")).use_critic
     msg = error_of(base("--advantage-estimator", "ppo", "--critic-num-gpus-per-node", "4"))
     assert "--critic-num-gpus-per-node 4" in msg and "actor's GPUs" in msg and "(8)" in msg
 
 
-def test_offload_flags_are_warned_about_and_resolve_to_what_the_loop_does(files, caplog):
-    with caplog.at_level(logging.WARNING):
-        args = parse_args(base("--offload"))
-    assert args.offload_train is False and args.offload_rollout is False
-    assert any("--offload-train and --offload-rollout (asked for)" in r.getMessage() for r in caplog.records)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        args = parse_args(base())
-    assert args.offload_train is False and args.offload_rollout is False
-    assert not any("offload" in r.getMessage() for r in caplog.records)
-    with caplog.at_level(logging.WARNING):
-        parse_args(base("--colocate", "--no-offload-rollout"))
-    # the explicit opt-out stays out; only the implied --offload-train is reported
-    assert any(r.getMessage().startswith("--offload-train (on with --colocate)") for r in caplog.records)
+def test_offload_flags_resolve_as_slime_and_need_a_push_every_rollout(files):
+    args = parse_args(base("--offload"))
+    assert args.offload_train is True and args.offload_rollout is True
+    args = parse_args(base())
+    assert args.offload_train is False and args.offload_rollout is False and args.offload is False
+    msg = error_of(base("--offload-rollout", "--update-weights-interval", "2"))
+    assert "--update-weights-interval 2" in msg and "uninitialised" in msg and "--no-offload-rollout" in msg
+    assert parse_args(base("--offload-train", "--update-weights-interval", "2")).offload_train
 
 
 def test_debug_flags(files):

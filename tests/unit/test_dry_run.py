@@ -185,6 +185,25 @@ def test_megatron_and_engine_memory_of_qwen3_4b_closed_form(files):
     assert re.search(r"engine 3\s+6-7\s+node 0: GPU 6-7\s+TP 2", plan), plan
     assert re.search(r"rollout\s+0-7\s+node 0: GPU 0-7\s+shared with actor \(--colocate\)", plan)
     assert "colocated, generating" in plan
+    # the phases as the loop's memory handoff runs them (--colocate turns both offloads on)
+    assert "training state to host memory while the engines generate" in plan
+    assert "engines released (--offload-rollout)" in plan and "state in host memory (--offload-train)" in plan
+    assert "colocated, pushing weights" in plan
+
+
+def test_colocated_plan_follows_the_offload_flags(files):
+    write_config(files / "model", QWEN3_4B)
+    common = (*model_args("qwen3-4B"), "--dry-run", "--dry-run-cuda", "--actor-num-gpus-per-node", "8", "--colocate",
+              "--tensor-model-parallel-size", "2", "--bf16", "--micro-batch-size", "1", "--rollout-max-context-len",
+              "4096", "--rollout-num-gpus-per-engine", "2", "--sglang-mem-fraction-static", "0.7")
+    resident = format_plan(parse_args(base(*common, "--no-offload-rollout", "--no-offload-train")))
+    assert "none: training state and engines stay resident" in resident
+    assert re.search(r"colocated, training\s+\S+ GB = training \S+ GB \+ engines static pool", resident), resident
+    assert "pushing weights" not in resident
+    # resident together, the 0.7 pool does not leave room for the training state: the fix is named
+    assert "drop --no-offload-rollout, or lower --sglang-mem-fraction-static" in resident
+    handed = format_plan(parse_args(base(*common)))
+    assert "drop --no-offload-rollout" not in handed
 
 
 def test_fsdp_memory_closed_form(tiny_model_dir, toy_data_path):

@@ -46,6 +46,7 @@ from slime.backends.fsdp_utils.parallel import (
     shard_model,
 )
 from slime.backends.training.batching import make_micro_batch, plan_micro_batches, run_optimizer_steps, unpad_per_token
+from slime.backends.training.offload import TrainState
 from slime.backends.training.policy import PolicyTrainer
 from slime.backends.training.record import RolloutRecord
 from slime.utils.types import TrainBatch
@@ -114,6 +115,10 @@ class FSDPTrainRayActor(PolicyTrainer):
             raise ValueError(f"--opd-teacher-load {self.args.opd_teacher_load}: the teacher's vocabulary has {teacher} "
                              f"tokens, the student's {student}; its log-probs of the student's tokens need the same "
                              "tokenizer")
+
+    def train_state(self) -> TrainState:
+        frozen = [m for m in (self.ref_model, self.teacher_model) if m is not None]
+        return TrainState(modules=[self.model, *frozen], optimizers=[self.optimizer])
 
     def _build_model(self, path: str, trainable: bool) -> torch.nn.Module:
         if not checkpoint.is_hf_folder(path):

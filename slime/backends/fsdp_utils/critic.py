@@ -36,6 +36,7 @@ from slime.backends.fsdp_utils import checkpoint
 from slime.backends.fsdp_utils.data import forward_response_values
 from slime.backends.fsdp_utils.parallel import gather_rows, lr_at, make_optimizer, optimizer_step, setup_rank, shard_model
 from slime.backends.training.actor import TrainRayActor
+from slime.backends.training.offload import TrainState
 from slime.backends.training.batching import (
     make_micro_batch,
     rollout_mask_sums,
@@ -169,6 +170,9 @@ class FSDPCriticRayActor(TrainRayActor):
             for k, v in {**metrics, "critic/grad_norm": grad_norm, "critic/lr": lr}.items():
                 totals[k] += v
         return {k: v / len(plan) for k, v in totals.items()}
+
+    def train_state(self) -> TrainState:
+        return TrainState(modules=[self.model], optimizers=[self.optimizer])
 
     def update_weights(self, engines: list[Any], weight_version: int) -> None:
         raise NotImplementedError("the critic's weights are never sent to the rollout engines")

@@ -36,6 +36,7 @@ from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import checkpoint, config_check, plugins, weights
 from slime.backends.megatron_utils.forward import response_log_probs, run_pipeline
 from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel, unwrap
+from slime.backends.training.offload import TrainState
 from slime.backends.training.batching import (
     make_micro_batch,
     make_packed_micro_batch,
@@ -224,6 +225,14 @@ class MegatronTrainRayActor(PolicyTrainer):
             for i, r in enumerate(rows):
                 result[r] = out["log_probs"][i, : response_lengths[r]]
         return result
+
+    def train_state(self) -> TrainState:
+        """The DDP chunks' parameter/gradient buffers, the optimizer's master weights and state (its inner torch
+        optimizers), the frozen reference/teacher chunks whole."""
+        frozen = [chunk for model in (self.ref_model, self.teacher_model) if model is not None for chunk in model]
+        inner = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        return TrainState(modules=frozen, ddp_chunks=list(self.model),
+                          optimizers=[opt.optimizer for opt in inner if getattr(opt, "optimizer", None) is not None])
 
     def optimizer_step(self, record: RolloutRecord, step_id: int) -> dict[str, float]:
         args, batch = self.args, record.batch

@@ -10,7 +10,7 @@ engine, or per node of a multi-node engine. It computes the server's arguments f
 | `base_gpu_id` | the first GPU Ray gave this actor (its placement-group bundle); 0 outside Ray |
 | `port`, `nccl_port` | free ports on this node, picked at launch |
 | `random_seed` | `--seed` + engine rank |
-| `enable_memory_saver` | `--colocate` (so that the engines can release their memory to the trainer) |
+| `enable_memory_saver` | `--offload-rollout` (on with `--colocate`: the engines release their memory to the trainer) |
 | `skip_server_warmup`, `trust_remote_code` | always on |
 | `dist_init_addr`, `nnodes`, `node_rank` | engines wider than `--num-gpus-per-node`: one actor per node |
 | anything else | every `--sglang-<flag>` (resolved and checked against the installed SGLang's flags) |
@@ -147,7 +147,7 @@ class SGLangEngine(ServerEngine):
             "base_gpu_id": self.gpu_ids[0] if self.gpu_ids else 0,
             "gpu_id_step": 1,
             "random_seed": args.seed + self.rank,
-            "enable_memory_saver": args.colocate,
+            "enable_memory_saver": args.offload_rollout,
             "skip_server_warmup": True,
             "trust_remote_code": True,
         }

@@ -15,12 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slime.backends.training.offload import Offloader, TrainState, memory_gb
 from slime.utils.net import free_port, node_ip
 from slime.weight_sync.push import DiskPush, EnginePush, weight_route
 
 
 class TrainRayActor:
     _push: EnginePush | DiskPush | None = None  # rank 0's route to the engines, see engine_push
+    _offloader: Offloader | None = None  # --offload-train
 
     def __init__(self, world_size: int, rank: int, master_addr: str | None, master_port: int | None):
         self.world_size = world_size
@@ -73,6 +75,26 @@ class TrainRayActor:
     def save(self, rollout_id: int) -> None:
         raise NotImplementedError
 
+    def train_state(self) -> TrainState:
+        """What this rank holds on its device: modules, megatron DDP chunks, torch optimizers (--offload-train)."""
+        raise NotImplementedError
+
+    def offload(self) -> dict[str, float]:
+        """--offload-train: this rank's training state to host memory (a no-op without CUDA, or when off already).
+        Returns the GB that left the device and the allocator's figures after."""
+        device = _device()
+        if self._offloader is None:
+            self._offloader = Offloader(device)
+        moved = self._offloader.offload(self.train_state())
+        return {"moved_gb": moved / 1e9, **memory_gb(device)}
+
+    def onload(self) -> dict[str, float]:
+        """The training state back on the device (a no-op when it is there)."""
+        if self._offloader is None:
+            return {"moved_gb": 0.0, **memory_gb(_device())}
+        moved = self._offloader.onload(self.train_state())
+        return {"moved_gb": moved / 1e9, **memory_gb(_device())}
+
     def peak_gpu_memory_gb(self) -> float | None:
         """Peak GPU memory (GiB) torch allocated on this rank since the previous call (None without CUDA)."""
         if not torch.cuda.is_available():
@@ -96,3 +118,7 @@ class TrainRayActor:
             self._push = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

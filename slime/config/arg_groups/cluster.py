@@ -54,23 +54,23 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--colocate",
         action="store_true",
-        help="Training and engines share the same GPUs (in slime this turns on --offload-train and --offload-rollout, "
-        "which this loop does not perform yet: both stay resident, see docs/dry_run.md).",
+        help="Training and engines share the same GPUs; turns on --offload-train and --offload-rollout (they take "
+        "turns with the memory, docs/colocate.md).",
     )
     g.add_argument("--offload", action="store_true", help="Shorthand for --offload-train --offload-rollout.")
     g.add_argument(
         "--offload-train",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="slime: move the training state off the GPU while engines generate (on with --colocate or PPO). Not "
-        "performed by this loop yet: warned, and the training state stays resident.",
+        help="Move the training state (parameters, gradients, optimizer state, frozen reference/teacher copies) to "
+        "host memory while the engines generate (on with --colocate or PPO; --no-offload-train keeps it resident).",
     )
     g.add_argument(
         "--offload-rollout",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="slime: release the engines' weights and KV cache while training runs (on with --colocate). Not "
-        "performed by this loop yet: warned, and the engines stay resident.",
+        help="The engines release their weights, KV cache and CUDA graphs while training runs and take them back "
+        "around each weight push (on with --colocate; --no-offload-rollout keeps them resident).",
     )
     g.add_argument(
         "--distributed-backend",
@@ -168,15 +168,12 @@ def validate_cluster(args: argparse.Namespace) -> None:
 
 
 def resolve_offload(args: argparse.Namespace) -> None:
-    """The offload flags say what the loop does. Moving the training state off the GPU while the engines generate
-    and releasing the engines' memory while training runs is not implemented yet, so both stay resident whatever
-    was asked (explicitly, or through --colocate / PPO as in slime); the --dry-run memory table counts them
-    together."""
-    asked = [f"--{dest.replace('_', '-')}" for dest in ("offload_train", "offload_rollout") if getattr(args, dest)]
-    if asked:
-        logger.warning(
-            "%s (%s): the training loop does not hand GPU memory between training and generation yet; the trainer "
-            "and the engines stay resident together, so size --sglang-mem-fraction-static for both (python "
-            "train.py ... --dry-run shows the per-GPU total).", " and ".join(asked),
-            "on with --colocate" if args.colocate else "asked for")
-    args.offload = args.offload_train = args.offload_rollout = False
+    """The offload flags as slime resolves them (on with --colocate, --offload-train with PPO; an explicit --no-...
+    stays), None -> False. The loop hands the GPU memory back and forth accordingly (slime/ray/handoff.py)."""
+    args.offload_train = bool(args.offload_train)
+    args.offload_rollout = bool(args.offload_rollout)
+    args.offload = args.offload_train and args.offload_rollout
+    if args.offload_rollout and args.update_weights_interval != 1 and not args.debug_train_only:
+        fail(f"--offload-rollout (on with --colocate) with --update-weights-interval {args.update_weights_interval}: "
+             "engines that released their weights get them back only through a push (SGLang returns them "
+             "uninitialised), so every rollout must push; use --update-weights-interval 1 or --no-offload-rollout.")

@@ -24,7 +24,7 @@ RESERVED_SGLANG_FIELDS = {
     "model_path": "--hf-checkpoint",
     "tp_size": "--rollout-num-gpus-per-engine",
     "random_seed": "--seed (each engine uses seed + its rank)",
-    "enable_memory_saver": "--colocate",
+    "enable_memory_saver": "--offload-rollout",
     "port": None,
     "nccl_port": None,
     "dist_init_addr": None,

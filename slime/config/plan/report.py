@@ -204,7 +204,10 @@ class _Builder:
             placement = "colocated (--colocate): engines and training ranks share devices, both resident"
         else:
             placement = "disaggregated: engines and training ranks on separate devices"
-        offload = "none: training state and engines stay resident (the memory handoff is not implemented yet)"
+        handed = [what for flag, what in ((a.offload_train, "training state to host memory while the engines generate"),
+                                          (a.offload_rollout, "engines release weights + KV cache while training"))
+                  if flag]
+        offload = "; ".join(handed) if handed else "none: training state and engines stay resident"
         algo = a.advantage_estimator + ("; frozen reference model for the KL term" if needs_reference_model(a) else "")
         return Section("Run", kv_table([
             ("mode", mode), ("devices", devices), ("training", train), ("rollout", rollout),
@@ -360,7 +363,7 @@ class _Builder:
         lines += [f"note: {n}" for n in est.notes]
         if self.layout.critic:
             lines.append("note: the PPO critic is a model of the same size on the same devices, resident next to the "
-                         "actor (no offloading yet): count it twice")
+                         "actor while training: count it twice")
         if self.gpu_bytes and est.total > self.gpu_bytes:
             self.warnings.append(f"estimated training memory {fmt_bytes(est.total)} > {fmt_bytes(self.gpu_bytes)} per "
                                  f"GPU: {'; '.join(self._training_fixes(est)) or 'use more or larger GPUs'}")
@@ -521,34 +524,46 @@ class _Builder:
                              "(--rollout-num-gpus a multiple of it)")
 
     def _check_colocated(self, mem: EngineMemory) -> list[tuple[str, str]]:
-        """Both phases of a colocated GPU as the loop runs them: the training and the engines stay resident
-        together (the memory handoff of --offload-train / --offload-rollout is not performed yet, and validation
-        resolves both to off). Returns the report rows."""
-        if mem.fraction > COLOCATE_MAX_FRACTION:
+        """The phases of a colocated GPU as the loop runs them (slime/ray/handoff.py): with --offload-rollout the
+        engines hold nothing while training and only their weights during the push; with --offload-train the
+        training state is in host memory while the engines generate. Returns the report rows."""
+        a = self.args
+        if mem.fraction > COLOCATE_MAX_FRACTION and not a.offload_rollout:
             self.warnings.append(
                 f"--colocate with mem_fraction_static {mem.fraction}"
                 + ("" if mem.fraction_given else " (SGLang's default, assumed)")
-                + ": the training processes keep their CUDA context and cached blocks on the GPU while the engines "
-                  "run; slime's colocated scripts use --sglang-mem-fraction-static 0.7")
+                + " and --no-offload-rollout: the training processes keep their CUDA context and cached blocks on "
+                  "the GPU while the engines run; slime's colocated scripts use --sglang-mem-fraction-static 0.7")
         train = self.train_est
         if train is None:
             return []
         resident = sum(i.bytes for i in train.items if i.name not in ("activations", "logits"))
-        during_train = train.total + mem.static
-        during_gen = mem.static + resident
+        engines_while_training = 0.0 if a.offload_rollout else mem.static
+        train_while_generating = 0.0 if a.offload_train else resident
+        during_train = train.total + engines_while_training
+        during_gen = mem.static + train_while_generating
         rows = [
-            ("colocated, training", f"{fmt_bytes(during_train)} = training {fmt_bytes(train.total)} + engines' "
-             f"static pool {fmt_bytes(mem.static)} (both resident: no memory handoff yet)"),
+            ("colocated, training", f"{fmt_bytes(during_train)} = training {fmt_bytes(train.total)} + engines "
+             + ("released (--offload-rollout)" if a.offload_rollout else f"static pool {fmt_bytes(mem.static)}")),
             ("colocated, generating", f"{fmt_bytes(during_gen)} = static pool {fmt_bytes(mem.static)} + training "
-             f"state {fmt_bytes(resident)}"),
+             + ("state in host memory (--offload-train)" if a.offload_train else f"state {fmt_bytes(resident)}")),
         ]  # fmt: skip
+        if a.offload_rollout:
+            during_push = resident + mem.weights
+            rows.append(("colocated, pushing weights", f"{fmt_bytes(during_push)} = training state "
+                         f"{fmt_bytes(resident)} + engine weights {fmt_bytes(mem.weights)} (KV cache still released)"))
         if during_train > self.gpu_bytes:
-            fraction = max(0.05, math.floor((self.gpu_bytes - train.total) / self.gpu_bytes * 20) / 20)
-            self.warnings.append(
-                f"colocated, while training: training {fmt_bytes(train.total)} + engines' static pool "
-                f"{fmt_bytes(mem.static)} = {fmt_bytes(during_train)} > {fmt_bytes(self.gpu_bytes)}: both stay on "
-                "the GPU (the loop does not offload yet); lower --sglang-mem-fraction-static to "
-                f"{fraction:.2f}, or train on more GPUs")
+            if a.offload_rollout:
+                fix = "train on more GPUs or lower the training memory (fixes above)"
+            else:
+                fraction = max(0.05, math.floor((self.gpu_bytes - train.total) / self.gpu_bytes * 20) / 20)
+                fix = f"drop --no-offload-rollout, or lower --sglang-mem-fraction-static to {fraction:.2f}"
+            self.warnings.append(f"colocated, while training: {fmt_bytes(during_train)} > {fmt_bytes(self.gpu_bytes)}"
+                                 f": {fix}")
+        if during_gen > self.gpu_bytes:
+            self.warnings.append(f"colocated, while generating: {fmt_bytes(during_gen)} > {fmt_bytes(self.gpu_bytes)}: "
+                                 + ("lower --sglang-mem-fraction-static" if a.offload_train
+                                    else "drop --no-offload-train, or lower --sglang-mem-fraction-static"))
         return rows
 
     def _check_training_model(self) -> None:

@@ -1,0 +1,78 @@
+"""The colocated memory handoff of `train.py` (`--offload-rollout`, `--offload-train`; on with `--colocate`).
+
+Training and generation take turns with the GPUs, in slime's order:
+
+    start:     engines up -> engines release everything -> trainers build their models
+    each push: engines take their weights back -> trainers on the GPU -> push -> trainers off -> engines take
+               their KV cache and CUDA graphs back
+    each step: generate -> engines release everything -> trainers on the GPU -> train -> save -> push (above)
+
+Engines release with SGLang's calls (`release_memory_occupation` / `resume_memory_occupation`, tags `weights`,
+`kv_cache`, `cuda_graph`; the rollout manager's `offload` / `onload_weights` / `onload_kv`). SGLang gives released
+weights back uninitialised, so a push always follows `onload_weights`. Trainers move their state to host memory
+(slime/backends/training/offload.py). Each phase is logged (`memory handoff: ...`) and timed; the seconds and the
+trainer's GPU memory after each move are returned as `perf/*` metrics of the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+
+logger = logging.getLogger("slime")
+
+
+class MemoryHandoff:
+    def __init__(self, args: Any, run: Any):
+        self.engines = bool(args.offload_rollout)
+        self.trainers = bool(args.offload_train)
+        self.run = run
+        self.times: dict[str, float] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.engines or self.trainers
+
+    def _timed(self, name: str, what: str, fn) -> Any:
+        logger.info("memory handoff: %s", what)
+        start = time.time()
+        result = fn()
+        self.times[name] = self.times.get(name, 0.0) + time.time() - start
+        return result
+
+    def engines_release(self) -> None:
+        if self.engines:
+            self._timed("engine_release", "engines release weights, kv_cache, cuda_graph",
+                        lambda: ray.get(self.run.rollout_manager.offload.remote()))
+
+    def trainers_on(self) -> None:
+        if self.trainers:
+            self._timed("train_onload", "trainers onload", self.run.onload_training)
+
+    def trainers_off(self) -> None:
+        if self.trainers:
+            self._timed("train_offload", "trainers offload", self.run.offload_training)
+
+    def before_push(self) -> None:
+        """Engines take their weights back and trainers are on the GPU (the push reads their weights)."""
+        if self.engines:
+            self._timed("engine_resume", "engines resume weights",
+                        lambda: ray.get(self.run.rollout_manager.onload_weights.remote()))
+        self.trainers_on()
+
+    def after_push(self) -> None:
+        self.trainers_off()
+        if self.engines:
+            self._timed("engine_resume", "engines resume kv_cache, cuda_graph",
+                        lambda: ray.get(self.run.rollout_manager.onload_kv.remote()))
+
+    def metrics(self) -> dict[str, float]:
+        """The step's handoff seconds (`perf/<phase>_time`, `perf/handoff_time` in all); resets them."""
+        out = {f"perf/{name}_time": seconds for name, seconds in self.times.items()}
+        if self.times:
+            out["perf/handoff_time"] = sum(self.times.values())
+        self.times = {}
+        return out

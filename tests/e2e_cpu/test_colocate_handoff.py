@@ -1,0 +1,40 @@
+"""train.py --colocate on CPU: the memory handoff runs in slime's order around every step (slime/ray/handoff.py).
+
+On CPU nothing moves (there is no device memory to free), but every call is made: the engines release all
+their memory after generating and take weights, then KV cache back around each push (SGLang's calls, which the
+`hf` engine serves), the trainer offloads after the push and onloads before training. The order is read from
+the driver's log, and the engines' log-probs must still equal the trainer's after every push.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from slime.utils.tracking import read_scalars
+from tests.e2e_cpu.test_train_e2e import _env, _train_cmd
+
+START = ["engines release weights, kv_cache, cuda_graph", "engines resume weights", "trainers onload",
+         "trainers offload", "engines resume kv_cache, cuda_graph"]
+STEP = ["engines release weights, kv_cache, cuda_graph", "trainers onload", "engines resume weights",
+        "trainers onload", "trainers offload", "engines resume kv_cache, cuda_graph"]
+
+
+@pytest.mark.timeout(600)
+def test_colocated_run_hands_memory_over_in_slimes_order(tiny_model_dir, toy_data_path, tmp_path):
+    n = 3
+    tb = tmp_path / "tb"
+    cmd = _train_cmd(tiny_model_dir, toy_data_path, "--actor-num-gpus-per-node", "1", "--colocate",
+                     "--global-batch-size", "16", "--num-rollout", str(n), "--rm-type", "toy",
+                     "--use-tensorboard", "--tensorboard-dir", str(tb))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=str(tmp_path), timeout=540)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    calls = re.findall(r"memory handoff: (.+)", out)
+    assert calls == START + STEP * n, calls
+    diffs = read_scalars(str(tb), "train/train_rollout_logprob_abs_diff")
+    assert sorted(diffs) == list(range(n)) and max(diffs.values()) < 1e-3, diffs  # every push reached the engine
+    handoff = read_scalars(str(tb), "perf/handoff_time")
+    assert sorted(handoff) == list(range(n)) and all(v >= 0 for v in handoff.values())
