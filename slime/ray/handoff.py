@@ -11,7 +11,8 @@ Engines release with SGLang's calls (`release_memory_occupation` / `resume_memor
 `kv_cache`, `cuda_graph`; the rollout manager's `offload` / `onload_weights` / `onload_kv`). SGLang gives released
 weights back uninitialised, so a push always follows `onload_weights`. Trainers move their state to host memory
 (slime/backends/training/offload.py). Each phase is logged (`memory handoff: ...`) and timed; the seconds and the
-trainer's GPU memory after each move are returned as `perf/*` metrics of the step.
+actor's GPU memory after each move (rank 0: GB moved, the allocator's allocated / reserved GB) are returned as
+`perf/*` metrics of the step.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class MemoryHandoff:
         self.trainers = bool(args.offload_train)
         self.run = run
         self.times: dict[str, float] = {}
+        self.figures: dict[str, float] = {}  # the actor's GPU memory around its moves (CUDA only)
 
     @property
     def active(self) -> bool:
@@ -50,11 +52,17 @@ class MemoryHandoff:
 
     def trainers_on(self) -> None:
         if self.trainers:
-            self._timed("train_onload", "trainers onload", self.run.onload_training)
+            self._memory("onload", self._timed("train_onload", "trainers onload", self.run.onload_training))
 
     def trainers_off(self) -> None:
         if self.trainers:
-            self._timed("train_offload", "trainers offload", self.run.offload_training)
+            self._memory("offload", self._timed("train_offload", "trainers offload", self.run.offload_training))
+
+    def _memory(self, move: str, figures: dict[str, float]) -> None:
+        """The actor's rank 0 after a move: GB moved and the allocator's GB (`perf/actor_<move>_<figure>`)."""
+        for name, value in (figures or {}).items():
+            key = f"actor_{move}_{name}"
+            self.figures[key] = self.figures.get(key, 0.0) + value if name == "moved_gb" else value
 
     def before_push(self) -> None:
         """Engines take their weights back and trainers are on the GPU (the push reads their weights)."""
@@ -70,9 +78,11 @@ class MemoryHandoff:
                         lambda: ray.get(self.run.rollout_manager.onload_kv.remote()))
 
     def metrics(self) -> dict[str, float]:
-        """The step's handoff seconds (`perf/<phase>_time`, `perf/handoff_time` in all); resets them."""
+        """The step's handoff seconds (`perf/<phase>_time`, `perf/handoff_time` in all) and the actor's memory
+        figures (`perf/actor_offload_allocated_gb`, ...); resets them."""
         out = {f"perf/{name}_time": seconds for name, seconds in self.times.items()}
         if self.times:
             out["perf/handoff_time"] = sum(self.times.values())
-        self.times = {}
+        out.update({f"perf/{name}": value for name, value in self.figures.items()})
+        self.times, self.figures = {}, {}
         return out

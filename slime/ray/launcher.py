@@ -79,16 +79,15 @@ class Run:
             raise
         return self
 
-    def offload_training(self) -> None:
-        """--offload-train: the actor's (and critic's) training state to host memory (slime/ray/handoff.py)."""
-        for group in (self.actor, self.critic):
-            if group is not None:
-                group.offload()
+    def offload_training(self) -> dict[str, float]:
+        """--offload-train: the actor's (and critic's) training state to host memory (slime/ray/handoff.py).
+        Returns the actor's rank 0 figures (GB moved, the allocator's GB after)."""
+        figures = [group.offload() for group in (self.actor, self.critic) if group is not None]
+        return figures[0] if figures else {}
 
-    def onload_training(self) -> None:
-        for group in (self.actor, self.critic):
-            if group is not None:
-                group.onload()
+    def onload_training(self) -> dict[str, float]:
+        figures = [group.onload() for group in (self.actor, self.critic) if group is not None]
+        return figures[0] if figures else {}
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.shutdown()
