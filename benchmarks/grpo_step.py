@@ -150,7 +150,8 @@ def rollout_flags(args, rollout: str) -> list[str]:
     batch = args.prompts * SAMPLES_PER_PROMPT
     return ["--rollout-backend", "sglang", "--sglang-attention-backend", args.sglang_attention_backend,
             "--sglang-sampling-backend", "pytorch", "--sglang-dtype", "bfloat16",
-            "--sglang-mem-fraction-static", "0.3", "--sglang-cuda-graph-max-bs", str(batch),
+            "--sglang-mem-fraction-static", str(getattr(args, "sglang_mem_fraction", 0.3)),
+            "--sglang-cuda-graph-max-bs", str(batch),
             "--sglang-disable-prefill-cuda-graph"]
 
 
