@@ -8,8 +8,8 @@ handed back. The backends say what they hold (`TrainState`); this module moves i
   parameters are swapped in place, so optimizer references stay valid) with `module.to(device)`;
 - megatron-core DDP chunks through their contiguous buffers (`_ParamAndGradBuffer.offload_to_cpu` /
   `reload_from_cpu`: a pinned host copy of the parameters, the gradient storage freed and zeroed on return);
-- torch optimizers' parameters (e.g. fp32 master shards) and state tensors into pinned host memory, each put back
-  on the device it came from (a CPU `step` counter stays on the CPU).
+- torch optimizers' parameters (e.g. fp32 master shards) and state tensors into pinned host memory (DTensor state,
+  FSDP2's, with `DTensor.to`), each put back on the device it came from (a CPU `step` counter stays on the CPU).
 
 Without CUDA there is nothing to move: every call is a no-op that reports 0 bytes.
 """
@@ -88,7 +88,8 @@ class Offloader:
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.is_cuda:
                     self._moved.append((state, key, value.device))
-                    state[key] = _to_pinned(value)
+                    # FSDP2's state is DTensors (sharded like their parameters): moved as DTensors, shard by shard
+                    state[key] = value.to("cpu") if _is_dtensor(value) else _to_pinned(value)
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:
@@ -98,7 +99,7 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    """FSDP2 parameters move with their module (`module.to`), not through the optimizer."""
+    """FSDP2's parameters (they move with their module, `module.to`) and optimizer state."""
     return type(t).__name__ == "DTensor"
 
 
