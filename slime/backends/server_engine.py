@@ -25,6 +25,7 @@ import httpx
 
 from slime.utils.net import free_port, node_ip
 from slime.utils.processes import spawn, stop_process_group
+from slime.weight_sync.delta import apply_push
 
 _STARTUP_RETRIES = 3  # a freshly picked free port can be taken by someone else before the server binds it
 
@@ -211,6 +212,16 @@ class ServerEngine:
         return self._call("POST", "/update_weights_from_disk",
                           {"model_path": model_path, "weight_version": weight_version},
                           timeout=self.weight_update_timeout_s)
+
+    def apply_weight_delta(self, push_dir: str, local_dir: str, weight_version: str) -> dict:
+        """--update-weight-mode delta, on the engine's host (this actor runs there): bring `local_dir`
+        (--update-weight-local-checkpoint-dir) to the push in `push_dir` (a full checkpoint copied, or a delta
+        decoded; every tensor's checksum checked before any file is replaced: slime/weight_sync/delta.py
+        `apply_push`), then load `local_dir` (`update_weights_from_disk`; SGLang itself is not changed).
+        A failed check raises before anything changed here or in the server."""
+        applied = apply_push(push_dir, local_dir)
+        self.update_weights_from_disk(local_dir, weight_version)
+        return applied
 
     def check_weights(self, action: str) -> dict:
         """SGLang's `POST /weights_checker`: "snapshot" copies every parameter, "reset_tensors" overwrites them

@@ -19,7 +19,9 @@ an HF safetensors checkpoint under `--update-weight-disk-dir/weight_v{version:06
 index, the model's config files), calls `--custom-update-weight-post-write-path hook(args, version_dir,
 rollout_engines)` (slime's hook to publish the files on a filesystem without cross-host read-after-write, e.g.
 an object-store mount), then has every engine load the folder (`update_weights_from_disk`) and removes the
-previous version's folder (unless `--update-weight-disk-keep-files`). Only rank 0 writes, so the hook runs on rank 0 (slime calls it on every rank and
+previous version's folder (unless `--update-weight-disk-keep-files`). `DeltaPush(args)` is its
+`--update-weight-mode delta` (slime/weight_sync/delta.py): after a full first push, only the changed tensors.
+Only rank 0 writes, so the hook runs on rank 0 (slime calls it on every rank and
 asks it to gate itself). Every route has `begin(engines)`, `send(bucket, version)`, `finish(version)` (after
 the last bucket) and `close()`.
 """
@@ -41,6 +43,7 @@ from slime.utils.misc import load_hook
 from slime.utils.net import free_port, node_ip
 from slime.utils.progress import progress
 from slime.weight_sync.buckets import Named, buckets
+from slime.weight_sync.delta import MANIFEST, Snapshot, manifest, write_json
 from slime.weight_sync.group import broadcast_tensors, destroy_weight_update_group, init_weight_update_group
 from slime.weight_sync.tensor_payload import flatten_bucket, serialize_bucket
 
@@ -173,29 +176,46 @@ class DiskPush:
         self._dir, self._files = None, {}
 
     def send(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str) -> None:
+        # copies on the CPU: tensors that share storage (tied embeddings) cannot go into one file as views
+        self.write_shard({n: t.detach().to("cpu", copy=True).contiguous() for n, t in bucket}, weight_version)
+
+    def open_dir(self, weight_version: str) -> str:
+        """This push's folder, made empty on first use (a half-written folder of an interrupted run goes)."""
         if self._dir is None:
             self._dir = self.version_dir(weight_version)
-            shutil.rmtree(self._dir, ignore_errors=True)  # a half-written folder of an interrupted run
+            shutil.rmtree(self._dir, ignore_errors=True)
             os.makedirs(self._dir)
-        name = f"model-{len(set(self._files.values())) + 1:05d}.safetensors"
-        # copies on the CPU: tensors that share storage (tied embeddings) cannot go into one file as views
-        save_file({n: t.detach().to("cpu", copy=True).contiguous() for n, t in bucket}, os.path.join(self._dir, name),
-                  metadata={"format": "pt"})
-        self._files.update({n: name for n, _ in bucket})
+        return self._dir
 
-    def finish(self, weight_version: str) -> None:
-        if self._dir is None:
-            raise RuntimeError(f"update_weights v{weight_version}: no bucket was written; nothing for the engines "
-                               "to load")
+    def write_shard(self, tensors: dict[str, torch.Tensor], weight_version: str) -> str:
+        """Save CPU `tensors` as the push's next `model-NNNNN.safetensors`; returns the file name."""
+        name = f"model-{len(set(self._files.values())) + 1:05d}.safetensors"
+        save_file(tensors, os.path.join(self.open_dir(weight_version), name), metadata={"format": "pt"})
+        self._files.update({n: name for n in tensors})
+        return name
+
+    def write_index(self) -> None:
+        """The HF index of the shards written, and the model's config files: the folder is a loadable checkpoint."""
         with open(os.path.join(self._dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": self._files}, f)
         for config in _CONFIG_FILES:
             source = os.path.join(self.args.hf_checkpoint, config)
             if os.path.isfile(source):
                 shutil.copy(source, self._dir)
+
+    def finish(self, weight_version: str) -> None:
+        if self._dir is None:
+            raise RuntimeError(f"update_weights v{weight_version}: no bucket was written; nothing for the engines "
+                               "to load")
+        self.write_index()
+        self.publish_and_load(weight_version, "update_weights_from_disk", (self._dir, str(weight_version)))
+
+    def publish_and_load(self, weight_version: str, method: str, call_args: tuple) -> None:
+        """Run the post-write hook on the finished folder, have every engine call `method(*call_args)`, then
+        remove the previous push's folder (unless --update-weight-disk-keep-files)."""
         if self.post_write is not None:
             self.post_write(self.args, self._dir, self._engines)
-        _start([(e, "update_weights_from_disk", (self._dir, str(weight_version)), {}) for e in self._engines])()
+        _start([(e, method, call_args, {}) for e in self._engines])()
         if self._previous and self._previous != self._dir and not self.args.update_weight_disk_keep_files:
             shutil.rmtree(self._previous, ignore_errors=True)
         self._previous = self._dir
@@ -204,10 +224,71 @@ class DiskPush:
         """The last version's folder stays: the engines hold what it holds."""
 
 
+class DeltaPush(DiskPush):
+    """Rank 0's route for `--update-weight-mode delta` (slime/weight_sync/delta.py): a full checkpoint first (and
+    again after a failed push or when an engine's server changed), then only the changed tensors, encoded. Each
+    engine applies the folder to its host's `--update-weight-local-checkpoint-dir` and loads that
+    (`apply_weight_delta`)."""
+
+    def __init__(self, args: Any):
+        super().__init__(args)
+        self.snapshot = Snapshot(args.update_weight_delta_encoding, args.update_weight_delta_checksum)
+        self._urls: list[str] | None = None
+        self._base_id: str | None = None
+        self._entries: dict[str, dict] = {}
+        self._full = True
+        self._total = 0
+        self._unfinished = False
+
+    def begin(self, engines: Sequence[Any]) -> None:
+        super().begin(engines)
+        urls = engine_urls(self._engines)
+        if self._urls is not None and urls != self._urls:
+            logger.warning("engine servers changed since the last weight push; sending the full weights again")
+            self.snapshot.clear()
+        if self._unfinished:  # the last push stopped between buckets: the base holds some of its tensors
+            self.snapshot.clear()
+        self._urls, self._full = urls, not self.snapshot.base
+        self._entries, self._total, self._unfinished = {}, 0, True
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str) -> None:
+        self._total += sum(t.numel() * t.element_size() for _, t in bucket)
+        if self._full:
+            tensors = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in bucket}
+            entries = self.snapshot.record(tensors)
+        else:
+            tensors, entries = self.snapshot.diff(bucket)
+            if not tensors:
+                return
+        name = self.write_shard(tensors, weight_version)
+        self._entries.update({n: {**e, "file": name} for n, e in entries.items()})
+
+    def finish(self, weight_version: str) -> None:
+        folder = self.open_dir(weight_version)
+        if self._full:
+            self.write_index()
+        kind = "full" if self._full else "delta"
+        m = manifest(kind, weight_version, self._base_id, self.snapshot.encoding, self.snapshot.algorithm,
+                     self._entries, self._total)
+        write_json(os.path.join(folder, MANIFEST), m)
+        try:
+            self.publish_and_load(weight_version, "apply_weight_delta",
+                                  (folder, self.args.update_weight_local_checkpoint_dir, str(weight_version)))
+        except BaseException:
+            self.snapshot.clear()  # the engines may hold either version: the next push is a full one
+            self._base_id = None
+            raise
+        self._base_id, self._unfinished = m["push_id"], False
+        written = sum(os.path.getsize(os.path.join(folder, f)) for f in set(self._files.values()))
+        logger.info("update_weights v%s (%s, %s): %d tensor(s), %.2f MiB written of %.2f MiB", weight_version, kind,
+                    self.snapshot.encoding, len(self._entries), written / 2**20, self._total / 2**20)
+
+
 def weight_route(args: Any) -> EnginePush | DiskPush:
-    """Rank 0's route for `args`: the disk transport, else handles (`--colocate`) or broadcast."""
+    """Rank 0's route for `args`: the disk transport (full checkpoints, or deltas with --update-weight-mode
+    delta), else handles (`--colocate`) or broadcast."""
     if args.update_weight_transport == "disk":
-        return DiskPush(args)
+        return DeltaPush(args) if args.update_weight_mode == "delta" else DiskPush(args)
     return EnginePush(bool(args.colocate))
 
 

@@ -502,8 +502,6 @@ def test_rm_type_check_logic(monkeypatch):
 @pytest.mark.parametrize("extra, message", [
     (["--use-opsm"], "--use-opsm: not supported here: off-policy sequence masking"),
     (["--freeze-params-name-list", "embedding", "output_layer"], "--freeze-params-name-list embedding output_layer:"),
-    (["--update-weight-mode", "delta", "--update-weight-transport", "disk", "--update-weight-disk-dir", "/d",
-      "--update-weight-local-checkpoint-dir", "/l"], "--update-weight-mode delta: not supported here yet"),
     (["--multimodal-keys", '{"image": "img"}'], "--multimodal-keys {\"image\": \"img\"}: not supported here yet"),
     (["--train-backend", "megatron", "--ckpt-format", "torch"], "--ckpt-format torch: the megatron backend"),
     (["--model-name", "nosuchfamily"], "--model-name nosuchfamily: no HF <-> Megatron weight converter"),

@@ -17,10 +17,13 @@ from slime.backends.sglang_utils.arguments import as_bool, flag_of
 
 def weight_dirs(args) -> list[str]:
     """Folders the server may load weights from (update_weights_from_disk): the one holding --hf-checkpoint,
-    --save, and any listed in SLIME_ENGINE_WEIGHT_DIRS (os.pathsep-separated)."""
+    --save, the weight-sync folders (--update-weight-disk-dir, --update-weight-local-checkpoint-dir) and any listed
+    in SLIME_ENGINE_WEIGHT_DIRS (os.pathsep-separated)."""
     dirs = [os.path.dirname(os.path.abspath(str(args.hf_checkpoint)))]
-    if args.save:
-        dirs.append(os.path.abspath(args.save))
+    for given in (args.save, getattr(args, "update_weight_disk_dir", None),
+                  getattr(args, "update_weight_local_checkpoint_dir", None)):
+        if given:
+            dirs.append(os.path.abspath(given))
     dirs += [d for d in os.environ.get("SLIME_ENGINE_WEIGHT_DIRS", "").split(os.pathsep) if d]
     return dirs
 
