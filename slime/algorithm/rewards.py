@@ -24,7 +24,7 @@ def rollout_rewards(args: Any, samples: list[Sample], group_indices: list[int]) 
     else each sample's reward value (`--reward-key`) and `train_rewards` of them."""
     path = args.custom_reward_post_process_path
     if not path:
-        raw = [s.get_reward_value(args.reward_key) for s in samples]
+        raw = [s.scalar_reward(args.reward_key) for s in samples]
         return raw, train_rewards(args, samples, raw, group_indices)
     out = load_function(path, "--custom-reward-post-process-path")(args, samples)
     if not (isinstance(out, (tuple, list)) and len(out) == 2

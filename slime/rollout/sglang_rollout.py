@@ -764,7 +764,7 @@ async def eval_rollout_async(args, rollout_id: int) -> dict[str, dict[str, list]
             f"eval {name} (rollout {rollout_id})",
         )
         out[name] = {
-            "rewards": [s.get_reward_value(reward_key) for s in samples],
+            "rewards": [s.scalar_reward(reward_key) for s in samples],
             "truncated": [s.status == Sample.Status.TRUNCATED for s in samples],
             "samples": samples,
         }

@@ -213,23 +213,29 @@ class Sample:
                 setattr(sample, key, value)
         return sample
 
-    def get_reward_value(self, args) -> float:
-        """The scalar reward; with a dict reward, `args.reward_key` (--reward-key) picks the entry. `args` may
-        also be the reward key itself (a string or None)."""
+    def get_reward_value(self, args) -> Any:
+        """slime's: the reward as set, or with a dict reward and `args.reward_key` (--reward-key) its entry; a dict
+        reward without a key comes back whole (slime's OPD post-process reads it so). `args` may also be the reward
+        key itself (a string or None). `scalar_reward` is the float the trainer uses."""
         reward_key = args if args is None or isinstance(args, str) else args.reward_key
-        if isinstance(self.reward, dict):
-            if not reward_key:
-                raise ValueError(
-                    f"sample {self.index}: reward is a dict with keys {sorted(self.reward)}; "
-                    "pass --reward-key to choose the scalar to train on"
-                )
+        if reward_key and isinstance(self.reward, dict):
             if reward_key not in self.reward:
                 raise ValueError(
                     f"sample {self.index}: --reward-key {reward_key} is not in the reward dict (keys "
                     f"{sorted(self.reward)}); set --reward-key to one of them"
                 )
-            return float(self.reward[reward_key])
-        return float(self.reward if self.reward is not None else 0.0)
+            return self.reward[reward_key]
+        return self.reward
+
+    def scalar_reward(self, reward_key: str | None) -> float:
+        """The reward to train on (0.0 when unset); a dict reward needs --reward-key to pick the entry."""
+        value = self.get_reward_value(reward_key)
+        if isinstance(value, dict):
+            raise ValueError(
+                f"sample {self.index}: reward is a dict with keys {sorted(value)}; "
+                "pass --reward-key to choose the scalar to train on"
+            )
+        return float(value if value is not None else 0.0)
 
     # --- extending the response ---------------------------------------------------------------------------
 

@@ -37,12 +37,20 @@ def test_sample_round_trips_through_dict_and_keeps_unknown_keys():
 def test_reward_value_takes_args_or_the_key():
     s = Sample(reward={"score": 0.5, "acc": 1})
     assert s.get_reward_value(argparse.Namespace(reward_key="score")) == 0.5
-    assert s.get_reward_value("acc") == 1.0
-    with pytest.raises(ValueError, match="--reward-key"):
-        s.get_reward_value(argparse.Namespace(reward_key=None))
+    assert s.get_reward_value("acc") == 1
+    # slime's contract: without --reward-key a dict reward comes back whole (slime's OPD post-process reads it)
+    assert s.get_reward_value(argparse.Namespace(reward_key=None)) == {"score": 0.5, "acc": 1}
     with pytest.raises(ValueError, match=r"--reward-key pred is not in the reward dict \(keys \['acc', 'score'\]\)"):
         s.get_reward_value("pred")
-    assert Sample(reward=2).get_reward_value(None) == 2.0
+    assert Sample(reward=2).get_reward_value(None) == 2 and Sample().get_reward_value(None) is None
+
+
+def test_scalar_reward_is_what_the_trainer_uses():
+    s = Sample(reward={"score": 0.5, "acc": 1})
+    assert s.scalar_reward("acc") == 1.0 and isinstance(s.scalar_reward("acc"), float)
+    with pytest.raises(ValueError, match="reward is a dict with keys \\['acc', 'score'\\]; pass --reward-key"):
+        s.scalar_reward(None)
+    assert Sample(reward=2).scalar_reward(None) == 2.0 and Sample().scalar_reward(None) == 0.0
 
 
 def test_append_model_then_tool_tokens_keeps_fields_aligned():

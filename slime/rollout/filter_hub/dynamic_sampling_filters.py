@@ -20,7 +20,7 @@ MIN_STD = 1e-6
 
 
 def check_reward_nonzero_std(args: Any, samples: list[Sample], **kwargs: Any) -> DynamicFilterOutput:
-    rewards = [s.get_reward_value(args.reward_key) for s in samples]
+    rewards = [s.scalar_reward(args.reward_key) for s in samples]
     keep = len(rewards) > 1 and statistics.stdev(rewards) > MIN_STD
     return DynamicFilterOutput(keep=keep, reason=None if keep else f"zero_std_{round(rewards[0], 1)}")
 
