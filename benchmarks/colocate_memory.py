@@ -138,15 +138,10 @@ def main() -> None:
     modes = args.modes.split(",")
     if unknown := [m for m in modes if m not in MODES]:
         sys.exit(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
-    from grpo_step import write_prompts
-    from weight_sync import SHAPES, make_model_dir
+    from grpo_step import job_inputs
 
     with tempfile.TemporaryDirectory() as workdir:
-        model_dir, model = make_model_dir(args.shape, workdir)
-        del model
-        torch.cuda.empty_cache()
-        data = write_prompts(os.path.join(workdir, "prompts.jsonl"), args.prompts, args.prompt_len,
-                             SHAPES[args.shape]["vocab_size"])
+        model_dir, data = job_inputs(args, workdir)
         results = {mode: run_mode(args, mode, model_dir, data, workdir) for mode in modes}
     print(f"{args.shape}, {args.backend} + {args.rollout} colocated on {torch.cuda.get_device_name()}, "
           f"{args.prompts} prompts x 8 samples x {args.response_len} tokens")

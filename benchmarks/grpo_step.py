@@ -80,6 +80,21 @@ def write_prompts(path: str, count: int, length: int, vocab_size: int, seed: int
     return path
 
 
+def job_inputs(args, workdir: str) -> tuple[str, str]:
+    """The job's random-init model folder of `--shape` and its prompts file, under `workdir` (the model is not kept
+    on the GPU)."""
+    import torch
+
+    from weight_sync import SHAPES, make_model_dir
+
+    model_dir, model = make_model_dir(args.shape, workdir)
+    del model
+    torch.cuda.empty_cache()
+    data = write_prompts(os.path.join(workdir, "prompts.jsonl"), args.prompts, args.prompt_len,
+                         SHAPES[args.shape]["vocab_size"])
+    return model_dir, data
+
+
 # ---- device memory ------------------------------------------------------------------------------------------
 
 
@@ -354,14 +369,8 @@ def main() -> None:
         sys.exit(f"--systems: unknown {unknown}; choose from {', '.join(runners)}")
     if (args.prompts * SAMPLES_PER_PROMPT) % args.micro_batch_size:
         sys.exit(f"--micro-batch-size {args.micro_batch_size} must divide {args.prompts} x {SAMPLES_PER_PROMPT}")
-    from weight_sync import SHAPES, make_model_dir
-
     with tempfile.TemporaryDirectory() as workdir:
-        model_dir, model = make_model_dir(args.shape, workdir)
-        del model
-        torch.cuda.empty_cache()
-        data = write_prompts(os.path.join(workdir, "prompts.jsonl"), args.prompts, args.prompt_len,
-                             SHAPES[args.shape]["vocab_size"])
+        model_dir, data = job_inputs(args, workdir)
         results = {name: runners[name](args, model_dir, data, workdir) for name in args.systems.split(",")}
     print(report(args, results))
 
