@@ -1,21 +1,24 @@
 """The colocated memory handoff on one GPU: the same job with and without it, memory per phase (GPU).
 
-    python benchmarks/colocate_memory.py [--shape qwen3-4b] [--rollout sglang|hf] [--backend megatron|fsdp]
-        [--prompts 16] [--prompt-len 64] [--response-len 256] [--steps 3] [--sglang-mem-fraction 0.6]
-        [--modes handoff,resident]
+    python benchmarks/colocate_memory.py [--shape qwen3-4b] [--rollouts sglang,hf] [--backend megatron|fsdp]
+        [--prompts 32] [--prompt-len 64] [--response-len 1024] [--steps 3] [--sglang-mem-fraction 0.6]
+        [--modes handoff,resident] [--keep-logs DIR]
 
 Each mode is one `train.py --colocate` run of benchmarks/grpo_step.py's job (a random-init model of the shape, its
-prompts of exactly `--prompt-len` tokens, 8 samples each, fixed-length responses, its reward): `handoff` with the
-defaults (`--colocate` turns on `--offload-rollout` and `--offload-train`, docs/colocate.md), `resident` with
-`--no-offload-rollout --no-offload-train`. Sized so that the trainer's state and the engine's pool do not fit
-together but each fits alone (e.g. the 4B shape: ~64 GB of Megatron bf16 + fp32 Adam state, and SGLang's static
-pool at `--sglang-mem-fraction 0.6` of the GPU), the resident run is expected to fail (its error line is shown).
+prompts of exactly `--prompt-len` tokens, 8 samples each, fixed-length responses, its reward), per rollout
+backend: `handoff` with the defaults (`--colocate` turns on `--offload-rollout` and `--offload-train`,
+docs/colocate.md), `resident` with `--no-offload-rollout --no-offload-train`. Sized so that the trainer's state and
+the engine do not fit together but each fits alone (e.g. the 4B shape: ~64 GB of Megatron bf16 + fp32 Adam state,
+and SGLang's static pool at `--sglang-mem-fraction 0.6` of the GPU; the `hf` engine's KV slots grow with the
+batch: 256 rows x 1088 tokens of the 4B shape are ~40 GB), the resident run is expected to fail (its error line
+is shown).
 
-While a run goes, the device's used memory (all processes: `torch.cuda.mem_get_info`) is polled every 0.1 s; the
-driver's `memory handoff: ...` log lines (logged as each phase begins) give the timeline: the device's GB when
-each phase began, i.e. what the previous phase left. Per mode the table shows, for each step, the step seconds,
-the handoff seconds and their ratio to the step, the trainer's offload / onload seconds and the actor's allocated
-GB after offload (`perf/*` of its TensorBoard).
+While a run goes, this script polls every 0.25 s the device's used memory (all processes:
+`torch.cuda.mem_get_info`) and nvidia-smi's per-process memory, split into trainer and engine processes. The
+driver's `memory handoff: ...` log lines (logged as each phase begins) cut the run into phases; per phase the
+table shows what it left (the last sample before the next phase) and the device's peak during it. Per step: the
+step seconds, the handoff seconds and their ratio to the step, the trainer's offload / onload seconds and the
+actor's allocated GB after offload (`perf/*` of its TensorBoard, torch's own count).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import datetime
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,26 +45,62 @@ PERF = ("step_time", "handoff_time", "train_offload_time", "train_onload_time", 
 
 
 class DeviceUsage:
-    """(wall clock, used bytes of the whole device) every `interval` seconds, in a thread."""
+    """Every `interval` seconds, in a thread: the device's used bytes (all processes, `torch.cuda.mem_get_info`)
+    and each process's share as nvidia-smi reports it, split into the engine's processes (an SGLang or `hf`
+    server, or its engine actor, among its ancestors), the trainer's (a training Ray actor) and the rest (this
+    script, Ray itself; also every process when nvidia-smi lists none, e.g. in a PID namespace)."""
 
-    def __init__(self, interval: float = 0.1):
+    def __init__(self, interval: float = 0.25):
         import torch
 
-        self._torch, self.interval, self.samples = torch, interval, []
+        self._torch, self.interval = torch, interval
+        self.samples: list[tuple[float, float, dict[str, float]]] = []  # (wall clock, device GB, {side: GB})
+        self._sides: dict[int, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self) -> None:
         while not self._stop.wait(self.interval):
             free, total = self._torch.cuda.mem_get_info()
-            self.samples.append((time.time(), total - free))
+            self.samples.append((time.time(), (total - free) / 1e9, self._per_side()))
 
-    def at(self, t: float) -> float:
-        """GB used at the first sample at or after `t` (the last one if none)."""
-        for when, used in self.samples:
-            if when >= t:
-                return used / 1e9
-        return self.samples[-1][1] / 1e9 if self.samples else float("nan")
+    def _per_side(self) -> dict[str, float]:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,"
+                                  "nounits"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return {}
+        sides: dict[str, float] = {}
+        for line in out.splitlines():
+            pid, _, mib = line.partition(",")
+            if pid.strip().isdigit() and mib.strip().isdigit():
+                side = self._side(int(pid))
+                sides[side] = sides.get(side, 0.0) + int(mib) * 2**20 / 1e9
+        return sides
+
+    def _side(self, pid: int) -> str:
+        if pid not in self._sides:
+            side, p = "other", pid
+            while p > 1:
+                cmd = _cmdline(p)
+                if "sglang" in cmd or "hf_engine" in cmd or cmd.startswith(("ray::HFEngine", "ray::SGLangEngine")):
+                    side = "engine"
+                    break
+                if cmd.startswith("ray::") and "RayActor" in cmd:  # MegatronTrainRayActor, FSDPCriticRayActor
+                    side = "trainer"
+                    break
+                p = _parent(p)
+            self._sides[pid] = side
+        return self._sides[pid]
+
+    def window(self, start: float, end: float) -> tuple[tuple[float, dict[str, float]], float]:
+        """The last sample before `end` ((device GB, {side: GB}): what a phase left) and the device's peak GB
+        over [start, end)."""
+        before = [(when, used, sides) for when, used, sides in self.samples if when < end]
+        if not before:
+            return (float("nan"), {}), float("nan")
+        inside = [used for when, used, _ in before if when >= start] or [before[-1][1]]  # a phase shorter than
+        return before[-1][1:], max(inside)  # the interval: the sample before its end
 
     def __enter__(self) -> DeviceUsage:
         self._thread.start()
@@ -71,82 +111,116 @@ class DeviceUsage:
         self._thread.join()
 
 
-def run_mode(args, mode: str, model_dir: str, data: str, workdir: str) -> dict:
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 1
+
+
+def run_mode(args, rollout: str, mode: str, model_dir: str, data: str, workdir: str) -> dict:
     from grpo_step import slime_command
 
     from slime.utils.tracking import read_scalars
 
-    tb = os.path.join(workdir, f"{mode}_tb")
-    log_path = os.path.join(workdir, f"{mode}.log")
-    cmd = [*slime_command(args, model_dir, data, tb, args.backend, args.rollout), *MODES[mode]]
+    name = f"{rollout}_{mode}"
+    tb = os.path.join(workdir, f"{name}_tb")
+    log_path = os.path.join(workdir, f"{name}.log")
+    cmd = [*slime_command(args, model_dir, data, tb, args.backend, rollout), *MODES[mode]]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-               SLIME_ENGINE_LOG_DIR=os.path.join(workdir, f"{mode}_engine_logs"))
-    print(f"[{mode}] train.py --colocate {' '.join(MODES[mode])} (log: {log_path})", flush=True)
+               SLIME_ENGINE_LOG_DIR=os.path.join(workdir, f"{name}_engine_logs"))
+    print(f"[{name}] train.py --colocate --rollout-backend {rollout} {' '.join(MODES[mode])} (log: {log_path})",
+          flush=True)
     with DeviceUsage() as usage, open(log_path, "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir).returncode
+        ended = time.time()
+    if args.keep_logs:
+        shutil.copy(log_path, os.path.join(args.keep_logs, f"colocate_{name}.log"))
     with open(log_path, errors="replace") as f:
         text = f.read()
-    timeline = []
+    began = []
     for line in text.splitlines():
         m = PHASE_LINE.match(line)
         if m:
-            when = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            timeline.append((m.group(2), usage.at(when)))
+            began.append((m.group(2), datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()))
+    timeline = [(phase, *usage.window(t, began[i + 1][1] if i + 1 < len(began) else ended))
+                for i, (phase, t) in enumerate(began)]
     errors = [line for line in text.splitlines() if "OutOfMemory" in line or "out of memory" in line.lower()]
-    perf = {name: read_scalars(tb, f"perf/{name}") if os.path.isdir(tb) else {} for name in PERF}
-    peak = max((used for _, used in usage.samples), default=0) / 1e9
+    perf = {key: read_scalars(tb, f"perf/{key}") if os.path.isdir(tb) else {} for key in PERF}
+    peak = max((used for _, used, _ in usage.samples), default=0.0)
     return {"rc": rc, "timeline": timeline, "perf": perf, "peak_gb": peak,
             "error": errors[-1] if errors else (text.strip().splitlines() or [""])[-1] if rc else ""}
 
 
-def report(mode: str, r: dict) -> str:
-    lines = [f"## {mode}: exit {r['rc']}, device peak {r['peak_gb']:.1f} GB" + (f"; {r['error'][:300]}" if r["rc"]
-                                                                              else "")]
+# what runs after each logged phase, until the next one
+AFTER = {"trainers onload": " (then train, save)", "engines resume kv_cache, cuda_graph": " (then generate)",
+         "engines resume weights": " (then push)"}
+
+
+def report(name: str, r: dict) -> str:
+    lines = [f"## {name}: exit {r['rc']}, device peak {r['peak_gb']:.1f} GB"
+             + (f"; {r['error'][:300]}" if r["rc"] else "")]
     steps = sorted(r["perf"]["step_time"])
     if steps:
         lines += ["| step | step s | handoff s | handoff / step | offload s | onload s | actor GB after offload |",
                   "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for k in steps:
-            p = {name: r["perf"][name].get(k, float("nan")) for name in PERF}
+            p = {key: r["perf"][key].get(k, float("nan")) for key in PERF}
             lines.append(f"| {k} | {p['step_time']:.2f} | {p['handoff_time']:.2f} | "
                          f"{p['handoff_time'] / p['step_time']:.1%} | {p['train_offload_time']:.2f} | "
                          f"{p['train_onload_time']:.2f} | {p['actor_offload_allocated_gb']:.2f} |")
     if r["timeline"]:
-        lines += ["", "| phase (as it began) | device GB |", "| --- | ---: |"]
-        lines += [f"| {phase} | {gb:.1f} |" for phase, gb in r["timeline"]]
+        lines += ["", "| phase | device GB after | trainer GB after | engine GB after | device peak GB in phase |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for phase, (used, sides), peak in r["timeline"]:
+            lines.append(f"| {phase}{AFTER.get(phase, '')} | {used:.1f} | {sides.get('trainer', 0.0):.1f} | "
+                         f"{sides.get('engine', 0.0):.1f} | {peak:.1f} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="qwen3-4b")
-    p.add_argument("--rollout", default="sglang", choices=["sglang", "hf"])
+    p.add_argument("--rollouts", default="sglang", help="comma list of rollout backends: sglang, hf")
     p.add_argument("--backend", default="megatron", choices=["megatron", "fsdp"])
-    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--response-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--micro-batch-size", type=int, default=16)
     p.add_argument("--sglang-mem-fraction", type=float, default=0.6)
     p.add_argument("--sglang-attention-backend", default="triton")
     p.add_argument("--modes", default="handoff,resident")
+    p.add_argument("--keep-logs", default="", help="a folder to copy each run's train.py log into")
     args = p.parse_args()
     import torch
 
     if not torch.cuda.is_available():
         sys.exit("benchmarks/colocate_memory.py needs CUDA")
-    modes = args.modes.split(",")
+    modes, rollouts = args.modes.split(","), args.rollouts.split(",")
     if unknown := [m for m in modes if m not in MODES]:
         sys.exit(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+    if unknown := [r for r in rollouts if r not in ("sglang", "hf")]:
+        sys.exit(f"--rollouts: unknown {unknown}; choose from sglang, hf")
     from grpo_step import job_inputs
 
     with tempfile.TemporaryDirectory() as workdir:
         model_dir, data = job_inputs(args, workdir)
-        results = {mode: run_mode(args, mode, model_dir, data, workdir) for mode in modes}
-    print(f"{args.shape}, {args.backend} + {args.rollout} colocated on {torch.cuda.get_device_name()}, "
-          f"{args.prompts} prompts x 8 samples x {args.response_len} tokens")
-    for mode, r in results.items():
-        print(report(mode, r))
+        for rollout in rollouts:
+            for mode in modes:
+                r = run_mode(args, rollout, mode, model_dir, data, workdir)
+                print(f"{args.shape}, {args.backend} + {rollout} colocated on {torch.cuda.get_device_name()}, "
+                      f"{args.prompts} prompts x 8 samples x {args.response_len} tokens", flush=True)
+                print(report(f"{rollout}, {mode}", r), flush=True)
 
 
 if __name__ == "__main__":

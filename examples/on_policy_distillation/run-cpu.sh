@@ -2,8 +2,9 @@
 # On-policy distillation as slime's examples/on_policy_distillation scripts, on CPU: the tiny random-init Qwen3
 # (the student) learns from a different, sharper tiny model (the teacher, examples/on_policy_distillation/
 # make_teacher.py) on its own samples of the toy prompts. GRPO with --use-opd; no task reward (pure distillation).
-#   OPD_TYPE=sglang (default): a teacher server, a second hf engine process started here (SGLang's API; on a GPU
-#     an SGLang server), scores every sample through slime.rollout.on_policy_distillation at --rm-url;
+#   OPD_TYPE=sglang (default): a teacher server, a second hf engine process started here (SGLang's API), scores
+#     every sample through slime.rollout.on_policy_distillation at --rm-url; TEACHER_URL=http://HOST:PORT uses a
+#     server already up instead (on a GPU an SGLang server of the teacher, tests/gpu/test_sft_opd_gpu.py);
 #   OPD_TYPE=megatron: the trainer holds the teacher (--opd-teacher-load; with the fsdp backend an HF folder).
 # One fsdp rank and one student engine. Makes the models and the data if missing; extra flags are passed on
 # (later flags win). train/opd_reverse_kl is the student-teacher KL of each step.
@@ -19,20 +20,23 @@ TEACHER_DIR=${TEACHER_DIR:-models/tiny-qwen3-teacher}
 
 OPD_TYPE=${OPD_TYPE:-sglang}
 if [ "$OPD_TYPE" = sglang ]; then
-   TEACHER_PORT=${TEACHER_PORT:-$(python -c "from slime.utils.net import free_port; print(free_port())")}
-   python -m slime.backends.hf_engine --model-path "$TEACHER_DIR" --host 127.0.0.1 --port "$TEACHER_PORT" \
-      --device cpu --dtype float32 --num-threads 1 > "${TEACHER_LOG:-/tmp/opd_teacher_$TEACHER_PORT.log}" 2>&1 &
-   TEACHER_PID=$!
-   trap 'kill $TEACHER_PID 2>/dev/null || true; wait $TEACHER_PID 2>/dev/null || true' EXIT
-   until curl -sf --noproxy "*" "http://127.0.0.1:$TEACHER_PORT/health" > /dev/null; do
-      kill -0 $TEACHER_PID 2>/dev/null || { echo "the teacher server exited"; exit 1; }
-      sleep 1
-   done
+   if [ -z "${TEACHER_URL:-}" ]; then
+      TEACHER_PORT=${TEACHER_PORT:-$(python -c "from slime.utils.net import free_port; print(free_port())")}
+      TEACHER_URL="http://127.0.0.1:$TEACHER_PORT"
+      python -m slime.backends.hf_engine --model-path "$TEACHER_DIR" --host 127.0.0.1 --port "$TEACHER_PORT" \
+         --device cpu --dtype float32 --num-threads 1 > "${TEACHER_LOG:-/tmp/opd_teacher_$TEACHER_PORT.log}" 2>&1 &
+      TEACHER_PID=$!
+      trap 'kill $TEACHER_PID 2>/dev/null || true; wait $TEACHER_PID 2>/dev/null || true' EXIT
+      until curl -sf --noproxy "*" "$TEACHER_URL/health" > /dev/null; do
+         kill -0 $TEACHER_PID 2>/dev/null || { echo "the teacher server exited"; exit 1; }
+         sleep 1
+      done
+   fi
    OPD_ARGS=(
       --use-opd --opd-type sglang --opd-kl-coef 1.0
       --custom-rm-path slime.rollout.on_policy_distillation.reward_func
       --custom-reward-post-process-path slime.rollout.on_policy_distillation.post_process_rewards
-      --rm-url "http://127.0.0.1:$TEACHER_PORT/generate"
+      --rm-url "$TEACHER_URL/generate"
    )
 else
    OPD_ARGS=(--use-opd --opd-type megatron --opd-kl-coef 1.0 --opd-teacher-load "$TEACHER_DIR" --rm-type toy)

@@ -101,9 +101,10 @@ class RayTrainGroup:
     def update_weights(self, engines: list, weight_version: int) -> None:
         self._all("update_weights", engines, weight_version)
 
-    def offload(self) -> dict[str, float]:
-        """--offload-train: every rank moves its training state to host memory; rank 0's memory figures."""
-        return self._all("offload")[0]
+    def offload(self, weights: bool = True) -> dict[str, float]:
+        """--offload-train: every rank moves its training state to host memory (`weights=False`: all but the
+        weights a push reads); rank 0's memory figures."""
+        return self._all("offload", weights)[0]
 
     def onload(self) -> dict[str, float]:
         return self._all("onload")[0]

@@ -3,14 +3,15 @@
 Training and generation take turns with the GPUs, in slime's order:
 
     start:     engines up -> engines release everything -> trainers build their models
-    each push: engines take their weights back -> trainers on the GPU -> push -> trainers off -> engines take
-               their KV cache and CUDA graphs back
-    each step: generate -> engines release everything -> trainers on the GPU -> train -> save -> push (above)
+    each push: trainers offload all but their weights -> engines take their weights back -> push -> trainers
+               offload their weights -> engines take their KV cache and CUDA graphs back
+    each step: generate -> engines release everything -> trainers onload -> train -> save -> push (above)
 
 Engines release with SGLang's calls (`release_memory_occupation` / `resume_memory_occupation`, tags `weights`,
 `kv_cache`, `cuda_graph`; the rollout manager's `offload` / `onload_weights` / `onload_kv`). SGLang gives released
 weights back uninitialised, so a push always follows `onload_weights`. Trainers move their state to host memory
-(slime/backends/training/offload.py). Each phase is logged (`memory handoff: ...`) and timed; the seconds and the
+(slime/backends/training/offload.py); during the push only the trainers' weights and the engines' weights are on
+the GPU (slime pushes from a host copy; the push here reads the trainer's weights on the device). Each phase is logged (`memory handoff: ...`) and timed; the seconds and the
 actor's GPU memory after each move (rank 0: GB moved, the allocator's allocated / reserved GB) are returned as
 `perf/*` metrics of the step.
 """
@@ -54,9 +55,12 @@ class MemoryHandoff:
         if self.trainers:
             self._memory("onload", self._timed("train_onload", "trainers onload", self.run.onload_training))
 
-    def trainers_off(self) -> None:
+    def trainers_off(self, weights: bool = True) -> None:
+        """Trainers to host memory: all of it, or (`weights=False`) all but the weights a push reads."""
         if self.trainers:
-            self._memory("offload", self._timed("train_offload", "trainers offload", self.run.offload_training))
+            what = "trainers offload" if weights else "trainers offload optimizer state, gradients"
+            self._memory("offload", self._timed("train_offload", what,
+                                                lambda: self.run.offload_training(weights=weights)))
 
     def _memory(self, move: str, figures: dict[str, float]) -> None:
         """The actor's rank 0 after a move: GB moved and the allocator's GB (`perf/actor_<move>_<figure>`)."""
@@ -65,11 +69,11 @@ class MemoryHandoff:
             self.figures[key] = self.figures.get(key, 0.0) + value if name == "moved_gb" else value
 
     def before_push(self) -> None:
-        """Engines take their weights back and trainers are on the GPU (the push reads their weights)."""
+        """Trainers keep only the weights the push reads on the GPU; engines take their weights back."""
+        self.trainers_off(weights=False)
         if self.engines:
             self._timed("engine_resume", "engines resume weights",
                         lambda: ray.get(self.run.rollout_manager.onload_weights.remote()))
-        self.trainers_on()
 
     def after_push(self) -> None:
         self.trainers_off()

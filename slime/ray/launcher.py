@@ -79,10 +79,11 @@ class Run:
             raise
         return self
 
-    def offload_training(self) -> dict[str, float]:
-        """--offload-train: the actor's (and critic's) training state to host memory (slime/ray/handoff.py).
+    def offload_training(self, weights: bool = True) -> dict[str, float]:
+        """--offload-train: the actor's (and critic's) training state to host memory (slime/ray/handoff.py);
+        `weights=False` keeps the actor's weights for a push (the critic has none to push: all of it goes).
         Returns the actor's rank 0 figures (GB moved, the allocator's GB after)."""
-        figures = [group.offload() for group in (self.actor, self.critic) if group is not None]
+        figures = [group.offload(weights) for group in (self.actor, self.critic) if group is not None]
         return figures[0] if figures else {}
 
     def onload_training(self) -> dict[str, float]:

@@ -2,7 +2,8 @@
 
 On CPU nothing moves (there is no device memory to free), but every call is made: the engines release all
 their memory after generating and take weights, then KV cache back around each push (SGLang's calls, which the
-`hf` engine serves), the trainer offloads after the push and onloads before training. The order is read from
+`hf` engine serves); the trainer offloads all but its weights before the push, its weights after it, and onloads
+before training. The order is read from
 the driver's log, and the engines' log-probs must still equal the trainer's after every push.
 """
 
@@ -16,10 +17,10 @@ import pytest
 from slime.utils.tracking import read_scalars
 from tests.e2e_cpu.test_train_e2e import _env, _train_cmd
 
-START = ["engines release weights, kv_cache, cuda_graph", "engines resume weights", "trainers onload",
-         "trainers offload", "engines resume kv_cache, cuda_graph"]
-STEP = ["engines release weights, kv_cache, cuda_graph", "trainers onload", "engines resume weights",
-        "trainers onload", "trainers offload", "engines resume kv_cache, cuda_graph"]
+PUSH = ["trainers offload optimizer state, gradients", "engines resume weights", "trainers offload",
+        "engines resume kv_cache, cuda_graph"]
+START = ["engines release weights, kv_cache, cuda_graph", *PUSH]
+STEP = ["engines release weights, kv_cache, cuda_graph", "trainers onload", *PUSH]
 
 
 @pytest.mark.timeout(600)

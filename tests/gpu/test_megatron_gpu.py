@@ -5,7 +5,7 @@
 (b) the actor on one GPU: bf16 training step, HF export and a CUDA-IPC weight push to an `hf` engine
     whose log-probs then match the trainer's;
 (c) `train.py --train-backend megatron --colocate` with the `hf` engine: GRPO steps on the toy task, the
-    engine/trainer log-prob gap reported, then SIGTERM after a checkpoint and `--load` resumes at the
+    engine/trainer log-prob gap reported, the trainer's GPU memory after offload vs onload, then SIGTERM after a checkpoint and `--load` resumes at the
     next rollout id.
 """
 
@@ -113,6 +113,12 @@ def test_train_py_megatron_colocate_then_resume(tiny_model_dir, toy_data_path, t
           f"{[round(diffs[k], 4) for k in sorted(diffs)]}; "
           f"raw reward: {[round(rewards[k], 3) for k in sorted(rewards)]}")
     assert max(diffs.values()) < 0.05  # bf16 hf engine vs bf16 Megatron on the same pushed weights
+    # --colocate offloads the trainer while the engine generates (DDP buffers, master weights, Adam state)
+    off, on = (read_scalars(tb1, f"perf/actor_{m}_allocated_gb") for m in ("offload", "onload"))
+    moved = read_scalars(tb1, "perf/actor_offload_moved_gb")
+    print(f"[train.py] actor GB allocated after onload {on.get(1)}, after offload {off.get(1)}, moved {moved.get(1)}")
+    assert sorted(off) == sorted(on) and min(moved.values()) > 0
+    assert all(off[k] < 0.5 * on[k] for k in off)
     saved = int(open(latest).read().strip())
 
     tb2 = os.path.join(out, "tb2")
@@ -153,7 +159,7 @@ def test_sdp_attention_packed_equals_each_sequence_alone(dtype):
     assert out.shape == (total, 16 * 128)
     out.float().square().sum().backward()
 
-    refs, ref_grads = [], []
+    refs = []
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
         qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (qf, kf, vf))

@@ -204,6 +204,11 @@ def test_colocated_plan_follows_the_offload_flags(files):
     assert "drop --no-offload-rollout, or lower --sglang-mem-fraction-static" in resident
     handed = format_plan(parse_args(base(*common)))
     assert "drop --no-offload-rollout" not in handed
+    # the push holds the trainer's weights only (the rest is offloaded first) beside the engines' weights
+    assert re.search(r"colocated, pushing weights\s+\S+ GB = training weights \S+ GB \(the rest offloaded\)",
+                     handed), handed
+    kept = format_plan(parse_args(base(*common, "--no-offload-train")))
+    assert re.search(r"colocated, pushing weights\s+\S+ GB = training state", kept), kept
 
 
 def test_fsdp_memory_closed_form(tiny_model_dir, toy_data_path):

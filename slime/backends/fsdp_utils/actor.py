@@ -118,7 +118,7 @@ class FSDPTrainRayActor(PolicyTrainer):
 
     def train_state(self) -> TrainState:
         frozen = [m for m in (self.ref_model, self.teacher_model) if m is not None]
-        return TrainState(modules=[self.model, *frozen], optimizers=[self.optimizer])
+        return TrainState(weights=[self.model], modules=frozen, optimizers=[self.optimizer])
 
     def _build_model(self, path: str, trainable: bool) -> torch.nn.Module:
         if not checkpoint.is_hf_folder(path):

@@ -79,13 +79,14 @@ class TrainRayActor:
         """What this rank holds on its device: modules, megatron DDP chunks, torch optimizers (--offload-train)."""
         raise NotImplementedError
 
-    def offload(self) -> dict[str, float]:
-        """--offload-train: this rank's training state to host memory (a no-op without CUDA, or when off already).
-        Returns the GB that left the device and the allocator's figures after."""
+    def offload(self, weights: bool = True) -> dict[str, float]:
+        """--offload-train: this rank's training state to host memory (a no-op without CUDA, or when off already);
+        `weights=False` keeps the weights a push reads. Returns the GB that left the device and the allocator's
+        figures after."""
         device = _device()
         if self._offloader is None:
             self._offloader = Offloader(device)
-        moved = self._offloader.offload(self.train_state())
+        moved = self._offloader.offload(self.train_state(), weights=weights)
         return {"moved_gb": moved / 1e9, **memory_gb(device)}
 
     def onload(self) -> dict[str, float]:

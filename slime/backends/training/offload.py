@@ -2,7 +2,9 @@
 
 While colocated engines generate, the training ranks hold nothing on the GPU: parameters, gradients, optimizer
 state and the frozen copies (reference, teacher) move to host memory, and the caching allocator's reserve is
-handed back. The backends say what they hold (`TrainState`); this module moves it:
+handed back. Around a push it goes in two moves: first everything but the weights the push reads (optimizer
+state, gradients, frozen copies), so that the engines can take their weights back beside the trainer's, then the
+weights. The backends say what they hold (`TrainState`); this module moves it:
 
 - whole modules (FSDP2 modules included: `FSDPModule._apply` re-registers the sharded parameters, and DTensor
   parameters are swapped in place, so optimizer references stay valid) with `module.to(device)`;
@@ -10,6 +12,8 @@ handed back. The backends say what they hold (`TrainState`); this module moves i
   `reload_from_cpu`: a pinned host copy of the parameters, the gradient storage freed and zeroed on return);
 - torch optimizers' parameters (e.g. fp32 master shards) and state tensors into pinned host memory (DTensor state,
   FSDP2's, with `DTensor.to`), each put back on the device it came from (a CPU `step` counter stays on the CPU).
+  The pinned host tensors are kept from one offload to the next (pinning tens of GB takes seconds; megatron-core
+  keeps its buffers' host copies the same way).
 
 Without CUDA there is nothing to move: every call is a no-op that reports 0 bytes.
 """
@@ -26,36 +30,52 @@ import torch
 class TrainState:
     """What one training rank holds on its device."""
 
-    modules: list[torch.nn.Module] = field(default_factory=list)  # moved whole (policy under FSDP, frozen copies)
-    ddp_chunks: list[Any] = field(default_factory=list)  # megatron-core DDP model chunks (their buffers move)
+    weights: list[torch.nn.Module] = field(default_factory=list)  # what a push reads, moved whole (FSDP policy)
+    modules: list[torch.nn.Module] = field(default_factory=list)  # other modules moved whole (frozen copies, critic)
+    ddp_chunks: list[Any] = field(default_factory=list)  # megatron-core DDP chunks: gradients, then parameters
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)  # torch optimizers (inner ones)
 
 
 class Offloader:
-    """Offloads one `TrainState` and brings it back; `offloaded` says where it is now."""
+    """Offloads one `TrainState` (in one or two moves) and brings it back; `offloaded` says whether any is off."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.offloaded = False
+        self.state_off = False  # optimizer state, gradients, `modules`
+        self.weights_off = False  # `weights` and the DDP chunks' parameters
         self._moved: list[tuple[Any, Any, torch.device]] = []  # (container, key, device it came from)
+        self._host: dict[tuple[int, Any], tuple[Any, torch.Tensor]] = {}  # pinned copies kept across offloads
 
-    def offload(self, state: TrainState) -> int:
-        """Everything of `state` to host memory; returns the bytes that left the device."""
-        if self.offloaded or self.device.type != "cuda":
+    @property
+    def offloaded(self) -> bool:
+        return self.state_off or self.weights_off
+
+    def offload(self, state: TrainState, weights: bool = True) -> int:
+        """What of `state` is on the device to host memory (`weights=False`: all but the weights a push reads);
+        returns the bytes that left the device."""
+        if self.device.type != "cuda" or (self.state_off and (self.weights_off or not weights)):
             return 0
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.synchronize(self.device)
-        for opt in state.optimizers:
-            opt.zero_grad(set_to_none=True)
-            self._offload_optimizer(opt)
-        for chunk in state.ddp_chunks:
-            for buffer in _ddp_buffers(chunk):
-                buffer.offload_to_cpu(move_params=True, move_grads=True)
-        for module in state.modules:
-            module.to("cpu")
+        if not self.state_off:
+            for opt in state.optimizers:
+                opt.zero_grad(set_to_none=True)
+                self._offload_optimizer(opt)
+            for chunk in state.ddp_chunks:
+                for buffer in _ddp_buffers(chunk):
+                    buffer.offload_to_cpu(move_params=False, move_grads=True)
+            for module in state.modules:
+                module.to("cpu")
+            self.state_off = True
+        if weights and not self.weights_off:
+            for chunk in state.ddp_chunks:
+                for buffer in _ddp_buffers(chunk):
+                    buffer.offload_to_cpu(move_params=True, move_grads=False)
+            for module in state.weights:
+                module.to("cpu")
+            self.weights_off = True
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-        self.offloaded = True
         return max(0, before - torch.cuda.memory_allocated(self.device))
 
     def onload(self, state: TrainState) -> int:
@@ -63,9 +83,13 @@ class Offloader:
         if not self.offloaded:
             return 0
         before = torch.cuda.memory_allocated(self.device)
-        for module in state.modules:
-            module.to(self.device)
-        for chunk in state.ddp_chunks:
+        if self.weights_off:
+            for module in state.weights:
+                module.to(self.device)
+        if self.state_off:
+            for module in state.modules:
+                module.to(self.device)
+        for chunk in state.ddp_chunks:  # brings back what is off of each buffer (megatron-core checks)
             for buffer in _ddp_buffers(chunk):
                 buffer.reload_from_cpu(move_params=True, move_grads=True)
         for container, key, device in self._moved:
@@ -75,7 +99,7 @@ class Offloader:
                 container[key] = container[key].to(device, non_blocking=True)
         self._moved.clear()
         torch.cuda.synchronize(self.device)
-        self.offloaded = False
+        self.state_off = self.weights_off = False
         return max(0, torch.cuda.memory_allocated(self.device) - before)
 
     def _offload_optimizer(self, opt: torch.optim.Optimizer) -> None:
@@ -83,19 +107,22 @@ class Offloader:
             for p in group["params"]:
                 if isinstance(p, torch.Tensor) and p.is_cuda and not _is_dtensor(p):
                     self._moved.append((p, None, p.device))
-                    p.data = _to_pinned(p.data)
+                    p.data = self._pinned(p, None, p.data)
         for state in opt.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.is_cuda:
                     self._moved.append((state, key, value.device))
                     # FSDP2's state is DTensors (sharded like their parameters): moved as DTensors, shard by shard
-                    state[key] = value.to("cpu") if _is_dtensor(value) else _to_pinned(value)
+                    state[key] = value.to("cpu") if _is_dtensor(value) else self._pinned(state, key, value)
 
-
-def _to_pinned(t: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-    host.copy_(t)
-    return host
+    def _pinned(self, container: Any, key: Any, t: torch.Tensor) -> torch.Tensor:
+        """`t` copied (asynchronously) into the pinned host tensor kept for `container[key]`."""
+        owner, host = self._host.get((id(container), key), (None, None))
+        if owner is not container or host.shape != t.shape or host.dtype != t.dtype:
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+            self._host[(id(container), key)] = (container, host)
+        host.copy_(t, non_blocking=True)
+        return host
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

@@ -548,10 +548,13 @@ class _Builder:
             ("colocated, generating", f"{fmt_bytes(during_gen)} = static pool {fmt_bytes(mem.static)} + training "
              + ("state in host memory (--offload-train)" if a.offload_train else f"state {fmt_bytes(resident)}")),
         ]  # fmt: skip
-        if a.offload_rollout:
-            during_push = resident + mem.weights
-            rows.append(("colocated, pushing weights", f"{fmt_bytes(during_push)} = training state "
-                         f"{fmt_bytes(resident)} + engine weights {fmt_bytes(mem.weights)} (KV cache still released)"))
+        if a.offload_rollout:  # with --offload-train the trainers keep only their weights for the push
+            pushed = train.get("weights") if a.offload_train else resident
+            during_push = pushed + mem.weights
+            rows.append(("colocated, pushing weights", f"{fmt_bytes(during_push)} = training "
+                         + (f"weights {fmt_bytes(pushed)} (the rest offloaded)" if a.offload_train
+                            else f"state {fmt_bytes(resident)}")
+                         + f" + engine weights {fmt_bytes(mem.weights)} (KV cache still released)"))
         if during_train > self.gpu_bytes:
             if a.offload_rollout:
                 fix = "train on more GPUs or lower the training memory (fixes above)"
