@@ -55,22 +55,26 @@ class EngineHealthMonitor:
         with self._lock:
             self._dead.discard(index)
 
-    def probe(self, url: str) -> bool:
+    def probe(self, url: str, generate: bool = True) -> bool:
+        """GET /health_generate (one token), or with `generate=False` GET /health (the server answers: an engine
+        whose KV cache is released must not generate; slime's SGLang servers answer /health without it)."""
         try:
-            return httpx.get(url + "/health_generate", timeout=self.timeout, trust_env=False).status_code == 200
+            path = "/health_generate" if generate else "/health"
+            return httpx.get(url + path, timeout=self.timeout, trust_env=False).status_code == 200
         except httpx.HTTPError:
             return False
 
-    def check_once(self, while_paused: bool = False) -> list[int]:
+    def check_once(self, while_paused: bool = False, generate: bool = True) -> list[int]:
         """Probe every live engine once; returns the indices found dead now. The background thread skips
         probes while paused; `while_paused` is for the caller that paused it and wants the answer now (the
-        manager before a weight push: a server that died since the last periodic check must not be pushed to)."""
+        manager before a weight push: a server that died since the last periodic check must not be pushed to;
+        `generate=False` while engines have their memory released)."""
         found = []
         for i, url in enumerate(self._urls()):
             with self._lock:
                 if (self._pauses and not while_paused) or i in self._dead:
                     continue
-            if self.probe(url):
+            if self.probe(url, generate):
                 continue
             with self._lock:
                 if self._pauses and not while_paused:  # a push began while we waited: the answer proves nothing

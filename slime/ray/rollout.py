@@ -388,7 +388,8 @@ class RolloutManager:
             hook(self.args)
         if self.monitor is not None:
             self.monitor.pause()
-            self.monitor.check_once(while_paused=True)  # one that died since the last periodic check
+            # one that died since the last periodic check; liveness only while memory is released (colocated)
+            self.monitor.check_once(while_paused=True, generate=not any(self._released.values()))
             self._restart_dead_engines()
 
     def after_weight_update(self, weight_version: int) -> None:

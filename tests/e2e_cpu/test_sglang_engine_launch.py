@@ -45,6 +45,8 @@ def value(flag):
 node_rank = int(value("--node-rank")) if "--node-rank" in argv else 0
 with open(os.environ["FAKE_SGLANG_ARGV"] + (f".node{{node_rank}}" if node_rank else ""), "w") as f:
     json.dump(argv, f)
+with open(os.environ["FAKE_SGLANG_ARGV"] + ".env", "w") as f:
+    json.dump({{k: v for k, v in os.environ.items() if k.startswith(("SGLANG_", "SGL_"))}}, f)
 if node_rank:  # a follower node of a multi-node engine: SGLang's scheduler processes, no HTTP server
     time.sleep(3600)
 os.execv(sys.executable, [sys.executable, "-m", "slime.backends.hf_engine", "--model-path", value("--model-path"),
@@ -101,6 +103,7 @@ def test_engine_lifecycle_behind_the_sglang_command(tmp_path, monkeypatch, tiny_
     _install(tmp_path, monkeypatch, SERVING)
     argv_file = tmp_path / "argv.json"
     monkeypatch.setenv("FAKE_SGLANG_ARGV", str(argv_file))
+    monkeypatch.setenv("SGLANG_JIT_DEEPGEMM_PRECOMPILE", "true")  # the user's setting wins over slime's default
     eng = SGLangEngine(_args(tiny_model_dir), rank=2)
     try:
         url = eng.init()
@@ -116,6 +119,9 @@ def test_engine_lifecycle_behind_the_sglang_command(tmp_path, monkeypatch, tiny_
         assert int(flag("--nccl-port")) != eng.port
         assert "--skip-server-warmup" in argv and "--trust-remote-code" in argv
         assert "--enable-memory-saver" not in argv
+        env = json.loads((tmp_path / "argv.json.env").read_text())  # slime's server environment
+        assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"  # /health must not generate
+        assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in env and env["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] == "true"
         assert eng.health_generate(timeout=30)
 
         # The distributed weight update through the actor's methods; this test is the trainer (rank 0).

@@ -18,6 +18,9 @@ engine, or per node of a multi-node engine. It computes the server's arguments f
 and waits for `GET /health_generate` (a real one-token generation), quoting the tail of the server's log
 if it exits first. Control calls (weights, memory, pause, abort) are the base class's HTTP calls.
 
+The server's environment gets slime's defaults (`SERVER_ENV_DEFAULTS`: /health answers without generating, CUDA
+graphs released with the rest of the memory, ...) unless they are set already.
+
 Launcher: env `SLIME_SGLANG_LAUNCHER` (a shell-split command, e.g. `"sglang serve"`), else the class
 attribute `launcher`, else `python -m sglang.launch_server`; only the default launcher needs sglang
 importable here (without it `launch_command` raises, naming the package). With a custom launcher the
@@ -56,6 +59,20 @@ from slime.utils.net import free_port
 logger = logging.getLogger(__name__)
 
 LAUNCHER_ENV = "SLIME_SGLANG_LAUNCHER"
+# The environment slime gives its SGLang servers. SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION: GET /health answers
+# without generating a token (sglang-router probes /health; a generation on an engine whose KV cache is released
+# for the colocated trainer crashes its scheduler); no TP memory-imbalance check (a colocated trainer holds memory
+# on some GPUs). slime also sets SGLANG_MEMORY_SAVER_CUDA_GRAPH=true, which needs torch_memory_saver's LD_PRELOAD
+# hook mode (with the default hook SGLang's scheduler fails its assertion at start-up): not set here.
+SERVER_ENV_DEFAULTS = {
+    "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "false",
+    "SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK": "true",
+    "SGLANG_DISABLE_TP_MEMORY_INBALANCE_CHECK": "true",
+    "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "false",
+    "SGLANG_JIT_DEEPGEMM_FAST_WARMUP": "true",
+    "SGLANG_BATCH_INVARIANT_OPS_ENABLE_MM_FALLBACK_VARIANT": "true",
+}
 DEFAULT_LAUNCHER = (sys.executable, "-m", "sglang.launch_server")
 FOLLOWER_SETTLE_S = 3.0  # a node-rank > 0 server that survives this long is taken as started
 
@@ -172,6 +189,8 @@ class SGLangEngine(ServerEngine):
 
     def launch_env(self) -> dict[str, str]:
         env = super().launch_env()
+        for name, value in SERVER_ENV_DEFAULTS.items():  # one already in the environment wins
+            env.setdefault(name, value)
         if self.gpu_ids:
             # Ray narrowed this actor to its own bundle's GPU; the server needs all tp_size of them.
             env.pop("CUDA_VISIBLE_DEVICES", None)
