@@ -38,7 +38,8 @@ OPD = os.path.join(REPO_ROOT, "examples", "on_policy_distillation", "run-cpu.sh"
 
 def run_script(script: str, tmp_path, name: str, env: dict, *extra: str) -> str:
     tb, dump = str(tmp_path / name / "tb"), str(tmp_path / name / "train_{rollout_id}_{rank}.pt")
-    env = dict(_env(), NUM_ROLLOUT=str(ROLLOUTS), SLIME_ENGINE_LOG_DIR=str(tmp_path / name / "engine_logs"), **env)
+    env = dict(_env(), NUM_ROLLOUT=str(ROLLOUTS), SLIME_ENGINE_LOG_DIR=str(tmp_path / name / "engine_logs"), **env,
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
     start = time.time()
     done = subprocess.run(["bash", script, "--tensorboard-dir", tb, "--save-debug-train-data", dump, *extra],
                           capture_output=True, text=True, env=env, timeout=500, cwd=str(tmp_path))
@@ -115,7 +116,7 @@ def test_opd_sglang_teacher_on_gpu(backend, sglang_teacher, tiny_model_dir, teac
     tb = run_script(OPD, tmp_path, name, {"OPD_TYPE": "sglang", "TEACHER_URL": sglang_teacher,
                                           "MODEL_DIR": tiny_model_dir, "TEACHER_DIR": teacher_dir,
                                           "DATA": toy_data_path},
-                    "--colocate", "--train-backend", backend)
+                    "--colocate", "--rollout-backend", "hf", "--train-backend", backend)
     check_kl_falls(tb)
     assert set(read_scalars(tb, "rollout/raw_reward").values()) == {0.0}
     check_teacher_log_probs(tmp_path, name, teacher_dir)  # SGLang's bf16 teacher: its log-probs
@@ -126,6 +127,6 @@ def test_opd_megatron_type_on_gpu(tiny_model_dir, teacher_dir, toy_data_path, tm
     name = "opd_megatron_type"
     tb = run_script(OPD, tmp_path, name, {"OPD_TYPE": "megatron", "MODEL_DIR": tiny_model_dir,
                                           "TEACHER_DIR": teacher_dir, "DATA": toy_data_path},
-                    "--colocate", "--train-backend", "megatron")
+                    "--colocate", "--rollout-backend", "hf", "--train-backend", "megatron")
     check_kl_falls(tb)
     check_teacher_log_probs(tmp_path, name, teacher_dir)  # the bf16 Megatron teacher

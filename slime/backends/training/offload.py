@@ -58,9 +58,11 @@ class Offloader:
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.synchronize(self.device)
         if not self.state_off:
+            # an optimizer's parameters that are the model's own (no master copies) move with their module/buffer
+            own = {id(p) for m in (*state.weights, *state.modules, *state.ddp_chunks) for p in m.parameters()}
             for opt in state.optimizers:
                 opt.zero_grad(set_to_none=True)
-                self._offload_optimizer(opt)
+                self._offload_optimizer(opt, own)
             for chunk in state.ddp_chunks:
                 for buffer in _ddp_buffers(chunk):
                     buffer.offload_to_cpu(move_params=False, move_grads=True)
@@ -102,10 +104,10 @@ class Offloader:
         self.state_off = self.weights_off = False
         return max(0, torch.cuda.memory_allocated(self.device) - before)
 
-    def _offload_optimizer(self, opt: torch.optim.Optimizer) -> None:
+    def _offload_optimizer(self, opt: torch.optim.Optimizer, own: set[int]) -> None:
         for group in opt.param_groups:
             for p in group["params"]:
-                if isinstance(p, torch.Tensor) and p.is_cuda and not _is_dtensor(p):
+                if isinstance(p, torch.Tensor) and p.is_cuda and not _is_dtensor(p) and id(p) not in own:
                     self._moved.append((p, None, p.device))
                     p.data = self._pinned(p, None, p.data)
         for state in opt.state.values():
