@@ -108,6 +108,28 @@ def test_concurrent_requests_are_batched(engine):
 
 
 @pytest.mark.timeout(120)
+def test_a_groups_samples_over_http_share_one_prefill(engine):
+    """n concurrent requests of one prompt (how slime sends a GRPO group) are prefilled as one row; each sample
+    still draws its own tokens."""
+    import asyncio
+
+    url = engine.get_url()
+    before = engine.get_server_info()["num_shared_prefill_rows"]
+    body = {"input_ids": SEQ[:9], "sampling_params": {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}}
+
+    async def group():  # as slime's rollout sends them: one asyncio client, all n at once
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            answers = await asyncio.gather(*(client.post(url + "/generate", json=body) for _ in range(8)))
+        return [a.json() for a in answers]
+
+    outs = asyncio.run(group())
+    shared = engine.get_server_info()["num_shared_prefill_rows"] - before
+    print(f"rows shared: {shared} of 8")
+    assert shared >= 4, shared  # most of the 8 in one burst (7 when all are)
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1
+
+
+@pytest.mark.timeout(120)
 def test_update_weights_from_tensor_and_disk(engine, reference, tiny_model):
     url = engine.get_url()
     before, version = score(url, SEQ)

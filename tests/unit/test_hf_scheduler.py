@@ -86,6 +86,30 @@ def test_batched_equals_single_and_full_forward(model_and_tokenizer, temperature
         assert max(abs(x - y) for x, y in zip(b.output_logprobs, ref)) < TOL
 
 
+@pytest.mark.parametrize("kv_cache", ["dynamic", "slots"])
+def test_a_groups_prompt_is_prefilled_once_with_the_same_results(model_and_tokenizer, kv_cache):
+    """GRPO groups (n requests of one prompt) in one prefill: one forward row per distinct prompt, and every
+    request's tokens and log-probs are those of the prefill that ran each prompt itself."""
+    model = model_and_tokenizer[0]
+
+    def group_requests():
+        return [make_request(8 * g + k, p, temperature=1.0, sampling_seed=1000 + 8 * g + k)
+                for g, p in enumerate(PROMPTS[:3]) for k in range(4)]
+
+    shared, alone = group_requests(), group_requests()
+    sched = run(model_and_tokenizer, shared, kv_cache=kv_cache)
+    assert sched.stats["num_prefill_steps"] == 1  # one burst, one forward
+    assert sched.stats["num_prefill_rows"] == 3 and sched.stats["num_shared_prefill_rows"] == 9
+    sched = run(model_and_tokenizer, alone, kv_cache=kv_cache, shared_prefill=False)
+    assert sched.stats["num_prefill_rows"] == 12 and sched.stats["num_shared_prefill_rows"] == 0
+    assert len({tuple(r.output_ids) for r in shared}) > 3  # the samples of a group differ: their own generators
+    for a, b in zip(shared, alone):
+        assert a.output_ids == b.output_ids
+        assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < TOL
+        ref = reference_logprobs(model, a.input_ids + a.output_ids)[len(a.input_ids) - 1:]
+        assert max(abs(x - y) for x, y in zip(a.output_logprobs, ref)) < TOL
+
+
 def test_greedy_and_seeded_sampling_are_reproducible(model_and_tokenizer):
     def outputs(seed, temperature):
         reqs = [make_request(i, p, temperature=temperature) for i, p in enumerate(PROMPTS)]

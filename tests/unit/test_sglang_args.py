@@ -454,3 +454,6 @@ def test_hf_engine_takes_the_sglang_cuda_graph_flag():
     assert "--disable-cuda-graph" not in command({})
     with pytest.raises(ValueError, match="--sglang-disable-cuda-graph"):
         command({"disable_cuda_graph": "maybe"})
+    # no prefix reuse in SGLang: no prompt shared between the hf engine's requests either
+    assert "--disable-shared-prefill" in command({"disable_radix_cache": True})
+    assert "--disable-shared-prefill" not in command({})

@@ -2,7 +2,8 @@
 
 Launch settings come from slime's args: `--hf-checkpoint` (model), `--rollout-seed` + rank (sampling
 seed), `--sglang-server-concurrency` (largest running batch), `--sglang-disable-cuda-graph`
-(decode steps run eagerly). Device is CUDA when visible, else CPU; dtype is float32 on CPU (so engine and trainer log-probs agree to ~1e-5) and
+(decode steps run eagerly), `--sglang-disable-radix-cache` (no prompt shared between requests: each prefilled
+itself). Device is CUDA when visible, else CPU; dtype is float32 on CPU (so engine and trainer log-probs agree to ~1e-5) and
 bfloat16 on CUDA. Torch threads per server: env `SLIME_ENGINE_NUM_THREADS` (default 1, so several
 engines and a trainer can share a small CPU machine).
 """
@@ -57,6 +58,7 @@ class HFEngine(ServerEngine):
                 "--random-seed", str(seed),
                 "--num-threads", os.environ.get("SLIME_ENGINE_NUM_THREADS", "1"),
                 *(["--disable-cuda-graph"] if _flag_on(sglang_args, "disable_cuda_graph") else []),
+                *(["--disable-shared-prefill"] if _flag_on(sglang_args, "disable_radix_cache") else []),
                 "--weight-dirs", *weight_dirs(self.args)]
 
     def launch_env(self) -> dict[str, str]:

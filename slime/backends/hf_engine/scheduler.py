@@ -18,8 +18,12 @@ log-prob is `log_softmax(logits / temperature)` at the chosen token, before top-
 With `kv_cache="slots"` the running batch is kept in a preallocated `SlotCache` (slots.py) instead of a
 `DynamicCache`, and on CUDA its decode steps are replayed as CUDA graphs; prefill is the same either way.
 
-Simplified, compared with SGLang: no prefix (radix) cache, no paged KV memory, no chunked prefill; a
-prefill pauses the running batch for one forward. Prompts that ask for prompt
+Requests of one prefill with the same prompt (a GRPO group's n samples) are prefilled once (`shared_prefill`, on
+by default): one row per distinct prompt goes through the model, and its KV cache and last logits are copied to
+each request of it, which then samples with its own generator.
+
+Simplified, compared with SGLang: no prefix (radix) cache beyond identical prompts in one prefill, no paged KV
+memory, no chunked prefill; a prefill pauses the running batch for one forward. Prompts that ask for prompt
 log-probs are prefilled apart from the others because they need logits at every position. Stop strings
 are detected on a decoded tail window of the output; a stop string spread over more tokens than the
 window (only possible with tokens that decode to nothing) is missed.
@@ -354,8 +358,9 @@ class Scheduler:
     def __init__(self, model, tokenizer, *, max_running_requests: int = 64, random_seed: int = 0,
                  stop_token_ids: set[int] | None = None, max_context_len: int | None = None,
                  max_prefill_tokens: int = 16384, stop_window_tokens: int = 8, kv_cache: str = "dynamic",
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, shared_prefill: bool = True):
         self.model = model
+        self.shared_prefill = shared_prefill  # identical prompts of one prefill go through the model once
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         if self.device.type == "cuda":
@@ -392,7 +397,8 @@ class Scheduler:
         self._num_sampled_requests = 0
         self._last_arrival = 0.0
         self.stats = {"max_batch_size_seen": 0, "num_forward_steps": 0, "num_prefill_steps": 0,
-                      "num_generated_tokens": 0, "num_finished_requests": 0}
+                      "num_generated_tokens": 0, "num_finished_requests": 0,
+                      "num_prefill_rows": 0, "num_shared_prefill_rows": 0}  # rows forwarded / copied instead
 
     # ---- public, any thread ----
     def submit(self, req: Request) -> None:
@@ -606,25 +612,39 @@ class Scheduler:
 
     def _prefill_group(self, group: list[Request]) -> None:
         dev = self.device
-        length = max(len(r.input_ids) for r in group)
-        ids = torch.zeros(len(group), length, dtype=torch.long)
-        mask = torch.zeros(len(group), length, dtype=torch.long)
-        for i, r in enumerate(group):
-            n = len(r.input_ids)
-            ids[i, length - n:] = torch.tensor(r.input_ids, dtype=torch.long)
+        full = group[0].needs_input_logprobs
+        # row of each request among the distinct prompts (all distinct when sharing is off, or with prompt
+        # log-probs, which are per request)
+        distinct: dict[tuple[int, ...], int] = {}
+        if self.shared_prefill and not full:
+            row_of = [distinct.setdefault(tuple(r.input_ids), len(distinct)) for r in group]
+        else:
+            row_of = list(range(len(group)))
+        prompts = list(distinct) if distinct else [r.input_ids for r in group]
+        length = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), length, dtype=torch.long)
+        mask = torch.zeros(len(prompts), length, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            n = len(prompt)
+            ids[i, length - n:] = torch.tensor(prompt, dtype=torch.long)
             mask[i, length - n:] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp_(min=0)
-        full = group[0].needs_input_logprobs
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=DynamicCache(),
                          use_cache=True, logits_to_keep=0 if full else 1)
         self.stats["num_forward_steps"] += 1
         self.stats["num_prefill_steps"] += 1
-        logits = out.logits
+        self.stats["num_prefill_rows"] += len(prompts)
+        self.stats["num_shared_prefill_rows"] += len(group) - len(prompts)
+        logits, cache = out.logits, out.past_key_values
+        if len(prompts) < len(group):  # each request gets a copy of its prompt's row
+            index = torch.tensor(row_of, dtype=torch.long, device=dev)
+            cache = DynamicCache(ddp_cache_data=[(layer.keys[index], layer.values[index]) for layer in cache.layers])
+            logits, ids, mask, pos = logits[index], ids[index], mask[index], pos[index]
         if full:
             for i, r in enumerate(group):
                 r.input_logprobs = self._prompt_logprobs(logits[i], r, length)
-        batch = _Batch(group, out.past_key_values, mask, ids[:, -1], pos[:, -1] + 1)
+        batch = _Batch(group, cache, mask, ids[:, -1], pos[:, -1] + 1)
         self._sample_and_advance(batch, logits[:, -1].float())
         if not batch.reqs:
             return

@@ -603,6 +603,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "'dynamic': a transformers DynamicCache per batch (default on CPU)")
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="with --kv-cache slots on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
+    p.add_argument("--disable-shared-prefill", action="store_true",
+                   help="prefill every request's prompt itself (default: identical prompts of one prefill, a GRPO "
+                        "group's samples, go through the model once)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--weight-dirs", nargs="+", default=None,
@@ -638,7 +641,7 @@ def main(argv=None) -> None:
                           random_seed=args.random_seed, max_context_len=max_ctx,
                           max_prefill_tokens=args.max_prefill_tokens,
                           kv_cache=args.kv_cache or ("slots" if args.device.startswith("cuda") else "dynamic"),
-                          cuda_graphs=not args.disable_cuda_graph)
+                          cuda_graphs=not args.disable_cuda_graph, shared_prefill=not args.disable_shared_prefill)
     state = EngineState(model, tokenizer, scheduler, model_path=args.model_path, device=args.device,
                         dtype=args.dtype, weight_version=args.weight_version, weight_dirs=args.weight_dirs)
     scheduler.start()
