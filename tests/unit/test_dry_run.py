@@ -224,6 +224,32 @@ def test_fsdp_memory_closed_form(tiny_model_dir, toy_data_path):
     assert est.get("activations") == shape.num_layers * 100 * shape.hidden_size * 34 * 2  # fp32 doubles 34·T·h
 
 
+def test_the_opd_teachers_memory_is_counted(tiny_model_dir, toy_data_path, tmp_path, files):
+    """--use-opd --opd-type megatron: the trainer holds a frozen teacher; the plan counts it (its own size on fsdp,
+    read from its config.json; the student's layout on megatron)."""
+    from tools.make_tiny_model import make_tiny_model
+
+    teacher = make_tiny_model(str(tmp_path / "teacher"), size="small", seed=1)
+    opd = ("--use-opd", "--opd-type", "megatron", "--opd-kl-coef", "1.0", "--opd-teacher-load", teacher)
+    args = parse_args(["--hf-checkpoint", tiny_model_dir, "--prompt-data", toy_data_path, "--rollout-batch-size", "4",
+                       "--num-rollout", "1", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1", "--dry-run",
+                       *opd])
+    shape = load_model_shape(tiny_model_dir)
+    est = training_memory(args, shape, tokens=100, micro_batches=None, with_ref=False)
+    assert est.get("teacher model") == 4 * count_params(load_model_shape(teacher)).total / 2
+    assert est.get("teacher model") > 4 * est.get("weights")  # the small teacher, not the tiny student
+
+    write_config(files / "model", QWEN3_4B)
+    common = (*model_args("qwen3-4B"), "--dry-run", "--dry-run-cuda", "--actor-num-gpus-per-node", "8",
+              "--colocate", "--tensor-model-parallel-size", "2", "--bf16", "--micro-batch-size", "1")
+    megatron = training_memory(parse_args(base(*common, *opd)), load_model_shape("model"), tokens=4096,
+                               micro_batches=1, with_ref=False)
+    assert megatron.get("teacher model") == megatron.get("weights")
+    without = training_memory(parse_args(base(*common)), load_model_shape("model"), tokens=4096, micro_batches=1,
+                              with_ref=False)
+    assert without.get("teacher model") == 0 and megatron.total == without.total + megatron.get("weights")
+
+
 def test_mla_kv_cache_is_the_latent_per_layer():
     shape = shape_from_hf_config(DEEPSEEK_V3)
     assert kv_bytes_per_token(shape, tp=16, kv_bytes=2)[0] == 61 * (512 + 64) * 2

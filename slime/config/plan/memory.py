@@ -7,7 +7,8 @@ Training, megatron (the largest pipeline stage is reported):
 - gradients: same count × 4 B with --accumulate-allreduce-grads-in-fp32 or fp32 training, else 2 B;
 - optimizer: Adam fp32 m and v + fp32 master weights = 12 B/param in bf16/fp16 (8 B in fp32; SGD 8 / 4 B),
   ÷ DP×CP (experts: ÷ expert-DP) with --use-distributed-optimizer;
-- reference model (a KL term): another copy of the weights;
+- reference model (a KL term): another copy of the weights; the teacher of `--use-opd --opd-type megatron`
+  (the student's architecture and layout): one more;
 - activations (Korthikanti et al. 2022, flash attention so no s² term): per layer and micro-batch of T
   tokens, T·h·(10 + 24/TP) bytes, or 34·T·h/TP with --sequence-parallel; × the stage's layers × the
   micro-batches 1F1B keeps in flight (PP − stage). --recompute-granularity full keeps 2·T·h per layer
@@ -18,7 +19,8 @@ Training, megatron (the largest pipeline stage is reported):
 
 Training, fsdp (this repo's backend: FSDP2 over all ranks, fp32 master shards, AdamW, no recompute):
 weights, gradients (fp32) and AdamW state ÷ ranks = 16 B/param ÷ ranks; the gathered embedding/output
-layer and two decoder layers in the compute dtype; a KL reference model's fp32 shards; activations as above
+layer and two decoder layers in the compute dtype; a KL reference model's fp32 shards, and the OPD teacher's
+(`--opd-type megatron`: its own parameter count when --opd-teacher-load is an HF folder); activations as above
 with TP = 1 (fp32 on CPU doubles them).
 
 Engines (SGLang): weights = params × bytes ÷ TP (1 B for an fp8 checkpoint, else 2 B); the static pool
@@ -146,11 +148,13 @@ def megatron_bytes_per_param(args) -> tuple[int, int, int, str]:
 
 
 def state_bytes_per_param(args, with_ref: bool) -> int:
-    """Weights + gradients + optimizer (+ a reference copy) per parameter, before any sharding."""
+    """Weights + gradients + optimizer (+ a reference copy, + an OPD teacher of the student's size) per parameter,
+    before any sharding."""
+    frozen = int(with_ref) + int(holds_teacher(args))
     if args.train_backend != "megatron":
-        return 16 + (4 if with_ref else 0)  # fsdp: fp32 weights, fp32 gradients, AdamW m, v
+        return 16 + 4 * frozen  # fsdp: fp32 weights, fp32 gradients, AdamW m, v
     wb, gb, ob, _ = megatron_bytes_per_param(args)
-    return wb + gb + ob + (wb if with_ref else 0)
+    return wb + gb + ob + wb * frozen
 
 
 def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches: int | None,
@@ -200,6 +204,9 @@ def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches
         if with_ref:
             how = f"KL term: a frozen copy, {fmt_count(per_gpu)} × {wb} B"
             est.items.append(Item("reference model", per_gpu * wb, how))
+        if holds_teacher(args):
+            how = f"--opd-type megatron: the student's architecture, {fmt_count(per_gpu)} × {wb} B"
+            est.items.append(Item("teacher model", per_gpu * wb, how))
         if tokens:
             in_flight = par.pp - stage if micro_batches is None else min(par.pp - stage, micro_batches)
             full = activation_bytes_per_layer(tokens, shape.hidden_size, par.tp, sp, wb)
@@ -235,6 +242,27 @@ def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches
     return est, stage
 
 
+def holds_teacher(args) -> bool:
+    """The trainer builds a frozen teacher next to the policy (on-policy distillation, docs/on_policy_distillation.md)."""
+    return bool(getattr(args, "use_opd", False)) and getattr(args, "opd_type", None) == "megatron"
+
+
+def fsdp_teacher_params(args, student: int) -> tuple[int, str]:
+    """The fsdp trainer's teacher may be any architecture: its count from --opd-teacher-load's config.json when
+    that is an HF folder, else (an fsdp checkpoint of the student) the student's."""
+    import os
+
+    from slime.config.plan.model_size import load_model_shape
+
+    path = getattr(args, "opd_teacher_load", None)
+    if path and os.path.isfile(os.path.join(path, "config.json")):
+        try:
+            return count_params(load_model_shape(path)).total, f"{path}/config.json"
+        except (OSError, ValueError, KeyError):
+            pass
+    return student, "the student's count"
+
+
 def fsdp_memory(args, shape: ModelShape, tokens: float | None, with_ref: bool) -> Estimate:
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
     cb = 2 if args.use_cuda else 4  # compute dtype: bf16 on CUDA, fp32 on CPU
@@ -251,6 +279,10 @@ def fsdp_memory(args, shape: ModelShape, tokens: float | None, with_ref: bool) -
     if with_ref:
         how = f"KL term: fp32 shards, {fmt_count(p)} × 4 B ÷ {world}"
         est.items.append(Item("reference model", 4 * p / world, how))
+    if holds_teacher(args):
+        teacher, whose = fsdp_teacher_params(args, p)
+        est.items.append(Item("teacher model", 4 * teacher / world,
+                              f"--opd-type megatron: fp32 shards, {fmt_count(teacher)} params ({whose}) × 4 B ÷ {world}"))
     if tokens:
         act = shape.num_layers * activation_bytes_per_layer(tokens, shape.hidden_size, 1, False, cb)
         how = (f"T={tokens:,.0f} tokens, h={shape.hidden_size}, {shape.num_layers} layers: 34·T·h bytes per layer"
