@@ -18,8 +18,8 @@ engine, or per node of a multi-node engine. It computes the server's arguments f
 and waits for `GET /health_generate` (a real one-token generation), quoting the tail of the server's log
 if it exits first. Control calls (weights, memory, pause, abort) are the base class's HTTP calls.
 
-The server's environment gets slime's defaults (`SERVER_ENV_DEFAULTS`: /health answers without generating, CUDA
-graphs released with the rest of the memory, ...) unless they are set already.
+The server's environment gets slime's defaults (`SERVER_ENV_DEFAULTS`: /health answers without generating, no TP
+memory-imbalance check, ...) unless they are set already.
 
 Launcher: env `SLIME_SGLANG_LAUNCHER` (a shell-split command, e.g. `"sglang serve"`), else the class
 attribute `launcher`, else `python -m sglang.launch_server`; only the default launcher needs sglang

@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, field
 
 from slime.backends.megatron_utils.args import padded_vocab_size
 from slime.config.arg_groups._common import SlimeArgumentError
 from slime.config.arg_groups.megatron import pipeline_layer_split
-from slime.config.plan.model_size import ModelShape, count_params, embedding_params, layer_params
+from slime.config.plan.model_size import ModelShape, count_params, embedding_params, layer_params, load_model_shape
 
 GiB = 2**30
 DEFAULT_MEM_FRACTION_STATIC = 0.9
@@ -250,10 +251,6 @@ def holds_teacher(args) -> bool:
 def fsdp_teacher_params(args, student: int) -> tuple[int, str]:
     """The fsdp trainer's teacher may be any architecture: its count from --opd-teacher-load's config.json when
     that is an HF folder, else (an fsdp checkpoint of the student) the student's."""
-    import os
-
-    from slime.config.plan.model_size import load_model_shape
-
     path = getattr(args, "opd_teacher_load", None)
     if path and os.path.isfile(os.path.join(path, "config.json")):
         try:
