@@ -8,7 +8,7 @@ Each mode is one `train.py --colocate` run of benchmarks/grpo_step.py's job (a r
 prompts of exactly `--prompt-len` tokens, 8 samples each, fixed-length responses, its reward), per rollout
 backend: `handoff` with the defaults (`--colocate` turns on `--offload-rollout` and `--offload-train`,
 docs/colocate.md), `resident` with `--no-offload-rollout --no-offload-train`. Sized so that the trainer's state and
-the engine do not fit together but each fits alone (e.g. the 4B shape: ~64 GB of Megatron bf16 + fp32 Adam state,
+the engine do not fit together but each fits alone (e.g. the 4B shape: ~60 GB of Megatron bf16 + fp32 Adam state,
 and SGLang's static pool at `--sglang-mem-fraction 0.6` of the GPU; the `hf` engine's KV slots grow with the
 batch: 256 rows x 1088 tokens of the 4B shape are ~40 GB), the resident run is expected to fail (its error line
 is shown).
