@@ -1,5 +1,6 @@
 """Memory of the training log-prob / entropy computation: the plain autograd formula against
-`slime.backends.fsdp_utils.token_log_probs` (chunked, recomputing softmax in backward), side by side.
+`slime.backends.fsdp_utils.token_log_probs` (chunked, recomputing softmax in backward) and the Megatron backend's
+`slime.backends.megatron_utils.log_probs.chunked_log_probs` (the same, vocab-parallel), side by side.
 
     python benchmarks/log_prob_memory.py [--tokens 2048] [--vocab 151936] [--dtype bfloat16]
 
@@ -35,6 +36,7 @@ def measure(impl: str, tokens: int, vocab: int, dtype: str, with_entropy: bool) 
     import torch
 
     from slime.backends.fsdp_utils.token_log_probs import token_log_probs
+    from slime.backends.megatron_utils.log_probs import chunked_log_probs
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -48,7 +50,8 @@ def measure(impl: str, tokens: int, vocab: int, dtype: str, with_entropy: bool) 
     else:
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()
-    fn = plain if impl == "plain" else (lambda x, t, e: token_log_probs(x, t, 1.0, e))
+    fn = {"plain": plain, "token_log_probs": lambda x, t, e: token_log_probs(x, t, 1.0, e),
+          "megatron chunked": lambda x, t, e: chunked_log_probs(x, t, vocab, e)}[impl]
     lp, ent = fn(logits, targets, with_entropy)
     loss = -lp.sum() + (0.01 * ent.sum() if with_entropy else 0.0)
     loss.backward()
@@ -74,7 +77,7 @@ def main() -> None:
         return
     rows = []
     for entropy in ("0", "1"):
-        for impl in ("plain", "token_log_probs"):
+        for impl in ("plain", "token_log_probs", "megatron chunked"):
             out = subprocess.run([sys.executable, __file__, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
                                   "--dtype", args.dtype, "--one", f"{impl},{entropy}"],
                                  capture_output=True, text=True, check=True)

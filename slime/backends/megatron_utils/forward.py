@@ -8,10 +8,8 @@ torch's varlen flash attention (`sdpa_attention.py`). Or right-padded `[B, L]` r
 with the default causal mask: with right padding a real token never attends to a pad, so no padding mask
 is needed. Either way each sample's log-probs equal those of the sample alone.
 
-Vocab-parallel log-softmax: every TP rank holds the logits of a contiguous vocabulary slice; the max,
-the sum of exponentials, the target logit and Σ p·logit are all-reduced over the TP group with
-megatron-core's `reduce_from_tensor_model_parallel_region` (all-reduce forward, identity backward), so
-gradients reach each rank's own slice.
+Log-probs and entropy of the response tokens come from the vocab-parallel logits in place, chunk by chunk
+(`log_probs.py`: no fp32 copy of the logits kept for backward).
 """
 
 from __future__ import annotations
@@ -19,41 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
+from slime.backends.megatron_utils.log_probs import vocab_parallel_log_probs
 from slime.backends.training.batching import MicroBatch
-
-
-def vocab_parallel_log_probs(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(logits)[target] (and entropy) per row of `[N, V/tp]` fp32 logits over the real
-    vocabulary: the padding Megatron adds past `vocab_size` (to a multiple of 128 × TP) is masked out, so
-    the distribution is the one the rollout engine samples from."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-    tp = ps.get_tensor_model_parallel_world_size()
-    local_vocab = logits.shape[-1]
-    start = ps.get_tensor_model_parallel_rank() * local_vocab
-    real = (torch.arange(start, start + local_vocab, device=logits.device) < vocab_size).unsqueeze(0)
-    row_max = logits.detach().masked_fill(~real, float("-inf")).max(dim=-1).values
-    if tp > 1:
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-    shifted = torch.where(real, logits - row_max.unsqueeze(-1), torch.zeros_like(logits))
-    exp = shifted.exp() * real
-    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
-    log_z = sum_exp.log()
-    local = targets - start
-    owned = (local >= 0) & (local < local_vocab)
-    target_logit = shifted.gather(-1, local.clamp(0, local_vocab - 1).unsqueeze(-1)).squeeze(-1) * owned
-    target_logit = reduce_from_tensor_model_parallel_region(target_logit)
-    log_probs = target_logit - log_z
-    entropy = None
-    if with_entropy:
-        expected = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1)) / sum_exp
-        entropy = log_z - expected
-    return log_probs, entropy
 
 
 def response_log_probs(
@@ -71,8 +37,10 @@ def response_log_probs(
     rows = mb.row_of_sequence.to(device).unsqueeze(1).expand_as(predicting)
     ids = mb.input_ids.to(device)
     targets = ids[rows[valid], predicting[valid] + 1]
-    selected = logits[rows[valid], predicting[valid]].float() / temperature
-    lp_flat, ent_flat = vocab_parallel_log_probs(selected, targets, vocab_size, with_entropy)
+    # the rows of the [B·L, V/tp] view that predict response tokens, read in place (no copy of the block)
+    flat = rows[valid] * logits.shape[1] + predicting[valid]
+    lp_flat, ent_flat = vocab_parallel_log_probs(logits.reshape(-1, logits.shape[-1]), targets, vocab_size,
+                                                 with_entropy, temperature, rows=flat)
     log_probs = torch.zeros(valid.shape, dtype=torch.float32, device=device)
     log_probs = log_probs.masked_scatter(valid, lp_flat)
     entropy = None

@@ -32,7 +32,7 @@ from slime.algorithm.estimators import compute_advantages_and_returns_in_place
 from slime.algorithm.loss import LossInputs, policy_loss
 from slime.algorithm.tis import icepop_function, vanilla_tis_function
 from slime.backends.megatron_utils.cp_utils import cp_size_and_rank, parallel_state
-from slime.backends.megatron_utils.forward import vocab_parallel_log_probs
+from slime.backends.megatron_utils.log_probs import vocab_parallel_log_probs
 from slime.backends.training.record import whiten
 
 __all__ = ["compute_advantages_and_returns", "get_log_probs_and_entropy", "get_values", "icepop_function",

@@ -15,7 +15,8 @@ Training, megatron (the largest pipeline stage is reported):
   (per group of --recompute-num-layers with `uniform`) plus one group's full activations. Selective
   recompute (--recompute-activations) only drops the attention-score term this formula already omits.
   MoE layers are counted like dense ones (their top-k expert activations come on top);
-- logits: T × padded vocab ÷ TP × 8 B (fp32 logits and their gradient), last stage only.
+- logits: T × padded vocab ÷ TP × 8 B (the bf16 logits, their gradient and the fp32 chunks of the log-prob pass,
+  measured at 5.9 B on CPU), last stage only.
 
 Training, fsdp (this repo's backend: FSDP2 over all ranks, fp32 master shards, AdamW, no recompute):
 weights, gradients (fp32) and AdamW state ÷ ranks = 16 B/param ÷ ranks; the gathered embedding/output
@@ -230,7 +231,8 @@ def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches
             est.items.append(Item("activations", act, how))
             if last:
                 logits = tokens * vocab / par.tp * 8
-                how = f"T × vocab {vocab} ÷ TP {par.tp} × 8 B (fp32 and its gradient)"
+                how = (f"T × vocab {vocab} ÷ TP {par.tp} × 8 B (the logits, their gradient and fp32 chunks; "
+                       "benchmarks/log_prob_memory.py)")
                 est.items.append(Item("logits", logits, how))
         if best is None or est.total > best[0].total:
             best = (est, stage)
