@@ -12,7 +12,8 @@ sharing the GPU behind the real sglang-router, weights pushed after every rollou
   rollout): the pushes reached SGLang and it stamped them;
 - the engine's log-probs of the sampled tokens equal the trainer's within bf16 error
   (`train/train_rollout_logprob_abs_diff`): what SGLang serves is what was trained;
-- the first step's `train/ppo_kl` is 0 (one optimizer step per rollout: old and new policy coincide).
+- the first step's `train/ppo_kl` is 0 (one optimizer step per rollout: old and new policy coincide);
+- `--colocate`'s memory handoff ran: SGLang released its memory and the trainer moved its state off the GPU.
 SGLang runs with the triton attention backend and the pytorch sampler (fa3 crashed on the H200, see
 docs/sglang_backend.md).
 
@@ -128,6 +129,10 @@ def test_train_py_colocated_with_real_sglang(backend, tiny_model_dir, toy_data_p
     assert all(b - a == 1 for a, b in zip(stamped, stamped[1:])), stamped  # one push per rollout reached SGLang
     assert max(diffs.values()) < 0.05  # bf16 SGLang vs bf16 trainer on the same pushed weights
     assert abs(ppo_kl[min(ppo_kl)]) < 1e-3
+    # --colocate's memory handoff ran every rollout: SGLang released and resumed, the trainer moved its state
+    handoff, moved = read_scalars(tb, "perf/engine_release_time"), read_scalars(tb, "perf/actor_offload_moved_gb")
+    print(f"[sglang {backend}] handoff s {[round(v, 2) for _, v in sorted(read_scalars(tb, 'perf/handoff_time').items())]}")
+    assert sorted(handoff) == steps and sorted(moved) == steps and min(moved.values()) > 0
 
 
 def sglang_servers(root: psutil.Process) -> list[psutil.Process]:
