@@ -432,7 +432,9 @@ class RolloutManager:
             if self.weight_version is not None:
                 restarted = [self.engines[i] for i in dead]
                 ranks = self._weight_source
-                ray.get([rank.onload.remote() for rank in ranks])  # offloaded while generating (--offload-train)
+                # offloaded while generating (--offload-train): only the weights come back, beside the restarted
+                # engine's full memory (the whole training state would not fit a colocated GPU with it)
+                ray.get([rank.onload.remote(True) for rank in ranks])
                 ray.get([rank.update_weights.remote(restarted, self.weight_version) for rank in ranks])
                 if self.args.offload_train:
                     ray.get([rank.offload.remote() for rank in ranks])

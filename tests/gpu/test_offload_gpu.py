@@ -2,7 +2,8 @@
 
 A model and its AdamW state leave the device in the handoff's two moves (all but the weights, then the weights),
 the allocator's memory drops by what they held, they come back bit for bit, the next optimizer step equals the
-step of a copy that never moved, and the pinned host copies are reused by the next offload.
+step of a copy that never moved, the pinned host copies are reused by the next offload, and the weights alone come
+back for a push between two offloads (fault tolerance's).
 """
 
 from __future__ import annotations
@@ -66,4 +67,15 @@ def test_offload_in_two_moves_frees_the_device_and_comes_back_exact():
     mover.offload(state)  # the second offload writes into the same pinned host tensors
     assert {k: host.data_ptr() for k, (_, host) in mover._host.items()} == hosts
     assert all(host.is_pinned() for _, host in mover._host.values())
+
+    # fault tolerance's push mid-rollout: only the weights come back, then leave again
+    assert mover.onload(state, weights_only=True) <= weight_bytes * 1.01
+    assert next(model.parameters()).is_cuda and mover.state_off and not mover.weights_off
+    assert not next(iter(opt.state.values()))["exp_avg"].is_cuda
+    mover.offload(state)
+    assert not next(model.parameters()).is_cuda
     mover.onload(state)
+    _step(model, opt, 2)
+    _step(twin, twin_opt, 2)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)

@@ -89,11 +89,12 @@ class TrainRayActor:
         moved = self._offloader.offload(self.train_state(), weights=weights)
         return {"moved_gb": moved / 1e9, **memory_gb(device)}
 
-    def onload(self) -> dict[str, float]:
-        """The training state back on the device (a no-op when it is there)."""
+    def onload(self, weights_only: bool = False) -> dict[str, float]:
+        """The training state back on the device (a no-op when it is there); `weights_only`: just the weights a
+        push reads (a push while the engines hold their memory: fault tolerance's mid-rollout push)."""
         if self._offloader is None:
             return {"moved_gb": 0.0, **memory_gb(_device())}
-        moved = self._offloader.onload(self.train_state())
+        moved = self._offloader.onload(self.train_state(), weights_only=weights_only)
         return {"moved_gb": moved / 1e9, **memory_gb(_device())}
 
     def peak_gpu_memory_gb(self) -> float | None:

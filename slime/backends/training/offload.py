@@ -80,14 +80,22 @@ class Offloader:
         torch.cuda.empty_cache()
         return max(0, before - torch.cuda.memory_allocated(self.device))
 
-    def onload(self, state: TrainState) -> int:
-        """Everything back on the device; returns the bytes that came back."""
-        if not self.offloaded:
+    def onload(self, state: TrainState, weights_only: bool = False) -> int:
+        """Everything back on the device, or (`weights_only`) the weights a push reads; returns the bytes that came
+        back."""
+        if not self.offloaded or (weights_only and not self.weights_off):
             return 0
         before = torch.cuda.memory_allocated(self.device)
         if self.weights_off:
             for module in state.weights:
                 module.to(self.device)
+        if weights_only:  # a push between two offloads: the optimizer state and gradients stay in host memory
+            for chunk in state.ddp_chunks:
+                for buffer in _ddp_buffers(chunk):
+                    buffer.reload_from_cpu(move_params=True, move_grads=False)
+            torch.cuda.synchronize(self.device)
+            self.weights_off = False
+            return max(0, torch.cuda.memory_allocated(self.device) - before)
         if self.state_off:
             for module in state.modules:
                 module.to(self.device)
