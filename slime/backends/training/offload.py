@@ -63,18 +63,10 @@ class Offloader:
             for opt in state.optimizers:
                 opt.zero_grad(set_to_none=True)
                 self._offload_optimizer(opt, own)
-            for chunk in state.ddp_chunks:
-                for buffer in _ddp_buffers(chunk):
-                    buffer.offload_to_cpu(move_params=False, move_grads=True)
-            for module in state.modules:
-                module.to("cpu")
+            _move(state, state.modules, "cpu", params=False, grads=True)
             self.state_off = True
         if weights and not self.weights_off:
-            for chunk in state.ddp_chunks:
-                for buffer in _ddp_buffers(chunk):
-                    buffer.offload_to_cpu(move_params=True, move_grads=False)
-            for module in state.weights:
-                module.to("cpu")
+            _move(state, state.weights, "cpu", params=True, grads=False)
             self.weights_off = True
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -86,22 +78,14 @@ class Offloader:
         if not self.offloaded or (weights_only and not self.weights_off):
             return 0
         before = torch.cuda.memory_allocated(self.device)
-        if self.weights_off:
-            for module in state.weights:
-                module.to(self.device)
         if weights_only:  # a push between two offloads: the optimizer state and gradients stay in host memory
-            for chunk in state.ddp_chunks:
-                for buffer in _ddp_buffers(chunk):
-                    buffer.reload_from_cpu(move_params=True, move_grads=False)
+            _move(state, state.weights, self.device, params=True, grads=False)
             torch.cuda.synchronize(self.device)
             self.weights_off = False
             return max(0, torch.cuda.memory_allocated(self.device) - before)
-        if self.state_off:
-            for module in state.modules:
-                module.to(self.device)
-        for chunk in state.ddp_chunks:  # brings back what is off of each buffer (megatron-core checks)
-            for buffer in _ddp_buffers(chunk):
-                buffer.reload_from_cpu(move_params=True, move_grads=True)
+        # each buffer brings back what is off of it (megatron-core checks); only modules that left move back
+        back = [*(state.weights if self.weights_off else []), *(state.modules if self.state_off else [])]
+        _move(state, back, self.device, params=True, grads=True)
         for container, key, device in self._moved:
             if key is None:  # an optimizer's parameter: its .data moves
                 container.data = container.data.to(device, non_blocking=True)
@@ -133,6 +117,24 @@ class Offloader:
             self._host[(id(container), key)] = (container, host)
         host.copy_(t, non_blocking=True)
         return host
+
+
+def _move(state: TrainState, modules: list[torch.nn.Module], device, params: bool, grads: bool) -> None:
+    """The DDP chunks' parameter and/or gradient buffers to the host, then `modules` whole, when `device` is "cpu";
+    else `modules`, then the buffers, back."""
+    out = device == "cpu"
+    if not out:
+        for module in modules:
+            module.to(device)
+    for chunk in state.ddp_chunks:
+        for buffer in _ddp_buffers(chunk):
+            if out:
+                buffer.offload_to_cpu(move_params=params, move_grads=grads)
+            else:
+                buffer.reload_from_cpu(move_params=params, move_grads=grads)
+    if out:
+        for module in modules:
+            module.to(device)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
