@@ -31,7 +31,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -39,30 +38,29 @@ ROOT = os.path.dirname(BENCH_DIR)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, BENCH_DIR)
 
+from grpo_step import MemoryPeak  # noqa: E402 (benchmarks/ on the path first)
+
 MODES = {"handoff": [], "resident": ["--no-offload-rollout", "--no-offload-train"]}
 PHASE_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*memory handoff: (.+)$")
 PERF = ("step_time", "handoff_time", "train_offload_time", "train_onload_time", "actor_offload_allocated_gb")
 
 
-class DeviceUsage:
+class DeviceUsage(MemoryPeak):
     """Every `interval` seconds, in a thread: the device's used bytes (all processes, `torch.cuda.mem_get_info`)
     and each process's share as nvidia-smi reports it, split into the engine's processes (an SGLang or `hf`
     server, or its engine actor, among its ancestors), the trainer's (a training Ray actor) and the rest (this
     script, Ray itself; also every process when nvidia-smi lists none, e.g. in a PID namespace)."""
 
     def __init__(self, interval: float = 0.25):
-        import torch
-
-        self._torch, self.interval = torch, interval
+        super().__init__(interval)
         self.samples: list[tuple[float, float, dict[str, float]]] = []  # (wall clock, device GB, {side: GB})
         self._sides: dict[int, str] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self) -> None:
         while not self._stop.wait(self.interval):
-            free, total = self._torch.cuda.mem_get_info()
-            self.samples.append((time.time(), (total - free) / 1e9, self._per_side()))
+            used = self._used()
+            self.peak = max(self.peak, used)
+            self.samples.append((time.time(), used / 1e9, self._per_side()))
 
     def _per_side(self) -> dict[str, float]:
         try:
@@ -101,14 +99,6 @@ class DeviceUsage:
             return (float("nan"), {}), float("nan")
         inside = [used for when, used, _ in before if when >= start] or [before[-1][1]]  # a phase shorter than
         return before[-1][1:], max(inside)  # the interval: the sample before its end
-
-    def __enter__(self) -> DeviceUsage:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def _cmdline(pid: int) -> str:
