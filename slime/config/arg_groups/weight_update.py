@@ -22,8 +22,8 @@ _DELTA_ONLY = {"update_weight_delta_encoding": "xor", "update_weight_delta_check
 
 
 def add_weight_update_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("weight sync modes", "slime's delta weight sync; released training actors and "
-                                  "NIXL rollout data: parsed, refused when used (not built here).")  # fmt: skip
+    g = parser.add_argument_group("weight sync modes", "slime's delta weight sync (built); released training "
+                                  "actors and NIXL rollout data: parsed, refused when used (not built here).")  # fmt: skip
     g.add_argument("--update-weight-mode", choices=["full", "delta"], default="full",
                    help="full: every parameter at every push. delta: the first push is a full checkpoint, every "
                    "later one only the tensors that changed since the previous push (needs --update-weight-transport "
