@@ -28,10 +28,19 @@ import torch.distributed.distributed_c10d as c10d
 DEFAULT_TIMEOUT_S = 600.0
 
 
+def open_rendezvous(master_address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
+    """Rank 0's store, listening on a port the OS picks as it binds (`.port`): hand that port to the other ranks,
+    then pass the store to `init_weight_update_group`. A port looked up first and bound later could be taken in
+    between."""
+    return dist.TCPStore(master_address, 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
 def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
                              group_name: str, backend: str = "nccl",
-                             timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.ProcessGroup:
-    """Join (rank 0: create) the group; returns once every rank has joined."""
+                             timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store | None = None) -> dist.ProcessGroup:
+    """Join (rank 0: create) the group; returns once every rank has joined. `store`: rank 0's own, from
+    `open_rendezvous` (then `master_address` / `master_port` are its address)."""
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"weight update group backend {backend!r}: use 'nccl' (GPU) or 'gloo' (CPU)")
     if not 0 <= rank < world_size:
@@ -40,8 +49,9 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
         raise ValueError(f"a process group named {group_name!r} already exists in this process; "
                          "destroy it first or pick another group_name")
     timeout = timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
+    if store is None:
+        url = f"tcp://{master_address}:{master_port}"
+        store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     # SGLang (init_custom_process_group) and slime key the group's rendezvous under the group name: without the
     # same prefix the two sides wait for each other's keys until the timeout.

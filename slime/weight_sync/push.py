@@ -40,11 +40,16 @@ import torch
 from safetensors.torch import save_file
 
 from slime.utils.misc import load_hook
-from slime.utils.net import free_port, node_ip
+from slime.utils.net import node_ip
 from slime.utils.progress import progress
 from slime.weight_sync.buckets import Named, buckets
 from slime.weight_sync.delta import MANIFEST, Snapshot, manifest, write_json
-from slime.weight_sync.group import broadcast_tensors, destroy_weight_update_group, init_weight_update_group
+from slime.weight_sync.group import (
+    broadcast_tensors,
+    destroy_weight_update_group,
+    init_weight_update_group,
+    open_rendezvous,
+)
 from slime.weight_sync.tensor_payload import flatten_bucket, serialize_bucket
 
 logger = logging.getLogger(__name__)
@@ -81,11 +86,13 @@ class BroadcastGroup:
         infos = _start([(e, "get_server_info", (), {}) for e in self.engines])()
         sizes = [int(info.get("tp_size", 1) or 1) for info in infos]
         world = 1 + sum(sizes)
-        address, port = node_ip(), free_port()
+        address = node_ip()
+        store = open_rendezvous(address)
+        port = store.port
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         joined = _start([(e, "init_weights_update_group", (address, port, off, world, group_name, backend), {})
                          for e, off in zip(self.engines, offsets)])
-        self.pg = init_weight_update_group(address, port, 0, world, group_name, backend)
+        self.pg = init_weight_update_group(address, port, 0, world, group_name, backend, store=store)
         self.device = "cuda" if backend == "nccl" else "cpu"
         joined()
         logger.info("weight broadcast group %r: trainer + %d engine rank(s) over %s", group_name, world - 1, backend)

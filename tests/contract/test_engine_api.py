@@ -23,7 +23,6 @@ import glob
 import os
 import pickle
 import shutil
-import socket
 import threading
 import time
 import uuid
@@ -36,6 +35,7 @@ from slime.weight_sync.group import (
     broadcast_tensors,
     destroy_weight_update_group,
     init_weight_update_group,
+    open_rendezvous,
 )
 from slime.rollout.router import RouterProcess
 from slime.weight_sync.tensor_payload import flatten_bucket, serialize_bucket
@@ -83,12 +83,6 @@ def control_ok(resp):
 def max_diff(a, b):
     assert len(a) == len(b)
     return max(abs(x - y) for x, y in zip(a, b))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def model_tensors(model_path) -> dict[str, torch.Tensor]:
@@ -349,12 +343,14 @@ def test_update_weights_from_distributed(engine, weights, base_scores):
                     "use --weight-sync-backend gloo")
     name, original, perturbed = weights
     tp = tp_size(engine)
-    group, port = f"contract-{uuid.uuid4().hex[:8]}", free_port()
+    group = f"contract-{uuid.uuid4().hex[:8]}"
+    store = open_rendezvous(engine.trainer_address, timeout_s=120)  # as BroadcastGroup: bound before the engine
+    port = store.port  # is told the port
     t, result = in_thread(post, engine, "/init_weights_update_group", {
         "master_address": engine.trainer_address, "master_port": port, "rank_offset": 1, "world_size": 1 + tp,
         "group_name": group, "backend": engine.weight_sync_backend})
     pg = init_weight_update_group(engine.trainer_address, port, 0, 1 + tp, group, engine.weight_sync_backend,
-                                  timeout_s=120)
+                                  timeout_s=120, store=store)
     try:
         assert control_ok(joined(t, result))
         device = "cuda" if engine.weight_sync_backend == "nccl" else "cpu"

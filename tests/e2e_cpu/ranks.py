@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import time
 import pytest
 import torch
 
+from slime.utils.net import free_port
 from tests.conftest import REPO_ROOT
 
 
@@ -28,12 +28,6 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     return p
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(worker: str, world_size: int, out_dir: str, extra: list[str], timeout_s: float = 240) -> dict:

@@ -13,8 +13,12 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from slime.utils.net import free_port
-from slime.weight_sync.group import broadcast_tensors, destroy_weight_update_group, init_weight_update_group
+from slime.weight_sync.group import (
+    broadcast_tensors,
+    destroy_weight_update_group,
+    init_weight_update_group,
+    open_rendezvous,
+)
 
 pytest.importorskip("sglang")
 
@@ -33,13 +37,14 @@ def _sglang_rank(port: int, group_name: str, out) -> None:
 
 @pytest.mark.timeout(120)
 def test_trainer_group_meets_sglangs_init_custom_process_group():
-    port, name = free_port(), "slime-contract-group"
+    store, name = open_rendezvous("127.0.0.1", timeout_s=60), "slime-contract-group"  # the trainer's store, as
+    port = store.port  # BroadcastGroup opens it: bound before the engines are told the port
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     peer = ctx.Process(target=_sglang_rank, args=(port, name, out), daemon=True)
     peer.start()
     try:
-        pg = init_weight_update_group("127.0.0.1", port, 0, 2, name, "gloo", timeout_s=60)
+        pg = init_weight_update_group("127.0.0.1", port, 0, 2, name, "gloo", timeout_s=60, store=store)
         sent = torch.arange(12, dtype=torch.float32).reshape(4, 3)
         broadcast_tensors(pg, [sent])
         assert out.get(timeout=60) == sent.tolist()

@@ -16,8 +16,11 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.training.offload import Offloader, TrainState, memory_gb
-from slime.utils.net import free_port, node_ip
+from slime.utils.net import node_ip
 from slime.weight_sync.push import DiskPush, EnginePush, weight_route
+
+
+STORE_TIMEOUT_MINUTES = 30  # until init_process_group sets --distributed-timeout-minutes
 
 
 class TrainRayActor:
@@ -27,8 +30,15 @@ class TrainRayActor:
     def __init__(self, world_size: int, rank: int, master_addr: str | None, master_port: int | None):
         self.world_size = world_size
         self.rank = rank
+        self._store: dist.TCPStore | None = None
         if rank == 0 and master_addr is None:
-            master_addr, master_port = node_ip(), free_port()
+            # Rank 0 holds the rendezvous port from here on: the OS picks it when the store binds (port 0). A port
+            # only looked up here and bound at init_process_group could be taken in between (an engine's, the
+            # router's or any outgoing connection's ephemeral port; seen in CI as EADDRINUSE at start-up).
+            master_addr = node_ip()
+            self._store = dist.TCPStore(master_addr, 0, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(minutes=STORE_TIMEOUT_MINUTES))
+            master_port = self._store.port
         self.master_addr, self.master_port = master_addr, master_port
         os.environ.update(
             MASTER_ADDR=str(master_addr),
@@ -47,12 +57,14 @@ class TrainRayActor:
             torch.cuda.set_device(0)
         elif backend == "nccl":
             backend = "gloo"
-        dist.init_process_group(
-            backend=backend,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=timedelta(minutes=timeout_minutes),
-        )
+        timeout = timedelta(minutes=timeout_minutes)
+        store = self._store
+        if store is None:  # rank 0 given its address (a test's or a launcher's) binds it only now
+            store = dist.TCPStore(self.master_addr, int(self.master_port), is_master=self.rank == 0,
+                                  wait_for_workers=False, timeout=timeout)
+        store.set_timeout(timeout)
+        dist.init_process_group(backend=backend, store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=timeout)
 
     # ---- the backend interface -------------------------------------------------------------------
     def init(self, args: Any, role: str, with_ref: bool, num_rollout: int | None = None) -> int:
