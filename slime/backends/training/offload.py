@@ -7,7 +7,8 @@ state, gradients, frozen copies), so that the engines can take their weights bac
 weights. The backends say what they hold (`TrainState`); this module moves it:
 
 - whole modules (FSDP2 modules included: `FSDPModule._apply` re-registers the sharded parameters, and DTensor
-  parameters are swapped in place, so optimizer references stay valid) with `module.to(device)`;
+  parameters are swapped in place, so optimizer references stay valid; tests/unit/test_fsdp_offload_contract.py
+  checks that on CPU) with `module.to(device)`;
 - megatron-core DDP chunks through their contiguous buffers (`_ParamAndGradBuffer.offload_to_cpu` /
   `reload_from_cpu`: a pinned host copy of the parameters, the gradient storage freed and zeroed on return);
 - torch optimizers' parameters (e.g. fp32 master shards) and state tensors into pinned host memory (DTensor state,
