@@ -225,7 +225,7 @@ MCORE_SCRIPT = r"""
 import contextlib, json, sys, torch
 torch.cuda.current_device = lambda: "cpu"  # test-only: megatron-core 0.16 asks for a CUDA device
 import torch.distributed as dist
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29611", rank=0, world_size=1)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank: no port
 from megatron.core import parallel_state as ps
 ps.initialize_model_parallel(1, 1)
 from megatron.core.tensor_parallel import random as tpr
