@@ -30,8 +30,8 @@ DEFAULT_TIMEOUT_S = 600.0
 
 def open_rendezvous(master_address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
     """Rank 0's store, listening on a port the OS picks as it binds (`.port`): hand that port to the other ranks,
-    then pass the store to `init_weight_update_group`. A port looked up first and bound later could be taken in
-    between."""
+    then pass the store to `init_weight_update_group` (the training ranks' rendezvous uses it too). A port looked
+    up first and bound later could be taken in between."""
     return dist.TCPStore(master_address, 0, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=timeout_s))
 

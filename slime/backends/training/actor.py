@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from slime.backends.training.offload import Offloader, TrainState, memory_gb
 from slime.utils.net import node_ip
+from slime.weight_sync.group import open_rendezvous
 from slime.weight_sync.push import DiskPush, EnginePush, weight_route
 
 
@@ -36,8 +37,7 @@ class TrainRayActor:
             # only looked up here and bound at init_process_group could be taken in between (an engine's, the
             # router's or any outgoing connection's ephemeral port; seen in CI as EADDRINUSE at start-up).
             master_addr = node_ip()
-            self._store = dist.TCPStore(master_addr, 0, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(minutes=STORE_TIMEOUT_MINUTES))
+            self._store = open_rendezvous(master_addr, timeout_s=STORE_TIMEOUT_MINUTES * 60)
             master_port = self._store.port
         self.master_addr, self.master_port = master_addr, master_port
         os.environ.update(
