@@ -43,6 +43,7 @@ import contextlib
 import contextvars
 import copy
 import functools
+import hashlib
 import inspect
 import json
 import logging
@@ -58,7 +59,7 @@ from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.filter_hub.base_types import MetricGatherer, call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.router import RouterClient, url_of
-from slime.rollout.sample_hooks import apply_rollout_sample_hooks
+from slime.rollout.sample_hooks import apply_rollout_sample_hooks, current_rollout_id
 from slime.utils.async_utils import run_sync
 from slime.utils.data import Dataset
 from slime.utils.eval_config import EvalDatasetConfig, args_for, eval_datasets
@@ -362,6 +363,15 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     return sample
 
 
+def sampling_seed(args, sample: Sample, evaluation: bool = False) -> int:
+    """The `sampling_seed` of one sample's generation: a 63-bit hash of (`--seed`, the current rollout id, the
+    sample's index, train or eval). The engines draw a request's random numbers from its seed alone, so which
+    sample gets which random stream does not depend on the order in which requests reach the engine; a sample
+    continued in a later rollout (partial rollouts) draws anew."""
+    key = f"{args.seed}:{current_rollout_id()}:{sample.index}:{'eval' if evaluation else 'train'}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
+
+
 # --- one sample, one group -------------------------------------------------------------------------------
 
 
@@ -392,6 +402,8 @@ async def generate_and_rm(
     parameter. It may return several samples for this one (one prompt split into trajectories): they come back
     as a list, every sibling with the same `rollout_id` (the input's, else its index). With `--group-rm` the
     group is graded in `generate_and_rm_group` instead. Errors mark the sample FAILED instead of raising.
+    The generate function's sampling params carry the sample's `sampling_seed` (unless they set one), so a
+    fixed `--seed` gives a fixed run.
     """
     if sample.status == Sample.Status.FAILED:
         return sample
@@ -403,13 +415,15 @@ async def generate_and_rm(
 
     state = GenerateState(args)
     path = sample.generate_function_path or args.custom_generate_function_path
+    params = dict(sampling_params)
+    params.setdefault("sampling_seed", sampling_seed(args, sample, evaluation))
     try:
         async with state.semaphore:
             if state.aborted:
                 sample.status = Sample.Status.ABORTED
                 return sample
             with state.dp_rank_context():
-                result = await _call_generate(path, args, sample, dict(sampling_params), evaluation)
+                result = await _call_generate(path, args, sample, params, evaluation)
         _check_generated(result, sample, path)
         result = await apply_rollout_sample_hooks(args, result, evaluation=evaluation)
         samples = result if isinstance(result, list) else [result]

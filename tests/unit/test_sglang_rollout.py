@@ -30,7 +30,9 @@ from slime.rollout.sglang_rollout import (
     generate_and_rm_group,
     generate_rollout,
     prompt_ids,
+    sampling_seed,
 )
+from slime.rollout.sample_hooks import set_current_rollout_id
 from slime.utils.eval_config import EvalDatasetConfig
 from slime.utils.http_utils import HTTPRequestError, run_sync
 from slime.utils.types import Sample
@@ -281,6 +283,37 @@ def test_generate_and_rm_rewards_and_failures(tokenizer_dir, engine):
     failed = run_sync(generate_and_rm(bad_rm, Sample(prompt="say", label="one"), params))
     assert failed.status == Sample.Status.FAILED and failed.reward == 0.0
     assert "KeyError" in failed.metadata["error"] and "no such field" in failed.metadata["error"]
+
+
+def test_each_sample_is_seeded_by_seed_rollout_and_index(tokenizer_dir, engine):
+    """A sample's sampling_seed is a function of (--seed, rollout id, index, train/eval) only: the engines draw its
+    random numbers from it, whatever order the requests arrive in."""
+    args = _args(tokenizer_dir, engine, seed=7)
+    sample = Sample(index=3)
+    set_current_rollout_id(5)
+    try:
+        seed = sampling_seed(args, sample)
+        assert seed == sampling_seed(_args(tokenizer_dir, engine, seed=7), Sample(index=3)) and 0 <= seed < 2**63
+        others = {sampling_seed(args, Sample(index=4)), sampling_seed(_args(tokenizer_dir, engine, seed=8), sample),
+                  sampling_seed(args, sample, evaluation=True)}
+        set_current_rollout_id(6)  # a partial sample continued in a later rollout draws anew
+        others.add(sampling_seed(args, sample))
+        assert seed not in others and len(others) == 4
+
+        set_current_rollout_id(5)
+        params = build_sampling_params(args)
+        group = [Sample(group_index=0, index=i, prompt="say", label="one") for i in range(3)]
+        run_sync(generate_and_rm_group(args, group, params))
+        sent = [r["sampling_params"]["sampling_seed"] for r in engine.requests[-3:]]
+        assert sent == [sampling_seed(args, s) for s in group] and "sampling_seed" not in params
+        # slime's --sglang-enable-deterministic-inference: the i-th sample of every group, --rollout-seed + i
+        slime_mode = _args(tokenizer_dir, engine, seed=7)
+        slime_mode.sglang_args["enable_deterministic_inference"] = True
+        run_sync(generate_and_rm_group(slime_mode, [Sample(group_index=1, index=9 + i, prompt="say", label="one")
+                                                    for i in range(2)], params))
+        assert [r["sampling_params"]["sampling_seed"] for r in engine.requests[-2:]] == [1, 2]
+    finally:
+        set_current_rollout_id(None)
 
 
 def test_custom_generate_signature_and_group_rm(tokenizer_dir, engine):

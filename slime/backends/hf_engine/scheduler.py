@@ -10,8 +10,12 @@ Finished rows leave the batch after every step, and cache columns that have beco
 remaining row are trimmed away, so the cache never grows past the longest live sequence.
 
 Sampling is per request: temperature (0 = greedy), top-p, top-k and one `torch.Generator` per request,
-seeded from the engine's seed and the request's arrival number, so a request's random stream does not
-depend on which other requests share its batch. Logits, log-probs and sampling are fp32. The reported
+seeded from the request's `sampling_seed` and its prompt length (as SGLang's seeded sampler keys its draws by
+seed and position: a later turn of a conversation sent with the same seed draws anew), so a request's random
+stream depends neither on which other requests share its batch nor on when it arrived. slime's rollout seeds
+every sample (slime/rollout/sglang_rollout.py `sampling_seed`). A request without a seed takes the engine's
+`--random-seed` and its arrival number, as SGLang's global generator would: reproducible only when requests
+arrive in a fixed order. Logits, log-probs and sampling are fp32. The reported
 log-prob is `log_softmax(logits / temperature)` at the chosen token, before top-p / top-k truncation
 (raw logits for greedy), the quantity a trainer recomputes from `logits / temperature`.
 
@@ -412,6 +416,8 @@ class Scheduler:
                 if seed is None:
                     seed = self.random_seed * _SEED_STRIDE + self._num_sampled_requests
                     self._num_sampled_requests += 1
+                else:  # the stream starts where the request does: a later turn given the same seed draws anew
+                    seed = seed * _SEED_STRIDE + len(req.input_ids)
                 req.generator = torch.Generator().manual_seed(seed % (2**63))
             # SGLang's rule: ignore_eos turns off every token-based stop, stop_token_ids included (stop strings
             # still apply).
