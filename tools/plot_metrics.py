@@ -3,9 +3,12 @@
     python tools/plot_metrics.py outputs/tensorboard/slime/<run> [--out DIR] [--smooth N]
     python tools/plot_metrics.py RUN_A RUN_B --labels sync async --out plots/   # compare runs
     python tools/plot_metrics.py RUN --tags 'rollout/response_len/*' train/grad_norm
+    python tools/plot_metrics.py SEED_1 SEED_2 ... --band --smooth 10      # median and range over runs
 
 By default one figure per group (reward, kl, response_len, timing, loss), with one panel per tag and, in each
-panel, one line per run (the legend names the runs), against the step, which is the rollout id. `--tags`
+panel, one line per run (the legend names the runs), against the step, which is the rollout id. `--band` draws
+the runs as one: the median over runs at each step and the range (min to max) shaded, e.g. for one job run with
+several seeds; with `--smooth N` each run is smoothed first. `--tags`
 replaces the groups with one figure of the given tags. Tag names may be shell-style patterns (`perf/*_time`).
 Tags a run lacks are skipped with a note; a group none of the runs has is skipped. Writes
 `<out>/<prefix><group>.png` and prints each path.
@@ -87,9 +90,36 @@ def run_labels(run_dirs: list[str], labels: list[str] | None) -> list[str]:
     return names if len(set(names)) == len(names) else [os.path.normpath(d) for d in run_dirs]
 
 
+def band(series: list[dict[int, float]]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(steps, median, min, max) over the runs that logged each step."""
+    steps = sorted(set().union(*series))
+    median, low, high = [], [], []
+    for step in steps:
+        values = sorted(s[step] for s in series if step in s)
+        mid = len(values) // 2
+        median.append(values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2)
+        low.append(values[0])
+        high.append(values[-1])
+    return steps, median, low, high
+
+
+def plot_band(ax, tag: str, runs: list[tuple[str, dict[str, dict[int, float]]]], smooth: int) -> None:
+    series = []
+    for _, scalars in runs:
+        if tag in scalars:
+            steps = sorted(scalars[tag])
+            values = [scalars[tag][s] for s in steps]
+            series.append(dict(zip(steps, moving_average(values, smooth) if smooth > 1 else values)))
+    if not series:
+        return
+    steps, median, low, high = band(series)
+    ax.fill_between(steps, low, high, alpha=0.25, linewidth=0, label=f"range of {len(series)} runs")
+    ax.plot(steps, median, linewidth=1.8, label=f"median of {len(series)} runs")
+
+
 def plot_figure(title: str, tags: list[str], runs: list[tuple[str, dict[str, dict[int, float]]]], path: str,
-                smooth: int, dpi: int) -> None:  # fmt: skip
-    """One panel per tag, one line per run that has the tag."""
+                smooth: int, dpi: int, as_band: bool = False) -> None:  # fmt: skip
+    """One panel per tag, one line per run that has the tag (or, `as_band`, their median and range)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,7 +130,7 @@ def plot_figure(title: str, tags: list[str], runs: list[tuple[str, dict[str, dic
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 3.2 * nrows), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, tag in zip(axes.flat, tags):
-        for i, (label, scalars) in enumerate(runs):
+        for i, (label, scalars) in enumerate([] if as_band else runs):
             if tag not in scalars:
                 continue
             steps = sorted(scalars[tag])
@@ -112,6 +142,8 @@ def plot_figure(title: str, tags: list[str], runs: list[tuple[str, dict[str, dic
                 ax.plot(steps, moving_average(values, smooth), color=color, linewidth=1.8, label=label)
             else:
                 ax.plot(steps, values, color=color, linewidth=1.5, marker=marker, markersize=3, label=label)
+        if as_band:
+            plot_band(ax, tag, runs, smooth)
         ax.set_title(tag, fontsize=10)
         ax.set_xlabel("rollout step")
         ax.grid(True, alpha=0.3)
@@ -125,7 +157,8 @@ def plot_figure(title: str, tags: list[str], runs: list[tuple[str, dict[str, dic
 
 
 def plot_runs(run_dirs: list[str], out_dir: str, groups: dict[str, tuple[str, ...]], labels: list[str] | None = None,
-              smooth: int = 1, prefix: str = "", dpi: int = 100, log=None) -> list[str]:  # fmt: skip
+              smooth: int = 1, prefix: str = "", dpi: int = 100, log=None,
+              as_band: bool = False) -> list[str]:  # fmt: skip
     """Write one PNG per group that any run has a tag of; returns the paths written. Notes go to `log`
     (default: stderr, so that stdout is only the paths)."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
@@ -151,7 +184,7 @@ def plot_runs(run_dirs: list[str], out_dir: str, groups: dict[str, tuple[str, ..
         runs = [(name, {t: read_scalars(d, t) for t in tags if t in tags_of_run})
                 for name, d, tags_of_run in zip(names, run_dirs, available)]  # fmt: skip
         path = os.path.join(out_dir, f"{prefix}{group}.png")
-        plot_figure(group, tags, runs, path, smooth, dpi)
+        plot_figure(group, tags, runs, path, smooth, dpi, as_band)
         written.append(path)
     if not written:
         wanted = sorted({p for patterns in groups.values() for p in patterns})
@@ -170,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smooth", type=int, default=1, help="Moving average over N points (default 1: off).")
     parser.add_argument("--prefix", default="", help="File name prefix, e.g. `quickstart_` -> quickstart_reward.png.")
     parser.add_argument("--dpi", type=int, default=100)
+    parser.add_argument("--band", action="store_true",
+                        help="Draw the runs as one: their median per step and their range shaded (e.g. seeds).")
     args = parser.parse_args(argv)
     if args.smooth < 1:
         parser.error(f"--smooth {args.smooth}: must be >= 1 (1 turns smoothing off)")
@@ -179,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        written = plot_runs(args.run_dirs, args.out, groups, args.labels, args.smooth, args.prefix, args.dpi)
+        written = plot_runs(args.run_dirs, args.out, groups, args.labels, args.smooth, args.prefix, args.dpi,
+                            as_band=args.band)
     except PlotError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from tools.plot_metrics import main, moving_average
+from tools.plot_metrics import band, main, moving_average
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -70,6 +70,20 @@ def test_compare_runs_and_tags(tmp_path, capsys):
     assert rc == 0
     assert capsys.readouterr().out.split() == [str(tmp_path / "cmp" / "cmp_tags.png")]
     assert_png(str(tmp_path / "cmp" / "cmp_tags.png"))
+
+
+def test_band_is_median_and_range_per_step():
+    steps, median, low, high = band([{0: 1.0, 1: 4.0}, {0: 3.0, 1: 2.0, 2: 7.0}, {0: 2.0, 1: 9.0}])
+    assert steps == [0, 1, 2]
+    assert median == [2.0, 4.0, 7.0] and low == [1.0, 2.0, 7.0] and high == [3.0, 9.0, 7.0]
+    assert band([{0: 1.0}, {0: 2.0}])[1] == [1.5]  # an even count: the mean of the middle two
+
+
+def test_band_of_seeds_writes_one_figure(tmp_path, capsys):
+    runs = [write_run(tmp_path / f"seed{i}", steps=10, reward_offset=0.1 * i) for i in range(3)]
+    rc = main([*runs, "--band", "--smooth", "3", "--out", str(tmp_path / "band"), "--tags", "rollout/raw_reward"])
+    assert rc == 0
+    assert_png(str(tmp_path / "band" / "tags.png"))
 
 
 def test_no_event_files_is_an_error_naming_the_dir(tmp_path, capsys):
