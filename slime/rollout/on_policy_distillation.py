@@ -14,7 +14,8 @@ advantages (slime/algorithm/opd.py). Any SGLang-API server serves as the teacher
 CPU (`python -m slime.backends.hf_engine --model-path TEACHER --port N`); it needs the student's tokenizer.
 
 Checked here where slime indexes blindly: the answer holds one log-prob per input token and names the tokens it
-was sent. A sample marked FAILED (its generation or its reward failed) keeps reward 0 and gets teacher log-probs
+was sent, as SGLang names them: SGLang reports an input id of its `vocab_size - 1` or more as 0 (with the sent
+token's log-prob), which a random-init student's samples do hold (`scored_tokens_problem`). A sample marked FAILED (its generation or its reward failed) keeps reward 0 and gets teacher log-probs
 0.0: its loss mask is all 0, so they are never trained on.
 """
 
@@ -61,12 +62,46 @@ def response_teacher_log_probs(answer: Any, sample: Sample, where: str) -> list[
     if len(entries) != len(sample.tokens):
         raise ValueError(f"sample {sample.index}: the teacher at {where} returned {len(entries)} input log-probs for "
                          f"{len(sample.tokens)} tokens (logprob_start_len 0 gives one per token)")
-    sent = [int(e[1]) for e in entries if len(e) > 1 and e[1] is not None]
-    if sent and sent != list(sample.tokens)[: len(sent)]:
-        raise ValueError(f"sample {sample.index}: the teacher at {where} scored other tokens than the sample's; it "
-                         "must take input_ids as sent (the student's tokenizer)")
+    problem = scored_tokens_problem([e[1] if len(e) > 1 else None for e in entries], list(sample.tokens))
+    if problem:
+        raise ValueError(f"sample {sample.index}: the teacher at {where} scored other tokens than the sample's: "
+                         f"{problem}")
     response = entries[1:][len(entries) - 1 - sample.response_length:]  # the first entry has no prediction
     return [float(e[0]) for e in response]
+
+
+def scored_tokens_problem(reported: list[int | None], sent: list[int]) -> str | None:
+    """None when `reported` (the ids of the teacher's `input_token_logprobs`) are what SGLang reports for the
+    `sent` input_ids, else what differs first and why.
+
+    SGLang 0.5.16 reports the id of every input token `t` as `t if t < vocab_size - 1 else 0` (its teacher's
+    config `vocab_size`, unknown here); the log-prob at such a position is still the sent token's. So the answer
+    is accepted when some vocabulary size explains it: each id is the sent one or 0, and every sent id reported
+    as 0 is larger than every sent id reported as itself. An entry without an id is not compared.
+    """
+    kept = [s for r, s in zip(reported, sent) if r is not None and r == s]
+    largest_kept = max(kept, default=-1)
+    for i, (r, s) in enumerate(zip(reported, sent)):
+        if r is None or r == s or (r == 0 and s > largest_kept):
+            continue
+        where = f"position {i}: the sample has id {s}, the teacher reported id {r}"
+        shift = next((d for d in (1, -1) if _shifted_by(reported, sent, d)), None)
+        if shift is not None:
+            return (f"{where}: its ids are the sample's shifted by {shift:+d} position; the answer must hold one "
+                    "entry per input token from position 0 (logprob_start_len 0)")
+        if r == 0:
+            j = next(k for k, (rk, sk) in enumerate(zip(reported, sent)) if rk == sk == largest_kept)
+            return (f"{where}; SGLang reports 0 only for ids >= its vocab_size - 1, but this teacher reported id "
+                    f"{largest_kept} (not smaller) as itself at position {j}: it was given other input_ids")
+        return (f"{where}; the teacher must score the input_ids as sent (not re-tokenized text) with the "
+                "student's vocabulary")
+    return None
+
+
+def _shifted_by(reported: list[int | None], sent: list[int], d: int) -> bool:
+    """Whether every reported id is the sent id `d` positions on (or SGLang's clipped 0)."""
+    pairs = [(r, sent[k + d]) for k, r in enumerate(reported) if r is not None and 0 <= k + d < len(sent)]
+    return any(r != 0 for r, _ in pairs) and all(r == s or r == 0 for r, s in pairs)
 
 
 def post_process_rewards(args: Any, samples: list[Sample], **kwargs) -> tuple[list[float], list[float]]:

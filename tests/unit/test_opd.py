@@ -135,10 +135,38 @@ def test_post_process_takes_the_response_tokens_log_probs_and_returns_zero_rewar
     assert batch.teacher_log_probs == [[-2.0, -3.0]] and batch.raw_rewards == [0.0] and batch.rewards == [0.0]
 
 
+@pytest.mark.parametrize("tokens, reported", [
+    ([5, 6, 191, 7, 8], [5, 6, 0, 7, 8]),  # the tiny models' last id (vocab_size 192): SGLang reports 0
+    ([5, 190, 191, 7, 0], [5, 0, 0, 7, 0]),  # a teacher with vocab_size 191 clips 190 too
+    ([191, 5, 6, 191, 7], [0, 5, 6, 0, 7]),
+])
+def test_sglangs_clipped_ids_of_the_last_vocabulary_ids_are_accepted(tokens, reported):
+    """SGLang 0.5.16 reports an input id >= vocab_size - 1 as 0 (the log-prob is still the sent token's): seen
+    with a random-init student on the H200, whose samples hold any id of its padded vocabulary."""
+    s = sample(0, tokens, 3, reward=teacher_answer(reported, [-0.1, -0.2, -0.3, -0.4]))
+    opd_plugin.post_process_rewards(opd_args(rm_url="http://t/generate"), [s])
+    assert s.teacher_log_probs == [-0.2, -0.3, -0.4]
+
+
+SCORED_OTHER = "scored other tokens than the sample's: position"
+
+
 @pytest.mark.parametrize("answer, message", [
     ({"text": "4"}, r"answered without meta_info.input_token_logprobs \(\['text'\]\)"),
     (teacher_answer([5, 6, 7], [-0.1, -0.2]), "returned 3 input log-probs for 4 tokens"),
-    (teacher_answer([5, 9, 7, 8], [-0.1, -0.2, -0.3]), "scored other tokens than the sample's"),
+    (teacher_answer([5, 9, 7, 8], [-0.1, -0.2, -0.3]),  # other input_ids
+     f"{SCORED_OTHER} 1: the sample has id 6, the teacher reported id 9; the teacher must score the input_ids as "
+     "sent"),
+    (teacher_answer([6, 7, 8, 3], [-0.1, -0.2, -0.3]),  # one token dropped at the front
+     f"{SCORED_OTHER} 0: the sample has id 5, the teacher reported id 6: its ids are the sample's shifted by "
+     "\\+1 position"),
+    (teacher_answer([9, 5, 6, 7], [-0.1, -0.2, -0.3]),  # one token too many at the front
+     f"{SCORED_OTHER} 0: the sample has id 5, the teacher reported id 9: its ids are the sample's shifted by -1"),
+    (teacher_answer([5, 6, 12, 13], [-0.1, -0.2, -0.3]),  # another response
+     f"{SCORED_OTHER} 2: the sample has id 7, the teacher reported id 12; the teacher must score"),
+    (teacher_answer([5, 0, 7, 8], [-0.1, -0.2, -0.3]),  # 0 for 6, yet 7 and 8 as sent: no vocab_size explains it
+     f"{SCORED_OTHER} 1: the sample has id 6, the teacher reported id 0; SGLang reports 0 only for ids >= its "
+     "vocab_size - 1, but this teacher reported id 8 \\(not smaller\\) as itself at position 3"),
 ])  # fmt: skip
 def test_a_wrong_teacher_answer_names_the_sample_and_the_server(answer, message):
     s = sample(3, [5, 6, 7, 8], 2, reward=answer)
