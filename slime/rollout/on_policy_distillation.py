@@ -5,8 +5,8 @@
     --rm-url http://TEACHER_HOST:PORT/generate
 
 `reward_func` posts each sample's tokens (prompt + the student's response) to the teacher's SGLang `/generate`
-with `max_new_tokens` 0 and `return_logprob` from position 0 at `--rollout-temperature` (the student's sampling
-temperature, so both distributions are compared at the same temperature): the teacher scores the sequence
+with `max_new_tokens` 0 and `return_logprob` from position 0 (temperature 0, slime's request; SGLang's prompt
+log-probs ignore the temperature, so they are the teacher's own distribution): the teacher scores the sequence
 without generating, and its answer becomes the sample's reward. `post_process_rewards` takes from each answer the
 log-probs of the response tokens (`meta_info.input_token_logprobs`, whose first entry has no prediction) into
 `Sample.teacher_log_probs` and returns rewards 0: the learning signal is the reverse KL the trainer adds to the
@@ -30,13 +30,12 @@ __all__ = ["post_process_rewards", "reward_func"]
 
 
 def teacher_payload(args: Any, sample: Sample) -> dict[str, Any]:
-    """The teacher's `/generate` request for one sample: score `sample.tokens`, generate nothing."""
+    """The teacher's `/generate` request for one sample: score `sample.tokens`, generate nothing (slime's)."""
     if sample.multimodal_inputs and any(v is not None for v in sample.multimodal_inputs.values()):
         raise ValueError(f"sample {sample.index}: on-policy distillation here is text only (the sample has media)")
     return {
         "input_ids": list(sample.tokens),
-        "sampling_params": {"temperature": args.rollout_temperature, "max_new_tokens": 0,
-                            "skip_special_tokens": False},
+        "sampling_params": {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False},
         "return_logprob": True,
         "logprob_start_len": 0,
     }

@@ -297,6 +297,19 @@ def test_scoring_with_max_new_tokens_zero(engine):
         assert max_diff([lp for lp, *_ in lps[1:]], reference) <= engine.logprob_tol
 
 
+def test_scoring_log_probs_do_not_depend_on_the_temperature(engine):
+    """SGLang applies the sampling temperature only when it samples: `input_token_logprobs` are the log_softmax of
+    the raw logits whatever the request's temperature (an on-policy distillation teacher's log-probs are its own
+    distribution)."""
+    def at(temperature):
+        out = generate(engine, input_ids=SEQ, sampling_params={"max_new_tokens": 0, "temperature": temperature},
+                       return_logprob=True, logprob_start_len=0)
+        return [lp for lp, *_ in out["meta_info"]["input_token_logprobs"][1:]]
+
+    plain = at(1.0)
+    assert max_diff(at(0.5), plain) <= engine.logprob_tol and max_diff(at(0.0), plain) <= engine.logprob_tol
+
+
 def test_scoring_reports_the_last_vocabulary_ids_as_id_0(engine):
     """SGLang 0.5.16 reports each input token t of `input_token_logprobs` as `t if t < vocab_size - 1 else 0`
     (vocab_size: the model config's; it clips multimodal placeholder ids so, and the last real id with them),

@@ -110,11 +110,13 @@ def teacher_answer(tokens: list[int], log_probs: list[float]) -> dict:
     return {"text": "", "output_ids": [], "meta_info": {"input_token_logprobs": entries}}
 
 
-def test_reward_func_asks_the_teacher_to_score_the_sequence_at_the_rollout_temperature():
+def test_reward_func_asks_the_teacher_to_score_the_sequence_as_slime_does():
+    """slime's request, whatever --rollout-temperature: the temperature does not change prompt log-probs (SGLang's
+    or the hf engine's), so the teacher's are its own distribution."""
     args = opd_args(rollout_temperature=0.7, rm_url="http://teacher/generate")
     payload = opd_plugin.teacher_payload(args, sample(0, [5, 6, 7], 1))
     assert payload == {"input_ids": [5, 6, 7], "return_logprob": True, "logprob_start_len": 0,
-                       "sampling_params": {"temperature": 0.7, "max_new_tokens": 0, "skip_special_tokens": False}}
+                       "sampling_params": {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False}}
     with pytest.raises(ValueError, match="set --rm-url"):
         asyncio.run(opd_plugin.reward_func(opd_args(), sample(0, [5, 6], 1)))
 
