@@ -15,8 +15,9 @@ CPU (`python -m slime.backends.hf_engine --model-path TEACHER --port N`); it nee
 
 Checked here where slime indexes blindly: the answer holds one log-prob per input token and names the tokens it
 was sent, as SGLang names them: SGLang reports an input id of its `vocab_size - 1` or more as 0 (with the sent
-token's log-prob), which a random-init student's samples do hold (`scored_tokens_problem`). A sample marked FAILED (its generation or its reward failed) keeps reward 0 and gets teacher log-probs
-0.0: its loss mask is all 0, so they are never trained on.
+token's log-prob), and a random-init student's samples do hold its last id (`scored_tokens_problem`). A sample
+marked FAILED (its generation or its reward failed) keeps reward 0 and gets teacher log-probs 0.0: its loss mask
+is all 0, so they are never trained on.
 """
 
 from __future__ import annotations
@@ -73,25 +74,27 @@ def scored_tokens_problem(reported: list[int | None], sent: list[int]) -> str | 
     """None when `reported` (the ids of the teacher's `input_token_logprobs`) are what SGLang reports for the
     `sent` input_ids, else what differs first and why.
 
-    SGLang 0.5.16 reports the id of every input token `t` as `t if t < vocab_size - 1 else 0` (its teacher's
-    config `vocab_size`, unknown here); the log-prob at such a position is still the sent token's. So the answer
-    is accepted when some vocabulary size explains it: each id is the sent one or 0, and every sent id reported
-    as 0 is larger than every sent id reported as itself. An entry without an id is not compared.
+    SGLang 0.5.16 reports the id of every input token `t` as `t if t < vocab_size - 1 else 0` (its config's
+    `vocab_size`, unknown here); the log-prob at such a position is still the sent token's. A teacher that can
+    score the sample holds every sent id in its vocabulary, so `vocab_size - 1 >= max(sent)`: the only id it may
+    report as 0 is the sample's largest, and then wherever it occurs. An entry without an id is not compared.
     """
-    kept = [s for r, s in zip(reported, sent) if r is not None and r == s]
-    largest_kept = max(kept, default=-1)
+    top = max(sent, default=0)
+    top_kept = next((k for k, (r, s) in enumerate(zip(reported, sent)) if s == top and r == s), None)
     for i, (r, s) in enumerate(zip(reported, sent)):
-        if r is None or r == s or (r == 0 and s > largest_kept):
+        if r is None or r == s or (r == 0 and s == top and top_kept is None):
             continue
         where = f"position {i}: the sample has id {s}, the teacher reported id {r}"
         shift = next((d for d in (1, -1) if _shifted_by(reported, sent, d)), None)
         if shift is not None:
             return (f"{where}: its ids are the sample's shifted by {shift:+d} position; the answer must hold one "
                     "entry per input token from position 0 (logprob_start_len 0)")
+        if r == 0 and s == top:
+            return f"{where}, yet id {s} as itself at position {top_kept}: it was given other input_ids"
         if r == 0:
-            j = next(k for k, (rk, sk) in enumerate(zip(reported, sent)) if rk == sk == largest_kept)
-            return (f"{where}; SGLang reports 0 only for ids >= its vocab_size - 1, but this teacher reported id "
-                    f"{largest_kept} (not smaller) as itself at position {j}: it was given other input_ids")
+            return (f"{where}; SGLang reports 0 only in place of its vocab_size - 1, which is at least the sample's "
+                    f"largest id {top} for a teacher that can score it: the teacher was given other input_ids or "
+                    "has a smaller vocabulary than the student")
         return (f"{where}; the teacher must score the input_ids as sent (not re-tokenized text) with the "
                 "student's vocabulary")
     return None

@@ -139,10 +139,10 @@ def test_post_process_takes_the_response_tokens_log_probs_and_returns_zero_rewar
 
 @pytest.mark.parametrize("tokens, reported", [
     ([5, 6, 191, 7, 8], [5, 6, 0, 7, 8]),  # the tiny models' last id (vocab_size 192): SGLang reports 0
-    ([5, 190, 191, 7, 0], [5, 0, 0, 7, 0]),  # a teacher with vocab_size 191 clips 190 too
-    ([191, 5, 6, 191, 7], [0, 5, 6, 0, 7]),
+    ([191, 5, 6, 191, 0], [0, 5, 6, 0, 0]),
+    ([5, 6, 191, 7, 8], [5, 6, 191, 7, 8]),  # a teacher with a larger vocabulary reports it as itself
 ])
-def test_sglangs_clipped_ids_of_the_last_vocabulary_ids_are_accepted(tokens, reported):
+def test_sglangs_answer_for_the_last_vocabulary_id_is_accepted(tokens, reported):
     """SGLang 0.5.16 reports an input id >= vocab_size - 1 as 0 (the log-prob is still the sent token's): seen
     with a random-init student on the H200, whose samples hold any id of its padded vocabulary."""
     s = sample(0, tokens, 3, reward=teacher_answer(reported, [-0.1, -0.2, -0.3, -0.4]))
@@ -166,13 +166,24 @@ SCORED_OTHER = "scored other tokens than the sample's: position"
      f"{SCORED_OTHER} 0: the sample has id 5, the teacher reported id 9: its ids are the sample's shifted by -1"),
     (teacher_answer([5, 6, 12, 13], [-0.1, -0.2, -0.3]),  # another response
      f"{SCORED_OTHER} 2: the sample has id 7, the teacher reported id 12; the teacher must score"),
-    (teacher_answer([5, 0, 7, 8], [-0.1, -0.2, -0.3]),  # 0 for 6, yet 7 and 8 as sent: no vocab_size explains it
-     f"{SCORED_OTHER} 1: the sample has id 6, the teacher reported id 0; SGLang reports 0 only for ids >= its "
-     "vocab_size - 1, but this teacher reported id 8 \\(not smaller\\) as itself at position 3"),
+    (teacher_answer([5, 0, 7, 8], [-0.1, -0.2, -0.3]),  # 0 for 6, not the largest id
+     f"{SCORED_OTHER} 1: the sample has id 6, the teacher reported id 0; SGLang reports 0 only in place of its "
+     "vocab_size - 1, which is at least the sample's largest id 8 for a teacher that can score it"),
+    (teacher_answer([5, 6, 0, 0], [-0.1, -0.2, -0.3]),  # a teacher of vocab_size 7 cannot score 7 and 8
+     f"{SCORED_OTHER} 2: the sample has id 7, .* or has a smaller vocabulary than the student"),
+    (teacher_answer([0, 0, 0, 0], [-0.1, -0.2, -0.3]),
+     f"{SCORED_OTHER} 0: the sample has id 5, the teacher reported id 0"),
 ])  # fmt: skip
 def test_a_wrong_teacher_answer_names_the_sample_and_the_server(answer, message):
     s = sample(3, [5, 6, 7, 8], 2, reward=answer)
     with pytest.raises(ValueError, match=f"sample 3: the teacher at http://t/generate {message}"):
+        opd_plugin.post_process_rewards(opd_args(rm_url="http://t/generate"), [s])
+
+
+def test_the_largest_id_reported_as_0_and_as_itself_is_refused():
+    s = sample(3, [5, 8, 7, 8], 2, reward=teacher_answer([5, 0, 7, 8], [-0.1, -0.2, -0.3]))
+    with pytest.raises(ValueError, match=f"{SCORED_OTHER} 1: the sample has id 8, the teacher reported id 0, yet id 8 "
+                                         "as itself at position 3: it was given other input_ids"):
         opd_plugin.post_process_rewards(opd_args(rm_url="http://t/generate"), [s])
 
 
