@@ -5,8 +5,8 @@
     --rm-url http://TEACHER_HOST:PORT/generate
 
 `reward_func` posts each sample's tokens (prompt + the student's response) to the teacher's SGLang `/generate`
-with `max_new_tokens` 0 and `return_logprob` from position 0 at `--rollout-temperature` (the student's sampling
-temperature, so both distributions are compared at the same temperature): the teacher scores the sequence
+with `max_new_tokens` 0 and `return_logprob` from position 0 (temperature 0, slime's request; SGLang's prompt
+log-probs ignore the temperature, so they are the teacher's own distribution): the teacher scores the sequence
 without generating, and its answer becomes the sample's reward. `post_process_rewards` takes from each answer the
 log-probs of the response tokens (`meta_info.input_token_logprobs`, whose first entry has no prediction) into
 `Sample.teacher_log_probs` and returns rewards 0: the learning signal is the reverse KL the trainer adds to the
@@ -14,8 +14,10 @@ advantages (slime/algorithm/opd.py). Any SGLang-API server serves as the teacher
 CPU (`python -m slime.backends.hf_engine --model-path TEACHER --port N`); it needs the student's tokenizer.
 
 Checked here where slime indexes blindly: the answer holds one log-prob per input token and names the tokens it
-was sent. A sample marked FAILED (its generation or its reward failed) keeps reward 0 and gets teacher log-probs
-0.0: its loss mask is all 0, so they are never trained on.
+was sent, as SGLang names them: SGLang reports an input id of its `vocab_size - 1` or more as 0 (with the sent
+token's log-prob), and a random-init student's samples do hold its last id (`scored_tokens_problem`). A sample
+marked FAILED (its generation or its reward failed) keeps reward 0 and gets teacher log-probs 0.0: its loss mask
+is all 0, so they are never trained on.
 """
 
 from __future__ import annotations
@@ -29,13 +31,12 @@ __all__ = ["post_process_rewards", "reward_func"]
 
 
 def teacher_payload(args: Any, sample: Sample) -> dict[str, Any]:
-    """The teacher's `/generate` request for one sample: score `sample.tokens`, generate nothing."""
+    """The teacher's `/generate` request for one sample: score `sample.tokens`, generate nothing (slime's)."""
     if sample.multimodal_inputs and any(v is not None for v in sample.multimodal_inputs.values()):
         raise ValueError(f"sample {sample.index}: on-policy distillation here is text only (the sample has media)")
     return {
         "input_ids": list(sample.tokens),
-        "sampling_params": {"temperature": args.rollout_temperature, "max_new_tokens": 0,
-                            "skip_special_tokens": False},
+        "sampling_params": {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False},
         "return_logprob": True,
         "logprob_start_len": 0,
     }
@@ -61,12 +62,48 @@ def response_teacher_log_probs(answer: Any, sample: Sample, where: str) -> list[
     if len(entries) != len(sample.tokens):
         raise ValueError(f"sample {sample.index}: the teacher at {where} returned {len(entries)} input log-probs for "
                          f"{len(sample.tokens)} tokens (logprob_start_len 0 gives one per token)")
-    sent = [int(e[1]) for e in entries if len(e) > 1 and e[1] is not None]
-    if sent and sent != list(sample.tokens)[: len(sent)]:
-        raise ValueError(f"sample {sample.index}: the teacher at {where} scored other tokens than the sample's; it "
-                         "must take input_ids as sent (the student's tokenizer)")
+    problem = scored_tokens_problem([e[1] if len(e) > 1 else None for e in entries], list(sample.tokens))
+    if problem:
+        raise ValueError(f"sample {sample.index}: the teacher at {where} scored other tokens than the sample's: "
+                         f"{problem}")
     response = entries[1:][len(entries) - 1 - sample.response_length:]  # the first entry has no prediction
     return [float(e[0]) for e in response]
+
+
+def scored_tokens_problem(reported: list[int | None], sent: list[int]) -> str | None:
+    """None when `reported` (the ids of the teacher's `input_token_logprobs`) are what SGLang reports for the
+    `sent` input_ids, else what differs first and why.
+
+    SGLang 0.5.16 reports the id of every input token `t` as `t if t < vocab_size - 1 else 0` (its config's
+    `vocab_size`, unknown here); the log-prob at such a position is still the sent token's. A teacher that can
+    score the sample holds every sent id in its vocabulary, so `vocab_size - 1 >= max(sent)`: the only id it may
+    report as 0 is the sample's largest, and then wherever it occurs. An entry without an id is not compared.
+    """
+    top = max(sent, default=0)
+    top_kept = next((k for k, (r, s) in enumerate(zip(reported, sent)) if s == top and r == s), None)
+    for i, (r, s) in enumerate(zip(reported, sent)):
+        if r is None or r == s or (r == 0 and s == top and top_kept is None):
+            continue
+        where = f"position {i}: the sample has id {s}, the teacher reported id {r}"
+        shift = next((d for d in (1, -1) if _shifted_by(reported, sent, d)), None)
+        if shift is not None:
+            return (f"{where}: its ids are the sample's shifted by {shift:+d} position; the answer must hold one "
+                    "entry per input token from position 0 (logprob_start_len 0)")
+        if r == 0 and s == top:
+            return f"{where}, yet id {s} as itself at position {top_kept}: it was given other input_ids"
+        if r == 0:
+            return (f"{where}; SGLang reports 0 only in place of its vocab_size - 1, which is at least the sample's "
+                    f"largest id {top} for a teacher that can score it: the teacher was given other input_ids or "
+                    "has a smaller vocabulary than the student")
+        return (f"{where}; the teacher must score the input_ids as sent (not re-tokenized text) with the "
+                "student's vocabulary")
+    return None
+
+
+def _shifted_by(reported: list[int | None], sent: list[int], d: int) -> bool:
+    """Whether every reported id is the sent id `d` positions on (or SGLang's clipped 0)."""
+    pairs = [(r, sent[k + d]) for k, r in enumerate(reported) if r is not None and 0 <= k + d < len(sent)]
+    return any(r != 0 for r, _ in pairs) and all(r == s or r == 0 for r, s in pairs)
 
 
 def post_process_rewards(args: Any, samples: list[Sample], **kwargs) -> tuple[list[float], list[float]]:

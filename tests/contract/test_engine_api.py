@@ -271,23 +271,69 @@ def test_abort_of_an_unknown_or_missing_rid_is_ignored(engine):
     assert out["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_scoring_with_max_new_tokens_zero(engine):
+def reference_log_probs(engine, ids) -> list[float] | None:
+    """A transformers fp32 forward's log-probs of ids[1:] given the prefix; None for a model over 1 GiB (too big
+    to load a copy here)."""
     from transformers import AutoModelForCausalLM
 
+    size = sum(os.path.getsize(f) for f in glob.glob(os.path.join(engine.model_path, "*.safetensors")))
+    if size > 2**30:
+        return None
+    model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    return logp.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def test_scoring_with_max_new_tokens_zero(engine):
     out = generate(engine, input_ids=SEQ, sampling_params={"max_new_tokens": 0, "temperature": 1.0},
                    return_logprob=True, logprob_start_len=0)
     meta = out["meta_info"]
     assert out["output_ids"] == [] and meta["completion_tokens"] == 0
     lps = meta["input_token_logprobs"]
     assert len(lps) == len(SEQ) and lps[0][0] is None and [t for _, t, *_ in lps] == SEQ
-    size = sum(os.path.getsize(f) for f in glob.glob(os.path.join(engine.model_path, "*.safetensors")))
-    if size > 2**30:
-        return  # too big to load a reference copy here; the rest of the contract still holds
-    model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids=torch.tensor([SEQ])).logits[0, :-1].float(), dim=-1)
-    reference = logp.gather(-1, torch.tensor(SEQ[1:]).unsqueeze(-1)).squeeze(-1).tolist()
-    assert max_diff([lp for lp, *_ in lps[1:]], reference) <= engine.logprob_tol
+    reference = reference_log_probs(engine, SEQ)
+    if reference is not None:  # else the rest of the contract still holds
+        assert max_diff([lp for lp, *_ in lps[1:]], reference) <= engine.logprob_tol
+
+
+def test_scoring_log_probs_do_not_depend_on_the_temperature(engine):
+    """SGLang applies the sampling temperature only when it samples: `input_token_logprobs` are the log_softmax of
+    the raw logits whatever the request's temperature (an on-policy distillation teacher's log-probs are its own
+    distribution)."""
+    def at(temperature):
+        out = generate(engine, input_ids=SEQ, sampling_params={"max_new_tokens": 0, "temperature": temperature},
+                       return_logprob=True, logprob_start_len=0)
+        return [lp for lp, *_ in out["meta_info"]["input_token_logprobs"][1:]]
+
+    plain = at(1.0)
+    assert max_diff(at(0.5), plain) <= engine.logprob_tol and max_diff(at(0.0), plain) <= engine.logprob_tol
+
+
+def test_scoring_reports_the_last_vocabulary_ids_as_id_0(engine):
+    """SGLang 0.5.16 reports each input token t of `input_token_logprobs` as `t if t < vocab_size - 1 else 0`
+    (vocab_size: the model config's; it clips multimodal placeholder ids so, and the last real id with them),
+    while the log-prob there is the sent token's. The on-policy distillation teacher's request (max_new_tokens
+    0, logprob_start_len 0) gets no output token, finish_reason length 0 and one entry per input token, the
+    first without a log-prob."""
+    from transformers import AutoConfig
+
+    vocab = int(AutoConfig.from_pretrained(engine.model_path).get_text_config().vocab_size)
+    ids = SEQ[:6] + [vocab - 1, 0, vocab - 2, vocab - 1] + SEQ[6:]
+    out = generate(engine, input_ids=ids, sampling_params={"max_new_tokens": 0, "temperature": 1.0},
+                   return_logprob=True, logprob_start_len=0, return_text_in_logprobs=True)
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and out["text"] == ""
+    assert meta["finish_reason"] == {"type": "length", "length": 0}
+    assert meta["completion_tokens"] == 0 and meta["prompt_tokens"] == len(ids)
+    assert meta["output_token_logprobs"] == []
+    lps = meta["input_token_logprobs"]
+    assert len(lps) == len(ids) and lps[0][0] is None and all(lp is not None for lp, *_ in lps[1:])
+    assert [t for _, t, _ in lps] == [t if t < vocab - 1 else 0 for t in ids]
+    assert lps[6][2] == lps[7][2] == lps[9][2]  # a clipped id's text is id 0's, as its id says
+    reference = reference_log_probs(engine, ids)
+    if reference is not None:
+        assert max_diff([lp for lp, *_ in lps[1:]], reference) <= engine.logprob_tol
 
 
 # ---- weight updates -------------------------------------------------------------------------------------

@@ -12,18 +12,26 @@ its own samples with the teacher's log-probs in the advantages.
   teacher, from --opd-teacher-load): the same.
 - `--opd-type megatron` on the megatron backend (test-only CPU shim, tests/e2e_cpu/training_modes_worker.py): the
   teacher pass and the reverse KL agree with fsdp's and with transformers on a fixed batch.
+- slime's plugins against a teacher `hf` engine process on samples holding the vocabulary's last id, which the
+  engine reports as 0 as SGLang does (the failure first seen with a real SGLang teacher on the H200).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 
 import pytest
 import torch
 
+from slime.backends.hf_engine.engine import HFEngine
+from slime.rollout import on_policy_distillation as opd_plugin
+from slime.utils.async_utils import run_sync
 from slime.utils.tracking import read_scalars
+from slime.utils.types import Sample
+from tests.args import make_args
 from tests.conftest import REPO_ROOT
 from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
 from tests.e2e_cpu.ranks import run_ranks
@@ -95,6 +103,41 @@ def test_megatron_type_on_fsdp_the_trainer_holds_the_teacher(tiny_model_dir, tea
                    DATA=toy_data_path)
     check_kl_falls(tb)
     check_first_rollout(dump, teacher_dir, task_advantage=None)  # GRPO on the toy reward adds its own advantages
+    assert wait_for_no_new_processes(before) == {}
+
+
+@pytest.mark.timeout(300)
+def test_plugins_take_the_teachers_log_probs_of_the_last_vocabulary_id(teacher_dir):
+    """A random-init student samples any id of its padded vocabulary, the last one (vocab_size - 1) included.
+    SGLang 0.5.16 reports that id as 0 in `input_token_logprobs` (with the sent token's log-prob), and so does the
+    teacher hf engine; slime's plugins take the log-probs of the response tokens all the same, and they are the
+    teacher model's on the sent tokens."""
+    with open(os.path.join(teacher_dir, "config.json")) as f:
+        vocab = int(json.load(f)["vocab_size"])
+    last = vocab - 1
+    samples = [Sample(index=i, group_index=i, tokens=tokens, response_length=response, status=Sample.Status.COMPLETED)
+               for i, (tokens, response) in enumerate([
+                   ([20, 21, 22, 5, last, 7, last, 0, vocab - 2], 6),
+                   ([last, 20, 21, 22, 5, 6, 7], 3),
+                   ([20, 21, 22, 5, 6, 7, 8], 4),
+               ])]  # fmt: skip
+    before = run_processes()
+    teacher = HFEngine(make_args(validate=False, hf_checkpoint=teacher_dir, rollout_seed=0,
+                                 sglang_server_concurrency=4), rank=0)
+    try:
+        args = make_args("--use-opd", "--opd-type", "sglang", rm_url=teacher.init() + "/generate")
+        for sample in samples:
+            sample.reward = run_sync(opd_plugin.reward_func(args, sample))
+    finally:
+        teacher.shutdown()
+    reported = [[entry[1] for entry in s.reward["meta_info"]["input_token_logprobs"]] for s in samples]
+    assert reported == [[0 if t == last else t for t in s.tokens] for s in samples]  # SGLang's answer
+    raw, rewards = opd_plugin.post_process_rewards(args, samples)
+    assert raw == rewards == [0.0] * len(samples)
+    expected = hf_log_probs(teacher_dir, {"tokens": [s.tokens for s in samples],
+                                          "response_lengths": [s.response_length for s in samples]})
+    for sample, want in zip(samples, expected):
+        assert sample.teacher_log_probs == pytest.approx(want, abs=1e-4)
     assert wait_for_no_new_processes(before) == {}
 
 

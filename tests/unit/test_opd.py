@@ -110,11 +110,13 @@ def teacher_answer(tokens: list[int], log_probs: list[float]) -> dict:
     return {"text": "", "output_ids": [], "meta_info": {"input_token_logprobs": entries}}
 
 
-def test_reward_func_asks_the_teacher_to_score_the_sequence_at_the_rollout_temperature():
+def test_reward_func_asks_the_teacher_to_score_the_sequence_as_slime_does():
+    """slime's request, whatever --rollout-temperature: the temperature does not change prompt log-probs (SGLang's
+    or the hf engine's), so the teacher's are its own distribution."""
     args = opd_args(rollout_temperature=0.7, rm_url="http://teacher/generate")
     payload = opd_plugin.teacher_payload(args, sample(0, [5, 6, 7], 1))
     assert payload == {"input_ids": [5, 6, 7], "return_logprob": True, "logprob_start_len": 0,
-                       "sampling_params": {"temperature": 0.7, "max_new_tokens": 0, "skip_special_tokens": False}}
+                       "sampling_params": {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False}}
     with pytest.raises(ValueError, match="set --rm-url"):
         asyncio.run(opd_plugin.reward_func(opd_args(), sample(0, [5, 6], 1)))
 
@@ -135,14 +137,53 @@ def test_post_process_takes_the_response_tokens_log_probs_and_returns_zero_rewar
     assert batch.teacher_log_probs == [[-2.0, -3.0]] and batch.raw_rewards == [0.0] and batch.rewards == [0.0]
 
 
+@pytest.mark.parametrize("tokens, reported", [
+    ([5, 6, 191, 7, 8], [5, 6, 0, 7, 8]),  # the tiny models' last id (vocab_size 192): SGLang reports 0
+    ([191, 5, 6, 191, 0], [0, 5, 6, 0, 0]),
+    ([5, 6, 191, 7, 8], [5, 6, 191, 7, 8]),  # a teacher with a larger vocabulary reports it as itself
+])
+def test_sglangs_answer_for_the_last_vocabulary_id_is_accepted(tokens, reported):
+    """SGLang 0.5.16 reports an input id >= vocab_size - 1 as 0 (the log-prob is still the sent token's): seen
+    with a random-init student on the H200, whose samples hold any id of its padded vocabulary."""
+    s = sample(0, tokens, 3, reward=teacher_answer(reported, [-0.1, -0.2, -0.3, -0.4]))
+    opd_plugin.post_process_rewards(opd_args(rm_url="http://t/generate"), [s])
+    assert s.teacher_log_probs == [-0.2, -0.3, -0.4]
+
+
+SCORED_OTHER = "scored other tokens than the sample's: position"
+
+
 @pytest.mark.parametrize("answer, message", [
     ({"text": "4"}, r"answered without meta_info.input_token_logprobs \(\['text'\]\)"),
     (teacher_answer([5, 6, 7], [-0.1, -0.2]), "returned 3 input log-probs for 4 tokens"),
-    (teacher_answer([5, 9, 7, 8], [-0.1, -0.2, -0.3]), "scored other tokens than the sample's"),
+    (teacher_answer([5, 9, 7, 8], [-0.1, -0.2, -0.3]),  # other input_ids
+     f"{SCORED_OTHER} 1: the sample has id 6, the teacher reported id 9; the teacher must score the input_ids as "
+     "sent"),
+    (teacher_answer([6, 7, 8, 3], [-0.1, -0.2, -0.3]),  # one token dropped at the front
+     f"{SCORED_OTHER} 0: the sample has id 5, the teacher reported id 6: its ids are the sample's shifted by "
+     "\\+1 position"),
+    (teacher_answer([9, 5, 6, 7], [-0.1, -0.2, -0.3]),  # one token too many at the front
+     f"{SCORED_OTHER} 0: the sample has id 5, the teacher reported id 9: its ids are the sample's shifted by -1"),
+    (teacher_answer([5, 6, 12, 13], [-0.1, -0.2, -0.3]),  # another response
+     f"{SCORED_OTHER} 2: the sample has id 7, the teacher reported id 12; the teacher must score"),
+    (teacher_answer([5, 0, 7, 8], [-0.1, -0.2, -0.3]),  # 0 for 6, not the largest id
+     f"{SCORED_OTHER} 1: the sample has id 6, the teacher reported id 0; SGLang reports 0 only in place of its "
+     "vocab_size - 1, which is at least the sample's largest id 8 for a teacher that can score it"),
+    (teacher_answer([5, 6, 0, 0], [-0.1, -0.2, -0.3]),  # a teacher of vocab_size 7 cannot score 7 and 8
+     f"{SCORED_OTHER} 2: the sample has id 7, .* or has a smaller vocabulary than the student"),
+    (teacher_answer([0, 0, 0, 0], [-0.1, -0.2, -0.3]),
+     f"{SCORED_OTHER} 0: the sample has id 5, the teacher reported id 0"),
 ])  # fmt: skip
 def test_a_wrong_teacher_answer_names_the_sample_and_the_server(answer, message):
     s = sample(3, [5, 6, 7, 8], 2, reward=answer)
     with pytest.raises(ValueError, match=f"sample 3: the teacher at http://t/generate {message}"):
+        opd_plugin.post_process_rewards(opd_args(rm_url="http://t/generate"), [s])
+
+
+def test_the_largest_id_reported_as_0_and_as_itself_is_refused():
+    s = sample(3, [5, 8, 7, 8], 2, reward=teacher_answer([5, 0, 7, 8], [-0.1, -0.2, -0.3]))
+    with pytest.raises(ValueError, match=f"{SCORED_OTHER} 1: the sample has id 8, the teacher reported id 0, yet id 8 "
+                                         "as itself at position 3: it was given other input_ids"):
         opd_plugin.post_process_rewards(opd_args(rm_url="http://t/generate"), [s])
 
 

@@ -17,7 +17,8 @@ every sample (slime/rollout/sglang_rollout.py `sampling_seed`). A request withou
 `--random-seed` and its arrival number, as SGLang's global generator would: reproducible only when requests
 arrive in a fixed order. Logits, log-probs and sampling are fp32. The reported
 log-prob is `log_softmax(logits / temperature)` at the chosen token, before top-p / top-k truncation
-(raw logits for greedy), the quantity a trainer recomputes from `logits / temperature`.
+(raw logits for greedy), the quantity a trainer recomputes from `logits / temperature`. Prompt log-probs
+(`logprob_start_len` >= 0) are of the raw logits at any temperature, as SGLang's.
 
 With `kv_cache="slots"` the running batch is kept in a preallocated `SlotCache` (slots.py) instead of a
 `DynamicCache`, and on CUDA its decode steps are replayed as CUDA graphs; prefill is the same either way.
@@ -661,11 +662,13 @@ class Scheduler:
         self.stats["max_batch_size_seen"] = max(self.stats["max_batch_size_seen"], len(self._batch.reqs))
 
     def _prompt_logprobs(self, logits: torch.Tensor, r: Request, length: int) -> list[float | None]:
+        """log_softmax of the raw logits at each prompt token from `logprob_start_len` on, the first `None`.
+        The sampling temperature does not enter: SGLang applies it only when sampling, so its prompt log-probs
+        are the model's own distribution whatever the request's temperature."""
         n, start = len(r.input_ids), r.logprob_start_len
         offset = length - n
-        temp = r.params.temperature if r.params.temperature > GREEDY_EPS else 1.0
         # logits at padded position offset+j-1 predict prompt token j; entries j = start+1 .. n-1
-        rows = logits[offset + start: length - 1].float() / temp
+        rows = logits[offset + start: length - 1].float()
         targets = torch.tensor(r.input_ids[start + 1:], dtype=torch.long, device=rows.device)
         vals = torch.log_softmax(rows, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist()
         return [None] + vals

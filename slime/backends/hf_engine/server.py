@@ -167,10 +167,24 @@ def build_response(req: Request, state: EngineState, return_text_in_logprobs: bo
     if req.return_logprob:
         tok_text = (lambda t: state.tokenizer.decode([t])) if return_text_in_logprobs else (lambda t: None)
         meta["output_token_logprobs"] = [[lp, t, tok_text(t)] for lp, t in zip(req.output_logprobs, ids)]
+        meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
         if req.input_logprobs is not None:
-            meta["input_token_logprobs"] = [[lp, t, tok_text(t)] for lp, t in
-                                            zip(req.input_logprobs, req.input_ids[req.logprob_start_len:])]
+            reported = input_logprob_ids(req.input_ids[req.logprob_start_len:], reported_vocab_size(state))
+            meta["input_token_logprobs"] = [[lp, t, tok_text(t)] for lp, t in zip(req.input_logprobs, reported)]
     return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+
+def reported_vocab_size(state: EngineState) -> int:
+    """The vocabulary size SGLang's answers are built with: the model config's (text) `vocab_size`."""
+    return int(state.model.config.get_text_config().vocab_size)
+
+
+def input_logprob_ids(input_ids: list[int], vocab_size: int) -> list[int]:
+    """The token ids of `input_token_logprobs` as SGLang 0.5.16 reports them: an id of `vocab_size - 1` or more
+    is reported as 0 (SGLang clips them so multimodal placeholder ids, which lie past the vocabulary, can be
+    detokenized; the last real id is caught by the same rule). Only the reported id changes: the log-prob at
+    that position is the sent token's. Output ids are reported as sampled."""
+    return [t if t < vocab_size - 1 else 0 for t in input_ids]
 
 
 def build_app(state: EngineState) -> FastAPI:
