@@ -1,8 +1,12 @@
 """The colocated memory handoff on one GPU: the same job with and without it, memory per phase (GPU).
 
     python benchmarks/colocate_memory.py [--shape qwen3-4b] [--rollouts sglang,hf] [--backend megatron|fsdp]
-        [--prompts 32] [--prompt-len 64] [--response-len 1024] [--steps 3] [--sglang-mem-fraction 0.6]
-        [--modes handoff,resident] [--keep-logs DIR]
+        [--prompts 32] [--prompt-len 64] [--response-len 1024] [--steps 10] [--sglang-mem-fraction 0.6]
+        [--modes handoff,resident] [--growth-tolerance-gb 1.0] [--keep-logs DIR]
+
+    # the trainer's memory over 10 push / offload cycles in a few minutes (the memory per cycle does not depend on
+    # the number of samples): 4 prompts x 8 samples x 128 tokens
+    python benchmarks/colocate_memory.py --rollouts sglang --modes handoff --prompts 4 --response-len 128
 
 Each mode is one `train.py --colocate` run of benchmarks/grpo_step.py's job (a random-init model of the shape, its
 prompts of exactly `--prompt-len` tokens, 8 samples each, fixed-length responses, its reward), per rollout
@@ -16,9 +20,19 @@ is shown).
 While a run goes, this script polls every 0.25 s the device's used memory (all processes:
 `torch.cuda.mem_get_info`) and nvidia-smi's per-process memory, split into trainer and engine processes. The
 driver's `memory handoff: ...` log lines (logged as each phase begins) cut the run into phases; per phase the
-table shows what it left (the last sample before the next phase) and the device's peak during it. Per step: the
-step seconds, the handoff seconds and their ratio to the step, the trainer's offload / onload seconds and the
-actor's allocated GB after offload (`perf/*` of its TensorBoard, torch's own count).
+table shows what it left (the first sample taken after it ended: exact for the side that ran the phase, while the
+next phase may have begun on the other side), the trainer's peak and the device's peak during it. A trainer offload
+hands its reserve back only at its very end (one `empty_cache`), so the trainer's peak in an offload phase is what
+it held before (its training state and the allocator's cache left by training). Per step: the step seconds, the
+handoff seconds and their ratio to the step, the trainer's offload / onload seconds and the actor's allocated GB
+after offload (`perf/*` of its TensorBoard, torch's own count).
+
+The trainer's memory table is the actor's rank 0 after each of its moves, measured inside the actor
+(`perf/actor_<move>_*`, docs/colocate.md): torch's allocated and reserved GB, the process's GB as nvidia-smi
+reports it and the device's used GB (all processes), per step. The trainer must stay flat: for each move, its
+memory at the last step (nvidia-smi's figure, or torch's reserve where nvidia-smi does not list the process) may
+exceed that at the second step (rollout 1, the first whose onload brings back the optimizer state that rollout 0's
+first optimizer step created) by at most `--growth-tolerance-gb`; else the script prints FAIL and exits with 1.
 """
 
 from __future__ import annotations
@@ -43,6 +57,10 @@ from grpo_step import MemoryPeak  # noqa: E402 (benchmarks/ on the path first)
 MODES = {"handoff": [], "resident": ["--no-offload-rollout", "--no-offload-train"]}
 PHASE_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*memory handoff: (.+)$")
 PERF = ("step_time", "handoff_time", "train_offload_time", "train_onload_time", "actor_offload_allocated_gb")
+# the trainer's moves (slime/ray/handoff.py) and the figures measured after each (offload.py's memory_gb)
+MOVES = {"onload": "onload", "offload_state": "offload all but weights", "offload": "offload"}
+FIGURES = {"allocated_gb": "alloc", "reserved_gb": "reserved", "process_gb": "process", "device_gb": "device"}
+MEMORY = tuple(f"actor_{move}_{figure}" for move in MOVES for figure in FIGURES)
 
 
 class DeviceUsage(MemoryPeak):
@@ -58,9 +76,10 @@ class DeviceUsage(MemoryPeak):
 
     def _poll(self) -> None:
         while not self._stop.wait(self.interval):
+            when = time.time()  # before both readings: a sample stamped after a phase ended was read after it
             used = self._used()
             self.peak = max(self.peak, used)
-            self.samples.append((time.time(), used / 1e9, self._per_side()))
+            self.samples.append((when, used / 1e9, self._per_side()))
 
     def _per_side(self) -> dict[str, float]:
         try:
@@ -91,14 +110,20 @@ class DeviceUsage(MemoryPeak):
             self._sides[pid] = side
         return self._sides[pid]
 
-    def window(self, start: float, end: float) -> tuple[tuple[float, dict[str, float]], float]:
-        """The last sample before `end` ((device GB, {side: GB}): what a phase left) and the device's peak GB
-        over [start, end)."""
-        before = [(when, used, sides) for when, used, sides in self.samples if when < end]
-        if not before:
-            return (float("nan"), {}), float("nan")
-        inside = [used for when, used, _ in before if when >= start] or [before[-1][1]]  # a phase shorter than
-        return before[-1][1:], max(inside)  # the interval: the sample before its end
+    def window(self, start: float, end: float) -> tuple[tuple[float, dict[str, float]], float, float]:
+        return phase_window(self.samples, start, end)
+
+
+def phase_window(samples: list[tuple[float, float, dict[str, float]]], start: float, end: float
+                 ) -> tuple[tuple[float, dict[str, float]], float, float]:
+    """What a phase over [start, end) left: the first of `samples` (wall clock, device GB, {side: GB}) taken after
+    `end` ((device GB, {side: GB}); the last one when the run ended first), then the device's and the trainer's peak
+    GB in the phase (a phase shorter than the polling interval: those of the sample after it)."""
+    if not samples:
+        return (float("nan"), {}), float("nan"), float("nan")
+    after = next((sample for sample in samples if sample[0] >= end), samples[-1])
+    inside = [sample for sample in samples if start <= sample[0] < end] or [after]
+    return after[1:], max(used for _, used, _ in inside), max(sides.get("trainer", 0.0) for _, _, sides in inside)
 
 
 def _cmdline(pid: int) -> str:
@@ -145,7 +170,7 @@ def run_mode(args, rollout: str, mode: str, model_dir: str, data: str, workdir: 
     timeline = [(phase, *usage.window(t, began[i + 1][1] if i + 1 < len(began) else ended))
                 for i, (phase, t) in enumerate(began)]
     errors = [line for line in text.splitlines() if "OutOfMemory" in line or "out of memory" in line.lower()]
-    perf = {key: read_scalars(tb, f"perf/{key}") if os.path.isdir(tb) else {} for key in PERF}
+    perf = {key: read_scalars(tb, f"perf/{key}") if os.path.isdir(tb) else {} for key in (*PERF, *MEMORY)}
     peak = max((used for _, used, _ in usage.samples), default=0.0)
     return {"rc": rc, "timeline": timeline, "perf": perf, "peak_gb": peak,
             "error": errors[-1] if errors else (text.strip().splitlines() or [""])[-1] if rc else ""}
@@ -168,13 +193,59 @@ def report(name: str, r: dict) -> str:
             lines.append(f"| {k} | {p['step_time']:.2f} | {p['handoff_time']:.2f} | "
                          f"{p['handoff_time'] / p['step_time']:.1%} | {p['train_offload_time']:.2f} | "
                          f"{p['train_onload_time']:.2f} | {p['actor_offload_allocated_gb']:.2f} |")
+    if any(r["perf"][key] for key in MEMORY):
+        lines += ["", trainer_memory_table(r["perf"])]
     if r["timeline"]:
-        lines += ["", "| phase | device GB after | trainer GB after | engine GB after | device peak GB in phase |",
-                  "| --- | ---: | ---: | ---: | ---: |"]
-        for phase, (used, sides), peak in r["timeline"]:
+        lines += ["", "| phase | device GB after | trainer GB after | engine GB after | trainer peak GB in phase | "
+                  "device peak GB in phase |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for phase, (used, sides), peak, trainer_peak in r["timeline"]:
             lines.append(f"| {phase}{AFTER.get(phase, '')} | {used:.1f} | {sides.get('trainer', 0.0):.1f} | "
-                         f"{sides.get('engine', 0.0):.1f} | {peak:.1f} |")
+                         f"{sides.get('engine', 0.0):.1f} | {trainer_peak:.1f} | {peak:.1f} |")
     return "\n".join(lines)
+
+
+def trainer_memory_table(perf: dict[str, dict[int, float]]) -> str:
+    """The actor's rank 0 after each move, per step: one column per move, `alloc / reserved / process / device` GB
+    (`-` where a figure was not logged)."""
+    steps = sorted(set().union(*(perf.get(key, {}) for key in MEMORY)))
+    head = " / ".join(FIGURES.values())
+    lines = ["| step | " + " | ".join(f"after {what}: {head} GB" for what in MOVES.values()) + " |",
+             "| ---: |" + " ---: |" * len(MOVES)]
+    for k in steps:
+        cells = [" / ".join(_gb(perf.get(f"actor_{move}_{figure}", {}).get(k)) for figure in FIGURES)
+                 for move in MOVES]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _gb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def memory_growth(perf: dict[str, dict[int, float]], tolerance_gb: float) -> list[tuple[bool, str]]:
+    """(passed, line) per move: the trainer's memory after the move (nvidia-smi's figure of the process, else torch's
+    reserve) at the last step against the second step (rollout 1); with the device's used GB (all processes, the
+    engine's too) on the same line, for information. Fails when it grew by more than `tolerance_gb`, or when fewer
+    than 3 steps logged it (there is nothing to compare)."""
+    out = []
+    for move, what in MOVES.items():
+        figure = "process_gb" if perf.get(f"actor_{move}_process_gb") else "reserved_gb"
+        values = perf.get(f"actor_{move}_{figure}", {})
+        steps = sorted(values)
+        if len(steps) < 3:
+            out.append((False, f"FAIL: trainer memory after {what}: {len(steps)} step(s) logged "
+                               f"perf/actor_{move}_{figure}; at least 3 are needed to compare step 2 with the last"))
+            continue
+        first, last = steps[1], steps[-1]
+        growth = values[last] - values[first]
+        device = perf.get(f"actor_{move}_device_gb", {})
+        extra = (f"; device (all processes) {device[first]:.2f} -> {device[last]:.2f} GB"
+                 if first in device and last in device else "")
+        ok = growth <= tolerance_gb
+        out.append((ok, f"{'PASS' if ok else 'FAIL'}: trainer memory after {what} ({figure}) {values[first]:.2f} GB "
+                        f"at rollout {first} -> {values[last]:.2f} GB at rollout {last}: {growth:+.2f} GB "
+                        f"(tolerance {tolerance_gb} GB){extra}"))
+    return out
 
 
 def main() -> None:
@@ -185,7 +256,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--response-len", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
     # 4 x 1088 tokens per micro-batch: at 16 the 4B shape's training alone (state, activations, fp32 logits) asked
     # for more than the H200's 141 GB (measured)
     p.add_argument("--micro-batch-size", type=int, default=4)
@@ -193,6 +264,8 @@ def main() -> None:
     p.add_argument("--sglang-attention-backend", default="triton")
     p.add_argument("--modes", default="handoff,resident")
     p.add_argument("--keep-logs", default="", help="a folder to copy each run's train.py log into")
+    p.add_argument("--growth-tolerance-gb", type=float, default=1.0,
+                   help="how much the trainer's memory after a move may grow from the second step to the last")
     args = p.parse_args()
     import torch
 
@@ -205,6 +278,7 @@ def main() -> None:
         sys.exit(f"--rollouts: unknown {unknown}; choose from sglang, hf")
     from grpo_step import job_inputs
 
+    failed = False
     with tempfile.TemporaryDirectory() as workdir:
         model_dir, data = job_inputs(args, workdir)
         for rollout in rollouts:
@@ -213,6 +287,12 @@ def main() -> None:
                 print(f"{args.shape}, {args.backend} + {rollout} colocated on {torch.cuda.get_device_name()}, "
                       f"{args.prompts} prompts x 8 samples x {args.response_len} tokens", flush=True)
                 print(report(f"{rollout}, {mode}", r), flush=True)
+                if mode == "handoff":  # the resident run moves nothing
+                    for ok, line in memory_growth(r["perf"], args.growth_tolerance_gb):
+                        print(line, flush=True)
+                        failed |= not ok
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,12 @@ Engines release with SGLang's calls (`release_memory_occupation` / `resume_memor
 `kv_cache`, `cuda_graph`; the rollout manager's `offload` / `onload_weights` / `onload_kv`). SGLang gives released
 weights back uninitialised, so a push always follows `onload_weights`. Trainers move their state to host memory
 (slime/backends/training/offload.py); during the push only the trainers' weights and the engines' weights are on
-the GPU (slime pushes from a host copy; the push here reads the trainer's weights on the device). Each phase is logged (`memory handoff: ...`) and timed; the seconds and the
-actor's GPU memory after each move (rank 0: GB moved, the allocator's allocated / reserved GB) are returned as
-`perf/*` metrics of the step.
+the GPU (slime pushes from a host copy; the push here reads the trainer's weights on the device). Each phase is
+logged (`memory handoff: ...`) and timed; the seconds and the actor's GPU memory after each of its moves are
+returned as `perf/*` metrics of the step: `perf/actor_<move>_<figure>` for the moves `onload` (before training),
+`offload_state` (all but the weights, before a push) and `offload` (the rest, or all without a push), the figures of
+rank 0 (`moved_gb` and those of `memory_gb`, slime/backends/training/offload.py). Each is the step's own: the
+initial push's are replaced by rollout 0's.
 """
 
 from __future__ import annotations
@@ -59,14 +62,13 @@ class MemoryHandoff:
         """Trainers to host memory: all of it, or (`weights=False`) all but the weights a push reads."""
         if self.trainers:
             what = "trainers offload" if weights else "trainers offload optimizer state, gradients"
-            self._memory("offload", self._timed("train_offload", what,
-                                                lambda: self.run.offload_training(weights=weights)))
+            self._memory("offload" if weights else "offload_state",
+                         self._timed("train_offload", what, lambda: self.run.offload_training(weights=weights)))
 
     def _memory(self, move: str, figures: dict[str, float]) -> None:
-        """The actor's rank 0 after a move: GB moved and the allocator's GB (`perf/actor_<move>_<figure>`)."""
-        for name, value in (figures or {}).items():
-            key = f"actor_{move}_{name}"
-            self.figures[key] = self.figures.get(key, 0.0) + value if name == "moved_gb" else value
+        """The actor's rank 0 after a move (`perf/actor_<move>_<figure>`): the last of its kind wins, so that each
+        step reports its own moves."""
+        self.figures.update({f"actor_{move}_{name}": value for name, value in (figures or {}).items()})
 
     def before_push(self) -> None:
         """Trainers keep only the weights the push reads on the GPU; engines take their weights back."""
@@ -90,3 +92,4 @@ class MemoryHandoff:
         out.update({f"perf/{name}": value for name, value in self.figures.items()})
         self.times, self.figures = {}, {}
         return out
+

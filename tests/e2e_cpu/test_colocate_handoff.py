@@ -4,7 +4,8 @@ On CPU nothing moves (there is no device memory to free), but every call is made
 their memory after generating and take weights, then KV cache back around each push (SGLang's calls, which the
 `hf` engine serves); the trainer offloads all but its weights before the push, its weights after it, and onloads
 before training. The order is read from
-the driver's log, and the engines' log-probs must still equal the trainer's after every push.
+the driver's log, and the engines' log-probs must still equal the trainer's after every push. Every step logs the
+figures of the trainer's three moves (`perf/actor_<move>_moved_gb`; 0 GB on CPU, where nothing moves).
 """
 
 from __future__ import annotations
@@ -39,3 +40,6 @@ def test_colocated_run_hands_memory_over_in_slimes_order(tiny_model_dir, toy_dat
     assert sorted(diffs) == list(range(n)) and max(diffs.values()) < 1e-3, diffs  # every push reached the engine
     handoff = read_scalars(str(tb), "perf/handoff_time")
     assert sorted(handoff) == list(range(n)) and all(v >= 0 for v in handoff.values())
+    for move in ("onload", "offload_state", "offload"):  # onload, all but the weights before the push, the rest
+        moved = read_scalars(str(tb), f"perf/actor_{move}_moved_gb")
+        assert moved == {k: 0.0 for k in range(n)}, (move, moved)

@@ -11,20 +11,30 @@ weights. The backends say what they hold (`TrainState`); this module moves it:
   checks that on CPU) with `module.to(device)`;
 - megatron-core DDP chunks through their contiguous buffers (`_ParamAndGradBuffer.offload_to_cpu` /
   `reload_from_cpu`: a pinned host copy of the parameters, the gradient storage freed and zeroed on return);
+  megatron-core keeps a parameter buffer only with the distributed optimizer, so without it the chunks' parameters
+  move one by one, each into a pinned host tensor (as the optimizer's parameters do);
 - torch optimizers' parameters (e.g. fp32 master shards) and state tensors into pinned host memory (DTensor state,
   FSDP2's, with `DTensor.to`), each put back on the device it came from (a CPU `step` counter stays on the CPU).
   The pinned host tensors are kept from one offload to the next (pinning tens of GB takes seconds; megatron-core
   keeps its buffers' host copies the same way).
 
 Without CUDA there is nothing to move: every call is a no-op that reports 0 bytes.
+
+Each offload ends by handing the memory back to the driver: `torch.cuda.ipc_collect()` (a CUDA tensor shared with
+another process, as a weight push shares its buckets with colocated engines, stays allocated in torch's IPC "limbo"
+when the sender drops it before the receiver has; only a collect frees it once the receiver let go), then
+`torch.cuda.empty_cache()`. `memory_gb` is what the handoff reports after each move (docs/colocate.md).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -45,6 +55,7 @@ class Offloader:
         self.state_off = False  # optimizer state, gradients, `modules`
         self.weights_off = False  # `weights` and the DDP chunks' parameters
         self._moved: list[tuple[Any, Any, torch.device]] = []  # (container, key, device it came from)
+        self._weights_moved: list[tuple[torch.nn.Parameter, torch.device]] = []  # parameters no buffer holds
         self._host: dict[tuple[int, Any], tuple[Any, torch.Tensor]] = {}  # pinned copies kept across offloads
 
     @property
@@ -68,8 +79,13 @@ class Offloader:
             self.state_off = True
         if weights and not self.weights_off:
             _move(state, state.weights, "cpu", params=True, grads=False)
+            for p in loose_parameters(state):
+                if p.is_cuda:
+                    self._weights_moved.append((p, p.device))
+                    p.data = self._pinned(p, None, p.data)
             self.weights_off = True
         torch.cuda.synchronize(self.device)
+        torch.cuda.ipc_collect()  # push buckets an engine released after the push returned (module docstring)
         torch.cuda.empty_cache()
         return max(0, before - torch.cuda.memory_allocated(self.device))
 
@@ -81,12 +97,14 @@ class Offloader:
         before = torch.cuda.memory_allocated(self.device)
         if weights_only:  # a push between two offloads: the optimizer state and gradients stay in host memory
             _move(state, state.weights, self.device, params=True, grads=False)
+            self._weights_back()
             torch.cuda.synchronize(self.device)
             self.weights_off = False
             return max(0, torch.cuda.memory_allocated(self.device) - before)
         # each buffer brings back what is off of it (megatron-core checks); only modules that left move back
         back = [*(state.weights if self.weights_off else []), *(state.modules if self.state_off else [])]
         _move(state, back, self.device, params=True, grads=True)
+        self._weights_back()
         for container, key, device in self._moved:
             if key is None:  # an optimizer's parameter: its .data moves
                 container.data = container.data.to(device, non_blocking=True)
@@ -96,6 +114,11 @@ class Offloader:
         torch.cuda.synchronize(self.device)
         self.state_off = self.weights_off = False
         return max(0, torch.cuda.memory_allocated(self.device) - before)
+
+    def _weights_back(self) -> None:
+        for p, device in self._weights_moved:
+            p.data = p.data.to(device, non_blocking=True)
+        self._weights_moved.clear()
 
     def _offload_optimizer(self, opt: torch.optim.Optimizer, own: set[int]) -> None:
         for group in opt.param_groups:
@@ -138,6 +161,16 @@ def _move(state: TrainState, modules: list[torch.nn.Module], device, params: boo
             module.to(device)
 
 
+def loose_parameters(state: TrainState) -> list[torch.nn.Parameter]:
+    """The DDP chunks' parameters that no contiguous parameter buffer of theirs holds (`param_data`, a buffer
+    megatron-core makes only for the distributed optimizer): each is its own tensor, moved on its own."""
+    loose: dict[int, torch.nn.Parameter] = {}
+    for chunk in state.ddp_chunks:
+        held = {id(p) for buffer in _ddp_buffers(chunk) if buffer.param_data is not None for p in buffer.params}
+        loose.update((id(p), p) for p in chunk.parameters() if id(p) not in held)
+    return list(loose.values())
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
     """FSDP2's parameters (they move with their module, `module.to`) and optimizer state."""
     return type(t).__name__ == "DTensor"
@@ -150,8 +183,41 @@ def _ddp_buffers(chunk: Any) -> list[Any]:
 
 
 def memory_gb(device: torch.device) -> dict[str, float]:
-    """The caching allocator's view of `device` (allocated and reserved GB); empty without CUDA."""
+    """`device`'s memory after a move, in GB (empty without CUDA): the caching allocator's `allocated_gb` and
+    `reserved_gb`; `device_gb`, used on the device by all processes (the driver's count, `cudaMemGetInfo`); and on
+    rank 0 `process_gb`, this process's own as nvidia-smi reports it: the reserve plus what torch does not count
+    (the CUDA context, NCCL's buffers, memory torch let go of that the driver still holds). `process_gb` is left out
+    when nvidia-smi cannot be run or does not list the process (a PID namespace); it costs one nvidia-smi call."""
     if device.type != "cuda":
         return {}
-    return {"allocated_gb": torch.cuda.memory_allocated(device) / 1e9,
-            "reserved_gb": torch.cuda.memory_reserved(device) / 1e9}
+    free, total = torch.cuda.mem_get_info(device)
+    figures = {"allocated_gb": torch.cuda.memory_allocated(device) / 1e9,
+               "reserved_gb": torch.cuda.memory_reserved(device) / 1e9,
+               "device_gb": (total - free) / 1e9}
+    if not dist.is_initialized() or dist.get_rank() == 0:  # the handoff reports rank 0's figures only
+        used = process_memory_bytes(os.getpid())
+        if used is not None:
+            figures["process_gb"] = used / 1e9
+    return figures
+
+
+def process_memory_bytes(pid: int) -> int | None:
+    """The device memory nvidia-smi reports for process `pid` (all its GPUs); None when nvidia-smi fails or does not
+    list it."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return used_by_pid(out.stdout, pid) if out.returncode == 0 else None
+
+
+def used_by_pid(listing: str, pid: int) -> int | None:
+    """Bytes of `pid` in nvidia-smi's `--query-compute-apps=pid,used_memory --format=csv,noheader,nounits` listing
+    (one `pid, MiB` row per process and GPU; "[N/A]" rows, e.g. under MIG, are skipped); None when it has no row."""
+    found = None
+    for row in listing.splitlines():
+        who, _, mib = (part.strip() for part in row.partition(","))
+        if who.isdigit() and int(who) == pid and mib.isdigit():
+            found = (found or 0) + int(mib) * 2**20
+    return found
