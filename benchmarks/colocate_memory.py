@@ -2,7 +2,7 @@
 
     python benchmarks/colocate_memory.py [--shape qwen3-4b] [--rollouts sglang,hf] [--backend megatron|fsdp]
         [--prompts 32] [--prompt-len 64] [--response-len 1024] [--steps 10] [--sglang-mem-fraction 0.6]
-        [--modes handoff,resident] [--growth-tolerance-gb 1.0] [--keep-logs DIR]
+        [--modes handoff,resident] [--engine-weights-cpu-backup] [--growth-tolerance-gb 1.0] [--keep-logs DIR]
 
     # the trainer's memory over 10 push / offload cycles in a few minutes (the memory per cycle does not depend on
     # the number of samples): 4 prompts x 8 samples x 128 tokens
@@ -24,8 +24,11 @@ table shows what it left (the first sample taken after it ended: exact for the s
 next phase may have begun on the other side), the trainer's peak and the device's peak during it. A trainer offload
 hands its reserve back only at its very end (one `empty_cache`), so the trainer's peak in an offload phase is what
 it held before (its training state and the allocator's cache left by training). Per step: the step seconds, the
-handoff seconds and their ratio to the step, the trainer's offload / onload seconds and the actor's allocated GB
-after offload (`perf/*` of its TensorBoard, torch's own count).
+handoff seconds and their ratio to the step, the engines' release / resume seconds and the trainer's offload /
+onload seconds as the driver timed them (Ray and HTTP included), the actor's allocated GB after offload (`perf/*` of
+its TensorBoard, torch's own count). For the `hf` engine also each release / resume as the engine itself timed it
+(its log's `memory: released ...` / `memory: resumed ...` lines): the seconds inside the server and the GB of
+weights freed or allocated.
 
 The trainer's memory table is the actor's rank 0 after each of its moves, measured inside the actor
 (`perf/actor_<move>_*`, docs/colocate.md): torch's allocated and reserved GB, the process's GB as nvidia-smi
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import os
 import re
 import shutil
@@ -56,11 +60,14 @@ from grpo_step import MemoryPeak  # noqa: E402 (benchmarks/ on the path first)
 
 MODES = {"handoff": [], "resident": ["--no-offload-rollout", "--no-offload-train"]}
 PHASE_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*memory handoff: (.+)$")
-PERF = ("step_time", "handoff_time", "train_offload_time", "train_onload_time", "actor_offload_allocated_gb")
+PERF = ("step_time", "handoff_time", "engine_release_time", "engine_resume_time", "train_offload_time",
+        "train_onload_time", "actor_offload_allocated_gb")
 # the trainer's moves (slime/ray/handoff.py) and the figures measured after each (offload.py's memory_gb)
 MOVES = {"onload": "onload", "offload_state": "offload all but weights", "offload": "offload"}
 FIGURES = {"allocated_gb": "alloc", "reserved_gb": "reserved", "process_gb": "process", "device_gb": "device"}
 MEMORY = tuple(f"actor_{move}_{figure}" for move in MOVES for figure in FIGURES)
+# the hf engine's own log line per release / resume (slime/backends/hf_engine/server.py)
+ENGINE_MEMORY_LINE = re.compile(r"memory: (released|resumed) \[(.*?)\] in ([\d.]+) s \(weights (\w+): ([\d.]+) GB")
 
 
 class DeviceUsage(MemoryPeak):
@@ -142,6 +149,37 @@ def _parent(pid: int) -> int:
         return 1
 
 
+def engine_memory_calls(paths: list[str]) -> list[dict]:
+    """Every release / resume the hf engine logs `paths` hold, in order: what, the tags, the server's seconds, the
+    weights' mode and GB freed or allocated. SGLang logs no such line: []."""
+    calls = []
+    for path in paths:
+        with open(path, errors="replace") as f:
+            for line in f:
+                m = ENGINE_MEMORY_LINE.search(line)
+                if m:
+                    tags = [t.strip(" '\"") for t in m.group(2).split(",") if t.strip()]
+                    calls.append({"call": m.group(1), "tags": tags, "seconds": float(m.group(3)),
+                                  "weights": m.group(4), "gb": float(m.group(5))})
+    return calls
+
+
+def engine_memory_table(calls: list[dict]) -> list[str]:
+    """The hf engine's own seconds per kind of call (release of everything, resume of the weights, of the rest)."""
+    if not calls:
+        return []
+    lines = ["", f"hf engine's own timing (weights: {calls[0]['weights']}), per call:", "",
+             "| call | tags | count | mean s | max s | GB of weights |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    kinds: dict[tuple[str, str], list[dict]] = {}
+    for c in calls:
+        kinds.setdefault((c["call"], ", ".join(c["tags"])), []).append(c)
+    for (call, tags), group in kinds.items():
+        seconds = [c["seconds"] for c in group]
+        lines.append(f"| {call} | {tags} | {len(group)} | {sum(seconds) / len(seconds):.3f} | {max(seconds):.3f} | "
+                     f"{max(c['gb'] for c in group):.2f} |")
+    return lines
+
+
 def run_mode(args, rollout: str, mode: str, model_dir: str, data: str, workdir: str) -> dict:
     from grpo_step import slime_command
 
@@ -150,10 +188,12 @@ def run_mode(args, rollout: str, mode: str, model_dir: str, data: str, workdir: 
     name = f"{rollout}_{mode}"
     tb = os.path.join(workdir, f"{name}_tb")
     log_path = os.path.join(workdir, f"{name}.log")
-    cmd = [*slime_command(args, model_dir, data, tb, args.backend, rollout), *MODES[mode]]
+    extra = [*MODES[mode], *(["--sglang-enable-weights-cpu-backup"] if args.engine_weights_cpu_backup else [])]
+    cmd = [*slime_command(args, model_dir, data, tb, args.backend, rollout), *extra]
+    engine_logs = os.path.join(workdir, f"{name}_engine_logs")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-               SLIME_ENGINE_LOG_DIR=os.path.join(workdir, f"{name}_engine_logs"))
-    print(f"[{name}] train.py --colocate --rollout-backend {rollout} {' '.join(MODES[mode])} (log: {log_path})",
+               SLIME_ENGINE_LOG_DIR=engine_logs)
+    print(f"[{name}] train.py --colocate --rollout-backend {rollout} {' '.join(extra)} (log: {log_path})",
           flush=True)
     with DeviceUsage() as usage, open(log_path, "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir).returncode
@@ -172,7 +212,8 @@ def run_mode(args, rollout: str, mode: str, model_dir: str, data: str, workdir: 
     errors = [line for line in text.splitlines() if "OutOfMemory" in line or "out of memory" in line.lower()]
     perf = {key: read_scalars(tb, f"perf/{key}") if os.path.isdir(tb) else {} for key in (*PERF, *MEMORY)}
     peak = max((used for _, used, _ in usage.samples), default=0.0)
-    return {"rc": rc, "timeline": timeline, "perf": perf, "peak_gb": peak,
+    engine = engine_memory_calls(sorted(glob.glob(os.path.join(engine_logs, "*.log"))))
+    return {"rc": rc, "timeline": timeline, "perf": perf, "peak_gb": peak, "engine": engine,
             "error": errors[-1] if errors else (text.strip().splitlines() or [""])[-1] if rc else ""}
 
 
@@ -186,12 +227,14 @@ def report(name: str, r: dict) -> str:
              + (f"; {r['error'][:300]}" if r["rc"] else "")]
     steps = sorted(r["perf"]["step_time"])
     if steps:
-        lines += ["| step | step s | handoff s | handoff / step | offload s | onload s | actor GB after offload |",
-                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += ["| step | step s | handoff s | handoff / step | engine release s | engine resume s | offload s | "
+                  "onload s | actor GB after offload |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for k in steps:
             p = {key: r["perf"][key].get(k, float("nan")) for key in PERF}
             lines.append(f"| {k} | {p['step_time']:.2f} | {p['handoff_time']:.2f} | "
-                         f"{p['handoff_time'] / p['step_time']:.1%} | {p['train_offload_time']:.2f} | "
+                         f"{p['handoff_time'] / p['step_time']:.1%} | {p['engine_release_time']:.2f} | "
+                         f"{p['engine_resume_time']:.2f} | {p['train_offload_time']:.2f} | "
                          f"{p['train_onload_time']:.2f} | {p['actor_offload_allocated_gb']:.2f} |")
     if any(r["perf"][key] for key in MEMORY):
         lines += ["", trainer_memory_table(r["perf"])]
@@ -201,6 +244,7 @@ def report(name: str, r: dict) -> str:
         for phase, (used, sides), peak, trainer_peak in r["timeline"]:
             lines.append(f"| {phase}{AFTER.get(phase, '')} | {used:.1f} | {sides.get('trainer', 0.0):.1f} | "
                          f"{sides.get('engine', 0.0):.1f} | {trainer_peak:.1f} | {peak:.1f} |")
+    lines += engine_memory_table(r.get("engine", []))
     return "\n".join(lines)
 
 
@@ -263,6 +307,9 @@ def main() -> None:
     p.add_argument("--sglang-mem-fraction", type=float, default=0.6)
     p.add_argument("--sglang-attention-backend", default="triton")
     p.add_argument("--modes", default="handoff,resident")
+    p.add_argument("--engine-weights-cpu-backup", action="store_true",
+                   help="pass --sglang-enable-weights-cpu-backup: released engine weights are copied to host memory "
+                        "and back instead of freed (and pushed again)")
     p.add_argument("--keep-logs", default="", help="a folder to copy each run's train.py log into")
     p.add_argument("--growth-tolerance-gb", type=float, default=1.0,
                    help="how much the trainer's memory after a move may grow from the second step to the last")

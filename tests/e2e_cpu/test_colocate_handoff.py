@@ -1,15 +1,21 @@
 """train.py --colocate on CPU: the memory handoff runs in slime's order around every step (slime/ray/handoff.py).
 
-On CPU nothing moves (there is no device memory to free), but every call is made: the engines release all
-their memory after generating and take weights, then KV cache back around each push (SGLang's calls, which the
+On CPU nothing moves by default (there is no device memory to free), but every call is made: the engines release
+all their memory after generating and take weights, then KV cache back around each push (SGLang's calls, which the
 `hf` engine serves); the trainer offloads all but its weights before the push, its weights after it, and onloads
 before training. The order is read from
 the driver's log, and the engines' log-probs must still equal the trainer's after every push. Every step logs the
 figures of the trainer's three moves (`perf/actor_<move>_moved_gb`; 0 GB on CPU, where nothing moves).
+
+The `freed` case runs the engines as on CUDA (`SLIME_ENGINE_RELEASE_MEMORY_ON_CPU=1`): every release frees their
+weights and every resume gives them back uninitialised, so the run only trains if each push is complete (the
+engine refuses to generate until it is).
 """
 
 from __future__ import annotations
 
+import glob
+import os
 import re
 import subprocess
 
@@ -25,13 +31,17 @@ STEP = ["engines release weights, kv_cache, cuda_graph", "trainers onload", *PUS
 
 
 @pytest.mark.timeout(600)
-def test_colocated_run_hands_memory_over_in_slimes_order(tiny_model_dir, toy_data_path, tmp_path):
+@pytest.mark.parametrize("engine_memory", ["resident", "freed"])
+def test_colocated_run_hands_memory_over_in_slimes_order(tiny_model_dir, toy_data_path, tmp_path, engine_memory):
     n = 3
     tb = tmp_path / "tb"
     cmd = _train_cmd(tiny_model_dir, toy_data_path, "--actor-num-gpus-per-node", "1", "--colocate",
                      "--global-batch-size", "16", "--num-rollout", str(n), "--rm-type", "toy",
                      "--use-tensorboard", "--tensorboard-dir", str(tb))
-    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=str(tmp_path), timeout=540)
+    logs = tmp_path / "engine_logs"
+    env = dict(_env(), SLIME_ENGINE_LOG_DIR=str(logs),
+               SLIME_ENGINE_RELEASE_MEMORY_ON_CPU="1" if engine_memory == "freed" else "0")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=540)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     calls = re.findall(r"memory handoff: (.+)", out)
@@ -43,3 +53,7 @@ def test_colocated_run_hands_memory_over_in_slimes_order(tiny_model_dir, toy_dat
     for move in ("onload", "offload_state", "offload"):  # onload, all but the weights before the push, the rest
         moved = read_scalars(str(tb), f"perf/actor_{move}_moved_gb")
         assert moved == {k: 0.0 for k in range(n)}, (move, moved)
+    engine_log = "".join(open(f, errors="replace").read() for f in glob.glob(os.path.join(logs, "hf-engine-*.log")))
+    freed = [float(gb) for gb in re.findall(r"memory: released .*\(weights \w+: ([\d.]+) GB freed\)", engine_log)]
+    assert len(freed) == 1 + n, engine_log[-4000:]  # start-up and every step
+    assert all(gb > 0 for gb in freed) if engine_memory == "freed" else all(gb == 0 for gb in freed), freed

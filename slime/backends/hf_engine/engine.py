@@ -3,9 +3,11 @@
 Launch settings come from slime's args: `--hf-checkpoint` (model), `--rollout-seed` + rank (sampling
 seed), `--sglang-server-concurrency` (largest running batch), `--sglang-disable-cuda-graph`
 (decode steps run eagerly), `--sglang-disable-radix-cache` (no prompt shared between requests: each prefilled
-itself). Device is CUDA when visible, else CPU; dtype is float32 on CPU (so engine and trainer log-probs agree to ~1e-5) and
+itself), `--sglang-enable-weights-cpu-backup` (released weights are kept in host memory instead of freed). Device
+is CUDA when visible, else CPU; dtype is float32 on CPU (so engine and trainer log-probs agree to ~1e-5) and
 bfloat16 on CUDA. Torch threads per server: env `SLIME_ENGINE_NUM_THREADS` (default 1, so several
-engines and a trainer can share a small CPU machine).
+engines and a trainer can share a small CPU machine). Env `SLIME_ENGINE_RELEASE_MEMORY_ON_CPU=1` starts CPU servers
+with `--release-memory-on-cpu` (a release frees the weights as on CUDA; for tests of that path without a GPU).
 """
 
 from __future__ import annotations
@@ -27,6 +29,17 @@ def weight_dirs(args) -> list[str]:
             dirs.append(os.path.abspath(given))
     dirs += [d for d in os.environ.get("SLIME_ENGINE_WEIGHT_DIRS", "").split(os.pathsep) if d]
     return dirs
+
+
+def _env_on(name: str) -> bool:
+    """An environment switch as a bool (unset: False); a value that is no boolean names the variable."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return False
+    try:
+        return as_bool(raw)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}: {e}") from None
 
 
 def _flag_on(sglang_args: dict, field: str) -> bool:
@@ -59,6 +72,8 @@ class HFEngine(ServerEngine):
                 "--num-threads", os.environ.get("SLIME_ENGINE_NUM_THREADS", "1"),
                 *(["--disable-cuda-graph"] if _flag_on(sglang_args, "disable_cuda_graph") else []),
                 *(["--disable-shared-prefill"] if _flag_on(sglang_args, "disable_radix_cache") else []),
+                *(["--enable-weights-cpu-backup"] if _flag_on(sglang_args, "enable_weights_cpu_backup") else []),
+                *(["--release-memory-on-cpu"] if not cuda and _env_on("SLIME_ENGINE_RELEASE_MEMORY_ON_CPU") else []),
                 "--weight-dirs", *weight_dirs(self.args)]
 
     def launch_env(self) -> dict[str, str]:

@@ -16,6 +16,9 @@ call waits, since forming the group blocks until every rank has joined; `/update
 receives the named tensors by broadcast from rank 0, in order, then loads them. Every announced tensor is
 received before any check that could refuse the update, so a refused update never leaves the trainer
 blocked in a broadcast. gloo groups receive into CPU tensors, nccl groups into the model's device.
+
+`/release_memory_occupation` / `/resume_memory_occupation` follow SGLang's memory saver (`_release`, release.py):
+on CUDA released weights are freed and come back uninitialised, and generation waits for a complete load.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from slime.backends.hf_engine.release import WeightMemory
 from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
 from slime.backends.hf_engine.weight_checker import WeightChecker
 from slime.weight_sync import group as update_group
@@ -56,10 +60,15 @@ WEIGHT_VERSION_MOVED = ("Endpoint '/get_weight_version' or '/weight_version' is 
 
 
 class EngineState:
-    """Everything the endpoints share: model, tokenizer, scheduler, weight version, released tags."""
+    """Everything the endpoints share: model, tokenizer, scheduler, weight version, released tags.
+
+    `frees_memory`: a release frees memory (on CUDA; on CPU only with --release-memory-on-cpu); the weights are then
+    freed, or with `weights_cpu_backup` copied to host memory first (`self.weights`, release.py).
+    """
 
     def __init__(self, model, tokenizer, scheduler: Scheduler, *, model_path: str, device: str, dtype: str,
-                 weight_version: str = "default", weight_dirs: list[str] | None = None):
+                 weight_version: str = "default", weight_dirs: list[str] | None = None, frees_memory: bool = False,
+                 weights_cpu_backup: bool = False):
         self.model, self.tokenizer, self.scheduler = model, tokenizer, scheduler
         self.model_path, self.device, self.dtype = model_path, device, dtype
         self.weight_dirs = weight_dirs or [os.path.dirname(os.path.abspath(model_path))]
@@ -68,26 +77,56 @@ class EngineState:
         self.update_groups: dict[str, tuple[object, str]] = {}  # group_name -> (process group, backend)
         self.memory_lock = threading.Lock()  # serialises release / resume / weight loading
         self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.frees_memory = frees_memory
+        self.weights = WeightMemory(model, ("cpu_backup" if weights_cpu_backup else "free") if frees_memory else "keep")
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.params.update(dict(model.named_buffers(remove_duplicate=False)))
         self.weight_checker = WeightChecker(self.params)  # POST /weights_checker (--check-weight-update-equal)
 
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]], source: str) -> int:
         """Copy tensors into the model by name (dtype/device cast); all-or-nothing on bad names/shapes."""
-        unknown = [n for n, _ in named if n not in self.params]
-        if unknown:
-            valid = sorted(self.params)[:5]
-            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-            raise ValueError(f"{source}: unknown parameter name(s) {unknown[:5]}{more}; "
-                             f"names must be the model's parameter names, e.g. {valid}")
-        bad = [f"{n}: got {tuple(t.shape)}, model has {tuple(self.params[n].shape)}"
-               for n, t in named if tuple(t.shape) != tuple(self.params[n].shape)]
-        if bad:
-            raise ValueError(f"{source}: shape mismatch for {bad[:5]}")
-        with self.scheduler.exclusive(), torch.no_grad():
-            for name, tensor in named:
-                self.params[name].copy_(tensor)
+        with self.memory_lock:
+            if self.weights.freed:
+                raise ValueError(f"{source}: the weights are released (their memory is freed); POST "
+                                 "/resume_memory_occupation with {\"tags\": [\"weights\"]} before loading them")
+            unknown = [n for n, _ in named if n not in self.params]
+            if unknown:
+                valid = sorted(self.params)[:5]
+                more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+                raise ValueError(f"{source}: unknown parameter name(s) {unknown[:5]}{more}; "
+                                 f"names must be the model's parameter names, e.g. {valid}")
+            bad = [f"{n}: got {tuple(t.shape)}, model has {tuple(self.params[n].shape)}"
+                   for n, t in named if tuple(t.shape) != tuple(self.params[n].shape)]
+            if bad:
+                raise ValueError(f"{source}: shape mismatch for {bad[:5]}")
+            with self.scheduler.exclusive(), torch.no_grad():
+                for name, tensor in named:
+                    self.params[name].copy_(tensor)
+            self._note_loaded([self.params[name] for name, _ in named])
         return len(named)
+
+    def _note_loaded(self, tensors: list[torch.Tensor]) -> None:
+        """After weights came back uninitialised, generation waits until every parameter has been loaded."""
+        if self.weights.complete:
+            return
+        self.weights.mark_loaded(tensors)
+        if self.weights.complete and "weights" not in self.released:
+            logger.info("every parameter has been loaded since the weights were resumed: generating again")
+            self.scheduler.resume("released")
+
+    def unavailable(self) -> str | None:
+        """Why /generate is refused now (None: it is not)."""
+        if "weights" in self.released:
+            return ("weights are released (POST /release_memory_occupation); "
+                    "POST /resume_memory_occupation before generating")
+        missing = self.weights.unloaded
+        if missing:
+            return (f"the weights came back uninitialised from /resume_memory_occupation (a release frees them, as "
+                    f"SGLang's does; start the engine with --enable-weights-cpu-backup to keep a copy) and "
+                    f"{len(missing)} of {self.weights.count} parameters have not been loaded since, e.g. "
+                    f"{missing[:3]}: push the complete weights (update_weights_from_tensor / "
+                    f"update_weights_from_distributed / update_weights_from_disk) before generating")
+        return None
 
 
 def load_model(model_path: str, dtype: str, device: str):
@@ -211,9 +250,9 @@ def build_app(state: EngineState) -> FastAPI:
 
     @app.post("/generate")
     async def generate(http: HTTPRequest):
-        if "weights" in state.released:
-            return _error(503, "weights are released (POST /release_memory_occupation); "
-                               "POST /resume_memory_occupation before generating")
+        unavailable = state.unavailable()
+        if unavailable:
+            return _error(503, unavailable)
         try:
             body = await http.json()
             reqs, batched = parse_generate(body, state)
@@ -266,7 +305,8 @@ def build_app(state: EngineState) -> FastAPI:
                 "engine": "hf", "device": state.device, "dtype": state.dtype,
                 "max_running_requests": sched.max_running_requests, "random_seed": sched.random_seed,
                 "weight_version": state.weight_version, "num_running_reqs": running, "num_waiting_reqs": waiting,
-                "paused": sched.paused, "released_tags": sorted(state.released), "tp_size": 1, "dp_size": 1,
+                "paused": sched.paused, "released_tags": sorted(state.released), "weights_release": state.weights.mode,
+                "uninitialised_weights": len(state.weights.unloaded), "tp_size": 1, "dp_size": 1,
                 "context_length": sched.max_context_len, **sched.stats}
 
     app.add_api_route("/model_info", model_info, methods=["GET"])
@@ -556,48 +596,63 @@ def _load_from_disk(state: EngineState, path: str | None) -> int:
 def _check_weights(state: EngineState, action: str) -> dict | None:
     """Run one weights_checker action between two forward steps (reset_tensors writes the parameters)."""
     with state.memory_lock, state.scheduler.exclusive(), torch.no_grad():
+        if state.weights.freed:
+            raise RuntimeError(f"weights_checker {action}: the weights are released (their memory is freed); "
+                               "POST /resume_memory_occupation with {\"tags\": [\"weights\"]} first")
         return state.weight_checker.handle(action)
 
 
 def _release(state: EngineState, tags: set[str]) -> None:
-    """Release memory. On CUDA, weights move to host memory and the allocator's cache is emptied.
+    """Release memory by tag, as SGLang's memory saver does where `state.frees_memory` (CUDA, or CPU with
+    --release-memory-on-cpu):
 
-    On CPU nothing is freed: the weights stay resident (there is nowhere cheaper to put them) and the KV
-    cache of paused requests is kept so they can continue. Either way, while "weights" is released the
-    scheduler is paused and /generate answers 503. "cuda_graph" drops the captured decode graphs (they are
-    captured again when needed).
+    - "weights": the parameters' memory is freed (release.py; buffers stay) and comes back uninitialised on resume,
+      so the trainer pushes the complete weights right after resuming them, as slime's loop does; until every
+      parameter has been loaded, /generate answers 503 naming what is missing (SGLang would generate from
+      garbage). With --enable-weights-cpu-backup the weights are copied to pinned host memory first (allocated on
+      the first release, reused) and copied back on resume.
+    - "kv_cache": the KV slot buffers are freed if no request is running;
+    - "cuda_graph": the captured decode graphs are dropped (captured again when next needed; releasing the weights
+      drops them too, since they point at the freed memory).
 
-    Unlike SGLang, released weights come back with their values on resume (SGLang without
-    --enable-weights-cpu-backup gets its memory back uninitialised, so the trainer must push after
-    resuming, as slime's loop does; doing so here is harmless).
+    Elsewhere (CPU by default) nothing is freed: the weights stay resident with their values and paused requests
+    keep their KV cache. Either way, while "weights" is released the scheduler is paused and /generate answers 503.
     """
+    start, freed = time.perf_counter(), 0
     with state.memory_lock:
         if "weights" in tags and "weights" not in state.released:
             state.scheduler.pause("released")
-            if state.device != "cpu":
-                with state.scheduler.exclusive():
-                    state.scheduler.drop_graphs()  # they point at the tensors being moved
-                    state.model.to("cpu")
+            with state.scheduler.exclusive():
+                state.scheduler.drop_graphs()
+                freed = state.weights.release()
         if "cuda_graph" in tags:
             with state.scheduler.exclusive():
                 state.scheduler.drop_graphs()
-        if "kv_cache" in tags and state.device != "cpu":
+        if "kv_cache" in tags and state.frees_memory:
             with state.scheduler.exclusive():
                 state.scheduler.free_idle_kv_cache()
         state.released |= tags
         if state.device != "cpu" and torch.cuda.is_available():
             torch.cuda.empty_cache()
+    logger.info("memory: released %s in %.3f s (weights %s: %.3f GB freed)", sorted(tags),
+                time.perf_counter() - start, state.weights.mode, freed / 1e9)
 
 
 def _resume(state: EngineState, tags: set[str]) -> None:
+    """Take released memory back (see `_release`). Weights come back uninitialised unless kept (CPU, or
+    --enable-weights-cpu-backup); generation then stays paused until the next complete load."""
+    start, allocated = time.perf_counter(), 0
     with state.memory_lock:
         if "weights" in tags and "weights" in state.released:
-            if state.device != "cpu":
-                with state.scheduler.exclusive():
-                    state.model.to(state.device)
-                    state.scheduler.drop_graphs()
-            state.scheduler.resume("released")
+            with state.scheduler.exclusive():
+                allocated = state.weights.resume()
+                state.scheduler.drop_graphs()
+            if state.weights.complete:
+                state.scheduler.resume("released")
         state.released -= tags
+    logger.info("memory: resumed %s in %.3f s (weights %s: %.3f GB allocated%s)", sorted(tags),
+                time.perf_counter() - start, state.weights.mode, allocated / 1e9,
+                "" if state.weights.complete else ", uninitialised until loaded")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -620,6 +675,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--disable-shared-prefill", action="store_true",
                    help="prefill every request's prompt itself (default: identical prompts of one prefill, a GRPO "
                         "group's samples, go through the model once)")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true",
+                   help="releasing the weights copies them to host memory (pinned, kept for the next release) and "
+                        "resuming copies them back (SGLang's flag); default: released weights are freed and come back "
+                        "uninitialised, and /generate answers 503 until the complete weights have been loaded again")
+    p.add_argument("--release-memory-on-cpu", action="store_true",
+                   help="on --device cpu, free released memory as on CUDA (for tests of that path on machines without "
+                        "a GPU; default on CPU: a release frees nothing, the weights keep their values)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--weight-dirs", nargs="+", default=None,
@@ -657,7 +719,9 @@ def main(argv=None) -> None:
                           kv_cache=args.kv_cache or ("slots" if args.device.startswith("cuda") else "dynamic"),
                           cuda_graphs=not args.disable_cuda_graph, shared_prefill=not args.disable_shared_prefill)
     state = EngineState(model, tokenizer, scheduler, model_path=args.model_path, device=args.device,
-                        dtype=args.dtype, weight_version=args.weight_version, weight_dirs=args.weight_dirs)
+                        dtype=args.dtype, weight_version=args.weight_version, weight_dirs=args.weight_dirs,
+                        frees_memory=args.device != "cpu" or args.release_memory_on_cpu,
+                        weights_cpu_backup=args.enable_weights_cpu_backup)
     scheduler.start()
     logger.info("loaded %s (%s, %s) in %.1f s; serving on http://%s:%d (pid %d, process group %d)", args.model_path,
                 args.device, args.dtype, time.time() - t0, args.host, args.port, os.getpid(), os.getpgid(0))

@@ -1,0 +1,178 @@
+"""The memory of a model's weights, released and taken back (the hf engine's `weights` memory tag).
+
+SGLang's memory saver frees released weights and gives their memory back uninitialised on resume: the trainer
+pushes a complete set of weights right after resuming them. With `--enable-weights-cpu-backup` it keeps a host
+copy instead and copies it back. `WeightMemory` does the same for a torch module, in one of three modes:
+
+- `free`: `release()` points every parameter at an empty tensor of its dtype on its device. The Parameter objects
+  stay (the engine's name table, modules sharing a tied parameter, the weight loaders keep their references);
+  nothing holds the old storages any more and the allocator takes them back. `resume()` gives every storage fresh,
+  uninitialised memory of its size on its device and points the parameters back into it. Until every parameter
+  has been written again (`mark_loaded`), `unloaded` names the ones that have not.
+- `cpu_backup`: the same, but the bytes are first copied into host buffers and copied back on resume. The host
+  buffers are fixed-size chunks (pinned when the device is CUDA), allocated on the first release and reused.
+- `keep`: nothing is freed (a CPU engine has nowhere cheaper to put its weights); only `released` changes.
+
+Storages, not parameters, are what is freed and re-allocated: a tied parameter (embed_tokens and lm_head, one
+Parameter under two names) is one storage, and parameters that are views of one storage are views of one new
+storage after a resume. The storages' sizes and each parameter's place in its storage (offset, shape, stride) are
+recorded once, at construction; no reference to a storage is kept. Buffers (rotary `inv_freq`, ...) are never
+touched: they are derived from the config, small, and never pushed (SGLang saves and restores them around a
+release for that reason). A parameter whose storage a buffer shares stays resident (freeing it would not free the
+memory, and a new storage would part it from the buffer).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger("slime.hf_engine")
+
+MODES = ("free", "cpu_backup", "keep")
+HOST_CHUNK_BYTES = 1 << 28  # 256 MiB: a power of two, so torch's pinned allocator does not round it up
+
+
+@dataclass(frozen=True)
+class _View:
+    """Where one parameter lives in its storage."""
+
+    name: str
+    param: torch.nn.Parameter
+    dtype: torch.dtype
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass
+class _Storage:
+    device: torch.device
+    nbytes: int
+    views: list[_View] = field(default_factory=list)
+
+
+class WeightMemory:
+    """Releases and re-takes the parameter memory of `module` (see the module docstring for the modes)."""
+
+    def __init__(self, module: torch.nn.Module, mode: str):
+        if mode not in MODES:
+            raise ValueError(f"weight release mode {mode!r}: choose one of {list(MODES)}")
+        self.mode = mode
+        buffer_storages = {(b.device, b.untyped_storage().data_ptr()) for b in module.buffers() if b.numel()}
+        storages: dict[tuple[torch.device, int], _Storage] = {}
+        self.resident: list[str] = []  # parameters sharing a buffer's storage: never freed
+        for name, p in module.named_parameters():  # each Parameter once, under its first name
+            key = (p.device, p.untyped_storage().data_ptr())
+            if p.numel() and key in buffer_storages:
+                self.resident.append(name)
+                continue
+            entry = storages.setdefault(key, _Storage(p.device, p.untyped_storage().nbytes()))
+            entry.views.append(_View(name, p, p.dtype, p.storage_offset(), tuple(p.shape), tuple(p.stride())))
+        if self.resident:
+            logger.warning("parameters %s share storage with a buffer: they stay resident when weights are released",
+                           self.resident)
+        self._storages = list(storages.values())
+        self._host: list[torch.Tensor] = []  # cpu_backup: the chunks, allocated on the first release
+        self.released = False
+        self._unloaded: dict[int, str] = {}  # id(Parameter) -> name, while resumed uninitialised
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a release frees (the distinct storages of the parameters)."""
+        return sum(s.nbytes for s in self._storages)
+
+    @property
+    def freed(self) -> bool:
+        """True while the parameters have no memory (released in a mode that frees it)."""
+        return self.released and self.mode != "keep"
+
+    @property
+    def unloaded(self) -> list[str]:
+        """Parameters not written since they came back uninitialised (empty when the weights are whole)."""
+        return sorted(list(self._unloaded.values()))
+
+    @property
+    def complete(self) -> bool:
+        """Every parameter holds loaded values (false from a `free` resume until each has been written)."""
+        return not self._unloaded
+
+    @property
+    def count(self) -> int:
+        """Distinct parameters (a tied one once)."""
+        return sum(len(s.views) for s in self._storages) + len(self.resident)
+
+    def release(self) -> int:
+        """Free the parameters' memory (`cpu_backup`: after copying it to the host); returns the bytes freed."""
+        if self.released:
+            return 0
+        if self.mode == "cpu_backup":
+            self._copy_to_host()
+        if self.mode != "keep":
+            for s in self._storages:
+                for v in s.views:
+                    v.param.data = torch.empty(0, dtype=v.dtype, device=s.device)
+        self.released = True
+        return 0 if self.mode == "keep" else self.nbytes
+
+    def resume(self) -> int:
+        """Memory again for every parameter (`cpu_backup`: with the saved values; `free`: uninitialised, and every
+        parameter is in `unloaded` until written); returns the bytes allocated."""
+        if not self.released:
+            return 0
+        if self.mode != "keep":
+            for s in self._storages:
+                storage = torch.empty(s.nbytes, dtype=torch.uint8, device=s.device).untyped_storage()
+                for v in s.views:
+                    v.param.data = torch.empty(0, dtype=v.dtype, device=s.device).set_(storage, v.offset, v.size,
+                                                                                        v.stride)
+            if self.mode == "cpu_backup":
+                self._copy_from_host()
+            else:
+                self._unloaded = {id(v.param): v.name for s in self._storages for v in s.views}
+        self.released = False
+        return 0 if self.mode == "keep" else self.nbytes
+
+    def mark_loaded(self, tensors) -> None:
+        """These tensors (the module's own parameter objects; others are ignored) hold loaded values now."""
+        for t in tensors:
+            self._unloaded.pop(id(t), None)
+
+    # ---- cpu_backup ----
+    def _segments(self):
+        """(storage index, start in it, host chunk index, start in the chunk, length): the storages laid end to
+        end over the chunks, a storage split where a chunk ends."""
+        pos = 0
+        for i, s in enumerate(self._storages):
+            start = 0
+            while start < s.nbytes:
+                chunk, at = divmod(pos, HOST_CHUNK_BYTES)
+                n = min(s.nbytes - start, HOST_CHUNK_BYTES - at)
+                yield i, start, chunk, at, n
+                start += n
+                pos += n
+
+    def _bytes(self, i: int) -> torch.Tensor:
+        """Storage i's current memory as a flat uint8 tensor."""
+        s = self._storages[i]
+        return torch.empty(0, dtype=torch.uint8, device=s.device).set_(s.views[0].param.untyped_storage())
+
+    def _copy_to_host(self) -> None:
+        if not self._host:
+            pin = any(s.device.type == "cuda" for s in self._storages)
+            sizes = [min(HOST_CHUNK_BYTES, self.nbytes - at) for at in range(0, self.nbytes, HOST_CHUNK_BYTES)]
+            self._host = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in sizes]
+        for i, start, chunk, at, n in self._segments():
+            self._host[chunk][at:at + n].copy_(self._bytes(i)[start:start + n], non_blocking=True)
+        self._synchronize()
+
+    def _copy_from_host(self) -> None:
+        for i, start, chunk, at, n in self._segments():
+            self._bytes(i)[start:start + n].copy_(self._host[chunk][at:at + n], non_blocking=True)
+        self._synchronize()
+
+    def _synchronize(self) -> None:
+        for device in {s.device for s in self._storages if s.device.type == "cuda"}:
+            torch.cuda.synchronize(device)
