@@ -190,11 +190,11 @@ def _interrupt(signum, frame):
 
 
 def visible_gpus() -> int:
-    """GPUs `nvidia-smi -L` lists, narrowed by CUDA_VISIBLE_DEVICES when set (0 without nvidia-smi)."""
+    """GPUs `nvidia-smi -L` lists, narrowed by CUDA_VISIBLE_DEVICES when set; torch's count without nvidia-smi."""
     try:
         listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return 0
+        return int(_torch_cuda("torch.cuda.device_count()") or 0)
     count = sum(line.startswith("GPU ") for line in listed.splitlines())
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
@@ -207,8 +207,19 @@ def gpu_name() -> str:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
     except (OSError, subprocess.TimeoutExpired):
-        return "none (no nvidia-smi)"
+        name = _torch_cuda("torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'")
+        return f"{name} (torch; no nvidia-smi)" if name else "none (no nvidia-smi, no torch)"
     return f"{len(out)} × {out[0]}" if out else "none"
+
+
+def _torch_cuda(expression: str) -> str:
+    """`expression` evaluated by torch in a child process (this one never initialises CUDA); '' on failure."""
+    try:
+        done = subprocess.run([sys.executable, "-c", f"import torch; print({expression})"], capture_output=True,
+                              text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else ""
 
 
 def commit() -> str:
@@ -281,7 +292,7 @@ def judge(row: Row, rc: int, out: str) -> tuple[str, str]:
 def run_row(row: Row, out_dir: str, gpus: int, time_left: float | None, env: dict, grace_s: float) -> Result:
     result = Result(row, log=f"row{row.id:02d}.log")
     if row.gpus > gpus:
-        result.status, result.reason = "skip", f"needs {row.gpus} GPUs, {gpus} visible"
+        result.status, result.reason = "skip", f"needs {row.gpus} GPU{'s' if row.gpus > 1 else ''}, {gpus} visible"
         return result
     timeout = row.timeout_s
     if time_left is not None:
