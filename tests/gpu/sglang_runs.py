@@ -8,8 +8,9 @@ read the run's TensorBoard the same way that test does:
   the sampled tokens equal the trainer's within bf16 error (what SGLang serves is what was trained);
 - `check_policy_moved`: the optimizer's steps reached the weights the trainer computes with. `--use-kl-loss`
   compares the policy with a frozen copy of the initial weights: `train/kl_loss` is exactly 0 while the two are the
-  same weights and non-zero once the policy changed (positive or negative: the default estimator is the log-ratio). The other checks cannot see a run whose optimizer updates a
-  detached copy of the parameters (the engine then serves, and the trainer computes with, the unchanged weights);
+  same weights and non-zero once the policy changed (positive or negative: the default estimator is the
+  log-ratio). The other checks cannot see a run whose optimizer updates a detached copy of the parameters (the
+  engine then serves, and the trainer computes with, the unchanged weights);
 - `sglang_server`: one SGLang server started here (not through train.py), reaped on every exit path.
 """
 

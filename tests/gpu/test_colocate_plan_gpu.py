@@ -30,7 +30,7 @@ from weight_sync import SHAPES  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the plan of the GPU node)")
 
-# colocate_memory.py's defaults: the job its `--rollouts sglang --modes resident` runs
+# the job of `colocate_memory.py --rollouts sglang --modes resident --steps 3` (its defaults otherwise)
 JOB = argparse.Namespace(shape="qwen3-4b", prompts=32, prompt_len=64, response_len=1024, steps=3, micro_batch_size=4,
                          sglang_mem_fraction=0.6, sglang_attention_backend="triton")
 

@@ -203,33 +203,48 @@ def test_commands_name_files_and_benchmark_options_that_exist():
                 assert re.search(rf"add_argument\(\s*\"{flag}\"", source), f"row {r.id}: {script} has no {flag}"
 
 
-def test_figures_and_checks_read_the_benchmark_reports():
-    report = textwrap.dedent("""\
-        qwen3-4b, megatron + sglang colocated on H200, 32 prompts x 8 samples x 1024 tokens
-        ## sglang, handoff: exit 0, device peak 95.0 GB
-        | step | step s | handoff s | handoff / step | offload s | onload s | actor GB after offload |
-        | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
-        | 0 | 90.00 | 40.00 | 44.4% | 13.50 | 3.00 | 1.20 |
-        | 1 | 50.00 | 4.00 | 8.0% | 2.00 | 2.00 | 1.20 |
-        | 2 | 52.00 | 4.50 | 9.0% | 2.00 | 2.50 | 1.21 |
+REPORT = textwrap.dedent("""\
+    qwen3-4b, megatron + sglang colocated on H200, 32 prompts x 8 samples x 1024 tokens
+    ## sglang, handoff: exit 0, device peak 95.0 GB
+    | step | step s | handoff s | handoff / step | engine release s | engine resume s | offload s | onload s | actor GB after offload |
+    | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+    | 0 | 90.00 | 40.00 | 44.4% | 1.00 | 2.00 | 13.50 | 3.00 | 1.20 |
+    | 1 | 50.00 | 4.00 | 8.0% | 0.50 | 0.60 | 2.00 | 2.00 | 1.20 |
+    | 2 | 52.00 | 4.50 | 9.0% | 0.50 | 0.60 | 2.00 | 2.50 | 1.21 |
 
-        | phase | device GB after | trainer GB after | engine GB after | device peak GB in phase |
-        | --- | ---: | ---: | ---: | ---: |
-        | engines release weights, kv_cache, cuda_graph | 27.4 | 25.4 | 2.0 | 28.0 |
-        | engines resume kv_cache, cuda_graph (then generate) | 93.4 | 1.2 | 92.1 | 94.0 |
-        | engines release weights, kv_cache, cuda_graph | 3.0 | 1.2 | 1.8 | 93.0 |
-        | trainers onload (then train, save) | 80.0 | 78.0 | 1.8 | 120.0 |
-        """)
+    | step | after onload: alloc / reserved / process / device GB | after offload all but weights: alloc / reserved / process / device GB | after offload: alloc / reserved / process / device GB |
+    | ---: | ---: | ---: | ---: |
+    | 0 | 60.00 / 62.00 / 63.00 / 70.00 | 9.00 / 9.50 / 10.10 / 20.20 | 0.10 / 0.20 / 1.20 / 93.00 |
+
+    | phase | device GB after | trainer GB after | engine GB after | trainer peak GB in phase | device peak GB in phase |
+    | --- | ---: | ---: | ---: | ---: | ---: |
+    | engines release weights, kv_cache, cuda_graph | 27.4 | 25.4 | 2.0 | 25.4 | 28.0 |
+    | engines resume kv_cache, cuda_graph (then generate) | 93.4 | 1.2 | 92.1 | 1.2 | 94.0 |
+    | engines release weights, kv_cache, cuda_graph | 3.0 | 1.2 | 1.8 | 1.2 | 93.0 |
+    | trainers onload (then train, save) | 80.0 | 78.0 | 1.8 | 80.0 | 120.0 |
+    PASS: trainer memory after onload (process_gb) 63.00 GB at rollout 1 -> 63.10 GB at rollout 2: +0.10 GB (tolerance 1.0 GB)
+    FAIL: trainer memory after offload (process_gb) 1.20 GB at rollout 1 -> 3.20 GB at rollout 2: +2.00 GB (tolerance 1.0 GB)
+    """)
+
+
+def test_figures_and_checks_read_colocate_memory_reports():
     row = next(r for r in registry.ROWS if r.id == 1)
-    assert row.check(report) == []
-    figures = row.figures(report)
+    assert row.check(REPORT) == []
+    figures = row.figures(REPORT)
     assert figures["steps"] == "3" and figures["handoff/step"] == "8.5%" and figures["engine freed"] == "98%"
     assert figures["trainer freed"] == "98%"
-    slow = report.replace("| 2 | 52.00 | 4.50 | 9.0% |", "| 2 | 52.00 | 14.56 | 28.0% |")
+    slow = REPORT.replace("| 2 | 52.00 | 4.50 | 9.0% |", "| 2 | 52.00 | 14.56 | 28.0% |")
     assert row.check(slow) == ["the handoff took 18.0% of the step (> 10%)"]
-    failed = report.replace("exit 0, device peak 95.0 GB", "exit 1, device peak 144.2 GB; torch.OutOfMemoryError")
+    failed = REPORT.replace("exit 0, device peak 95.0 GB", "exit 1, device peak 144.2 GB; torch.OutOfMemoryError")
     assert row.check(failed)[0].startswith("train.py exited 1: torch.OutOfMemoryError")
+    kept = REPORT.replace("| trainers onload (then train, save) | 80.0 | 78.0 | 1.8 |",
+                          "| trainers onload (then train, save) | 80.0 | 78.0 | 30.0 |")
+    assert row.check(kept) == ["the engine freed 67% of its GB (< 90%)"]  # the engine held 30 of 92 GB in training
     assert row.check("nothing") == ["no '## sglang, handoff' report in the output"]
+
+    flat = next(r for r in registry.ROWS if "--steps 10" in r.command)
+    assert flat.figures(REPORT)["trainer after offload"] == "+2.00 GB (grew)"
+    assert flat.check(REPORT) == ["3 step(s) logged, fewer than 10", "the trainer's memory after offload grew +2.00 GB"]
 
 
 @pytest.fixture
