@@ -1,0 +1,298 @@
+"""tools/gpu_acceptance.py on CPU: its runner with real subprocesses, its outputs, and its registry against the doc.
+
+The runner runs as users run it (`python tools/gpu_acceptance.py ...`, a subprocess) over a small registry of rows
+written here: one that passes with a figure, one that exits 1, one whose output fails its check, one that runs past
+its timeout leaving children behind (one in a session of its own), one needing two GPUs, and pytest rows whose
+test skips / passes beside a skip. The real registry (tools/gpu_acceptance_rows.py) must be what
+docs/gpu_acceptance.md lists, fit its parts, name files and benchmark options that exist, and its new GPU tests'
+command lines must pass the real argument validation (flags that combine), checked here without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from tools import gpu_acceptance as tool
+from tools import gpu_acceptance_rows as registry
+
+TOOL = os.path.join(REPO_ROOT, "tools", "gpu_acceptance.py")
+
+ROWS_MODULE = '''
+from tools.gpu_acceptance_rows import Row, grab
+
+def must_be_calm(out):
+    return [] if "calm" in out else ["the output is not calm"]
+
+PYTEST = "python -m pytest -s -rs -p no:cacheprovider {tests}"
+ROWS = (
+    Row(1, "passes", "demo", "echo 'loss: 0.25'; echo \\"$ROW_OUT\\" > \\"$ROW_OUT/where\\"", timeout_s=30,
+        estimate_s=1, part="a", must_show="a figure", kind="command", figures=grab(loss=r"loss: (\\S+)")),
+    Row(2, "exits 1", "demo", "echo boom; exit 1", timeout_s=30, estimate_s=1, part="a", must_show="-",
+        kind="command"),
+    Row(3, "fails its check", "demo", "echo stormy", timeout_s=30, estimate_s=1, part="a", must_show="calm",
+        kind="command", check=must_be_calm),
+    Row(4, "runs past its timeout", "demo",
+        "sleep 300 & echo $! >> {pids}; setsid sleep 300 & echo $! >> {pids}; echo started; wait",
+        timeout_s=2, estimate_s=1, part="b", must_show="-", kind="command"),
+    Row(5, "needs two GPUs", "demo", "echo never", timeout_s=30, estimate_s=1, part="b", must_show="-",
+        kind="command", gpus=2),
+    Row(6, "every test skips", "demo", PYTEST, timeout_s=60, estimate_s=2, part="b", must_show="-"),
+)
+'''
+TESTS_FILE = '''
+import pytest
+
+def test_skipped():
+    print("[demo] value 7")
+    pytest.skip("no device here")
+'''
+
+
+def run_tool(tmp_path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO_ROOT]))
+    return subprocess.run([sys.executable, TOOL, "--registry", "demo_rows:ROWS", *args], capture_output=True,
+                          text=True, env=env, cwd=str(tmp_path), timeout=timeout)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def demo(tmp_path):
+    pids = tmp_path / "pids"
+    tests = tmp_path / "demo_cases.py"
+    tests.write_text(TESTS_FILE)
+    (tmp_path / "demo_rows.py").write_text(ROWS_MODULE.replace("{pids}", shlex.quote(str(pids)))
+                                           .replace("{tests}", shlex.quote(str(tests))))
+    return tmp_path
+
+
+def test_runner_statuses_figures_reports_and_no_process_left(demo):
+    out = demo / "out"
+    start = time.monotonic()
+    done = run_tool(demo, "--out", str(out), "--gpus", "1", "--kill-grace", "1")
+    took = time.monotonic() - start
+    assert done.returncode == 1, done.stdout + done.stderr  # rows failed
+
+    report = json.loads((out / "acceptance.json").read_text())
+    rows = {r["id"]: r for r in report["rows"]}
+    assert {i: rows[i]["status"] for i in rows} == {1: "pass", 2: "fail", 3: "fail", 4: "timeout", 5: "skip",
+                                                    6: "skip"}
+    assert rows[1]["figures"] == {"loss": "0.25"}
+    assert (out / "row01" / "where").read_text().strip() == str(out / "row01")  # $ROW_OUT is the row's folder
+    assert rows[2]["reason"] == "exited 1"
+    assert rows[3]["reason"] == "the output is not calm"
+    assert rows[4]["reason"] == "killed after 2 s" and rows[4]["seconds"] < 20, rows[4]
+    assert rows[5]["reason"] == "needs 2 GPUs, 1 visible" and rows[5]["seconds"] == 0
+    assert rows[6]["reason"] == "no device here"  # pytest's skip reason
+    for i in (1, 2, 3, 4, 6):
+        assert (out / rows[i]["log"]).is_file()
+    assert "boom" in (out / rows[2]["log"]).read_text()
+    assert "[demo] value 7" in (out / rows[6]["log"]).read_text()  # pytest ran with -s
+
+    pids = [int(p) for p in (demo / "pids").read_text().split()]
+    assert len(pids) == 2 and not any(alive(p) for p in pids), pids  # the setsid child too
+    assert took < 60
+
+    md = (out / "acceptance.md").read_text()
+    assert report["commit"] and report["versions"]["torch"] and report["gpu"]
+    assert f"commit `{report['commit']}`" in md
+    assert re.search(r"^\| 1 \| passes \| pass \| \d+ \| loss: 0\.25 \|$", md, re.M), md
+    assert re.search(r"^\| 4 \| runs past its timeout \| timeout \(killed after 2 s\) \|", md, re.M), md
+    table = done.stdout[done.stdout.index("  #  name"):]  # the console table comes last
+    assert all(f"  {i}  " in table for i in rows)
+
+
+def test_part_selection_rows_order_and_list(demo):
+    out = demo / "out"
+    done = run_tool(demo, "--out", str(out), "--gpus", "1", "--rows", "3,1")
+    assert done.returncode == 1
+    assert [r["id"] for r in json.loads((out / "acceptance.json").read_text())["rows"]] == [3, 1]
+
+    done = run_tool(demo, "--out", str(out), "--gpus", "1", "--part", "a")
+    assert [r["id"] for r in json.loads((out / "acceptance.json").read_text())["rows"]] == [1, 2, 3]
+
+    listed = run_tool(demo, "--list")
+    assert listed.returncode == 0 and "part a: 3 s estimated" in listed.stdout
+    assert re.search(r"^\s+4\s+runs past its timeout\s+~\s+1 s", listed.stdout, re.M), listed.stdout
+    assert not (demo / "gpu_acceptance_out").exists()  # --list runs nothing
+    bad = run_tool(demo, "--part", "z")
+    assert bad.returncode != 0 and "parts are a, b" in bad.stderr
+
+
+def test_budget_skips_what_does_not_fit(demo):
+    out = demo / "out"
+    done = run_tool(demo, "--out", str(out), "--gpus", "1", "--rows", "1,6", "--budget", "0.9")
+    rows = {r["id"]: r for r in json.loads((out / "acceptance.json").read_text())["rows"]}
+    assert rows[1]["status"] == "pass"  # estimate 1 s: more than half of it is left
+    assert rows[6]["status"] == "skip" and rows[6]["reason"].startswith("--budget"), rows[6]
+    assert done.returncode == 0
+
+
+PYTEST_END = "=========== {} in 3.21s ===========\n"
+
+
+@pytest.mark.parametrize(("rc", "said", "status", "reason"), [
+    (0, PYTEST_END.format("2 passed, 1 deselected"), "pass", ""),
+    (0, "SKIPPED [1] t.py:8: no device\n" + PYTEST_END.format("1 passed, 1 skipped"), "fail",
+     "1 of 2 skipped: no device"),
+    (1, PYTEST_END.format("1 failed, 1 passed"), "fail", "pytest exited 1: 1 failed, 1 passed"),
+    (5, PYTEST_END.format("no tests ran"), "fail", "pytest exited 5: no summary"),
+    (0, PYTEST_END.format("1 passed, 1 xfailed"), "pass", ""),
+    (0, "SKIPPED [2] t.py:3: needs CUDA\n" + PYTEST_END.format("2 skipped"), "skip", "needs CUDA"),
+])
+def test_pytest_outcome_rules(rc, said, status, reason):
+    row = registry.Row(1, "r", "a", "true", timeout_s=1, estimate_s=1, part="p", must_show="-")
+    assert tool.judge(row, rc, said) == (status, reason)
+
+
+def test_commit_without_git_comes_from_the_env_or_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(tool, "ROOT", str(tmp_path))  # no .git there
+    monkeypatch.delenv(tool.COMMIT_ENV, raising=False)
+    assert tool.commit() == "unknown"
+    (tmp_path / tool.COMMIT_FILE).write_text("abc123\n")
+    assert tool.commit() == "abc123"
+    monkeypatch.setenv(tool.COMMIT_ENV, "def456")
+    assert tool.commit() == "def456"
+
+
+# ---- the real registry ----------------------------------------------------------------------------------------
+
+
+def test_doc_lists_exactly_the_registry():
+    assert tool.doc_rows() == tool.markdown_rows(), (
+        "docs/gpu_acceptance.md's rows differ from tools/gpu_acceptance_rows.py: paste the output of "
+        "`python tools/gpu_acceptance.py --markdown-rows` between its markers")
+
+
+def test_parts_fit_a_device_call_and_perf_is_apart():
+    ids = [r.id for r in registry.ROWS]
+    assert ids == list(range(1, len(ids) + 1))
+    for part in registry.PARTS:
+        rows = [r for r in registry.ROWS if r.part == part]
+        assert sum(r.estimate_s for r in rows) <= registry.PART_LIMIT_S, (part, [r.id for r in rows])
+        assert all(r.timeout_s <= 600 for r in rows)
+    for r in registry.ROWS:
+        assert (r.area == "performance") == r.part.startswith("perf"), r
+        assert (r.gpus > 1) == (r.part == "x2"), r
+
+
+def test_commands_name_files_and_benchmark_options_that_exist():
+    for r in registry.ROWS:
+        for path in re.findall(r"(?:tests|benchmarks)/[\w/]+\.py", r.command):
+            assert os.path.isfile(os.path.join(REPO_ROOT, path)), (r.id, path)
+        for script, flags in re.findall(r"python (benchmarks/\w+\.py)([^&]*)", r.command):
+            with open(os.path.join(REPO_ROOT, script)) as f:
+                source = f.read()
+            for flag in re.findall(r"(--[\w-]+)", flags):  # each an option the benchmark's parser adds
+                assert re.search(rf"add_argument\(\s*\"{flag}\"", source), f"row {r.id}: {script} has no {flag}"
+
+
+REPORT = textwrap.dedent("""\
+    qwen3-4b, megatron + sglang colocated on H200, 32 prompts x 8 samples x 1024 tokens
+    ## sglang, handoff: exit 0, device peak 95.0 GB
+    | step | step s | handoff s | handoff / step | engine release s | engine resume s | offload s | onload s | actor GB after offload |
+    | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+    | 0 | 90.00 | 40.00 | 44.4% | 1.00 | 2.00 | 13.50 | 3.00 | 1.20 |
+    | 1 | 50.00 | 4.00 | 8.0% | 0.50 | 0.60 | 2.00 | 2.00 | 1.20 |
+    | 2 | 52.00 | 4.50 | 9.0% | 0.50 | 0.60 | 2.00 | 2.50 | 1.21 |
+
+    | step | after onload: alloc / reserved / process / device GB | after offload all but weights: alloc / reserved / process / device GB | after offload: alloc / reserved / process / device GB |
+    | ---: | ---: | ---: | ---: |
+    | 0 | 60.00 / 62.00 / 63.00 / 70.00 | 9.00 / 9.50 / 10.10 / 20.20 | 0.10 / 0.20 / 1.20 / 93.00 |
+
+    | phase | device GB after | trainer GB after | engine GB after | trainer peak GB in phase | device peak GB in phase |
+    | --- | ---: | ---: | ---: | ---: | ---: |
+    | engines release weights, kv_cache, cuda_graph | 27.4 | 25.4 | 2.0 | 25.4 | 28.0 |
+    | engines resume kv_cache, cuda_graph (then generate) | 93.4 | 1.2 | 92.1 | 1.2 | 94.0 |
+    | engines release weights, kv_cache, cuda_graph | 3.0 | 1.2 | 1.8 | 1.2 | 93.0 |
+    | trainers onload (then train, save) | 80.0 | 78.0 | 1.8 | 80.0 | 120.0 |
+    PASS: trainer memory after onload (process_gb) 63.00 GB at rollout 1 -> 63.10 GB at rollout 2: +0.10 GB (tolerance 1.0 GB)
+    FAIL: trainer memory after offload (process_gb) 1.20 GB at rollout 1 -> 3.20 GB at rollout 2: +2.00 GB (tolerance 1.0 GB)
+    """)
+
+
+def test_figures_and_checks_read_colocate_memory_reports():
+    row = next(r for r in registry.ROWS if r.id == 1)
+    assert row.check(REPORT) == []
+    figures = row.figures(REPORT)
+    assert figures["steps"] == "3" and figures["handoff/step"] == "8.5%" and figures["engine freed"] == "98%"
+    assert figures["trainer freed"] == "98%"
+    slow = REPORT.replace("| 2 | 52.00 | 4.50 | 9.0% |", "| 2 | 52.00 | 14.56 | 28.0% |")
+    assert row.check(slow) == ["the handoff took 18.0% of the step (> 10%)"]
+    failed = REPORT.replace("exit 0, device peak 95.0 GB", "exit 1, device peak 144.2 GB; torch.OutOfMemoryError")
+    assert row.check(failed)[0].startswith("train.py exited 1: torch.OutOfMemoryError")
+    kept = REPORT.replace("| trainers onload (then train, save) | 80.0 | 78.0 | 1.8 |",
+                          "| trainers onload (then train, save) | 80.0 | 78.0 | 30.0 |")
+    assert row.check(kept) == ["the engine freed 67% of its GB (< 90%)"]  # the engine held 30 of 92 GB in training
+    assert row.check("nothing") == ["no '## sglang, handoff' report in the output"]
+
+    flat = next(r for r in registry.ROWS if "--steps 10" in r.command)
+    assert flat.figures(REPORT)["trainer after offload"] == "+2.00 GB (grew)"
+    assert flat.check(REPORT) == ["3 step(s) logged, fewer than 10", "the trainer's memory after offload grew +2.00 GB"]
+
+
+@pytest.fixture
+def plan_inputs(tmp_path) -> tuple[str, str]:
+    """The tiny Qwen3's config and tokenizer without its weights (all a plan reads), and a few toy prompts."""
+    from tools.make_tiny_model import build_config, build_tokenizer
+    from tools.make_toy_data import write_toy_data
+
+    model = str(tmp_path / "tiny-qwen3")
+    tokenizer = build_tokenizer(model)
+    build_config("qwen3", "tiny", ((len(tokenizer) + 63) // 64) * 64, tokenizer).save_pretrained(model)
+    return model, write_toy_data(str(tmp_path / "toy.jsonl"), num_samples=20, seed=0)
+
+
+def test_new_gpu_tests_command_lines_pass_validation(plan_inputs, tmp_path, monkeypatch):
+    """The flags each new GPU test adds combine (the real parser; `--dry-run-cuda` plans the GPU run here)."""
+    tiny_model_dir, toy_data_path = plan_inputs
+    monkeypatch.setenv("SLIME_SGLANG_LAUNCHER", "sglang serve")
+    import train_async
+    from slime.config.arguments import parse_args
+    from tests.gpu import sglang_runs as runs
+    from tests.gpu.test_megatron_optimizer_offload_gpu import FORMS, OFFLOAD
+    from tests.gpu.test_sglang_train import train_cmd
+    from tests.gpu.test_sglang_two_gpus import checksum_algorithm, disaggregated_cmd
+
+    tb = str(tmp_path / "tb")
+    delta = ["--update-weight-transport", "disk", "--update-weight-mode", "delta", "--update-weight-disk-dir",
+             str(tmp_path / "push"), "--update-weight-local-checkpoint-dir", str(tmp_path / "local"),
+             "--update-weight-delta-checksum", checksum_algorithm()]
+    cases = {
+        "weights checker, megatron": train_cmd("megatron", tiny_model_dir, toy_data_path, tb)
+        + [*runs.NO_CUDA_GRAPH, "--check-weight-update-equal"],
+        "weights checker, fsdp": train_cmd("fsdp", tiny_model_dir, toy_data_path, tb)
+        + [*runs.NO_CUDA_GRAPH, "--check-weight-update-equal"],
+        **{f"optimizer offload, {form}": train_cmd("megatron", tiny_model_dir, toy_data_path, tb)
+           + [*runs.NO_CUDA_GRAPH, *OFFLOAD, *extra] for form, extra in FORMS.items()},
+        "train_async": disaggregated_cmd("megatron", tiny_model_dir, toy_data_path, tb),
+        "delta": disaggregated_cmd("megatron", tiny_model_dir, toy_data_path, tb) + delta,
+    }
+    for name, cmd in cases.items():
+        args = parse_args([*cmd[2:], "--dry-run", "--dry-run-cuda"])
+        if name == "train_async":
+            train_async.check_async_args(args)
+            assert not args.colocate and not args.offload_rollout
+        if name.startswith("optimizer offload"):
+            assert args.optimizer_cpu_offload and args.use_distributed_optimizer
+            assert args.offload_train == (name.endswith("handoff")), name
+        if name == "delta":
+            assert args.update_weight_mode == "delta" and not args.colocate
+        if name.startswith("weights checker"):
+            assert args.check_weight_update_equal and args.colocate and args.offload_rollout

@@ -1,0 +1,354 @@
+"""The rows of the GPU acceptance (docs/gpu_acceptance.md), and how to read each row's figures from its output.
+
+One `Row` per check: its command (a pytest selection of tests/gpu/ run with `-s`, or a benchmark), timeout,
+estimated seconds, the part it runs in (each part fits one device call of 10 minutes by the estimates, PART_LIMIT_S),
+what it must show, how to read its figures and which conditions on its output make it pass beyond its exit status
+(tools/gpu_acceptance.py runs them; its docstring has the status rules). The estimates are guesses from the runs in
+docs/ and benchmarks/README.md, cold start included (SGLang ~40 s without CUDA graphs, 1-3 min with them).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+PART_LIMIT_S = 540  # one device call is at most 10 minutes: 9 of rows, and room to stop the last one
+# SGLang without CUDA graphs for rows that do not measure speed (its launcher's flag comes before slime's own)
+FAST_SGLANG = 'SLIME_SGLANG_LAUNCHER="${SLIME_SGLANG_LAUNCHER:-python3 -m sglang.launch_server} --disable-cuda-graph"'
+PYTEST = "python -m pytest -s -rs -p no:cacheprovider"
+
+Figures = dict[str, str]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One acceptance check. `figures(output)` reads what the row shows; `check(output)` returns the ways the
+    output falls short of `must_show` (empty: it holds), on top of the exit status rules of tools/gpu_acceptance.py."""
+
+    id: int
+    name: str
+    area: str
+    command: str  # bash, from the repository root; $ROW_OUT is the row's own output folder
+    timeout_s: int
+    estimate_s: int
+    part: str
+    must_show: str
+    kind: str = "pytest"  # "pytest": pytest's outcome rules; "command": its exit status
+    gpus: int = 1
+    figures: Callable[[str], Figures] = field(default=lambda out: {}, compare=False)
+    check: Callable[[str], list[str]] = field(default=lambda out: [], compare=False)
+
+
+# ---- reading outputs ---------------------------------------------------------------------------------------------
+
+
+def last(pattern: str, text: str, group: int = 1) -> str | None:
+    found = list(re.finditer(pattern, text, re.M))
+    return found[-1].group(group).strip() if found else None
+
+
+def grab(**patterns: str) -> Callable[[str], Figures]:
+    """Figures from the last match of each regex (its first group, cut to 160 characters), e.g.
+    `grab(loss=r"loss: (.+)")`: the figure "loss"."""
+
+    def read(out: str) -> Figures:
+        found = {name.replace("_", " "): last(p, out) for name, p in patterns.items()}
+        return {k: v if len(v) <= 160 else v[:157] + "..." for k, v in found.items() if v is not None}
+
+    return read
+
+
+def table(text: str, first_cell: str) -> list[list[str]]:
+    """Cells of the markdown table rows whose first cell matches `first_cell` (a regex, whole cell)."""
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("|") and line.endswith("|"):
+            cells = [c.strip() for c in line[1:-1].split("|")]
+            if re.fullmatch(first_cell, cells[0]):
+                rows.append(cells)
+    return rows
+
+
+def number(cell: str) -> float:
+    """'1,234.5' / '66.7%' / '2.81x' -> float (nan when not a number)."""
+    try:
+        return float(cell.replace(",", "").rstrip("%x"))
+    except ValueError:
+        return float("nan")
+
+
+def pytest_outcome(out: str) -> tuple[dict[str, int], list[str]]:
+    """Counts of pytest's last summary line ({"passed": 2, ...}) and the reasons of `-rs`'s SKIPPED lines."""
+    summary = last(r"^=+ (.*\bin [\d.]+s.*?) =+$", out) or ""
+    counts: dict[str, int] = {}
+    for n, what in re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)", summary):
+        key = "error" if what.startswith("error") else what
+        counts[key] = counts.get(key, 0) + int(n)
+    reasons = [m.strip() for m in re.findall(r"^SKIPPED \[\d+\] \S+: (.+)$", out, re.M)]
+    return counts, reasons
+
+
+# ---- colocate_memory.py's report -----------------------------------------------------------------------------------
+
+
+def colocate_runs(out: str) -> dict[str, dict]:
+    """benchmarks/colocate_memory.py's report per run ("sglang, handoff"): train.py's exit, the step table's rows
+    (step, step s, handoff s, handoff %, ..., actor GB after offload last), the phase table's rows (phase, device,
+    trainer, engine GB after it, ...) and the trainer-memory verdicts it prints after a handoff run
+    ({move: (passed, "+0.12 GB")})."""
+    runs: dict[str, dict] = {}
+    for m in re.finditer(r"^## (\w+, \w+): exit (-?\d+), device peak ([\d.]+) GB(.*)$", out, re.M):
+        body = out[m.end():].split("\n## ", 1)[0]
+        steps = [[number(c) for c in cells] for cells in table(body, r"\d+") if len(cells) >= 7]
+        phases = [(cells[0], *[number(c) for c in cells[1:]]) for cells in table(body, r"(engines|trainers) .*")]
+        verdicts = {v.group(2): (v.group(1) == "PASS", v.group(3)) for v in re.finditer(
+            r"^(PASS|FAIL): trainer memory after (.+?) \(.*?: ([+-][\d.]+ GB)", body, re.M)}
+        runs[m.group(1)] = {"rc": int(m.group(2)), "peak": float(m.group(3)), "error": m.group(4).lstrip("; "),
+                            "steps": steps, "phases": phases, "verdicts": verdicts}
+    return runs
+
+
+def freed(phases: list[tuple], side: int, held_in: str, left_in: str) -> float:
+    """Share of one side's GB (`side`: 2 trainer, 3 engine column) freed while the other side works: the most it
+    held at the end of the phases starting with `held_in` against the most left at the end of those starting with
+    `left_in`. (Not the end of a release phase itself: its last sample may precede what the release freed.)"""
+    held = [p[side] for p in phases if p[0].startswith(held_in)]
+    left = [p[side] for p in phases if p[0].startswith(left_in)]
+    if not held or not left or max(held) <= 0:
+        return float("nan")
+    return 1.0 - max(left) / max(held)
+
+
+# the phases (the driver's `memory handoff: ...` lines) in which the engines generate and the trainers train
+GENERATING, TRAINING = "engines resume kv_cache", "trainers onload"
+
+
+def handoff_figures(run_name: str) -> Callable[[str], Figures]:
+    def read(out: str) -> Figures:
+        run = colocate_runs(out).get(run_name)
+        if run is None:
+            return {}
+        steps = run["steps"]
+        later = steps[1:] or steps  # the first step pays the pinned allocations and warm-up
+        figures = {"exit": str(run["rc"]), "steps": str(len(steps)), "peak GB": f"{run['peak']:.1f}"}
+        if later:
+            figures.update({"step s": f"{statistics.median(s[1] for s in later):.2f}",
+                            "handoff s": f"{statistics.median(s[2] for s in later):.2f}",
+                            "handoff/step": f"{statistics.median(s[3] for s in later):.1f}%"})
+        engine, trainer = freed(run["phases"], 3, GENERATING, TRAINING), freed(run["phases"], 2, TRAINING, GENERATING)
+        figures.update({"engine freed": f"{engine:.0%}", "trainer freed": f"{trainer:.0%}"})
+        if run["rc"]:
+            figures["error"] = run["error"][:120]
+        return figures
+
+    return read
+
+
+def handoff_check(run_name: str, min_steps: int) -> Callable[[str], list[str]]:
+    """colocate_memory.py's handoff run: exit 0, >= `min_steps` steps, the handoff <= 10% of the step (median of
+    the steps after the first), >= 90% of each side's GB freed while the other side works."""
+
+    def check(out: str) -> list[str]:
+        run = colocate_runs(out).get(run_name)
+        if run is None:
+            return [f"no '## {run_name}' report in the output"]
+        problems = []
+        if run["rc"] != 0:
+            problems.append(f"train.py exited {run['rc']}: {run['error'][:200]}")
+        if len(run["steps"]) < min_steps:
+            problems.append(f"{len(run['steps'])} step(s) logged, fewer than {min_steps}")
+        later = run["steps"][1:]
+        if later and statistics.median(s[3] for s in later) > 10.0:
+            problems.append(f"the handoff took {statistics.median(s[3] for s in later):.1f}% of the step (> 10%)")
+        for side, col, held, left in (("engine", 3, GENERATING, TRAINING), ("trainer", 2, TRAINING, GENERATING)):
+            share = freed(run["phases"], col, held, left)
+            if not share >= 0.9:
+                problems.append(f"the {side} freed {share:.0%} of its GB (< 90%)")
+        return problems
+
+    return check
+
+
+def flat_figures(out: str) -> Figures:
+    figures = handoff_figures("sglang, handoff")(out)
+    run = colocate_runs(out).get("sglang, handoff")
+    if run:
+        figures.update({f"trainer after {move}": f"{growth} ({'ok' if ok else 'grew'})"
+                        for move, (ok, growth) in run["verdicts"].items()})
+    return figures
+
+
+def flat_check(out: str) -> list[str]:
+    """>= 10 steps, each side freed as in row 1, and colocate_memory.py's own verdict: the trainer's memory after
+    each of its moves did not grow from the second step to the last (its `PASS:` / `FAIL:` lines)."""
+    problems = [p for p in handoff_check("sglang, handoff", 10)(out) if "% of the step" not in p]
+    run = colocate_runs(out).get("sglang, handoff")
+    if run:
+        if not run["verdicts"]:
+            problems.append("colocate_memory.py printed no trainer-memory verdict")
+        problems += [f"the trainer's memory after {move} grew {growth}" for move, (ok, growth) in
+                     run["verdicts"].items() if not ok]
+    return problems
+
+
+def resident_hf_figures(out: str) -> Figures:
+    run = colocate_runs(out).get("hf, resident")
+    if run is None:
+        return {}
+    return {"exit": str(run["rc"]), "steps": str(len(run["steps"])), "peak GB": f"{run['peak']:.1f}",
+            **({"error": run["error"][:120]} if run["rc"] else {})}
+
+
+def resident_hf_check(out: str) -> list[str]:
+    """The resident hf job either fails with an out-of-memory message or fits (then it ran every step)."""
+    run = colocate_runs(out).get("hf, resident")
+    if run is None:
+        return ["no '## hf, resident' report in the output"]
+    if run["rc"] != 0 and "out of memory" not in run["error"].lower() and "outofmemory" not in run["error"].lower():
+        return [f"exited {run['rc']} without an out-of-memory message: {run['error'][:200]}"]
+    if run["rc"] == 0 and len(run["steps"]) < 3:
+        return [f"exited 0 with {len(run['steps'])} step(s) logged"]
+    return []
+
+
+# ---- the perf rows' tables ---------------------------------------------------------------------------------------
+
+
+def prefill_figures(out: str) -> Figures:
+    shared = table(out, "shared")
+    chunked = {c[1]: c[2] for c in table(out, "megatron chunked")}
+    figures = {"shared prefill vs alone": shared[-1][4]} if shared else {}
+    figures.update({f"megatron chunked B/logit, entropy {k}": v for k, v in chunked.items()})
+    return figures
+
+
+def grpo_figures(system: str) -> Callable[[str], Figures]:
+    def read(out: str) -> Figures:
+        mine, trl = table(out, re.escape(system)), table(out, "trl")
+        ratio = table(out, rf"TRL / {re.escape(system)} .*")
+        figures = {}
+        if mine:
+            figures.update({f"{system} step s": mine[-1][1], f"{system} train s": mine[-1][4]})
+        if trl:
+            figures["trl step s"] = trl[-1][1]
+        if ratio:
+            figures["TRL / slime step"] = ratio[-1][1]
+        return figures
+
+    return read
+
+
+def decode_figures(out: str) -> Figures:
+    return {f"{c[0]} batch {c[1]} ms/step": c[5] for c in table(out, r"slots|sglang \w+")}
+
+
+# ---- the rows --------------------------------------------------------------------------------------------------
+
+ROWS: tuple[Row, ...] = (
+    Row(1, "4B handoff, SGLang", "handoff",
+        "python benchmarks/colocate_memory.py --rollouts sglang --modes handoff --steps 3 --keep-logs \"$ROW_OUT\"",
+        timeout_s=600, estimate_s=450, part="1",
+        must_show="the 4B job (32 × 8 × 1024 tokens, micro-batch 4, Megatron + SGLang) runs 3 steps with the "
+        "handoff; handoff ≤ 10% of the step; ≥ 90% of each side's GB freed while the other works; the trainer's "
+        "memory flat (the benchmark's verdict, else it exits 1); per-phase memory",
+        kind="command", figures=handoff_figures("sglang, handoff"), check=handoff_check("sglang, handoff", 3)),
+    Row(2, "4B resident refused by --dry-run", "handoff",
+        f"{PYTEST} tests/gpu/test_colocate_plan_gpu.py", timeout_s=300, estimate_s=40, part="1",
+        must_show="the same job without the handoff is refused by the plan on the GPU node (exit ≠ 0, the fix "
+        "named) before anything starts",
+        figures=grab(plan=r"\[plan, resident 4B \+ sglang[^\]]*\] (.+)$")),
+    Row(3, "fsdp handoff + fault tolerance, SGLang", "handoff",
+        f"{FAST_SGLANG} {PYTEST} tests/gpu/test_sglang_train.py -k \"colocated and fsdp or killed\"",
+        timeout_s=600, estimate_s=300, part="2",
+        must_show="the fsdp trainer with the handoff against real SGLang (versions 1-5, |Δ log-prob| < 0.05, "
+        "`perf/engine_release_time` and `perf/actor_offload_moved_gb` every rollout); a SIGKILLed server restarted "
+        "mid-rollout with the handoff on, every group trained once",
+        figures=grab(fsdp_logprob_diff=r"\[sglang fsdp\].*?\|Δ log-prob\| (\[[^\]]*\])",
+                     handoff_s=r"\[sglang fsdp\] handoff s (.+)$",
+                     restarts=r"\[sglang fault tolerance[^\]]*\].*?restarts (\[[^\]]*\])")),
+    Row(4, "engine contract vs real SGLang", "engine contract",
+        f"{PYTEST} tests/gpu/test_contract_sglang_gpu.py", timeout_s=600, estimate_s=180, part="2",
+        must_show="tests/contract passes against a real SGLang server (`--enable-memory-saver`, gloo, same host, "
+        "tol 0.05), `test_update_weights_from_distributed` included (the group's key prefix)",
+        figures=grab(sglang_up_s=r"\[sglang\] up in ([\d.]+) s", suite=r"\[contract vs sglang\] (.+?); not passed",
+                     not_passed=r"\[contract vs sglang\].*; not passed: (.+)$")),
+    Row(5, "weights-only onload, Megatron colocate + resume", "handoff",
+        f"{PYTEST} tests/gpu/test_offload_gpu.py tests/gpu/test_megatron_gpu.py::"
+        "test_train_py_megatron_colocate_then_resume", timeout_s=600, estimate_s=200, part="3",
+        must_show="the mover's two moves and the weights-only onload (fault tolerance's mid-rollout push) on CUDA; "
+        "Megatron + `hf` colocated, SIGTERM after a checkpoint, `--load` resumes at the next rollout",
+        figures=grab(offload=r"^\[offload\] (.+)$", logprob_diff=r"engine/trainer \|Δ log-prob\| per rollout: (.+?);",
+                     resumed=r"run 2 resumed from checkpoint (.+)$")),
+    Row(6, "SFT and OPD (SGLang teacher)", "SFT / OPD",
+        f"{PYTEST} tests/gpu/test_sft_opd_gpu.py -k \"fsdp or sglang\"", timeout_s=600, estimate_s=330, part="3",
+        must_show="SFT on the fsdp trainer (loss halves); OPD `--opd-type sglang` against a real SGLang teacher on "
+        "both trainers (student-teacher KL falls; the teacher log-probs are the teacher's)",
+        figures=grab(sft_fsdp_loss=r"\[sft fsdp\] loss: (.+)$", teacher_up=r"\[teacher\] SGLang up in (.+)$",
+                     teacher_logprobs=r"teacher log-probs vs a transformers fp32 forward of the teacher: (.+)$")),
+    Row(7, "--check-weight-update-equal vs SGLang", "weight sync",
+        f"{PYTEST} tests/gpu/test_sglang_weight_check_gpu.py", timeout_s=600, estimate_s=220, part="4",
+        must_show="SGLang's `/weights_checker` finds every tensor equal to its snapshot after the first push, from "
+        "Megatron and from FSDP; then the usual versions and |Δ log-prob| < 0.05",
+        figures=grab(megatron_logprob_diff=r"\[weights checker, megatron\].*?\|Δ log-prob\| (\[[^\]]*\])",
+                     fsdp_logprob_diff=r"\[weights checker, fsdp\].*?\|Δ log-prob\| (\[[^\]]*\])")),
+    Row(8, "--optimizer-cpu-offload (Megatron) + SGLang", "weight sync",
+        f"{PYTEST} tests/gpu/test_megatron_optimizer_offload_gpu.py", timeout_s=600, estimate_s=240, part="4",
+        must_show="Megatron's host optimizer (`HybridDeviceOptimizer`) with and without `--offload-train`: pushes "
+        "reach SGLang (|Δ log-prob| < 0.05) and the policy moves (`train/kl_loss` > 0)",
+        figures=grab(handoff_kl=r"\[optimizer cpu offload, handoff\] kl_loss[^\[]*(\[[^\]]*\])",
+                     resident_kl=r"\[optimizer cpu offload, resident\] kl_loss[^\[]*(\[[^\]]*\])")),
+    Row(9, "trainer memory flat over 10 steps (4B, short)", "handoff",
+        "python benchmarks/colocate_memory.py --rollouts sglang --modes handoff --steps 10 --prompts 4 "
+        "--response-len 128 --keep-logs \"$ROW_OUT\"", timeout_s=600, estimate_s=420, part="5",
+        must_show="10 push / offload cycles of the 4B job, short (4 × 8 × 128 tokens): the trainer's memory after "
+        "each of its moves does not grow from the second step to the last (the benchmark's PASS lines, ≤ 1 GB); "
+        "≥ 90% freed each side",
+        kind="command", figures=flat_figures, check=flat_check),
+    Row(10, "4B handoff, hf engine", "handoff",
+        "python benchmarks/colocate_memory.py --rollouts hf --modes handoff --steps 3 --keep-logs \"$ROW_OUT\"",
+        timeout_s=600, estimate_s=400, part="6",
+        must_show="row 1 with the built-in `hf` engine", kind="command",
+        figures=handoff_figures("hf, handoff"), check=handoff_check("hf, handoff", 3)),
+    Row(11, "4B resident, hf engine", "handoff",
+        "python benchmarks/colocate_memory.py --rollouts hf --modes resident --steps 3 --keep-logs \"$ROW_OUT\"",
+        timeout_s=600, estimate_s=300, part="7",
+        must_show="without the handoff the `hf` job fails with a clear out-of-memory message (the plan cannot "
+        "refuse it: the `hf` engine has no static pool), or fits and runs its 3 steps",
+        kind="command", figures=resident_hf_figures, check=resident_hf_check),
+    Row(12, "train_async.py + SGLang on its own GPU", "async", f"{PYTEST} tests/gpu/test_sglang_two_gpus.py -k async",
+        timeout_s=600, estimate_s=200, part="x2", gpus=2,
+        must_show="one-step-off generation overlapping training; weights by NCCL broadcast into SGLang (rollout 0's "
+        "|Δ log-prob| < 0.05); versions 1, 1, 2, 3, 4; the policy moves",
+        figures=grab(versions=r"\[train_async \+ sglang[^\]]*\] versions per rollout (\[.*?\]\]);",
+                     logprob_diff=r"\[train_async \+ sglang[^\]]*\].*\|Δ log-prob\| (\[[^\]]*\])")),
+    Row(13, "delta weight sync (Megatron) + SGLang", "weight sync",
+        f"{PYTEST} tests/gpu/test_sglang_two_gpus.py -k delta", timeout_s=600, estimate_s=200, part="x2", gpus=2,
+        must_show="`--update-weight-mode delta` over disk into SGLang (`update_weights_from_disk` of the local "
+        "checkpoint): a full push, then deltas on it; versions 1-5, |Δ log-prob| < 0.05 every rollout",
+        figures=grab(logprob_diff=r"\[delta sync[^\]]*\].*?\|Δ log-prob\| (\[[^\]]*\])",
+                     MB_written=r"\[delta sync[^\]]*\] pushes .*; MB written (.+)$")),
+    Row(14, "shared prefill, chunked log-prob memory", "performance",
+        "python benchmarks/group_prefill.py --shape qwen3-0.6b && python benchmarks/log_prob_memory.py",
+        timeout_s=400, estimate_s=110, part="perf",
+        must_show="the shared prefill of a GRPO group on the GPU; Megatron's chunked log-probs' bytes per logit on "
+        "CUDA", kind="command", figures=prefill_figures),
+    Row(15, "GRPO step vs TRL (Megatron + SGLang)", "performance",
+        "python benchmarks/grpo_step.py --steps 4 --systems slime-sglang,trl", timeout_s=600, estimate_s=230,
+        part="perf", must_show="the step after the chunked Megatron log-probs (was 4.34 s, 2.81x TRL)",
+        kind="command", figures=grpo_figures("slime-sglang")),
+    Row(16, "GRPO step vs TRL (Megatron + hf)", "performance",
+        "python benchmarks/grpo_step.py --steps 4 --systems slime-megatron,trl", timeout_s=600, estimate_s=220,
+        part="perf2", must_show="the Megatron trainer's step with the packed rotary fix and the chunked log-probs",
+        kind="command", figures=grpo_figures("slime-megatron")),
+    Row(17, "decode speed, hf engine vs SGLang", "performance",
+        "python benchmarks/decode_speed.py --kv-cache slots --sglang triton", timeout_s=600, estimate_s=220,
+        part="perf2", must_show="the `hf` engine's decode against the bandwidth bound and SGLang's (no decode "
+        "change since the last figures: 6.98 / 11.33 ms per step at batch 64 / 256)",
+        kind="command", figures=decode_figures),
+)
+PARTS = tuple(dict.fromkeys(r.part for r in ROWS))
+
+
