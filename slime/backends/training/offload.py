@@ -70,8 +70,9 @@ class Offloader:
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.synchronize(self.device)
         if not self.state_off:
-            # an optimizer's parameters that are the model's own (no master copies) move with their module/buffer
-            own = {id(p) for m in (*state.weights, *state.modules, *state.ddp_chunks) for p in m.parameters()}
+            # an optimizer's parameters that are the model's own (no master copies), or views of its storage (the
+            # optimizer CPU offload's device-side shards), move with their module/buffer
+            own = held_storages(state)
             for opt in state.optimizers:
                 opt.zero_grad(set_to_none=True)
                 self._offload_optimizer(opt, own)
@@ -123,7 +124,7 @@ class Offloader:
     def _offload_optimizer(self, opt: torch.optim.Optimizer, own: set[int]) -> None:
         for group in opt.param_groups:
             for p in group["params"]:
-                if isinstance(p, torch.Tensor) and p.is_cuda and not _is_dtensor(p) and id(p) not in own:
+                if isinstance(p, torch.Tensor) and p.is_cuda and not _is_dtensor(p) and _storage(p) not in own:
                     self._moved.append((p, None, p.device))
                     p.data = self._pinned(p, None, p.data)
         for state in opt.state.values():
@@ -159,6 +160,21 @@ def _move(state: TrainState, modules: list[torch.nn.Module], device, params: boo
     if out:
         for module in modules:
             module.to(device)
+
+
+def held_storages(state: TrainState) -> set[int]:
+    """The device storages the module / buffer moves carry (by data pointer): the modules' parameters and the DDP
+    chunks' contiguous parameter and gradient buffers. A tensor on one of them moves with it; moving it again on
+    its own would cut it loose from the storage it is a view of."""
+    held = {_storage(p) for m in (*state.weights, *state.modules, *state.ddp_chunks) for p in m.parameters()}
+    for chunk in state.ddp_chunks:
+        for buffer in _ddp_buffers(chunk):
+            held.update(_storage(t) for t in (buffer.param_data, buffer.grad_data) if t is not None)
+    return held
+
+
+def _storage(t: torch.Tensor) -> int:
+    return (t.to_local() if _is_dtensor(t) else t).untyped_storage().data_ptr()
 
 
 def loose_parameters(state: TrainState) -> list[torch.nn.Parameter]:
