@@ -24,6 +24,11 @@ previous version's folder (unless `--update-weight-disk-keep-files`). `DeltaPush
 Only rank 0 writes, so the hook runs on rank 0 (slime calls it on every rank and
 asks it to gate itself). Every route has `begin(engines)`, `send(bucket, version)`, `finish(version)` (after
 the last bucket) and `close()`.
+
+Errors: an engine's call that fails raises the engine's own error (a server that died mid-push raises
+`EngineDiedError`, whose first line says which engine, how it ended and why: slime/backends/server_engine.py).
+When our side of the broadcast fails first (gloo's "Connection closed by peer" as an engine dies), the engines'
+answers are awaited for ENGINE_ERROR_WAIT_S and an engine's error is raised in its place.
 """
 
 from __future__ import annotations
