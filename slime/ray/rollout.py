@@ -15,8 +15,8 @@ Simplifications and choices:
   weights by the trainer (idle while train.py generates) before the router sends it anything; the rollout's
   retried requests then complete on it.
 - Samples marked FAILED are counted in `rollout/failed_count` (train_data.py gives them an all-zero loss mask).
-  When a rollout fails (or, without --use-fault-tolerance, finishes with FAILED samples and a dead engine), the
-  engines are asked whether their server ended or logged an error since the rollout began
+  When a rollout or an eval fails (or, without --use-fault-tolerance, a rollout finishes with FAILED samples and a
+  dead engine), the engines are asked whether their server ended or logged an error since it began
   (`ServerEngine.status`); the error raised then starts with the first such engine's one-line report (which
   engine, its exit code or signal, its log's telling line, the fix), before the rollout's own error (the router's
   503, say). `--use-fault-tolerance` logs the same line when it takes an engine out.
@@ -370,7 +370,12 @@ class RolloutManager:
         path = args.eval_function_path
         fn = load_function(path, "--eval-function-path")
         set_current_rollout_id(rollout_id)
-        output = call_rollout_fn(fn, args, rollout_id, self.data_source, evaluation=True)
+        log_marks = self._engine_log_marks()
+        try:
+            output = call_rollout_fn(fn, args, rollout_id, self.data_source, evaluation=True)
+        except Exception as e:
+            self._raise_engine_failure(f"eval at rollout {rollout_id} failed", log_marks, e)
+            raise
         if not isinstance(output.data, dict):
             raise TypeError(f"eval function {path} returned {type(output.data).__name__}, expected "
                             "RolloutFnEvalOutput or {name: {rewards, ...}}")
