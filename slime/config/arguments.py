@@ -22,6 +22,7 @@ import difflib
 import logging
 import math
 import os
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -368,11 +369,17 @@ def check_before_start(args: argparse.Namespace) -> None:
 
 
 def _local_gpu_bytes() -> float | None:
+    """GPU 0's memory as torch reports it, asked in a child process: the driver itself keeps no CUDA context on a
+    GPU the engines and trainers share. None without CUDA or when the child cannot tell."""
     if not _cuda_available():
         return None
-    import torch
-
-    return float(torch.cuda.get_device_properties(0).total_memory)
+    code = "import torch; print(torch.cuda.get_device_properties(0).total_memory)"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        return float(out.stdout.strip())
+    except (OSError, subprocess.SubprocessError, ValueError):
+        logger.warning("could not read the GPU's memory; the colocated memory check is skipped")
+        return None
 
 
 def check_model_args(args: argparse.Namespace) -> None:
