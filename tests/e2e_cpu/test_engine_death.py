@@ -112,9 +112,9 @@ def ray_cluster():
         ray.shutdown()
 
 
-def failing_manager(workdir, fault: str):  # noqa: F811
+def failing_manager(workdir, fault: str, *extra: str):  # noqa: F811
     """A RolloutManager with one engine whose server runs the fault hook $SLIME_TEST_ENGINE_FAULT=`fault`."""
-    args = manager_args(workdir, "--rollout-num-gpus", "1", "--rollout-max-response-len", "8")
+    args = manager_args(workdir, "--rollout-num-gpus", "1", "--rollout-max-response-len", "8", *extra)
     path = os.pathsep.join(filter(None, [FAULT_SITE, ROOT, os.environ.get("PYTHONPATH")]))
     env = {"PYTHONPATH": path, "SLIME_TEST_ENGINE_FAULT": fault}
     return ray.remote(num_cpus=0, runtime_env={"env_vars": env})(RolloutManager).remote(args, None)
@@ -143,6 +143,23 @@ def test_a_rollout_whose_engine_fails_names_the_engine_and_its_cause(workdir, ra
         assert "503" not in line and "HTTPRequestError" not in line
         # the rollout's own failure (the router's or the client's answer) is still there, below
         assert any(x.startswith("the rollout's own error: RuntimeError: rollout 0: ") for x in str(error).splitlines())
+    finally:
+        ray.get(manager.shutdown.remote(), timeout=120)
+        ray.kill(manager)
+    assert not wait_no_servers(), "servers left after shutdown"
+
+
+@pytest.mark.timeout(420)
+def test_a_rollout_that_tolerates_its_failures_still_stops_on_a_dead_engine(workdir, ray_cluster):  # noqa: F811
+    """--max-failed-ratio 1.0: the rollout itself returns (every sample FAILED), but without --use-fault-tolerance
+    nothing would restart the dead engine: the manager raises with its line instead of training on nothing."""
+    manager = failing_manager(workdir, "die:2", "--max-failed-ratio", "1.0")
+    try:
+        [url] = ray.get(manager.get_engine_urls.remote())
+        error = rollout_error(manager)
+        lines = str(error).splitlines()
+        assert lines[0].startswith(f"rollout 0: hf-engine rank 0 ({url}) was killed by SIGKILL: {OOM}"), str(error)
+        assert lines[1] == "(without --use-fault-tolerance a dead engine is not restarted: the run cannot go on)"
     finally:
         ray.get(manager.shutdown.remote(), timeout=120)
         ray.kill(manager)
