@@ -620,17 +620,13 @@ class _Builder:
                     + self._engine_shrink(mem, self.gpu_bytes - train.total)
                     + " (with --no-offload-rollout the engines keep their memory while training; the memory handoff "
                       "releases it)")
-        if during_gen > self.gpu_bytes:
-            if a.offload_train:
-                self.warnings.append(f"colocated, while generating: {fmt_bytes(during_gen)} > {gpu}: "
-                                     + self._engine_shrink(mem, self.gpu_bytes).removeprefix("or "))
-            else:
-                self.refusals.append(
-                    f"colocated, while generating: engines {engine_what} + training state {fmt_bytes(resident)} = "
-                    f"{fmt_bytes(during_gen)} > {gpu} per GPU: drop --no-offload-train, "
-                    + self._engine_shrink(mem, self.gpu_bytes - resident)
-                    + " (with --no-offload-train the training state stays on the GPU while the engines generate; the "
-                      "memory handoff moves it to host memory)")
+        if during_gen > self.gpu_bytes and not a.offload_train:  # the engines alone: warned in their own rows
+            self.refusals.append(
+                f"colocated, while generating: engines {engine_what} + training state {fmt_bytes(resident)} = "
+                f"{fmt_bytes(during_gen)} > {gpu} per GPU: drop --no-offload-train, "
+                + self._engine_shrink(mem, self.gpu_bytes - resident)
+                + " (with --no-offload-train the training state stays on the GPU while the engines generate; the "
+                  "memory handoff moves it to host memory)")
         return rows
 
     def _engine_shrink(self, mem: EngineMemory, room: float) -> str:
