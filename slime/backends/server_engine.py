@@ -169,10 +169,13 @@ class ServerEngine:
         return os.path.getsize(self.log_path) if self.log_path and os.path.exists(self.log_path) else 0
 
     def _log_text(self, since: int = 0) -> str:
+        """The log from byte `since` (at most its last _REPORT_READ_BYTES); from its start when it is shorter than
+        `since` (a restarted server writes a new log)."""
         if not self.log_path or not os.path.exists(self.log_path):
             return ""
+        size = os.path.getsize(self.log_path)
         with open(self.log_path, "rb") as f:
-            f.seek(max(since, os.path.getsize(self.log_path) - _REPORT_READ_BYTES))
+            f.seek(max(since if since <= size else 0, size - _REPORT_READ_BYTES))
             return f.read().decode(errors="replace")
 
     def _who(self) -> str:
