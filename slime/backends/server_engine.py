@@ -11,6 +11,13 @@ process it spawned; on Linux it also gets PR_SET_PDEATHSIG=SIGKILL, so it dies w
 started it dies (a killed Ray actor takes its server with it). Caveat of PDEATHSIG: it fires when the
 *starting thread* exits, so call `init` from a thread that lives as long as the engine (a Ray actor's
 method thread, or the main thread). `shutdown` is idempotent and also registered with `atexit`.
+
+When the server fails, the error says why in its first line (`failure_report`): which engine (rank, URL), how
+its process ended (exit code or signal), the most telling line of its own log (slime/utils/engine_logs.py: a
+CUDA out-of-memory message, a CUDA error, a traceback's final line, ...), what to change, and the log's path;
+the log's last lines follow on the next lines. Start-up failures, control calls that lose the server
+(`EngineDiedError`, a weight push or a release / resume included) and the rollout manager's report of a failed
+rollout all use it.
 """
 
 from __future__ import annotations
@@ -23,15 +30,23 @@ import time
 
 import httpx
 
+from slime.utils.engine_logs import advice, exit_description, failure_kind, telling_line
 from slime.utils.net import free_port, node_ip
 from slime.utils.processes import spawn, stop_process_group
 from slime.weight_sync.delta import apply_push
 
 _STARTUP_RETRIES = 3  # a freshly picked free port can be taken by someone else before the server binds it
+_REPORT_READ_BYTES = 256 * 1024  # log read for the telling line: an OOM traceback can be followed by much more
+_EXIT_WAIT_S = 3.0  # a lost connection can come just before the server process is gone: wait this long for it
 
 
 class EngineHTTPError(RuntimeError):
     """An engine answered a control call with an error; the message is the server's."""
+
+
+class EngineDiedError(EngineHTTPError):
+    """A control call lost the engine's server because its process ended; the first line of the message is the
+    engine's `failure_report()`, its log's last lines follow."""
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -125,18 +140,19 @@ class ServerEngine:
         deadline = time.monotonic() + self.startup_timeout_s
         url = self.get_url() + self.health_path
         while True:
-            rc = self.process.poll()
-            if rc is not None:
-                raise RuntimeError(f"{self.name} rank {self.rank} exited with code {rc} before answering "
-                                   f"{url}; log {self.log_path}:\n{self.log_tail()}")
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.failure_report(when=f'at start-up, before answering {url}')}\n"
+                                   f"last lines of {self.log_path}:\n{self.log_tail()}")
             try:
                 if httpx.get(url, timeout=self.health_probe_timeout_s, trust_env=False).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} rank {self.rank} did not answer {url} within "
-                                   f"{self.startup_timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+                line = telling_line(self._log_text())
+                raise RuntimeError(f"{self._who()} did not answer {url} within {self.startup_timeout_s:.0f} s"
+                                   + (f"; its log says: {line}" if line else "") + f"; log {self.log_path}\n"
+                                   f"last lines of {self.log_path}:\n{self.log_tail()}")
             time.sleep(0.2)
 
     def log_tail(self, n_bytes: int = 4000) -> str:
@@ -145,6 +161,75 @@ class ServerEngine:
         with open(self.log_path, "rb") as f:
             f.seek(max(0, os.path.getsize(self.log_path) - n_bytes))
             return f.read().decode(errors="replace")
+
+    # ---- why it failed ----
+    def log_size(self) -> int:
+        """Bytes in the server's log so far: pass it back as `failure_report(since=...)` to look only at what the
+        server logged after this moment."""
+        return os.path.getsize(self.log_path) if self.log_path and os.path.exists(self.log_path) else 0
+
+    def _log_text(self, since: int = 0) -> str:
+        """The log from byte `since` (at most its last _REPORT_READ_BYTES); from its start when it is shorter than
+        `since` (a restarted server writes a new log)."""
+        if not self.log_path or not os.path.exists(self.log_path):
+            return ""
+        size = os.path.getsize(self.log_path)
+        with open(self.log_path, "rb") as f:
+            f.seek(max(since if since <= size else 0, size - _REPORT_READ_BYTES))
+            return f.read().decode(errors="replace")
+
+    def _who(self) -> str:
+        where = self.get_url() if self.port is not None else "not started"
+        return f"{self.name} rank {self.rank} ({where})"
+
+    def death_report(self) -> str | None:
+        """None while the server process runs (or was never started, or was stopped by `shutdown`); once it has
+        ended, one line: which engine, its exit code or signal, its log's telling line, the fix, the log's path."""
+        if self.process is None or self.process.poll() is None:
+            return None
+        return self.failure_report()
+
+    def failure_report(self, since: int | None = None, when: str = "") -> str | None:
+        """`death_report`'s line when the server has ended; while it runs, the same line about the most telling
+        error it logged after byte `since` of its log (None: nothing telling, or `since` not given); None when no
+        server was started or `shutdown` stopped it. `when` goes after the exit description ("at start-up")."""
+        if self.process is None:  # never started, or stopped by `shutdown`
+            return None
+        rc = self.process.poll()
+        alive = rc is None
+        if alive and since is None:
+            return None
+        line = telling_line(self._log_text(since or 0))
+        if alive and line is None:
+            return None
+        args = self.args
+        kind = failure_kind(line, rc)
+        fix = advice(kind, backend=args.rollout_backend, colocate=args.colocate,
+                     offload_rollout=args.offload_rollout, offload_train=args.offload_train)
+        state = "is running but logged an error" if alive else exit_description(rc)
+        said = line.rstrip(".") if line else "its log shows no error"
+        return (f"{self._who()} {state}{' ' + when if when else ''}: {said}" + (f". Fix: {fix}" if fix else "")
+                + f". Log: {self.log_path}")
+
+    def status(self, since: int | None = None) -> dict:
+        """{"alive": the server process runs, "report": `failure_report(since)`} in one call (the rollout manager's
+        question after a failed rollout)."""
+        return {"alive": self.process is not None and self.process.poll() is None,
+                "report": self.failure_report(since)}
+
+    def _lost_server(self, what: str, error: Exception) -> EngineHTTPError:
+        """The error for a control call whose connection failed: `EngineDiedError` with the engine's report when
+        its process ended (waiting briefly: the connection can drop a moment before the process is gone)."""
+        if self.process is not None:
+            try:
+                self.process.wait(_EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
+        report = self.death_report()
+        if report is None:
+            return EngineHTTPError(f"{what} failed: {type(error).__name__}: {error}")
+        return EngineDiedError(f"{report}\n({what} failed: {type(error).__name__}: {error})\n"
+                               f"last lines of {self.log_path}:\n{self.log_tail()}")
 
     # ---- HTTP ----
     def _http(self) -> httpx.Client:
@@ -157,8 +242,7 @@ class ServerEngine:
         try:
             resp = self._http().request(method, path, json=json, timeout=timeout or self.control_timeout_s)
         except httpx.TransportError as e:
-            raise EngineHTTPError(f"{self.name} rank {self.rank} {method} {self.get_url()}{path} failed: "
-                                  f"{type(e).__name__}: {e}") from e
+            raise self._lost_server(f"{self.name} rank {self.rank} {method} {self.get_url()}{path}", e) from e
         if resp.status_code >= 400:
             raise EngineHTTPError(f"{self.name} rank {self.rank} {method} {path} -> HTTP {resp.status_code}: "
                                   f"{_error_message(resp)}")

@@ -22,6 +22,7 @@ import difflib
 import logging
 import math
 import os
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -35,6 +36,7 @@ from slime.config.arg_groups import FUNCTION_FLAGS, SlimeArgumentError, add_all_
 from slime.config.arg_groups.data import DEFAULT_DATA_SOURCE, check_training_divisibility
 from slime.config.arg_groups.megatron import MEGATRON_DESTS, add_megatron_arguments, validate_megatron
 from slime.config.arg_groups.rollout import DEFAULT_ROLLOUT_FUNCTION, check_hf_checkpoint
+from slime.config.plan import check_memory_fits
 from slime.rollout.rm_hub import RM_TYPES
 from slime.utils.data import chat_template_missing, check_prompt_file, no_chat_template_message
 from slime.utils.misc import load_hook, read_yaml
@@ -354,10 +356,30 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
 def check_before_start(args: argparse.Namespace) -> None:
     """What the training ranks would refuse at start-up, checked by train.py / train_async.py before Ray starts
     (parse_args leaves it out so that flag-level tests may parse partial architectures): --train-backend
-    megatron needs MODEL_ARGS; the default rollout needs a reward function."""
+    megatron needs MODEL_ARGS; the default rollout needs a reward function; a colocated run whose engines and
+    training state, both resident, overfill this machine's GPU by the --dry-run estimate is refused (unless
+    --skip-memory-check; a dry run enforces the same refusal for the GPU size it plans)."""
     if args.train_backend == "megatron" and not args.debug_rollout_only:
         require_model_args(args)
     check_reward_source(args)
+    if args.colocate and args.use_cuda and not args.dry_run and not args.skip_memory_check:
+        gpu_bytes = _local_gpu_bytes()
+        if gpu_bytes is not None:  # a driver without a GPU of its own cannot say what the nodes hold
+            check_memory_fits(args, gpu_bytes)
+
+
+def _local_gpu_bytes() -> float | None:
+    """GPU 0's memory as torch reports it, asked in a child process: the driver itself keeps no CUDA context on a
+    GPU the engines and trainers share. None without CUDA or when the child cannot tell."""
+    if not _cuda_available():
+        return None
+    code = "import torch; print(torch.cuda.get_device_properties(0).total_memory)"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        return float(out.stdout.strip())
+    except (OSError, subprocess.SubprocessError, ValueError):
+        logger.warning("could not read the GPU's memory; the colocated memory check is skipped")
+        return None
 
 
 def check_model_args(args: argparse.Namespace) -> None:

@@ -15,6 +15,11 @@ Simplifications and choices:
   weights by the trainer (idle while train.py generates) before the router sends it anything; the rollout's
   retried requests then complete on it.
 - Samples marked FAILED are counted in `rollout/failed_count` (train_data.py gives them an all-zero loss mask).
+  When a rollout or an eval fails (or, without --use-fault-tolerance, a rollout finishes with FAILED samples and a
+  dead engine), the engines are asked whether their server ended or logged an error since it began
+  (`ServerEngine.status`); the error raised then starts with the first such engine's one-line report (which
+  engine, its exit code or signal, its log's telling line, the fix), before the rollout's own error (the router's
+  503, say). `--use-fault-tolerance` logs the same line when it takes an engine out.
 - slime's hooks around a rollout are called here as slime calls them: `set_current_rollout_id` before the
   rollout / eval function (what `--rollout-sample-hook-path` hooks are told), the samples -> train data
   conversion (`--custom-convert-samples-to-train-data-path`, slime/rollout/train_data.py), and
@@ -76,6 +81,7 @@ ENGINE_CLASSES = {
     "sglang": "slime.backends.sglang_utils.sglang_engine.SGLangEngine",
 }
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # what SGLang's release_memory_occupation frees with no tags
+ENGINE_QUERY_TIMEOUT_S = 30.0  # an engine actor's answer to log_size() / status() (error reports only)
 
 
 class RolloutManager:
@@ -218,13 +224,19 @@ class RolloutManager:
         if args.load_debug_rollout_data:
             samples = load_debug_samples(args.load_debug_rollout_data, rollout_id)
         else:
+            log_marks = self._engine_log_marks()
             self._generating = True
             try:
                 output = call_rollout_fn(self.generate_rollout, args, rollout_id, self.data_source, evaluation=False)
+            except Exception as e:
+                self._raise_engine_failure(f"rollout {rollout_id} failed", log_marks, e)
+                raise
             finally:
                 self._generating = False
             samples = flatten_groups(output.samples, args.rollout_function_path)
             output_metrics = output.metrics
+            if any(s.status == Sample.Status.FAILED for s in samples):
+                self._raise_engine_failure(f"rollout {rollout_id}", log_marks, None)
         fn_metrics = output_metrics or {}
         rollout_time = time.perf_counter() - start
 
@@ -284,6 +296,72 @@ class RolloutManager:
                 return None
         return counts or None
 
+    # ---- why engines failed --------------------------------------------------------------------------------
+    def _engine_log_marks(self) -> list[int | None]:
+        """Each engine's log size now: after a failure, only what an engine logged since is looked at."""
+        if not self.engines:
+            return []
+        try:
+            return ray.get([e.log_size.remote() for e in self.engines], timeout=ENGINE_QUERY_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - a question for error reports must not fail the rollout
+            logger.warning("could not read the engines' log sizes (%s: %s); failures will be reported from the "
+                           "dead engines only", type(e).__name__, e)
+            return [None] * len(self.engines)
+
+    def _engine_failures(self, log_marks: list[int | None]) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+        """([(index, report)] of engines whose server ended or whose Ray actor is gone, the same of running engines
+        that logged a telling error since `log_marks`), each report one line (ServerEngine.failure_report)."""
+        dead, failing = [], []
+        for i, engine in enumerate(self.engines):
+            since = log_marks[i] if i < len(log_marks) else None
+            try:
+                status = ray.get(engine.status.remote(since), timeout=ENGINE_QUERY_TIMEOUT_S)
+            except ray.exceptions.RayActorError as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                url = self.engine_urls[i] if i < len(self.engine_urls) else "?"
+                dead.append((i, f"engine {i} ({url}): its Ray actor is gone, its server with it: {first}"))
+                continue
+            except Exception as e:  # noqa: BLE001 - an engine that does not answer tells nothing
+                logger.warning("engine %d did not answer status(): %s: %s", i, type(e).__name__, e)
+                continue
+            if status["report"]:
+                (failing if status["alive"] else dead).append((i, status["report"]))
+        return dead, failing
+
+    def _raise_engine_failure(self, what: str, log_marks: list[int | None], error: Exception | None) -> None:
+        """After a rollout that raised `error` (or, with `error` None, one that finished with FAILED samples): raise
+        an error whose first line is the first engine's own report when an engine died or logged an error meanwhile
+        (the rollout's error, e.g. the router's 503, and the engine's log tail follow), else return. A finished
+        rollout raises only for a dead engine and without --use-fault-tolerance (nothing would bring it back); a
+        running engine's error is then logged."""
+        if not self.engines:
+            return
+        dead, failing = self._engine_failures(log_marks)
+        if error is None:
+            if dead and not self.args.use_fault_tolerance:
+                failing = []
+            else:
+                for _, report in dead + failing:
+                    logger.warning("%s: %s", what, report)
+                return
+        found = dead + failing
+        if not found:
+            return
+        message = f"{what}: {found[0][1]}"
+        logger.error(message)
+        lines = [message] + [f"also: {report}" for _, report in found[1:]]
+        if error is not None:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            lines.append(f"the rollout's own error: {type(error).__name__}: {first}")
+        else:
+            lines.append("(without --use-fault-tolerance a dead engine is not restarted: the run cannot go on)")
+        try:
+            lines.append(f"last lines of engine {found[0][0]}'s log:\n"
+                         + ray.get(self.engines[found[0][0]].log_tail.remote(), timeout=ENGINE_QUERY_TIMEOUT_S))
+        except Exception:  # noqa: BLE001, S110 - the tail is a courtesy; the report above names the log file
+            pass
+        raise RuntimeError("\n".join(lines)) from error
+
     def eval(self, rollout_id: int) -> dict[str, float]:
         """Run the eval function (`--eval-function-path`, else the rollout function with `evaluation=True`),
         which returns `{name: {"rewards": [...], "truncated": [...], "samples": [...]}}`, and turn each set
@@ -292,7 +370,12 @@ class RolloutManager:
         path = args.eval_function_path
         fn = load_function(path, "--eval-function-path")
         set_current_rollout_id(rollout_id)
-        output = call_rollout_fn(fn, args, rollout_id, self.data_source, evaluation=True)
+        log_marks = self._engine_log_marks()
+        try:
+            output = call_rollout_fn(fn, args, rollout_id, self.data_source, evaluation=True)
+        except Exception as e:
+            self._raise_engine_failure(f"eval at rollout {rollout_id} failed", log_marks, e)
+            raise
         if not isinstance(output.data, dict):
             raise TypeError(f"eval function {path} returned {type(output.data).__name__}, expected "
                             "RolloutFnEvalOutput or {name: {rewards, ...}}")
@@ -413,9 +496,18 @@ class RolloutManager:
         engine is left serving a rollout in progress, the dead ones are brought back now (`_recover_now`)."""
         url = self.engine_urls[i]
         _best_effort(f"deregister {url}", lambda: self.router.remove_worker(url))
+        self._log_take_out(i)
         ray.get(self.engines[i].shutdown.remote())
         if self._generating and self._weight_source and len(self.monitor.dead()) == len(self.engines):
             self._recover_now()
+
+    def _log_take_out(self, i: int) -> None:
+        """The one line saying why engine i goes (its failure_report), before its server is stopped."""
+        try:
+            report = ray.get(self.engines[i].failure_report.remote(), timeout=ENGINE_QUERY_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the take-out goes on
+            report = f"its actor did not answer ({type(e).__name__}: {e})"
+        logger.warning("taking engine %d out: %s", i, report or "its server runs but failed the health check")
 
     def _recover_now(self) -> None:
         """Every engine is dead and a rollout waits on them: restart their servers, have the trainer push the

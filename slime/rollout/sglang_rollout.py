@@ -47,6 +47,7 @@ import hashlib
 import inspect
 import json
 import logging
+import re
 import time
 import uuid
 import weakref
@@ -511,15 +512,29 @@ async def generate_and_rm_group(
 
 
 def check_failed_ratio(args, failed: list[Sample], total: int, where: str) -> None:
-    """Raise when more than --max-failed-ratio of `total` samples failed, quoting the first error."""
+    """Raise when more than --max-failed-ratio of `total` samples failed, quoting the first error. When that error
+    is the engines' side failing (/generate answered 5xx, e.g. the router's 503 no_available_workers, or not at
+    all), the fix points at the engines instead of the generate / reward function: the rollout manager puts the
+    failed engine's own report above this error (slime/ray/rollout.py)."""
     ratio = args.max_failed_ratio
     if failed and len(failed) > ratio * total:
         first = failed[0].metadata.get("error", "unknown error")
+        if _engine_side(first):
+            fix = ("The engines failed to answer /generate: an engine that died or logged an error is named above "
+                   "this line by the rollout manager; else see the engine logs ($SLIME_ENGINE_LOG_DIR, by default "
+                   "the temp dir's slime_engine_logs/)")
+        else:
+            fix = "Fix the generate/reward function, or raise --max-failed-ratio to tolerate more failures"
         raise RuntimeError(
             f"{where}: {len(failed)} samples failed, more than --max-failed-ratio={ratio} of {total}; "
-            f"first error (sample {failed[0].index}): {first}. Fix the generate/reward function, or raise "
-            "--max-failed-ratio to tolerate more failures"
+            f"first error (sample {failed[0].index}): {first}. {fix}"
         )
+
+
+def _engine_side(error: str) -> bool:
+    """A sample error (`_mark_failed`'s text) of a request the engines did not serve: an HTTPRequestError with a
+    5xx answer or none (connection refused, reset, timed out after the retries). A 4xx is the request's fault."""
+    return "HTTPRequestError: " in error and not re.search(r"-> HTTP 4\d\d", error)
 
 
 async def abort_engines(args) -> None:

@@ -24,6 +24,11 @@ previous version's folder (unless `--update-weight-disk-keep-files`). `DeltaPush
 Only rank 0 writes, so the hook runs on rank 0 (slime calls it on every rank and
 asks it to gate itself). Every route has `begin(engines)`, `send(bucket, version)`, `finish(version)` (after
 the last bucket) and `close()`.
+
+Errors: an engine's call that fails raises the engine's own error (a server that died mid-push raises
+`EngineDiedError`, whose first line says which engine, how it ended and why: slime/backends/server_engine.py).
+When our side of the broadcast fails first (gloo's "Connection closed by peer" as an engine dies), the engines'
+answers are awaited for ENGINE_ERROR_WAIT_S and an engine's error is raised in its place.
 """
 
 from __future__ import annotations
@@ -55,8 +60,12 @@ from slime.weight_sync.tensor_payload import flatten_bucket, serialize_bucket
 logger = logging.getLogger(__name__)
 
 
-def _start(calls: list[tuple[Any, str, tuple, dict]]) -> Callable[[], list]:
-    """Start engine calls without waiting (Ray actor handles, or plain objects on threads); returns a waiter."""
+ENGINE_ERROR_WAIT_S = 30.0  # after our side of a transfer failed: how long the engines' answers are awaited
+
+
+def _start(calls: list[tuple[Any, str, tuple, dict]]) -> Callable[..., list]:
+    """Start engine calls without waiting (Ray actor handles, or plain objects on threads); returns a waiter
+    (`wait(timeout=None)`)."""
     refs, futures, pool = [], [], None
     for engine, method, args, kwargs in calls:
         fn = getattr(engine, method)
@@ -66,17 +75,33 @@ def _start(calls: list[tuple[Any, str, tuple, dict]]) -> Callable[[], list]:
             pool = pool or ThreadPoolExecutor(max_workers=len(calls))
             futures.append(pool.submit(fn, *args, **kwargs))
 
-    def wait() -> list:
-        out = [f.result() for f in futures]
+    def wait(timeout: float | None = None) -> list:
+        out = [f.result(timeout) for f in futures]
         if pool is not None:
-            pool.shutdown()
+            pool.shutdown(wait=timeout is None)
         if refs:
             import ray
 
-            out += ray.get(refs)
+            out += ray.get(refs, timeout=timeout)
         return out
 
     return wait
+
+
+def _engine_side_error(wait: Callable[..., list], error: BaseException) -> BaseException:
+    """Our side of a transfer failed (`error`, e.g. gloo's "Connection closed by peer"): if an engine's own call
+    failed too, that is the cause to report (an engine that died says so: `EngineDiedError`, its log's telling
+    line), else `error`. The engines' answers are awaited at most ENGINE_ERROR_WAIT_S."""
+    try:
+        wait(ENGINE_ERROR_WAIT_S)
+    except Exception as engine_error:  # noqa: BLE001 - whichever the engine raised is the better report
+        if not _is_timeout(engine_error):
+            return engine_error
+    return error
+
+
+def _is_timeout(error: BaseException) -> bool:
+    return isinstance(error, TimeoutError) or type(error).__name__ == "GetTimeoutError"  # ray's, a TimeoutError too
 
 
 class BroadcastGroup:
@@ -92,7 +117,13 @@ class BroadcastGroup:
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         joined = _start([(e, "init_weights_update_group", (address, port, off, world, group_name, backend), {})
                          for e, off in zip(self.engines, offsets)])
-        self.pg = init_weight_update_group(address, port, 0, world, group_name, backend, store=store)
+        try:
+            self.pg = init_weight_update_group(address, port, 0, world, group_name, backend, store=store)
+        except Exception as e:
+            cause = _engine_side_error(joined, e)
+            if cause is e:
+                raise
+            raise cause from e
         self.device = "cuda" if backend == "nccl" else "cpu"
         joined()
         logger.info("weight broadcast group %r: trainer + %d engine rank(s) over %s", group_name, world - 1, backend)
@@ -103,7 +134,13 @@ class BroadcastGroup:
         shapes = [tuple(t.shape) for _, t in bucket]
         done = _start([(e, "update_weights_from_distributed", (names, dtypes, shapes, self.group_name),
                         {"weight_version": weight_version}) for e in self.engines])
-        broadcast_tensors(self.pg, [t.to(self.device).contiguous() for _, t in bucket])
+        try:
+            broadcast_tensors(self.pg, [t.to(self.device).contiguous() for _, t in bucket])
+        except Exception as e:
+            cause = _engine_side_error(done, e)
+            if cause is e:
+                raise
+            raise cause from e
         done()
 
     def close(self) -> None:

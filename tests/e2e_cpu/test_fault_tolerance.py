@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -105,6 +106,8 @@ def test_killed_engine_is_replaced_and_nothing_is_lost(tiny_model_dir, toy_data_
     # the restarted engine got the push before this rollout: every sample carries that version
     assert versions[first_after] == {str(first_after + 1)}, versions
     assert "restarted at" in out
+    # the take-out names the engine and how its server ended (slime/ray/rollout.py _log_take_out)
+    assert re.search(r"taking engine [01] out: hf-engine rank [01] \(http://[^)]+\) was killed by SIGKILL: ", out), out
 
 
 @pytest.mark.timeout(600)

@@ -80,6 +80,13 @@ def bucket_columns(n: int) -> int:
     return -(-n // COLUMN_BUCKET) * COLUMN_BUCKET
 
 
+def grown_columns(allocated: int, needed: int) -> int:
+    """Columns of the cache after making room for `needed` when `allocated` are there: at least double, so a
+    sequence growing one token at a time reallocates O(log length) times (the --dry-run plan counts the same)."""
+    needed = bucket_columns(needed)
+    return allocated if needed <= allocated else max(needed, 2 * allocated)
+
+
 class _SlotView:
     """What the model sees as `past_key_values` during one decode step over rows [0, rows)."""
 
@@ -129,7 +136,7 @@ class SlotCache:
         if self.allocated and rows <= self.slots and columns <= self.columns:
             return
         new_rows = max(rows, self.slots)
-        new_columns = max(columns, 2 * self.columns if columns > self.columns else self.columns)
+        new_columns = grown_columns(self.columns, columns)
         keys, values = [], []
         for i, (k, v) in enumerate(like):
             nk = k.new_zeros(new_rows, k.shape[1], new_columns, k.shape[3])

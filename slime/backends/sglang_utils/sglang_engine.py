@@ -209,10 +209,9 @@ class SGLangEngine(ServerEngine):
         while time.monotonic() < deadline:
             rc = self.process.poll()
             if rc is not None:
-                tail = self.log_tail()
+                report, tail = self.failure_report(when=f"(node rank {self.node_rank}) at start-up"), self.log_tail()
                 self.shutdown()
-                raise RuntimeError(f"{self.name} engine {self.rank} node rank {self.node_rank} exited with code "
-                                   f"{rc}; log {self.log_path}:\n{tail}")
+                raise RuntimeError(f"{report}\nlast lines of {self.log_path}:\n{tail}")
             time.sleep(0.2)
         return None
 

@@ -70,6 +70,13 @@ def add_debug_arguments(parser: argparse.ArgumentParser) -> None:
         help="With --dry-run on a machine without CUDA (e.g. a login node): plan the run as a GPU run, with the "
         "defaults and checks that depend on CUDA (megatron / sglang backends, nccl, GPU bundles).",
     )
+    g.add_argument(
+        "--skip-memory-check",
+        action="store_true",
+        help="Start (or, with --dry-run, pass) a colocated run that the plan's memory estimate refuses: engines and "
+        "training both resident on a GPU that their estimated sum overfills (--no-offload-rollout / "
+        "--no-offload-train; docs/dry_run.md). The estimate is rough; this flag is for when it is wrong.",
+    )
 
 
 def validate_debug(args: argparse.Namespace) -> None:

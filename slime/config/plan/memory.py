@@ -29,6 +29,14 @@ is mem_fraction_static × GPU memory (SGLang's own default depends on the GPU an
 --sglang-mem-fraction-static is not given) and the KV cache gets what the weights leave of it. KV bytes per
 token per GPU: 2 × layers × max(1, kv_heads ÷ TP) × head_dim × bytes (MLA: layers × (kv_lora_rank +
 rope_dim) × bytes, not split by TP).
+
+Engines (hf, on CUDA): no static pool; the weights plus the KV slots (slime/backends/hf_engine/slots.py), which
+hold one row per running request (the rows rounded up to its row buckets, at most --sglang-server-concurrency)
+and grow their columns by doubling until the longest sample fits (`grown_columns`). While the last growth copies,
+the old and the new buffers are both allocated, and the engine's caching allocator keeps the freed one until the
+engine releases its KV cache: weights + rows × (last + previous columns) × KV bytes per token is what the engine
+holds from the first full-length rollout on. Decode activations, logits and the CUDA graphs' pool are small next to
+it and not counted; a model the slots cannot serve (sliding-window layers) uses a dynamic cache, estimated alike.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from slime.backends.hf_engine.slots import bucket_rows, grown_columns
 from slime.backends.megatron_utils.args import padded_vocab_size
 from slime.config.arg_groups._common import SlimeArgumentError
 from slime.config.arg_groups.megatron import pipeline_layer_split
@@ -305,6 +314,30 @@ def training_memory(args, shape: ModelShape, tokens: float | None, micro_batches
 
 
 @dataclass(frozen=True)
+class SlotCache:
+    """The hf engine's KV slots at their largest (see the module docstring)."""
+
+    rows: int
+    columns: int  # after the last growth
+    previous: int  # before it (0: the first allocation was enough)
+    bytes: float  # rows × columns × KV bytes per token
+    peak: float  # rows × (columns + previous) × KV bytes per token: both buffers exist while it copies
+
+
+def hf_slot_cache(rows_wanted: int, max_rows: int, prompt_tokens: int, sample_tokens: int,
+                  kv_per_token: float) -> SlotCache:
+    """The slots of `rows_wanted` running requests (at most `max_rows`) once samples of `sample_tokens` tokens
+    (`prompt_tokens` of them the prompt) are generated: the first prefill allocates the prompt and one more column,
+    the last decode step writes the sample's next-to-last token (its last is sampled, never fed back)."""
+    rows = min(bucket_rows(max(1, rows_wanted)), bucket_rows(max_rows))
+    columns, previous = grown_columns(0, prompt_tokens + 1), 0
+    need = max(prompt_tokens + 1, sample_tokens - 1)
+    while columns < need:
+        previous, columns = columns, grown_columns(columns, columns + 1)
+    return SlotCache(rows, columns, previous, rows * columns * kv_per_token, rows * (columns + previous) * kv_per_token)
+
+
+@dataclass(frozen=True)
 class EngineMemory:
     tp: int
     weight_bytes_per_param: int
@@ -315,6 +348,8 @@ class EngineMemory:
     kv_budget: float | None
     kv_bytes_per_token: float
     kv_tokens: int | None  # per engine
+    slots: SlotCache | None = None  # the hf engine on CUDA, when the sample length is known
+    peak: float | None = None  # what the engine holds per GPU from its first full rollout until it releases memory
 
 
 def mem_fraction_static(args) -> tuple[float, bool]:
@@ -340,8 +375,10 @@ def kv_bytes_per_token(shape: ModelShape, tp: int, kv_bytes: int) -> tuple[float
                  f"× {kv_bytes} B")
 
 
-def engine_memory(args, shape: ModelShape, gpu_bytes: float | None) -> tuple[EngineMemory, str]:
-    """Per-GPU memory of one engine, and how its KV bytes per token were computed."""
+def engine_memory(args, shape: ModelShape, gpu_bytes: float | None, prompt_tokens: int | None = None,
+                  sample_tokens: int | None = None) -> tuple[EngineMemory, str]:
+    """Per-GPU memory of one engine, and how its KV bytes per token were computed. The hf engine's slots need the
+    longest sample (`sample_tokens`, of which `prompt_tokens` the prompt; 0 when unknown)."""
     sglang = args.rollout_backend == "sglang"
     tp = args.rollout_num_gpus_per_engine if sglang else 1
     sglang_args = args.sglang_args
@@ -354,10 +391,18 @@ def engine_memory(args, shape: ModelShape, gpu_bytes: float | None) -> tuple[Eng
     kv_b = 1 if str(sglang_args.get("kv_cache_dtype", "auto")).startswith("fp8") else (2 if args.use_cuda else 4)
     weights = count_params(shape).total * wbytes / tp
     per_token, how = kv_bytes_per_token(shape, tp, kv_b)
-    if not sglang or gpu_bytes is None:
+    if not sglang:
+        if gpu_bytes is None or not sample_tokens:
+            return EngineMemory(tp, wbytes, weights, None, False, None, None, per_token, None), how
+        in_flight = args.over_sampling_batch_size * args.n_samples_per_prompt
+        slots = hf_slot_cache(min(in_flight, args.sglang_server_concurrency), args.sglang_server_concurrency,
+                              prompt_tokens or 0, sample_tokens, per_token)
+        return EngineMemory(tp, wbytes, weights, None, False, None, None, per_token, None, slots,
+                            weights + slots.peak), how
+    if gpu_bytes is None:
         return EngineMemory(tp, wbytes, weights, None, False, None, None, per_token, None), how
     fraction, given = mem_fraction_static(args)
     static = fraction * gpu_bytes
     budget = static - weights
     tokens = int(budget // per_token) if budget > 0 else 0
-    return EngineMemory(tp, wbytes, weights, fraction, given, static, budget, per_token, tokens), how
+    return EngineMemory(tp, wbytes, weights, fraction, given, static, budget, per_token, tokens, None, static), how

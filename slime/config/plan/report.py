@@ -28,6 +28,7 @@ from slime.config.plan.memory import (
     training_parallel,
 )
 from slime.config.plan.model_size import ModelShape, ModelShapeError, count_params, load_model_shape
+from slime.config.plan.prompts import measure_prompts
 from slime.utils.data import index_lines, parse_prompt_path
 
 DEFAULT_GPU_GB = 80.0
@@ -46,9 +47,14 @@ class Plan:
     entry: str
     sections: list[Section]
     warnings: list[str]
+    refusals: list[str] = field(default_factory=list)  # the run would not fit: --dry-run and train.py refuse it
 
     def render(self) -> str:
-        out = [f"slime dry run: {self.entry}: arguments are valid; nothing was started (no Ray, no processes).", ""]
+        if self.refusals:
+            head = "arguments are valid, but the plan refuses the run (below); nothing was started"
+        else:
+            head = "arguments are valid; nothing was started"
+        out = [f"slime dry run: {self.entry}: {head} (no Ray, no processes).", ""]
         for s in self.sections:
             out.append(f"== {s.title} ==")
             out.extend(f"  {line}" if line else "" for line in s.lines)
@@ -59,6 +65,10 @@ class Plan:
         else:
             out.append("  none")
         out.append("")
+        if self.refusals:
+            out.append("== Refused ==")
+            out.extend(f"  x {r}" for r in self.refusals)
+            out.append("")
         out.append("Estimates are rough (formulas shown; GB = 2^30 bytes). Drop --dry-run to start the run.")
         return "\n".join(out) + "\n"
 
@@ -79,22 +89,30 @@ def table(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 @dataclass(frozen=True)
 class Lengths:
-    """Longest sample (prompt + response) the run can produce, and whether the prompt part is bounded."""
+    """Longest sample (prompt + response) the run can produce, how it was found, and its prompt part when known."""
 
     tokens: int | None
     how: str
+    prompt: int | None = None
 
 
 def sample_length(args) -> Lengths:
     if args.rollout_max_context_len:
-        return Lengths(args.rollout_max_context_len, f"{args.rollout_max_context_len} (--rollout-max-context-len)")
+        return Lengths(args.rollout_max_context_len, f"{args.rollout_max_context_len} (--rollout-max-context-len)",
+                       args.rollout_max_prompt_len)
     prompt, response = args.rollout_max_prompt_len, args.rollout_max_response_len
     if prompt and response:
         return Lengths(prompt + response, f"{prompt + response} (--rollout-max-prompt-len {prompt} + "
-                                          f"--rollout-max-response-len {response})")
+                                          f"--rollout-max-response-len {response})", prompt)
     if response:
-        return Lengths(response, f"{response} + prompt (--rollout-max-response-len; the prompt is not bounded: "
-                                 "estimates use the response alone)")
+        measured = measure_prompts(args)
+        if measured is not None:
+            return Lengths(measured.longest + response,
+                           f"{measured.longest + response} = --rollout-max-response-len {response} + the longest "
+                           f"prompt of the first {measured.rows} rows of --prompt-data, {measured.longest} tokens "
+                           "(not bounded: --rollout-max-prompt-len bounds it)", measured.longest)
+        return Lengths(response, f"{response} + prompt (--rollout-max-response-len; the prompt is not bounded and "
+                                 "was not measured: estimates use the response alone)")
     return Lengths(None, "unknown (no --rollout-max-context-len / --rollout-max-response-len): activation and "
                          "KV estimates need one")
 
@@ -171,6 +189,7 @@ class _Builder:
                               if self.training and not args.use_dynamic_batch_size else None)
         self.tokens = micro_batch_tokens(args, self.length)
         self.train_est: Estimate | None = None
+        self.refusals: list[str] = []
 
     # -- run --
     def run(self) -> Section:
@@ -459,12 +478,22 @@ class _Builder:
         if s is None:
             return Section(title, [f"skipped: {self.shape_error}"]), None
         self._check_engine_tp()
-        mem, kv_how = engine_memory(a, s, self.gpu_bytes)
+        mem, kv_how = engine_memory(a, s, self.gpu_bytes, self.length.prompt, self.length.tokens)
         rows = [("weights", f"{fmt_bytes(mem.weights)} = {fmt_count(count_params(s).total)} params × "
                             f"{mem.weight_bytes_per_param} B ÷ TP {mem.tp}")]
         rows.append(("KV per token", f"{fmt_bytes(mem.kv_bytes_per_token)} per {self.layout.device} = {kv_how}"))
+        if mem.slots is not None:
+            rows += self._slot_rows(mem)
+            if self.layout.colocated:
+                rows += self._check_colocated(mem)
+            return Section(title, kv_table(rows)), mem
         if mem.fraction is None:
-            why = "the hf engine allocates its KV cache as requests arrive" if a.rollout_backend == "hf" else "CPU run"
+            if a.rollout_backend != "hf":
+                why = "CPU run"
+            elif self.gpu_bytes is None:
+                why = "the hf engine allocates its KV cache as requests arrive"
+            else:
+                why = "the hf engine's KV slots need the sample length: " + self.length.how
             rows.append(("KV cache", f"no static pool ({why})"))
             return Section(title, kv_table(rows)), mem
         given = "--sglang-mem-fraction-static" if mem.fraction_given else "SGLang's default, assumed"
@@ -487,6 +516,26 @@ class _Builder:
                 f"engine KV cache holds {mem.kv_tokens:,} tokens, less than one full-length sample "
                 f"({self.length.tokens} tokens): " + self._engine_fix(mem))
         return Section(title, kv_table(rows)), mem
+
+    def _slot_rows(self, mem: EngineMemory) -> list[tuple[str, str]]:
+        """The hf engine's KV slots and its peak (slime/config/plan/memory.py, hf_slot_cache)."""
+        a, slots, per = self.args, mem.slots, fmt_bytes(mem.kv_bytes_per_token)
+        in_flight = a.over_sampling_batch_size * a.n_samples_per_prompt
+        rows = [("KV slot rows", f"{slots.rows} = min(--sglang-server-concurrency {a.sglang_server_concurrency}, "
+                                 f"{in_flight} samples in flight) rounded up to the engine's row buckets"),
+                ("KV slots", f"{fmt_bytes(slots.bytes)} = {slots.rows} rows × {slots.columns} columns × {per} (columns "
+                             f"double until the longest sample, {self.length.tokens} tokens, fits)")]
+        if slots.previous:
+            rows.append(("KV slots, growing", f"{fmt_bytes(slots.peak)} = {slots.rows} rows × ({slots.columns} + "
+                                              f"{slots.previous}) columns × {per}: the old buffer and the new one "
+                                              "while it copies (the engine's allocator keeps the freed one)"))
+        rows.append(("engine peak", f"{fmt_bytes(mem.peak)} = weights + KV slots"
+                     + (", growing" if slots.previous else "") + " (held until the engine releases its KV cache)"))
+        if mem.peak > self.gpu_bytes:
+            self.warnings.append(
+                f"the hf engine alone needs {fmt_bytes(mem.peak)} > {fmt_bytes(self.gpu_bytes)} per GPU: lower "
+                "--sglang-server-concurrency or --rollout-max-response-len, or use --rollout-backend sglang")
+        return rows
 
     def _engine_fix(self, mem: EngineMemory) -> str:
         a = self.args
@@ -526,9 +575,11 @@ class _Builder:
     def _check_colocated(self, mem: EngineMemory) -> list[tuple[str, str]]:
         """The phases of a colocated GPU as the loop runs them (slime/ray/handoff.py): with --offload-rollout the
         engines hold nothing while training and only their weights during the push; with --offload-train the
-        training state is in host memory while the engines generate. Returns the report rows."""
+        training state is in host memory while the engines generate. The engines hold `mem.peak` otherwise (SGLang's
+        static pool; the hf engine's weights and KV slots). A phase over the GPU in which both sides are resident is
+        refused (`refusals`): that sum is what the handoff exists for. Returns the report rows."""
         a = self.args
-        if mem.fraction > COLOCATE_MAX_FRACTION and not a.offload_rollout:
+        if mem.fraction is not None and mem.fraction > COLOCATE_MAX_FRACTION and not a.offload_rollout:
             self.warnings.append(
                 f"--colocate with mem_fraction_static {mem.fraction}"
                 + ("" if mem.fraction_given else " (SGLang's default, assumed)")
@@ -537,15 +588,17 @@ class _Builder:
         train = self.train_est
         if train is None:
             return []
+        engine_what = (f"static pool {fmt_bytes(mem.peak)}" if mem.fraction is not None
+                       else f"weights + KV slots {fmt_bytes(mem.peak)}")
         resident = sum(i.bytes for i in train.items if i.name not in ("activations", "logits"))
-        engines_while_training = 0.0 if a.offload_rollout else mem.static
+        engines_while_training = 0.0 if a.offload_rollout else mem.peak
         train_while_generating = 0.0 if a.offload_train else resident
         during_train = train.total + engines_while_training
-        during_gen = mem.static + train_while_generating
+        during_gen = mem.peak + train_while_generating
         rows = [
             ("colocated, training", f"{fmt_bytes(during_train)} = training {fmt_bytes(train.total)} + engines "
-             + ("released (--offload-rollout)" if a.offload_rollout else f"static pool {fmt_bytes(mem.static)}")),
-            ("colocated, generating", f"{fmt_bytes(during_gen)} = static pool {fmt_bytes(mem.static)} + training "
+             + ("released (--offload-rollout)" if a.offload_rollout else engine_what)),
+            ("colocated, generating", f"{fmt_bytes(during_gen)} = engines {engine_what} + training "
              + ("state in host memory (--offload-train)" if a.offload_train else f"state {fmt_bytes(resident)}")),
         ]  # fmt: skip
         if a.offload_rollout:  # with --offload-train the trainers keep only their weights for the push
@@ -555,19 +608,37 @@ class _Builder:
                          + (f"weights {fmt_bytes(pushed)} (the rest offloaded)" if a.offload_train
                             else f"state {fmt_bytes(resident)}")
                          + f" + engine weights {fmt_bytes(mem.weights)} (KV cache still released)"))
+        gpu = fmt_bytes(self.gpu_bytes)
         if during_train > self.gpu_bytes:
             if a.offload_rollout:
-                fix = "train on more GPUs or lower the training memory (fixes above)"
+                self.warnings.append(f"colocated, while training: {fmt_bytes(during_train)} > {gpu}: train on more "
+                                     "GPUs or lower the training memory (fixes above)")
             else:
-                fraction = max(0.05, math.floor((self.gpu_bytes - train.total) / self.gpu_bytes * 20) / 20)
-                fix = f"drop --no-offload-rollout, or lower --sglang-mem-fraction-static to {fraction:.2f}"
-            self.warnings.append(f"colocated, while training: {fmt_bytes(during_train)} > {fmt_bytes(self.gpu_bytes)}"
-                                 f": {fix}")
-        if during_gen > self.gpu_bytes:
-            self.warnings.append(f"colocated, while generating: {fmt_bytes(during_gen)} > {fmt_bytes(self.gpu_bytes)}: "
-                                 + ("lower --sglang-mem-fraction-static" if a.offload_train
-                                    else "drop --no-offload-train, or lower --sglang-mem-fraction-static"))
+                self.refusals.append(
+                    f"colocated, while training: training {fmt_bytes(train.total)} + engines {engine_what} = "
+                    f"{fmt_bytes(during_train)} > {gpu} per GPU: drop --no-offload-rollout, "
+                    + self._engine_shrink(mem, self.gpu_bytes - train.total)
+                    + " (with --no-offload-rollout the engines keep their memory while training; the memory handoff "
+                      "releases it)")
+        if during_gen > self.gpu_bytes and not a.offload_train:  # the engines alone: warned in their own rows
+            self.refusals.append(
+                f"colocated, while generating: engines {engine_what} + training state {fmt_bytes(resident)} = "
+                f"{fmt_bytes(during_gen)} > {gpu} per GPU: drop --no-offload-train, "
+                + self._engine_shrink(mem, self.gpu_bytes - resident)
+                + " (with --no-offload-train the training state stays on the GPU while the engines generate; the "
+                  "memory handoff moves it to host memory)")
         return rows
+
+    def _engine_shrink(self, mem: EngineMemory, room: float) -> str:
+        """How to make the engines fit in `room` bytes per GPU: SGLang's fraction that fits, or the hf engine's
+        smaller running batch."""
+        if mem.fraction is not None:
+            fraction = max(0.05, math.floor(room / self.gpu_bytes * 20) / 20)
+            return f"or lower --sglang-mem-fraction-static to {fraction:.2f}"
+        left = fmt_bytes(max(room - mem.weights, 0))
+        return (f"or lower --sglang-server-concurrency ({mem.slots.rows} KV slot rows of the hf engine now, needing "
+                f"{fmt_bytes(mem.peak - mem.weights)} where {left} is left) or --rollout-batch-size / "
+                "--rollout-max-response-len")
 
     def _check_training_model(self) -> None:
         """What the megatron ranks would refuse at start-up that parse_args cannot see: no MODEL_ARGS, and
@@ -599,7 +670,20 @@ class _Builder:
         train_section, self.train_est = self.training_memory()
         sections.append(train_section)
         sections.append(self.engine_memory()[0])
-        return Plan(self.entry, sections, self.warnings)
+        return Plan(self.entry, sections, self.warnings, self._enforced_refusals())
+
+    def memory_refusals(self) -> list[str]:
+        """The refusals of the memory sections alone (train.py's check before Ray starts)."""
+        self.train_est = self.training_memory()[1]
+        self.engine_memory()
+        return self._enforced_refusals()
+
+    def _enforced_refusals(self) -> list[str]:
+        """The refusals, or none with --skip-memory-check (they are then warnings)."""
+        if self.args.skip_memory_check:
+            self.warnings += [f"{r} (not refused: --skip-memory-check)" for r in self.refusals]
+            return []
+        return self.refusals
 
 
 def _nearest(value: int, candidates: list[int]) -> list[int]:
@@ -610,3 +694,10 @@ def _nearest(value: int, candidates: list[int]) -> list[int]:
 
 def build_plan(args, entry: str = "train.py") -> Plan:
     return _Builder(args, entry).build()
+
+
+def memory_refusals(args, gpu_bytes: float) -> list[str]:
+    """What the plan refuses about memory (a colocated GPU both sides would overfill) for GPUs of `gpu_bytes`."""
+    builder = _Builder(args, "train.py")
+    builder.gpu_bytes = gpu_bytes
+    return builder.memory_refusals()
