@@ -203,12 +203,14 @@ def resident_hf_figures(out: str) -> Figures:
 
 
 def resident_hf_check(out: str) -> list[str]:
-    """The resident hf job either fails with an out-of-memory message or fits (then it ran every step)."""
+    """The resident hf job is refused by the memory plan before anything starts, or fails with an out-of-memory
+    message, or fits (then it ran every step)."""
     run = colocate_runs(out).get("hf, resident")
     if run is None:
         return ["no '## hf, resident' report in the output"]
-    if run["rc"] != 0 and "out of memory" not in run["error"].lower() and "outofmemory" not in run["error"].lower():
-        return [f"exited {run['rc']} without an out-of-memory message: {run['error'][:200]}"]
+    said = run["error"].lower()
+    if run["rc"] != 0 and not any(m in said for m in ("out of memory", "outofmemory", "memory plan refuses")):
+        return [f"exited {run['rc']} without an out-of-memory message or the plan's refusal: {run['error'][:200]}"]
     if run["rc"] == 0 and len(run["steps"]) < 3:
         return [f"exited 0 with {len(run['steps'])} step(s) logged"]
     return []
@@ -250,7 +252,7 @@ def decode_figures(out: str) -> Figures:
 ROWS: tuple[Row, ...] = (
     Row(1, "4B handoff, SGLang", "handoff",
         "python benchmarks/colocate_memory.py --rollouts sglang --modes handoff --steps 3 --keep-logs \"$ROW_OUT\"",
-        timeout_s=600, estimate_s=450, part="1",
+        timeout_s=600, estimate_s=450, part="4",
         must_show="the 4B job (32 × 8 × 1024 tokens, micro-batch 4, Megatron + SGLang) runs 3 steps with the "
         "handoff; handoff ≤ 10% of the step; ≥ 90% of each side's GB freed while the other works; the trainer's "
         "memory flat (the benchmark's verdict, else it exits 1); per-phase memory",
@@ -262,7 +264,7 @@ ROWS: tuple[Row, ...] = (
         figures=grab(plan=r"\[plan, resident 4B \+ sglang[^\]]*\] (.+)$")),
     Row(3, "fsdp handoff + fault tolerance, SGLang", "handoff",
         f"{FAST_SGLANG} {PYTEST} tests/gpu/test_sglang_train.py -k \"colocated and fsdp or killed\"",
-        timeout_s=600, estimate_s=300, part="2",
+        timeout_s=600, estimate_s=300, part="1",
         must_show="the fsdp trainer with the handoff against real SGLang (versions 1-5, |Δ log-prob| < 0.05, "
         "`perf/engine_release_time` and `perf/actor_offload_moved_gb` every rollout); a SIGKILLed server restarted "
         "mid-rollout with the handoff on, every group trained once",
@@ -270,32 +272,35 @@ ROWS: tuple[Row, ...] = (
                      handoff_s=r"\[sglang fsdp\] handoff s (.+)$",
                      restarts=r"\[sglang fault tolerance[^\]]*\].*?restarts (\[[^\]]*\])")),
     Row(4, "engine contract vs real SGLang", "engine contract",
-        f"{PYTEST} tests/gpu/test_contract_sglang_gpu.py", timeout_s=600, estimate_s=180, part="2",
+        f"{PYTEST} tests/gpu/test_contract_sglang_gpu.py", timeout_s=600, estimate_s=180, part="1",
         must_show="tests/contract passes against a real SGLang server (`--enable-memory-saver`, gloo, same host, "
         "tol 0.05), `test_update_weights_from_distributed` included (the group's key prefix)",
         figures=grab(sglang_up_s=r"\[sglang\] up in ([\d.]+) s", suite=r"\[contract vs sglang\] (.+?); not passed",
                      not_passed=r"\[contract vs sglang\].*; not passed: (.+)$")),
     Row(5, "weights-only onload, Megatron colocate + resume", "handoff",
-        f"{PYTEST} tests/gpu/test_offload_gpu.py tests/gpu/test_megatron_gpu.py::"
-        "test_train_py_megatron_colocate_then_resume", timeout_s=600, estimate_s=200, part="3",
-        must_show="the mover's two moves and the weights-only onload (fault tolerance's mid-rollout push) on CUDA; "
-        "Megatron + `hf` colocated, SIGTERM after a checkpoint, `--load` resumes at the next rollout",
+        f"{PYTEST} tests/gpu/test_offload_gpu.py tests/gpu/test_offload_ipc_gpu.py tests/gpu/test_hf_engine_release.py "
+        "tests/gpu/test_megatron_gpu.py::test_train_py_megatron_colocate_then_resume", timeout_s=600, estimate_s=240,
+        part="3",
+        must_show="the mover's two moves and the weights-only onload (fault tolerance's mid-rollout push) on CUDA; an "
+        "offload frees a push bucket an engine held past the sender; the `hf` engine's release frees its weights' "
+        "bytes and a complete push restores the same decode; Megatron + `hf` colocated, only the weights on the GPU "
+        "during a push, SIGTERM after a checkpoint, `--load` resumes at the next rollout",
         figures=grab(offload=r"^\[offload\] (.+)$", logprob_diff=r"engine/trainer \|Δ log-prob\| per rollout: (.+?);",
                      resumed=r"run 2 resumed from checkpoint (.+)$")),
     Row(6, "SFT and OPD (SGLang teacher)", "SFT / OPD",
-        f"{PYTEST} tests/gpu/test_sft_opd_gpu.py -k \"fsdp or sglang\"", timeout_s=600, estimate_s=330, part="3",
+        f"{PYTEST} tests/gpu/test_sft_opd_gpu.py -k \"fsdp or sglang\"", timeout_s=600, estimate_s=330, part="2",
         must_show="SFT on the fsdp trainer (loss halves); OPD `--opd-type sglang` against a real SGLang teacher on "
         "both trainers (student-teacher KL falls; the teacher log-probs are the teacher's)",
         figures=grab(sft_fsdp_loss=r"\[sft fsdp\] loss: (.+)$", teacher_up=r"\[teacher\] SGLang up in (.+)$",
                      teacher_logprobs=r"teacher log-probs vs a transformers fp32 forward of the teacher: (.+)$")),
     Row(7, "--check-weight-update-equal vs SGLang", "weight sync",
-        f"{PYTEST} tests/gpu/test_sglang_weight_check_gpu.py", timeout_s=600, estimate_s=220, part="4",
+        f"{PYTEST} tests/gpu/test_sglang_weight_check_gpu.py", timeout_s=600, estimate_s=220, part="8",
         must_show="SGLang's `/weights_checker` finds every tensor equal to its snapshot after the first push, from "
         "Megatron and from FSDP; then the usual versions and |Δ log-prob| < 0.05",
         figures=grab(megatron_logprob_diff=r"\[weights checker, megatron\].*?\|Δ log-prob\| (\[[^\]]*\])",
                      fsdp_logprob_diff=r"\[weights checker, fsdp\].*?\|Δ log-prob\| (\[[^\]]*\])")),
     Row(8, "--optimizer-cpu-offload (Megatron) + SGLang", "weight sync",
-        f"{PYTEST} tests/gpu/test_megatron_optimizer_offload_gpu.py", timeout_s=600, estimate_s=240, part="4",
+        f"{PYTEST} tests/gpu/test_megatron_optimizer_offload_gpu.py", timeout_s=600, estimate_s=240, part="8",
         must_show="Megatron's host optimizer (`HybridDeviceOptimizer`) with and without `--offload-train`: pushes "
         "reach SGLang (|Δ log-prob| < 0.05) and the policy moves (`train/kl_loss` > 0)",
         figures=grab(handoff_kl=r"\[optimizer cpu offload, handoff\] kl_loss[^\[]*(\[[^\]]*\])",
@@ -315,8 +320,9 @@ ROWS: tuple[Row, ...] = (
     Row(11, "4B resident, hf engine", "handoff",
         "python benchmarks/colocate_memory.py --rollouts hf --modes resident --steps 3 --keep-logs \"$ROW_OUT\"",
         timeout_s=600, estimate_s=300, part="7",
-        must_show="without the handoff the `hf` job fails with a clear out-of-memory message (the plan cannot "
-        "refuse it: the `hf` engine has no static pool), or fits and runs its 3 steps",
+        must_show="without the handoff the `hf` job is refused by the memory plan before Ray starts (the `hf` "
+        "engine's KV slots counted), or fails with a clear out-of-memory message naming the engine, or fits and "
+        "runs its 3 steps",
         kind="command", figures=resident_hf_figures, check=resident_hf_check),
     Row(12, "train_async.py + SGLang on its own GPU", "async", f"{PYTEST} tests/gpu/test_sglang_two_gpus.py -k async",
         timeout_s=600, estimate_s=200, part="x2", gpus=2,
@@ -349,6 +355,6 @@ ROWS: tuple[Row, ...] = (
         "change since the last figures: 6.98 / 11.33 ms per step at batch 64 / 256)",
         kind="command", figures=decode_figures),
 )
-PARTS = tuple(dict.fromkeys(r.part for r in ROWS))
+PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."8", then perf, perf2, x2
 
 

@@ -7,8 +7,8 @@ an H200's ~140 GiB. A run that cannot fit should be refused before anything star
 run out of memory minutes later; this runs the plan of exactly the command the benchmark runs, with the device's
 own memory, and expects that refusal.
 
-(The `hf` engine allocates its KV cache as requests come, so the plan has no static pool to count for it and
-cannot refuse its resident job: that one is run for real, by `colocate_memory.py --rollouts hf --modes resident`.)
+(The `hf` engine's resident job is refused too, its KV slots counted from the measured prompts: row 11 of
+tools/gpu_acceptance.py runs `colocate_memory.py --rollouts hf --modes resident`, which needs the model's tokenizer.)
 """
 
 from __future__ import annotations
