@@ -332,6 +332,9 @@ def build_app(state: EngineState) -> FastAPI:
             tags = _memory_tags(await _json_or_empty(http))
         except ValueError as e:
             return _error(400, str(e))
+        busy = _not_idle(sched)
+        if busy:  # refused before anything is released: the engine is left exactly as it was
+            return _error(409, busy)
         await run_in_threadpool(_release, state, tags)
         return {"success": True, "message": f"released {sorted(tags)}", "released_tags": sorted(state.released)}
 
@@ -495,6 +498,20 @@ def _memory_tags(body: dict) -> set[str]:
     if unknown:
         raise ValueError(f"unknown memory tag(s) {unknown}; the tags are {list(MEMORY_TAGS)} (none: all of them)")
     return set(tags)
+
+
+def _not_idle(sched: Scheduler) -> str | None:
+    """Why memory cannot be released now (None when the scheduler holds no request). SGLang's scheduler asserts
+    it is fully idle when asked to release and its server dies; this engine answers instead, so the caller learns
+    what it got wrong. Requests of a generation paused in place count: they keep their place in the batch."""
+    running, waiting = sched.counts()
+    if not running and not waiting:
+        return None
+    paused = " (generation is paused; its requests keep their place)" if sched.paused else ""
+    return (f"release_memory_occupation refused: the engine is not idle, {running} request(s) running and {waiting} "
+            f"waiting{paused}; nothing was released. Finish or abort them first (POST /abort_request "
+            "{\"abort_all\": true}), then release; GET /get_load shows the counts. SGLang's scheduler asserts it is "
+            "idle here and its server dies.")
 
 
 def _pause(sched: Scheduler, mode: str) -> None:
