@@ -49,6 +49,10 @@ class EngineDiedError(EngineHTTPError):
     engine's `failure_report()`, its log's last lines follow."""
 
 
+class EngineNotIdleError(RuntimeError):
+    """An engine still served requests when it had to be idle (before its memory is released)."""
+
+
 def _error_message(resp: httpx.Response) -> str:
     try:
         body = resp.json()
@@ -74,6 +78,8 @@ class ServerEngine:
     shutdown_grace_s = 10.0
     health_path = "/health"  # polled until it answers 200 (SGLang: /health_generate)
     health_probe_timeout_s = 5.0
+    idle_timeout_s = 60.0  # wait_idle's default: how long requests left in the server may take to finish
+    idle_settle_s = 0.0  # how long GET /get_load must read zero (0: two polls in a row do; exact for the hf engine)
     tp_size = 1  # tensor-parallel ranks of the server (payloads per update_weights_from_tensor)
 
     def __init__(self, args, rank: int):
@@ -346,6 +352,45 @@ class ServerEngine:
 
     def resume_memory_occupation(self, tags=None):
         return self._call("POST", "/resume_memory_occupation", {"tags": tags} if tags else {})
+
+    def get_load(self) -> list[dict]:
+        """SGLang's GET /get_load: one entry per data-parallel rank, `num_reqs` (running + waiting) and
+        `num_waiting_reqs` among its fields."""
+        loads = self._call("GET", "/get_load")
+        if not isinstance(loads, list) or not all(isinstance(x, dict) and "num_reqs" in x for x in loads):
+            raise EngineHTTPError(f"{self.name} rank {self.rank} GET /get_load answered {str(loads)[:300]!r}; "
+                                  "expected a list of {dp_rank, num_reqs, num_waiting_reqs, ...} (SGLang's shape)")
+        return loads
+
+    def wait_idle(self, timeout: float | None = None) -> None:
+        """Return once the server serves no request: every data-parallel rank of GET /get_load reports `num_reqs`
+        0 on two polls in a row, the first `idle_settle_s` or more before the last. Memory is released only from
+        an idle engine (SGLang's scheduler asserts it and its server dies). Raises EngineNotIdleError with the
+        counts and the server's log when it is still busy after `timeout` seconds (default `idle_timeout_s`)."""
+        timeout = self.idle_timeout_s if timeout is None else timeout
+        poll = max(0.05, self.idle_settle_s / 5)
+        deadline = time.monotonic() + timeout
+        zero_since: float | None = None
+        while True:
+            loads = self.get_load()
+            now = time.monotonic()
+            busy = [x for x in loads if x["num_reqs"]]
+            if busy:
+                zero_since = None
+            elif zero_since is None:
+                zero_since = now
+            elif now - zero_since >= self.idle_settle_s:
+                return
+            if busy and now > deadline:
+                counts = "; ".join(f"dp rank {x.get('dp_rank', 0)}: {x['num_reqs']} request(s), "
+                                   f"{x.get('num_waiting_reqs', 0)} of them waiting" for x in busy)
+                raise EngineNotIdleError(
+                    f"{self.name} rank {self.rank} ({self.get_url()}) still serves requests after {timeout:.0f} s "
+                    f"({counts}), so its memory cannot be released (SGLang's scheduler asserts it is idle and its "
+                    "server dies). Something left requests in it: a rollout function that returned with requests "
+                    "in flight (abort them first: POST /abort_request {\"abort_all\": true}), generation paused in "
+                    f"place, or a client that gave up on a request it sent. Log {self.log_path}:\n{self.log_tail()}")
+            time.sleep(poll)
 
     def health_generate(self, timeout: float) -> bool:
         """True when the server generated one token within `timeout` seconds."""

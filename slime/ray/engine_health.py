@@ -4,8 +4,10 @@ A daemon thread waits `--rollout-health-check-first-wait` seconds, then every
 `--rollout-health-check-interval` seconds asks each live engine for `GET /health_generate` (one generated
 token; SGLang's endpoint, also the `hf` engine's) with `--rollout-health-check-timeout`. An engine that fails
 once is declared dead: `on_dead(index)` is called (the manager deregisters it from the router and stops its
-server) and it is not probed again until `revive(index)`. While `paused()` (weight pushes, released memory)
-nothing is probed, so a busy or deliberately idle engine is not mistaken for a dead one.
+server) and it is not probed again until `revive(index)`. While paused (weight pushes, released memory)
+nothing is probed, so a busy or deliberately idle engine is not mistaken for a dead one, and `pause()` returns
+only once the round of probes in progress has ended: a probe is a request the engine serves, and memory is
+released only from an idle engine (SGLang's scheduler asserts it and its server dies).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ class EngineHealthMonitor:
         self.interval, self.timeout, self.first_wait = interval, timeout, first_wait
         self._dead: set[int] = set()
         self._pauses = 0
-        self._lock = threading.Lock()
+        self._checking = False  # the background thread is in a round of probes (or taking a dead engine out)
+        self._lock = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-health", daemon=True)
 
@@ -40,8 +43,12 @@ class EngineHealthMonitor:
             self._thread.join(self.timeout + 5)
 
     def pause(self) -> None:
+        """No probe from now on; returns once the background thread's round in progress has ended (its probe
+        answered, a dead engine it found taken out), so no probe of ours is left in an engine."""
         with self._lock:
             self._pauses += 1
+            if threading.current_thread() is not self._thread:  # called from on_dead: that round is the caller's
+                self._lock.wait_for(lambda: not self._checking)
 
     def resume(self) -> None:
         with self._lock:
@@ -93,5 +100,13 @@ class EngineHealthMonitor:
         if self._stop.wait(self.first_wait):
             return
         while not self._stop.is_set():
-            self.check_once()
+            with self._lock:
+                self._checking = not self._pauses
+            if self._checking:
+                try:
+                    self.check_once()
+                finally:
+                    with self._lock:
+                        self._checking = False
+                        self._lock.notify_all()
             self._stop.wait(self.interval)

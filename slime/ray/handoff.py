@@ -9,14 +9,16 @@ Training and generation take turns with the GPUs, in slime's order:
 
 Engines release with SGLang's calls (`release_memory_occupation` / `resume_memory_occupation`, tags `weights`,
 `kv_cache`, `cuda_graph`; the rollout manager's `offload` / `onload_weights` / `onload_kv`). SGLang gives released
-weights back uninitialised, so a push always follows `onload_weights`. Trainers move their state to host memory
-(slime/backends/training/offload.py); during the push only the trainers' weights and the engines' weights are on
-the GPU (slime pushes from a host copy; the push here reads the trainer's weights on the device). Each phase is
-logged (`memory handoff: ...`) and timed; the seconds and the actor's GPU memory after each of its moves are
-returned as `perf/*` metrics of the step: `perf/actor_<move>_<figure>` for the moves `onload` (before training),
-`offload_state` (all but the weights, before a push) and `offload` (the rest, or all without a push), the figures of
-rank 0 (`moved_gb` and those of `memory_gb`, slime/backends/training/offload.py). Each is the step's own: the
-initial push's are replaced by rollout 0's.
+weights back uninitialised, so a push always follows `onload_weights`. An engine releases only once it serves no
+request (SGLang asserts it): the rollout manager stops our generation and waits for each engine to be idle first
+(docs/colocate.md). Trainers move their state to host memory (slime/backends/training/offload.py); during the push
+only the trainers' weights and the engines' weights are on the GPU (slime pushes from a host copy; the push here
+reads the trainer's weights on the device). Each phase is logged (`memory handoff: ...`) and timed; the seconds and
+the actor's GPU memory after each of its moves are returned as `perf/*` metrics of the step:
+`perf/actor_<move>_<figure>` for the moves `onload` (before training), `offload_state` (all but the weights, before
+a push) and `offload` (the rest, or all without a push), the figures of rank 0 (`moved_gb` and those of
+`memory_gb`, slime/backends/training/offload.py). Each is the step's own: the initial push's are replaced by
+rollout 0's.
 """
 
 from __future__ import annotations

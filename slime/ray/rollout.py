@@ -37,6 +37,11 @@ Simplifications and choices:
   queued before it has returned: weights never change under the default rollout. A rollout function that
   declares `@rollout_lifecycle(...)` (slime/rollout/base_types.py; the fully async rollout) is told about
   pushes and shutdown through the calls it declared.
+- Memory (colocated: `release_memory` / `resume_memory`) is released only from an idle engine, as SGLang's
+  scheduler requires (it asserts and its server dies): pushes and released memory are quiet spells in which a
+  background rollout is paused and the health monitor rests with no probe left in flight, and each engine is
+  waited for until it serves no request before it releases. A background rollout resumes after the push and
+  once every engine has its memory back.
 """
 
 from __future__ import annotations
@@ -99,7 +104,7 @@ class RolloutManager:
         self._last_generate_end: float | None = None  # wall clock; idle time between generates = waiting
         self.monitor: EngineHealthMonitor | None = None  # --use-fault-tolerance
         self._released: dict[int, set[str]] = {}  # engine index -> memory tags released and not yet resumed
-        self._monitor_rests = False  # the health monitor is paused because engine memory is released
+        self._quiet_for: set[str] = set()  # why generation is stopped now: "push", "memory" (`_quiet`)
         self._counts_reported = True  # False once an engine turned out not to report num_finished_requests
         self.engine_restarts = 0
         self._restart_lock = threading.Lock()  # the monitor's thread and before_weight_update both restart engines
@@ -407,37 +412,77 @@ class RolloutManager:
         self._fan_out("flush_cache")
 
     def release_memory(self, tags: list[str] | None = None) -> None:
-        """Every engine releases `tags` (all three when None: weights, KV cache, CUDA graphs) that it still holds;
-        the health monitor rests meanwhile (a released engine is not a dead one)."""
+        """Every engine releases `tags` (all three when None: weights, KV cache, CUDA graphs) that it still holds,
+        and only once it serves no request: SGLang's scheduler asserts it is idle and its server dies otherwise.
+        So generation stops first (`_quiet`: a background rollout pauses, the health monitor rests and its probe in
+        flight is answered), then each engine is waited for until its load reads zero (`wait_idle`; it fails
+        naming the requests left and the server's log). An engine the monitor finds dead is skipped: it holds
+        nothing, and is restarted before the next push."""
         wanted = set(tags or MEMORY_TAGS)
-        if self.monitor is not None and not self._monitor_rests:
-            self.monitor.pause()
-            self._monitor_rests = True
-        refs = []
-        for i, engine in enumerate(self.engines):
-            todo = sorted(wanted - self._released.get(i, set()))
-            if todo:
-                refs.append(engine.release_memory_occupation.remote(todo))
-                self._released.setdefault(i, set()).update(todo)
-        ray.get(refs)
+        self._quiet("memory")
+        dead = self._dead_now()
+        todo = {i: sorted(wanted - self._released.get(i, set())) for i in range(len(self.engines)) if i not in dead}
+        todo = {i: t for i, t in todo.items() if t}
+        ray.get([self.engines[i].wait_idle.remote() for i in todo])
+        for i, t in todo.items():
+            self._released.setdefault(i, set()).update(t)
+        ray.get([self.engines[i].release_memory_occupation.remote(t) for i, t in todo.items()])
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
         """Every engine takes back those of `tags` it released (SGLang's scheduler fails on resuming a tag it holds,
-        so an engine restarted meanwhile, which holds everything, is left alone)."""
+        so an engine restarted meanwhile, which holds everything, is left alone; a dead one waits for its restart).
+        Generation may go on once no engine has memory released (and no push runs)."""
         wanted = set(tags or MEMORY_TAGS)
+        dead = self._dead_now()
         refs = []
         for i, engine in enumerate(self.engines):
             todo = sorted(wanted & self._released.get(i, set()))
-            if todo:
+            if todo and i not in dead:
                 refs.append(engine.resume_memory_occupation.remote(todo))
                 self._released[i] -= set(todo)
         ray.get(refs)
-        self._wake_monitor_if_all_resumed()
+        self._end_quiet_if_all_resumed()
 
-    def _wake_monitor_if_all_resumed(self) -> None:
-        if self._monitor_rests and not any(self._released.values()):
+    def _end_quiet_if_all_resumed(self) -> None:
+        if not any(self._released.values()):
+            self._end_quiet("memory")
+
+    def _dead_now(self) -> set[int]:
+        """With fault tolerance, the engines dead now: one that died since the monitor's last round is found by a
+        liveness probe (GET /health: no generation, the monitor is paused) and taken out."""
+        if self.monitor is None:
+            return set()
+        self.monitor.check_once(while_paused=True, generate=False)
+        return set(self.monitor.dead())
+
+    # ---- quiet spells: no generation of ours while a push runs or engine memory is released ---------------
+    def _quiet(self, reason: str) -> None:
+        """Stop generation for `reason` ("push", "memory"): a background rollout (one declaring
+        `before_weight_update`, slime/rollout/base_types.py) pauses, which returns once none of its requests is in
+        flight, and the health monitor rests (`pause` returns once its probe in flight is answered). Reasons
+        nest: generation comes back when the last one ends (`_end_quiet`)."""
+        if not self._quiet_for:
+            hook = lifecycle_of(self.generate_rollout).before_weight_update
+            if hook is not None:
+                hook(self.args)
+            if self.monitor is not None:
+                self.monitor.pause()
+        self._quiet_for.add(reason)
+
+    def _end_quiet(self, reason: str) -> None:
+        """`reason` is over; when it was the last, the monitor probes again and a background rollout resumes with
+        the version last pushed (its `after_weight_update`: after the push and once every engine has its
+        memory back, never in between)."""
+        if reason not in self._quiet_for:
+            return
+        self._quiet_for.discard(reason)
+        if self._quiet_for:
+            return
+        if self.monitor is not None:
             self.monitor.resume()
-            self._monitor_rests = False
+        hook = lifecycle_of(self.generate_rollout).after_weight_update
+        if hook is not None and self.weight_version is not None:
+            hook(self.args, self.weight_version)
 
     # slime's names (RolloutManager.offload / onload / onload_weights / onload_kv), as its train.py calls them
     def offload(self) -> None:
@@ -464,25 +509,19 @@ class RolloutManager:
 
     # ---- weight pushes (the driver pushes; these bracket it) ---------------------------------------
     def before_weight_update(self) -> None:
-        """Called right before a push; returns once no generation of ours is in flight. Engines the health
-        monitor took out are restarted here, so the push that follows brings them to the current weights."""
-        hook = lifecycle_of(self.generate_rollout).before_weight_update
-        if hook is not None:
-            hook(self.args)
+        """Called right before a push; returns once no generation of ours is in flight (`_quiet`). Engines the
+        health monitor took out are restarted here, so the push that follows brings them to the current weights."""
+        self._quiet("push")
         if self.monitor is not None:
-            self.monitor.pause()
             # one that died since the last periodic check; liveness only while memory is released (colocated)
             self.monitor.check_once(while_paused=True, generate=not any(self._released.values()))
             self._restart_dead_engines()
 
     def after_weight_update(self, weight_version: int) -> None:
-        """Called after a push: record the engines' new version and let a background rollout resume."""
+        """Called after a push: record the engines' new version; generation comes back unless engine memory is
+        still released (colocated: the KV cache comes back after the push)."""
         self.weight_version = int(weight_version)
-        if self.monitor is not None:
-            self.monitor.resume()
-        hook = lifecycle_of(self.generate_rollout).after_weight_update
-        if hook is not None:
-            hook(self.args, self.weight_version)
+        self._end_quiet("push")
 
     # ---- fault tolerance (--use-fault-tolerance) ------------------------------------------------------
     def set_weight_source(self, trainer_ranks: list[Any]) -> None:
@@ -541,9 +580,9 @@ class RolloutManager:
 
     def _register_restarted(self, i: int, what_next: str) -> None:
         self._released.pop(i, None)  # a fresh server holds all its memory
-        self._wake_monitor_if_all_resumed()
         self.router.add_worker(self.engine_urls[i])
         self.monitor.revive(i)
+        self._end_quiet_if_all_resumed()
         self.engine_restarts += 1
         logger.warning("engine %d restarted at %s; %s", i, self.engine_urls[i], what_next)
 

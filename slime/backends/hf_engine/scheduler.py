@@ -490,9 +490,12 @@ class Scheduler:
         return True
 
     def counts(self) -> tuple[int, int]:
-        """(running, waiting) request counts."""
+        """(running, waiting) request counts. Running counts the rows being prefilled too (they have left the
+        waiting queue and are not in the batch yet) and the requests of a paused batch, which stay in it."""
         with self._cv:
-            return (len(self._batch.reqs) if self._batch else 0), len(self._waiting)
+            running = {id(r) for r in (self._batch.reqs if self._batch else [])}
+            running.update(id(r) for r in self._in_prefill if not r.finished)
+            return len(running), len(self._waiting)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="hf-engine-scheduler", daemon=True)

@@ -386,6 +386,9 @@ def build_app(state: EngineState) -> FastAPI:
             tags = _memory_tags(await _json_or_empty(http))
         except ValueError as e:
             return _error(400, str(e))
+        busy = _not_idle(sched)
+        if busy:  # refused before anything is released: the engine is left exactly as it was
+            return _error(409, busy)
         await run_in_threadpool(_release, state, tags)
         return {"success": True, "message": f"released {sorted(tags)}", "released_tags": sorted(state.released)}
 
@@ -551,6 +554,20 @@ def _memory_tags(body: dict) -> set[str]:
     return set(tags)
 
 
+def _not_idle(sched: Scheduler) -> str | None:
+    """Why memory cannot be released now (None when the scheduler holds no request). SGLang's scheduler asserts
+    it is fully idle when asked to release and its server dies; this engine answers instead, so the caller learns
+    what it got wrong. Requests of a generation paused in place count: they keep their place in the batch."""
+    running, waiting = sched.counts()
+    if not running and not waiting:
+        return None
+    paused = " (generation is paused; its requests keep their place)" if sched.paused else ""
+    return (f"release_memory_occupation refused: the engine is not idle, {running} request(s) running and {waiting} "
+            f"waiting{paused}; nothing was released. Finish or abort them first (POST /abort_request "
+            "{\"abort_all\": true}), then release; GET /get_load shows the counts. SGLang's scheduler asserts it is "
+            "idle here and its server dies.")
+
+
 def _pause(sched: Scheduler, mode: str) -> None:
     """Stop generating. "abort" (SGLang's default) also aborts every request in flight and returns once they
     have been answered; "in_place" and "retract" keep them, to continue after /continue_generation (this
@@ -611,12 +628,13 @@ def _release(state: EngineState, tags: set[str]) -> None:
       parameter has been loaded, /generate answers 503 naming what is missing (SGLang would generate from
       garbage). With --enable-weights-cpu-backup the weights are copied to pinned host memory first (allocated on
       the first release, reused) and copied back on resume.
-    - "kv_cache": the KV slot buffers are freed if no request is running;
+    - "kv_cache": the KV slot buffers are freed (the endpoint refuses a release while any request is in the engine,
+      as SGLang does, so none is running);
     - "cuda_graph": the captured decode graphs are dropped (captured again when next needed; releasing the weights
       drops them too, since they point at the freed memory).
 
-    Elsewhere (CPU by default) nothing is freed: the weights stay resident with their values and paused requests
-    keep their KV cache. Either way, while "weights" is released the scheduler is paused and /generate answers 503.
+    Elsewhere (CPU by default) nothing is freed: the weights stay resident with their values. Either way, while
+    "weights" is released the scheduler is paused and /generate answers 503.
     """
     start, freed = time.perf_counter(), 0
     with state.memory_lock:
