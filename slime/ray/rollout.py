@@ -55,7 +55,7 @@ import httpx
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slime.backends.sglang_utils.sglang_engine import engine_nnodes
+from slime.backends.sglang_utils.placement import engine_nnodes
 from slime.observability.rollout_metrics import top_p_kept_vocab_metrics
 from slime.ray.engine_health import EngineHealthMonitor
 from slime.rollout.base_types import call_rollout_fn, lifecycle_of

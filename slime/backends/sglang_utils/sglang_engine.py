@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 import os
 import shlex
 import sys
@@ -54,6 +53,7 @@ from slime.backends.sglang_utils.arguments import (
     server_fields,
     sglang_cli_args,
 )
+from slime.backends.sglang_utils.placement import engine_nnodes
 from slime.utils.net import free_port
 
 logger = logging.getLogger(__name__)
@@ -75,13 +75,6 @@ SERVER_ENV_DEFAULTS = {
 }
 DEFAULT_LAUNCHER = (sys.executable, "-m", "sglang.launch_server")
 FOLLOWER_SETTLE_S = 3.0  # a node-rank > 0 server that survives this long is taken as started
-
-
-def engine_nnodes(args) -> int:
-    """Nodes one engine spans: an engine wider than a node takes whole nodes."""
-    per_engine = args.rollout_num_gpus_per_engine
-    per_node = args.num_gpus_per_node
-    return max(1, math.ceil(per_engine / per_node)) if per_engine > per_node else 1
 
 
 def ray_gpu_ids() -> list[int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slime.backends.sglang_utils.sglang_engine import engine_nnodes
+from slime.backends.sglang_utils.placement import engine_nnodes
 from slime.ray.placement_group import num_actor_devices, num_rollout_devices
 
 
