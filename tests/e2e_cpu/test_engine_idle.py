@@ -44,8 +44,9 @@ def _in_flight(url: str) -> tuple[threading.Thread, dict]:
 
 
 def _wait_load(engine, reqs: int, timeout: float = 30.0) -> None:
+    """Until `reqs` requests run (none waiting: a request is first counted while it waits to be admitted)."""
     deadline = time.monotonic() + timeout
-    while engine.get_load()[0]["num_reqs"] != reqs:
+    while (engine.get_load()[0]["num_reqs"], engine.get_load()[0]["num_waiting_reqs"]) != (reqs, 0):
         assert time.monotonic() < deadline, engine.get_load()
         time.sleep(0.02)
 
