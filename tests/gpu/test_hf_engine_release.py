@@ -80,7 +80,9 @@ def test_free_returns_the_weights_memory_and_a_load_brings_the_same_decode_back(
     release_s = time.perf_counter() - start
     dropped = allocated - torch.cuda.memory_allocated()
     assert freed == sum(t.numel() * t.element_size() for t in weights.values())
-    assert freed <= dropped <= freed + 512 * len(weights), (freed, dropped)  # the allocator rounds blocks to 512 B
+    # the caching allocator rounds sizes to 512 B and leaves a block unsplit when less than 1 MiB would remain, so
+    # a tensor's block may exceed it by up to 1 MiB (seen on the H200: 1,051,648 B over 46 tensors)
+    assert freed <= dropped <= freed + 2**20 * len(weights), (freed, dropped)
 
     start = time.perf_counter()
     with sched.exclusive():
