@@ -223,8 +223,11 @@ def _torch_cuda(expression: str) -> str:
 
 
 def commit() -> str:
-    """`git rev-parse HEAD` (with `+dirty` for local changes); without .git (the device's copy of the checkout),
-    $SLIME_COMMIT or the file `.commit` at the repository root."""
+    """$SLIME_COMMIT when set (the device's copy of the checkout may carry a .git of another commit: seen on the H200,
+    where git named the session's starting commit), else `git rev-parse HEAD` (with `+dirty` for local changes), else
+    the file `.commit` at the repository root."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV].strip()
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, timeout=30)
         if head.returncode == 0:
@@ -233,8 +236,6 @@ def commit() -> str:
             return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.TimeoutExpired):
         pass
-    if os.environ.get(COMMIT_ENV):
-        return os.environ[COMMIT_ENV].strip()
     with contextlib.suppress(OSError):
         with open(os.path.join(ROOT, COMMIT_FILE)) as f:
             return f.read().strip() or "unknown"
