@@ -3,7 +3,9 @@ offload.py, `loose_parameters`): megatron-core puts the parameters in a contiguo
 `offload_to_cpu`) only with the distributed optimizer; without it none is in one, and every parameter must move on
 its own (else the weights stay on the GPU while the engines generate). Real megatron-core DDP chunks and optimizer,
 built by the backend's own `build_model` / `build_optimizer` on the CPU shim (tests/megatron_cpu_shim.py), one gloo
-rank in a child process."""
+rank in a child process. And that a parameter moved one by one keeps training: its storage is freed and refilled in
+place (`park_storage`), which keeps the hook megatron-core DDP put on its gradient accumulator; replacing its `.data`
+with a tensor of another device (what the offloader did before) drops it, and the optimizer then steps on zeros."""
 
 from __future__ import annotations
 
@@ -60,3 +62,85 @@ def test_parameters_outside_a_parameter_buffer_move_one_by_one(distributed_optim
     else:  # no parameter buffer: all of them move one by one
         assert result == {**result, "loose": result["params"], "in_a_buffer": 0}
     assert proc.exitcode == 0
+
+
+def _step_after(out, how: str) -> None:
+    """One optimizer step of a bf16 chunk (no distributed optimizer: every parameter loose) after its parameters were
+    left `untouched`, `parked` (the offloader's round trip: `park_storage` / `unpark_storage`), or `swapped` (what
+    the offloader did before: `.data` replaced by a tensor of another type and put back; on the GPU a host tensor,
+    another device, here another dtype: autograd treats both alike)."""
+    from tests import megatron_cpu_shim
+
+    megatron_cpu_shim.install()
+    import torch
+    import torch.distributed as dist
+
+    from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel
+    from slime.backends.training.offload import TrainState, loose_parameters, park_storage, unpark_storage
+    from tests.args import make_args
+    from tests.conftest import model_args
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    args = make_args(*model_args("tiny-qwen3"), "--train-backend", "megatron", "--bf16", "--lr", "1e-2",
+                     "--weight-decay", "0", "--seed", "0")
+    initialize_parallel(args)
+    torch.manual_seed(0)
+    model = build_model(args)
+    optimizer, _ = build_optimizer(args, model, total_steps=1)
+    loose = loose_parameters(TrainState(ddp_chunks=model))
+    values = [p.detach().clone() for p in loose]
+    freed = []
+    for p in loose:
+        if how == "parked":
+            host = park_storage(p)
+            freed.append(p.untyped_storage().nbytes() == 0)
+            unpark_storage(p, host)
+        elif how == "swapped":
+            kept = p.data
+            p.data = kept.float()
+            p.data = kept
+    restored = all(torch.equal(p.detach(), v) for p, v in zip(loose, values))
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    g = torch.Generator().manual_seed(1)
+    loss = sum((p.float() * torch.randn(p.shape, generator=g)).sum() for p in loose)  # the DDP hooks see a backward
+    loss.backward()
+    with_main_grad = sum(bool(p.main_grad.abs().sum() > 0) for p in loose)
+    _, grad_norm, _ = optimizer.step()
+    moved = sum(not torch.equal(p.detach(), v) for p, v in zip(loose, values))
+    out.put({"params": len(loose), "dtype": str(loose[0].dtype), "freed": all(freed) if freed else None,
+             "restored": restored, "with_main_grad": with_main_grad, "grad_norm": float(grad_norm), "moved": moved})
+    dist.destroy_process_group()
+
+
+def _child(target, *args) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=target, args=(out, *args), daemon=True)
+    proc.start()
+    try:
+        result = out.get(timeout=240)
+        proc.join(30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
+    return result
+
+
+@pytest.mark.timeout(600)
+def test_a_parameter_moved_one_by_one_keeps_training():
+    """megatron-core DDP adds each gradient into the parameter's `main_grad` from a hook on the parameter's gradient
+    accumulator, and the optimizer steps on `main_grad`. The offloader's round trip of a loose parameter (its storage
+    freed and refilled, the tensor kept) leaves that hook in place: the step is the step of an untouched chunk.
+    Replacing `.data` with a tensor of another type (the offloader did, with a host tensor) makes autograd drop the
+    accumulator, and with it the hook: no gradient reaches `main_grad`, the optimizer steps on zeros, the weights
+    stay (the GPU failure: Megatron's on-policy distillation under --colocate did not learn)."""
+    untouched, parked, swapped = (_child(_step_after, how) for how in ("untouched", "parked", "swapped"))
+    print(untouched, parked, swapped, sep="\n")
+    n = untouched["params"]
+    assert n > 0 and untouched["dtype"] == "torch.bfloat16"
+    assert untouched == {**untouched, "with_main_grad": n, "moved": n} and untouched["grad_norm"] > 0
+    assert parked == {**untouched, "freed": True, "restored": True}
+    assert swapped == {**untouched, "restored": True, "with_main_grad": 0, "grad_norm": 0.0, "moved": 0}

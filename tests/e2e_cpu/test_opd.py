@@ -12,6 +12,8 @@ its own samples with the teacher's log-probs in the advantages.
   teacher, from --opd-teacher-load): the same.
 - `--opd-type megatron` on the megatron backend (test-only CPU shim, tests/e2e_cpu/training_modes_worker.py): the
   teacher pass and the reverse KL agree with fsdp's and with transformers on a fixed batch.
+- `--opd-type sglang` on both backends, the same way: the batch carries the teacher's log-probs and no task reward;
+  the first step's KL is the transformers one, the KL falls at every step, and the two backends agree.
 - slime's plugins against a teacher `hf` engine process on samples holding the vocabulary's last id, which the
   engine reports as 0 as SGLang does (the failure first seen with a real SGLang teacher on the H200).
 """
@@ -167,3 +169,38 @@ def test_megatron_backend_teacher_pass_agrees_with_fsdp_and_transformers(tiny_mo
         print(backend, got)
         assert got[0] == pytest.approx(expected, rel=1e-4), backend
         assert got[1] < got[0]  # one step moved the student toward the teacher on these tokens
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
+@pytest.mark.timeout(400)
+def test_megatron_backend_trains_on_the_batch_teacher_log_probs_as_fsdp(tiny_model_dir, teacher_dir, tmp_path):
+    """--opd-type sglang on both backends: the teacher's log-probs come with the batch (what slime's plugins take
+    from a teacher server) and there is no task reward, so the reverse KL in the advantages is the only signal. The
+    first step's KL is the student-teacher one on the batch, the same on both backends, and it falls on both."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1?", "label": "2"}\n')
+    flags = (f"--prompt-data {data} --rollout-batch-size 4 --n-samples-per-prompt 2 --global-batch-size 8 "
+             f"--micro-batch-size 4 --num-rollout 4 --debug-train-only --lr 1e-3 --use-opd --opd-type sglang "
+             f"--opd-kl-coef 1.0")
+    results = {backend: run_ranks(WORKER, 1, str(tmp_path / backend),
+                                  ["--model", tiny_model_dir, "--backend", backend, "--mode", "opd-batch-teacher",
+                                   "--teacher", teacher_dir, "--flags", flags])
+               for backend in ("megatron", "fsdp")}
+    batch = results["fsdp"]["batch"]
+    assert batch["rewards"] == [0.0] * len(batch["tokens"])
+    student, teacher = hf_log_probs(tiny_model_dir, batch), hf_log_probs(teacher_dir, batch)
+    per_sample = []
+    for s, t, mask in zip(student, teacher, batch["loss_masks"]):
+        kept = [a - b for a, b, m in zip(s, t, mask) if m]
+        per_sample.append(sum(kept) / len(kept))
+    expected = sum(per_sample) / len(per_sample)
+    assert expected > 3.0
+    kls = {backend: [m["train/opd_reverse_kl"] for m in result["metrics"]] for backend, result in results.items()}
+    print(kls, {backend: [m["train/grad_norm"] for m in result["metrics"]] for backend, result in results.items()})
+    for backend, got in kls.items():
+        assert got[0] == pytest.approx(expected, rel=1e-4), backend
+        assert all(b < a for a, b in zip(got, got[1:])), (backend, got)  # every step moves toward the teacher
+    first = {backend: result["metrics"][0] for backend, result in results.items()}
+    for key in ("train/pg_loss", "train/grad_norm", "train/opd_reverse_kl"):
+        assert first["megatron"][key] == pytest.approx(first["fsdp"][key], rel=1e-3), key
+    assert kls["megatron"] == pytest.approx(kls["fsdp"], rel=1e-3)

@@ -6,7 +6,11 @@ train.py does with --debug-train-only, and rank 0 writes <out>/result.json with 
     of the command line), through samples_to_train_batch, as the RolloutManager does;
   --mode opd: the same fixed batch every rollout (tests/e2e_cpu/fsdp_worker.make_batch standing in for the
     student's samples: no engine), trained with the trainer-held teacher of --opd-teacher-load; the initial
-    log-probs of the batch are written too.
+    log-probs of the batch are written too;
+  --mode opd-batch-teacher: the same, but the batch carries the teacher's log-probs (a transformers forward of
+    --teacher on it: the raw log-softmax at each response token, what slime's plugins take from a teacher server)
+    and no task reward (rewards 0, as slime.rollout.on_policy_distillation.post_process_rewards returns), for
+    --opd-type sglang.
 The slime flags come from --flags (space-separated), after the backend's own (MODEL_ARGS for megatron).
 """
 
@@ -27,10 +31,19 @@ from tests.e2e_cpu.ranks import worker_parser  # noqa: E402
 def main() -> None:
     p = worker_parser()
     p.add_argument("--backend", choices=["fsdp", "megatron"], required=True)
-    p.add_argument("--mode", choices=["sft", "opd"], required=True)
+    p.add_argument("--mode", choices=["sft", "opd", "opd-batch-teacher"], required=True)
+    p.add_argument("--teacher", default=None, help="--mode opd-batch-teacher: the teacher's HF folder")
     p.add_argument("--flags", default="", help="slime flags, space-separated")
     cli = p.parse_args()
     os.makedirs(cli.out, exist_ok=True)
+    from tests.e2e_cpu.fsdp_worker import make_batch
+    from tests.e2e_cpu.test_megatron_actor import hf_log_probs
+
+    batch = make_batch(8, seed=0)
+    if cli.mode == "opd-batch-teacher":  # before the shim, which breaks a transformers forward in this process
+        batch.teacher_log_probs = hf_log_probs(cli.teacher, batch.__dict__)
+        batch.rewards = [0.0] * len(batch)
+        batch.raw_rewards = [0.0] * len(batch)
     if cli.backend == "megatron" and not torch.cuda.is_available():
         from tests import megatron_cpu_shim
 
@@ -40,7 +53,6 @@ def main() -> None:
     from slime.rollout.data_source import RolloutDataSourceWithBuffer
     from slime.rollout.train_data import flatten_groups, samples_to_train_batch
     from tests.conftest import model_args
-    from tests.e2e_cpu.fsdp_worker import make_batch
 
     if cli.backend == "megatron":
         from slime.backends.megatron_utils.actor import MegatronTrainRayActor as Actor
@@ -58,8 +70,7 @@ def main() -> None:
     result: dict = {"metrics": [], "num_rollout": num_rollout}
     try:
         actor.init(args, "actor", with_ref=False, num_rollout=num_rollout)
-        batch = make_batch(8, seed=0)
-        if cli.mode == "opd":
+        if cli.mode != "sft":
             result["batch"] = batch.__dict__
             result["lp_initial"] = actor.compute_log_probs(batch.tokens, batch.response_lengths)
         for rollout_id in range(num_rollout):

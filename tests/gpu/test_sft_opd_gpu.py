@@ -5,8 +5,8 @@
 - OPD, `--opd-type sglang` against a real SGLang server of the teacher (started here through
   `SLIME_SGLANG_LAUNCHER`, docs/sglang_backend.md; TEACHER_URL of examples/on_policy_distillation/run-cpu.sh),
   the student colocated with its `hf` engine on the same GPU, megatron and fsdp trainers; and `--opd-type
-  megatron` (the Megatron trainer holds the teacher): the student-teacher KL falls, and the teacher log-probs of
-  the first rollout are the teacher's (a transformers forward, to SGLang's bf16 error).
+  megatron` (the Megatron trainer holds the teacher): every step has a gradient, the student-teacher KL falls, and
+  the teacher log-probs of the first rollout are the teacher's (a transformers forward, to SGLang's bf16 error).
 """
 
 from __future__ import annotations
@@ -94,6 +94,14 @@ def sglang_teacher(teacher_dir, tmp_path_factory):  # noqa: F811
         log.close()
 
 
+def check_student_trains(tb: str, name: str) -> None:
+    """Every step had a gradient: 0 means none reached the optimizer (as when the colocated offload cut megatron-core
+    DDP's gradient hooks off the parameters: the KL then stays flat while the teacher's log-probs are right)."""
+    grad_norm = read_scalars(tb, "train/grad_norm")
+    print(f"[{name}] grad_norm:", {k: round(v, 4) for k, v in grad_norm.items()})
+    assert sorted(grad_norm) == list(range(ROLLOUTS)) and min(grad_norm.values()) > 0, grad_norm
+
+
 def check_teacher_log_probs(tmp_path, name: str, teacher: str) -> None:
     from tests.e2e_cpu.test_megatron_actor import hf_log_probs
 
@@ -117,6 +125,7 @@ def test_opd_sglang_teacher_on_gpu(backend, sglang_teacher, tiny_model_dir, teac
                                           "MODEL_DIR": tiny_model_dir, "TEACHER_DIR": teacher_dir,
                                           "DATA": toy_data_path},
                     "--colocate", "--rollout-backend", "hf", "--train-backend", backend)
+    check_student_trains(tb, name)
     check_kl_falls(tb)
     assert set(read_scalars(tb, "rollout/raw_reward").values()) == {0.0}
     check_teacher_log_probs(tmp_path, name, teacher_dir)  # SGLang's bf16 teacher: its log-probs
@@ -128,5 +137,6 @@ def test_opd_megatron_type_on_gpu(tiny_model_dir, teacher_dir, toy_data_path, tm
     tb = run_script(OPD, tmp_path, name, {"OPD_TYPE": "megatron", "MODEL_DIR": tiny_model_dir,
                                           "TEACHER_DIR": teacher_dir, "DATA": toy_data_path},
                     "--colocate", "--rollout-backend", "hf", "--train-backend", "megatron")
+    check_student_trains(tb, name)
     check_kl_falls(tb)
     check_teacher_log_probs(tmp_path, name, teacher_dir)  # the bf16 Megatron teacher

@@ -12,7 +12,10 @@ weights. The backends say what they hold (`TrainState`); this module moves it:
 - megatron-core DDP chunks through their contiguous buffers (`_ParamAndGradBuffer.offload_to_cpu` /
   `reload_from_cpu`: a pinned host copy of the parameters, the gradient storage freed and zeroed on return);
   megatron-core keeps a parameter buffer only with the distributed optimizer, so without it the chunks' parameters
-  move one by one, each into a pinned host tensor (as the optimizer's parameters do);
+  move one by one, the same way: each one's storage copied to a pinned host tensor and freed (`park_storage`), the
+  parameter itself left a tensor of its device. Not by replacing its `.data` with a host tensor: autograd then drops
+  the parameter's gradient accumulator (a `.data` of another device or dtype does that), the node megatron-core DDP
+  hooked to add each gradient into `main_grad`, and the optimizer steps on zero gradients from then on;
 - torch optimizers' parameters (e.g. fp32 master shards) and state tensors into pinned host memory (DTensor state,
   FSDP2's, with `DTensor.to`), each put back on the device it came from (a CPU `step` counter stays on the CPU).
   The pinned host tensors are kept from one offload to the next (pinning tens of GB takes seconds; megatron-core
@@ -55,7 +58,7 @@ class Offloader:
         self.state_off = False  # optimizer state, gradients, `modules`
         self.weights_off = False  # `weights` and the DDP chunks' parameters
         self._moved: list[tuple[Any, Any, torch.device]] = []  # (container, key, device it came from)
-        self._weights_moved: list[tuple[torch.nn.Parameter, torch.device]] = []  # parameters no buffer holds
+        self._weights_moved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # parameters no buffer holds, parked
         self._host: dict[tuple[int, Any], tuple[Any, torch.Tensor]] = {}  # pinned copies kept across offloads
 
     @property
@@ -81,9 +84,11 @@ class Offloader:
         if weights and not self.weights_off:
             _move(state, state.weights, "cpu", params=True, grads=False)
             for p in loose_parameters(state):
-                if p.is_cuda:
-                    self._weights_moved.append((p, p.device))
-                    p.data = self._pinned(p, None, p.data)
+                if p.is_cuda and p.untyped_storage().nbytes() > 0:  # 0: parked with another view of its storage
+                    owner, host = self._host.get((id(p), "storage"), (None, None))
+                    host = park_storage(p, host if owner is p else None)
+                    self._host[(id(p), "storage")] = (p, host)
+                    self._weights_moved.append((p, host))
             self.weights_off = True
         torch.cuda.synchronize(self.device)
         torch.cuda.ipc_collect()  # push buckets an engine released after the push returned (module docstring)
@@ -117,8 +122,8 @@ class Offloader:
         return max(0, torch.cuda.memory_allocated(self.device) - before)
 
     def _weights_back(self) -> None:
-        for p, device in self._weights_moved:
-            p.data = p.data.to(device, non_blocking=True)
+        for p, host in self._weights_moved:
+            unpark_storage(p, host)
         self._weights_moved.clear()
 
     def _offload_optimizer(self, opt: torch.optim.Optimizer, own: set[int]) -> None:
@@ -160,6 +165,30 @@ def _move(state: TrainState, modules: list[torch.nn.Module], device, params: boo
     if out:
         for module in modules:
             module.to(device)
+
+
+def park_storage(t: torch.Tensor, host: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole storage of `t` copied (asynchronously) into `host`, a uint8 host tensor of its size (pinned for a CUDA
+    `t`; made anew when None or of another size), then freed; returns `host`. `t` stays the same tensor on the same
+    device, so whatever holds it (autograd's gradient accumulator and the hooks on it, an optimizer) stays valid; it
+    must not be read until `unpark_storage`. Every tensor sharing the storage is parked with it."""
+    whole = _storage_bytes(t)
+    if host is None or host.numel() != whole.numel():
+        host = torch.empty(whole.numel(), dtype=torch.uint8, device="cpu", pin_memory=t.is_cuda)
+    host.copy_(whole, non_blocking=True)
+    t.untyped_storage().resize_(0)
+    return host
+
+
+def unpark_storage(t: torch.Tensor, host: torch.Tensor) -> None:
+    """`t`'s storage allocated again on its device and filled (asynchronously) from `park_storage`'s `host`."""
+    t.untyped_storage().resize_(host.numel())
+    _storage_bytes(t).copy_(host, non_blocking=True)
+
+
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 tensor over the whole storage of `t` (its views' and its own bytes)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
 def held_storages(state: TrainState) -> set[int]:
