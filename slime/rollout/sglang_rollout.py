@@ -368,8 +368,9 @@ def sampling_seed(args, sample: Sample, evaluation: bool = False) -> int:
     """The `sampling_seed` of one sample's generation: a 63-bit hash of (`--seed`, the current rollout id, the
     sample's index, train or eval). The engines draw a request's random numbers from its seed alone, so which
     sample gets which random stream does not depend on the order in which requests reach the engine; a sample
-    continued in a later rollout (partial rollouts) draws anew."""
-    key = f"{args.seed}:{current_rollout_id()}:{sample.index}:{'eval' if evaluation else 'train'}"
+    continued in a later rollout (partial rollouts) draws anew. Plugins call the rollout helpers with args objects of
+    their own, which may lack `seed`: such a sample is seeded by the rest alone."""
+    key = f"{getattr(args, 'seed', None)}:{current_rollout_id()}:{sample.index}:{'eval' if evaluation else 'train'}"
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
 
 

@@ -1,10 +1,11 @@
 """`HFEngine`: the `ServerEngine` that launches the built-in hf engine server (server.py).
 
-Launch settings come from slime's args: `--hf-checkpoint` (model), `--rollout-seed` + rank (sampling
-seed), `--sglang-server-concurrency` (largest running batch), `--sglang-disable-cuda-graph`
-(decode steps run eagerly), `--sglang-disable-radix-cache` (no prompt shared between requests: each prefilled
-itself), `--sglang-enable-weights-cpu-backup` (released weights are kept in host memory instead of freed). Device
-is CUDA when visible, else CPU; dtype is float32 on CPU (so engine and trainer log-probs agree to ~1e-5) and
+Launch settings come from slime's args: `--hf-checkpoint` (model), `--seed` + rank (the seed of requests sent
+without a `sampling_seed`, as SGLang's `--random-seed`), `--sglang-server-concurrency` (largest running batch),
+`--sglang-disable-cuda-graph` (decode steps run eagerly), `--sglang-disable-radix-cache` (no prompt shared between
+requests: each prefilled itself), `--sglang-enable-deterministic-inference` (batch-invariant: one request at a
+time, each alone), `--sglang-enable-weights-cpu-backup` (released weights are kept in host memory instead of freed).
+Device is CUDA when visible, else CPU; dtype is float32 on CPU (so engine and trainer log-probs agree to ~1e-5) and
 bfloat16 on CUDA. Torch threads per server: env `SLIME_ENGINE_NUM_THREADS` (default 1, so several
 engines and a trainer can share a small CPU machine). Env `SLIME_ENGINE_RELEASE_MEMORY_ON_CPU=1` starts CPU servers
 with `--release-memory-on-cpu` (a release frees the weights as on CUDA; for tests of that path without a GPU).
@@ -63,7 +64,7 @@ class HFEngine(ServerEngine):
             raise ValueError("--hf-checkpoint is required for the hf rollout engine (an HF model folder)")
         cuda = torch.cuda.is_available()
         sglang_args = self.args.sglang_args
-        seed = self.args.rollout_seed + self.rank
+        seed = self.args.seed + self.rank  # as SGLang's --random-seed: for requests sent without a sampling_seed
         return [sys.executable, "-m", "slime.backends.hf_engine",
                 "--model-path", str(checkpoint), "--host", host, "--port", str(port),
                 "--device", "cuda" if cuda else "cpu", "--dtype", "bfloat16" if cuda else "float32",
@@ -72,6 +73,8 @@ class HFEngine(ServerEngine):
                 "--num-threads", os.environ.get("SLIME_ENGINE_NUM_THREADS", "1"),
                 *(["--disable-cuda-graph"] if _flag_on(sglang_args, "disable_cuda_graph") else []),
                 *(["--disable-shared-prefill"] if _flag_on(sglang_args, "disable_radix_cache") else []),
+                *(["--enable-deterministic-inference"] if _flag_on(sglang_args, "enable_deterministic_inference")
+                  else []),
                 *(["--enable-weights-cpu-backup"] if _flag_on(sglang_args, "enable_weights_cpu_backup") else []),
                 *(["--release-memory-on-cpu"] if not cuda and _env_on("SLIME_ENGINE_RELEASE_MEMORY_ON_CPU") else []),
                 "--weight-dirs", *weight_dirs(self.args)]

@@ -20,6 +20,12 @@ log-prob is `log_softmax(logits / temperature)` at the chosen token, before top-
 (raw logits for greedy), the quantity a trainer recomputes from `logits / temperature`. Prompt log-probs
 (`logprob_start_len` >= 0) are of the raw logits at any temperature, as SGLang's.
 
+With `deterministic` (the server's `--enable-deterministic-inference`, SGLang's flag) the engine is batch-invariant
+the simplest way: it serves one request at a time, each prefilled and decoded alone, so a request's tokens and
+log-probs are a function of the request only (SGLang gets the same from batch-invariant kernels). Otherwise the
+numbers of a request depend in their last bits (~1e-7 in a log-prob) on the batch it shares: its shape and padding
+come from when requests arrive.
+
 With `kv_cache="slots"` the running batch is kept in a preallocated `SlotCache` (slots.py) instead of a
 `DynamicCache`, and on CUDA its decode steps are replayed as CUDA graphs; prefill is the same either way.
 
@@ -363,8 +369,14 @@ class Scheduler:
     def __init__(self, model, tokenizer, *, max_running_requests: int = 64, random_seed: int = 0,
                  stop_token_ids: set[int] | None = None, max_context_len: int | None = None,
                  max_prefill_tokens: int = 16384, stop_window_tokens: int = 8, kv_cache: str = "dynamic",
-                 cuda_graphs: bool = True, shared_prefill: bool = True):
+                 cuda_graphs: bool = True, shared_prefill: bool = True, deterministic: bool = False):
         self.model = model
+        # `deterministic`: batch invariance by serving one request at a time (each prefilled and decoded alone, so its
+        # tokens and log-probs do not depend on the requests beside it: batch shape and padding change the float
+        # arithmetic by ~1e-7, enough to flip a sampled token now and then); several times slower
+        self.deterministic = deterministic
+        if deterministic:
+            max_running_requests, shared_prefill = 1, False
         self.shared_prefill = shared_prefill  # identical prompts of one prefill go through the model once
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device

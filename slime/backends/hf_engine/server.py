@@ -304,6 +304,7 @@ def build_app(state: EngineState) -> FastAPI:
         return {"model_path": state.model_path, "tokenizer_path": state.model_path, "version": ENGINE_VERSION,
                 "engine": "hf", "device": state.device, "dtype": state.dtype,
                 "max_running_requests": sched.max_running_requests, "random_seed": sched.random_seed,
+                "enable_deterministic_inference": sched.deterministic,
                 "weight_version": state.weight_version, "num_running_reqs": running, "num_waiting_reqs": waiting,
                 "paused": sched.paused, "released_tags": sorted(state.released), "weights_release": state.weights.mode,
                 "uninitialised_weights": len(state.weights.unloaded), "tp_size": 1, "dp_size": 1,
@@ -693,6 +694,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--disable-shared-prefill", action="store_true",
                    help="prefill every request's prompt itself (default: identical prompts of one prefill, a GRPO "
                         "group's samples, go through the model once)")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="batch-invariant: serve one request at a time, each alone, so its tokens and log-probs do not "
+                        "depend on the other requests (SGLang's flag; several times slower)")
     p.add_argument("--enable-weights-cpu-backup", action="store_true",
                    help="releasing the weights copies them to host memory (pinned, kept for the next release) and "
                         "resuming copies them back (SGLang's flag); default: released weights are freed and come back "
@@ -735,7 +739,8 @@ def main(argv=None) -> None:
                           random_seed=args.random_seed, max_context_len=max_ctx,
                           max_prefill_tokens=args.max_prefill_tokens,
                           kv_cache=args.kv_cache or ("slots" if args.device.startswith("cuda") else "dynamic"),
-                          cuda_graphs=not args.disable_cuda_graph, shared_prefill=not args.disable_shared_prefill)
+                          cuda_graphs=not args.disable_cuda_graph, shared_prefill=not args.disable_shared_prefill,
+                          deterministic=args.enable_deterministic_inference)
     state = EngineState(model, tokenizer, scheduler, model_path=args.model_path, device=args.device,
                         dtype=args.dtype, weight_version=args.weight_version, weight_dirs=args.weight_dirs,
                         frees_memory=args.device != "cpu" or args.release_memory_on_cpu,
