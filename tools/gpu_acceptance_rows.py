@@ -258,13 +258,13 @@ ROWS: tuple[Row, ...] = (
         "memory flat (the benchmark's verdict, else it exits 1); per-phase memory",
         kind="command", figures=handoff_figures("sglang, handoff"), check=handoff_check("sglang, handoff", 3)),
     Row(2, "4B resident refused by --dry-run", "handoff",
-        f"{PYTEST} tests/gpu/test_colocate_plan_gpu.py", timeout_s=300, estimate_s=40, part="1",
+        f"{PYTEST} tests/gpu/test_colocate_plan_gpu.py", timeout_s=300, estimate_s=30, part="1",
         must_show="the same job without the handoff is refused by the plan on the GPU node (exit ≠ 0, the fix "
         "named) before anything starts",
         figures=grab(plan=r"\[plan, resident 4B \+ sglang[^\]]*\] (.+)$")),
     Row(3, "fsdp handoff + fault tolerance, SGLang", "handoff",
         f"{FAST_SGLANG} {PYTEST} tests/gpu/test_sglang_train.py -k \"colocated and fsdp or killed\"",
-        timeout_s=600, estimate_s=300, part="1",
+        timeout_s=600, estimate_s=440, part="1",
         must_show="the fsdp trainer with the handoff against real SGLang (versions 1-5, |Δ log-prob| < 0.05, "
         "`perf/engine_release_time` and `perf/actor_offload_moved_gb` every rollout); a SIGKILLed server restarted "
         "mid-rollout with the handoff on, every group trained once",
@@ -272,25 +272,28 @@ ROWS: tuple[Row, ...] = (
                      handoff_s=r"\[sglang fsdp\] handoff s (.+)$",
                      restarts=r"\[sglang fault tolerance[^\]]*\].*?restarts (\[[^\]]*\])")),
     Row(4, "engine contract vs real SGLang", "engine contract",
-        f"{PYTEST} tests/gpu/test_contract_sglang_gpu.py", timeout_s=600, estimate_s=180, part="1",
+        f"{PYTEST} tests/gpu/test_contract_sglang_gpu.py", timeout_s=600, estimate_s=120, part="2",
         must_show="tests/contract passes against a real SGLang server (`--enable-memory-saver`, gloo, same host, "
         "tol 0.05), `test_update_weights_from_distributed` included (the group's key prefix)",
         figures=grab(sglang_up_s=r"\[sglang\] up in ([\d.]+) s", suite=r"\[contract vs sglang\] (.+?); not passed",
                      not_passed=r"\[contract vs sglang\].*; not passed: (.+)$")),
     Row(5, "weights-only onload, Megatron colocate + resume", "handoff",
         f"{PYTEST} tests/gpu/test_offload_gpu.py tests/gpu/test_offload_ipc_gpu.py tests/gpu/test_hf_engine_release.py "
-        "tests/gpu/test_megatron_gpu.py::test_train_py_megatron_colocate_then_resume", timeout_s=600, estimate_s=240,
-        part="3",
+        "tests/gpu/test_megatron_offload_trains_gpu.py tests/gpu/test_megatron_gpu.py::"
+        "test_train_py_megatron_colocate_then_resume", timeout_s=600, estimate_s=270,
+        part="2",
         must_show="the mover's two moves and the weights-only onload (fault tolerance's mid-rollout push) on CUDA; an "
         "offload frees a push bucket an engine held past the sender; the `hf` engine's release frees its weights' "
-        "bytes and a complete push restores the same decode; Megatron + `hf` colocated, only the weights on the GPU "
+        "bytes and a complete push restores the same decode; a Megatron chunk without the distributed optimizer "
+        "trains after the offload's round trip as one that never moved; Megatron + `hf` colocated, only the weights on the GPU "
         "during a push, SIGTERM after a checkpoint, `--load` resumes at the next rollout",
         figures=grab(offload=r"^\[offload\] (.+)$", logprob_diff=r"engine/trainer \|Δ log-prob\| per rollout: (.+?);",
                      resumed=r"run 2 resumed from checkpoint (.+)$")),
     Row(6, "SFT and OPD (SGLang teacher)", "SFT / OPD",
-        f"{PYTEST} tests/gpu/test_sft_opd_gpu.py -k \"fsdp or sglang\"", timeout_s=600, estimate_s=330, part="2",
+        f"{PYTEST} tests/gpu/test_sft_opd_gpu.py -k \"fsdp or opd\"", timeout_s=600, estimate_s=430, part="3",
         must_show="SFT on the fsdp trainer (loss halves); OPD `--opd-type sglang` against a real SGLang teacher on "
-        "both trainers (student-teacher KL falls; the teacher log-probs are the teacher's)",
+        "both trainers and `--opd-type megatron` (student-teacher KL falls, every step has a gradient; the teacher "
+        "log-probs are the teacher's)",
         figures=grab(sft_fsdp_loss=r"\[sft fsdp\] loss: (.+)$", teacher_up=r"\[teacher\] SGLang up in (.+)$",
                      teacher_logprobs=r"teacher log-probs vs a transformers fp32 forward of the teacher: (.+)$")),
     Row(7, "--check-weight-update-equal vs SGLang", "weight sync",
