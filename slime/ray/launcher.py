@@ -15,9 +15,10 @@ import sys
 import ray
 
 from slime.ray.actor_group import RayTrainGroup
-from slime.ray.placement_group import create_placement_groups, num_actor_devices, num_rollout_devices
+from slime.ray.placement_group import create_placement_groups
 from slime.ray.rollout import RolloutManager
 from slime.utils import process_reaper
+from slime.utils.placement import num_actor_devices, num_rollout_devices
 
 logger = logging.getLogger("slime")
 

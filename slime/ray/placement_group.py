@@ -15,6 +15,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from slime.utils.placement import num_actor_devices, num_rollout_devices
+
 logger = logging.getLogger(__name__)
 
 
@@ -37,16 +39,6 @@ class _BundleProbe:
     def where(self) -> tuple[str, int]:
         gpu_ids = ray.get_gpu_ids()
         return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else 0
-
-
-def num_actor_devices(args) -> int:
-    return args.actor_num_nodes * args.actor_num_gpus_per_node
-
-
-def num_rollout_devices(args) -> int:
-    if args.colocate or args.debug_train_only:
-        return 0
-    return args.rollout_num_gpus or 0
 
 
 def create_placement_groups(args, timeout_s: float = 120.0) -> dict[str, PlacementSlice]:

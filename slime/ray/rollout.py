@@ -55,7 +55,6 @@ import httpx
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slime.backends.sglang_utils.placement import engine_nnodes
 from slime.observability.rollout_metrics import top_p_kept_vocab_metrics
 from slime.ray.engine_health import EngineHealthMonitor
 from slime.rollout.base_types import call_rollout_fn, lifecycle_of
@@ -77,6 +76,7 @@ from slime.utils.metrics import (
 )
 from slime.utils.misc import load_function
 from slime.utils.net import node_ip
+from slime.utils.placement import engine_nnodes
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)

@@ -53,8 +53,8 @@ from slime.backends.sglang_utils.arguments import (
     server_fields,
     sglang_cli_args,
 )
-from slime.backends.sglang_utils.placement import engine_nnodes
 from slime.utils.net import free_port
+from slime.utils.placement import engine_nnodes
 
 logger = logging.getLogger(__name__)
 

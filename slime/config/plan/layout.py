@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slime.backends.sglang_utils.placement import engine_nnodes
-from slime.ray.placement_group import num_actor_devices, num_rollout_devices
+from slime.utils.placement import engine_nnodes, num_actor_devices, num_rollout_devices
 
 
 @dataclass(frozen=True)
