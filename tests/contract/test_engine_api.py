@@ -227,7 +227,7 @@ def test_generate_meta_info_has_sglangs_keys(engine, return_logprob):
     assert meta["cached_tokens_details"] is None or isinstance(meta["cached_tokens_details"], dict)
     assert meta["dp_rank"] is None or isinstance(meta["dp_rank"], int)
     assert 0 < meta["e2e_latency"] <= took
-    assert started - 5 <= meta["response_sent_to_client_ts"] <= started + took + 5  # wall clock, seconds
+    assert abs(meta["response_sent_to_client_ts"] - started) <= took + 60  # wall-clock seconds (hosts' clocks differ)
     if return_logprob:  # the default logprob_start_len: log-probs of the output only
         assert meta["input_token_logprobs"] == [] and meta["output_token_logprobs_length"] == 3
 
