@@ -4,6 +4,7 @@ line (nothing is started), which is then parsed and validated; one status per sc
 from __future__ import annotations
 
 import os
+import sys
 import textwrap
 
 import pytest
@@ -139,8 +140,6 @@ def test_plugins_import_from_the_pythonpath_the_script_gives_train_py(tmp_path, 
     result = check_script(str(tmp_path / "run.sh"), cwd=str(tmp_path))
     assert result.status == "OK", result.detail
     assert str(plugins) in result.pythonpath.split(os.pathsep)
-    import sys
-
     assert module not in sys.modules and str(plugins) not in sys.path  # the checker's own process is left as it was
     # without the PYTHONPATH entry the same line is refused, naming the module
     status, detail, _ = check_argv(result.argv, result.entry)
