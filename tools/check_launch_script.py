@@ -15,6 +15,10 @@ recorded, then parsed and validated by slime's parser exactly as `train.py --dry
     PARSE ERROR   an unknown flag or a value of the wrong type
     NO TRAIN LINE the script exited (or finished) without calling train.py
 
+The `--*-path` plugins are imported with the PYTHONPATH train.py would get: the one `ray job submit
+--runtime-env-json '{"env_vars": {"PYTHONPATH": ...}}'` sets (slime's example scripts put their folder there),
+else the script's environment's (`export PYTHONPATH=...`).
+
 Paths that do not exist on this machine (`--hf-checkpoint`, `--prompt-data`, `--ref-load`, ...) are replaced by
 small stand-ins (an HF folder with an empty config.json, a one-row JSONL with the script's keys), and the line
 says which, so a script can be checked away from its data; `--strict-paths` checks the paths as given.
@@ -23,6 +27,7 @@ says which, so a script can be checked away from its data; `--strict-paths` chec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -47,13 +52,32 @@ SILENT = ("ray", "pkill", "killall", "sleep", "ssh", "scp", "pdsh", "mpirun", "p
 ENV_DEFAULTS = {"MASTER_ADDR": "127.0.0.1", "BASE_DIR": "/root", "BASE_FOLDER": "/root", "WORKER_IP": "127.0.0.1"}
 
 _RECORDER = r'''
-import json, os, subprocess, sys
+import json, os, re, subprocess, sys
 name, argv = sys.argv[1], sys.argv[2:]
 entries = {entries!r}
+
+
+def runtime_env_pythonpath(before):
+    """PYTHONPATH of `ray job submit --runtime-env-json`'s env_vars (Ray expands ${{VAR}} in them); None without."""
+    for i, token in enumerate(before):
+        if token.startswith("--runtime-env-json"):
+            value = token.split("=", 1)[1] if "=" in token else (before[i + 1] if i + 1 < len(before) else "{{}}")
+            try:
+                path = (json.loads(value).get("env_vars") or {{}}).get("PYTHONPATH")
+            except (ValueError, AttributeError):
+                return None
+            if path is not None:
+                return re.sub(r"\$\{{(\w+)\}}", lambda m: os.environ.get(m.group(1), ""), str(path))
+    return None
+
+
 for i, token in enumerate(argv):
     if os.path.basename(token) in entries:
+        path = runtime_env_pythonpath(argv[:i]) if name == "ray" else None
+        path = os.environ.get("PYTHONPATH", "") if path is None else path
+        path = os.pathsep.join(os.path.abspath(p) for p in path.split(os.pathsep) if p)
         with open(os.environ["SLIME_CHECK_RECORD"], "a") as f:
-            f.write(json.dumps({{"entry": os.path.basename(token), "argv": argv[i + 1:]}}) + "\n")
+            f.write(json.dumps({{"entry": os.path.basename(token), "argv": argv[i + 1:], "pythonpath": path}}) + "\n")
         sys.exit(0)
 if name in ("python", "python3") and argv[:1] == ["-c"]:
     sys.exit(subprocess.call([{python!r}] + argv))  # an inline expression a script may compute a value with
@@ -74,6 +98,7 @@ class Result:
     argv: list[str] = field(default_factory=list)
     stand_ins: list[str] = field(default_factory=list)
     note: str = ""  # how the script was run, when not as given
+    pythonpath: str = ""  # the PYTHONPATH train.py would get, its `--*-path` plugins resolved with it
 
 
 def make_stubs(folder: str) -> None:
@@ -158,13 +183,33 @@ def replace_missing_paths(args: argparse.Namespace, folder: str) -> list[str]:
     return done
 
 
-def check_argv(argv: list[str], entry: str = "train.py", strict_paths: bool = False) -> tuple[str, str, list[str]]:
-    """(status, detail, stand-ins) for one train.py / train_async.py command line."""
+@contextlib.contextmanager
+def on_sys_path(pythonpath: str):
+    """`pythonpath`'s folders first on sys.path, as train.py started with it would have them; afterwards sys.path
+    is restored and the modules imported from those folders are forgotten (the next script has its own)."""
+    folders = [os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p]
+    saved, known = list(sys.path), set(sys.modules)
+    sys.path[:0] = folders
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+        roots = tuple(os.path.join(f, "") for f in folders)
+        for name in set(sys.modules) - known:
+            origin = getattr(sys.modules[name], "__file__", None) or ""
+            if origin.startswith(roots):
+                del sys.modules[name]
+
+
+def check_argv(argv: list[str], entry: str = "train.py", strict_paths: bool = False,
+               pythonpath: str = "") -> tuple[str, str, list[str]]:  # fmt: skip
+    """(status, detail, stand-ins) for one train.py / train_async.py command line; `pythonpath` is the PYTHONPATH
+    train.py would run with (its folders are searched for the `--*-path` plugins)."""
     try:
         parser, args = parse_command_line(argv)
     except SlimeArgumentError as e:
         return "PARSE ERROR", str(e), []
-    with tempfile.TemporaryDirectory(prefix="slime-stand-ins-") as folder:
+    with tempfile.TemporaryDirectory(prefix="slime-stand-ins-") as folder, on_sys_path(pythonpath):
         stand_ins = [] if strict_paths else replace_missing_paths(args, folder)
         args.dry_run = True  # validate as train.py --dry-run would, planning the GPU run the script is for
         args.dry_run_cuda = args.dry_run_cuda or not args.use_cuda
@@ -222,8 +267,8 @@ def check_script(script: str, cwd: str | None = None, gpus: int = 8, env: dict[s
     if not out.startswith("exit 0:"):  # e.g. a line missing its `\` ends the train.py command early
         note = "; ".join(filter(None, [note, f"the script failed after its train.py call ({out})"]))
     call = calls[-1]
-    status, detail, stand_ins = check_argv(call["argv"], call["entry"], strict_paths)
-    return Result(script, status, detail, call["entry"], call["argv"], stand_ins, note)
+    status, detail, stand_ins = check_argv(call["argv"], call["entry"], strict_paths, call["pythonpath"])
+    return Result(script, status, detail, call["entry"], call["argv"], stand_ins, note, call["pythonpath"])
 
 
 def slime_scripts(checkout: str) -> list[str]:
@@ -266,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_result(result, opts.all))
         if opts.show_argv and result.argv:
             print("    " + shlex.join(result.argv))
+            print("    PYTHONPATH=" + result.pythonpath)
     counts = {s: sum(r.status == s for r in results) for s in ("OK", "REFUSED", "PARSE ERROR", "NO TRAIN LINE")}
     print(f"\n{len(results)} script(s): " + ", ".join(f"{n} {s}" for s, n in counts.items()))
     return 0 if counts["OK"] == len(results) else 1

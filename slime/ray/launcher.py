@@ -1,7 +1,8 @@
 """Bring-up and teardown of the processes of one run (docs/architecture.md), used by train.py and train_async.py.
 
 `Run` is a context manager: whatever has been started when an exception, Ctrl-C or SIGTERM arrives is shut
-down in reverse order (rollout manager → its engines and router; training ranks; Ray itself when we started it).
+down in reverse order: the training ranks (rank 0 first dissolves its weight broadcast group with the engines,
+which are still up), then the rollout manager with its engines and router, then Ray itself when we started it.
 With `--advantage-estimator ppo` (`args.use_critic`) it also creates the critic group on the actor's bundles.
 """
 
@@ -96,6 +97,17 @@ class Run:
         signal.signal(signal.SIGTERM, self._old_sigterm or signal.SIG_DFL)
 
     def shutdown(self) -> None:
+        # The trainers before the engines: rank 0 dissolves the weight broadcast group on both ends while the
+        # engines can still answer (after them, closing it only meets killed engine actors).
+        for name in ("critic", "actor"):
+            group = getattr(self, name)
+            if group is None:
+                continue
+            try:
+                group.shutdown()
+            except Exception as e:  # noqa: BLE001 - keep tearing down the rest
+                logger.warning("%s group shutdown failed: %s", name, e)
+            setattr(self, name, None)
         if self.rollout_manager is not None:
             try:
                 ray.get(self.rollout_manager.shutdown.remote(), timeout=60)
@@ -103,15 +115,6 @@ class Run:
                 logger.warning("rollout manager shutdown failed: %s", e)
             ray.kill(self.rollout_manager)
             self.rollout_manager = None
-        for name in ("critic", "actor"):
-            group = getattr(self, name)
-            if group is None:
-                continue
-            try:
-                group.shutdown()
-            except Exception as e:  # noqa: BLE001
-                logger.warning("%s group shutdown failed: %s", name, e)
-            setattr(self, name, None)
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
         if self._reaper is not None:

@@ -7,7 +7,9 @@ that loop, ready to use with a `parse_call` and a `call_tool` of your own.
 
 Everything is token-in, token-out: the model's tokens are appended exactly as the engine returned them
 (never re-tokenised from text), with loss mask 1 and their log-probs; environment tokens get loss mask 0
-and log-prob 0.0, so `loss_mask` and `rollout_log_probs` stay one entry per response token.
+and log-prob 0.0, so `loss_mask` and `rollout_log_probs` stay one entry per response token. The helpers
+change the sample's `tokens`, `loss_mask` and `rollout_log_probs` lists in place, so a plugin holding one of
+them sees every append.
 
 Budgets: `sampling_params["max_new_tokens"]` (--rollout-max-response-len) bounds each turn;
 `--rollout-max-context-len` bounds prompt + all turns + tool results (a turn gets at most what is left, and
@@ -148,7 +150,7 @@ async def generate_turn(args, sample: Sample, sampling_params: dict, stop: str |
     resuming = sample.status == Sample.Status.ABORTED and sample.response_length > 0
     init_response(args, sample)
     if resuming and args.mask_offpolicy_in_partial_rollout:
-        sample.loss_mask = [0] * sample.response_length  # older weights' tokens: context, not targets
+        sample.loss_mask[:] = [0] * sample.response_length  # older weights' tokens: context, not targets
 
     params = dict(sampling_params)
     if stop:

@@ -288,10 +288,14 @@ def _parse_generate_answer(url: str, answer: Any) -> tuple[str, list[int], list[
 
 
 def init_response(args, sample: Sample) -> None:
-    """Make `sample` ready to append a response to: the prompt's ids when it has no tokens yet, empty
-    loss mask and log-prob lists when it has none."""
+    """Make `sample` ready to append a response to: the prompt's ids when it has no tokens yet (put into its
+    empty token list, which a plugin may hold), empty loss mask and log-prob lists when it has none."""
     if not sample.tokens:
-        sample.tokens = prompt_ids(args, sample.prompt)
+        ids = prompt_ids(args, sample.prompt)
+        if isinstance(sample.tokens, list):
+            sample.tokens.extend(ids)
+        else:
+            sample.tokens = ids
     if sample.loss_mask is None:
         sample.loss_mask = []
     if sample.rollout_log_probs is None:
@@ -332,7 +336,10 @@ def mask_offpolicy(args, sample: Sample) -> None:
     earlier rollout (older weights) generated as context only: loss mask 0. Idempotent."""
     resuming = sample.status == Sample.Status.ABORTED and sample.response_length > 0
     if resuming and args.partial_rollout and args.mask_offpolicy_in_partial_rollout:
-        sample.loss_mask = [0] * sample.response_length
+        if isinstance(sample.loss_mask, list):
+            sample.loss_mask[:] = [0] * sample.response_length  # in place: a plugin may hold the list
+        else:
+            sample.loss_mask = [0] * sample.response_length
 
 
 async def generate(args, sample: Sample, sampling_params: dict) -> Sample:

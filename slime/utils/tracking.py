@@ -2,14 +2,17 @@
 
 All metrics reach the driver, which is the only writer; the step is the rollout id. A step may be logged in
 parts (the loops log a rollout's generation and training metrics before its checkpoint is written, the step time
-and evaluation after): every part is written and flushed at once, and the console line shows the step's parts so
-far.
+and evaluation after; evaluation before training is a part of step 0 of its own): every part is written and
+flushed at once. A console line shows the parts of the step logged since its last line: a few training keys, then
+`eval <dataset>=<score> ...` (each eval dataset's mean reward, `eval/<dataset>`); a part with none of those prints
+no line.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any
 
 logger = logging.getLogger("slime")
@@ -23,6 +26,23 @@ _CONSOLE_KEYS = (
     "train/grad_norm",
     "perf/step_time",
 )
+# eval/<dataset> is the dataset's score; eval/<dataset>-truncated_ratio and -pass@k sit beside it
+_EVAL_SCORE = re.compile(r"eval/(?P<name>[^/]+)")
+_EVAL_DETAIL = re.compile(r".*-(truncated_ratio|pass@\d+)")
+
+
+def console_line(scalars: dict[str, float]) -> str:
+    """The console's summary of `scalars`: the training keys shown, then every eval dataset's score ('' when
+    there is neither)."""
+    shown = [f"{k.split('/', 1)[1]}={scalars[k]:.4g}" for k in _CONSOLE_KEYS if k in scalars]
+    scores = []
+    for key in sorted(scalars):
+        score = _EVAL_SCORE.fullmatch(key)
+        if score and not _EVAL_DETAIL.fullmatch(score["name"]):
+            scores.append(f"{score['name']}={scalars[key]:.4g}")
+    if scores:
+        shown.append("eval " + " ".join(scores))
+    return " ".join(shown)
 
 
 class Tracker:
@@ -30,7 +50,7 @@ class Tracker:
         self._tb = None
         self._wandb = None
         self._step: int | None = None
-        self._step_scalars: dict[str, float] = {}  # the parts of the current step logged so far
+        self._unshown: dict[str, float] = {}  # the parts of the current step logged since its last console line
         if args.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -54,7 +74,7 @@ class Tracker:
 
     def log(self, metrics: dict[str, Any], step: int, console: bool = True) -> None:
         """Write `metrics` at `step` to every sink now. `console=False`: an early part of the step (no console
-        line yet; the next part's line includes it)."""
+        line yet; the step's next line includes it)."""
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
             for k, v in scalars.items():
@@ -63,12 +83,13 @@ class Tracker:
         if self._wandb is not None:
             self._wandb.log({**scalars, "rollout_id": step}, step=step)
         if step != self._step:
-            self._step, self._step_scalars = step, {}
-        self._step_scalars.update(scalars)
+            self._step, self._unshown = step, {}
+        self._unshown.update(scalars)
         if console:
-            seen = self._step_scalars
-            shown = " ".join(f"{k.split('/', 1)[1]}={seen[k]:.4g}" for k in _CONSOLE_KEYS if k in seen)
-            logger.info("rollout %d: %s", step, shown)
+            line = console_line(self._unshown)
+            self._unshown = {}
+            if line:
+                logger.info("rollout %d: %s", step, line)
 
     def close(self) -> None:
         if self._tb is not None:

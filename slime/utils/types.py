@@ -22,7 +22,9 @@
 `to_dict` / `from_dict` carry every attribute, unknown ones included (a newer producer's extra fields reach
 an older consumer as attributes). `append_response_tokens` is the one way to extend a response: it keeps
 `tokens`, `response_length`, `loss_mask`, `rollout_log_probs` and the top-p spans aligned and reads SGLang's
-`meta_info` (finish reason -> status, weight version, cache and speculative counters, routed experts).
+`meta_info` (finish reason -> status, weight version, cache and speculative counters, routed experts). It extends
+the sample's `tokens`, `loss_mask`, `rollout_log_probs` and `weight_versions` lists in place (a plugin may hold one
+and write it back); the top-p and routed-expert tensors are replaced by new ones.
 """
 
 from __future__ import annotations
@@ -76,6 +78,15 @@ def _float_list(values) -> list[float] | None:
     if torch.is_tensor(values):
         return [float(v) for v in values.detach().cpu().reshape(-1).tolist()]
     return [float(v) for v in values]
+
+
+def _extend(held, values: list) -> list:
+    """`held` extended by `values`: in place when it is a list, so a caller holding the sample's list (and
+    writing it back later) sees the appended entries; a tuple or tensor is copied into a new list."""
+    if isinstance(held, list):
+        held.extend(values)
+        return held
+    return (held.detach().cpu().reshape(-1).tolist() if torch.is_tensor(held) else list(held)) + values
 
 
 def _int32(values, empty: list[int]) -> torch.Tensor:
@@ -277,10 +288,11 @@ class Sample:
             self.response += text
         before = self.response_length
         if tokens:
-            self.tokens = list(self.tokens) + tokens
+            self.tokens = _extend(self.tokens, tokens)
             self.response_length += len(tokens)
-            mask = [1] * before if self.loss_mask is None else list(self.loss_mask)
-            self.loss_mask = mask + [1 if trainable else 0] * len(tokens)
+            if self.loss_mask is None:
+                self.loss_mask = [1] * before
+            self.loss_mask = _extend(self.loss_mask, [1 if trainable else 0] * len(tokens))
         if log_probs is not None:
             if self.rollout_log_probs is None:
                 if trainable and before:
@@ -289,7 +301,7 @@ class Sample:
                         "model tokens cannot be appended with log-probs the earlier ones lack"
                     )
                 self.rollout_log_probs = [0.0] * before
-            self.rollout_log_probs = list(self.rollout_log_probs) + log_probs
+            self.rollout_log_probs = _extend(self.rollout_log_probs, log_probs)
 
         pad_top_p = bool(tokens and not trainable)
         if meta_info is not None or pad_top_p:

@@ -45,6 +45,15 @@ pytestmark = pytest.mark.timeout(180)
 PROMPT = [56, 62, 137, 92]
 SEQ = [56, 62, 137, 92, 138, 20, 21, 22, 23, 24, 25]
 
+# The meta_info keys of a finished, non-streamed /generate on SGLang 0.5.16 launched without --enable-metrics,
+# speculative decoding or --reasoning-parser (tokenizer_manager.py: _handle_batch_output builds them,
+# _wait_one_response adds response_sent_to_client_ts); return_logprob adds GENERATE_LOGPROB_META_KEYS (with
+# top_logprobs_num or token_ids_logprob, which this suite does not send, more keys come).
+GENERATE_META_KEYS = {"id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
+                      "reasoning_tokens", "completion_tokens", "cached_tokens", "cached_tokens_details", "dp_rank",
+                      "e2e_latency", "response_sent_to_client_ts"}
+GENERATE_LOGPROB_META_KEYS = {"input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length"}
+
 
 # ---- helpers --------------------------------------------------------------------------------------------
 def post(engine, path, body=None, timeout=120.0, expect=200):
@@ -199,6 +208,28 @@ def test_generate_length_with_logprobs_matching_scoring(engine):
     # On-policy: the sampled tokens' log-probs are those a forward over the whole sequence gives them.
     rescored, _ = score(engine, PROMPT + out["output_ids"])
     assert max_diff(rescored[len(PROMPT) - 1:], [lp for lp, *_ in lps]) <= engine.logprob_tol
+
+
+@pytest.mark.parametrize("return_logprob", [False, True])
+def test_generate_meta_info_has_sglangs_keys(engine, return_logprob):
+    """Clients read these keys on every call (strands-sglang reads e2e_latency): both engines answer the same set."""
+    started = time.time()
+    out = generate(engine, input_ids=PROMPT, return_logprob=return_logprob,
+                   sampling_params={"temperature": 1.0, "max_new_tokens": 3, "ignore_eos": True})
+    took = time.time() - started
+    meta = out["meta_info"]
+    expected = GENERATE_META_KEYS | (GENERATE_LOGPROB_META_KEYS if return_logprob else set())
+    assert set(meta) == expected, f"missing {sorted(expected - set(meta))}, extra {sorted(set(meta) - expected)}"
+    assert meta["id"] and meta["finish_reason"] == {"type": "length", "length": 3}
+    assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == 3 == len(out["output_ids"])
+    assert meta["num_retractions"] == 0 and meta["reasoning_tokens"] == 0
+    assert 0 <= meta["cached_tokens"] < len(PROMPT)
+    assert meta["cached_tokens_details"] is None or isinstance(meta["cached_tokens_details"], dict)
+    assert meta["dp_rank"] is None or isinstance(meta["dp_rank"], int)
+    assert 0 < meta["e2e_latency"] <= took
+    assert abs(meta["response_sent_to_client_ts"] - started) <= took + 60  # wall-clock seconds (hosts' clocks differ)
+    if return_logprob:  # the default logprob_start_len: log-probs of the output only
+        assert meta["input_token_logprobs"] == [] and meta["output_token_logprobs_length"] == 3
 
 
 def test_generate_from_text(engine):

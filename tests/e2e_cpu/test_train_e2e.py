@@ -80,6 +80,13 @@ def test_grpo_two_ranks_two_engines_custom_rm_file(tiny_model_dir, toy_data_path
     assert sorted(read_scalars(str(tb_dir), "perf/update_weights_time")) == [1]
     versions = read_scalars(str(tb_dir), "rollout/weight_version/max")
     assert versions == {0: 1.0, 1: 1.0, 2: 2.0}, versions
+    # the console: the eval scores on their lines, no empty `rollout K:` line; a clean teardown warns of nothing
+    lines = [line.split("slime: ", 1)[1] for line in out.stderr.splitlines()
+             if " INFO slime: rollout " in line and not line.startswith("(")]
+    assert lines and lines[0].startswith("rollout 0: eval toy="), lines  # the eval before training
+    assert any(line.startswith("rollout 1: ") and "eval toy=" in line for line in lines), lines
+    assert all(line.split(":", 1)[1].strip() for line in lines), lines
+    assert "closing the weight broadcast group" not in out.stdout + out.stderr, out.stderr[-4000:]
     assert wait_for_no_new_processes(before) == {}
 
 

@@ -4,6 +4,7 @@ line (nothing is started), which is then parsed and validated; one status per sc
 from __future__ import annotations
 
 import os
+import sys
 import textwrap
 
 import pytest
@@ -111,3 +112,35 @@ def test_check_argv_alone(tmp_path):
     status, detail, _ = check_argv(["--rollout-batch-size", "2", "--num-rollout", "1", "--prompt-data", "/x.jsonl",
                                     "--rollout-num-gpus", "8"])
     assert status == "REFUSED" and "--hf-checkpoint is required" in detail, textwrap.shorten(detail, 200)
+
+
+PLUGIN = "async def generate(args, sample, sampling_params):\n    return sample\n"
+
+
+@pytest.mark.parametrize("how", ["runtime-env", "export"])
+def test_plugins_import_from_the_pythonpath_the_script_gives_train_py(tmp_path, how):
+    """slime's search-r1, retool and tau-bench scripts put their own folder on PYTHONPATH through `ray job submit
+    --runtime-env-json '{"env_vars": {"PYTHONPATH": ...}}'` and name their plugin by module (`generate_with_x.generate`);
+    a script may also `export PYTHONPATH=`. The plugin is resolved with that PYTHONPATH, as train.py would."""
+    plugins = tmp_path / "example"
+    plugins.mkdir()
+    (plugins / f"generate_with_tool_{how.replace('-', '_')}.py").write_text(PLUGIN)
+    module = f"generate_with_tool_{how.replace('-', '_')}"
+    extra = f"--custom-generate-function-path {module}.generate"
+    if how == "runtime-env":
+        env_json = '{\\"env_vars\\": {\\"PYTHONPATH\\": \\"/root/Megatron-LM/:${SCRIPT_DIR}/example\\"}}'
+        before_train = f'RUNTIME_ENV_JSON="{env_json}"\n'
+        script = (HEAD % {"models": MODELS} + before_train
+                  + TRAIN.replace("--runtime-env-json='{\"env_vars\": {}}'", '--runtime-env-json="${RUNTIME_ENV_JSON}"')
+                  % {"entry": "train.py", "extra": extra})
+    else:
+        script = (HEAD % {"models": MODELS} + 'export PYTHONPATH="${SCRIPT_DIR}/example:${PYTHONPATH}"\n'
+                  + TRAIN % {"entry": "train.py", "extra": extra})
+    (tmp_path / "run.sh").write_text(script)
+    result = check_script(str(tmp_path / "run.sh"), cwd=str(tmp_path))
+    assert result.status == "OK", result.detail
+    assert str(plugins) in result.pythonpath.split(os.pathsep)
+    assert module not in sys.modules and str(plugins) not in sys.path  # the checker's own process is left as it was
+    # without the PYTHONPATH entry the same line is refused, naming the module
+    status, detail, _ = check_argv(result.argv, result.entry)
+    assert status == "REFUSED" and f"cannot import '{module}'" in detail

@@ -169,6 +169,30 @@ def test_append_tool_tokens_text_and_ids(family_dirs):
     assert sample.response_length == 4
 
 
+def test_helpers_extend_the_sample_lists_in_place(family_dirs):
+    """A plugin may hold `sample.tokens` / `loss_mask` / `rollout_log_probs` across the helpers (slime's retool
+    example keeps the loss mask and writes it back): they change those lists in place, never swap them."""
+    tok = AutoTokenizer.from_pretrained(family_dirs["qwen3"])
+    args = _namespace(family_dirs["qwen3"], mask_offpolicy_in_partial_rollout=True)
+    sample = Sample(prompt=list(PROMPT))
+    tokens = sample.tokens
+    sglang_rollout.init_response(args, sample)
+    prompt = prompt_ids(args, PROMPT)
+    mask, log_probs = sample.loss_mask, sample.rollout_log_probs
+    assert tokens is sample.tokens and tokens == prompt
+    append_model_tokens(sample, [5, 6], [-0.1, -0.2], "ab", "3")
+    append_tool_tokens(sample, tok, [7])
+    assert (tokens, mask, log_probs) == (prompt + [5, 6, 7], [1, 1, 0], [-0.1, -0.2, 0.0])
+    assert tokens is sample.tokens and mask is sample.loss_mask and log_probs is sample.rollout_log_probs
+
+    # a resumed partial sample: the earlier tokens become context (mask 0) in the list the plugin holds; no
+    # context is left, so the turn makes no request
+    sample.status = Sample.Status.ABORTED
+    args.rollout_max_context_len = len(sample.tokens)
+    assert run_sync(generate_turn(args, sample, _params(4))) == ""
+    assert mask is sample.loss_mask and mask == [0, 0, 0] and sample.status == Sample.Status.TRUNCATED
+
+
 # --- against a real hf engine server ----------------------------------------------------------------------
 
 

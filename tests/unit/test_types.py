@@ -76,6 +76,33 @@ def test_append_model_then_tool_tokens_keeps_fields_aligned():
         bare.append_response_tokens(tokens=[4], log_probs=[-1.0])
 
 
+def test_appending_extends_the_sample_lists_in_place():
+    """slime's `append_response_tokens` extends `tokens`, `loss_mask` and `rollout_log_probs` in place: a plugin may
+    hold one of them and write it back (slime's retool example keeps `loss_mask` from before its turns so)."""
+    s = Sample(tokens=[5, 6], loss_mask=[])
+    tokens, mask = s.tokens, s.loss_mask
+    s.append_response_tokens(tokens=[7], log_probs=[-0.1])
+    log_probs = s.rollout_log_probs
+    s.append_response_tokens(tokens=[8, 9], trainable=False)
+    assert tokens is s.tokens and tokens == [5, 6, 7, 8, 9]
+    assert mask is s.loss_mask and mask == [1, 0, 0]
+    assert log_probs is s.rollout_log_probs and log_probs == [-0.1, 0.0, 0.0]
+
+    # the retool example's shape: reset the response, keep the (empty) mask, append turns, write the mask back
+    retool = Sample(tokens=[1, 2, 3], response_length=0, loss_mask=[])
+    kept = retool.loss_mask
+    retool.append_response_tokens(tokens=[4, 5], log_probs=[-0.5, -0.6])
+    retool.append_response_tokens(tokens=[6], trainable=False)
+    retool.loss_mask = kept
+    assert retool.loss_mask == [1, 1, 0] and retool.response_length == 3
+    # a mask the sample did not have yet is created once and then extended
+    fresh = Sample(tokens=[1], response_length=1, rollout_log_probs=[-1.0])
+    fresh.append_response_tokens(tokens=[2], trainable=False)
+    created = fresh.loss_mask
+    fresh.append_response_tokens(tokens=[3], log_probs=[-0.2])
+    assert created is fresh.loss_mask and created == [1, 0, 1]
+
+
 @pytest.mark.parametrize("reason,status", [("length", "truncated"), ("abort", "aborted"), ("stop", "completed"),
                                            ("something_new", "pending")])  # fmt: skip
 def test_finish_reason_sets_status_unless_streaming(reason, status):

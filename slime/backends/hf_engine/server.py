@@ -201,15 +201,24 @@ def build_response(req: Request, state: EngineState, return_text_in_logprobs: bo
         cut = text.find(fr["matched"])
         if cut >= 0:
             text = text[:cut]
+    # SGLang 0.5.16's keys for a server without --enable-metrics, speculative decoding or --reasoning-parser, with
+    # this engine's values: requests are never retracted (a pause keeps them in place), reasoning tokens are only
+    # counted under a reasoning parser, there is no prefix cache (SGLang's details are None without a hit), and
+    # one scheduler without data parallelism (SGLang's dp_rank at --dp-size 1 is None).
     meta = {"id": req.rid, "finish_reason": fr, "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": state.weight_version}
+            "weight_version": state.weight_version, "num_retractions": 0}
     if req.return_logprob:
         tok_text = (lambda t: state.tokenizer.decode([t])) if return_text_in_logprobs else (lambda t: None)
-        meta["output_token_logprobs"] = [[lp, t, tok_text(t)] for lp, t in zip(req.output_logprobs, ids)]
-        meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
+        meta["input_token_logprobs"] = []  # without logprob_start_len, SGLang scores the output only
         if req.input_logprobs is not None:
             reported = input_logprob_ids(req.input_ids[req.logprob_start_len:], reported_vocab_size(state))
             meta["input_token_logprobs"] = [[lp, t, tok_text(t)] for lp, t in zip(req.input_logprobs, reported)]
+        meta["output_token_logprobs"] = [[lp, t, tok_text(t)] for lp, t in zip(req.output_logprobs, ids)]
+        meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
+    meta.update({"reasoning_tokens": 0, "completion_tokens": len(ids), "cached_tokens": 0,
+                 "cached_tokens_details": None, "dp_rank": None,
+                 "e2e_latency": time.monotonic() - req.arrival,  # seconds since the request was submitted
+                 "response_sent_to_client_ts": time.time()})
     return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
 
