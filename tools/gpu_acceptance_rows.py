@@ -289,12 +289,12 @@ ROWS: tuple[Row, ...] = (
         "during a push, SIGTERM after a checkpoint, `--load` resumes at the next rollout",
         figures=grab(offload=r"^\[offload\] (.+)$", logprob_diff=r"engine/trainer \|Δ log-prob\| per rollout: (.+?);",
                      resumed=r"run 2 resumed from checkpoint (.+)$")),
-    Row(6, "SFT and OPD (SGLang teacher)", "SFT / OPD",
-        f"{PYTEST} tests/gpu/test_sft_opd_gpu.py -k \"fsdp or opd\"", timeout_s=600, estimate_s=430, part="3",
-        must_show="SFT on the fsdp trainer (loss halves); OPD `--opd-type sglang` against a real SGLang teacher on "
-        "both trainers and `--opd-type megatron` (student-teacher KL falls, every step has a gradient; the teacher "
-        "log-probs are the teacher's)",
-        figures=grab(sft_fsdp_loss=r"\[sft fsdp\] loss: (.+)$", teacher_up=r"\[teacher\] SGLang up in (.+)$",
+    Row(6, "OPD with a real SGLang teacher", "SFT / OPD",
+        f"{PYTEST} tests/gpu/test_sft_opd_gpu.py -k \"opd_sglang_teacher or opd_megatron_type\"", timeout_s=600,
+        estimate_s=460, part="3",
+        must_show="OPD `--opd-type sglang` against a real SGLang teacher on both trainers and `--opd-type megatron` "
+        "(student-teacher KL falls, every step has a gradient; the teacher log-probs are the teacher's)",
+        figures=grab(teacher_up=r"\[teacher\] SGLang up in (.+)$",
                      teacher_logprobs=r"teacher log-probs vs a transformers fp32 forward of the teacher: (.+)$")),
     Row(7, "--check-weight-update-equal vs SGLang", "weight sync",
         f"{PYTEST} tests/gpu/test_sglang_weight_check_gpu.py", timeout_s=600, estimate_s=220, part="8",
@@ -357,6 +357,9 @@ ROWS: tuple[Row, ...] = (
         part="perf2", must_show="the `hf` engine's decode against the bandwidth bound and SGLang's (no decode "
         "change since the last figures: 6.98 / 11.33 ms per step at batch 64 / 256)",
         kind="command", figures=decode_figures),
+    Row(18, "SFT on both trainers", "SFT / OPD", f"{PYTEST} tests/gpu/test_sft_opd_gpu.py -k sft_loss_halves",
+        timeout_s=400, estimate_s=130, part="7", must_show="SFT on the Megatron and the fsdp trainer (the loss halves)",
+        figures=grab(sft_fsdp_loss=r"\[sft fsdp\] loss: (.+)$")),
 )
 PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."8", then perf, perf2, x2
 
