@@ -14,7 +14,7 @@ ROLLOUT_ARGS=(
    --prompt-data "$DATA" --input-key prompt --label-key label --apply-chat-template --rollout-shuffle
    --rm-type toy
    --num-rollout ${NUM_ROLLOUT:-500}
-   --rollout-batch-size 16 --n-samples-per-prompt 8 --global-batch-size 128
+   --rollout-batch-size 4 --n-samples-per-prompt 32 --global-batch-size 128
    --rollout-max-response-len 4 --rollout-temperature 1.0
 )
 ALGO_ARGS=(--advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.001 --kl-loss-type low_var_kl

@@ -4,11 +4,13 @@
     python tools/plot_metrics.py RUN_A RUN_B --labels sync async --out plots/   # compare runs
     python tools/plot_metrics.py RUN --tags 'rollout/response_len/*' train/grad_norm
     python tools/plot_metrics.py SEED_1 SEED_2 ... --band --smooth 10      # median and range over runs
+    python tools/plot_metrics.py S1234 S1 S2 --labels 1234 1 2 --band --band-line 1234   # and one run's line
 
 By default one figure per group (reward, kl, response_len, timing, loss), with one panel per tag and, in each
 panel, one line per run (the legend names the runs), against the step, which is the rollout id. `--band` draws
 the runs as one: the median over runs at each step and the range (min to max) shaded, e.g. for one job run with
-several seeds; with `--smooth N` each run is smoothed first. `--tags`
+several seeds; with `--smooth N` each run is smoothed first; `--band-line LABEL` draws that run's own line over
+the band. `--tags`
 replaces the groups with one figure of the given tags. Tag names may be shell-style patterns (`perf/*_time`).
 Tags a run lacks are skipped with a note; a group none of the runs has is skipped. Writes
 `<out>/<prefix><group>.png` and prints each path.
@@ -113,13 +115,15 @@ def plot_band(ax, tag: str, runs: list[tuple[str, dict[str, dict[int, float]]]],
     if not series:
         return
     steps, median, low, high = band(series)
-    ax.fill_between(steps, low, high, alpha=0.25, linewidth=0, label=f"range of {len(series)} runs")
-    ax.plot(steps, median, linewidth=1.8, label=f"median of {len(series)} runs")
+    color = "C0"  # the first colour of the cycle; the runs drawn over the band take the next ones
+    ax.fill_between(steps, low, high, alpha=0.25, linewidth=0, color=color, label=f"range of {len(series)} runs")
+    ax.plot(steps, median, linewidth=1.8, color=color, label=f"median of {len(series)} runs")
 
 
 def plot_figure(title: str, tags: list[str], runs: list[tuple[str, dict[str, dict[int, float]]]], path: str,
-                smooth: int, dpi: int, as_band: bool = False) -> None:  # fmt: skip
-    """One panel per tag, one line per run that has the tag (or, `as_band`, their median and range)."""
+                smooth: int, dpi: int, as_band: bool = False, band_lines: tuple[str, ...] = ()) -> None:  # fmt: skip
+    """One panel per tag, one line per run that has the tag (or, `as_band`, their median and range, and a line for
+    each run named in `band_lines`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,14 +134,16 @@ def plot_figure(title: str, tags: list[str], runs: list[tuple[str, dict[str, dic
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 3.2 * nrows), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, tag in zip(axes.flat, tags):
-        for i, (label, scalars) in enumerate([] if as_band else runs):
+        for i, (label, scalars) in enumerate([r for r in runs if r[0] in band_lines] if as_band else runs):
             if tag not in scalars:
                 continue
             steps = sorted(scalars[tag])
             values = [scalars[tag][s] for s in steps]
-            color = colors[i % len(colors)]
+            color = colors[(i + 1 if as_band else i) % len(colors)]  # the band's median takes the first colour
             marker = "o" if len(steps) <= 20 else None
-            if smooth > 1:
+            if smooth > 1 and as_band:
+                ax.plot(steps, moving_average(values, smooth), color=color, linewidth=1.4, linestyle="--", label=label)
+            elif smooth > 1:
                 ax.plot(steps, values, color=color, alpha=0.25, linewidth=1, marker=marker, markersize=3)
                 ax.plot(steps, moving_average(values, smooth), color=color, linewidth=1.8, label=label)
             else:
@@ -158,7 +164,7 @@ def plot_figure(title: str, tags: list[str], runs: list[tuple[str, dict[str, dic
 
 def plot_runs(run_dirs: list[str], out_dir: str, groups: dict[str, tuple[str, ...]], labels: list[str] | None = None,
               smooth: int = 1, prefix: str = "", dpi: int = 100, log=None,
-              as_band: bool = False) -> list[str]:  # fmt: skip
+              as_band: bool = False, band_lines: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
     """Write one PNG per group that any run has a tag of; returns the paths written. Notes go to `log`
     (default: stderr, so that stdout is only the paths)."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
@@ -169,6 +175,9 @@ def plot_runs(run_dirs: list[str], out_dir: str, groups: dict[str, tuple[str, ..
             raise PlotError(f"no TensorBoard event files (events.out.tfevents.*) under run dir {d!r}; "
                             "pass the --tensorboard-dir of a run that used --use-tensorboard")  # fmt: skip
     names = run_labels(run_dirs, labels)
+    unknown = sorted(set(band_lines) - set(names))
+    if unknown:
+        raise PlotError(f"--band-line {' '.join(unknown)}: no run is labelled so; the runs: {names}")
     available = [list_scalar_tags(d) for d in run_dirs]
     os.makedirs(out_dir, exist_ok=True)
     written = []
@@ -184,7 +193,8 @@ def plot_runs(run_dirs: list[str], out_dir: str, groups: dict[str, tuple[str, ..
         runs = [(name, {t: read_scalars(d, t) for t in tags if t in tags_of_run})
                 for name, d, tags_of_run in zip(names, run_dirs, available)]  # fmt: skip
         path = os.path.join(out_dir, f"{prefix}{group}.png")
-        plot_figure(group, tags, runs, path, smooth, dpi, as_band)
+        title = ", ".join(tags) if group == "tags" else group  # --tags: the figure is named by its tags
+        plot_figure(title, tags, runs, path, smooth, dpi, as_band, band_lines)
         written.append(path)
     if not written:
         wanted = sorted({p for patterns in groups.values() for p in patterns})
@@ -205,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dpi", type=int, default=100)
     parser.add_argument("--band", action="store_true",
                         help="Draw the runs as one: their median per step and their range shaded (e.g. seeds).")
+    parser.add_argument("--band-line", nargs="+", default=[], metavar="LABEL",
+                        help="With --band, also draw these runs (by label) as lines, e.g. the default seed's.")
     args = parser.parse_args(argv)
     if args.smooth < 1:
         parser.error(f"--smooth {args.smooth}: must be >= 1 (1 turns smoothing off)")
@@ -215,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         written = plot_runs(args.run_dirs, args.out, groups, args.labels, args.smooth, args.prefix, args.dpi,
-                            as_band=args.band)
+                            as_band=args.band, band_lines=tuple(args.band_line))
     except PlotError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

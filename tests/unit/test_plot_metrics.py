@@ -86,6 +86,16 @@ def test_band_of_seeds_writes_one_figure(tmp_path, capsys):
     assert_png(str(tmp_path / "band" / "tags.png"))
 
 
+def test_band_line_draws_a_named_run_and_refuses_an_unknown_label(tmp_path, capsys):
+    runs = [write_run(tmp_path / f"seed{i}", steps=10, reward_offset=0.1 * i) for i in range(3)]
+    common = [*runs, "--labels", "a", "b", "c", "--band", "--tags", "rollout/raw_reward"]
+    assert main([*common, "--band-line", "b", "--out", str(tmp_path / "one")]) == 0
+    assert_png(str(tmp_path / "one" / "tags.png"))
+    assert main([*common, "--band-line", "z", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "--band-line z" in err and "'a', 'b', 'c'" in err
+
+
 def test_no_event_files_is_an_error_naming_the_dir(tmp_path, capsys):
     empty = tmp_path / "empty_run"
     empty.mkdir()
