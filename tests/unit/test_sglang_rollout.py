@@ -302,16 +302,19 @@ def test_each_sample_is_seeded_by_seed_rollout_and_index(tokenizer_dir, engine):
 
         set_current_rollout_id(5)
         params = build_sampling_params(args)
-        group = [Sample(group_index=0, index=i, prompt="say", label="one") for i in range(3)]
+        # the requests of a group are sent together and reach the engine in any order: seeds are compared per prompt
+        group = [Sample(group_index=0, index=i, prompt=f"say {i}", label="one") for i in range(3)]
         run_sync(generate_and_rm_group(args, group, params))
-        sent = [r["sampling_params"]["sampling_seed"] for r in engine.requests[-3:]]
-        assert sent == [sampling_seed(args, s) for s in group] and "sampling_seed" not in params
+        sent = {tuple(r["input_ids"]): r["sampling_params"]["sampling_seed"] for r in engine.requests[-3:]}
+        assert sent == {tuple(s.tokens[:len(s.tokens) - s.response_length]): sampling_seed(args, s) for s in group}
+        assert "sampling_seed" not in params
         # slime's --sglang-enable-deterministic-inference: the i-th sample of every group, --rollout-seed + i
         slime_mode = _args(tokenizer_dir, engine, seed=7)
         slime_mode.sglang_args["enable_deterministic_inference"] = True
-        run_sync(generate_and_rm_group(slime_mode, [Sample(group_index=1, index=9 + i, prompt="say", label="one")
-                                                    for i in range(2)], params))
-        assert [r["sampling_params"]["sampling_seed"] for r in engine.requests[-2:]] == [1, 2]
+        pair = [Sample(group_index=1, index=9 + i, prompt=f"say {i}", label="one") for i in range(2)]
+        run_sync(generate_and_rm_group(slime_mode, pair, params))
+        sent = {tuple(r["input_ids"]): r["sampling_params"]["sampling_seed"] for r in engine.requests[-2:]}
+        assert sent == {tuple(s.tokens[:len(s.tokens) - s.response_length]): 1 + i for i, s in enumerate(pair)}
     finally:
         set_current_rollout_id(None)
 
