@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smooth < 1:
         parser.error(f"--smooth {args.smooth}: must be >= 1 (1 turns smoothing off)")
+    if args.band_line and not args.band:
+        parser.error(f"--band-line {' '.join(args.band_line)}: draws a run over the band; add --band")
     groups = {"tags": tuple(args.tags)} if args.tags else GROUPS
     if importlib.util.find_spec("matplotlib") is None:
         print('error: tools/plot_metrics.py needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)',

@@ -94,6 +94,9 @@ def test_band_line_draws_a_named_run_and_refuses_an_unknown_label(tmp_path, caps
     assert main([*common, "--band-line", "z", "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert "--band-line z" in err and "'a', 'b', 'c'" in err
+    with pytest.raises(SystemExit):  # without --band the line would be drawn as any other run: refused
+        main([*runs, "--band-line", "a", "--labels", "a", "b", "c", "--out", str(tmp_path / "nb")])
+    assert "add --band" in capsys.readouterr().err
 
 
 def test_no_event_files_is_an_error_naming_the_dir(tmp_path, capsys):
