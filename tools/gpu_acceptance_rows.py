@@ -297,20 +297,20 @@ ROWS: tuple[Row, ...] = (
         figures=grab(teacher_up=r"\[teacher\] SGLang up in (.+)$",
                      teacher_logprobs=r"teacher log-probs vs a transformers fp32 forward of the teacher: (.+)$")),
     Row(7, "--check-weight-update-equal vs SGLang", "weight sync",
-        f"{PYTEST} tests/gpu/test_sglang_weight_check_gpu.py", timeout_s=600, estimate_s=220, part="8",
+        f"{PYTEST} tests/gpu/test_sglang_weight_check_gpu.py", timeout_s=600, estimate_s=280, part="7",
         must_show="SGLang's `/weights_checker` finds every tensor equal to its snapshot after the first push, from "
         "Megatron and from FSDP; then the usual versions and |Δ log-prob| < 0.05",
         figures=grab(megatron_logprob_diff=r"\[weights checker, megatron\].*?\|Δ log-prob\| (\[[^\]]*\])",
                      fsdp_logprob_diff=r"\[weights checker, fsdp\].*?\|Δ log-prob\| (\[[^\]]*\])")),
     Row(8, "--optimizer-cpu-offload (Megatron) + SGLang", "weight sync",
-        f"{PYTEST} tests/gpu/test_megatron_optimizer_offload_gpu.py", timeout_s=600, estimate_s=240, part="8",
+        f"{PYTEST} tests/gpu/test_megatron_optimizer_offload_gpu.py", timeout_s=600, estimate_s=430, part="8",
         must_show="Megatron's host optimizer (`HybridDeviceOptimizer`) with and without `--offload-train`: pushes "
         "reach SGLang (|Δ log-prob| < 0.05) and the policy moves (`train/kl_loss` > 0)",
         figures=grab(handoff_kl=r"\[optimizer cpu offload, handoff\] kl_loss[^\[]*(\[[^\]]*\])",
                      resident_kl=r"\[optimizer cpu offload, resident\] kl_loss[^\[]*(\[[^\]]*\])")),
     Row(9, "trainer memory flat over 10 steps (4B, short)", "handoff",
         "python benchmarks/colocate_memory.py --rollouts sglang --modes handoff --steps 10 --prompts 4 "
-        "--response-len 128 --keep-logs \"$ROW_OUT\"", timeout_s=600, estimate_s=420, part="5",
+        "--response-len 128 --keep-logs \"$ROW_OUT\"", timeout_s=600, estimate_s=415, part="5",
         must_show="10 push / offload cycles of the 4B job, short (4 × 8 × 128 tokens): the trainer's memory after "
         "each of its moves does not grow from the second step to the last (the benchmark's PASS lines, ≤ 1 GB); "
         "≥ 90% freed each side",
@@ -322,7 +322,7 @@ ROWS: tuple[Row, ...] = (
         figures=handoff_figures("hf, handoff"), check=handoff_check("hf, handoff", 3)),
     Row(11, "4B resident, hf engine", "handoff",
         "python benchmarks/colocate_memory.py --rollouts hf --modes resident --steps 3 --keep-logs \"$ROW_OUT\"",
-        timeout_s=600, estimate_s=300, part="7",
+        timeout_s=600, estimate_s=45, part="7",
         must_show="without the handoff the `hf` job is refused by the memory plan before Ray starts (the `hf` "
         "engine's KV slots counted), or fails with a clear out-of-memory message naming the engine, or fits and "
         "runs its 3 steps",
@@ -358,7 +358,7 @@ ROWS: tuple[Row, ...] = (
         "change since the last figures: 6.98 / 11.33 ms per step at batch 64 / 256)",
         kind="command", figures=decode_figures),
     Row(18, "SFT on both trainers", "SFT / OPD", f"{PYTEST} tests/gpu/test_sft_opd_gpu.py -k sft_loss_halves",
-        timeout_s=400, estimate_s=130, part="7", must_show="SFT on the Megatron and the fsdp trainer (the loss halves)",
+        timeout_s=400, estimate_s=115, part="7", must_show="SFT on the Megatron and the fsdp trainer (the loss halves)",
         figures=grab(sft_fsdp_loss=r"\[sft fsdp\] loss: (.+)$")),
 )
 PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."8", then perf, perf2, x2
