@@ -19,6 +19,7 @@ from slime.backends.hf_engine.server import build_app
 from slime.backends.server_engine import EngineHTTPError
 from slime.rollout.router import RouterClient, RouterProcess
 from slime.utils import http_utils
+from slime.utils.processes import shown_command
 from slime.utils.tracking import read_scalars
 from tests.args import make_args
 from tests.conftest import REPO_ROOT
@@ -80,8 +81,9 @@ def test_every_route_refuses_a_missing_or_wrong_key_and_changes_nothing(keyed_en
             "/abort_request", "/pause_generation", "/continue_generation", "/get_load", "/update_weight_version",
             "/weights_checker", "/model_info", "/server_info", "/openapi.json"} <= {p for p, _ in guarded}
     before = _state(url)
-    model = os.path.dirname(os.path.join(tiny_model_dir, "config.json"))
-    for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}):
+    model = tiny_model_dir
+    wrong = ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"})
+    for headers in wrong:
         for path, method in guarded:
             resp = _send(url, path, method, headers, model)
             assert resp.status_code == 401, (path, method, headers, resp.status_code, resp.text[:300])
@@ -98,7 +100,7 @@ def test_every_route_refuses_a_missing_or_wrong_key_and_changes_nothing(keyed_en
 @pytest.mark.timeout(240)
 def test_with_the_key_every_route_answers_and_the_control_client_works(keyed_engine, tiny_model_dir):
     url, auth = keyed_engine.get_url(), {"Authorization": f"Bearer {KEY}"}
-    model = os.path.dirname(os.path.join(tiny_model_dir, "config.json"))
+    model = tiny_model_dir
     for path, method in route_table():
         resp = _send(url, path, method, auth, model)
         assert resp.status_code not in (401, 403), (path, method, resp.text[:300])
@@ -131,7 +133,8 @@ def test_the_router_requires_the_key_and_passes_it_to_the_engine(keyed_engine, t
     router = RouterProcess(host="127.0.0.1", port=None, log_dir=str(tmp_path), api_key=KEY)
     try:
         router.start()
-        assert "--api-key ***" in str(router_command_shown(router)) and KEY not in router_command_shown(router)
+        shown = shown_command(router.command())
+        assert "--api-key ***" in shown and KEY not in shown and KEY in router.command()
         # without the key the router refuses to register a worker, and lists none
         bare = RouterClient(router.url)
         with pytest.raises(RuntimeError, match="answered 401"):
@@ -160,12 +163,6 @@ def test_the_router_requires_the_key_and_passes_it_to_the_engine(keyed_engine, t
         bare.close()
     finally:
         router.stop()
-
-
-def router_command_shown(router: RouterProcess) -> str:
-    from slime.utils.processes import shown_command
-
-    return shown_command(router.command())
 
 
 AUTH_CHECK_RM = '''
@@ -197,7 +194,8 @@ def test_train_py_with_an_auto_key_trains_behind_keyed_engines(tiny_model_dir, t
     rm_file.write_text(AUTH_CHECK_RM)
     tb_dir, logs, result = tmp_path / "tb", tmp_path / "logs", tmp_path / "auth.json"
     env = dict(os.environ, SLIME_TRAIN_NUM_THREADS="1", SLIME_ENGINE_NUM_THREADS="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=REPO_ROOT, AUTH_CHECK_OUT=str(result), SLIME_ENGINE_LOG_DIR=str(logs), SLIME_LOG_DIR=str(logs))
+               PYTHONPATH=REPO_ROOT, AUTH_CHECK_OUT=str(result), SLIME_ENGINE_LOG_DIR=str(logs),
+               SLIME_LOG_DIR=str(logs))
     before = run_processes()
     out = subprocess.run([
         sys.executable, os.path.join(REPO_ROOT, "train.py"),

@@ -77,3 +77,38 @@ def test_http_utils_sends_the_key_to_trusted_origins_only(monkeypatch):
     assert http_utils.engine_auth_headers("https://10.0.0.5:30000/generate") == {}
     http_utils.set_engine_api_key(None)
     assert http_utils.engine_auth_headers("http://10.0.0.5:30000/generate") == {}
+
+
+def _engine_args(**kw):
+    base = {"hf_checkpoint": "/models/qwen", "rollout_num_gpus_per_engine": 1, "num_gpus_per_node": 8, "seed": 1,
+            "colocate": False, "offload_rollout": False}
+    return make_args(validate=False, **{**base, **kw})
+
+
+def test_sglang_servers_get_the_key_and_their_log_hides_it(monkeypatch, tmp_path):
+    from slime.backends.sglang_utils.sglang_engine import SGLangEngine
+
+    monkeypatch.setenv("SLIME_SGLANG_LAUNCHER", "false")  # a server that exits at once: only its log is looked at
+    monkeypatch.setenv("SLIME_ENGINE_LOG_DIR", str(tmp_path))
+    assert "--api-key" not in SGLangEngine(_engine_args(), rank=0).launch_command("127.0.0.1", 30000)
+    eng = SGLangEngine(_engine_args(engine_api_key="K3y-value"), rank=0)
+    cmd = eng.launch_command("127.0.0.1", 30000)
+    assert cmd[cmd.index("--api-key") + 1] == "K3y-value"
+    assert eng.auth_headers() == {"Authorization": "Bearer K3y-value"}
+    with pytest.raises(RuntimeError) as failed:
+        eng.init()
+    with open(eng.log_path) as f:
+        first = f.readline()
+    assert first.startswith("$ false ") and "--api-key ***" in first and "K3y-value" not in first
+    assert "K3y-value" not in str(failed.value)
+
+
+def test_hf_servers_get_the_key_in_their_environment_only(monkeypatch):
+    from slime.backends.hf_engine.engine import HFEngine
+
+    monkeypatch.setenv("SLIME_ENGINE_API_KEY", "left-over-from-the-shell")
+    keyed = HFEngine(_engine_args(engine_api_key="K3y-value"), rank=0)
+    assert keyed.launch_env()["SLIME_ENGINE_API_KEY"] == "K3y-value"
+    assert "K3y-value" not in keyed.launch_command("127.0.0.1", 30000)
+    # without the flag no key reaches the server, whatever the shell holds: it must not want one slime never sends
+    assert "SLIME_ENGINE_API_KEY" not in HFEngine(_engine_args(), rank=0).launch_env()
