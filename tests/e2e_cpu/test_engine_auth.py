@@ -208,6 +208,8 @@ def test_train_py_with_an_auto_key_trains_behind_keyed_engines(tiny_model_dir, t
     ], capture_output=True, text=True, env=env, timeout=280, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-4000:]
     assert sorted(read_scalars(str(tb_dir), "train/loss")) == [0, 1]  # both rollouts trained, weights pushed
+    # the manager's per-engine request counts (GET /server_info) carried the key: 2 prompts x 2 samples each rollout
+    assert read_scalars(str(tb_dir), "rollout/engine_requests/0") == {0: 4.0, 1: 4.0}
     checked = json.loads(result.read_text())
     key = checked["key"]
     assert key != "auto" and len(key) >= 40
