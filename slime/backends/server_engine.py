@@ -18,6 +18,10 @@ CUDA out-of-memory message, a CUDA error, a traceback's final line, ...), what t
 the log's last lines follow on the next lines. Start-up failures, control calls that lose the server
 (`EngineDiedError`, a weight push or a release / resume included) and the rollout manager's report of a failed
 rollout all use it.
+
+With `--engine-api-key` every call this class makes to its server (health waits, control calls, weight pushes)
+carries `Authorization: Bearer <key>`; a subclass hands the key to its server (`launch_command` / `launch_env`).
+The command line written to the engine's log shows `--api-key ***`.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ import time
 import httpx
 
 from slime.utils.engine_logs import advice, exit_description, failure_kind, telling_line
+from slime.utils.http_utils import bearer_headers
 from slime.utils.net import free_port, node_ip
-from slime.utils.processes import spawn, stop_process_group
+from slime.utils.processes import shown_command, spawn, stop_process_group
 from slime.weight_sync.delta import apply_push
 
 _STARTUP_RETRIES = 3  # a freshly picked free port can be taken by someone else before the server binds it
@@ -138,7 +143,7 @@ class ServerEngine:
         os.makedirs(log_dir, exist_ok=True)
         self.log_path = os.path.join(log_dir, f"{self.name}-rank{self.rank}-port{self.port}.log")
         with open(self.log_path, "ab") as log:
-            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.write(f"$ {shown_command(cmd)}\n".encode())
             log.flush()
             self.process = spawn(cmd, log, self.launch_env())
 
@@ -150,7 +155,8 @@ class ServerEngine:
                 raise RuntimeError(f"{self.failure_report(when=f'at start-up, before answering {url}')}\n"
                                    f"last lines of {self.log_path}:\n{self.log_tail()}")
             try:
-                if httpx.get(url, timeout=self.health_probe_timeout_s, trust_env=False).status_code == 200:
+                if httpx.get(url, timeout=self.health_probe_timeout_s, headers=self.auth_headers(),
+                             trust_env=False).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -238,10 +244,15 @@ class ServerEngine:
                                f"last lines of {self.log_path}:\n{self.log_tail()}")
 
     # ---- HTTP ----
+    def auth_headers(self) -> dict[str, str]:
+        """The Authorization header of `--engine-api-key` ({} without a key)."""
+        return bearer_headers(self.args.engine_api_key)
+
     def _http(self) -> httpx.Client:
         if self._client is None:
             # trust_env=False: engines are reached directly, never through an HTTP(S)_PROXY from the env
-            self._client = httpx.Client(base_url=self.get_url(), timeout=self.control_timeout_s, trust_env=False)
+            self._client = httpx.Client(base_url=self.get_url(), timeout=self.control_timeout_s,
+                                        headers=self.auth_headers(), trust_env=False)
         return self._client
 
     def _call(self, method: str, path: str, json: dict | None = None, timeout: float | None = None):
@@ -395,7 +406,8 @@ class ServerEngine:
     def health_generate(self, timeout: float) -> bool:
         """True when the server generated one token within `timeout` seconds."""
         try:
-            resp = httpx.get(self.get_url() + "/health_generate", timeout=timeout, trust_env=False)
+            resp = httpx.get(self.get_url() + "/health_generate", timeout=timeout, headers=self.auth_headers(),
+                             trust_env=False)
             return resp.status_code == 200
         except (httpx.HTTPError, RuntimeError):
             return False

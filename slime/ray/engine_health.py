@@ -23,8 +23,9 @@ logger = logging.getLogger(__name__)
 
 class EngineHealthMonitor:
     def __init__(self, urls: Callable[[], list[str]], on_dead: Callable[[int], None], interval: float,
-                 timeout: float, first_wait: float):
+                 timeout: float, first_wait: float, headers: dict[str, str] | None = None):
         self._urls, self._on_dead = urls, on_dead
+        self._headers = dict(headers or {})  # the engine key's Authorization header (--engine-api-key)
         self.interval, self.timeout, self.first_wait = interval, timeout, first_wait
         self._dead: set[int] = set()
         self._pauses = 0
@@ -67,7 +68,8 @@ class EngineHealthMonitor:
         whose KV cache is released must not generate; slime's SGLang servers answer /health without it)."""
         try:
             path = "/health_generate" if generate else "/health"
-            return httpx.get(url + path, timeout=self.timeout, trust_env=False).status_code == 200
+            return httpx.get(url + path, timeout=self.timeout, headers=self._headers,
+                             trust_env=False).status_code == 200
         except httpx.HTTPError:
             return False
 

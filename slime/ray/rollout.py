@@ -29,6 +29,10 @@ Simplifications and choices:
 - `--debug-train-only` skips the router and engines; with `--load-debug-rollout-data` the samples of
   each rollout are read from that file (a template with `{rollout_id}`) instead of being generated.
 - `--rollout-external-engine-addrs` registers already running engines (no engine actors are created).
+- `--engine-api-key`: the router it starts requires the key and every engine is registered with it; this process's
+  `slime.utils.http_utils` `post` / `get` send it to the router, the engines (also external ones, and engines
+  restarted on a new port) and the OPD teacher (`--rm-url` under `--use-opd --opd-type sglang`), so rollout
+  functions calling them through those helpers need no change. Health probes and request counts carry it too.
 - An SGLang engine wider than a node (`--rollout-num-gpus-per-engine` > `--num-gpus-per-node`) gets one
   actor per node, each on the placement-group bundle of its node's first GPU; node rank 0's actor is the
   engine (URL, control calls), the others only run their server process and are reaped with it.
@@ -67,6 +71,7 @@ from slime.rollout.train_data import (
     samples_to_train_batch,
     save_debug_samples,
 )
+from slime.utils.http_utils import bearer_headers, set_engine_api_key, trust_engine_url
 from slime.utils.metrics import (
     compute_eval_metrics,
     compute_rollout_metrics,
@@ -114,15 +119,19 @@ class RolloutManager:
             # The cheap, error-prone parts first, so a bad plugin path or dataset starts no process.
             self.generate_rollout = load_function(args.rollout_function_path, "--rollout-function-path")
             self.data_source = self._make_data_source()
+            set_engine_api_key(args.engine_api_key)
+            if args.use_opd and args.opd_type == "sglang" and args.rm_url:
+                trust_engine_url(args.rm_url)  # the teacher server: an SGLang-API engine started for this job
             if not args.debug_train_only:
                 self._start_router()
                 self._start_engines()
                 for url in self.engine_urls:
-                    self.router.add_worker(url)
+                    self._add_worker(url)
             if args.use_fault_tolerance and self.engines:
                 self.monitor = EngineHealthMonitor(
                     lambda: list(self.engine_urls), self._take_out, args.rollout_health_check_interval,
-                    args.rollout_health_check_timeout, args.rollout_health_check_first_wait).start()
+                    args.rollout_health_check_timeout, args.rollout_health_check_first_wait,
+                    headers=bearer_headers(args.engine_api_key)).start()
         except BaseException:
             self.shutdown()
             raise
@@ -131,7 +140,9 @@ class RolloutManager:
     def _start_router(self) -> None:
         args = self.args
         if args.sglang_router_ip:
-            self.router = RouterClient(url_of(args.sglang_router_ip, args.sglang_router_port))
+            self.router = RouterClient(url_of(args.sglang_router_ip, args.sglang_router_port),
+                                       api_key=args.engine_api_key)
+            trust_engine_url(self.router.url)
             if not self.router.is_alive():
                 raise ConnectionError(
                     f"external router {self.router.url} (--sglang-router-ip/--sglang-router-port) does not "
@@ -141,9 +152,10 @@ class RolloutManager:
         router_args = router_args_from(args)
         policy = router_args.pop("policy")
         self.router = RouterProcess(host=node_ip(), port=args.sglang_router_port, policy=policy,
-                                    extra_args=router_args)
+                                    extra_args=router_args, api_key=args.engine_api_key)
         self._owns_router = True
         self.router.start()
+        trust_engine_url(self.router.url)  # after start: a taken port moves it
         # The rollout functions (slime's custom generate functions too) address the router through these two
         # fields: this actor's args get the address of the router it started, once, before any of them runs.
         args.sglang_router_ip, args.sglang_router_port = self.router.host, self.router.port
@@ -172,6 +184,11 @@ class RolloutManager:
         # all nodes of an engine start together: each server waits for the others at the rendezvous
         started = ray.get([e.init.remote() for e in self.engines + self.engine_followers])
         self.engine_urls = started[: len(self.engines)]
+
+    def _add_worker(self, url: str) -> None:
+        """Register an engine with the router; `post` / `get` of this process send it the engine key from now on."""
+        trust_engine_url(url)
+        self.router.add_worker(url)
 
     def _engine_options(self, first_gpu: int, per_engine: int) -> dict[str, Any]:
         # args.use_cuda, not torch.cuda.is_available(): this actor holds no GPU, so Ray hides every GPU from it.
@@ -292,7 +309,8 @@ class RolloutManager:
         counts = []
         for url in self.engine_urls if self._counts_reported else []:
             try:
-                info = httpx.get(url + "/server_info", timeout=1.0, trust_env=False).json()
+                info = httpx.get(url + "/server_info", timeout=1.0, headers=bearer_headers(self.args.engine_api_key),
+                                 trust_env=False).json()
                 counts.append(int(info["num_finished_requests"]))
             except (httpx.HTTPError, ValueError, TypeError):
                 return None
@@ -580,7 +598,7 @@ class RolloutManager:
 
     def _register_restarted(self, i: int, what_next: str) -> None:
         self._released.pop(i, None)  # a fresh server holds all its memory
-        self.router.add_worker(self.engine_urls[i])
+        self._add_worker(self.engine_urls[i])
         self.monitor.revive(i)
         self._end_quiet_if_all_resumed()
         self.engine_restarts += 1

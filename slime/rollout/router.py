@@ -8,6 +8,18 @@ Measured against sglang-router 0.3.2 (the pinned wheel):
 - `GET /workers` -> `{"workers": [{"id", "url", "is_healthy", ...}], "total": n, ...}`.
 - The process renames itself `sglang::router`; SIGTERM stops it in about a second.
 
+With a key (`--engine-api-key`), measured against 0.3.2 as well:
+- `launch_router --api-key K` makes the router itself require `Authorization: Bearer K` on its endpoints
+  (`/generate`, `/workers`, `/flush_cache`, `/get_loads`, ...; 401 without it or with another key). Still open
+  without it: `/health`, `/liveness`, `/readiness`, `/get_server_info`, `/v1/models` (worker counts and model
+  ids only), and `/get_model_info`, which the router passes to a worker without any key (a keyed worker then
+  answers 401).
+- A worker registered with `{"url": u, "api_key": K}` gets the key on what the router sends it: the probes of
+  `/server_info` and `/model_info`, `/generate`, `/get_load`, the `/flush_cache` broadcast (`/health` goes
+  bare, which SGLang and the hf engine leave open). Registered without one, the router probes it bare, logs a
+  warning, and lists it with model id "unknown".
+So `RouterClient` sends the key on every call and registers workers with it.
+
 Simplifications: one router per manager, regular (non prefill/decode) workers only. Routers older than
 the `/workers` API (`/add_worker?url=`, `/remove_worker?url=`, `/list_workers`) are still spoken to
 when the new endpoint answers 404, so an external router of an older release keeps working.
@@ -26,8 +38,9 @@ from typing import Any
 
 import httpx
 
+from slime.utils.http_utils import bearer_headers
 from slime.utils.net import free_port
-from slime.utils.processes import spawn, stop_process_group
+from slime.utils.processes import shown_command, spawn, stop_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +76,13 @@ def url_of(host: str, port: int) -> str:
 
 
 class RouterClient:
-    """Worker registration on a running sglang-router at `url` (ours or an external one)."""
+    """Worker registration on a running sglang-router at `url` (ours or an external one). With `api_key` every
+    call carries it and workers are registered with it (the router then sends it to them)."""
 
-    def __init__(self, url: str, timeout: float = 30.0):
+    def __init__(self, url: str, timeout: float = 30.0, api_key: str | None = None):
         self.url = _norm(url)
-        self._http = httpx.Client(timeout=timeout)
+        self.api_key = api_key
+        self._http = httpx.Client(timeout=timeout, headers=bearer_headers(api_key))
 
     # ---- queries --------------------------------------------------------------------------------
     def workers(self) -> list[dict[str, Any]]:
@@ -93,7 +108,8 @@ class RouterClient:
     def add_worker(self, url: str, timeout: float = 60.0) -> str | None:
         """Register `url` and wait until the router lists it. Returns the router's worker id."""
         url = _norm(url)
-        r = self._http.post(f"{self.url}/workers", json={"url": url})
+        body = {"url": url, **({"api_key": self.api_key} if self.api_key else {})}
+        r = self._http.post(f"{self.url}/workers", json=body)
         worker_id = None
         if r.status_code == 404:
             r = self._http.post(f"{self.url}/add_worker", params={"url": url})
@@ -168,8 +184,10 @@ class RouterProcess(RouterClient):
         extra_args: dict[str, Any] | None = None,
         log_dir: str | None = None,
         startup_timeout: float = 60.0,
+        api_key: str | None = None,
     ):
         self.host = host
+        self.api_key = api_key
         self.policy = policy
         self.extra_args = dict(extra_args or {})
         self.log_dir = log_dir or os.environ.get("SLIME_LOG_DIR") or tempfile.gettempdir()
@@ -186,7 +204,7 @@ class RouterProcess(RouterClient):
         if self._auto_prometheus_port:
             self._prometheus_port = free_port(self.host)
         self.log_path = os.path.join(self.log_dir, f"sglang_router_{port}.log")
-        super().__init__(url_of(self.host, port))
+        super().__init__(url_of(self.host, port), api_key=self.api_key)
 
     def command(self) -> list[str]:
         extra = dict(self.extra_args)
@@ -198,6 +216,7 @@ class RouterProcess(RouterClient):
             sys.executable, "-m", "sglang_router.launch_router",
             "--host", self.host, "--port", str(self.port), "--policy", self.policy,
             *router_cli_args(extra),
+            *(["--api-key", self.api_key] if self.api_key else []),
         ]  # fmt: skip
 
     def start(self) -> RouterProcess:
@@ -229,7 +248,7 @@ class RouterProcess(RouterClient):
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"sglang-router did not answer {self.url}/health within {self.startup_timeout:.0f}s "
-                        f"(command: {' '.join(cmd)}); log {self.log_path}:\n{self.log_tail()}"
+                        f"(command: {shown_command(cmd)}); log {self.log_path}:\n{self.log_tail()}"
                     )
                 time.sleep(0.1)
             self._check_running()  # something else may answer on a port given to us; make sure ours is alive
@@ -246,7 +265,7 @@ class RouterProcess(RouterClient):
         if self.proc is not None and self.proc.poll() is not None:
             raise RuntimeError(
                 f"sglang-router exited with code {self.proc.returncode} "
-                f"(command: {' '.join(self.command())}); log {self.log_path}:\n{self.log_tail()}"
+                f"(command: {shown_command(self.command())}); log {self.log_path}:\n{self.log_tail()}"
             )
 
     def log_tail(self, n: int = 30) -> str:

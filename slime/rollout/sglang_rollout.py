@@ -550,7 +550,7 @@ async def abort_engines(args) -> None:
     Without a router address there is no engine to abort (a custom generate function that calls none)."""
     if not args.sglang_router_ip:
         return
-    router = RouterClient(router_url(args))
+    router = RouterClient(router_url(args), api_key=args.engine_api_key)
     try:
         urls = await asyncio.to_thread(router.list_workers)
     except (httpx.HTTPError, ValueError) as e:

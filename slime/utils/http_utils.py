@@ -3,6 +3,11 @@ retries. `run_sync` (run a coroutine on the process's background event loop, so 
 actor methods reuse one loop and its connection pools) lives in `slime.utils.async_utils` and is re-exported
 here for callers that import it from this module.
 
+Engine authentication (`--engine-api-key`): `set_engine_api_key(key)` and `trust_engine_url(url)` (the
+RolloutManager calls them for the job's router, engines and OPD teacher) make `post` / `get` send
+`Authorization: Bearer <key>` to those origins (scheme, host and port) only, so plugins that call the engines
+through these helpers need no change, and a reward server or any other URL never sees the key.
+
 Simplifications: retries cover transport errors (connection refused/reset, timeouts) and 5xx answers;
 a 4xx answer is the caller's fault and fails at once. Backoff is exponential, capped at 5 s.
 
@@ -18,12 +23,14 @@ import json
 import logging
 import weakref
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from slime.utils.async_utils import run_sync
 
-__all__ = ["HTTPRequestError", "close_client", "get", "get_client", "post", "run_sync"]
+__all__ = ["HTTPRequestError", "bearer_headers", "close_client", "engine_auth_headers", "get", "get_client", "post",
+           "run_sync", "set_engine_api_key", "trust_engine_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +38,9 @@ logger = logging.getLogger(__name__)
 _MAX_CONNECTIONS = 16384
 # Generation can take minutes for long responses; only the connect phase gets a short limit.
 _TIMEOUT = aiohttp.ClientTimeout(total=None, connect=30.0)
+
+_engine_api_key: str | None = None
+_engine_origins: set[tuple[str, str, int | None]] = set()
 
 _clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = weakref.WeakKeyDictionary()
 
@@ -43,6 +53,35 @@ class HTTPRequestError(RuntimeError):
         self.status_code = status_code
         self.response_text = response_text
         super().__init__(message)
+
+
+def bearer_headers(api_key: str | None) -> dict[str, str]:
+    """`{"Authorization": "Bearer <key>"}`, or `{}` without a key (the engines then require none)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme.lower(), (parts.hostname or "").lower(), port
+
+
+def set_engine_api_key(api_key: str | None) -> None:
+    """The key `post` / `get` send to the origins of `trust_engine_url` (None: send none)."""
+    global _engine_api_key
+    _engine_api_key = api_key or None
+
+
+def trust_engine_url(url: str) -> None:
+    """Send the engine key to `url`'s origin (scheme, host, port) from now on: an engine or router of this job."""
+    _engine_origins.add(_origin(url))
+
+
+def engine_auth_headers(url: str) -> dict[str, str]:
+    """The Authorization header `post` / `get` add for `url`: the engine key when its origin is trusted."""
+    if _engine_api_key is None or _origin(url) not in _engine_origins:
+        return {}
+    return bearer_headers(_engine_api_key)
 
 
 def get_client() -> aiohttp.ClientSession:
@@ -67,18 +106,22 @@ async def close_client() -> None:
 async def post(
     url: str, payload: Any = None, retries: int = 3, backoff: float = 0.5, timeout: float | None = None
 ) -> Any:
-    """POST `payload` as JSON and return the decoded JSON answer (or the text when it is not JSON)."""
+    """POST `payload` as JSON and return the decoded JSON answer (or the text when it is not JSON). The engine key
+    goes with it when `url` is one of this job's engines or its router (`trust_engine_url`)."""
     return await _request("POST", url, payload, retries, backoff, timeout)
 
 
 async def get(url: str, retries: int = 3, backoff: float = 0.5, timeout: float | None = None) -> Any:
-    """GET `url` and return the decoded JSON answer (or the text when it is not JSON)."""
+    """GET `url` and return the decoded JSON answer (or the text when it is not JSON); the key as for `post`."""
     return await _request("GET", url, None, retries, backoff, timeout)
 
 
 async def _request(method: str, url: str, payload: Any, retries: int, backoff: float, timeout: float | None) -> Any:
     client = get_client()
     kwargs: dict[str, Any] = {}
+    headers = engine_auth_headers(url)
+    if headers:
+        kwargs["headers"] = headers
     if payload is not None:
         kwargs["json"] = payload
     if timeout is not None:

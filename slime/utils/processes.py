@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 _PR_SET_PDEATHSIG = 1
+SECRET_FLAGS = ("--api-key",)  # values that never go into a log or an error message
 
 
 def die_with_parent_preexec():
@@ -27,6 +28,19 @@ def die_with_parent_preexec():
             os._exit(1)
 
     return preexec
+
+
+def shown_command(cmd: list[str]) -> str:
+    """`cmd` as one line for logs and errors, the value of every flag in SECRET_FLAGS replaced by `***`."""
+    out = []
+    for i, part in enumerate(cmd):
+        if i and cmd[i - 1] in SECRET_FLAGS:
+            out.append("***")
+        elif part.startswith(tuple(f + "=" for f in SECRET_FLAGS)):
+            out.append(part.split("=", 1)[0] + "=***")
+        else:
+            out.append(part)
+    return " ".join(out)
 
 
 def spawn(cmd: list[str], log, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -15,6 +15,8 @@ import os
 import re
 from typing import Any
 
+SECRET_ARGS = ("engine_api_key",)  # never sent to a tracking service
+
 logger = logging.getLogger("slime")
 
 _CONSOLE_KEYS = (
@@ -69,7 +71,8 @@ class Tracker:
                 group=args.wandb_group,
                 dir=args.wandb_dir,
                 mode=args.wandb_mode,
-                config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
+                config={k: v for k, v in vars(args).items()
+                        if isinstance(v, (int, float, str, bool, type(None))) and k not in SECRET_ARGS},
             )
 
     def log(self, metrics: dict[str, Any], step: int, console: bool = True) -> None:

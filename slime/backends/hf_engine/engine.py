@@ -9,6 +9,9 @@ Device is CUDA when visible, else CPU; dtype is float32 on CPU (so engine and tr
 bfloat16 on CUDA. Torch threads per server: env `SLIME_ENGINE_NUM_THREADS` (default 1, so several
 engines and a trainer can share a small CPU machine). Env `SLIME_ENGINE_RELEASE_MEMORY_ON_CPU=1` starts CPU servers
 with `--release-memory-on-cpu` (a release frees the weights as on CUDA; for tests of that path without a GPU).
+`--engine-api-key` reaches the server in its environment (SLIME_ENGINE_API_KEY, never on its command line, which
+`ps` shows to every user of the node); without it the variable is removed, so a server never requires a key the
+job's clients do not send.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
+from slime.backends.hf_engine.auth import API_KEY_ENV
 from slime.backends.server_engine import ServerEngine
 from slime.backends.sglang_utils.arguments import as_bool, flag_of
 
@@ -82,4 +86,7 @@ class HFEngine(ServerEngine):
     def launch_env(self) -> dict[str, str]:
         env = super().launch_env()
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.pop(API_KEY_ENV, None)
+        if self.args.engine_api_key:
+            env[API_KEY_ENV] = self.args.engine_api_key
         return env

@@ -17,6 +17,10 @@ receives the named tensors by broadcast from rank 0, in order, then loads them. 
 received before any check that could refuse the update, so a refused update never leaves the trainer
 blocked in a broadcast. gloo groups receive into CPU tensors, nccl groups into the model's device.
 
+With `--api-key` (or the environment variable SLIME_ENGINE_API_KEY, which keeps the key off the command line that
+`ps` shows) every endpoint but /health* and /metrics* answers 401 without `Authorization: Bearer <key>`, as
+SGLang's `--api-key` does (auth.py).
+
 `/release_memory_occupation` / `/resume_memory_occupation` follow SGLang's memory saver (`_release`, release.py):
 on CUDA released weights are freed and come back uninitialised, and generation waits for a complete load.
 """
@@ -41,6 +45,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from slime.backends.hf_engine.auth import API_KEY_ENV, APIKeyMiddleware
 from slime.backends.hf_engine.release import WeightMemory
 from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
 from slime.backends.hf_engine.weight_checker import WeightChecker
@@ -235,8 +240,11 @@ def input_logprob_ids(input_ids: list[int], vocab_size: int) -> list[int]:
     return [t if t < vocab_size - 1 else 0 for t in input_ids]
 
 
-def build_app(state: EngineState) -> FastAPI:
+def build_app(state: EngineState, api_key: str | None = None) -> FastAPI:
+    """The engine's FastAPI app; with `api_key`, every endpoint but /health* and /metrics* requires it (auth.py)."""
     app = FastAPI(title="slime hf engine")
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
     sched = state.scheduler
 
     async def run_requests(reqs: list[Request], http: HTTPRequest | None) -> bool:
@@ -717,6 +725,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--weight-dirs", nargs="+", default=None,
                    help="folders update_weights_from_disk may read (default: the folder holding --model-path)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help="require 'Authorization: Bearer <key>' on every endpoint but /health* and /metrics* (SGLang's "
+                        f"flag); default: ${API_KEY_ENV}, which keeps the key out of `ps`; unset: no authentication")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -755,10 +766,11 @@ def main(argv=None) -> None:
                         frees_memory=args.device != "cpu" or args.release_memory_on_cpu,
                         weights_cpu_backup=args.enable_weights_cpu_backup)
     scheduler.start()
-    logger.info("loaded %s (%s, %s) in %.1f s; serving on http://%s:%d (pid %d, process group %d)", args.model_path,
-                args.device, args.dtype, time.time() - t0, args.host, args.port, os.getpid(), os.getpgid(0))
+    logger.info("loaded %s (%s, %s) in %.1f s; serving on http://%s:%d (pid %d, process group %d)%s", args.model_path,
+                args.device, args.dtype, time.time() - t0, args.host, args.port, os.getpid(), os.getpgid(0),
+                "; every endpoint but /health* and /metrics* requires the API key" if args.api_key else "")
     try:
-        uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning",
+        uvicorn.run(build_app(state, args.api_key), host=args.host, port=args.port, log_level="warning",
                     timeout_graceful_shutdown=3, timeout_keep_alive=KEEP_ALIVE_S)
     finally:
         scheduler.stop()

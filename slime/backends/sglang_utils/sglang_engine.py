@@ -12,6 +12,7 @@ engine, or per node of a multi-node engine. It computes the server's arguments f
 | `random_seed` | `--seed` + engine rank |
 | `enable_memory_saver` | `--offload-rollout` (on with `--colocate`: the engines release their memory to the trainer) |
 | `skip_server_warmup`, `trust_remote_code` | always on |
+| `api_key` | `--engine-api-key` (when set; shown as `--api-key ***` in the engine's log) |
 | `dist_init_addr`, `nnodes`, `node_rank` | engines wider than `--num-gpus-per-node`: one actor per node |
 | anything else | every `--sglang-<flag>` (resolved and checked against the installed SGLang's flags) |
 
@@ -165,6 +166,8 @@ class SGLangEngine(ServerEngine):
             "skip_server_warmup": True,
             "trust_remote_code": True,
         }
+        if args.engine_api_key:  # SGLang takes it on its command line only; the engine's log shows `--api-key ***`
+            values["api_key"] = args.engine_api_key
         if self.nnodes > 1:
             values.update(dist_init_addr=self.get_dist_init_addr(), nnodes=self.nnodes, node_rank=self.node_rank)
             if self.node_rank == 0:

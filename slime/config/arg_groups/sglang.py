@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
 
 from slime.backends.sglang_utils import arguments as sglang_arguments
 from slime.config.arg_groups._common import fail
@@ -34,7 +35,11 @@ RESERVED_SGLANG_FIELDS = {
     "gpu_id_step": None,
     "skip_server_warmup": None,
     "trust_remote_code": None,
+    "api_key": "--engine-api-key",
 }
+# sglang-router fields slime sets itself (forwarded as --router-<field>).
+RESERVED_ROUTER_FIELDS = {"api_key": "--engine-api-key"}
+ENGINE_API_KEY_AUTO = "auto"
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +73,15 @@ def add_sglang_arguments(parser: argparse.ArgumentParser) -> None:
         default="round_robin",
         help="sglang-router load-balancing policy (round_robin, cache_aware, random, power_of_two, ...).",
     )
+    g.add_argument(
+        "--engine-api-key",
+        type=str,
+        default=None,
+        help="Bearer token the engines and the router require (SGLang's and sglang-router's --api-key): every "
+        "endpoint but /health* and /metrics* answers 401 without 'Authorization: Bearer <key>'. 'auto': a random "
+        "key per job. Unset: no authentication. Plugins read the key as args.engine_api_key; "
+        "slime.utils.http_utils post/get send it to the job's engines and router by themselves.",
+    )
 
 
 def validate_sglang(args: argparse.Namespace) -> None:
@@ -82,8 +96,28 @@ def validate_sglang(args: argparse.Namespace) -> None:
         fail(f"--sglang-router-request-timeout-secs {args.sglang_router_request_timeout_secs}: must be > 0.")
     for name in sorted(args.sglang_args):
         _refuse_reserved(name, name)
+    for name in sorted(args.router_args):
+        if name in RESERVED_ROUTER_FIELDS:
+            fail(f"--router-{name.replace('_', '-')}: slime sets this sglang-router setting itself; use "
+                 f"{RESERVED_ROUTER_FIELDS[name]} instead.")
+    _resolve_engine_api_key(args)
     if args.sglang_args and _launches_sglang(args):
         _type_forwarded_fields(args)
+
+
+def _resolve_engine_api_key(args: argparse.Namespace) -> None:
+    """`--engine-api-key auto` becomes a random key for this job (43 URL-safe characters), resolved once here so
+    every process of the job gets the same one in its args; only its first characters are ever logged."""
+    key = args.engine_api_key
+    if key is None:
+        return
+    if not key.strip() or key != key.strip() or any(c.isspace() for c in key):
+        fail(f"--engine-api-key {key!r}: a key must be non-empty and hold no whitespace (it travels in an HTTP "
+             "header); pass another key, 'auto' for a random one, or drop the flag for no authentication.")
+    if key == ENGINE_API_KEY_AUTO:
+        args.engine_api_key = secrets.token_urlsafe(32)
+        logger.info("--engine-api-key auto: generated this job's engine key (%s...); plugins read it as "
+                    "args.engine_api_key", args.engine_api_key[:4])
 
 
 def _refuse_reserved(flag_name: str, field: str) -> None:
