@@ -415,7 +415,7 @@ def doc_rows(path: str = DOC) -> str:
 
 def list_rows(rows: tuple[Row, ...] = ROWS) -> str:
     lines = []
-    for part in sorted({r.part for r in rows}):  # "1".."8", then perf, perf2, x2
+    for part in sorted({r.part for r in rows}):  # "1".."9", then perf, perf2, x2
         in_part = [r for r in rows if r.part == part]
         gpus = max(r.gpus for r in in_part)
         lines.append(f"part {part}: {sum(r.estimate_s for r in in_part)} s estimated"

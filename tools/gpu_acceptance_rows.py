@@ -172,26 +172,35 @@ def handoff_check(run_name: str, min_steps: int) -> Callable[[str], list[str]]:
     return check
 
 
-def flat_figures(out: str) -> Figures:
-    figures = handoff_figures("sglang, handoff")(out)
-    run = colocate_runs(out).get("sglang, handoff")
-    if run:
-        figures.update({f"trainer after {move}": f"{growth} ({'ok' if ok else 'grew'})"
-                        for move, (ok, growth) in run["verdicts"].items()})
-    return figures
+def flat_figures(run_name: str) -> Callable[[str], Figures]:
+    """Row 1's figures of colocate_memory.py's run `run_name`, and its trainer-memory verdict per move."""
+
+    def read(out: str) -> Figures:
+        figures = handoff_figures(run_name)(out)
+        run = colocate_runs(out).get(run_name)
+        if run:
+            figures.update({f"trainer after {move}": f"{growth} ({'ok' if ok else 'grew'})"
+                            for move, (ok, growth) in run["verdicts"].items()})
+        return figures
+
+    return read
 
 
-def flat_check(out: str) -> list[str]:
+def flat_check(run_name: str) -> Callable[[str], list[str]]:
     """>= 10 steps, each side freed as in row 1, and colocate_memory.py's own verdict: the trainer's memory after
     each of its moves did not grow from the second step to the last (its `PASS:` / `FAIL:` lines)."""
-    problems = [p for p in handoff_check("sglang, handoff", 10)(out) if "% of the step" not in p]
-    run = colocate_runs(out).get("sglang, handoff")
-    if run:
-        if not run["verdicts"]:
-            problems.append("colocate_memory.py printed no trainer-memory verdict")
-        problems += [f"the trainer's memory after {move} grew {growth}" for move, (ok, growth) in
-                     run["verdicts"].items() if not ok]
-    return problems
+
+    def check(out: str) -> list[str]:
+        problems = [p for p in handoff_check(run_name, 10)(out) if "% of the step" not in p]
+        run = colocate_runs(out).get(run_name)
+        if run:
+            if not run["verdicts"]:
+                problems.append("colocate_memory.py printed no trainer-memory verdict")
+            problems += [f"the trainer's memory after {move} grew {growth}" for move, (ok, growth) in
+                         run["verdicts"].items() if not ok]
+        return problems
+
+    return check
 
 
 def resident_hf_figures(out: str) -> Figures:
@@ -314,7 +323,7 @@ ROWS: tuple[Row, ...] = (
         must_show="10 push / offload cycles of the 4B job, short (4 × 8 × 128 tokens): the trainer's memory after "
         "each of its moves does not grow from the second step to the last (the benchmark's PASS lines, ≤ 1 GB); "
         "≥ 90% freed each side",
-        kind="command", figures=flat_figures, check=flat_check),
+        kind="command", figures=flat_figures("sglang, handoff"), check=flat_check("sglang, handoff")),
     Row(10, "4B handoff, hf engine", "handoff",
         "python benchmarks/colocate_memory.py --rollouts hf --modes handoff --steps 3 --keep-logs \"$ROW_OUT\"",
         timeout_s=600, estimate_s=400, part="6",
@@ -360,7 +369,13 @@ ROWS: tuple[Row, ...] = (
     Row(18, "SFT on both trainers", "SFT / OPD", f"{PYTEST} tests/gpu/test_sft_opd_gpu.py -k sft_loss_halves",
         timeout_s=400, estimate_s=115, part="7", must_show="SFT on the Megatron and the fsdp trainer (the loss halves)",
         figures=grab(sft_fsdp_loss=r"\[sft fsdp\] loss: (.+)$")),
+    Row(19, "trainer memory flat over 10 steps (4B, short), hf engine", "handoff",
+        "python benchmarks/colocate_memory.py --rollouts hf --modes handoff --steps 10 --prompts 4 "
+        "--response-len 128 --keep-logs \"$ROW_OUT\"", timeout_s=600, estimate_s=420, part="9",
+        must_show="row 9 with the built-in `hf` engine: the trainer's memory after each of its moves does not grow "
+        "from the second step to the last (≤ 1 GB); ≥ 90% freed each side",
+        kind="command", figures=flat_figures("hf, handoff"), check=flat_check("hf, handoff")),
 )
-PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."8", then perf, perf2, x2
+PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."9", then perf, perf2, x2
 
 
