@@ -19,8 +19,9 @@ engines; `Sample.policy_version` is the oldest, `Sample.token_policy_versions` o
 `--max-policy-version-lag N` bounds their lag at training time: before a rollout trains, whole groups with a
 sample more than N pushes behind the current version get loss mask 0 (dropped, not regenerated: regenerating
 here would stall training on a synchronous generation; the fully async rollout regenerates instead, before
-this point). With one rollout generated ahead and a push after every step every sample is exactly one push
-behind, so N = 0 would drop everything and is refused with --update-weights-interval 1. Metrics
+this point). A rollout generated `--async-buffer-size` B steps ahead with a push every
+`--update-weights-interval` K steps is at least B // K pushes behind once the run is going (one step off: exactly
+1), so N below that would drop everything and is refused. Metrics
 `rollout/policy_version_lag_{min,mean,max}`, `rollout/stale_samples_dropped`, `rollout/offpolicy_token_share`
 (slime/rollout/staleness.py). Added metrics: `rollout/weight_version_lag/{mean,max}` (the version last pushed to the engines
 minus each sample's oldest version), `perf/train_wait_time_ratio` (share of the step the trainer waited
@@ -82,11 +83,14 @@ def check_async_args(args) -> None:
         args.offload_train = args.offload = False
     if args.debug_rollout_only:
         raise SlimeArgumentError("--debug-rollout-only: there is no training to overlap generation with; use train.py")
-    if args.max_policy_version_lag == 0 and args.update_weights_interval == 1:
+    built_in_lag = args.async_buffer_size // args.update_weights_interval
+    if args.max_policy_version_lag is not None and args.max_policy_version_lag < built_in_lag:
         raise SlimeArgumentError(
-            "--max-policy-version-lag 0: train_async.py generates each rollout while the one before trains and pushes "
-            "after every step (--update-weights-interval 1), so every sample is 1 version behind when it trains and "
-            "all would be dropped; use --max-policy-version-lag 1 or more, or train.py for on-policy training"
+            f"--max-policy-version-lag {args.max_policy_version_lag}: train_async.py generates each rollout "
+            f"--async-buffer-size {args.async_buffer_size} step(s) before it trains, with a push every "
+            f"--update-weights-interval {args.update_weights_interval} step(s), so once it runs every sample is at "
+            f"least {built_in_lag} version(s) behind when it trains and all would be dropped; use "
+            f"--max-policy-version-lag {built_in_lag} or more (or train.py for on-policy training)"
         )
     # --debug-train-only (slime's SFT scripts): no engines; the rollout function (sft_rollout) prepares the next
     # batch while this one trains, and the pushes have no engine to reach.

@@ -171,10 +171,15 @@ def test_flag_and_its_former_name_and_validation():
 def test_train_async_refuses_a_bound_that_drops_every_rollout():
     import train_async
 
-    with pytest.raises(SlimeArgumentError, match="--max-policy-version-lag 0: .*every sample is 1 version behind"):
+    with pytest.raises(SlimeArgumentError, match="--max-policy-version-lag 0: .*at least 1 version"):
         train_async.check_async_args(make_args(max_policy_version_lag=0))
+    with pytest.raises(SlimeArgumentError, match="--max-policy-version-lag 1: .*at least 2 version.*lag 2 or more"):
+        train_async.check_async_args(make_args(max_policy_version_lag=1, async_buffer_size=2))
+    # pushes every other step: some rollouts are generated after the latest push (lag 0)
     train_async.check_async_args(make_args(max_policy_version_lag=0, update_weights_interval=2))
+    train_async.check_async_args(make_args(max_policy_version_lag=1, async_buffer_size=3, update_weights_interval=2))
     train_async.check_async_args(make_args(max_policy_version_lag=1))
+    train_async.check_async_args(make_args())
 
 
 # --- weight-update hooks: the decorator and slime's module functions are one mechanism --------------------
