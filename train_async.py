@@ -21,12 +21,13 @@ sample more than N pushes behind the current version get loss mask 0 (dropped, n
 here would stall training on a synchronous generation; the fully async rollout regenerates instead, before
 this point). A rollout generated `--async-buffer-size` B steps ahead with a push every
 `--update-weights-interval` K steps is at least B // K pushes behind once the run is going (one step off: exactly
-1), so N below that would drop everything and is refused. Metrics
-`rollout/policy_version_lag_{min,mean,max}`, `rollout/stale_samples_dropped`, `rollout/offpolicy_token_share`
-(slime/rollout/staleness.py). Added metrics: `rollout/weight_version_lag/{mean,max}` (the version last pushed to the engines
-minus each sample's oldest version), `perf/train_wait_time_ratio` (share of the step the trainer waited
-for generation) and `perf/rollout_wait_time_ratio` (share of the time the generation side waited for the
-trainer; reported by the RolloutManager or the fully async rollout). One `timeline {...}` log line per
+1), so N below that would drop everything and is refused (slime/rollout/staleness.py).
+
+Added metrics: `rollout/policy_version_lag_{min,mean,max}`, `rollout/stale_samples_dropped`,
+`rollout/offpolicy_token_share` (docs/async.md), `rollout/weight_version_lag/{mean,max}` (the version last
+pushed to the engines minus each sample's oldest version), `perf/train_wait_time_ratio` (share of the step the
+trainer waited for generation) and `perf/rollout_wait_time_ratio` (share of the time the generation side waited
+for the trainer; reported by the RolloutManager or the fully async rollout). One `timeline {...}` log line per
 rollout gives the wall-clock spans of its generation, training and weight push.
 
 Simplifications: the trainer's "current version" is the last pushed one, so with

@@ -27,8 +27,8 @@
 an older consumer as attributes). `append_response_tokens` is the one way to extend a response: it keeps
 `tokens`, `response_length`, `loss_mask`, `rollout_log_probs` and the top-p spans aligned and reads SGLang's
 `meta_info` (finish reason -> status, weight version, cache and speculative counters, routed experts). It extends
-the sample's `tokens`, `loss_mask`, `rollout_log_probs`, `token_policy_versions` and `weight_versions` lists in place (a plugin may hold one
-and write it back); the top-p and routed-expert tensors are replaced by new ones.
+the sample's `tokens`, `loss_mask`, `rollout_log_probs`, `token_policy_versions` and `weight_versions` lists in
+place (a plugin may hold one and write it back); the top-p and routed-expert tensors are replaced by new ones.
 """
 
 from __future__ import annotations
@@ -186,7 +186,6 @@ class Sample:
     reward: float | dict[str, Any] | None = None
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
-    token_policy_versions: list[int] | None = None
     rollout_log_probs: list[float] | None = None
     rollout_top_p_token_ids: list[int] | torch.Tensor | None = None
     rollout_top_p_token_offsets: list[int] | torch.Tensor | None = None
@@ -202,6 +201,7 @@ class Sample:
     non_generation_time: float = 0.0
     spec_info: SpecInfo = field(default_factory=SpecInfo)
     prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
+    token_policy_versions: list[int] | None = None  # last: slime's fields keep their positions
 
     @property
     def prompt_length(self) -> int:

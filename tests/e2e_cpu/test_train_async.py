@@ -126,6 +126,19 @@ def test_one_step_off_generation_overlaps_training(tiny_model_dir, toy_data_path
         assert values and all(0.0 <= v <= 1.0 for v in values.values()), (tag, values)
 
 
+@pytest.mark.timeout(600)
+def test_groups_past_the_lag_bound_are_dropped_at_training(tiny_model_dir, toy_data_path, tmp_path):
+    """A push every other step, bound 0: rollout 2 is generated during step 1, before its push, so it trains one
+    version behind and all of it is dropped (loss mask 0, counted); rollouts 0, 1 and 3 are on-policy."""
+    out = _run(_cmd(tiny_model_dir, toy_data_path, tmp_path, 4, "--rollout-max-response-len", "4",
+                    "--update-weights-interval", "2", "--max-policy-version-lag", "0",
+                    "--dump-details", str(tmp_path / "details")), tmp_path)
+    _assert_trained_within_lag(tmp_path, out, 0, partial=False)
+    dropped = read_scalars(str(tmp_path / "tb"), "rollout/stale_samples_dropped")
+    assert dropped == {0: 0.0, 1: 0.0, 2: 16.0, 3: 0.0}, dropped
+    assert "rollout 2: 4 group(s) more than --max-policy-version-lag 0 versions behind" in out.stderr
+
+
 FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 
 
@@ -135,9 +148,9 @@ def _policy_version(weight_versions) -> int | None:
 
 
 def _assert_trained_within_lag(tmp_path, out, max_lag: int, partial: bool) -> None:
-    """From the --dump-details output: every trained row (a loss-mask token left) of every rollout is at most
-    `max_lag` versions behind the version it was trained at; the logged lag, drop and off-policy metrics are
-    what the dumps say. The trained version of rollout r is the one pushed after step r - 1 (1 for rollout 0)."""
+    """From the --dump-details output: every trained row (a loss-mask token left) of every rollout is at
+    most `max_lag` versions behind the version it was trained at; the logged lag, drop and off-policy metrics
+    are what the dumps say. Rollout r trains at the version pushed after step r - 1 (1 for rollout 0)."""
     import torch
 
     timeline = _timeline(out)
@@ -170,7 +183,10 @@ def _assert_trained_within_lag(tmp_path, out, max_lag: int, partial: bool) -> No
                 known += bool(m)
                 off += bool(m) and v < current
         assert logged["stale_samples_dropped"][r] == dropped
-        assert logged["offpolicy_token_share"][r] == pytest.approx(off / known)
+        if known:
+            assert logged["offpolicy_token_share"][r] == pytest.approx(off / known)
+        else:  # nothing trained: no share is logged
+            assert r not in logged["offpolicy_token_share"]
     assert trained_lags and max(trained_lags) <= max_lag
     if partial:  # a response continued after a push holds a run of tokens per version
         assert segmented > 0, "no trained response was continued across a push: per-segment versions untested"
