@@ -15,10 +15,19 @@ do: the rollout function prepares the next batch while this one trains. The loop
 5. evaluate on `--eval-interval`; log.
 
 Every sample carries the weight versions it was generated with (`Sample.weight_versions`, stamped by the
-engines). Added metrics: `rollout/weight_version_lag/{mean,max}` (the version last pushed to the engines
-minus each sample's oldest version), `perf/train_wait_time_ratio` (share of the step the trainer waited
-for generation) and `perf/rollout_wait_time_ratio` (share of the time the generation side waited for the
-trainer; reported by the RolloutManager or the fully async rollout). One `timeline {...}` log line per
+engines; `Sample.policy_version` is the oldest, `Sample.token_policy_versions` one per token).
+`--max-policy-version-lag N` bounds their lag at training time: before a rollout trains, whole groups with a
+sample more than N pushes behind the current version get loss mask 0 (dropped, not regenerated: regenerating
+here would stall training on a synchronous generation; the fully async rollout regenerates instead, before
+this point). A rollout generated `--async-buffer-size` B steps ahead with a push every
+`--update-weights-interval` K steps is at least B // K pushes behind once the run is going (one step off: exactly
+1), so N below that would drop everything and is refused (slime/rollout/staleness.py).
+
+Added metrics: `rollout/policy_version_lag_{min,mean,max}`, `rollout/stale_samples_dropped`,
+`rollout/offpolicy_token_share` (docs/async.md), `rollout/weight_version_lag/{mean,max}` (the version last
+pushed to the engines minus each sample's oldest version), `perf/train_wait_time_ratio` (share of the step the
+trainer waited for generation) and `perf/rollout_wait_time_ratio` (share of the time the generation side waited
+for the trainer; reported by the RolloutManager or the fully async rollout). One `timeline {...}` log line per
 rollout gives the wall-clock spans of its generation, training and weight push.
 
 Simplifications: the trainer's "current version" is the last pushed one, so with
@@ -51,6 +60,7 @@ from slime.ray.loop import (
     should_save,
     train_on,
 )
+from slime.rollout.staleness import apply_policy_version_lag
 from slime.utils.metrics import compute_weight_version_lag, wait_time_ratio
 from slime.utils.tracking import Tracker
 
@@ -74,6 +84,15 @@ def check_async_args(args) -> None:
         args.offload_train = args.offload = False
     if args.debug_rollout_only:
         raise SlimeArgumentError("--debug-rollout-only: there is no training to overlap generation with; use train.py")
+    built_in_lag = args.async_buffer_size // args.update_weights_interval
+    if args.max_policy_version_lag is not None and args.max_policy_version_lag < built_in_lag:
+        raise SlimeArgumentError(
+            f"--max-policy-version-lag {args.max_policy_version_lag}: train_async.py generates each rollout "
+            f"--async-buffer-size {args.async_buffer_size} step(s) before it trains, with a push every "
+            f"--update-weights-interval {args.update_weights_interval} step(s), so once it runs every sample is at "
+            f"least {built_in_lag} version(s) behind when it trains and all would be dropped; use "
+            f"--max-policy-version-lag {built_in_lag} or more (or train.py for on-policy training)"
+        )
     # --debug-train-only (slime's SFT scripts): no engines; the rollout function (sft_rollout) prepares the next
     # batch while this one trains, and the pushes have no engine to reach.
 
@@ -137,6 +156,11 @@ def train_async(args) -> None:
             batch, metrics, timeline = generations.take(rollout_id)
             generations.fill()  # the next generation runs while this rollout trains
             metrics.update(compute_weight_version_lag(weight_version, metrics))
+            metrics.update(apply_policy_version_lag(batch, weight_version, args.max_policy_version_lag))
+            if metrics["rollout/stale_groups_dropped"]:
+                logger.warning("rollout %d: %d group(s) more than --max-policy-version-lag %s versions behind version "
+                               "%d are not trained (loss mask 0)", rollout_id, metrics["rollout/stale_groups_dropped"],
+                               args.max_policy_version_lag, weight_version)
 
             timeline["train_start"] = time.time()
             metrics.update(train_on(run, rollout_id, batch))
@@ -160,6 +184,7 @@ def train_async(args) -> None:
             late["perf/step_time"] = step_end - step_start
             late["perf/train_wait_time_ratio"] = wait_time_ratio(generations.wait_s, step_end - step_start)
             logger.info("timeline %s", json.dumps({"rollout_id": rollout_id, "weight_version": weight_version,
+                                                   "trained_policy_version": int(metrics["rollout/policy_version"]),
                                                    **{k: round(v, 4) for k, v in timeline.items()}}))
             tracker.log(late, step=rollout_id)
             step_start = step_end

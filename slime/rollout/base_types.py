@@ -9,15 +9,21 @@ groups; the eval dict) are accepted too. A function may be a coroutine function.
 and hands back the typed output.
 
 A rollout function that keeps work going between its calls (the fully async rollout keeps generating in the
-background) declares what it must be told with `@rollout_lifecycle(...)`: the RolloutManager calls
-`before_weight_update(args)` right before a weight push, `after_weight_update(args, weight_version)` right after
-it, and `shutdown(args)` before its engines go away.
+background) is told about weight pushes: the RolloutManager calls `before_weight_update(args)` right before a
+push (the engines' weights must not change under a request), `after_weight_update(args, weight_version)` right
+after it (the version the engines now stamp on their output), and `shutdown(args)` before its engines go away.
+It declares them in one of two ways, read by one function (`lifecycle_of`, which the RolloutManager calls):
+- slime's: functions named `before_weight_update` / `after_weight_update` in the rollout function's module;
+- `@rollout_lifecycle(before_weight_update=..., after_weight_update=..., shutdown=...)` on the function, which
+  also names `shutdown` and wins over the module's functions.
+A rollout function with neither is not told (a plain synchronous rollout has nothing in flight at a push).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +72,15 @@ def rollout_lifecycle(**hooks: Callable) -> Callable[[Callable], Callable]:
     return declare
 
 
+MODULE_HOOKS = ("before_weight_update", "after_weight_update")
+
+
 def lifecycle_of(fn: Callable) -> RolloutLifecycle:
-    """What `fn` declared with `@rollout_lifecycle`; nothing for a plain rollout function."""
+    """What `fn` declared with `@rollout_lifecycle`, else the `before_weight_update` / `after_weight_update`
+    functions of its module (slime's rollout-module hooks); nothing for a plain rollout function."""
     declared = getattr(fn, "rollout_lifecycle", None)
-    return declared if isinstance(declared, RolloutLifecycle) else RolloutLifecycle()
+    if isinstance(declared, RolloutLifecycle):
+        return declared
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    found = {name: getattr(module, name, None) for name in MODULE_HOOKS}
+    return RolloutLifecycle(**{name: hook for name, hook in found.items() if callable(hook)})

@@ -18,11 +18,14 @@ function declares with `@rollout_lifecycle`, slime/rollout/base_types.py):
   from the prompt, so no response mixes versions.
 - After the push the worker records the new version and resumes.
 
-Staleness: with `--max-weight-staleness N`, a finished group whose oldest version is more than N pushes
-behind the current one is regenerated from its prompts when it is collected (counted in
-`rollout/stale_groups_regenerated`). Finished groups waiting to be collected are capped at
-`--async-buffer-size` x `--rollout-batch-size`: the worker stops launching while the buffer is full, which
-also bounds staleness.
+Staleness (`--max-policy-version-lag N`, slime/rollout/staleness.py): the consumer waits, nothing is dropped
+here. When groups are collected, a finished group with a sample whose `policy_version` is more than
+N - P pushes behind the engines' current version is regenerated from its prompts (counted in
+`rollout/stale_groups_regenerated`), where P (`pushes_before_training`) bounds the pushes `train_async.py`
+can still make before the collected rollout trains; the collection waits for the regenerated groups, so
+what it hands out is within N at training time (train_async.py drops any group that is not). Finished
+groups waiting to be collected are capped at `--async-buffer-size` x `--rollout-batch-size`: the worker stops
+launching while the buffer is full, which also bounds staleness.
 
 Simplifications:
 - One worker per process (module state); it is stopped by its declared `shutdown` (RolloutManager.shutdown).
@@ -49,7 +52,8 @@ from slime.rollout.sglang_rollout import (
     generate_rollout,
 )
 from slime.utils.async_utils import run_sync
-from slime.utils.metrics import oldest_weight_version, wait_time_ratio
+from slime.rollout.staleness import collection_lag_bound, pushes_before_training, stale_groups
+from slime.utils.metrics import wait_time_ratio
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -72,22 +76,20 @@ def reset_sample(sample: Sample) -> Sample:
     sample.loss_mask = None
     sample.rollout_log_probs = None
     sample.weight_versions = []
+    sample.token_policy_versions = None
     sample.reward = None
     sample.status = Sample.Status.PENDING
     return sample
 
 
 def group_oldest_version(group: list[Sample]) -> int | None:
-    versions = [v for v in (oldest_weight_version(s.weight_versions) for s in group) if v is not None]
+    versions = [v for v in (s.policy_version for s in group) if v is not None]
     return min(versions) if versions else None
 
 
 def is_stale(group: list[Sample], current_version: int | None, max_staleness: int | None) -> bool:
     """True when part of the group came from weights more than `max_staleness` pushes before `current_version`."""
-    if max_staleness is None or current_version is None:
-        return False
-    oldest = group_oldest_version(group)
-    return oldest is not None and current_version - oldest > max_staleness
+    return bool(stale_groups([0] * len(group), [s.policy_version for s in group], current_version, max_staleness))
 
 
 def requeue_unfinished(group: list[Sample], partial_rollout: bool) -> list[Sample]:
@@ -112,7 +114,8 @@ class AsyncRolloutWorker:
         self.target_in_flight = args.over_sampling_batch_size  # validated: >= --rollout-batch-size
         self.max_buffered = args.async_buffer_size * int(args.rollout_batch_size)
         self.partial_rollout = bool(args.partial_rollout)
-        self.max_staleness = args.max_weight_staleness
+        self.max_staleness = collection_lag_bound(
+            args.max_policy_version_lag, pushes_before_training(args.async_buffer_size, args.update_weights_interval))
         filter_path = args.dynamic_sampling_filter_path
         self.filter_fn = load_function(filter_path, "--dynamic-sampling-filter-path") if filter_path else None
         self.weight_version = weight_version

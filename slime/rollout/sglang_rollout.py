@@ -306,8 +306,9 @@ def append_model_tokens(
     sample: Sample, token_ids: list[int], log_probs: list[float], text: str = "", weight_version: Any = None
 ) -> None:
     """Append tokens the policy generated: loss mask 1, their log-probs (`Sample.append_response_tokens` with
-    `trainable=True`), and the weight version they came from."""
-    sample.append_response_tokens(tokens=token_ids, log_probs=log_probs, trainable=True, text=text)
+    `trainable=True`), and the weight version they came from (per token, and once per call in `weight_versions`)."""
+    meta = None if weight_version is None else {"weight_version": weight_version}
+    sample.append_response_tokens(tokens=token_ids, log_probs=log_probs, trainable=True, text=text, meta_info=meta)
     if weight_version is not None:
         sample.weight_versions.append(str(weight_version))
 

@@ -123,6 +123,7 @@ def train_batch_from_dict(data: Any, samples: list[Sample], where: str, n_sample
         rollout_log_probs=None if log_probs is None else [[float(x) for x in row] for row in log_probs],
         rollout_ids=rollout_ids(samples) if ids is None else [int(x) for x in ids],
         teacher_log_probs=None if teacher is None else [_floats(row) for row in teacher],
+        policy_versions=[s.policy_version for s in samples],
     )
 
 
@@ -172,7 +173,18 @@ def build_train_batch(args: Any, samples: list[Sample]) -> TrainBatch:
         rollout_log_probs=log_probs,
         rollout_ids=rollout_ids(samples),
         teacher_log_probs=teacher_log_probs(samples),
+        policy_versions=[s.policy_version for s in samples],
+        token_policy_versions=token_policy_versions(samples),
     )
+
+
+def token_policy_versions(samples: list[Sample]) -> list[list[int]] | None:
+    """Each sample's per-token weight versions, when every sample has one per response token (else None: the
+    staleness metrics then count a row's tokens at its `policy_version`)."""
+    rows = [s.token_policy_versions for s in samples]
+    if not samples or any(r is None or len(r) != s.response_length for r, s in zip(rows, samples)):
+        return None
+    return [[int(v) for v in r] for r in rows]
 
 
 def teacher_log_probs(samples: list[Sample]) -> list[list[float]] | None:

@@ -10,6 +10,10 @@
   media for the trainer), `apply_chat_template_kwargs`;
 - response: `response`, `response_length`, `label`, `reward` (float, or a dict with `--reward-key` choosing),
   `loss_mask` and `rollout_log_probs` (one entry per response token), `weight_versions` (one per engine call),
+  `token_policy_versions` (one per response token: the weight version that generated it, -1 where unknown, e.g.
+  tool tokens or an engine that reports no integer version; a partial rollout resumed over several rollouts
+  has one run of versions per segment), `policy_version` (read-only: the oldest integer version the sample was
+  generated with, the one its staleness is measured by; None when it has none),
   `rollout_top_p_token_ids` / `rollout_top_p_token_offsets` (the ragged top-p nucleus of each response token:
   token i kept `ids[offsets[i]:offsets[i + 1]]`), `rollout_routed_experts` (MoE routing of the rollout),
   `teacher_log_probs` (on-policy distillation);
@@ -23,8 +27,8 @@
 an older consumer as attributes). `append_response_tokens` is the one way to extend a response: it keeps
 `tokens`, `response_length`, `loss_mask`, `rollout_log_probs` and the top-p spans aligned and reads SGLang's
 `meta_info` (finish reason -> status, weight version, cache and speculative counters, routed experts). It extends
-the sample's `tokens`, `loss_mask`, `rollout_log_probs` and `weight_versions` lists in place (a plugin may hold one
-and write it back); the top-p and routed-expert tensors are replaced by new ones.
+the sample's `tokens`, `loss_mask`, `rollout_log_probs`, `token_policy_versions` and `weight_versions` lists in
+place (a plugin may hold one and write it back); the top-p and routed-expert tensors are replaced by new ones.
 """
 
 from __future__ import annotations
@@ -87,6 +91,14 @@ def _extend(held, values: list) -> list:
         held.extend(values)
         return held
     return (held.detach().cpu().reshape(-1).tolist() if torch.is_tensor(held) else list(held)) + values
+
+
+def _as_version(value) -> int | None:
+    """An engine's weight-version stamp as an int; None for a non-integer one ("default" before any push)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _int32(values, empty: list[int]) -> torch.Tensor:
@@ -189,10 +201,21 @@ class Sample:
     non_generation_time: float = 0.0
     spec_info: SpecInfo = field(default_factory=SpecInfo)
     prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
+    token_policy_versions: list[int] | None = None  # last: slime's fields keep their positions
 
     @property
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
+
+    @property
+    def policy_version(self) -> int | None:
+        """The oldest integer weight version the response was generated with (its most off-policy part):
+        from `weight_versions`, else from `token_policy_versions`; None when neither holds one (an engine's
+        "default" stamp before the first push is not a version)."""
+        versions = [v for v in (_as_version(w) for w in self.weight_versions or []) if v is not None]
+        if not versions and self.token_policy_versions:
+            versions = [int(v) for v in self.token_policy_versions if int(v) >= 0]
+        return min(versions) if versions else None
 
     @property
     def effective_response_length(self) -> int:
@@ -203,8 +226,10 @@ class Sample:
 
     def to_dict(self) -> dict[str, Any]:
         """Every attribute (unknown ones too), with the status as its string value and the nested counters
-        as dicts. Shallow: lists and tensors are shared with the sample."""
+        as dicts, plus the derived `policy_version` (for readers of dumps; `from_dict` recomputes it). Shallow:
+        lists and tensors are shared with the sample."""
         d = dict(self.__dict__)
+        d["policy_version"] = self.policy_version
         d["status"] = self.status.value
         d["spec_info"] = self.spec_info.to_dict()
         d["prefix_cache_info"] = self.prefix_cache_info.to_dict()
@@ -212,8 +237,10 @@ class Sample:
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> Sample:
-        """The inverse of `to_dict`; keys that are not fields become attributes of the sample."""
+        """The inverse of `to_dict`; keys that are not fields become attributes of the sample, except the derived
+        `policy_version` (a producer's value is not kept: it is read from `weight_versions`)."""
         data = dict(data)
+        data.pop("policy_version", None)
         data["status"] = Sample.Status(data.get("status", Sample.Status.PENDING.value))
         data["spec_info"] = Sample.SpecInfo.from_dict(data.get("spec_info") or {})
         data["prefix_cache_info"] = Sample.PrefixCacheInfo.from_dict(data.get("prefix_cache_info") or {})
@@ -269,6 +296,8 @@ class Sample:
         default; off for streamed chunks) its `finish_reason` sets the status (length -> TRUNCATED, abort ->
         ABORTED, stop -> COMPLETED, anything else leaves it), `weight_version` is appended, the prefix-cache
         counters are added, and the speculative counters too when `args.sglang_speculative_algorithm` is set.
+        The new tokens' `token_policy_versions` entries are `meta_info["weight_version"]` (any chunk, terminal
+        or not) when it is an integer, else -1.
         `args` is needed only to decode routed experts (`num_layers`, `moe_router_topk`).
         """
         tokens = _int_list(tokens)
@@ -293,6 +322,8 @@ class Sample:
             if self.loss_mask is None:
                 self.loss_mask = [1] * before
             self.loss_mask = _extend(self.loss_mask, [1 if trainable else 0] * len(tokens))
+            version = (meta_info or {}).get("weight_version") if trainable else None
+            self._stamp_token_versions(before, len(tokens), version)
         if log_probs is not None:
             if self.rollout_log_probs is None:
                 if trainable and before:
@@ -307,6 +338,19 @@ class Sample:
         if meta_info is not None or pad_top_p:
             self._apply_meta_info(args, meta_info or {}, len(tokens), pad_top_p, update_terminal_info)
         self._check_aligned()
+
+    def _stamp_token_versions(self, before: int, new_tokens: int, weight_version: Any) -> None:
+        """Give `new_tokens` appended after `before` response tokens the version that generated them. Entries
+        a plugin left out (it extended the response without this method) are padded with -1 first."""
+        held = self.token_policy_versions
+        if held is None:
+            held = []
+        if len(held) < before:
+            held = _extend(held, [-1] * (before - len(held)))
+        elif len(held) > before:
+            held = (held.detach().cpu().reshape(-1).tolist() if torch.is_tensor(held) else list(held))[:before]
+        version = _as_version(weight_version)
+        self.token_policy_versions = _extend(held, [-1 if version is None else version] * new_tokens)
 
     def _apply_meta_info(self, args, meta_info: dict, new_tokens: int, pad_top_p: bool, terminal: bool) -> None:
         merged = new_tokens > 0 and self._merge_top_p(meta_info, new_tokens)
@@ -455,6 +499,9 @@ class TrainBatch:
     every row is a rollout of its own. Training counts --global-batch-size in rollouts and averages the loss per
     rollout (slime/backends/training/batching.py). `teacher_log_probs`: on-policy distillation's teacher
     log-probs of each response token (`Sample.teacher_log_probs`), when the rollout filled them.
+    `policy_versions`: each row's `Sample.policy_version` (None: no version); `token_policy_versions`: the weight
+    version of each response token (-1: unknown), when every sample carries them (slime/rollout/staleness.py
+    reads both to bound and measure staleness).
     """
 
     tokens: list[list[int]]
@@ -467,6 +514,8 @@ class TrainBatch:
     rollout_log_probs: list[list[float]] | None = None
     rollout_ids: list[int] | None = None
     teacher_log_probs: list[list[float]] | None = None
+    policy_versions: list[int | None] | None = None
+    token_policy_versions: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -478,8 +527,8 @@ class TrainBatch:
     def __post_init__(self) -> None:
         n = len(self.tokens)
         per_row = ["response_lengths", "loss_masks", "rewards", "raw_rewards", "truncated", "group_indices"]
-        optional = ["rollout_ids"] * (self.rollout_ids is not None) + ["teacher_log_probs"] * (
-            self.teacher_log_probs is not None)
+        optional = [name for name in ("rollout_ids", "teacher_log_probs", "policy_versions", "token_policy_versions")
+                    if getattr(self, name) is not None]
         for name in per_row + optional:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"TrainBatch.{name} has {len(getattr(self, name))} entries, tokens has {n}")
@@ -490,6 +539,10 @@ class TrainBatch:
             if len(teacher) != rl:
                 raise ValueError(f"TrainBatch sample {i}: teacher_log_probs has {len(teacher)} entries, "
                                  f"response_length={rl}; on-policy distillation needs one per response token")
+        for i, (versions, rl) in enumerate(zip(self.token_policy_versions or [], self.response_lengths)):
+            if len(versions) != rl:
+                raise ValueError(f"TrainBatch sample {i}: token_policy_versions has {len(versions)} entries, "
+                                 f"response_length={rl}")
 
     def select(self, indices: list[int]) -> "TrainBatch":
         """A new batch holding the given rows, in the given order."""

@@ -126,12 +126,75 @@ def test_one_step_off_generation_overlaps_training(tiny_model_dir, toy_data_path
         assert values and all(0.0 <= v <= 1.0 for v in values.values()), (tag, values)
 
 
+@pytest.mark.timeout(600)
+def test_groups_past_the_lag_bound_are_dropped_at_training(tiny_model_dir, toy_data_path, tmp_path):
+    """A push every other step, bound 0: rollout 2 is generated during step 1, before its push, so it trains one
+    version behind and all of it is dropped (loss mask 0, counted); rollouts 0, 1 and 3 are on-policy."""
+    out = _run(_cmd(tiny_model_dir, toy_data_path, tmp_path, 4, "--rollout-max-response-len", "4",
+                    "--update-weights-interval", "2", "--max-policy-version-lag", "0",
+                    "--dump-details", str(tmp_path / "details")), tmp_path)
+    _assert_trained_within_lag(tmp_path, out, 0, partial=False)
+    dropped = read_scalars(str(tmp_path / "tb"), "rollout/stale_samples_dropped")
+    assert dropped == {0: 0.0, 1: 0.0, 2: 16.0, 3: 0.0}, dropped
+    assert "rollout 2: 4 group(s) more than --max-policy-version-lag 0 versions behind" in out.stderr
+
+
 FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 
 
+def _policy_version(weight_versions) -> int | None:
+    versions = [int(v) for v in weight_versions if str(v).isdigit()]
+    return min(versions) if versions else None
+
+
+def _assert_trained_within_lag(tmp_path, out, max_lag: int, partial: bool) -> None:
+    """From the --dump-details output: every trained row (a loss-mask token left) of every rollout is at
+    most `max_lag` versions behind the version it was trained at; the logged lag, drop and off-policy metrics
+    are what the dumps say. Rollout r trains at the version pushed after step r - 1 (1 for rollout 0)."""
+    import torch
+
+    timeline = _timeline(out)
+    tb = str(tmp_path / "tb")
+    logged = {tag: read_scalars(tb, f"rollout/{tag}") for tag in
+              ("policy_version_lag_max", "stale_samples_dropped", "offpolicy_token_share")}
+    trained_lags, segmented = [], 0
+    for r in sorted(timeline):
+        current = timeline[r - 1]["weight_version"] if r > 0 else 1
+        assert timeline[r].get("trained_policy_version", current) == current
+        samples = torch.load(str(tmp_path / "dump" / f"rollout_{r}.pt"), weights_only=False)["samples"]
+        rows = torch.load(str(tmp_path / "details" / "train_data" / f"{r}.pt"), weights_only=False)["samples"]
+        assert len(rows) == len(samples)
+        lags = [current - v for v in (_policy_version(s["weight_versions"]) for s in samples) if v is not None]
+        assert lags and logged["policy_version_lag_max"][r] == max(lags)
+        dropped = off = known = 0
+        for s, row in zip(samples, rows):
+            mask = [int(m) for m in row["loss_masks"]]
+            lag = current - _policy_version(s["weight_versions"])
+            if lag > max_lag:
+                dropped += 1
+                assert sum(mask) == 0, f"rollout {r}: a sample {lag} versions behind was trained (bound {max_lag})"
+            elif sum(mask):
+                trained_lags.append(lag)
+            versions = s["token_policy_versions"]
+            assert len(versions) == s["response_length"] and versions == sorted(versions)
+            assert {str(v) for v in versions} <= set(s["weight_versions"])
+            segmented += len(set(versions)) > 1
+            for m, v in zip(mask, versions):
+                known += bool(m)
+                off += bool(m) and v < current
+        assert logged["stale_samples_dropped"][r] == dropped
+        if known:
+            assert logged["offpolicy_token_share"][r] == pytest.approx(off / known)
+        else:  # nothing trained: no share is logged
+            assert r not in logged["offpolicy_token_share"]
+    assert trained_lags and max(trained_lags) <= max_lag
+    if partial:  # a response continued after a push holds a run of tokens per version
+        assert segmented > 0, "no trained response was continued across a push: per-segment versions untested"
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("partial", [False, True], ids=["abort-restart", "partial-rollout"])
-def test_fully_async_rollout_versions_at_pushes(tiny_model_dir, toy_data_path, tmp_path, partial):
+@pytest.mark.parametrize("partial,max_lag", [(False, 1), (True, 2)], ids=["abort-restart", "partial-rollout"])
+def test_fully_async_rollout_versions_at_pushes(tiny_model_dir, toy_data_path, tmp_path, partial, max_lag):
     # The aborts of push k are reported by collection k + 2, so the pushes after rollouts 0 .. n - 3 are the
     # observed ones: 6 rollouts give 4 chances for a group to be in flight at a push (4 rollouts gave 2, and
     # under CPU load both once found none). The later ones count most: responses grow as the policy trains
@@ -143,7 +206,10 @@ def test_fully_async_rollout_versions_at_pushes(tiny_model_dir, toy_data_path, t
     # before the first push after training, and the aborts it caused were never reported.
     extra = ["--rollout-function-path", FULLY_ASYNC, "--rollout-max-response-len", "512",
              "--over-sampling-batch-size", "8", "--async-buffer-size", "1"] + (["--partial-rollout"] if partial else [])
+    # bounded staleness (--max-policy-version-lag) and --dump-details for the trained rows
+    extra += ["--max-policy-version-lag", str(max_lag), "--dump-details", str(tmp_path / "details")]
     out = _run(_cmd(tiny_model_dir, toy_data_path, tmp_path, n, *extra), tmp_path)
+    _assert_trained_within_lag(tmp_path, out, max_lag, partial)
     _assert_overlap_and_no_push_mid_generation(_timeline(out), n)
 
     tb = str(tmp_path / "tb")

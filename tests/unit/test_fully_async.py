@@ -191,7 +191,7 @@ def test_pause_aborts_requeues_and_resume_continues_or_restarts(partial):
 
 def test_stale_groups_are_regenerated_with_current_weights():
     async def scenario():
-        worker = AsyncRolloutWorker(_args(max_weight_staleness=1), CountingDataSource(2), weight_version=1)
+        worker = AsyncRolloutWorker(_args(max_policy_version_lag=1), CountingDataSource(2), weight_version=1)
         worker.top_up()
         await asyncio.sleep(0.2)
         await worker.pause()
