@@ -316,6 +316,13 @@ def test_debug_flags(files):
     args = parse_args(base("--load-debug-rollout-data", "/tmp/r_{rollout_id}.pt"))
     assert args.debug_train_only
     assert "choose one half" in error_of(base("--debug-rollout-only", "--debug-train-only"))
+    args = parse_args(base("--load-debug-rollout-data", "/tmp/r_{rollout_id}.pt", "--load-debug-rollout-data-subsample",
+                           "0.25"))
+    assert args.load_debug_rollout_data_subsample == 0.25
+    assert "add --load-debug-rollout-data" in error_of(base("--load-debug-rollout-data-subsample", "0.5"))
+    for bad in ("0", "1.5", "-0.1"):
+        assert f"--load-debug-rollout-data-subsample {float(bad)}: " in error_of(
+            base("--load-debug-rollout-data", "/tmp/r_{rollout_id}.pt", "--load-debug-rollout-data-subsample", bad))
 
 
 def test_eval_prompt_data_pairs(files):

@@ -122,8 +122,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "use --rollout-num-gpus-per-engine and --sglang-<field> flags, which apply to every engine"),
     NotBuilt("load_forge_rollout_data", {"type": str, "default": None}, "slime.rollout.forge_load is not built here",
              "replay saved rollouts with --load-debug-rollout-data"),
-    NotBuilt("load_debug_rollout_data_subsample", {"type": float, "default": None}, "--load-debug-rollout-data "
-             "trains on every saved sample here", "drop it"),
     NotBuilt("http_proxy", {"type": str, "default": None}, "slime's HTTP clients here do not go through a proxy",
              "set HTTP_PROXY / NO_PROXY in the environment instead", kind="warn"),
     NotBuilt("use_distributed_post", _BOOL, "requests are posted from the rollout manager here; " + _WARN_PERF,
