@@ -18,7 +18,7 @@ import pytest
 from slime.config.arguments import SlimeArgumentError, parse_args
 from slime.config.plan import format_plan
 from slime.config.plan.layout import compute_layout, describe_bundles
-from slime.config.plan.memory import GiB, engine_memory, kv_bytes_per_token, training_memory
+from slime.config.plan.memory import GiB, engine_memory, fmt_bytes, kv_bytes_per_token, training_memory
 from slime.config.plan.model_size import count_params, load_model_shape, shape_from_hf_config
 from tests.conftest import REPO_ROOT, model_args
 
@@ -366,3 +366,27 @@ def test_a_gpu_command_line_is_planned_as_a_gpu_run_without_dry_run_cuda(files, 
     not_a_dry_run = [t for t in gpu if t != "--dry-run"]
     with pytest.raises(SlimeArgumentError, match="--rollout-backend sglang needs CUDA"):
         parse_args(not_a_dry_run + ["--rollout-backend", "sglang"])  # a real run still needs the GPUs
+
+
+def test_plan_trains_the_actors_role_args(files):
+    """--megatron-config-path: the training sections plan the actor's group with its overrides (here TP 2 over the
+    command line's TP 1), and a role's override the layout refuses fails before anything starts."""
+    write_config(files / "model", QWEN3_4B)
+    (files / "roles.yaml").write_text("megatron:\n  - {role: actor, overrides: {tensor_model_parallel_size: 2}}\n")
+    common = (*model_args("qwen3-4B"), "--dry-run", "--dry-run-cuda", "--actor-num-gpus-per-node", "8", "--bf16",
+              "--use-distributed-optimizer", "--micro-batch-size", "1", "--rollout-max-context-len", "4096",
+              "--rollout-num-gpus", "8")
+    args = parse_args(base(*common, "--megatron-config-path", "roles.yaml"))
+    assert args.tensor_model_parallel_size == 1
+    plan = format_plan(args)
+    assert re.search(r"data-parallel size\s+4 \(8 actor ranks .*÷ \(TP 2 × PP 1 × CP 1\)\)", plan), plan
+    assert "--megatron-config-path roles.yaml: actor: {'tensor_model_parallel_size': 2}" in plan
+    per_gpu = (4_022_468_096 + (152064 - 151936) * 2560) / 2  # the vocabulary padded for TP 2, split over TP 2
+    assert re.search(rf"weights\s+{re.escape(fmt_bytes(per_gpu * 2))}", plan), plan
+    plain = format_plan(parse_args(base(*common)))
+    assert re.search(r"data-parallel size\s+8 ", plain) and "role overrides" not in plain
+    (files / "roles.yaml").write_text("megatron:\n  - {role: actor, overrides: {tensor_model_parallel_size: 3}}\n")
+    with pytest.raises(SlimeArgumentError, match=r"roles.yaml: with the actor's overrides "
+                                                 r"\{'tensor_model_parallel_size': 3\}: --tensor-model-parallel-size 3 "
+                                                 r"does not divide --num-attention-heads 32"):
+        parse_args(base(*common, "--megatron-config-path", "roles.yaml"))
