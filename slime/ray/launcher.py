@@ -21,7 +21,7 @@ from slime.ray.placement_group import create_placement_groups
 from slime.ray.rollout import RolloutManager
 from slime.utils import process_reaper
 from slime.utils.megatron_roles import role_args
-from slime.utils.placement import num_actor_devices, num_rollout_devices
+from slime.utils.placement import num_bundles
 
 logger = logging.getLogger("slime")
 
@@ -35,7 +35,7 @@ def start_ray(args) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])
         return False
-    needed = num_actor_devices(args) + num_rollout_devices(args) + 1
+    needed = num_bundles(args) + 1
     ray.init(
         num_cpus=max(needed, os.cpu_count() or 1),
         num_gpus=None if args.use_cuda else 0,

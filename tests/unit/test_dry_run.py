@@ -390,3 +390,28 @@ def test_plan_trains_the_actors_role_args(files):
                                                  r"\{'tensor_model_parallel_size': 3\}: --tensor-model-parallel-size 3 "
                                                  r"does not divide --num-attention-heads 32"):
         parse_args(base(*common, "--megatron-config-path", "roles.yaml"))
+
+
+@pytest.mark.parametrize("rollout_gpus", [4, 12])
+def test_colocated_engines_on_a_subset_or_a_superset_of_the_actors_gpus(files, rollout_gpus):
+    """--colocate with --rollout-num-gpus other than the actor's 8: max(8, N) bundles, the engines on [0, N)."""
+    write_config(files / "model", QWEN3_4B)
+    args = parse_args(base(
+        *model_args("qwen3-4B"), "--dry-run", "--dry-run-cuda", "--actor-num-gpus-per-node", "8", "--colocate",
+        "--rollout-num-gpus", str(rollout_gpus), "--rollout-num-gpus-per-engine", "2", "--bf16", "--micro-batch-size",
+        "1", "--rollout-max-context-len", "4096", "--sglang-mem-fraction-static", "0.7",
+    ))  # fmt: skip
+    layout = compute_layout(args)
+    assert layout.total_bundles == max(8, rollout_gpus) and layout.actor == list(range(8))
+    assert layout.rollout == list(range(rollout_gpus))
+    assert [e.bundles for e in layout.engines] == [[2 * i, 2 * i + 1] for i in range(rollout_gpus // 2)]
+    plan = format_plan(args)
+    assert f"placement group: {max(8, rollout_gpus)} bundle(s)" in plan
+    if rollout_gpus == 4:
+        assert re.search(r"rollout\s+0-3\s+node 0: GPU 0-3\s+shared with actor \(--colocate\); actor bundles 4-7 "
+                         r"hold no engine", plan), plan
+    else:  # bundles 8-11 are a second node's: the engines there hold no training rank
+        assert re.search(r"rollout\s+0-11\s+node 0: GPU 0-7, node 1: GPU 0-3\s+0-7 shared with actor \(--colocate\), "
+                         r"8-11 engines only", plan), plan
+        assert re.search(r"engine 5\s+10-11\s+node 1: GPU 2-3", plan), plan
+    assert "colocated, generating" in plan  # the shared GPUs' phases are planned as before

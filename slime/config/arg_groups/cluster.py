@@ -42,7 +42,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="GPUs for the rollout engines (without CUDA: CPU engine slots). With --colocate it defaults to the "
-        "actor's GPU count and must equal it.",
+        "actor's GPU count; another count puts the engines on the first N of max(actor, N) GPUs, as slime: fewer "
+        "leave some training GPUs without an engine, more give the engines GPUs of their own.",
     )
     g.add_argument(
         "--rollout-num-gpus-per-engine",
@@ -115,12 +116,13 @@ def validate_cluster(args: argparse.Namespace) -> None:
                 setattr(args, dest, True)
         if args.rollout_num_gpus is None:
             args.rollout_num_gpus = actor_gpus
-        elif args.rollout_num_gpus != actor_gpus and not (args.rollout_num_gpus == 0 and external):
-            fail(
-                f"--colocate puts the engines on the actor's GPUs, so --rollout-num-gpus {args.rollout_num_gpus} "
-                f"must equal --actor-num-nodes {args.actor_num_nodes} × --actor-num-gpus-per-node "
-                f"{args.actor_num_gpus_per_node} = {actor_gpus}; drop --rollout-num-gpus (it defaults to that)."
-            )
+        elif 0 < args.rollout_num_gpus != actor_gpus:
+            # slime's sizing: max(actor, rollout) devices; the engines take the first --rollout-num-gpus of them
+            where = (f"the first {args.rollout_num_gpus} of the actor's {actor_gpus} GPUs (the other "
+                     f"{actor_gpus - args.rollout_num_gpus} train only)" if args.rollout_num_gpus < actor_gpus else
+                     f"the actor's {actor_gpus} GPUs and {args.rollout_num_gpus - actor_gpus} more of their own "
+                     f"(engines there get the weights by broadcast)")  # fmt: skip
+            logger.info("--colocate with --rollout-num-gpus %d: the engines sit on %s.", args.rollout_num_gpus, where)
 
     if args.rollout_num_gpus is None:
         if args.debug_train_only or external:

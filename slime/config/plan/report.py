@@ -263,7 +263,7 @@ class _Builder:
             if lay.critic:
                 rows.append(["critic", bundle_ranges(lay.actor), "same as actor", "PPO critic group"])
         if lay.rollout and lay.engines:
-            note = "shared with actor (--colocate)" if lay.colocated else "own devices"
+            note = self._colocated_note() if lay.colocated else "own devices"
             rows.append(["rollout", bundle_ranges(lay.rollout), describe_bundles(lay, lay.rollout), note])
             shown = lay.engines if len(lay.engines) <= MAX_ENGINE_ROWS else lay.engines[:MAX_ENGINE_ROWS - 2]
             for e in shown:
@@ -290,6 +290,20 @@ class _Builder:
                 f"{a.num_gpus_per_node}: PACK fills whole nodes, so the actor's ranks may not sit "
                 f"{a.actor_num_gpus_per_node} per node as asked; set --num-gpus-per-node to your nodes' GPU count")
         return Section("Placement", lines)
+
+    def _colocated_note(self) -> str:
+        """Which rollout bundles hold a training rank too (a --rollout-num-gpus other than the actor's count puts
+        the engines on a subset or a superset of its bundles)."""
+        lay = self.layout
+        shared = [b for b in lay.rollout if b in set(lay.actor)]
+        own = [b for b in lay.rollout if b not in set(lay.actor)]
+        idle = [b for b in lay.actor if b not in set(lay.rollout)]
+        note = "shared with actor (--colocate)"
+        if own:
+            note = f"{bundle_ranges(shared)} shared with actor (--colocate), {bundle_ranges(own)} engines only"
+        if idle:
+            note += f"; actor bundles {bundle_ranges(idle)} hold no engine"
+        return note
 
     def _engine_row(self, e) -> list[str]:
         note = f"TP {len(e.bundles)}" if self.args.rollout_backend == "sglang" else "hf engine"
