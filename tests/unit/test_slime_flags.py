@@ -55,13 +55,19 @@ def test_not_built_flags_parse_with_slimes_defaults(files):
     (["--use-gated-attention", "--attention-output-gate"], "--use-gated-attention: not supported here: Qwen3-Next"),
     (["--enable-mtp-training"], "--enable-mtp-training: not supported here: multi-token-prediction"),
     (["--use-routing-replay"], "--use-routing-replay: not supported here: MoE routing replay"),
-    (["--train-env-vars", '{"A": "1"}'], "--train-env-vars {'A': '1'}: not supported here:"),
     (["--prefill-num-servers", "2"], "--prefill-num-servers 2: not supported here: prefill/decode"),
 ])  # fmt: skip
 def test_refused_flags_name_the_flag_the_reason_and_what_to_do(files, extra, expected):
     message = error_of(base(*extra))
     assert message.startswith(expected), message
     assert "; " in message  # then what to do instead
+
+
+def test_train_env_vars_are_a_json_object_of_strings(files):
+    args = parse_args(base("--train-env-vars", '{"A": "1", "B": 2, "C": true}'))
+    assert args.train_env_vars == {"A": "1", "B": "2", "C": "true"}
+    assert "--train-env-vars [1]: must be a JSON object" in error_of(base("--train-env-vars", "[1]"))
+    assert "'X'={'y': 1} is not an environment variable" in error_of(base("--train-env-vars", '{"X": {"y": 1}}'))
 
 
 def test_every_refused_flag_is_named_in_the_error(files):

@@ -17,7 +17,6 @@ is (docs/architecture.md, "A flag").
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -101,8 +100,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "--ref-load", "point --ref-load at a folder whose latest_checkpointed_iteration.txt names that step"),
     NotBuilt("save_hf", {"type": str, "default": None}, "the trainers save torch_dist (megatron) or their own "
              "format (fsdp), not HF folders", "convert a saved checkpoint with tools/convert_torch_dist_to_hf.py"),
-    NotBuilt("train_env_vars", {"type": json.loads, "default": "{}"}, "the training ranks are not given extra "
-             "environment variables here", "export them before `ray start` (Ray's workers inherit them)"),
     NotBuilt("recompute_loss_function", _BOOL, _WARN_PERF, "drop it", kind="warn"),
     NotBuilt("log_probs_chunk_size", {"type": int, "default": -1}, _WARN_PERF, "drop it", kind="warn"),
     NotBuilt("balance_by_flops", _BOOL, "micro-batches are packed first-fit by tokens here; " + _WARN_PERF, "drop it",
