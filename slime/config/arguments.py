@@ -34,7 +34,12 @@ from slime.backends.megatron_utils.args import require_model_args
 from slime.backends.megatron_utils.config_check import ConfigMismatchError, check_against_hf_config
 from slime.config.arg_groups import FUNCTION_FLAGS, SlimeArgumentError, add_all_arguments, validate_all
 from slime.config.arg_groups.data import DEFAULT_DATA_SOURCE, check_training_divisibility
-from slime.config.arg_groups.megatron import MEGATRON_DESTS, add_megatron_arguments, validate_megatron
+from slime.config.arg_groups.megatron import (
+    MEGATRON_DESTS,
+    add_megatron_arguments,
+    check_megatron_roles,
+    validate_megatron,
+)
 from slime.config.arg_groups.rollout import DEFAULT_ROLLOUT_FUNCTION, check_hf_checkpoint
 from slime.config.plan import check_memory_fits
 from slime.rollout.rm_hub import RM_TYPES
@@ -339,6 +344,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     validate_megatron(args)
     if not args.debug_rollout_only:
         check_training_divisibility(args)  # Megatron-LM's check in slime: data-parallel size needs its flags
+    check_megatron_roles(args, _check_training_layout)
     check_function_flags(args, parser)
     check_model_args(args)
     check_prompt_rows(args, parser)
@@ -351,6 +357,12 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
             " ".join(flags),
         )
     return args
+
+
+def _check_training_layout(args: argparse.Namespace) -> None:
+    """The Megatron and batch-layout checks of a training group's args (a --megatron-config-path role's copy)."""
+    validate_megatron(args)
+    check_training_divisibility(args)
 
 
 def check_before_start(args: argparse.Namespace) -> None:

@@ -1,6 +1,7 @@
 """`RayTrainGroup`: the training ranks of one role (actor or critic) as Ray actors.
 
 Rank 0 is created first and picks the rendezvous address (its node IP and a free port); ranks 1..N-1 get it.
+Every rank's environment holds `--train-env-vars` (over the variables forwarded from the driver's).
 Every call fans out to all ranks (torch.distributed collectives need all of them) and returns rank 0's result.
 The PPO critic group (role "critic") sits on the actor's bundles: without CUDA its ranks take no CPU of
 their own (num_cpus 0), with CUDA a share of each GPU next to the actor's rank.
@@ -53,7 +54,7 @@ class RayTrainGroup:
             num_cpus = 0.2
         else:
             num_cpus = 0 if role == "critic" else 1  # the critic shares the actor's CPU bundles
-        env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+        env = {**{k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}, **args.train_env_vars}
         self._actors = []
         master_addr = master_port = None
         for rank in range(world_size):

@@ -4,6 +4,7 @@
 down in reverse order: the training ranks (rank 0 first dissolves its weight broadcast group with the engines,
 which are still up), then the rollout manager with its engines and router, then Ray itself when we started it.
 With `--advantage-estimator ppo` (`args.use_critic`) it also creates the critic group on the actor's bundles.
+Each group gets its role's args: with `--megatron-config-path`, a copy with the role's overrides from the YAML.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from slime.ray.actor_group import RayTrainGroup
 from slime.ray.placement_group import create_placement_groups
 from slime.ray.rollout import RolloutManager
 from slime.utils import process_reaper
-from slime.utils.placement import num_actor_devices, num_rollout_devices
+from slime.utils.megatron_roles import role_args
+from slime.utils.placement import num_bundles
 
 logger = logging.getLogger("slime")
 
@@ -33,7 +35,7 @@ def start_ray(args) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])
         return False
-    needed = num_actor_devices(args) + num_rollout_devices(args) + 1
+    needed = num_bundles(args) + 1
     ray.init(
         num_cpus=max(needed, os.cpu_count() or 1),
         num_gpus=None if args.use_cuda else 0,
@@ -69,10 +71,12 @@ class Run:
             self.rollout_manager = create_rollout_manager(self.args, placements["rollout"])
             use_critic = bool(self.args.use_critic)
             # With a critic (or colocated engines) several processes share each GPU bundle.
-            self.actor = RayTrainGroup(self.args, placements["actor"], role="actor",
+            # Each group is built from its role's args (--megatron-config-path overrides; else the args themselves).
+            self.actor = RayTrainGroup(role_args(self.args, "actor"), placements["actor"], role="actor",
                                        num_gpus_per_actor=0.4 if self.args.colocate or use_critic else 1.0)
             if use_critic:
-                self.critic = RayTrainGroup(self.args, placements["actor"], role="critic", num_gpus_per_actor=0.2)
+                self.critic = RayTrainGroup(role_args(self.args, "critic"), placements["actor"], role="critic",
+                                            num_gpus_per_actor=0.2)
             ray.get(self.rollout_manager.get_router_url.remote())
             if self.args.check_weight_update_equal:
                 start_weight_check(self)

@@ -32,7 +32,7 @@ def resolve_num_rollout(args, run: Run) -> int:
 def init_training(args, run: Run, num_rollout: int) -> int:
     """Build the actor (and PPO critic) models, their LR schedules sized by `num_rollout`; load the data source's
     state when resuming. Returns the rollout id to start from."""
-    start_rollout_id = run.actor.init(needs_reference_model(args), num_rollout)
+    start_rollout_id = run.actor.init(needs_reference_model(run.actor.args), num_rollout)  # the actor's role args
     if run.critic is not None:
         critic_start = run.critic.init(False, num_rollout)
         if args.load and critic_start != start_rollout_id:

@@ -2,8 +2,9 @@
 
 One bundle per device: `{GPU: 1, CPU: 1}` with CUDA, `{CPU: 1}` without (then `--actor-num-gpus-per-node` and
 `--rollout-num-gpus` count CPU ranks and CPU engines). Disaggregated: actor bundles `[0, A)`, rollout bundles
-`[A, A+R)`; `--colocate`: both use the same A bundles. Bundles are ordered by (node ip, GPU id) so that ranks
-land on GPUs in a predictable order.
+`[A, A+R)`; `--colocate`: max(A, R) bundles, the actor on `[0, A)` and the engines on `[0, R)` (as slime sizes it:
+with R < A some training GPUs hold no engine, with R > A the engines past the actor's GPUs have GPUs of their
+own). Bundles are ordered by (node ip, GPU id) so that ranks land on GPUs in a predictable order.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slime.utils.placement import num_actor_devices, num_rollout_devices
+from slime.utils.placement import num_actor_devices, num_bundles
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +44,7 @@ class _BundleProbe:
 
 def create_placement_groups(args, timeout_s: float = 120.0) -> dict[str, PlacementSlice]:
     num_actor = 0 if args.debug_rollout_only else num_actor_devices(args)
-    total = num_actor + num_rollout_devices(args)
-    if args.colocate:
-        total = max(total, args.rollout_num_gpus or 0)
+    total = num_bundles(args)
     bundle = {"GPU": 1, "CPU": 1} if args.use_cuda else {"CPU": 1}
     pg = placement_group([dict(bundle) for _ in range(total)], strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)

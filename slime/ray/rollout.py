@@ -27,7 +27,8 @@ Simplifications and choices:
   default metrics are not returned). A rollout may hold more samples than rollouts: samples split from one
   rollout by a custom generate function share its `rollout_id` and count once against the batch size.
 - `--debug-train-only` skips the router and engines; with `--load-debug-rollout-data` the samples of
-  each rollout are read from that file (a template with `{rollout_id}`) instead of being generated.
+  each rollout are read from that file (a template with `{rollout_id}`) instead of being generated; with
+  `--load-debug-rollout-data-subsample` only a part of them (train_data.replayed_samples).
 - `--rollout-external-engine-addrs` registers already running engines (no engine actors are created).
 - `--engine-api-key`: the router it starts requires the key and every engine is registered with it; this process's
   `slime.utils.http_utils` `post` / `get` send it to the router, the engines (also external ones, and engines
@@ -66,9 +67,10 @@ from slime.rollout.router import RouterClient, RouterProcess, url_of
 from slime.rollout.sample_hooks import set_current_rollout_id
 from slime.rollout.train_data import (
     flatten_groups,
-    load_debug_samples,
+    replayed_samples,
     rollout_count,
     samples_to_train_batch,
+    save_debug_eval_samples,
     save_debug_samples,
 )
 from slime.utils.http_utils import bearer_headers, set_engine_api_key, trust_engine_url
@@ -244,7 +246,7 @@ class RolloutManager:
         served_before = self._engine_request_counts()
         output_metrics: dict[str, Any] | None = None
         if args.load_debug_rollout_data:
-            samples = load_debug_samples(args.load_debug_rollout_data, rollout_id)
+            samples = replayed_samples(args, rollout_id)
         else:
             log_marks = self._engine_log_marks()
             self._generating = True
@@ -264,7 +266,7 @@ class RolloutManager:
 
         expected = args.rollout_batch_size * args.n_samples_per_prompt
         rollouts = rollout_count(samples)
-        if rollouts != expected:
+        if rollouts != expected and args.load_debug_rollout_data_subsample is None:
             split = f" in {len(samples)} samples" if len(samples) != rollouts else ""
             raise RuntimeError(
                 f"rollout {rollout_id}: {args.rollout_function_path} returned {rollouts} rollouts{split}, expected "
@@ -402,6 +404,8 @@ class RolloutManager:
         if not isinstance(output.data, dict):
             raise TypeError(f"eval function {path} returned {type(output.data).__name__}, expected "
                             "RolloutFnEvalOutput or {name: {rewards, ...}}")
+        if args.save_debug_rollout_data:
+            save_debug_eval_samples(args.save_debug_rollout_data, rollout_id, output.data)
         if _custom_log(args.custom_eval_rollout_log_function_path, "--custom-eval-rollout-log-function-path",
                        rollout_id, args, output.data, output.metrics):
             return {}  # the plugin logged this eval itself

@@ -1,5 +1,6 @@
 """A rollout's samples -> the `TrainBatch` training gets, and the debug dumps of samples
-(`--save-debug-rollout-data` / `--load-debug-rollout-data`).
+(`--save-debug-rollout-data` / `--load-debug-rollout-data`, optionally subsampled by
+`--load-debug-rollout-data-subsample`).
 
 Samples marked FAILED stay in the batch (so the batch-size identity holds and groups stay whole) but get an
 all-zero loss mask: a failed generation or reward never produces a gradient. So do samples a
@@ -207,6 +208,17 @@ def save_debug_samples(template: str, rollout_id: int, samples: list[Sample]) ->
     return path
 
 
+def save_debug_eval_samples(template: str, rollout_id: int, data: Mapping[str, Any]) -> str:
+    """An eval's samples, every dataset's in the eval output's order, to `template` with `{rollout_id}` as
+    `eval_<rollout_id>` (slime's name and layout: `{"rollout_id": <int>, "samples": [Sample.to_dict()]}`)."""
+    samples = [s for result in data.values() for s in result.get("samples") or []]
+    path = template.format(rollout_id=f"eval_{rollout_id}")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}, path)
+    logger.info("eval at rollout %d: %d samples of %s saved to %s", rollout_id, len(samples), sorted(data), path)
+    return path
+
+
 def load_debug_samples(template: str, rollout_id: int) -> list[Sample]:
     path = template.format(rollout_id=rollout_id)
     if not os.path.exists(path):
@@ -215,3 +227,45 @@ def load_debug_samples(template: str, rollout_id: int) -> list[Sample]:
         )
     data = torch.load(path, weights_only=False)
     return [Sample.from_dict(d) for d in data["samples"]]
+
+
+def replayed_samples(args: Any, rollout_id: int) -> list[Sample]:
+    """Rollout `rollout_id`'s samples from `--load-debug-rollout-data`; with `--load-debug-rollout-data-subsample`
+    a part of them (`subsample_debug_samples`), cut to whole optimizer steps (`trim_to_whole_steps`)."""
+    samples = load_debug_samples(args.load_debug_rollout_data, rollout_id)
+    ratio = args.load_debug_rollout_data_subsample
+    if ratio is None:
+        return samples
+    where = f"rollout {rollout_id} ({args.load_debug_rollout_data.format(rollout_id=rollout_id)})"
+    try:
+        kept = trim_to_whole_steps(subsample_debug_samples(samples, ratio), args.global_batch_size)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}; --load-debug-rollout-data-subsample {ratio} of {len(samples)} samples") from e
+    logger.info("%s: --load-debug-rollout-data-subsample %s keeps %d of %d samples", where, ratio, len(kept),
+                len(samples))
+    return kept
+
+
+def subsample_debug_samples(samples: list[Sample], ratio: float) -> list[Sample]:
+    """`--load-debug-rollout-data-subsample`: keep `int(len(samples) * ratio)` rows, the first half of them from
+    the start of the dump and the rest from its end (a row count, not groups: a group at either cut is kept in
+    part). A ratio that keeps no row is an error (there would be nothing to train on)."""
+    keep = int(len(samples) * ratio)
+    if keep == 0:
+        raise ValueError(f"--load-debug-rollout-data-subsample {ratio} keeps int({len(samples)} x {ratio}) = 0 of the "
+                         f"{len(samples)} saved samples; raise it")
+    head = keep // 2
+    return samples[:head] + samples[len(samples) - (keep - head):]
+
+
+def trim_to_whole_steps(samples: list[Sample], global_batch_size: int) -> list[Sample]:
+    """The samples of the first `global_batch_size` x k rollouts (in order of first appearance; `rollout_ids`),
+    the largest k: the rollouts past the last whole optimizer step are dropped, as slime's step schedule drops
+    them. An error when not even one step is left."""
+    ids = rollout_ids(samples)
+    order = list(dict.fromkeys(ids))
+    kept = set(order[: len(order) // global_batch_size * global_batch_size])
+    if not kept:
+        raise ValueError(f"{len(order)} rollouts are fewer than --global-batch-size {global_batch_size}: no optimizer "
+                         "step would run")
+    return [s for s, rid in zip(samples, ids) if rid in kept]

@@ -6,7 +6,11 @@
         overrides: {lr: 1e-5, tensor_model_parallel_size: 2}
 
 `parse_megatron_role_args(args, path, role)` returns a copy of `args` with that role's overrides applied (a role
-without an entry inherits `args` unchanged); slime.utils.arguments exposes it at slime's path. The critic's copy
+without an entry inherits `args` unchanged); slime.utils.arguments exposes it at slime's path. `role_args(args,
+role)` is what a training group of that role is built from (the actor's group, with its reference model, and the
+PPO critic's): `args` itself without `--megatron-config-path`. The overrides are applied to the validated args, as
+slime applies them (derived values are not derived again); validation checks each role's copy before Ray starts
+(slime/config/arg_groups/megatron.py, `check_megatron_roles`). The critic's copy
 also drops what only the actor does (a KL shaping coefficient, distillation, a custom advantage function) and
 never ties its embeddings (its output layer is a value head). Values YAML reads as strings (`1e-5`) take the
 type of the argument they replace. GPU counts follow the command line: `num_nodes` / `num_gpus_per_node`
@@ -98,3 +102,11 @@ def parse_megatron_role_args(base_args: argparse.Namespace, megatron_config_path
     overrides = megatron_role_overrides(megatron_config_path, role)
     logger.info("--megatron-config-path %s: %s overrides %s", megatron_config_path, role, sorted(overrides))
     return apply_megatron_role_overrides(base_args, overrides, role)
+
+
+def role_args(args: argparse.Namespace, role: str) -> argparse.Namespace:
+    """The args the training group of `role` is built from: with `--megatron-config-path`, a copy with the role's
+    overrides (`parse_megatron_role_args`); without it, `args`."""
+    if args.megatron_config_path is None:
+        return args
+    return parse_megatron_role_args(args, args.megatron_config_path, role)

@@ -16,6 +16,27 @@ def num_rollout_devices(args) -> int:
     return args.rollout_num_gpus or 0
 
 
+def num_bundles(args) -> int:
+    """Devices the run's placement group reserves: the actor's and the rollout's; with `--colocate` the engines
+    share the actor's devices, so the larger of the two counts (slime's sizing: engines on the first
+    `--rollout-num-gpus` of them, a subset or a superset of the actor's)."""
+    num_actor = 0 if args.debug_rollout_only else num_actor_devices(args)
+    if args.colocate:
+        return max(num_actor, args.rollout_num_gpus or 0)
+    return num_actor + num_rollout_devices(args)
+
+
+def num_colocated_engines(args) -> int:
+    """Under `--colocate`, the engines whose devices all hold a training rank (engine i takes devices
+    [i·E, (i+1)·E)); the engines past them sit on devices of their own (a `--rollout-num-gpus` above the actor's).
+    0 without `--colocate`."""
+    if not args.colocate:
+        return 0
+    per_engine = args.rollout_num_gpus_per_engine
+    engines = (args.rollout_num_gpus or 0) // per_engine
+    return min(engines, num_actor_devices(args) // per_engine)
+
+
 def engine_nnodes(args) -> int:
     """Nodes one engine spans: an engine wider than a node takes whole nodes."""
     per_engine = args.rollout_num_gpus_per_engine

@@ -3,10 +3,11 @@ bucket takes) and `BroadcastGroup` (SGLang's broadcast sync).
 
 A backend hands `push_weights` its weights as (HF name, full tensor) pairs, produced lazily (gathering a
 tensor may be a collective every rank joins); rank 0 groups them into buckets (slime/weight_sync/buckets.py)
-and sends each through its `EnginePush`. `EnginePush(colocate)`: engines that share the training GPUs
+and sends each through its `EnginePush`. `EnginePush(colocated)`: engines that share the training GPUs
 (`--colocate`) get handles to the bucket (`update_weights_from_tensor`, CUDA IPC or CPU shared memory:
-slime/weight_sync/tensor_payload.py, `send_bucket`); engines elsewhere get it by broadcast (below), which also
-works across hosts. The group is formed again when an engine's server changed (a fault-tolerant restart).
+slime/weight_sync/tensor_payload.py, `send_bucket`); engines elsewhere (without `--colocate`, or past the actor's
+GPUs when `--rollout-num-gpus` is above its count) get it by broadcast (below), which also works across hosts.
+The group is formed again when an engine's server changed (a fault-tolerant restart).
 
 Training rank 0 forms a process group with every engine's TP ranks (`init_weights_update_group`: the
 trainer is group rank 0, engine i's ranks follow), then per bucket tells every engine which tensors come
@@ -46,6 +47,7 @@ from safetensors.torch import save_file
 
 from slime.utils.misc import load_hook
 from slime.utils.net import node_ip
+from slime.utils.placement import num_colocated_engines
 from slime.utils.progress import progress
 from slime.weight_sync.buckets import Named, buckets
 from slime.weight_sync.delta import MANIFEST, Snapshot, manifest, write_json
@@ -156,29 +158,33 @@ def engine_urls(engines: Sequence[Any]) -> list[str]:
 
 
 class EnginePush:
-    """Rank 0's route for weight buckets: `begin(engines)` once per push, then `send` every bucket. The
-    broadcast group is formed on the first push and kept until an engine's server changes."""
+    """Rank 0's route for weight buckets: `begin(engines)` once per push, then `send` every bucket. The first
+    `colocated` engines (those on the training ranks' devices, `--colocate`) get handles; the others get each
+    bucket by broadcast, through a group formed on the first push and kept until an engine's server changes."""
 
-    def __init__(self, colocate: bool):
-        self.colocate = colocate
+    def __init__(self, colocated: int | None = None):
+        self.colocated = colocated  # how many of the engines take handles; None: all of them
         self._group: BroadcastGroup | None = None
         self._engines: list[Any] = []
+        self._broadcast: list[Any] = []
 
     def begin(self, engines: Sequence[Any]) -> None:
-        self._engines = list(engines)
-        if self.colocate:
+        engines = list(engines)
+        cut = len(engines) if self.colocated is None else self.colocated
+        self._engines, self._broadcast = engines[:cut], engines[cut:]
+        if not self._broadcast:
             return
-        if self._group is not None and engine_urls(self._engines) != self._group.urls:
+        if self._group is not None and engine_urls(self._broadcast) != self._group.urls:
             # an engine was restarted (--use-fault-tolerance): its new server is not in the group
             logger.warning("engine servers changed since the weight broadcast group was formed; forming it again")
             self.close()
         if self._group is None:
-            self._group = BroadcastGroup(self._engines, "nccl" if torch.cuda.is_available() else "gloo")
+            self._group = BroadcastGroup(self._broadcast, "nccl" if torch.cuda.is_available() else "gloo")
 
     def send(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str) -> None:
-        if self.colocate:
+        if self._engines:
             send_bucket(bucket, self._engines, weight_version)
-        else:
+        if self._broadcast:
             self._group.send(bucket, weight_version)
 
     def finish(self, weight_version: str) -> None:
@@ -333,7 +339,7 @@ def weight_route(args: Any) -> EnginePush | DiskPush:
     delta), else handles (`--colocate`) or broadcast."""
     if args.update_weight_transport == "disk":
         return DeltaPush(args) if args.update_weight_mode == "delta" else DiskPush(args)
-    return EnginePush(bool(args.colocate))
+    return EnginePush(num_colocated_engines(args))
 
 
 def send_bucket(bucket: list[Named], engines, weight_version: str) -> None:

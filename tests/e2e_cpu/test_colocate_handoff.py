@@ -57,3 +57,29 @@ def test_colocated_run_hands_memory_over_in_slimes_order(tiny_model_dir, toy_dat
     freed = [float(gb) for gb in re.findall(r"memory: released .*\(weights \w+: ([\d.]+) GB freed\)", engine_log)]
     assert len(freed) == 1 + n, engine_log[-4000:]  # start-up and every step
     assert all(gb > 0 for gb in freed) if engine_memory == "freed" else all(gb == 0 for gb in freed), freed
+
+
+@pytest.mark.timeout(600)
+def test_colocated_engines_past_the_actors_devices_get_the_weights_by_broadcast(tiny_model_dir, toy_data_path,
+                                                                                 tmp_path):
+    """--colocate --rollout-num-gpus 2 with one training rank (slime's sizing: two bundles, the engines on both):
+    engine 0 shares the rank's bundle and takes handles, engine 1 has its own and takes a gloo broadcast. Its
+    engines free their weights on release, as on CUDA, so each must get every push to serve the next rollout."""
+    n = 2
+    tb = tmp_path / "tb"
+    cmd = _train_cmd(tiny_model_dir, toy_data_path, "--actor-num-gpus-per-node", "1", "--colocate",
+                     "--rollout-num-gpus", "2", "--global-batch-size", "16", "--num-rollout", str(n),
+                     "--rm-type", "toy", "--use-tensorboard", "--tensorboard-dir", str(tb))  # fmt: skip
+    logs = tmp_path / "engine_logs"
+    env = dict(_env(), SLIME_ENGINE_LOG_DIR=str(logs), SLIME_ENGINE_RELEASE_MEMORY_ON_CPU="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=540)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "the engines sit on the actor's 1 GPUs and 1 more of their own" in out
+    diffs = read_scalars(str(tb), "train/train_rollout_logprob_abs_diff")
+    assert sorted(diffs) == list(range(n)) and max(diffs.values()) < 1e-3, diffs  # every push reached both engines
+    engine_logs = sorted(glob.glob(os.path.join(logs, "hf-engine-*.log")))
+    assert len(engine_logs) == 2, engine_logs
+    for path in engine_logs:  # each engine freed its weights at start-up and every step, and served requests
+        text = open(path, errors="replace").read()
+        assert len(re.findall(r"memory: released .*\(weights \w+: ([\d.]+) GB freed\)", text)) == 1 + n, text[-3000:]

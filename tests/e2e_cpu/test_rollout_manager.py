@@ -125,12 +125,30 @@ def test_generate_control_and_shutdown(workdir, ray_cluster):
         assert saved["rollout_id"] == 0 and [s.tokens for s in samples] == batch.tokens
         assert all(s.weight_versions and set(s.weight_versions) == {"default"} for s in samples)
 
+        # the real dump, replayed in part: int(4 x 0.5) = 2 rows, the first and the last sample
+        replay = RolloutManager(make_args(workdir, "--load-debug-rollout-data", dump, "--global-batch-size", "2",
+                                          "--load-debug-rollout-data-subsample", "0.5"), None)
+        try:
+            part, part_metrics = replay.generate(0)
+        finally:
+            replay.shutdown()
+        assert part.tokens == [batch.tokens[0], batch.tokens[3]]
+        assert part.raw_rewards == [batch.raw_rewards[0], batch.raw_rewards[3]] and part.group_indices == [0, 1]
+        assert part.rewards == [0.0, 0.0]  # each group keeps one row: mean-centred to zero
+        assert part_metrics["rollout/raw_reward"] == pytest.approx(sum(part.raw_rewards) / 2)
+
         infos = [httpx.get(u + "/server_info", timeout=10).json() for u in urls]
         assert [i["num_finished_requests"] for i in infos] == [2, 2]  # round robin over both engines
 
         evals = ray.get(manager.eval.remote(0))
         assert set(evals) == {"eval/toy", "eval/toy-truncated_ratio", "eval/toy-pass@1", "eval/toy-pass@2"}
         assert all(0.0 <= v <= 1.0 for v in evals.values()) and evals["eval/toy-pass@2"] >= evals["eval/toy-pass@1"]
+        # the eval's samples, dumped next to the rollout's as slime names them: {rollout_id} -> eval_0
+        saved = torch.load(dump.format(rollout_id="eval_0"), weights_only=False)
+        eval_samples = [Sample.from_dict(d) for d in saved["samples"]]
+        assert saved["rollout_id"] == 0 and len(eval_samples) == len(PROMPTS) * 2
+        assert evals["eval/toy"] == pytest.approx(sum(s.reward for s in eval_samples) / len(eval_samples))
+        assert all(s.response_length >= 1 and len(s.tokens) > s.response_length for s in eval_samples)
 
         ray.get(manager.pause_engines.remote())
         assert all(httpx.get(u + "/server_info", timeout=10).json()["paused"] for u in urls)

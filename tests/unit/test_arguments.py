@@ -10,6 +10,7 @@ import pytest
 from slime.config.arg_groups import reward
 from slime.rollout.rm_hub import RM_TYPES
 from slime.config.arguments import SlimeArgumentError, build_parser, parse_args, split_argv, validate_args
+from slime.utils.placement import num_bundles, num_colocated_engines
 from tests.args import make_args
 
 
@@ -215,12 +216,20 @@ def test_defaults_of_added_flags(files):
 # ---- couplings -------------------------------------------------------------------------------------------
 
 
-def test_colocate_shares_gpus_and_turns_on_both_offloads(files):
+def test_colocate_shares_gpus_and_turns_on_both_offloads(files, caplog):
+    caplog.set_level(logging.INFO)
     args = parse_args(without(base("--colocate"), "--rollout-num-gpus"))
     assert args.colocate and args.offload_train and args.offload_rollout and args.offload  # slime's implication
     assert args.rollout_num_gpus == 8
-    msg = error_of(base("--colocate", "--rollout-num-gpus", "4"))
-    assert "--rollout-num-gpus 4" in msg and "= 8" in msg
+    # another count, as slime sizes it: the engines on the first N of max(actor, N) GPUs
+    for n, where in ((4, "the first 4 of the actor's 8 GPUs (the other 4 train only)"),
+                     (12, "the actor's 8 GPUs and 4 more of their own")):
+        args = parse_args(base("--colocate", "--rollout-num-gpus", str(n)))
+        assert args.colocate and args.rollout_num_gpus == n and args.offload_rollout
+        args.rollout_num_gpus_per_engine = 2
+        assert (num_bundles(args), num_colocated_engines(args)) == (max(8, n), min(8, n) // 2)
+        assert where in caplog.text
+    assert "no engine fits" in error_of(base("--colocate", "--rollout-num-gpus", "0"))
     args = parse_args(without(base("--colocate", "--no-offload-rollout"), "--rollout-num-gpus"))
     assert args.offload_train and not args.offload_rollout and not args.offload  # the explicit opt-out stays out
 
@@ -316,6 +325,13 @@ def test_debug_flags(files):
     args = parse_args(base("--load-debug-rollout-data", "/tmp/r_{rollout_id}.pt"))
     assert args.debug_train_only
     assert "choose one half" in error_of(base("--debug-rollout-only", "--debug-train-only"))
+    args = parse_args(base("--load-debug-rollout-data", "/tmp/r_{rollout_id}.pt", "--load-debug-rollout-data-subsample",
+                           "0.25"))
+    assert args.load_debug_rollout_data_subsample == 0.25
+    assert "add --load-debug-rollout-data" in error_of(base("--load-debug-rollout-data-subsample", "0.5"))
+    for bad in ("0", "1.5", "-0.1"):
+        assert f"--load-debug-rollout-data-subsample {float(bad)}: " in error_of(
+            base("--load-debug-rollout-data", "/tmp/r_{rollout_id}.pt", "--load-debug-rollout-data-subsample", bad))
 
 
 def test_eval_prompt_data_pairs(files):

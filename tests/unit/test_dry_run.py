@@ -18,7 +18,7 @@ import pytest
 from slime.config.arguments import SlimeArgumentError, parse_args
 from slime.config.plan import format_plan
 from slime.config.plan.layout import compute_layout, describe_bundles
-from slime.config.plan.memory import GiB, engine_memory, kv_bytes_per_token, training_memory
+from slime.config.plan.memory import GiB, engine_memory, fmt_bytes, kv_bytes_per_token, training_memory
 from slime.config.plan.model_size import count_params, load_model_shape, shape_from_hf_config
 from tests.conftest import REPO_ROOT, model_args
 
@@ -366,3 +366,52 @@ def test_a_gpu_command_line_is_planned_as_a_gpu_run_without_dry_run_cuda(files, 
     not_a_dry_run = [t for t in gpu if t != "--dry-run"]
     with pytest.raises(SlimeArgumentError, match="--rollout-backend sglang needs CUDA"):
         parse_args(not_a_dry_run + ["--rollout-backend", "sglang"])  # a real run still needs the GPUs
+
+
+def test_plan_trains_the_actors_role_args(files):
+    """--megatron-config-path: the training sections plan the actor's group with its overrides (here TP 2 over the
+    command line's TP 1), and a role's override the layout refuses fails before anything starts."""
+    write_config(files / "model", QWEN3_4B)
+    (files / "roles.yaml").write_text("megatron:\n  - {role: actor, overrides: {tensor_model_parallel_size: 2}}\n")
+    common = (*model_args("qwen3-4B"), "--dry-run", "--dry-run-cuda", "--actor-num-gpus-per-node", "8", "--bf16",
+              "--use-distributed-optimizer", "--micro-batch-size", "1", "--rollout-max-context-len", "4096",
+              "--rollout-num-gpus", "8")
+    args = parse_args(base(*common, "--megatron-config-path", "roles.yaml"))
+    assert args.tensor_model_parallel_size == 1
+    plan = format_plan(args)
+    assert re.search(r"data-parallel size\s+4 \(8 actor ranks .*÷ \(TP 2 × PP 1 × CP 1\)\)", plan), plan
+    assert "--megatron-config-path roles.yaml: actor: {'tensor_model_parallel_size': 2}" in plan
+    per_gpu = (4_022_468_096 + (152064 - 151936) * 2560) / 2  # the vocabulary padded for TP 2, split over TP 2
+    assert re.search(rf"weights\s+{re.escape(fmt_bytes(per_gpu * 2))}", plan), plan
+    plain = format_plan(parse_args(base(*common)))
+    assert re.search(r"data-parallel size\s+8 ", plain) and "role overrides" not in plain
+    (files / "roles.yaml").write_text("megatron:\n  - {role: actor, overrides: {tensor_model_parallel_size: 3}}\n")
+    with pytest.raises(SlimeArgumentError, match=r"roles.yaml: with the actor's overrides "
+                                                 r"\{'tensor_model_parallel_size': 3\}: --tensor-model-parallel-size 3 "
+                                                 r"does not divide --num-attention-heads 32"):
+        parse_args(base(*common, "--megatron-config-path", "roles.yaml"))
+
+
+@pytest.mark.parametrize("rollout_gpus", [4, 12])
+def test_colocated_engines_on_a_subset_or_a_superset_of_the_actors_gpus(files, rollout_gpus):
+    """--colocate with --rollout-num-gpus other than the actor's 8: max(8, N) bundles, the engines on [0, N)."""
+    write_config(files / "model", QWEN3_4B)
+    args = parse_args(base(
+        *model_args("qwen3-4B"), "--dry-run", "--dry-run-cuda", "--actor-num-gpus-per-node", "8", "--colocate",
+        "--rollout-num-gpus", str(rollout_gpus), "--rollout-num-gpus-per-engine", "2", "--bf16", "--micro-batch-size",
+        "1", "--rollout-max-context-len", "4096", "--sglang-mem-fraction-static", "0.7",
+    ))  # fmt: skip
+    layout = compute_layout(args)
+    assert layout.total_bundles == max(8, rollout_gpus) and layout.actor == list(range(8))
+    assert layout.rollout == list(range(rollout_gpus))
+    assert [e.bundles for e in layout.engines] == [[2 * i, 2 * i + 1] for i in range(rollout_gpus // 2)]
+    plan = format_plan(args)
+    assert f"placement group: {max(8, rollout_gpus)} bundle(s)" in plan
+    if rollout_gpus == 4:
+        assert re.search(r"rollout\s+0-3\s+node 0: GPU 0-3\s+shared with actor \(--colocate\); actor bundles 4-7 "
+                         r"hold no engine", plan), plan
+    else:  # bundles 8-11 are a second node's: the engines there hold no training rank
+        assert re.search(r"rollout\s+0-11\s+node 0: GPU 0-7, node 1: GPU 0-3\s+0-7 shared with actor \(--colocate\), "
+                         r"8-11 engines only", plan), plan
+        assert re.search(r"engine 5\s+10-11\s+node 1: GPU 2-3", plan), plan
+    assert "colocated, generating" in plan  # the shared GPUs' phases are planned as before

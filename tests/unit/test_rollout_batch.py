@@ -6,7 +6,15 @@ import pytest
 
 from slime.ray.rollout import router_args_from
 from slime.rollout.router import router_cli_args
-from slime.rollout.train_data import build_train_batch, flatten_groups, load_debug_samples, save_debug_samples
+from slime.rollout.train_data import (
+    build_train_batch,
+    flatten_groups,
+    load_debug_samples,
+    replayed_samples,
+    save_debug_samples,
+    subsample_debug_samples,
+    trim_to_whole_steps,
+)
 from slime.utils.types import Sample
 from tests.args import make_args
 
@@ -116,3 +124,46 @@ def test_debug_dump_round_trip(tmp_path):
     assert [s.to_dict() for s in back] == [s.to_dict() for s in samples]
     with pytest.raises(FileNotFoundError, match="--load-debug-rollout-data"):
         load_debug_samples(str(tmp_path / "dump" / "rollout_{rollout_id}.pt"), 4)
+
+
+def test_debug_subsample_keeps_the_head_and_the_tail():
+    samples = [_sample(i // 2, i, float(i)) for i in range(10)]
+    picked = lambda ratio: [s.index for s in subsample_debug_samples(samples, ratio)]  # noqa: E731
+    assert picked(1.0) == list(range(10))
+    assert picked(0.5) == [0, 1, 7, 8, 9]  # int(10 x 0.5) = 5 rows: 5 // 2 from the start, the other 3 from the end
+    assert picked(0.4) == [0, 1, 8, 9]
+    assert picked(0.1) == [9]
+    with pytest.raises(ValueError, match=r"keeps int\(10 x 0.05\) = 0 of the 10 saved samples"):
+        subsample_debug_samples(samples, 0.05)
+
+
+def test_trim_to_whole_steps_drops_the_trailing_rollouts():
+    samples = [_sample(i // 2, i, 0.0) for i in range(7)]
+    assert [s.index for s in trim_to_whole_steps(samples, 2)] == [0, 1, 2, 3, 4, 5]
+    assert [s.index for s in trim_to_whole_steps(samples, 7)] == list(range(7))
+    # rows split from one rollout (a shared rollout_id) count once and stay together
+    split = [_sample(0, i, 0.0, rollout_id=rid) for i, rid in enumerate([4, 4, 9, 1, 1, 1])]
+    assert [s.index for s in trim_to_whole_steps(split, 2)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="3 rollouts are fewer than --global-batch-size 4"):
+        trim_to_whole_steps(split, 4)
+
+
+def test_replayed_samples_from_a_saved_dump(tmp_path):
+    """A dump written by save_debug_samples, read back through the flags as the rollout manager reads it."""
+    template = str(tmp_path / "rollout_{rollout_id}.pt")
+    samples = [_sample(i // 2, i, float(i % 2)) for i in range(8)]
+    save_debug_samples(template, 2, samples)
+    args = make_args("--load-debug-rollout-data", template, "--global-batch-size", "2")
+    assert [s.to_dict() for s in replayed_samples(args, 2)] == [s.to_dict() for s in samples]
+    args = make_args("--load-debug-rollout-data", template, "--load-debug-rollout-data-subsample", "0.75",
+                     "--global-batch-size", "2")
+    # int(8 x 0.75) = 6 rows: 0, 1, 2 and 5, 6, 7; whole steps of 2 rollouts: 6 rows
+    assert [s.index for s in replayed_samples(args, 2)] == [0, 1, 2, 5, 6, 7]
+    args = make_args("--load-debug-rollout-data", template, "--load-debug-rollout-data-subsample", "0.375",
+                     "--global-batch-size", "2")
+    assert [s.index for s in replayed_samples(args, 2)] == [0, 6]  # 3 rows, 0 and 6, 7: one whole step of 2
+    args = make_args("--load-debug-rollout-data", template, "--load-debug-rollout-data-subsample", "0.125",
+                     "--global-batch-size", "2")
+    with pytest.raises(ValueError, match=r"rollout 2 \(.*rollout_2.pt\): 1 rollouts are fewer than "
+                                         r"--global-batch-size 2.*subsample 0.125 of 8 samples"):
+        replayed_samples(args, 2)

@@ -15,7 +15,7 @@ from slime.config.arg_groups.not_built import NOT_BUILT
 from slime.config.arguments import SlimeArgumentError, build_parser, parse_args
 from slime.utils import arguments as slime_arguments
 from slime.utils.errors import SlimeArgumentError as FloorArgumentError
-from slime.utils.megatron_roles import MegatronRoleConfigError, parse_megatron_role_args
+from slime.utils.megatron_roles import MegatronRoleConfigError, parse_megatron_role_args, role_args
 from tests.conftest import model_args
 
 
@@ -55,13 +55,19 @@ def test_not_built_flags_parse_with_slimes_defaults(files):
     (["--use-gated-attention", "--attention-output-gate"], "--use-gated-attention: not supported here: Qwen3-Next"),
     (["--enable-mtp-training"], "--enable-mtp-training: not supported here: multi-token-prediction"),
     (["--use-routing-replay"], "--use-routing-replay: not supported here: MoE routing replay"),
-    (["--train-env-vars", '{"A": "1"}'], "--train-env-vars {'A': '1'}: not supported here:"),
     (["--prefill-num-servers", "2"], "--prefill-num-servers 2: not supported here: prefill/decode"),
 ])  # fmt: skip
 def test_refused_flags_name_the_flag_the_reason_and_what_to_do(files, extra, expected):
     message = error_of(base(*extra))
     assert message.startswith(expected), message
     assert "; " in message  # then what to do instead
+
+
+def test_train_env_vars_are_a_json_object_of_strings(files):
+    args = parse_args(base("--train-env-vars", '{"A": "1", "B": 2, "C": true}'))
+    assert args.train_env_vars == {"A": "1", "B": "2", "C": "true"}
+    assert "--train-env-vars [1]: must be a JSON object" in error_of(base("--train-env-vars", "[1]"))
+    assert "'X'={'y': 1} is not an environment variable" in error_of(base("--train-env-vars", '{"X": {"y": 1}}'))
 
 
 def test_every_refused_flag_is_named_in_the_error(files):
@@ -171,12 +177,31 @@ def test_hf_validate_args_names_each_mismatch_as_an_assertion(files):
         hf_validate_args(args, {**config, "intermediate_size": 8192})
 
 
-def test_megatron_config_path_is_read_then_refused(files):
+def test_megatron_config_path_gives_each_training_group_its_roles_args(files, caplog):
     (files / "roles.yaml").write_text("critic:\n  lr: 1e-5\n")
     assert "the file must have a top-level 'megatron' list" in error_of(base("--megatron-config-path", "roles.yaml"))
-    (files / "roles.yaml").write_text("megatron:\n  - {name: default, role: critic, overrides: {lr: 1e-5}}\n")
-    assert "--megatron-config-path roles.yaml: not supported here yet" in error_of(
-        base("--megatron-config-path", "roles.yaml"))
+    (files / "roles.yaml").write_text("megatron:\n"
+                                      "  - {name: default, role: actor, overrides: {lr: 2e-6, micro_batch_size: 2}}\n"
+                                      "  - {name: default, role: critic, overrides: {lr: '1e-5', kl_coef: 0.3}}\n")
+    args = parse_args(base("--megatron-config-path", "roles.yaml", "--advantage-estimator", "ppo", "--kl-coef",
+                           "0.05", "--global-batch-size", "64"))
+    actor, critic = role_args(args, "actor"), role_args(args, "critic")
+    assert (actor.lr, actor.micro_batch_size, actor.kl_coef) == (2e-6, 2, 0.05)
+    assert (critic.lr, critic.micro_batch_size, critic.kl_coef) == (1e-5, 1, 0)  # the critic drops the KL term
+    assert (args.lr, args.micro_batch_size, args.kl_coef) == (1e-6, 1, 0.05)  # the driver's args stay as given
+    assert role_args(parse_args(base()), "critic").lr == 1e-6  # no file: both groups get the args themselves
+    # a role's override is checked as its own command line would be, before Ray starts
+    (files / "roles.yaml").write_text("megatron:\n  - {role: actor, overrides: {global_batch_size: 60}}\n")
+    msg = error_of(base("--megatron-config-path", "roles.yaml"))
+    assert msg.startswith("--megatron-config-path roles.yaml: with the actor's overrides {'global_batch_size': 60}: "
+                          "--global-batch-size 60 is not divisible by the data-parallel size 8"), msg
+    # the critic's entry is only read when a critic is trained; then its overrides are checked too
+    (files / "roles.yaml").write_text("megatron:\n  - {role: critic, overrides: {global_batch_size: 60}}\n")
+    with caplog.at_level(logging.WARNING):
+        parse_args(base("--megatron-config-path", "roles.yaml"))
+    assert "the critic's overrides are not used: --advantage-estimator grpo trains no critic" in caplog.text
+    assert "with the critic's overrides {'global_batch_size': 60}" in error_of(
+        base("--megatron-config-path", "roles.yaml", "--advantage-estimator", "ppo"))
 
 
 # ---- per-role Megatron overrides (slime.utils.megatron_roles) ------------------------------------------------

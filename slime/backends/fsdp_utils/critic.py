@@ -46,6 +46,7 @@ from slime.backends.training.batching import (
     split_micro_batches,
     step_rows,
 )
+from slime.backends.training.optimizer_state import reset_optimizer_states
 from slime.backends.training.record import loss_denominator, padded_rows
 from slime.utils.types import TrainBatch
 
@@ -147,6 +148,8 @@ class FSDPCriticRayActor(TrainRayActor):
         if values is None or returns is None:
             raise ValueError("critic train needs the values it computed and the actor's returns for every row")
         args = self.args
+        if args.reset_optimizer_states:  # the rollout starts from a fresh optimizer history
+            reset_optimizer_states([self.optimizer])
         totals: dict[str, float] = defaultdict(float)
         plan = self._plan(batch)
         global_steps = step_rows(len(batch), args.global_batch_size, batch.rollout_ids)

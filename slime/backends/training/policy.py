@@ -34,6 +34,7 @@ import torch
 from slime.backends.training.actor import TrainRayActor
 from slime.backends.training.batching import rollout_mask_sums, rows_per_step, step_rows
 from slime.backends.training.old_actor import OldActor
+from slime.backends.training.optimizer_state import reset_optimizer_states
 from slime.backends.training.record import (
     RolloutRecord,
     advantages_and_returns,
@@ -139,6 +140,8 @@ class PolicyTrainer(TrainRayActor):
             self._save_train_data(record)
             return self.from_last_stage(extra)
 
+        if args.reset_optimizer_states:  # the rollout starts from a fresh optimizer history
+            reset_optimizer_states(self.train_state().optimizers)
         totals: dict[str, float] = defaultdict(float)
         with progress(len(record.rows), f"train {rollout_id}", "sample", enabled=self.rank == 0) as bar:
             for s, micro_batches in enumerate(record.steps):

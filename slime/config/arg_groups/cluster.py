@@ -7,6 +7,7 @@ ranks per node and `--rollout-num-gpus` the number of CPU engine slots, so the p
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 
 from slime.algorithm.estimators import estimator_of
@@ -42,7 +43,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="GPUs for the rollout engines (without CUDA: CPU engine slots). With --colocate it defaults to the "
-        "actor's GPU count and must equal it.",
+        "actor's GPU count; another count puts the engines on the first N of max(actor, N) GPUs, as slime: fewer "
+        "leave some training GPUs without an engine, more give the engines GPUs of their own.",
     )
     g.add_argument(
         "--rollout-num-gpus-per-engine",
@@ -79,6 +81,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch.distributed backend of the training ranks (default: nccl with CUDA, gloo without).",
     )
     g.add_argument("--distributed-timeout-minutes", type=int, default=10, help="Collective timeout of the ranks.")
+    g.add_argument(
+        "--train-env-vars",
+        type=json.loads,
+        default="{}",
+        help="slime: extra environment variables of every training rank (actor and critic), a JSON object, e.g. "
+        "'{\"PYTORCH_CUDA_ALLOC_CONF\": \"expandable_segments:True\"}'.",
+    )
 
 
 def validate_cluster(args: argparse.Namespace) -> None:
@@ -94,6 +103,7 @@ def validate_cluster(args: argparse.Namespace) -> None:
     elif args.distributed_backend == "nccl" and not args.use_cuda:
         fail("--distributed-backend nccl needs CUDA, which this machine does not have; use --distributed-backend gloo.")
 
+    check_train_env_vars(args)
     actor_gpus = args.actor_num_nodes * args.actor_num_gpus_per_node
     external = args.rollout_external_engine_addrs is not None
 
@@ -115,12 +125,13 @@ def validate_cluster(args: argparse.Namespace) -> None:
                 setattr(args, dest, True)
         if args.rollout_num_gpus is None:
             args.rollout_num_gpus = actor_gpus
-        elif args.rollout_num_gpus != actor_gpus and not (args.rollout_num_gpus == 0 and external):
-            fail(
-                f"--colocate puts the engines on the actor's GPUs, so --rollout-num-gpus {args.rollout_num_gpus} "
-                f"must equal --actor-num-nodes {args.actor_num_nodes} × --actor-num-gpus-per-node "
-                f"{args.actor_num_gpus_per_node} = {actor_gpus}; drop --rollout-num-gpus (it defaults to that)."
-            )
+        elif 0 < args.rollout_num_gpus != actor_gpus:
+            # slime's sizing: max(actor, rollout) devices; the engines take the first --rollout-num-gpus of them
+            where = (f"the first {args.rollout_num_gpus} of the actor's {actor_gpus} GPUs (the other "
+                     f"{actor_gpus - args.rollout_num_gpus} train only)" if args.rollout_num_gpus < actor_gpus else
+                     f"the actor's {actor_gpus} GPUs and {args.rollout_num_gpus - actor_gpus} more of their own "
+                     f"(engines there get the weights by broadcast)")  # fmt: skip
+            logger.info("--colocate with --rollout-num-gpus %d: the engines sit on %s.", args.rollout_num_gpus, where)
 
     if args.rollout_num_gpus is None:
         if args.debug_train_only or external:
@@ -165,6 +176,20 @@ def validate_cluster(args: argparse.Namespace) -> None:
         # slime: actor and critic alternate on the same GPUs, so the training state is offloadable.
         args.offload_train = True
     resolve_offload(args)
+
+
+def check_train_env_vars(args: argparse.Namespace) -> None:
+    """--train-env-vars: a JSON object of names to values; values become strings (what a process environment
+    holds; Ray refuses anything else)."""
+    env = args.train_env_vars
+    if not isinstance(env, dict):
+        fail(f"--train-env-vars {json.dumps(env)}: must be a JSON object of variable names to values, e.g. "
+             "'{\"NCCL_DEBUG\": \"INFO\"}'.")
+    bad = [k for k, v in env.items() if not k or "=" in k or isinstance(v, (dict, list)) or v is None]
+    if bad:
+        fail(f"--train-env-vars: {bad[0]!r}={env[bad[0]]!r} is not an environment variable (a non-empty name "
+             "without '=', a string or number value).")
+    args.train_env_vars = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in env.items()}
 
 
 def resolve_offload(args: argparse.Namespace) -> None:

@@ -276,22 +276,6 @@ def resolve_batch_identity(args: argparse.Namespace) -> None:
     args.global_batch_size, args.num_steps_per_rollout = gbs, steps
 
 
-def _megatron_int(tokens: list[str], name: str, default: int = 1) -> int:
-    value = default
-    for i, tok in enumerate(tokens):
-        if tok == name and i + 1 < len(tokens):
-            raw = tokens[i + 1]
-        elif tok.startswith(name + "="):
-            raw = tok.split("=", 1)[1]
-        else:
-            continue
-        try:
-            value = int(raw)
-        except ValueError:
-            fail(f"{name} {raw}: expected an integer.")
-    return value
-
-
 def data_parallel_size(args: argparse.Namespace) -> tuple[int, str]:
     """Data-parallel world size of the actor, and a phrase explaining it (for error messages)."""
     ranks = args.actor_num_nodes * args.actor_num_gpus_per_node
@@ -301,10 +285,8 @@ def data_parallel_size(args: argparse.Namespace) -> tuple[int, str]:
     )
     if args.train_backend != "megatron":
         return ranks, how
-    tokens = args.megatron_args
-    tp = _megatron_int(tokens, "--tensor-model-parallel-size")
-    pp = _megatron_int(tokens, "--pipeline-model-parallel-size")
-    cp = _megatron_int(tokens, "--context-parallel-size")
+    # the parsed values (not the command line's tokens): a --megatron-config-path role's copy overrides them
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     if ranks % (tp * pp * cp) != 0:
         fail(
             f"{how}, which TP {tp} × PP {pp} × CP {cp} = {tp * pp * cp} does not divide; make the rank count a "

@@ -22,7 +22,8 @@ def add_debug_arguments(parser: argparse.ArgumentParser) -> None:
         "--save-debug-rollout-data",
         type=str,
         default=None,
-        help="Save each rollout's data to this path; put {rollout_id} in it, e.g. /tmp/rollout_{rollout_id}.pt.",
+        help="Save each rollout's data to this path; put {rollout_id} in it, e.g. /tmp/rollout_{rollout_id}.pt. "
+        "Each eval's samples go to the same path with {rollout_id} as eval_<id>.",
     )
     g.add_argument(
         "--load-debug-rollout-data",
@@ -30,6 +31,14 @@ def add_debug_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Train on rollout data saved by --save-debug-rollout-data (same {rollout_id} path); implies "
         "--debug-train-only.",
+    )
+    g.add_argument(
+        "--load-debug-rollout-data-subsample",
+        type=float,
+        default=None,
+        help="With --load-debug-rollout-data: train on int(N x this ratio) of each rollout's N saved samples, half "
+        "from the start of the file and half from its end, for faster debugging (0 < ratio <= 1); the rollouts "
+        "past the last whole --global-batch-size step are dropped.",
     )
     g.add_argument(
         "--save-debug-train-data",
@@ -85,6 +94,14 @@ def validate_debug(args: argparse.Namespace) -> None:
         if args.debug_rollout_only:
             fail("--load-debug-rollout-data (train on saved data) contradicts --debug-rollout-only; drop one.")
         args.debug_train_only = True
+    ratio = args.load_debug_rollout_data_subsample
+    if ratio is not None:
+        if args.load_debug_rollout_data is None:
+            fail(f"--load-debug-rollout-data-subsample {ratio} subsamples the data --load-debug-rollout-data loads; "
+                 "add --load-debug-rollout-data or drop the ratio.")
+        if not 0 < ratio <= 1:
+            fail(f"--load-debug-rollout-data-subsample {ratio}: the part of each saved rollout to train on must be in "
+                 "(0, 1], e.g. 0.5.")
     if args.debug_rollout_only and args.debug_train_only:
         fail("--debug-rollout-only and --debug-train-only are both set; choose one half of the loop.")
     if args.check_weight_update_equal and args.debug_rollout_only:

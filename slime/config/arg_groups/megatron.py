@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ast
 import logging
+from collections.abc import Callable
 
 from slime.backends.megatron_utils.args import (
     divisors,
@@ -37,7 +38,8 @@ from slime.backends.megatron_utils.config_check import is_hf_folder, load_hf_con
 from slime.backends.megatron_utils.plugins import check_spec
 from slime.backends.megatron_utils.model import te_available
 from slime.config.arg_groups._common import fail
-from slime.utils.megatron_roles import megatron_role_overrides
+from slime.utils.errors import SlimeArgumentError
+from slime.utils.megatron_roles import ROLES, megatron_role_overrides, role_args
 
 logger = logging.getLogger(__name__)
 
@@ -277,9 +279,10 @@ def _add_runtime(parser) -> None:
                    help="slime: all-gather context parallelism for DSA attention models; refused with "
                    "--context-parallel-size > 1 (no DSA model is built here), no effect without.")
     g.add_argument("--megatron-config-path", type=str, default=None,
-                   help="slime: YAML of per-role (actor / critic) Megatron overrides, `megatron: [{role: critic, "
-                   "overrides: {lr: 1e-5}}]`; read and checked, then refused: the training groups here use one "
-                   "set of flags for both roles.")
+                   help="slime: YAML of per-role (actor / critic) overrides, `megatron: [{role: critic, "
+                   "overrides: {lr: 1e-5}}]`: each training group (the actor with its reference model, the PPO "
+                   "critic) is built from a copy of the args with its role's overrides (num_nodes / "
+                   "num_gpus_per_node are ignored: GPU counts follow the command line).")
 
 
 def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
@@ -315,8 +318,8 @@ def derive_megatron(args: argparse.Namespace) -> None:
 
 
 def check_slime_megatron_flags(args: argparse.Namespace) -> None:
-    """--padded-vocab-size, --allgather-cp and --megatron-config-path: what slime does with them, and what is
-    refused here."""
+    """--padded-vocab-size, --allgather-cp and --megatron-config-path (its file's layout; each role's copy is
+    checked by `check_megatron_roles`): what slime does with them, and what is refused here."""
     if args.padded_vocab_size is not None:
         derived = padded_vocab_size(args) if args.vocab_size else None
         if derived != args.padded_vocab_size:
@@ -334,13 +337,40 @@ def check_slime_megatron_flags(args: argparse.Namespace) -> None:
             logger.warning("--allgather-cp has no effect with --context-parallel-size 1.")
     if args.megatron_config_path is not None:
         try:
-            for role in ("actor", "critic"):
+            for role in ROLES:
                 megatron_role_overrides(args.megatron_config_path, role)
         except (OSError, ValueError) as e:
             fail(str(e))
-        fail(f"--megatron-config-path {args.megatron_config_path}: not supported here yet: the training groups "
-             "build the actor and the critic from one set of flags; put the overrides on the command line "
-             "(they then apply to both roles) and drop the flag.")
+
+
+def trained_roles(args: argparse.Namespace) -> list[str]:
+    """The roles whose training groups the run builds."""
+    if args.debug_rollout_only:
+        return []
+    return ["actor", "critic"] if args.use_critic else ["actor"]
+
+
+def check_megatron_roles(args: argparse.Namespace, check_role: Callable[[argparse.Namespace], None]) -> None:
+    """--megatron-config-path: each trained role's copy of the args (slime.utils.megatron_roles.role_args) passes
+    `check_role` (the Megatron layout and batch checks the base args passed), so that a role's override that breaks
+    the layout fails here, before Ray starts, naming the file and the role. A role that is not trained (the critic
+    without a critic estimator) is only read."""
+    path = args.megatron_config_path
+    if path is None:
+        return
+    for role in trained_roles(args):
+        overrides = megatron_role_overrides(path, role)
+        if not overrides:
+            continue
+        copy = role_args(args, role)
+        copy.megatron_config_path = None  # the copy is checked as a command line of its own
+        try:
+            check_role(copy)
+        except SlimeArgumentError as e:
+            fail(f"--megatron-config-path {path}: with the {role}'s overrides {overrides}: {e}")
+    if not args.use_critic and megatron_role_overrides(path, "critic"):
+        logger.warning("--megatron-config-path %s: the critic's overrides are not used: --advantage-estimator %s "
+                       "trains no critic.", path, args.advantage_estimator)
 
 
 def validate_megatron(args: argparse.Namespace) -> None:

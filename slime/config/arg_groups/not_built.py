@@ -17,7 +17,6 @@ is (docs/architecture.md, "A flag").
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -90,7 +89,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "the trainers here train every parameter (no freezing by name)", "drop it"),
     NotBuilt("freeze_params_name_list", {"type": str, "nargs": "*", "default": None},
              "the trainers here train every parameter (no freezing by name)", "drop it"),
-    NotBuilt("reset_optimizer_states", _BOOL, "the optimizer state is kept across rollouts here", "drop it"),
     NotBuilt("use_stateless_adam", _BOOL, "slime's stateless Adam is not built here (Adam keeps its moments)",
              "drop it (--optimizer adam with --no-save-optim keeps checkpoints small)"),
     NotBuilt("use_routing_replay", _BOOL, "MoE routing replay (arXiv 2507.18071) is not built here", "drop it"),
@@ -101,8 +99,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "--ref-load", "point --ref-load at a folder whose latest_checkpointed_iteration.txt names that step"),
     NotBuilt("save_hf", {"type": str, "default": None}, "the trainers save torch_dist (megatron) or their own "
              "format (fsdp), not HF folders", "convert a saved checkpoint with tools/convert_torch_dist_to_hf.py"),
-    NotBuilt("train_env_vars", {"type": json.loads, "default": "{}"}, "the training ranks are not given extra "
-             "environment variables here", "export them before `ray start` (Ray's workers inherit them)"),
     NotBuilt("recompute_loss_function", _BOOL, _WARN_PERF, "drop it", kind="warn"),
     NotBuilt("log_probs_chunk_size", {"type": int, "default": -1}, _WARN_PERF, "drop it", kind="warn"),
     NotBuilt("balance_by_flops", _BOOL, "micro-batches are packed first-fit by tokens here; " + _WARN_PERF, "drop it",
@@ -122,8 +118,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "use --rollout-num-gpus-per-engine and --sglang-<field> flags, which apply to every engine"),
     NotBuilt("load_forge_rollout_data", {"type": str, "default": None}, "slime.rollout.forge_load is not built here",
              "replay saved rollouts with --load-debug-rollout-data"),
-    NotBuilt("load_debug_rollout_data_subsample", {"type": float, "default": None}, "--load-debug-rollout-data "
-             "trains on every saved sample here", "drop it"),
     NotBuilt("http_proxy", {"type": str, "default": None}, "slime's HTTP clients here do not go through a proxy",
              "set HTTP_PROXY / NO_PROXY in the environment instead", kind="warn"),
     NotBuilt("use_distributed_post", _BOOL, "requests are posted from the rollout manager here; " + _WARN_PERF,

@@ -33,6 +33,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="Training backend (default: megatron with CUDA, fsdp without).",
     )
     g.add_argument("--lr", type=float, default=1e-6, help="Peak learning rate.")
+    g.add_argument("--reset-optimizer-states", action="store_true",
+                   help="slime: clear the optimizer's history (Adam's moments and step counts) at the start of every "
+                   "rollout's training, actor and critic; the learning-rate schedule goes on.")
     g.add_argument("--min-lr", type=float, default=0.0, help="Floor of the learning-rate decay.")
     g.add_argument(
         "--lr-decay-style",

@@ -30,6 +30,7 @@ from slime.config.plan.memory import (
 from slime.config.plan.model_size import ModelShape, ModelShapeError, count_params, load_model_shape
 from slime.config.plan.prompts import measure_prompts
 from slime.utils.data import index_lines, parse_prompt_path
+from slime.utils.megatron_roles import megatron_role_overrides, role_args
 
 DEFAULT_GPU_GB = 80.0
 MAX_ENGINE_ROWS = 12
@@ -165,6 +166,8 @@ def needs_reference_model(args) -> bool:
 class _Builder:
     def __init__(self, args, entry: str):
         self.args = args
+        # The training sections plan the actor's group, built from its role's args (--megatron-config-path).
+        self.train_args = role_args(args, "actor")
         self.entry = entry
         self.warnings: list[str] = []
         self.layout: Layout = compute_layout(args)
@@ -183,11 +186,12 @@ class _Builder:
         if self.shape_error and args.hf_checkpoint:
             self.warnings.append(f"no model size or memory estimates: {self.shape_error}; point --hf-checkpoint at "
                                  "the model's HF folder")
-        self.dp, self.dp_how = data_parallel_size(args) if self.training else (0, "")
-        self.samples_per_rank = args.global_batch_size // self.dp if self.training and self.dp else 0
-        self.micro_batches = (self.samples_per_rank // args.micro_batch_size
-                              if self.training and not args.use_dynamic_batch_size else None)
-        self.tokens = micro_batch_tokens(args, self.length)
+        t = self.train_args
+        self.dp, self.dp_how = data_parallel_size(t) if self.training else (0, "")
+        self.samples_per_rank = t.global_batch_size // self.dp if self.training and self.dp else 0
+        self.micro_batches = (self.samples_per_rank // t.micro_batch_size
+                              if self.training and not t.use_dynamic_batch_size else None)
+        self.tokens = micro_batch_tokens(t, self.length)
         self.train_est: Estimate | None = None
         self.refusals: list[str] = []
 
@@ -227,11 +231,19 @@ class _Builder:
                                           (a.offload_rollout, "engines release weights + KV cache while training"))
                   if flag]
         offload = "; ".join(handed) if handed else "none: training state and engines stay resident"
-        algo = a.advantage_estimator + ("; frozen reference model for the KL term" if needs_reference_model(a) else "")
-        return Section("Run", kv_table([
-            ("mode", mode), ("devices", devices), ("training", train), ("rollout", rollout),
-            ("placement", placement), ("offload", offload), ("algorithm", algo),
-        ]))  # fmt: skip
+        algo = a.advantage_estimator + ("; frozen reference model for the KL term"
+                                        if needs_reference_model(self.train_args) else "")
+        rows = [("mode", mode), ("devices", devices), ("training", train), ("rollout", rollout),
+                ("placement", placement), ("offload", offload), ("algorithm", algo)]
+        if a.megatron_config_path is not None:
+            rows.append(("role overrides", self._role_overrides()))
+        return Section("Run", kv_table(rows))
+
+    def _role_overrides(self) -> str:
+        path = self.args.megatron_config_path
+        roles = ["actor", "critic"] if self.layout.critic else ["actor"]
+        said = "; ".join(f"{role}: {megatron_role_overrides(path, role) or 'none'}" for role in roles)
+        return f"--megatron-config-path {path}: {said} (the training sections below plan the actor's)"
 
     # -- placement --
     def placement(self) -> Section:
@@ -251,7 +263,7 @@ class _Builder:
             if lay.critic:
                 rows.append(["critic", bundle_ranges(lay.actor), "same as actor", "PPO critic group"])
         if lay.rollout and lay.engines:
-            note = "shared with actor (--colocate)" if lay.colocated else "own devices"
+            note = self._colocated_note() if lay.colocated else "own devices"
             rows.append(["rollout", bundle_ranges(lay.rollout), describe_bundles(lay, lay.rollout), note])
             shown = lay.engines if len(lay.engines) <= MAX_ENGINE_ROWS else lay.engines[:MAX_ENGINE_ROWS - 2]
             for e in shown:
@@ -279,6 +291,20 @@ class _Builder:
                 f"{a.actor_num_gpus_per_node} per node as asked; set --num-gpus-per-node to your nodes' GPU count")
         return Section("Placement", lines)
 
+    def _colocated_note(self) -> str:
+        """Which rollout bundles hold a training rank too (a --rollout-num-gpus other than the actor's count puts
+        the engines on a subset or a superset of its bundles)."""
+        lay = self.layout
+        shared = [b for b in lay.rollout if b in set(lay.actor)]
+        own = [b for b in lay.rollout if b not in set(lay.actor)]
+        idle = [b for b in lay.actor if b not in set(lay.rollout)]
+        note = "shared with actor (--colocate)"
+        if own:
+            note = f"{bundle_ranges(shared)} shared with actor (--colocate), {bundle_ranges(own)} engines only"
+        if idle:
+            note += f"; actor bundles {bundle_ranges(idle)} hold no engine"
+        return note
+
     def _engine_row(self, e) -> list[str]:
         note = f"TP {len(e.bundles)}" if self.args.rollout_backend == "sglang" else "hf engine"
         if e.nnodes > 1:
@@ -300,12 +326,13 @@ class _Builder:
                                           "(--over-sampling-batch-size) until enough pass the filter"))
         rows.append(("max sample length", self.length.how))
         if self.training:
-            rows.append(("optimizer steps", f"{a.num_steps_per_rollout} per rollout of --global-batch-size "
-                                            f"{a.global_batch_size} samples"
-                         + (f"; {num_rollout * a.num_steps_per_rollout} in the run" if num_rollout else "")))
+            t = self.train_args
+            rows.append(("optimizer steps", f"{t.num_steps_per_rollout} per rollout of --global-batch-size "
+                                            f"{t.global_batch_size} samples"
+                         + (f"; {num_rollout * t.num_steps_per_rollout} in the run" if num_rollout else "")))
             rows.append(("data-parallel size", f"{self.dp} ({self.dp_how})"))
             rows.append(("per DP rank per step",
-                         f"{self.samples_per_rank} samples = {a.global_batch_size} ÷ DP {self.dp}"))
+                         f"{self.samples_per_rank} samples = {t.global_batch_size} ÷ DP {self.dp}"))
             rows.append(("micro-batches", self._micro_batch_line()))
         if self.layout.engines or self.layout.external_engines:
             n = len(self.layout.engines) or len(self.layout.external_engines)
@@ -317,7 +344,7 @@ class _Builder:
         return Section("Batches", kv_table(rows))
 
     def _micro_batch_line(self) -> str:
-        a = self.args
+        a = self.train_args
         if not a.use_dynamic_batch_size:
             return (f"{self.micro_batches} per step per DP rank = {self.samples_per_rank} ÷ --micro-batch-size "
                     f"{a.micro_batch_size}")
@@ -368,7 +395,7 @@ class _Builder:
 
     # -- training memory --
     def training_memory(self) -> tuple[Section, Estimate | None]:
-        a = self.args
+        a = self.train_args
         title = "Training memory per device (estimate)"
         if not self.training:
             return Section(title, ["none (--debug-rollout-only)"]), None
@@ -395,7 +422,7 @@ class _Builder:
         return f" of {fmt_bytes(self.gpu_bytes)} per GPU (--dry-run-gpu-gb)"
 
     def _estimate_with(self, **changes) -> float:
-        args = argparse.Namespace(**{**vars(self.args), **changes})
+        args = argparse.Namespace(**{**vars(self.train_args), **changes})
         tokens = micro_batch_tokens(args, self.length)
         micro = self.micro_batches
         if "micro_batch_size" in changes and micro is not None:
@@ -403,7 +430,7 @@ class _Builder:
         return training_memory(args, self.shape, tokens, micro, needs_reference_model(args)).total
 
     def _training_fixes(self, est: Estimate) -> list[str]:
-        a, s = self.args, self.shape
+        a, s = self.train_args, self.shape
         fixes = []
 
         def offer(text: str, **changes):
@@ -437,7 +464,7 @@ class _Builder:
         else:
             world = len(self.layout.actor)
             offer(f"double the training ranks to {2 * world} (FSDP shards the state over all of them)",
-                  actor_num_gpus_per_node=2 * self.args.actor_num_gpus_per_node)
+                  actor_num_gpus_per_node=2 * a.actor_num_gpus_per_node)
             fixes.append("--train-backend megatron (tensor/pipeline parallelism, activation recompute)")
         if a.use_dynamic_batch_size and a.max_tokens_per_gpu > 1:
             half = a.max_tokens_per_gpu // 2
@@ -461,7 +488,7 @@ class _Builder:
         """Weights + gradients + optimizer (+ reference) of the whole model, perfectly sharded: a lower bound on
         the training GPUs, whatever the parallel layout."""
         total = count_params(self.shape).total
-        per = state_bytes_per_param(self.args, needs_reference_model(self.args))
+        per = state_bytes_per_param(self.train_args, needs_reference_model(self.train_args))
         need = math.ceil(total * per / self.gpu_bytes)
         if need <= len(self.layout.actor):
             return None
@@ -643,7 +670,7 @@ class _Builder:
     def _check_training_model(self) -> None:
         """What the megatron ranks would refuse at start-up that parse_args cannot see: no MODEL_ARGS, and
         (without MODEL_ARGS to cross-check) a TP size that does not divide config.json's heads."""
-        a, s = self.args, self.shape
+        a, s = self.train_args, self.shape
         if not self.training or a.train_backend != "megatron":
             return
         try:

@@ -1,0 +1,33 @@
+"""`--reset-optimizer-states`: the optimizer's history cleared at the start of every rollout's training.
+
+Adam's moments (`exp_avg`, `exp_avg_sq`) are zeroed and its step counters set to 0 (in the per-parameter state
+and in a param group that keeps one), so the rollout's first step is the step of a fresh optimizer: bias correction
+starts over. The learning-rate schedule is not touched (it follows the trainer's own step count). Other state
+(a momentum buffer of SGD, say) is left as it is; the trainers here build Adam.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def reset_optimizer_states(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """Zero the step counters and Adam moments of every torch optimizer in `optimizers`, in place (tensors keep
+    their device, dtype and identity, so an offloaded state stays where it is)."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if "step" in group:
+                group["step"] = 0
+        for state in optimizer.state.values():
+            if "step" in state:
+                if isinstance(state["step"], torch.Tensor):
+                    state["step"].zero_()
+                else:
+                    state["step"] = 0
+            for key in _MOMENTS:
+                if key in state:
+                    state[key].zero_()
