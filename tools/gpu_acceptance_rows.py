@@ -367,7 +367,7 @@ ROWS: tuple[Row, ...] = (
         "change since the last figures: 6.98 / 11.33 ms per step at batch 64 / 256)",
         kind="command", figures=decode_figures),
     Row(18, "SFT on both trainers", "SFT / OPD", f"{PYTEST} tests/gpu/test_sft_opd_gpu.py -k sft_loss_halves",
-        timeout_s=400, estimate_s=115, part="7", must_show="SFT on the Megatron and the fsdp trainer (the loss halves)",
+        timeout_s=400, estimate_s=115, part="2", must_show="SFT on the Megatron and the fsdp trainer (the loss halves)",
         figures=grab(sft_fsdp_loss=r"\[sft fsdp\] loss: (.+)$")),
     Row(19, "trainer memory flat over 10 steps (4B, short), hf engine", "handoff",
         "python benchmarks/colocate_memory.py --rollouts hf --modes handoff --steps 10 --prompts 4 "
@@ -375,6 +375,13 @@ ROWS: tuple[Row, ...] = (
         must_show="row 9 with the built-in `hf` engine: the trainer's memory after each of its moves does not grow "
         "from the second step to the last (≤ 1 GB); ≥ 90% freed each side",
         kind="command", figures=flat_figures("hf, handoff"), check=flat_check("hf, handoff")),
+    Row(20, "--engine-api-key vs SGLang", "auth", f"{PYTEST} tests/gpu/test_sglang_auth_gpu.py", timeout_s=600,
+        estimate_s=200, part="7",
+        must_show="SGLang started with `--api-key` answers 401 on every endpoint slime calls without the key (none, a "
+        "wrong one, no `Bearer`) and a refused call changes nothing; `train.py --engine-api-key auto` (fsdp, colocated "
+        "with the handoff) trains with every server started with the key: versions 1-3, |Δ log-prob| < 0.05",
+        figures=grab(endpoints=r"\[sglang auth, endpoints\] (.+)$",
+                     logprob_diff=r"\[sglang auth, train.py\].*?\|Δ log-prob\| (\[[^\]]*\])")),
 )
 PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."9", then perf, perf2, x2
 
