@@ -32,7 +32,7 @@ class ParsedModelOutput:
     ill_formed: bool = False
 
 
-def _sglang_parsers():
+def require_sglang_parsers():
     """SGLang's reasoning and function-call parser modules, or an ImportError saying what is missing."""
     try:
         from sglang.srt.entrypoints.openai import protocol
@@ -51,7 +51,7 @@ def split_reasoning(raw_output: str, reasoning_parser_name: str | None) -> tuple
     """(reasoning, body). With no parser the whole output is the body."""
     if not reasoning_parser_name:
         return "", raw_output
-    _, _, reasoning_parser = _sglang_parsers()
+    _, _, reasoning_parser = require_sglang_parsers()
     parser = reasoning_parser.ReasoningParser(model_type=reasoning_parser_name, stream_reasoning=False)
     reasoning, body = parser.parse_non_stream(raw_output)
     reasoning, body = reasoning or "", body or ""
@@ -83,7 +83,7 @@ def parse_tool_uses(
     tool_uses: list[dict[str, Any]] = []
     ill_formed = False
     if tool_parser_name:
-        protocol, function_call_parser, _ = _sglang_parsers()
+        protocol, function_call_parser, _ = require_sglang_parsers()
         tools = [protocol.Tool(type="function", function=protocol.Function(**t["function"])) for t in tools_schema]
         parser = function_call_parser.FunctionCallParser(tools=tools, tool_call_parser=tool_parser_name)
         if parser.has_tool_call(body_text):

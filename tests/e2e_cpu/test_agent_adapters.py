@@ -13,6 +13,7 @@ import pytest
 
 from slime.agent.adapters import AnthropicAdapter, OpenAIAdapter
 from slime.agent.aiohttp_threaded import run_app_in_thread
+from slime.agent.parsing import require_sglang_parsers
 from slime.backends.hf_engine.engine import HFEngine
 from slime.rollout.router import RouterProcess
 from slime.utils import http_utils
@@ -95,8 +96,13 @@ def test_openai_chat_completions_turns_become_the_engines_tokens(stack):
         assert a1["role"] == "assistant" and r1.json()["usage"]["completion_tokens"] >= 1
         history2 = history + [a1, {"role": "user", "content": "and 4 + 4"}]
         r2 = httpx.post(f"{base}/v1/chat/completions", headers=auth, timeout=60, trust_env=False,
-                        json={"model": "m", "messages": history2, "tools": tools, "max_completion_tokens": 5})
-        assert r2.status_code == 200, r2.text
+                        json={"model": "m", "messages": history2, "tools": tools, "max_completion_tokens": 5,
+                              "stream": True})
+        assert r2.status_code == 200 and r2.text.rstrip().endswith("data: [DONE]"), r2.text
+        chunks = [json.loads(line[6:]) for line in r2.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
         assert adapter.manager.turn_count("codex-1") == 2
 
         chat_tools = [{"type": "function", "function": {**tools[0]["function"]}}]
@@ -105,12 +111,21 @@ def test_openai_chat_completions_turns_become_the_engines_tokens(stack):
         p2 = _render(tok, history + [echoed, history2[-1]], chat_tools)
         turns = [(p1, *_direct(url, p1, 4)), (p2, *_direct(url, p2, 5))]
         assert r1.json()["usage"]["completion_tokens"] == len(turns[0][1])
+        assert chunks[-1]["usage"]["completion_tokens"] == len(turns[1][1])
         rows = asyncio.run(adapter.finish_session("codex-1", base_sample=Sample(index=3, group_index=1), reward=1.0))
         _check_rows(rows, turns, 1.0)
         assert rows[-1].response == tok.decode(rows[-1].tokens[-rows[-1].response_length:], skip_special_tokens=False)
-        # a closed session refuses stragglers; an engine refusal is a 502 naming the engine
+        # a closed session refuses stragglers
         late = httpx.post(f"{base}/v1/chat/completions", headers=auth, json={"messages": history}, trust_env=False)
         assert late.status_code == 503
+
+        # a prompt that already fills the session's context budget ends the turn without calling the engine
+        adapter.open_session("small", sampling_defaults=dict(SAMPLING), max_context_tokens=len(p1))
+        full = httpx.post(f"{base}/v1/chat/completions", json={"messages": history, "tools": tools, "user": "small"},
+                          timeout=60, trust_env=False).json()
+        assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 0
+        assert adapter.manager.turn_count("small") == 1
+        assert asyncio.run(adapter.finish_session("small", base_sample=Sample(index=0))) == []  # nothing to train
     finally:
         handle.stop()
 
@@ -146,8 +161,8 @@ def test_anthropic_messages_streamed_turns_become_the_engines_tokens(stack):
 
         system = {"role": "system", "content": "you are a coder"}
         p1 = _render(tok, [system, {"role": "user", "content": "list the files"}])
-        p2 = _render(tok, [system, {"role": "user", "content": "list the files"}, {"role": "assistant", "content": text},
-                           {"role": "user", "content": "now read it"}])
+        p2 = _render(tok, [system, {"role": "user", "content": "list the files"},
+                           {"role": "assistant", "content": text}, {"role": "user", "content": "now read it"}])
         turns = [(p1, *_direct(url, p1, 5)), (p2, *_direct(url, p2, 3))]
         assert out_tokens == len(turns[0][1])
         rows = asyncio.run(adapter.finish_session("cc-1", base_sample=Sample(index=0), reward=0.5))
@@ -157,7 +172,7 @@ def test_anthropic_messages_streamed_turns_become_the_engines_tokens(stack):
 
 
 @pytest.mark.timeout(60)
-def test_an_engine_that_refuses_is_a_502_naming_it(stack, tiny_model_dir):
+def test_an_engine_that_refuses_is_a_502_naming_it_and_missing_parsers_refuse_at_start(stack):
     url, tok = stack
     http_utils.set_engine_api_key("wrong-key")  # the router answers 401 to every /generate
     adapter = OpenAIAdapter(tokenizer=tok, sglang_url=url)
@@ -167,6 +182,11 @@ def test_an_engine_that_refuses_is_a_502_naming_it(stack, tiny_model_dir):
                        json={"messages": [{"role": "user", "content": "hi"}], "user": "s"})
         assert r.status_code == 502 and f"{url}/generate" in r.json()["error"]["message"] and "401" in r.text
         assert not adapter.manager.has_session("s")
+        try:
+            require_sglang_parsers()
+        except ImportError:
+            with pytest.raises(ImportError, match="pip install sglang"):
+                OpenAIAdapter(tokenizer=tok, sglang_url=url, tool_parser="qwen25")
     finally:
         http_utils.set_engine_api_key(KEY)
         handle.stop()

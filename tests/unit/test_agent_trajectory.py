@@ -121,7 +121,7 @@ def test_xml_tool_calls_of_declared_tools_are_parsed():
 
 def test_a_parser_name_without_sglang_parsers_names_what_to_install():
     try:
-        parsing._sglang_parsers()
+        parsing.require_sglang_parsers()
     except ImportError:
         with pytest.raises(ImportError, match="pip install sglang"):
             parse_model_output("<think>a</think>b", tools_schema=None, tool_parser_name=None,

@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from slime.agent.parsing import ParsedModelOutput, parse_model_output
+from slime.agent.parsing import ParsedModelOutput, parse_model_output, require_sglang_parsers
 from slime.agent.trajectory import TrajectoryManager, TurnRecord
 from slime.utils.http_utils import HTTPRequestError, post
 
@@ -182,6 +182,8 @@ class BaseAdapter:
     def __init__(self, *, tokenizer, sglang_url: str, tool_parser: str | None = None,
                  reasoning_parser: str | None = None, max_turns_per_sid: int | None = None,
                  fork_threshold_tokens: int | None = None, debug_callback: Callable[..., None] | None = None):
+        if tool_parser or reasoning_parser:  # refused at start, not on the agent's first request
+            require_sglang_parsers()
         self.tokenizer = tokenizer
         self.sglang_url = sglang_url.rstrip("/")
         self.tool_parser = tool_parser
