@@ -26,6 +26,8 @@ LAYERS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     ("training", ("slime.backends.training", "slime.backends.fsdp_utils", "slime.backends.megatron_utils",
                   "slime.utils.dp_schedule"), ("floor", "algorithm", "weight sync", "observability")),
     ("rollout", ("slime.rollout",), ("floor", "algorithm")),
+    # slime.agent: the coding-agent plugins' adapters, trajectories, sandboxes and harnesses (rollout-side).
+    ("agent", ("slime.agent",), ("floor",)),
     ("orchestration", ("slime.ray",),
      ("floor", "algorithm", "weight sync", "engines", "training", "rollout", "observability")),
     # slime.utils.arguments is slime's entry-point path onto slime/config: configuration, though it sits in utils.
