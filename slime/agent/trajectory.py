@@ -91,6 +91,10 @@ class MessageNode:
         return [leaf for child in self.children for leaf in child.leaves()]
 
 
+class TurnShapeError(ValueError, AssertionError):
+    """A turn whose log-probs do not pair with its output tokens. An AssertionError too: slime asserts this."""
+
+
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:  # the common case, done at C speed
@@ -99,6 +103,9 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     while a[i] == b[i]:
         i += 1
     return i
+
+
+_common_prefix_len = common_prefix_len  # slime's name (its tests import it)
 
 
 class _Row:
@@ -189,8 +196,9 @@ class TrajectoryManager:
             logger.warning("session %s: a turn with no prompt messages is not recorded", sid)
             return
         if turn.output_log_probs and len(turn.output_log_probs) != len(turn.output_ids):
-            raise ValueError(f"session {sid}: {len(turn.output_log_probs)} log-probs for {len(turn.output_ids)} "
-                             f"output tokens; the engine's output_token_logprobs must have one per token")
+            raise TurnShapeError(f"session {sid}: output_log_probs has {len(turn.output_log_probs)} entries for "
+                                 f"{len(turn.output_ids)} output tokens; the engine's output_token_logprobs must "
+                                 "have one per token")
         node = self._trees.setdefault(sid, MessageNode())
         depth = 0
         while depth < len(prompt_messages):

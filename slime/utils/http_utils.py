@@ -104,22 +104,29 @@ async def close_client() -> None:
 
 
 async def post(
-    url: str, payload: Any = None, retries: int = 3, backoff: float = 0.5, timeout: float | None = None
+    url: str, payload: Any = None, retries: int = 3, headers: dict[str, str] | None = None, *,
+    backoff: float = 0.5, timeout: float | None = None, max_retries: int | None = None,
 ) -> Any:
-    """POST `payload` as JSON and return the decoded JSON answer (or the text when it is not JSON). The engine key
-    goes with it when `url` is one of this job's engines or its router (`trust_engine_url`)."""
-    return await _request("POST", url, payload, retries, backoff, timeout)
+    """POST `payload` as JSON and return the decoded JSON answer (or the text when it is not JSON), with `headers`
+    added. The engine key goes with it when `url` is one of this job's engines or its router (`trust_engine_url`).
+    slime's signature is `post(url, payload, max_retries=60, headers=None)`: positional calls mean the same here,
+    and `max_retries=N` (attempts in all) is `retries=N - 1`; the default retries fewer times than slime's."""
+    if max_retries is not None:
+        retries = max_retries - 1
+    return await _request("POST", url, payload, retries, backoff, timeout, headers)
 
 
-async def get(url: str, retries: int = 3, backoff: float = 0.5, timeout: float | None = None) -> Any:
-    """GET `url` and return the decoded JSON answer (or the text when it is not JSON); the key as for `post`."""
-    return await _request("GET", url, None, retries, backoff, timeout)
+async def get(url: str, retries: int = 3, headers: dict[str, str] | None = None, *, backoff: float = 0.5,
+              timeout: float | None = None) -> Any:
+    """GET `url` and return the decoded JSON answer (or the text when it is not JSON); headers and key as `post`."""
+    return await _request("GET", url, None, retries, backoff, timeout, headers)
 
 
-async def _request(method: str, url: str, payload: Any, retries: int, backoff: float, timeout: float | None) -> Any:
+async def _request(method: str, url: str, payload: Any, retries: int, backoff: float, timeout: float | None,
+                   extra_headers: dict[str, str] | None = None) -> Any:
     client = get_client()
     kwargs: dict[str, Any] = {}
-    headers = engine_auth_headers(url)
+    headers = {**(extra_headers or {}), **engine_auth_headers(url)}  # the job's key wins over a caller's header
     if headers:
         kwargs["headers"] = headers
     if payload is not None:

@@ -98,7 +98,7 @@ def test_tool_use_metadata_truncation_and_bad_log_probs():
     [s] = m.get_trajectory("a", base_sample=Sample(index=0), max_sample_tokens=4)
     assert s.tokens == [1, 2, 3, 4] and s.loss_mask == [1, 1] and s.response_length == 2
     assert s.metadata["use_tool"] is True
-    with pytest.raises(ValueError, match="2 log-probs for 1 output tokens"):
+    with pytest.raises(ValueError, match="output_log_probs has 2 entries for 1 output tokens"):
         m.record_turn("b", turn=TurnRecord([1], [2], "stop", [0.1, 0.2]), prompt_messages=[USER],
                       response_message=None)
     m.record_turn("c", turn=_turn([1], [2]), prompt_messages=[], response_message=None)

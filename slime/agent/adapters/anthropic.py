@@ -41,7 +41,7 @@ class AnthropicAdapter(BaseAdapter):
         app.router.add_post("/v1/messages/count_tokens", _count_tokens)
 
     def _session_id(self, request: web.Request, body: dict) -> str:
-        return sid_from_bearer(request) or request.headers.get("X-Api-Key", "").strip() or "default"
+        return request_session_id(request)
 
     def _preprocess_body(self, body: dict) -> None:
         fold_mid_list_system(body)
@@ -67,6 +67,11 @@ class AnthropicAdapter(BaseAdapter):
 
 def _blocks(content: Any) -> list:
     return content if isinstance(content, list) else [{"type": "text", "text": flatten_content(content)}]
+
+
+def request_session_id(request: web.Request) -> str:
+    """The session id Claude Code sends as its API key: `Authorization: Bearer <sid>`, else `X-Api-Key`."""
+    return sid_from_bearer(request) or request.headers.get("X-Api-Key", "").strip() or "default"
 
 
 def translate_messages(messages: list[dict], system: Any) -> list[dict]:
@@ -205,3 +210,10 @@ async def _stream(request: web.Request, message: dict) -> web.StreamResponse:
                                   "usage": usage})
     await event("message_stop", {})
     return resp
+
+
+# slime's names for these (its tests import them)
+_request_session_id = request_session_id
+_translate_messages = translate_messages
+_tools_to_chat_tools = tools_to_chat_tools
+_fold_mid_list_system_into_user = fold_mid_list_system

@@ -12,8 +12,8 @@ A subclass supplies `_register_routes`, `_session_id`, `_translate`, `_build_rep
 and `stop_keys`.
 
 Simplifications: the whole turn is generated before the reply is sent (a streamed reply is the finished turn cut
-into SSE events); the request is not pinned to an engine by session (our `post` sends no routing header); a
-failed engine call answers 502 with the engine's error.
+into SSE events); a failed engine call answers 502 with the engine's error. Each `/generate` carries the session
+id as `X-SMG-Routing-Key` (routing_headers).
 """
 
 from __future__ import annotations
@@ -95,6 +95,12 @@ def sid_from_bearer(request: web.Request) -> str | None:
     return (auth[7:].strip() or None) if auth.lower().startswith("bearer ") else None
 
 
+def routing_headers(session_id: str | None) -> dict[str, str] | None:
+    """`X-SMG-Routing-Key: <session id>`, which asks a router that honours it (SGLang's model gateway) to keep a
+    session on one engine, so its growing prompt hits that engine's prefix cache; none for the default session."""
+    return {"X-SMG-Routing-Key": session_id} if session_id and session_id != "default" else None
+
+
 def sid_from_body(body: dict | None) -> str | None:
     """The session id in an OpenAI body: `metadata.session_id`, else `user`."""
     if not body:
@@ -147,7 +153,7 @@ async def call_sglang_generate(prompt_ids: list[int], session: Session, body: di
     payload = {"rid": rid, "input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": True}
     try:
         # no retry: a repeated /generate would sample a second, different answer
-        out = await post(f"{adapter.sglang_url}/generate", payload, retries=0)
+        out = await post(f"{adapter.sglang_url}/generate", payload, retries=0, headers=routing_headers(session_id))
     except asyncio.CancelledError:
         # the client went away: free the engine's slot instead of letting it generate to its cap
         asyncio.get_running_loop().create_task(_abort(adapter, rid))

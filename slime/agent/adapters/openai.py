@@ -41,7 +41,7 @@ class OpenAIAdapter(BaseAdapter):
         app.router.add_post("/v1/chat/completions", self._run_turn)
 
     def _session_id(self, request: web.Request, body: dict) -> str:
-        return sid_from_bearer(request) or sid_from_body(body) or "default"
+        return request_session_id(request, body)
 
     def _translate(self, body: dict) -> tuple[list[dict], list[dict] | None]:
         messages = body.get("messages") or []
@@ -79,6 +79,11 @@ def arguments_as_dict(arguments: Any) -> dict:
     except json.JSONDecodeError:
         return {"_raw_arguments": arguments}
     return value if isinstance(value, dict) else {"_raw_arguments": arguments}
+
+
+def request_session_id(request: web.Request, body: dict | None) -> str:
+    """`Authorization: Bearer <sid>` (the client's API key), else `metadata.session_id` / `user` in the body."""
+    return sid_from_bearer(request) or sid_from_body(body) or "default"
 
 
 def translate_messages(messages: list[dict]) -> list[dict]:
@@ -169,3 +174,9 @@ async def _stream(request, body, message: dict, finish: str, in_tok: int, out_to
     await send({}, finish, _usage(in_tok, out_tok))
     await resp.write(b"data: [DONE]\n\n")
     return resp
+
+
+# slime's names for these (its tests import them)
+_request_session_id = request_session_id
+_translate_messages = translate_messages
+_tools_to_chat_tools = tools_to_chat_tools
