@@ -45,6 +45,7 @@ from slime.backends.fsdp_utils.parallel import (
     setup_rank,
     shard_model,
 )
+from slime.backends.training import freeze
 from slime.backends.training.batching import make_micro_batch, plan_micro_batches, run_optimizer_steps, unpad_per_token
 from slime.backends.training.offload import TrainState
 from slime.backends.training.policy import PolicyTrainer
@@ -125,6 +126,8 @@ class FSDPTrainRayActor(PolicyTrainer):
             raise FileNotFoundError(f"--hf-checkpoint {path}: not an HF model folder (no config.json there)")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.requires_grad_(trainable)
+        if trainable:  # --only-train-params-name-list / --freeze-params-name-list, before FSDP wraps it
+            freeze.apply_freeze(self.args, model.named_parameters())
         return shard_model(model, model, self.mesh, self.device, path)
 
     # ---- PolicyTrainer's hooks -------------------------------------------------------------------------

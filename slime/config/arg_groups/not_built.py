@@ -85,10 +85,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "trained here", "drop it (the MTP layers stay as loaded)"),
     NotBuilt("mtp_loss_scaling_factor", {"type": float, "default": 0.2}, "the MTP loss only exists with "
              "--enable-mtp-training, which is not built here", "drop it", kind="warn"),
-    NotBuilt("only_train_params_name_list", {"type": str, "nargs": "*", "default": None},
-             "the trainers here train every parameter (no freezing by name)", "drop it"),
-    NotBuilt("freeze_params_name_list", {"type": str, "nargs": "*", "default": None},
-             "the trainers here train every parameter (no freezing by name)", "drop it"),
     NotBuilt("use_stateless_adam", _BOOL, "slime's stateless Adam is not built here (Adam keeps its moments)",
              "drop it (--optimizer adam with --no-save-optim keeps checkpoints small)"),
     NotBuilt("use_routing_replay", _BOOL, "MoE routing replay (arXiv 2507.18071) is not built here", "drop it"),

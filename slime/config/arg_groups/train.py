@@ -82,6 +82,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Megatron-LM: do not restore the RNG state on --load. Checkpoints here hold no RNG state "
                    "(training draws no random numbers: dropout stays off), so there is nothing to skip (warned).")
     g.add_argument("--no-save-optim", action="store_true", help="Do not save the optimizer state.")
+    g.add_argument("--only-train-params-name-list", type=str, nargs="*", default=None,
+                   help="slime: regular expressions (re.search) of the parameter names to train; every other "
+                   "parameter is frozen (no gradient, not in the optimizer; still pushed and saved). Names are the "
+                   "backend's: megatron-core's (decoder.layers.3.mlp.experts) or transformers' (model.layers.3.mlp). "
+                   "A pattern matching no parameter is an error.")
+    g.add_argument("--freeze-params-name-list", type=str, nargs="*", default=None,
+                   help="slime: regular expressions (re.search) of the parameter names to freeze (e.g. embedding "
+                   "output_layer); the others train. Not together with --only-train-params-name-list.")
 
     p = parser.add_argument_group("megatron plugins", "slime's hooks into the megatron backend "
                                   "(docs/megatron_backend.md, 'Plugins').")
@@ -143,5 +151,9 @@ def validate_train(args: argparse.Namespace) -> None:
         args.save = os.path.join("outputs", "checkpoints", run_name(args))
         logger.info("--save-interval %d without --save: checkpoints go to %s (resume with --load %s)",
                     args.save_interval, args.save, args.save)
+    if args.only_train_params_name_list and args.freeze_params_name_list:
+        fail(f"--only-train-params-name-list {' '.join(args.only_train_params_name_list)} and "
+             f"--freeze-params-name-list {' '.join(args.freeze_params_name_list)}: give one of them (as slime "
+             "requires): the parameters to train, or the parameters to freeze.")
     if args.ref_load is not None and not args.debug_rollout_only and not os.path.exists(args.ref_load):
         fail(f"--ref-load {args.ref_load}: no such checkpoint folder (cwd: {os.getcwd()}); fix the path.")
