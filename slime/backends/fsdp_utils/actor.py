@@ -66,13 +66,7 @@ class FSDPTrainRayActor(PolicyTrainer):
         self.model = self._build_model(ckpt.path if ckpt else args.hf_checkpoint, trainable=True)
         self.ref_model = None
         if with_ref:
-            ref_load = args.ref_load
-            if ref_load and not checkpoint.is_hf_folder(ref_load):
-                logger.warning("--ref-load %s is not an HF folder (no config.json); the fsdp backend takes the "
-                               "reference model from --hf-checkpoint %s", ref_load, args.hf_checkpoint)
-            self.ref_model = self._build_model(
-                ref_load if checkpoint.is_hf_folder(ref_load) else args.hf_checkpoint, trainable=False
-            )
+            self.ref_model = self._build_model(self._ref_folder(args), trainable=False)
         self.teacher_model = None
         if args.use_opd and args.opd_type == "megatron":  # slime's trainer-held teacher, here an fsdp model
             self.teacher_model = self._build_model(self._teacher_folder(args), trainable=False)
@@ -90,6 +84,19 @@ class FSDPTrainRayActor(PolicyTrainer):
         return ckpt.iteration + 1
 
     @staticmethod
+    def _ref_folder(args: Any) -> str:
+        """The HF folder of the reference model: --ref-load's iteration --ref-ckpt-step (an fsdp save folder),
+        else --ref-load when it is an HF folder, else --hf-checkpoint."""
+        ref_load = args.ref_load
+        if ref_load and args.ref_ckpt_step is not None:
+            return _iteration_folder(ref_load, args.ref_ckpt_step, "--ref-load", "--ref-ckpt-step")
+        if ref_load and not checkpoint.is_hf_folder(ref_load):
+            logger.warning("--ref-load %s is not an HF folder (no config.json); the fsdp backend takes the "
+                           "reference model from --hf-checkpoint %s (or give --ref-ckpt-step to read one of its "
+                           "saved iterations)", ref_load, args.hf_checkpoint)
+        return ref_load if checkpoint.is_hf_folder(ref_load) else args.hf_checkpoint
+
+    @staticmethod
     def _teacher_folder(args: Any) -> str:
         """The HF folder of the teacher: --opd-teacher-load itself, or the iteration of the fsdp checkpoint folder
         it names (--opd-teacher-ckpt-step, else its latest)."""
@@ -97,12 +104,7 @@ class FSDPTrainRayActor(PolicyTrainer):
         if step is None and checkpoint.is_hf_folder(path):
             return path
         if step is not None:
-            folder = checkpoint.iteration_dir(path, step)
-            if not checkpoint.is_hf_folder(folder):
-                found = checkpoint.complete_iterations(path) if os.path.isdir(path) else []
-                raise FileNotFoundError(f"--opd-teacher-ckpt-step {step}: {folder} is no saved iteration of "
-                                        f"--opd-teacher-load {path} (complete ones: {found}); give one of them")
-            return folder
+            return _iteration_folder(path, step, "--opd-teacher-load", "--opd-teacher-ckpt-step")
         ckpt = checkpoint.find_checkpoint(path)
         if ckpt is None:
             raise FileNotFoundError(f"--opd-teacher-load {path}: neither an HF model folder (config.json) nor an "
@@ -227,3 +229,14 @@ class FSDPTrainRayActor(PolicyTrainer):
         optimizer = None if self.args.no_save_optim else self.optimizer
         checkpoint.save_checkpoint(self.model, optimizer, self.args.save, rollout_id, self.args.hf_checkpoint,
                                    {"global_step": self.global_step})
+
+
+def _iteration_folder(root: str, step: int, load_flag: str, step_flag: str) -> str:
+    """Iteration `step` of the fsdp save folder `root` (an HF folder); a missing one fails naming the folder and
+    the complete iterations there."""
+    folder = checkpoint.iteration_dir(root, step)
+    if not checkpoint.is_hf_folder(folder):
+        found = checkpoint.complete_iterations(root) if os.path.isdir(root) else []
+        raise FileNotFoundError(f"{step_flag} {step}: {folder} is no saved iteration of {load_flag} {root} "
+                                f"(complete iterations there: {found}); give one of them")
+    return folder

@@ -77,6 +77,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Reference-model checkpoint (also the initial weights when --load holds no checkpoint).",
     )
+    g.add_argument("--ref-ckpt-step", type=int, default=None,
+                   help="slime: the iteration of the --ref-load save folder the reference model loads (its "
+                   "iter_<step> folder; default: the one latest_checkpointed_iteration.txt names).")
     g.add_argument("--no-load-optim", action="store_true", help="Do not restore the optimizer state on --load.")
     g.add_argument("--no-load-rng", action="store_true",
                    help="Megatron-LM: do not restore the RNG state on --load. Checkpoints here hold no RNG state "
@@ -155,5 +158,8 @@ def validate_train(args: argparse.Namespace) -> None:
         fail(f"--only-train-params-name-list {' '.join(args.only_train_params_name_list)} and "
              f"--freeze-params-name-list {' '.join(args.freeze_params_name_list)}: give one of them (as slime "
              "requires): the parameters to train, or the parameters to freeze.")
+    if args.ref_ckpt_step is not None and args.ref_load is None:
+        fail(f"--ref-ckpt-step {args.ref_ckpt_step} without --ref-load: the step names an iteration of the --ref-load "
+             "save folder; give --ref-load DIR.")
     if args.ref_load is not None and not args.debug_rollout_only and not os.path.exists(args.ref_load):
         fail(f"--ref-load {args.ref_load}: no such checkpoint folder (cwd: {os.getcwd()}); fix the path.")
