@@ -5,7 +5,9 @@ trainers (one gloo rank each, fp32; megatron through the CPU shim):
   bit-equal, the trained ones moved, the optimizer holds only the trained ones, and the weight export a push
   sends still carries every weight; a pattern matching nothing is refused naming the parameters;
 - --ref-ckpt-step: a save folder with two iterations of different weights; the reference model holds the
-  iteration asked for (the latest without the flag); a missing one is refused naming the iterations present.
+  iteration asked for (the latest without the flag); a missing one is refused naming the iterations present;
+- --save-hf (the same save run): each iteration's HF folder loads with transformers and gives the trainer's
+  log-probs at that save, with --hf-checkpoint's tokenizer files beside it.
 """
 
 from __future__ import annotations
@@ -84,8 +86,36 @@ def test_megatron_only_train_and_freeze(tiny_model_dir, tmp_path):
     assert "embedding.word_embeddings.weight" in bad["error"]
 
 
+def _hf_log_probs(folder: str, probe: dict) -> list[list[float]]:
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.fsdp_utils.data import forward_response_log_probs
+    from slime.backends.training.batching import make_micro_batch, unpad_per_token
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    mb = make_micro_batch(probe["tokens"], probe["response_lengths"])
+    with torch.no_grad():
+        lp, _ = forward_response_log_probs(model, mb, 1.0)
+    return unpad_per_token(lp, probe["response_lengths"])
+
+
+def _max_abs_diff(a, b) -> float:
+    assert [len(r) for r in a] == [len(r) for r in b]
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def _check_save_hf(result: dict, template: str, model_dir: str) -> None:
+    for rollout_id in (0, 1):
+        folder = template.format(rollout_id=rollout_id)
+        assert sorted(os.listdir(folder)) == sorted(os.listdir(model_dir))  # config, tokenizer, one weights file
+        assert _max_abs_diff(_hf_log_probs(folder, result["probe"]), result[f"lp_{rollout_id}"]) < 1e-5
+    assert _max_abs_diff(result["lp_0"], result["lp_1"]) > 1e-4  # the two saves hold different weights
+
+
 def _check_ref_ckpt_step(backend: str, model_dir: str, tmp_path) -> None:
-    _run(backend, "save2", "", model_dir, tmp_path / "save")
+    template = str(tmp_path / "hf" / "iter_{rollout_id}")
+    saved_run = _run(backend, "save2", f"--save-hf {template}", model_dir, tmp_path / "save")
+    _check_save_hf(saved_run, template, model_dir)
     ckpt = str(tmp_path / "save" / "ckpt")
     saved = [torch.load(tmp_path / "save" / f"policy_{i}.pt") for i in (0, 1)]
     assert any(not torch.equal(saved[0][n], saved[1][n]) for n in saved[0])  # two different iterations
@@ -108,11 +138,11 @@ def _check_ref_ckpt_step(backend: str, model_dir: str, tmp_path) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_fsdp_ref_ckpt_step(tiny_model_dir, tmp_path):
+def test_fsdp_ref_ckpt_step_and_save_hf(tiny_model_dir, tmp_path):
     _check_ref_ckpt_step("fsdp", tiny_model_dir, tmp_path)
 
 
 @pytest.mark.timeout(600)
 @needs_megatron
-def test_megatron_ref_ckpt_step(tiny_model_dir, tmp_path):
+def test_megatron_ref_ckpt_step_and_save_hf(tiny_model_dir, tmp_path):
     _check_ref_ckpt_step("megatron", tiny_model_dir, tmp_path)

@@ -3,8 +3,9 @@ shim) built from slime flags, and what its parameters do. Rank 0 writes <out>/re
 
 --mode step: init, one optimizer step; per parameter whether it requires a gradient and the largest change the
   step made, the number of tensors the optimizer holds, the names the weight export (what a push sends) carries.
---mode save2: init, save rollout 0, one step, save rollout 1 (two iterations with different weights), and
-  torch.save the policy's parameters at each save to <out>/policy_<rollout>.pt.
+--mode save2: init, save rollout 0, one step, save rollout 1 (two iterations with different weights),
+  torch.save the policy's parameters at each save to <out>/policy_<rollout>.pt, and report the trainer's
+  log-probs of a probe batch at each save.
 --mode ref: init only; torch.save the reference model's parameters to <out>/ref.pt.
 When init refuses the flags (ValueError, FileNotFoundError) the result holds the error instead.
 """
@@ -75,6 +76,8 @@ def main() -> None:
     cli = p.parse_args()
     os.makedirs(cli.out, exist_ok=True)
 
+    from tests.e2e_cpu.fsdp_worker import make_batch
+
     args, actor = (_megatron_actor if cli.backend == "megatron" else _fsdp_actor)(cli, cli.flags.split())
     result: dict = {}
     try:
@@ -91,6 +94,9 @@ def main() -> None:
                     _train_one_step(actor, rollout_id)
                 actor.save(rollout_id)
                 torch.save(_values(actor.model, cli.backend), os.path.join(cli.out, f"policy_{rollout_id}.pt"))
+                probe = make_batch(6, seed=100)
+                result["probe"] = {"tokens": probe.tokens, "response_lengths": probe.response_lengths}
+                result[f"lp_{rollout_id}"] = actor.compute_log_probs(probe.tokens, probe.response_lengths)
         else:
             params = _named_parameters(actor.model, cli.backend)
             before = {n: _value(p) for n, p in params.items()}

@@ -534,6 +534,22 @@ def test_only_train_and_freeze_params_together_are_refused(files):
     assert args.freeze_params_name_list == ["embed", "lm_head"] and args.only_train_params_name_list is None
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--save-hf", "hf_{step}", "--save", "ckpt"], "--save-hf hf_{step}: not a path template with only {rollout_id}"),
+    (["--save-hf", "hf_{rollout_id}"], "--save-hf hf_{rollout_id}: the HF folder is written with each checkpoint"),
+    (["--save-hf", "model", "--save", "ckpt"], "--save-hf model: names --hf-checkpoint model itself"),
+    (["--ref-ckpt-step", "3"], "--ref-ckpt-step 3 without --ref-load"),
+])  # fmt: skip
+def test_save_hf_and_ref_ckpt_step_checks(files, extra, message):
+    assert message in error_of(base(*extra))
+
+
+def test_save_hf_template_parses(files):
+    args = parse_args(base("--save-hf", "out/hf_{rollout_id}", "--save", "ckpt", "--ref-load", "model",
+                           "--ref-ckpt-step", "2"))
+    assert (args.save_hf, args.ref_ckpt_step) == ("out/hf_{rollout_id}", 2)
+
+
 def test_flags_with_nothing_to_act_on_are_warned_about(files, caplog):
     with caplog.at_level(logging.WARNING):
         args = parse_args(base("--no-load-rng", "--no-save-rng"))

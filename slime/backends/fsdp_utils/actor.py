@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
@@ -45,7 +47,7 @@ from slime.backends.fsdp_utils.parallel import (
     setup_rank,
     shard_model,
 )
-from slime.backends.training import freeze
+from slime.backends.training import freeze, hf_save
 from slime.backends.training.batching import make_micro_batch, plan_micro_batches, run_optimizer_steps, unpad_per_token
 from slime.backends.training.offload import TrainState
 from slime.backends.training.policy import PolicyTrainer
@@ -227,8 +229,14 @@ class FSDPTrainRayActor(PolicyTrainer):
         if not self.args.save:
             raise ValueError("save() called without --save; pass --save DIR to write checkpoints")
         optimizer = None if self.args.no_save_optim else self.optimizer
-        checkpoint.save_checkpoint(self.model, optimizer, self.args.save, rollout_id, self.args.hf_checkpoint,
-                                   {"global_step": self.global_step})
+        path = checkpoint.save_checkpoint(self.model, optimizer, self.args.save, rollout_id,
+                                          self.args.hf_checkpoint, {"global_step": self.global_step})
+        hf_path = hf_save.hf_save_path(self.args, rollout_id)
+        if hf_path is not None and self.rank == 0:
+            # The iteration folder's weights are already the HF tensors: copy them, no second gather.
+            shutil.copyfile(os.path.join(path, hf_save.WEIGHTS_FILE),
+                            hf_save.prepare_hf_folder(hf_path, self.args.hf_checkpoint))
+        dist.barrier()
 
 
 def _iteration_folder(root: str, step: int, load_flag: str, step_flag: str) -> str:

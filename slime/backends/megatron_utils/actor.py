@@ -36,6 +36,7 @@ from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import checkpoint, config_check, plugins, weights
 from slime.backends.megatron_utils.forward import response_log_probs, run_pipeline
 from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel, unwrap
+from slime.backends.training import hf_save
 from slime.backends.training.offload import TrainState
 from slime.backends.training.batching import (
     make_micro_batch,
@@ -315,4 +316,7 @@ class MegatronTrainRayActor(PolicyTrainer):
         state = {"global_step": self.global_step, "scheduler": self.scheduler.state_dict(),
                  "megatron_args": self.args.megatron_args}
         checkpoint.save(self.args.save, rollout_id, self.model, optimizer, state)
+        hf_path = hf_save.hf_save_path(self.args, rollout_id)
+        if hf_path is not None:
+            weights.save_hf_weights(self.model, self.args, self.hf_config, hf_path)
 

@@ -91,8 +91,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
     NotBuilt("use_rollout_routing_replay", _BOOL, "MoE rollout routing replay (arXiv 2510.11370) is not built here",
              "drop it"),
     NotBuilt("use_rollout_entropy", _BOOL, "the log-prob passes here compute no entropy for loss masks", "drop it"),
-    NotBuilt("save_hf", {"type": str, "default": None}, "the trainers save torch_dist (megatron) or their own "
-             "format (fsdp), not HF folders", "convert a saved checkpoint with tools/convert_torch_dist_to_hf.py"),
     NotBuilt("recompute_loss_function", _BOOL, _WARN_PERF, "drop it", kind="warn"),
     NotBuilt("log_probs_chunk_size", {"type": int, "default": -1}, _WARN_PERF, "drop it", kind="warn"),
     NotBuilt("balance_by_flops", _BOOL, "micro-batches are packed first-fit by tokens here; " + _WARN_PERF, "drop it",
