@@ -246,5 +246,5 @@ def _iteration_folder(root: str, step: int, load_flag: str, step_flag: str) -> s
     if not checkpoint.is_hf_folder(folder):
         found = checkpoint.complete_iterations(root) if os.path.isdir(root) else []
         raise FileNotFoundError(f"{step_flag} {step}: {folder} is no saved iteration of {load_flag} {root} "
-                                f"(complete iterations there: {found}); give one of them")
+                                f"(complete ones: {found}); give one of them")
     return folder

@@ -87,7 +87,7 @@ def checkpoint_at(root: str, step: int, load_flag: str, step_flag: str) -> Torch
     if not is_torch_dist_dir(folder):
         found = complete_iterations(root) if os.path.isdir(root) else []
         raise FileNotFoundError(f"{step_flag} {step}: {folder} holds no torch_dist checkpoint of {load_flag} {root} "
-                                f"(complete iterations there: {found}); give one of them")
+                                f"(complete iterations: {found}); give one of them")
     return TorchDistCheckpoint(folder, step, _read_state(folder))
 
 
