@@ -31,10 +31,11 @@ from slime.utils.types import TrainBatch
 TEMPERATURE = 1.0
 
 
-def make_args(model_dir: str, out_dir: str, backend: str = "gloo", **overrides) -> argparse.Namespace:
+def make_args(model_dir: str, out_dir: str, backend: str = "gloo", argv: tuple[str, ...] = (),
+              **overrides) -> argparse.Namespace:
     """Validated args of one rollout of 8 samples (4 prompts x 2) in one optimizer step, with a KL loss against
-    the reference model; `overrides` set before validation."""
-    return validated_args(**{
+    the reference model; `argv` more flags, `overrides` set before validation."""
+    return validated_args(*argv, **{
         "hf_checkpoint": model_dir, "save": os.path.join(out_dir, "ckpt"), "distributed_backend": backend,
         "distributed_timeout_minutes": 5, "lr": 1e-3, "weight_decay": 0.0, "rollout_batch_size": 4,
         "global_batch_size": 8, "micro_batch_size": 2, "eps_clip_high": 0.28, "use_kl_loss": True,

@@ -517,7 +517,7 @@ def test_rm_type_check_logic(monkeypatch):
 # ---- slime flags this implementation refuses or warns about (never parsed and silently ignored) -------------
 @pytest.mark.parametrize("extra, message", [
     (["--use-opsm"], "--use-opsm: not supported here: off-policy sequence masking"),
-    (["--freeze-params-name-list", "embedding", "output_layer"], "--freeze-params-name-list embedding output_layer:"),
+    (["--use-routing-replay"], "--use-routing-replay: not supported here: MoE routing replay"),
     (["--multimodal-keys", '{"image": "img"}'], "--multimodal-keys {\"image\": \"img\"}: not supported here yet"),
     (["--train-backend", "megatron", "--ckpt-format", "torch"], "--ckpt-format torch: the megatron backend"),
     (["--model-name", "nosuchfamily"], "--model-name nosuchfamily: no HF <-> Megatron weight converter"),
@@ -525,6 +525,29 @@ def test_rm_type_check_logic(monkeypatch):
 def test_unsupported_slime_flags_are_refused_with_the_reason(files, extra, message):
     msg = error_of(base(*extra))
     assert message in msg and ";" in msg  # the reason, then what to do instead
+
+
+def test_only_train_and_freeze_params_together_are_refused(files):
+    msg = error_of(base("--only-train-params-name-list", "mlp", "--freeze-params-name-list", "embed", "lm_head"))
+    assert "--only-train-params-name-list mlp and --freeze-params-name-list embed lm_head: give one of them" in msg
+    args = parse_args(base("--freeze-params-name-list", "embed", "lm_head"))
+    assert args.freeze_params_name_list == ["embed", "lm_head"] and args.only_train_params_name_list is None
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--save-hf", "hf_{step}", "--save", "ckpt"], "--save-hf hf_{step}: not a path template with only {rollout_id}"),
+    (["--save-hf", "hf_{rollout_id}"], "--save-hf hf_{rollout_id}: the HF folder is written with each checkpoint"),
+    (["--save-hf", "model", "--save", "ckpt"], "--save-hf model: names --hf-checkpoint model itself"),
+    (["--ref-ckpt-step", "3"], "--ref-ckpt-step 3 without --ref-load"),
+])  # fmt: skip
+def test_save_hf_and_ref_ckpt_step_checks(files, extra, message):
+    assert message in error_of(base(*extra))
+
+
+def test_save_hf_template_parses(files):
+    args = parse_args(base("--save-hf", "out/hf_{rollout_id}", "--save", "ckpt", "--ref-load", "model",
+                           "--ref-ckpt-step", "2"))
+    assert (args.save_hf, args.ref_ckpt_step) == ("out/hf_{rollout_id}", 2)
 
 
 def test_flags_with_nothing_to_act_on_are_warned_about(files, caplog):

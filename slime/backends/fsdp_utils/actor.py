@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
@@ -45,6 +47,7 @@ from slime.backends.fsdp_utils.parallel import (
     setup_rank,
     shard_model,
 )
+from slime.backends.training import freeze, hf_save
 from slime.backends.training.batching import make_micro_batch, plan_micro_batches, run_optimizer_steps, unpad_per_token
 from slime.backends.training.offload import TrainState
 from slime.backends.training.policy import PolicyTrainer
@@ -65,13 +68,7 @@ class FSDPTrainRayActor(PolicyTrainer):
         self.model = self._build_model(ckpt.path if ckpt else args.hf_checkpoint, trainable=True)
         self.ref_model = None
         if with_ref:
-            ref_load = args.ref_load
-            if ref_load and not checkpoint.is_hf_folder(ref_load):
-                logger.warning("--ref-load %s is not an HF folder (no config.json); the fsdp backend takes the "
-                               "reference model from --hf-checkpoint %s", ref_load, args.hf_checkpoint)
-            self.ref_model = self._build_model(
-                ref_load if checkpoint.is_hf_folder(ref_load) else args.hf_checkpoint, trainable=False
-            )
+            self.ref_model = self._build_model(self._ref_folder(args), trainable=False)
         self.teacher_model = None
         if args.use_opd and args.opd_type == "megatron":  # slime's trainer-held teacher, here an fsdp model
             self.teacher_model = self._build_model(self._teacher_folder(args), trainable=False)
@@ -89,6 +86,19 @@ class FSDPTrainRayActor(PolicyTrainer):
         return ckpt.iteration + 1
 
     @staticmethod
+    def _ref_folder(args: Any) -> str:
+        """The HF folder of the reference model: --ref-load's iteration --ref-ckpt-step (an fsdp save folder),
+        else --ref-load when it is an HF folder, else --hf-checkpoint."""
+        ref_load = args.ref_load
+        if ref_load and args.ref_ckpt_step is not None:
+            return _iteration_folder(ref_load, args.ref_ckpt_step, "--ref-load", "--ref-ckpt-step")
+        if ref_load and not checkpoint.is_hf_folder(ref_load):
+            logger.warning("--ref-load %s is not an HF folder (no config.json); the fsdp backend takes the "
+                           "reference model from --hf-checkpoint %s (or give --ref-ckpt-step to read one of its "
+                           "saved iterations)", ref_load, args.hf_checkpoint)
+        return ref_load if checkpoint.is_hf_folder(ref_load) else args.hf_checkpoint
+
+    @staticmethod
     def _teacher_folder(args: Any) -> str:
         """The HF folder of the teacher: --opd-teacher-load itself, or the iteration of the fsdp checkpoint folder
         it names (--opd-teacher-ckpt-step, else its latest)."""
@@ -96,12 +106,7 @@ class FSDPTrainRayActor(PolicyTrainer):
         if step is None and checkpoint.is_hf_folder(path):
             return path
         if step is not None:
-            folder = checkpoint.iteration_dir(path, step)
-            if not checkpoint.is_hf_folder(folder):
-                found = checkpoint.complete_iterations(path) if os.path.isdir(path) else []
-                raise FileNotFoundError(f"--opd-teacher-ckpt-step {step}: {folder} is no saved iteration of "
-                                        f"--opd-teacher-load {path} (complete ones: {found}); give one of them")
-            return folder
+            return _iteration_folder(path, step, "--opd-teacher-load", "--opd-teacher-ckpt-step")
         ckpt = checkpoint.find_checkpoint(path)
         if ckpt is None:
             raise FileNotFoundError(f"--opd-teacher-load {path}: neither an HF model folder (config.json) nor an "
@@ -125,6 +130,8 @@ class FSDPTrainRayActor(PolicyTrainer):
             raise FileNotFoundError(f"--hf-checkpoint {path}: not an HF model folder (no config.json there)")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.requires_grad_(trainable)
+        if trainable:  # --only-train-params-name-list / --freeze-params-name-list, before FSDP wraps it
+            freeze.apply_freeze(self.args, model.named_parameters())
         return shard_model(model, model, self.mesh, self.device, path)
 
     # ---- PolicyTrainer's hooks -------------------------------------------------------------------------
@@ -222,5 +229,22 @@ class FSDPTrainRayActor(PolicyTrainer):
         if not self.args.save:
             raise ValueError("save() called without --save; pass --save DIR to write checkpoints")
         optimizer = None if self.args.no_save_optim else self.optimizer
-        checkpoint.save_checkpoint(self.model, optimizer, self.args.save, rollout_id, self.args.hf_checkpoint,
-                                   {"global_step": self.global_step})
+        path = checkpoint.save_checkpoint(self.model, optimizer, self.args.save, rollout_id,
+                                          self.args.hf_checkpoint, {"global_step": self.global_step})
+        hf_path = hf_save.hf_save_path(self.args, rollout_id)
+        if hf_path is not None and self.rank == 0:
+            # The iteration folder's weights are already the HF tensors: copy them, no second gather.
+            shutil.copyfile(os.path.join(path, hf_save.WEIGHTS_FILE),
+                            hf_save.prepare_hf_folder(hf_path, self.args.hf_checkpoint))
+        dist.barrier()
+
+
+def _iteration_folder(root: str, step: int, load_flag: str, step_flag: str) -> str:
+    """Iteration `step` of the fsdp save folder `root` (an HF folder); a missing one fails naming the folder and
+    the complete iterations there."""
+    folder = checkpoint.iteration_dir(root, step)
+    if not checkpoint.is_hf_folder(folder):
+        found = checkpoint.complete_iterations(root) if os.path.isdir(root) else []
+        raise FileNotFoundError(f"{step_flag} {step}: {folder} is no saved iteration of {load_flag} {root} "
+                                f"(complete ones: {found}); give one of them")
+    return folder

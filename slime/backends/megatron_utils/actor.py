@@ -36,6 +36,7 @@ from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import checkpoint, config_check, plugins, weights
 from slime.backends.megatron_utils.forward import response_log_probs, run_pipeline
 from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel, unwrap
+from slime.backends.training import hf_save
 from slime.backends.training.offload import TrainState
 from slime.backends.training.batching import (
     make_micro_batch,
@@ -128,10 +129,12 @@ class MegatronTrainRayActor(PolicyTrainer):
 
     @staticmethod
     def _ref_source(args):
-        """(torch_dist checkpoint, HF folder) of the reference model: --ref-load (either kind), else the
-        --hf-checkpoint weights."""
+        """(torch_dist checkpoint, HF folder) of the reference model: --ref-load (either kind; a save folder at
+        its iteration --ref-ckpt-step when given, else its latest), else the --hf-checkpoint weights."""
         if not args.ref_load:
             return None, args.hf_checkpoint
+        if args.ref_ckpt_step is not None:
+            return checkpoint.checkpoint_at(args.ref_load, args.ref_ckpt_step, "--ref-load", "--ref-ckpt-step"), None
         if config_check.is_hf_folder(args.ref_load):
             return None, args.ref_load
         ckpt = checkpoint.find_checkpoint(args.ref_load, "--ref-load")
@@ -146,12 +149,7 @@ class MegatronTrainRayActor(PolicyTrainer):
         (its iteration --opd-teacher-ckpt-step when given) or an HF folder."""
         path, step = args.opd_teacher_load, args.opd_teacher_ckpt_step
         if step is not None:
-            folder = checkpoint.iteration_dir(path, step)
-            if not checkpoint.is_torch_dist_dir(folder):
-                found = checkpoint.complete_iterations(path) if os.path.isdir(path) else []
-                raise FileNotFoundError(f"--opd-teacher-ckpt-step {step}: {folder} holds no torch_dist checkpoint of "
-                                        f"--opd-teacher-load {path} (complete iterations: {found}); give one of them")
-            return checkpoint.TorchDistCheckpoint(folder, step, {}), None
+            return checkpoint.checkpoint_at(path, step, "--opd-teacher-load", "--opd-teacher-ckpt-step"), None
         if config_check.is_hf_folder(path):
             return None, path
         ckpt = checkpoint.find_checkpoint(path, "--opd-teacher-load")
@@ -318,4 +316,7 @@ class MegatronTrainRayActor(PolicyTrainer):
         state = {"global_step": self.global_step, "scheduler": self.scheduler.state_dict(),
                  "megatron_args": self.args.megatron_args}
         checkpoint.save(self.args.save, rollout_id, self.model, optimizer, state)
+        hf_path = hf_save.hf_save_path(self.args, rollout_id)
+        if hf_path is not None:
+            weights.save_hf_weights(self.model, self.args, self.hf_config, hf_path)
 

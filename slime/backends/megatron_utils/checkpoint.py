@@ -80,6 +80,17 @@ def find_checkpoint(root: str | None, flag: str = "--load") -> TorchDistCheckpoi
     return TorchDistCheckpoint(path, iteration, _read_state(path))
 
 
+def checkpoint_at(root: str, step: int, load_flag: str, step_flag: str) -> TorchDistCheckpoint:
+    """Iteration `step` of the save folder `root` (--ref-ckpt-step of --ref-load, --opd-teacher-ckpt-step of
+    --opd-teacher-load); a missing one fails naming the folder and the complete iterations there."""
+    folder = iteration_dir(root, step)
+    if not is_torch_dist_dir(folder):
+        found = complete_iterations(root) if os.path.isdir(root) else []
+        raise FileNotFoundError(f"{step_flag} {step}: {folder} holds no torch_dist checkpoint of {load_flag} {root} "
+                                f"(complete iterations: {found}); give one of them")
+    return TorchDistCheckpoint(folder, step, _read_state(folder))
+
+
 def complete_iterations(root: str) -> list[int]:
     """Rollout ids of the iteration folders under `root` that hold a torch_dist checkpoint, ascending."""
     return sorted(int(name[5:]) for name in os.listdir(root)

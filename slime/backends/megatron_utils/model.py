@@ -25,6 +25,7 @@ from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import packed_rope, plugins
 from slime.backends.megatron_utils.sandwich_norm import add_sandwich_norms
 from slime.backends.megatron_utils.sdpa_attention import with_sdpa_attention
+from slime.backends.training import freeze
 from slime.utils.errors import SlimeArgumentError
 from slime.utils.misc import load_function
 
@@ -144,6 +145,9 @@ def build_model(args: argparse.Namespace, wrap: bool = True) -> list[torch.nn.Mo
             model.requires_grad_(False)
             model.eval()
         return chunks
+    # --only-train-params-name-list / --freeze-params-name-list: before DDP, which gives a gradient buffer only to
+    # parameters that require one (and megatron-core's optimizer skips the others).
+    freeze.apply_freeze(args, [(name, p) for model in chunks for name, p in model.named_parameters()])
     return [_wrap_ddp(args, config, model, i) for i, model in enumerate(chunks)]
 
 

@@ -29,6 +29,7 @@ from slime.backends.megatron_utils.converters import ConverterConfig, converter_
 from slime.backends.megatron_utils.converters import tp as tp_layout
 from slime.backends.megatron_utils.model import uses_te, unwrap
 from slime.backends.megatron_utils.sandwich_norm import HF_STYLE_NAMES
+from slime.backends.training import hf_save
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -191,3 +192,18 @@ def iter_hf_weights(model: list[torch.nn.Module], args, hf_config: dict) -> Iter
     cfg = ConverterConfig.from_args(args)
     for name, t in iter_megatron_weights(model, args):
         yield from converter.megatron_to_hf(name, t, cfg)
+
+
+def save_hf_weights(model: list[torch.nn.Module], args, hf_config: dict, path: str) -> None:
+    """Collective: the whole model as an HF folder at `path` (--save-hf), written by global rank 0: the converted
+    weights as model.safetensors plus --hf-checkpoint's config and tokenizer files."""
+    from safetensors.torch import save_file
+
+    rank0 = dist.get_rank() == 0
+    tensors = {}
+    for name, t in iter_hf_weights(model, args, hf_config):
+        if rank0:
+            tensors[name] = t.detach().cpu().contiguous()
+    if rank0:
+        save_file(tensors, hf_save.prepare_hf_folder(path, args.hf_checkpoint), metadata={"format": "pt"})
+    dist.barrier()

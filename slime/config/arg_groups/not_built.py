@@ -85,20 +85,12 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "trained here", "drop it (the MTP layers stay as loaded)"),
     NotBuilt("mtp_loss_scaling_factor", {"type": float, "default": 0.2}, "the MTP loss only exists with "
              "--enable-mtp-training, which is not built here", "drop it", kind="warn"),
-    NotBuilt("only_train_params_name_list", {"type": str, "nargs": "*", "default": None},
-             "the trainers here train every parameter (no freezing by name)", "drop it"),
-    NotBuilt("freeze_params_name_list", {"type": str, "nargs": "*", "default": None},
-             "the trainers here train every parameter (no freezing by name)", "drop it"),
     NotBuilt("use_stateless_adam", _BOOL, "slime's stateless Adam is not built here (Adam keeps its moments)",
              "drop it (--optimizer adam with --no-save-optim keeps checkpoints small)"),
     NotBuilt("use_routing_replay", _BOOL, "MoE routing replay (arXiv 2507.18071) is not built here", "drop it"),
     NotBuilt("use_rollout_routing_replay", _BOOL, "MoE rollout routing replay (arXiv 2510.11370) is not built here",
              "drop it"),
     NotBuilt("use_rollout_entropy", _BOOL, "the log-prob passes here compute no entropy for loss masks", "drop it"),
-    NotBuilt("ref_ckpt_step", {"type": int, "default": None}, "the checkpoint loader reads the latest iteration of "
-             "--ref-load", "point --ref-load at a folder whose latest_checkpointed_iteration.txt names that step"),
-    NotBuilt("save_hf", {"type": str, "default": None}, "the trainers save torch_dist (megatron) or their own "
-             "format (fsdp), not HF folders", "convert a saved checkpoint with tools/convert_torch_dist_to_hf.py"),
     NotBuilt("recompute_loss_function", _BOOL, _WARN_PERF, "drop it", kind="warn"),
     NotBuilt("log_probs_chunk_size", {"type": int, "default": -1}, _WARN_PERF, "drop it", kind="warn"),
     NotBuilt("balance_by_flops", _BOOL, "micro-batches are packed first-fit by tokens here; " + _WARN_PERF, "drop it",

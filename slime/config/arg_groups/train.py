@@ -77,11 +77,26 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Reference-model checkpoint (also the initial weights when --load holds no checkpoint).",
     )
+    g.add_argument("--save-hf", type=str, default=None,
+                   help="slime: also write the policy as an HF model folder with each checkpoint, at this path "
+                   "formatted with the rollout id (e.g. /out/hf_{rollout_id}): model.safetensors plus "
+                   "--hf-checkpoint's config and tokenizer files. Needs --save.")
+    g.add_argument("--ref-ckpt-step", type=int, default=None,
+                   help="slime: the iteration of the --ref-load save folder the reference model loads (its "
+                   "iter_<step> folder; default: the one latest_checkpointed_iteration.txt names).")
     g.add_argument("--no-load-optim", action="store_true", help="Do not restore the optimizer state on --load.")
     g.add_argument("--no-load-rng", action="store_true",
                    help="Megatron-LM: do not restore the RNG state on --load. Checkpoints here hold no RNG state "
                    "(training draws no random numbers: dropout stays off), so there is nothing to skip (warned).")
     g.add_argument("--no-save-optim", action="store_true", help="Do not save the optimizer state.")
+    g.add_argument("--only-train-params-name-list", type=str, nargs="*", default=None,
+                   help="slime: regular expressions (re.search) of the parameter names to train; every other "
+                   "parameter is frozen (no gradient, not in the optimizer; still pushed and saved). Names are the "
+                   "backend's: megatron-core's (decoder.layers.3.mlp.experts) or transformers' (model.layers.3.mlp). "
+                   "A pattern matching no parameter is an error.")
+    g.add_argument("--freeze-params-name-list", type=str, nargs="*", default=None,
+                   help="slime: regular expressions (re.search) of the parameter names to freeze (e.g. embedding "
+                   "output_layer); the others train. Not together with --only-train-params-name-list.")
 
     p = parser.add_argument_group("megatron plugins", "slime's hooks into the megatron backend "
                                   "(docs/megatron_backend.md, 'Plugins').")
@@ -143,5 +158,31 @@ def validate_train(args: argparse.Namespace) -> None:
         args.save = os.path.join("outputs", "checkpoints", run_name(args))
         logger.info("--save-interval %d without --save: checkpoints go to %s (resume with --load %s)",
                     args.save_interval, args.save, args.save)
+    if args.only_train_params_name_list and args.freeze_params_name_list:
+        fail(f"--only-train-params-name-list {' '.join(args.only_train_params_name_list)} and "
+             f"--freeze-params-name-list {' '.join(args.freeze_params_name_list)}: give one of them (as slime "
+             "requires): the parameters to train, or the parameters to freeze.")
+    if args.save_hf is not None:
+        _validate_save_hf(args)
+    if args.ref_ckpt_step is not None and args.ref_load is None:
+        fail(f"--ref-ckpt-step {args.ref_ckpt_step} without --ref-load: the step names an iteration of the --ref-load "
+             "save folder; give --ref-load DIR.")
     if args.ref_load is not None and not args.debug_rollout_only and not os.path.exists(args.ref_load):
         fail(f"--ref-load {args.ref_load}: no such checkpoint folder (cwd: {os.getcwd()}); fix the path.")
+
+
+def _validate_save_hf(args: argparse.Namespace) -> None:
+    try:
+        first = args.save_hf.format(rollout_id=0)
+    except (KeyError, IndexError, ValueError) as e:
+        fail(f"--save-hf {args.save_hf}: not a path template with only {{rollout_id}} in braces ({e!r}); e.g. "
+             "/out/hf_{rollout_id}.")
+    if args.save is None:
+        fail(f"--save-hf {args.save_hf}: the HF folder is written with each checkpoint, and no checkpoint is saved "
+             "without --save; give --save DIR (and --save-interval N).")
+    if args.hf_checkpoint is None:
+        fail(f"--save-hf {args.save_hf}: the HF folder takes its config and tokenizer files from --hf-checkpoint; "
+             "give --hf-checkpoint.")
+    if os.path.realpath(first) == os.path.realpath(args.hf_checkpoint):
+        fail(f"--save-hf {args.save_hf}: names --hf-checkpoint {args.hf_checkpoint} itself, which it would "
+             "overwrite; give another folder.")
