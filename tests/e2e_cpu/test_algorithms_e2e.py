@@ -75,3 +75,25 @@ def test_first_step_invariants(estimator, tiny_model_dir, toy_data_path, tmp_pat
     else:
         assert read_scalars(str(tb_dir), "train/value_loss") == {}
     assert wait_for_no_new_processes(before) == {}
+
+
+@pytest.mark.timeout(300)
+def test_opsm_masks_the_negative_samples_in_the_trainer(tiny_model_dir, toy_data_path, tmp_path):
+    """--use-opsm through train.py. Rewards alternate 0/1 by sample index, so every group of 4 holds two of
+    each: GRPO advantages ±0.5/(std 1/√3) = ±√3/2. --opsm-delta −1e9 is below any sequence KL, so every
+    negative-advantage sample is masked at the first (on-policy) step: opsm_clipfrac = 1/2 and pg_loss is the
+    kept half's −A averaged over all 16 samples, −√3/4 (0 without the flag)."""
+    tb_dir = tmp_path / "tb"
+    before = run_processes()
+    (tmp_path / "alt.py").write_text("async def alt(args, sample):\n    return float(sample.index % 2)\n")
+    cmd = _train_cmd(tiny_model_dir, toy_data_path, "--rollout-num-gpus", "1", "--global-batch-size", "16",
+                     "--custom-rm-path", f"{tmp_path}/alt.py:alt", "--use-tensorboard", "--tensorboard-dir",
+                     str(tb_dir), "--actor-num-gpus-per-node", "1", "--num-rollout", "1",
+                     "--use-opsm", "--opsm-delta", "-1e9")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=280, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-4000:]
+    clipfrac = read_scalars(str(tb_dir), "train/opsm_clipfrac")
+    assert clipfrac == {0: pytest.approx(0.5)}, clipfrac
+    pg_loss = read_scalars(str(tb_dir), "train/pg_loss")
+    assert pg_loss == {0: pytest.approx(-(3 ** 0.5) / 4, abs=1e-4)}, pg_loss
+    assert wait_for_no_new_processes(before) == {}

@@ -516,7 +516,7 @@ def test_rm_type_check_logic(monkeypatch):
 
 # ---- slime flags this implementation refuses or warns about (never parsed and silently ignored) -------------
 @pytest.mark.parametrize("extra, message", [
-    (["--use-opsm"], "--use-opsm: not supported here: off-policy sequence masking"),
+    (["--use-routing-replay"], "--use-routing-replay: not supported here: MoE routing replay"),
     (["--freeze-params-name-list", "embedding", "output_layer"], "--freeze-params-name-list embedding output_layer:"),
     (["--multimodal-keys", '{"image": "img"}'], "--multimodal-keys {\"image\": \"img\"}: not supported here yet"),
     (["--train-backend", "megatron", "--ckpt-format", "torch"], "--ckpt-format torch: the megatron backend"),

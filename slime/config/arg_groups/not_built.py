@@ -106,10 +106,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
     NotBuilt("data_pad_size_multiplier", {"type": int, "default": 128}, "packed sequences are not padded to a "
              "multiple here; " + _WARN_PERF, "drop it", kind="warn"),
     NotBuilt("async_save", _BOOL, "checkpoints are saved synchronously here; " + _WARN_PERF, "drop it", kind="warn"),
-    # ---- algorithm ----
-    NotBuilt("use_opsm", _BOOL, "off-policy sequence masking (OPSM) is not built here", "drop it"),
-    NotBuilt("opsm_delta", {"type": float, "default": 1e-4}, "off-policy sequence masking (OPSM) is not built here",
-             "drop it"),
     # ---- rollout, data ----
     NotBuilt("prefill_num_servers", {"type": int, "default": None}, "prefill/decode disaggregated SGLang engines "
              "are not built here", "drop it (every engine serves both)"),
