@@ -91,6 +91,12 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
         "pg_loss (e.g. Dr.GRPO's constant denominator); the other metrics keep the default reduction.",
     )
     g.add_argument(
+        "--use-rollout-entropy", action="store_true",
+        help="Compute the per-token entropy in the forward-only log-prob passes (old policy, reference, teacher): "
+        "rollout_data['entropy'] / ['ref_entropy'] / ['teacher_entropy'] for --rollout-data-postprocess-path "
+        "(e.g. an entropy-based loss mask) and the debug train data; logged as rollout/entropy etc.",
+    )
+    g.add_argument(
         "--use-opsm", action="store_true",
         help="Off-policy sequence masking: drop the policy loss of a sample with negative advantage whose masked mean "
         "of (old − current log-prob) is above --opsm-delta; logs train/opsm_clipfrac.",

@@ -94,7 +94,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
     NotBuilt("use_routing_replay", _BOOL, "MoE routing replay (arXiv 2507.18071) is not built here", "drop it"),
     NotBuilt("use_rollout_routing_replay", _BOOL, "MoE rollout routing replay (arXiv 2510.11370) is not built here",
              "drop it"),
-    NotBuilt("use_rollout_entropy", _BOOL, "the log-prob passes here compute no entropy for loss masks", "drop it"),
     NotBuilt("ref_ckpt_step", {"type": int, "default": None}, "the checkpoint loader reads the latest iteration of "
              "--ref-load", "point --ref-load at a folder whose latest_checkpointed_iteration.txt names that step"),
     NotBuilt("save_hf", {"type": str, "default": None}, "the trainers save torch_dist (megatron) or their own "
