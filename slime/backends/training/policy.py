@@ -5,8 +5,8 @@
       2. log-probs: the engines' (from the batch), the old policy's (recomputed — with --keep-old-actor by the
          weights the engines generated with, old_actor.py —, the engines' with --use-rollout-logprobs, or the
          training forward's own when one optimizer step covers the rollout and no reference model,
-         distillation or --use-rollout-entropy runs), the reference model's and, with --use-opd, the teacher's (the batch's with
-         --opd-type sglang, the trainer-held teacher model's with --opd-type megatron);
+         distillation or --use-rollout-entropy runs), the reference model's and, with --use-opd, the teacher's
+         (the batch's with --opd-type sglang, the trainer-held teacher model's with --opd-type megatron);
       3. advantages and returns (slime/algorithm/estimators.py; --use-opd's reverse KL, slime/algorithm/opd.py;
          whitened across ranks);
       4. --rollout-data-postprocess-path: fn(args, rollout_id, rollout_data) may edit them (rollout_data.py);
@@ -41,9 +41,9 @@ from slime.backends.training.record import (
     batch_teacher_log_probs,
     logprob_abs_diff,
     loss_denominator,
-    token_mean,
     require_ref,
     rollout_log_probs,
+    token_mean,
 )
 from slime.backends.training.rollout_data import FLAG as POSTPROCESS_FLAG
 from slime.backends.training.rollout_data import apply_rollout_data, rollout_data_of

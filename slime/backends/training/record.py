@@ -141,7 +141,8 @@ def rollout_inputs(record: RolloutRecord, device=None) -> AdvantageInputs:
         truncated=[int(batch.truncated[r]) for r in rows], batch_raw_rewards=list(batch.raw_rewards),
         advantages=per_row(record.advantages), returns=per_row(record.returns),
         teacher_log_probs=per_row(record.teacher_log_probs),
-        entropies={key: rows_of for key, values in record.entropies.items() if (rows_of := per_row(values)) is not None},
+        entropies={key: known for key, values in record.entropies.items()
+                   if (known := per_row(values)) is not None},
     )
 
 
