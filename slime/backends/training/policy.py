@@ -151,6 +151,8 @@ class PolicyTrainer(TrainRayActor):
         totals: dict[str, float] = defaultdict(float)
         with progress(len(record.rows), f"train {rollout_id}", "sample", enabled=self.rank == 0) as bar:
             for s, micro_batches in enumerate(record.steps):
+                if args.use_stateless_adam:  # every step is a fresh Adam's first (slime's StatelessAdam update)
+                    reset_optimizer_states(self.train_state().optimizers)
                 step_metrics = self.optimizer_step(record, s)
                 bar.update(sum(map(len, micro_batches)))
                 for k, v in step_metrics.items():

@@ -89,8 +89,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "the trainers here train every parameter (no freezing by name)", "drop it"),
     NotBuilt("freeze_params_name_list", {"type": str, "nargs": "*", "default": None},
              "the trainers here train every parameter (no freezing by name)", "drop it"),
-    NotBuilt("use_stateless_adam", _BOOL, "slime's stateless Adam is not built here (Adam keeps its moments)",
-             "drop it (--optimizer adam with --no-save-optim keeps checkpoints small)"),
     NotBuilt("use_routing_replay", _BOOL, "MoE routing replay (arXiv 2507.18071) is not built here", "drop it"),
     NotBuilt("use_rollout_routing_replay", _BOOL, "MoE rollout routing replay (arXiv 2510.11370) is not built here",
              "drop it"),
