@@ -53,6 +53,8 @@ class AdvantageInputs:
     advantages: list[torch.Tensor] | None = None  # once computed (--rollout-data-postprocess-path)
     returns: list[torch.Tensor] | None = None
     teacher_log_probs: list[torch.Tensor] | None = None  # on-policy distillation's teacher (--use-opd)
+    # --use-rollout-entropy: the log-prob passes' entropies by slime's key ("entropy", "ref_entropy", ...)
+    entropies: dict[str, list[torch.Tensor]] | None = None
 
     def to_rollout_data(self, kl: Tensors | None = None) -> dict[str, Any]:
         """slime's `rollout_data` dict of these rows (fresh lists), as --custom-advantage-function-path and
@@ -60,7 +62,8 @@ class AdvantageInputs:
         "response_lengths", "total_lengths", "rewards", "raw_reward" (the whole batch's when known), "truncated",
         "loss_masks" (int), "kl" (given by the advantage step: zeros without --kl-coef, as in slime), "values",
         "log_probs", "ref_log_probs", "rollout_log_probs", "teacher_log_probs", "advantages", "returns", and ours
-        "group_indices". A key whose values are not known here is absent, as in slime's dict."""
+        "group_indices"; with --use-rollout-entropy "entropy" / "ref_entropy" / "teacher_entropy" (per token, of
+        each log-prob pass that ran). A key whose values are not known here is absent, as in slime's dict."""
         raw = self.batch_raw_rewards if self.batch_raw_rewards is not None else self.raw_rewards
         data = {
             "partition": self.partition, "tokens": self.tokens, "response_lengths": self.response_lengths,
@@ -69,6 +72,7 @@ class AdvantageInputs:
             "values": self.values, "log_probs": self.log_probs, "ref_log_probs": self.ref_log_probs,
             "rollout_log_probs": self.rollout_log_probs, "advantages": self.advantages, "returns": self.returns,
             "group_indices": self.group_indices, "teacher_log_probs": self.teacher_log_probs,
+            **(self.entropies or {}),
         }
         return {key: list(value) for key, value in data.items() if value is not None}
 

@@ -147,12 +147,19 @@ def compute_actor_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dic
 
 
 def policy_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """pg_loss (the estimator's: PPO clip / GSPO / CISPO, importance-corrected with --use-tis, reduced by
+    """pg_loss (the estimator's: PPO clip / GSPO / CISPO, off-policy sequences masked with --use-opsm,
+    importance-corrected with --use-tis, reduced by
     --custom-pg-loss-reducer-function-path when given) − entropy_coef·entropy (+ kl_loss_coef·KL)."""
     agg = aggregate_of(args, inputs)
     lp, old = inputs.log_probs, inputs.old_log_probs
     pg, clipfrac, ppo_kl = estimator_of(args).policy_loss(lp, old, inputs.advantages, inputs.mask, args)
     metrics = {"train/pg_clipfrac": agg(clipfrac), "train/ppo_kl": agg(ppo_kl)}
+    if args.use_opsm:
+        # Before the importance correction, as slime. The metric is the share of dropped (loss-masked) tokens,
+        # reduced like the others: per sample, the fraction of sequences dropped.
+        keep = ppo_utils.opsm_mask(lp, old, inputs.advantages, inputs.mask, args.opsm_delta)
+        pg = pg * keep
+        metrics["train/opsm_clipfrac"] = agg(1.0 - keep)
     pg_masks = None  # per-token masks a TIS / rejection-sampling function returned (None: the loss masks)
     if args.use_tis or args.get_mismatch_metrics:
         pg, pg_masks, tis_metrics = importance_correction(args, inputs, pg, ppo_kl)

@@ -302,6 +302,17 @@ def sequence_ppo_kl(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: 
     return per_sample_masked_mean(old_log_probs - log_probs, mask).unsqueeze(-1).expand_as(log_probs)
 
 
+def opsm_mask(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              delta: float) -> torch.Tensor:
+    """Off-policy sequence masking (`--use-opsm`), slime's rule on padded rows [B, R]: a token is dropped (0) when
+    its advantage is negative and its row's masked mean of (logp_old − logp) is strictly above `delta`; every other
+    token keeps weight 1. So a sequence the current policy has drifted away from (it is now less likely than under
+    the behaviour policy) stops being pushed down further. Returns the {0, 1} keep-mask [B, R], without gradient."""
+    seq_kl = per_sample_masked_mean((old_log_probs - log_probs).detach(), mask).unsqueeze(-1)
+    dropped = (advantages < 0) & (seq_kl > delta)
+    return 1.0 - dropped.to(log_probs.dtype)
+
+
 def tis_weights(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, tis_clip: float,
                 tis_clip_low: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Truncated importance sampling (`--use-tis`), element-wise on any shape: the ratio

@@ -8,6 +8,7 @@ advantages whitened with all-reduced moments).
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -74,4 +75,58 @@ def test_first_step_invariants(estimator, tiny_model_dir, toy_data_path, tmp_pat
         assert sorted(values) == [0, 1, 2, 3] and values[3] != 0.0, values
     else:
         assert read_scalars(str(tb_dir), "train/value_loss") == {}
+    assert wait_for_no_new_processes(before) == {}
+
+
+ENTROPY_HOOK = """
+import json
+import torch
+
+def look(args, rollout_id, rollout_data):
+    ent, masks = rollout_data["entropy"], rollout_data["loss_masks"]
+    per_sample = [float((e * m).sum() / m.sum().clamp_min(1)) for e, m in zip(ent, masks)]
+    flat = torch.cat(ent)
+    with open("entropy.json", "w") as f:
+        json.dump({"keys": sorted(k for k in rollout_data if k.endswith("entropy")),
+                   "lengths": [len(e) for e in ent], "response_lengths": rollout_data["response_lengths"],
+                   "sample_mean": sum(per_sample) / len(per_sample), "token_mean": float(flat.mean()),
+                   "min": float(flat.min())}, f)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_opsm_and_rollout_entropy_in_the_trainer(tiny_model_dir, toy_data_path, tmp_path):
+    """--use-opsm and --use-rollout-entropy through train.py (one run).
+
+    OPSM: rewards alternate 0/1 by sample index, so every group of 4 holds two of each: GRPO advantages
+    ±0.5/(std 1/√3) = ±√3/2. --opsm-delta −1e9 is below any sequence KL, so every negative-advantage sample is
+    masked at the first (on-policy) step: opsm_clipfrac = 1/2 and pg_loss is the kept half's −A averaged over all
+    16 samples, −√3/4 (0 without the flag).
+
+    Rollout entropy: the old-policy pass's entropies reach --rollout-data-postprocess-path as
+    rollout_data["entropy"] (one per response token); at the first step the old policy is the trained one, so
+    their per-sample loss-masked mean is train/entropy_loss; rollout/entropy is their token mean."""
+    tb_dir = tmp_path / "tb"
+    before = run_processes()
+    (tmp_path / "alt.py").write_text("async def alt(args, sample):\n    return float(sample.index % 2)\n")
+    (tmp_path / "look.py").write_text(ENTROPY_HOOK)
+    cmd = _train_cmd(tiny_model_dir, toy_data_path, "--rollout-num-gpus", "1", "--global-batch-size", "16",
+                     "--custom-rm-path", f"{tmp_path}/alt.py:alt", "--use-tensorboard", "--tensorboard-dir",
+                     str(tb_dir), "--actor-num-gpus-per-node", "1", "--num-rollout", "1",
+                     "--use-opsm", "--opsm-delta", "-1e9",
+                     "--use-rollout-entropy", "--rollout-data-postprocess-path", f"{tmp_path}/look.py:look")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=280, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-4000:]
+    clipfrac = read_scalars(str(tb_dir), "train/opsm_clipfrac")
+    assert clipfrac == {0: pytest.approx(0.5)}, clipfrac
+    pg_loss = read_scalars(str(tb_dir), "train/pg_loss")
+    assert pg_loss == {0: pytest.approx(-(3 ** 0.5) / 4, abs=1e-4)}, pg_loss
+
+    seen = json.loads((tmp_path / "entropy.json").read_text())
+    assert seen["keys"] == ["entropy"]  # no reference model, no teacher
+    assert seen["lengths"] == seen["response_lengths"] and seen["min"] >= 0.0
+    entropy_loss = read_scalars(str(tb_dir), "train/entropy_loss")
+    assert entropy_loss == {0: pytest.approx(seen["sample_mean"], rel=1e-5)}, (entropy_loss, seen)
+    logged = read_scalars(str(tb_dir), "rollout/entropy")
+    assert logged == {0: pytest.approx(seen["token_mean"], rel=1e-6)}, (logged, seen)
     assert wait_for_no_new_processes(before) == {}

@@ -28,9 +28,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, re
 WORKER = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "megatron_worker.py")
 LOGITS_WORKER = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "megatron_logits_worker.py")
 # name: (world size, TP, PP, extra worker flags); "dp2" also with the distributed optimizer and a push by
-# broadcast, "dynamic": --use-dynamic-batch-size micro-batches
+# broadcast, "dynamic": --use-dynamic-batch-size micro-batches; "tp2" also computes the log-prob passes' entropies
 LAYOUTS = {
-    "tp2": (2, 2, 1, []),
+    "tp2": (2, 2, 1, ["--extra=--use-rollout-entropy"]),
     "pp2": (2, 1, 2, ["--engine"]),
     "dp2": (2, 1, 1, ["--engine", "--broadcast", "--extra=--use-distributed-optimizer"]),
     "dynamic": (1, 1, 1, ["--dynamic"]),
@@ -54,6 +54,21 @@ def hf_log_probs(model_dir: str, batch: dict) -> list[list[float]]:
     with torch.no_grad():
         lp, _ = forward_response_log_probs(model, mb, 1.0)
     return unpad_per_token(lp, batch["response_lengths"])
+
+
+def hf_entropy_token_mean(model_dir: str, batch: dict) -> float:
+    """The mean entropy over every response token of the batch, from transformers' logits (temperature 1)."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.fsdp_utils.data import forward_response_log_probs
+    from slime.backends.training.batching import make_micro_batch, unpad_per_token
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    mb = make_micro_batch(batch["tokens"], batch["response_lengths"])
+    with torch.no_grad():
+        _, entropy = forward_response_log_probs(model, mb, 1.0, with_entropy=True)
+    values = [x for row in unpad_per_token(entropy, batch["response_lengths"]) for x in row]
+    return sum(values) / len(values)
 
 
 def hf_logits(saved: dict, dtype=torch.float32, device="cpu") -> torch.Tensor:
@@ -132,6 +147,17 @@ def test_parallel_layouts_match_one_rank(runs, layout):
     # One optimizer step later the policies still agree, and it really moved.
     assert max_abs_diff(one["lp_after"], other["lp_after"]) < 1e-4
     assert max_abs_diff(one["lp_before"], one["lp_after"]) > 1e-2
+
+
+@pytest.mark.timeout(900)
+def test_rollout_entropy_over_a_tensor_parallel_vocabulary(runs, tiny_model_dir):
+    """--use-rollout-entropy at TP2 (each rank holds half the vocabulary): the old-policy and reference passes'
+    entropies, logged as their token means, are transformers' at the first step (the reference is the policy)."""
+    tp2 = runs["tp2"]["metrics"]
+    want = hf_entropy_token_mean(tiny_model_dir, runs["tp2"]["batch"])
+    assert tp2["rollout/entropy"] == pytest.approx(want, rel=1e-5)
+    assert tp2["rollout/ref_entropy"] == pytest.approx(want, rel=1e-5)
+    assert "rollout/entropy" not in runs["one"]["metrics"]  # off by default
 
 
 @pytest.mark.timeout(900)

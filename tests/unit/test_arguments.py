@@ -516,8 +516,8 @@ def test_rm_type_check_logic(monkeypatch):
 
 # ---- slime flags this implementation refuses or warns about (never parsed and silently ignored) -------------
 @pytest.mark.parametrize("extra, message", [
-    (["--use-opsm"], "--use-opsm: not supported here: off-policy sequence masking"),
     (["--use-routing-replay"], "--use-routing-replay: not supported here: MoE routing replay"),
+    (["--enable-mtp-training"], "--enable-mtp-training: not supported here: multi-token-prediction layers"),
     (["--multimodal-keys", '{"image": "img"}'], "--multimodal-keys {\"image\": \"img\"}: not supported here yet"),
     (["--train-backend", "megatron", "--ckpt-format", "torch"], "--ckpt-format torch: the megatron backend"),
     (["--model-name", "nosuchfamily"], "--model-name nosuchfamily: no HF <-> Megatron weight converter"),

@@ -81,6 +81,33 @@ def test_tis_weights_the_pg_loss():
         compute_actor_loss(_args(use_tis=True), _inputs())
 
 
+def test_opsm_masks_the_off_policy_negative_sample():
+    # B (A = −2) has old − current = 0.25 on its one token > delta 1e-4: its pg loss and gradient are dropped;
+    # A (A = +1) is on-policy and positive: kept. pg = [[-1, -1], [0, ·]] -> per sample (−1 + 0) / 2.
+    shift = torch.tensor([[0.0, 0.0], [0.25, 0.0]])
+    inputs = _inputs()
+    inputs.old_log_probs = inputs.old_log_probs + shift
+    loss, m = compute_actor_loss(_args(use_opsm=True), inputs)
+    assert m["train/pg_loss"].item() == pytest.approx(-0.5)
+    assert m["train/opsm_clipfrac"].item() == pytest.approx(0.5)  # one of the two sequences
+    loss.backward()
+    assert inputs.log_probs.grad[1].tolist() == [0.0, 0.0] and (inputs.log_probs.grad[0] != 0).all()
+    # off: B's ratio e^−0.25 < 0.8 is clipped: pg_B = 2·0.8, (−1 + 1.6) / 2; no OPSM metric
+    off = _inputs()
+    off.old_log_probs = off.old_log_probs + shift
+    _, m_off = compute_actor_loss(_args(), off)
+    assert m_off["train/pg_loss"].item() == pytest.approx(0.3) and "train/opsm_clipfrac" not in m_off
+    # per token: one dropped token of three; a delta above B's KL keeps it (same loss as off)
+    on_t = _inputs(per_token=True, denominator=3.0)
+    on_t.old_log_probs = on_t.old_log_probs + shift
+    _, m_t = compute_actor_loss(_args(use_opsm=True), on_t)
+    assert m_t["train/opsm_clipfrac"].item() == pytest.approx(1 / 3)
+    high = _inputs()
+    high.old_log_probs = high.old_log_probs + shift
+    _, m_high = compute_actor_loss(_args(use_opsm=True, opsm_delta=0.25), high)
+    assert m_high["train/pg_loss"].item() == pytest.approx(0.3) and m_high["train/opsm_clipfrac"].item() == 0
+
+
 def test_cispo_and_gspo_dispatch():
     _, m = compute_actor_loss(_args(advantage_estimator="cispo"), _inputs())
     # −1·A·logp per token: [[ln2, 2 ln2], [2·(−ln2)·(−1)... ]] -> A: −(ln 0.5 + ln 0.25)/2 = 1.5 ln2; B: 2·ln 0.5

@@ -1,10 +1,14 @@
-"""--reset-optimizer-states: after the reset, an Adam step is the step of a fresh optimizer."""
+"""--reset-optimizer-states: after the reset, an Adam step is the step of a fresh optimizer. --use-stateless-adam
+(a reset before every step) gives slime's StatelessAdam update."""
 
 from __future__ import annotations
 
 import torch
 
+import pytest
+
 from slime.backends.training.optimizer_state import reset_optimizer_states
+from slime.config.arguments import SlimeArgumentError
 from tests.args import make_args
 
 
@@ -43,3 +47,27 @@ def test_a_reset_adam_steps_as_a_fresh_one():
 def test_the_flag_parses_and_defaults_off():
     assert make_args().reset_optimizer_states is False
     assert make_args("--reset-optimizer-states").reset_optimizer_states is True
+
+
+def test_a_reset_before_every_step_is_slimes_stateless_adam_update():
+    # slime's StatelessAdam: p <- p·(1 − lr·wd) − lr·g / (|g| + eps) every step (bias correction on), whatever
+    # came before.
+    torch.manual_seed(0)
+    lr, wd, eps = 0.1, 0.01, 1e-8
+    param = torch.nn.Parameter(torch.randn(6))
+    optimizer = torch.optim.AdamW([param], lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=wd)
+    for _ in range(3):
+        grad = torch.randn(6)
+        want = param.detach() * (1 - lr * wd) - lr * grad / (grad.abs() + eps)
+        reset_optimizer_states([optimizer])
+        _step(optimizer, param, grad)
+        torch.testing.assert_close(param.detach(), want, rtol=1e-6, atol=1e-7)
+
+
+def test_stateless_adam_flag_needs_adam_and_no_saved_optimizer():
+    assert make_args().use_stateless_adam is False
+    assert make_args("--use-stateless-adam", "--no-save-optim").use_stateless_adam is True
+    with pytest.raises(SlimeArgumentError, match="--use-stateless-adam keeps no Adam moments.*--no-save-optim"):
+        make_args("--use-stateless-adam")
+    with pytest.raises(SlimeArgumentError, match="--use-stateless-adam with --optimizer sgd"):
+        make_args("--use-stateless-adam", "--no-save-optim", "--optimizer", "sgd")

@@ -355,6 +355,34 @@ def test_unbiased_kl_weights_by_the_ratio_with_its_gradient():
     assert big.item() == 10.0
 
 
+# ---- off-policy sequence masking (--use-opsm) --------------------------------------------------------------
+def test_opsm_masks_negative_advantage_sequences_whose_kl_exceeds_delta():
+    # logp_old − logp per row (binary-exact): row 0 [0.25, 0] -> seq KL 0.125; row 1 same KL, A > 0;
+    # row 2 KL 1.0, A = 0; row 3 [0.25, 5.0] with the second token unmasked -> KL 0.25 (not 2.625);
+    # row 4 KL 0.125 with per-token advantages of both signs.
+    cur = torch.tensor([[-1.0, -0.5], [-1.0, -0.5], [-1.0, -1.0], [-1.0, -6.0], [-1.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[-0.75, -0.5], [-0.75, -0.5], [0.0, 0.0], [-0.75, -1.0], [-0.75, -0.5]])
+    adv = torch.tensor([[-1.0, -1.0], [1.0, 1.0], [0.0, 0.0], [-1.0, -1.0], [-1.0, 2.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    # KL exactly at delta is kept (strictly above masks)
+    at = pu.opsm_mask(cur, old, adv, mask, delta=0.125)
+    assert at.tolist() == [[1, 1], [1, 1], [1, 1], [0, 0], [1, 1]]
+    below = pu.opsm_mask(cur, old, adv, mask, delta=0.124)
+    assert below.tolist() == [[0, 0], [1, 1], [1, 1], [0, 0], [0, 1]]
+    # the padded token does not enter the sequence KL: 0.25 <= 0.3 keeps row 3 (2.625 would mask it)
+    assert pu.opsm_mask(cur, old, adv, mask, delta=0.3).tolist() == [[1.0] * 2] * 5
+    assert not at.requires_grad
+
+
+def test_opsm_keeps_everything_on_policy_and_a_negative_kl():
+    cur = torch.tensor([[-1.0, -0.5], [-0.5, -0.5]])
+    adv = -torch.ones(2, 2)
+    mask = torch.ones(2, 2)
+    assert pu.opsm_mask(cur, cur.clone(), adv, mask, delta=1e-4).tolist() == [[1, 1], [1, 1]]
+    # the current policy more likely than the old one (KL < 0): never masked, whatever the sign of A
+    assert pu.opsm_mask(cur, cur - 0.5, adv, mask, delta=0.0).tolist() == [[1, 1], [1, 1]]
+
+
 def test_value_loss_clipped_and_unclipped():
     values, old, ret = torch.tensor([1.0, 0.0, 0.6]), torch.tensor([0.5, 0.5, 0.5]), torch.tensor([2.0, 0.0, 0.0])
     loss, clipfrac = pu.compute_value_loss(values, old, ret, value_clip=0.2)

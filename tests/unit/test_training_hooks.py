@@ -24,6 +24,7 @@ from slime.backends.training.record import (
     advantages_and_returns,
     loss_denominator,
     rollout_log_probs,
+    token_mean,
 )
 from slime.backends.training.rollout_data import apply_rollout_data, rollout_data_of
 from slime.config.arguments import SlimeArgumentError
@@ -69,6 +70,32 @@ def test_rollout_data_has_slimes_keys_for_this_ranks_rows():
     assert data["loss_masks"][0].dtype == torch.int and data["loss_masks"][0].tolist() == [1, 0, 1]
     assert data["log_probs"][1].tolist() == [-1.0, -2.0] and data["advantages"][0].tolist() == [1.0, 1.0, 1.0]
     assert "ref_log_probs" not in data and "returns" not in data and "rollout_log_probs" not in data
+
+
+def test_rollout_entropy_reaches_rollout_data_under_slimes_keys_and_its_token_mean():
+    record = record_of_two_rows()
+    assert "entropy" not in rollout_data_of(record)  # off: no entropy key, as slime without --use-rollout-entropy
+    record.entropies = {"entropy": {0: torch.tensor([0.5, 1.0]), 2: torch.tensor([0.25, 0.0, 2.0])},
+                        "ref_entropy": {0: torch.tensor([1.0, 1.0])}}  # not known for row 2: absent
+    data = rollout_data_of(record)
+    assert [t.tolist() for t in data["entropy"]] == [[0.25, 0.0, 2.0], [0.5, 1.0]]  # in partition order
+    assert "ref_entropy" not in data
+    data["entropy"][0][0] = 9.0  # a copy: the hook reads it, the record keeps its own
+    assert record.entropies["entropy"][2][0].item() == 0.25
+    # the logged mean is over every response token, not loss-masked (row 2's middle token counts)
+    import socket
+
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        assert token_mean(record.entropies["entropy"], "cpu") == pytest.approx(3.75 / 5)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_hooks_edits_reach_the_record_in_place_or_assigned():

@@ -151,13 +151,16 @@ class FSDPTrainRayActor(PolicyTrainer):
                                 device=self.device)
 
     @torch.no_grad()
-    def log_probs_of_rows(self, model, batch: TrainBatch, micro_batches: list[list[int]], store_prefix: str = ""
-                          ) -> dict[int, torch.Tensor]:
+    def log_probs_of_rows(self, model, batch: TrainBatch, micro_batches: list[list[int]], store_prefix: str = "",
+                          entropy: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
         out = {}
         for rows in micro_batches:
-            lp, _ = forward_response_log_probs(model, self._micro_batch(batch, rows), self.args.rollout_temperature)
+            lp, ent = forward_response_log_probs(model, self._micro_batch(batch, rows), self.args.rollout_temperature,
+                                                 with_entropy=entropy is not None)
             for i, r in enumerate(rows):
                 out[r] = lp[i, : batch.response_lengths[r]]
+                if entropy is not None:
+                    entropy[r] = ent[i, : batch.response_lengths[r]]
         return out
 
     def optimizer_step(self, record: RolloutRecord, step_id: int) -> dict[str, float]:

@@ -155,6 +155,8 @@ class FSDPCriticRayActor(TrainRayActor):
         global_steps = step_rows(len(batch), args.global_batch_size, batch.rollout_ids)
         mask_sums = rollout_mask_sums(batch.loss_masks, batch.rollout_of_rows())
         for s, micro_batches in enumerate(plan):
+            if args.use_stateless_adam:  # every step is a fresh Adam's first (slime's StatelessAdam update)
+                reset_optimizer_states([self.optimizer])
             denominator = loss_denominator(args, batch, global_steps[s])
 
             def micro_loss(rows):

@@ -203,25 +203,31 @@ class MegatronTrainRayActor(PolicyTrainer):
         return box[0]
 
     @torch.no_grad()
-    def log_probs_of_rows(self, model, batch: TrainBatch, micro_batches, store_prefix: str = ""
-                          ) -> dict[int, torch.Tensor]:
+    def log_probs_of_rows(self, model, batch: TrainBatch, micro_batches, store_prefix: str = "",
+                          entropy: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
         """{row: response log-probs} on the last pipeline stage; {} on the others."""
         if self.hooks.before_log_prob is not None:
             self.hooks.before_log_prob(self.args, model, store_prefix)
-        return self._log_probs(model, batch.tokens, batch.response_lengths, micro_batches)
+        return self._log_probs(model, batch.tokens, batch.response_lengths, micro_batches, entropy)
 
-    def _log_probs(self, model, tokens, response_lengths, micro_batches) -> dict[int, torch.Tensor]:
+    def _log_probs(self, model, tokens, response_lengths, micro_batches,
+                   entropy: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
         mbs = [self._micro_batch(tokens, response_lengths, rows) for rows in micro_batches]
+        with_entropy = entropy is not None
 
         def loss_fn(mb, logits):
-            lp, _ = response_log_probs(logits, mb, self.args.rollout_temperature, self.args.vocab_size)
-            return torch.zeros((), device=logits.device), {"log_probs": lp}
+            lp, ent = response_log_probs(logits, mb, self.args.rollout_temperature, self.args.vocab_size,
+                                         with_entropy=with_entropy)
+            return torch.zeros((), device=logits.device), ({"log_probs": lp, "entropy": ent} if with_entropy
+                                                           else {"log_probs": lp})
 
         outputs = run_pipeline(model, mbs, loss_fn, forward_only=True)
         result = {}
         for rows, out in zip(micro_batches, outputs):
             for i, r in enumerate(rows):
                 result[r] = out["log_probs"][i, : response_lengths[r]]
+                if with_entropy:
+                    entropy[r] = out["entropy"][i, : response_lengths[r]]
         return result
 
     def train_state(self) -> TrainState:

@@ -4,9 +4,9 @@
       1. plan: this data-parallel rank's rows of each optimizer step, in micro-batches;
       2. log-probs: the engines' (from the batch), the old policy's (recomputed — with --keep-old-actor by the
          weights the engines generated with, old_actor.py —, the engines' with --use-rollout-logprobs, or the
-         training forward's own when one optimizer step covers the rollout and no reference model or
-         distillation runs), the reference model's and, with --use-opd, the teacher's (the batch's with
-         --opd-type sglang, the trainer-held teacher model's with --opd-type megatron);
+         training forward's own when one optimizer step covers the rollout and no reference model,
+         distillation or --use-rollout-entropy runs), the reference model's and, with --use-opd, the teacher's
+         (the batch's with --opd-type sglang, the trainer-held teacher model's with --opd-type megatron);
       3. advantages and returns (slime/algorithm/estimators.py; --use-opd's reverse KL, slime/algorithm/opd.py;
          whitened across ranks);
       4. --rollout-data-postprocess-path: fn(args, rollout_id, rollout_data) may edit them (rollout_data.py);
@@ -43,6 +43,7 @@ from slime.backends.training.record import (
     loss_denominator,
     require_ref,
     rollout_log_probs,
+    token_mean,
 )
 from slime.backends.training.rollout_data import FLAG as POSTPROCESS_FLAG
 from slime.backends.training.rollout_data import apply_rollout_data, rollout_data_of
@@ -73,11 +74,12 @@ class PolicyTrainer(TrainRayActor):
         """Micro-batches of `rows` (forward-only passes may take a larger token budget)."""
         raise NotImplementedError
 
-    def log_probs_of_rows(self, model: Any, batch: TrainBatch, micro_batches: list[list[int]], store_prefix: str
-                          ) -> dict[int, torch.Tensor]:
+    def log_probs_of_rows(self, model: Any, batch: TrainBatch, micro_batches: list[list[int]], store_prefix: str,
+                          entropy: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
         """{row: response log-probs} of `model` (no gradient); {} where they are not available (off the last
         pipeline stage). `store_prefix` names the pass as slime does: "" the old policy, "ref_" the reference,
-        "teacher_" the distillation teacher."""
+        "teacher_" the distillation teacher. `entropy` (--use-rollout-entropy), when given, is filled with
+        {row: response entropies} of the same softmax."""
         raise NotImplementedError
 
     def optimizer_step(self, record: RolloutRecord, step_id: int) -> dict[str, float]:
@@ -135,6 +137,10 @@ class PolicyTrainer(TrainRayActor):
         recomputed = record.old_log_probs is not None and not args.use_rollout_logprobs
         if recomputed and record.rollout_log_probs is not None and self.last_stage():
             extra[ABS_DIFF] = self._abs_diff(record)
+        if record.entropies and self.last_stage():
+            group = self.data_parallel()[2]
+            extra.update({f"rollout/{key}": token_mean(values, self.device, group)
+                          for key, values in record.entropies.items()})
         if rollout_id < args.num_critic_only_steps:
             extra["train/critic_only_step"] = 1.0
             self._save_train_data(record)
@@ -145,6 +151,8 @@ class PolicyTrainer(TrainRayActor):
         totals: dict[str, float] = defaultdict(float)
         with progress(len(record.rows), f"train {rollout_id}", "sample", enabled=self.rank == 0) as bar:
             for s, micro_batches in enumerate(record.steps):
+                if args.use_stateless_adam:  # every step is a fresh Adam's first (slime's StatelessAdam update)
+                    reset_optimizer_states(self.train_state().optimizers)
                 step_metrics = self.optimizer_step(record, s)
                 bar.update(sum(map(len, micro_batches)))
                 for k, v in step_metrics.items():
@@ -177,31 +185,44 @@ class PolicyTrainer(TrainRayActor):
         # One optimizer step and no reference model: the policy that generated the log-probs of the loss is still
         # the trained one, so the training forward's own log-probs (detached) are the old ones (one forward fewer).
         # Not with --keep-old-actor, whose old policy is another set of weights, nor with --use-opd, whose
-        # advantages need the student's log-probs first (slime's rule).
+        # advantages need the student's log-probs first (slime's rule). Nor with --use-rollout-entropy, which asks for
+        # the old policy's entropies before training (slime skips them when it reuses the forward).
         record.reuse_training_forward = (len(steps) == 1 and self.ref_model is None and not args.use_rollout_logprobs
-                                         and self.old_actor is None and not args.use_opd)
+                                         and self.old_actor is None and not args.use_opd
+                                         and not args.use_rollout_entropy)
         forward_only = None
         if (not (args.use_rollout_logprobs or record.reuse_training_forward) or self.ref_model is not None
                 or self.teacher_model is not None):
             forward_only = self.log_prob_plan(record)
         if self.ref_model is not None:
-            record.ref_log_probs = self.log_probs_of_rows(self.ref_model, batch, forward_only, "ref_")
+            record.ref_log_probs = self._log_prob_pass(record, self.ref_model, forward_only, "ref_")
         if self.teacher_model is not None:
-            record.teacher_log_probs = self.log_probs_of_rows(self.teacher_model, batch, forward_only, "teacher_")
+            record.teacher_log_probs = self._log_prob_pass(record, self.teacher_model, forward_only, "teacher_")
         elif args.use_opd and args.compute_advantages_and_returns:
             record.teacher_log_probs = batch_teacher_log_probs(args, batch, record.rows, self.device)
         if args.use_rollout_logprobs:
             record.old_log_probs = record.rollout_log_probs
         elif self.old_actor is not None:
             with self.old_actor.loaded():
-                record.old_log_probs = self.log_probs_of_rows(self.model, batch, forward_only, "")
+                record.old_log_probs = self._log_prob_pass(record, self.model, forward_only, "")
         elif not record.reuse_training_forward:
-            record.old_log_probs = self.log_probs_of_rows(self.model, batch, forward_only, "")
+            record.old_log_probs = self._log_prob_pass(record, self.model, forward_only, "")
         if self.last_stage():
             advantages_and_returns(args, record, values, self.device, dp_group)
         if self.rollout_data_postprocess is not None:
             self._postprocess(record)
         return record
+
+    def _log_prob_pass(self, record: RolloutRecord, model: Any, micro_batches: list[list[int]], store_prefix: str
+                       ) -> dict[int, torch.Tensor]:
+        """One forward-only log-prob pass; with --use-rollout-entropy its entropies are kept in the record under
+        slime's rollout_data key (`store_prefix` + "entropy")."""
+        if not self.args.use_rollout_entropy:
+            return self.log_probs_of_rows(model, record.batch, micro_batches, store_prefix)
+        entropy: dict[int, torch.Tensor] = {}
+        log_probs = self.log_probs_of_rows(model, record.batch, micro_batches, store_prefix, entropy)
+        record.entropies[f"{store_prefix}entropy"] = entropy
+        return log_probs
 
     def _save_train_data(self, record: RolloutRecord) -> None:
         """--save-debug-train-data: what this rollout's training read, with its step / micro-batch layout (slime's

@@ -10,7 +10,7 @@ advantage step and --rollout-data-postprocess-path both read it.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +42,9 @@ class RolloutRecord:
     teacher_log_probs: PerRow | None = None  # on-policy distillation's teacher (--use-opd)
     opd_reverse_kl: PerRow | None = None  # student − teacher log-probs, once the advantages hold them
     reuse_training_forward: bool = False  # the old log-probs are the training forward's own (detached)
+    # --use-rollout-entropy: each log-prob pass's per-token entropies, by slime's rollout_data key ("entropy" the
+    # old policy's, "ref_entropy", "teacher_entropy")
+    entropies: dict[str, PerRow] = field(default_factory=dict)
 
     @property
     def rows(self) -> list[int]:
@@ -138,6 +141,8 @@ def rollout_inputs(record: RolloutRecord, device=None) -> AdvantageInputs:
         truncated=[int(batch.truncated[r]) for r in rows], batch_raw_rewards=list(batch.raw_rewards),
         advantages=per_row(record.advantages), returns=per_row(record.returns),
         teacher_log_probs=per_row(record.teacher_log_probs),
+        entropies={key: known for key, values in record.entropies.items()
+                   if (known := per_row(values)) is not None},
     )
 
 
@@ -187,6 +192,17 @@ def logprob_abs_diff(old_lp: PerRow, rollout_lp: PerRow, masks: PerRow, device, 
         mask = masks[r].to(device)
         total[0] += ((lp - rollout_lp[r]).abs() * mask).sum().double()
         total[1] += mask.sum().double()
+    dist.all_reduce(total, group=group)
+    return float(total[0] / total[1].clamp_min(1.0))
+
+
+def token_mean(values: PerRow, device, group=None) -> float:
+    """Mean of per-token values over every response token of the batch (all data-parallel ranks' rows; not
+    loss-masked, as slime's rollout log of such a tensor)."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for value in values.values():
+        total[0] += value.to(device).sum().double()
+        total[1] += value.numel()
     dist.all_reduce(total, group=group)
     return float(total[0] / total[1].clamp_min(1.0))
 

@@ -91,6 +91,20 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
         "pg_loss (e.g. Dr.GRPO's constant denominator); the other metrics keep the default reduction.",
     )
     g.add_argument(
+        "--use-rollout-entropy", action="store_true",
+        help="Compute the per-token entropy in the forward-only log-prob passes (old policy, reference, teacher): "
+        "rollout_data['entropy'] / ['ref_entropy'] / ['teacher_entropy'] for --rollout-data-postprocess-path "
+        "(e.g. an entropy-based loss mask) and the debug train data; logged as rollout/entropy etc.",
+    )
+    g.add_argument(
+        "--use-opsm", action="store_true",
+        help="Off-policy sequence masking: drop the policy loss of a sample with negative advantage whose masked mean "
+        "of (old − current log-prob) is above --opsm-delta; logs train/opsm_clipfrac.",
+    )
+    g.add_argument("--opsm-delta", type=float, default=1e-4,
+                   help="With --use-opsm: the sequence-level KL (old − current log-prob, masked mean) above which a "
+                   "negative-advantage sample is masked.")
+    g.add_argument(
         "--get-mismatch-metrics", action="store_true",
         help="Run --custom-tis-function-path (and log its metrics) even without --use-tis.",
     )
@@ -178,6 +192,8 @@ def validate_algorithm(args: argparse.Namespace) -> None:
         )
     if args.tis_clip_low < 0 or args.tis_clip_low > args.tis_clip:
         fail(f"--tis-clip-low {args.tis_clip_low} / --tis-clip {args.tis_clip}: need 0 <= low <= high.")
+    if args.use_opsm and args.loss_type != "policy_loss":
+        logger.warning("--use-opsm masks the policy loss only; --loss-type %s does not use it.", args.loss_type)
     if args.loss_type == "custom_loss" and args.custom_loss_function_path is None:
         fail("--loss-type custom_loss needs --custom-loss-function-path pkg.module.fn.")
     if not args.compute_advantages_and_returns and args.loss_type == "policy_loss":

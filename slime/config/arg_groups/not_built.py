@@ -85,12 +85,9 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "trained here", "drop it (the MTP layers stay as loaded)"),
     NotBuilt("mtp_loss_scaling_factor", {"type": float, "default": 0.2}, "the MTP loss only exists with "
              "--enable-mtp-training, which is not built here", "drop it", kind="warn"),
-    NotBuilt("use_stateless_adam", _BOOL, "slime's stateless Adam is not built here (Adam keeps its moments)",
-             "drop it (--optimizer adam with --no-save-optim keeps checkpoints small)"),
     NotBuilt("use_routing_replay", _BOOL, "MoE routing replay (arXiv 2507.18071) is not built here", "drop it"),
     NotBuilt("use_rollout_routing_replay", _BOOL, "MoE rollout routing replay (arXiv 2510.11370) is not built here",
              "drop it"),
-    NotBuilt("use_rollout_entropy", _BOOL, "the log-prob passes here compute no entropy for loss masks", "drop it"),
     NotBuilt("recompute_loss_function", _BOOL, _WARN_PERF, "drop it", kind="warn"),
     NotBuilt("log_probs_chunk_size", {"type": int, "default": -1}, _WARN_PERF, "drop it", kind="warn"),
     NotBuilt("balance_by_flops", _BOOL, "micro-batches are packed first-fit by tokens here; " + _WARN_PERF, "drop it",
@@ -98,10 +95,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
     NotBuilt("data_pad_size_multiplier", {"type": int, "default": 128}, "packed sequences are not padded to a "
              "multiple here; " + _WARN_PERF, "drop it", kind="warn"),
     NotBuilt("async_save", _BOOL, "checkpoints are saved synchronously here; " + _WARN_PERF, "drop it", kind="warn"),
-    # ---- algorithm ----
-    NotBuilt("use_opsm", _BOOL, "off-policy sequence masking (OPSM) is not built here", "drop it"),
-    NotBuilt("opsm_delta", {"type": float, "default": 1e-4}, "off-policy sequence masking (OPSM) is not built here",
-             "drop it"),
     # ---- rollout, data ----
     NotBuilt("prefill_num_servers", {"type": int, "default": None}, "prefill/decode disaggregated SGLang engines "
              "are not built here", "drop it (every engine serves both)"),

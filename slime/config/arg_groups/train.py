@@ -36,6 +36,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-optimizer-states", action="store_true",
                    help="slime: clear the optimizer's history (Adam's moments and step counts) at the start of every "
                    "rollout's training, actor and critic; the learning-rate schedule goes on.")
+    g.add_argument("--use-stateless-adam", action="store_true",
+                   help="slime: Adam without moments kept across optimizer steps: every step is a fresh Adam's first "
+                   "(update lr·g/(|g|+eps), weight decay decoupled). Here Adam's state is reset before every step "
+                   "(its memory is not saved). Needs --optimizer adam and --no-save-optim.")
     g.add_argument("--min-lr", type=float, default=0.0, help="Floor of the learning-rate decay.")
     g.add_argument(
         "--lr-decay-style",
@@ -132,6 +136,11 @@ def validate_train(args: argparse.Namespace) -> None:
 
     if args.bf16 and args.fp16:
         fail("--bf16 and --fp16 are both set; choose one precision.")
+    if args.use_stateless_adam and args.optimizer != "adam":
+        fail(f"--use-stateless-adam with --optimizer {args.optimizer}: stateless Adam is an Adam; use --optimizer "
+             "adam or drop the flag.")
+    if args.use_stateless_adam and not args.no_save_optim:
+        fail("--use-stateless-adam keeps no Adam moments to checkpoint: add --no-save-optim (as slime requires).")
     if args.train_backend == "megatron" and args.use_cuda and not args.fp16 and not args.bf16:
         # slime's Megatron backend always trains in bf16 unless --fp16 (its scripts pass neither); fp32 stays
         # the rule on CPU, where megatron-core runs only through the test shim.
