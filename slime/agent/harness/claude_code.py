@@ -8,10 +8,9 @@ the command line), SLIME_AGENT_CC_EXTRA_ENVS (a JSON object merged last into the
 from __future__ import annotations
 
 import json
-import os
 import shlex
 
-from slime.agent.harness.common import BaseHarness, HarnessContext, host_file_from_env, install_npm_cli, run_agent
+from slime.agent.harness.common import BaseHarness, HarnessContext, host_file_from_env, install_npm_cli
 from slime.agent.sandbox import Sandbox
 
 
@@ -40,16 +39,8 @@ class ClaudeCodeHarness(BaseHarness):
                       f"chown -R agent:agent /home/agent/.claude /home/agent/.claude.json",
                       user="root", check=True, timeout=60)
 
-    def command_and_env(self, ctx: HarnessContext, prompt: str) -> tuple[str, dict[str, str]]:
+    def base_command_and_env(self, ctx: HarnessContext, prompt: str) -> tuple[str, dict[str, str]]:
         cmd = f"{self.cli_path} -p {shlex.quote(prompt)} {self.launch_flags}"
-        extra = os.environ.get(self.extra_args_env, "").strip()
         env = {"ANTHROPIC_BASE_URL": ctx.adapter_url, "ANTHROPIC_AUTH_TOKEN": ctx.session_id,
                "ANTHROPIC_MODEL": ctx.model_label, **self.static_env}
-        extra_envs = os.environ.get(self.extra_envs_env, "").strip()
-        if extra_envs:
-            env.update(json.loads(extra_envs))
-        return (f"{cmd} {extra}" if extra else cmd), env
-
-    async def launch_and_wait(self, sb: Sandbox, ctx: HarnessContext, prompt: str, time_budget_sec: int) -> int:
-        cmd, env = self.command_and_env(ctx, prompt)
-        return await run_agent(sb, workdir=ctx.workdir, start_cmd=cmd, env=env, time_budget_sec=time_budget_sec)
+        return cmd, env

@@ -9,11 +9,9 @@ SLIME_AGENT_CODEX_EXTRA_ENVS (a JSON object merged last).
 from __future__ import annotations
 
 import base64
-import json
-import os
 import shlex
 
-from slime.agent.harness.common import BaseHarness, HarnessContext, host_file_from_env, install_npm_cli, run_agent
+from slime.agent.harness.common import BaseHarness, HarnessContext, host_file_from_env, install_npm_cli
 from slime.agent.sandbox import Sandbox
 
 
@@ -39,15 +37,6 @@ class CodexHarness(BaseHarness):
         await sb.exec(f"mkdir -p /home/agent/.codex && echo {encoded} | base64 -d > /home/agent/.codex/config.toml "
                       f"&& chown -R agent:agent /home/agent/.codex", user="root", check=True, timeout=60)
 
-    def command_and_env(self, ctx: HarnessContext, prompt: str) -> tuple[str, dict[str, str]]:
+    def base_command_and_env(self, ctx: HarnessContext, prompt: str) -> tuple[str, dict[str, str]]:
         cmd = f"codex exec {self.exec_flags} {shlex.quote(prompt)}"
-        extra = os.environ.get(self.extra_args_env, "").strip()
-        env = {"OPENAI_API_KEY": ctx.session_id, "OPENAI_BASE_URL": f"{ctx.adapter_url}/v1"}
-        extra_envs = os.environ.get(self.extra_envs_env, "").strip()
-        if extra_envs:
-            env.update(json.loads(extra_envs))
-        return (f"{cmd} {extra}" if extra else cmd), env
-
-    async def launch_and_wait(self, sb: Sandbox, ctx: HarnessContext, prompt: str, time_budget_sec: int) -> int:
-        cmd, env = self.command_and_env(ctx, prompt)
-        return await run_agent(sb, workdir=ctx.workdir, start_cmd=cmd, env=env, time_budget_sec=time_budget_sec)
+        return cmd, {"OPENAI_API_KEY": ctx.session_id, "OPENAI_BASE_URL": f"{ctx.adapter_url}/v1"}

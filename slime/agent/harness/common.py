@@ -11,6 +11,7 @@ file raises `ServiceUnavailableError` naming it. Harnesses are per-process singl
 from __future__ import annotations
 
 import asyncio
+import json
 import lzma
 import os
 import shlex
@@ -67,8 +68,25 @@ class BaseHarness(ABC, metaclass=SingletonABCMeta):
     @abstractmethod
     async def write_config(self, sb: Sandbox, ctx: HarnessContext) -> None: ...
 
+    extra_args_env: str = ""  # names of the host variables adding CLI arguments / a JSON object of env vars
+    extra_envs_env: str = ""
+
     @abstractmethod
-    async def launch_and_wait(self, sb: Sandbox, ctx: HarnessContext, prompt: str, time_budget_sec: int) -> int: ...
+    def base_command_and_env(self, ctx: HarnessContext, prompt: str) -> tuple[str, dict[str, str]]:
+        """The CLI's command line and environment before the host's extras."""
+
+    def command_and_env(self, ctx: HarnessContext, prompt: str) -> tuple[str, dict[str, str]]:
+        """`base_command_and_env` with the arguments of `$extra_args_env` appended and `$extra_envs_env` merged."""
+        cmd, env = self.base_command_and_env(ctx, prompt)
+        extra = os.environ.get(self.extra_args_env, "").strip()
+        extra_envs = os.environ.get(self.extra_envs_env, "").strip()
+        if extra_envs:
+            env.update(json.loads(extra_envs))
+        return (f"{cmd} {extra}" if extra else cmd), env
+
+    async def launch_and_wait(self, sb: Sandbox, ctx: HarnessContext, prompt: str, time_budget_sec: int) -> int:
+        cmd, env = self.command_and_env(ctx, prompt)
+        return await run_agent(sb, workdir=ctx.workdir, start_cmd=cmd, env=env, time_budget_sec=time_budget_sec)
 
     async def check_cli(self, sb: Sandbox) -> None:
         rc, _, _ = await sb.exec(f"command -v {shlex.quote(self.cli_path)}", user="root", timeout=30)
