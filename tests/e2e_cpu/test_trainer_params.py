@@ -6,6 +6,8 @@ trainers (one gloo rank each, fp32; megatron through the CPU shim):
   sends still carries every weight; a pattern matching nothing is refused naming the parameters;
 - --ref-ckpt-step: a save folder with two iterations of different weights; the reference model holds the
   iteration asked for (the latest without the flag); a missing one is refused naming the iterations present;
+- --ref-load without a checkpoint in --load: the policy starts from the reference weights (a fresh start at
+  rollout 0); with one, the policy resumes from --load and only the reference model reads --ref-load;
 - --save-hf (the same save run): each iteration's HF folder loads with transformers and gives the trainer's
   log-probs at that save, with --hf-checkpoint's tokenizer files beside it.
 """
@@ -120,17 +122,24 @@ def _check_ref_ckpt_step(backend: str, model_dir: str, tmp_path) -> None:
     saved = [torch.load(tmp_path / "save" / f"policy_{i}.pt") for i in (0, 1)]
     assert any(not torch.equal(saved[0][n], saved[1][n]) for n in saved[0])  # two different iterations
 
-    def ref(name: str, flags: str) -> dict[str, torch.Tensor]:
-        _run(backend, "ref", f"--ref-load {ckpt} {flags}", model_dir, tmp_path / name)
-        return torch.load(tmp_path / name / "ref.pt")
+    def ref(name: str, flags: str, start: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        result = _run(backend, "ref", f"--ref-load {ckpt} {flags}", model_dir, tmp_path / name)
+        assert result["start"] == start, result
+        return torch.load(tmp_path / name / "ref.pt"), torch.load(tmp_path / name / "policy.pt")
 
-    for name, flags, expected in (("step0", "--ref-ckpt-step 0", saved[0]), ("step1", "--ref-ckpt-step 1", saved[1])):
-        got = ref(name, flags)
+    def equal(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
         assert sorted(got) == sorted(expected)
-        assert all(torch.equal(got[n], expected[n]) for n in got), name
-    if backend == "megatron":  # the fsdp backend reads --ref-load as an HF folder (or an iteration of one)
-        latest = ref("latest", "")
-        assert all(torch.equal(latest[n], saved[1][n]) for n in latest)
+        return all(torch.equal(got[n], expected[n]) for n in got)
+
+    # Without --load, the policy starts from the reference weights: the iteration asked for, else the latest.
+    for name, flags, expected in (("step0", "--ref-ckpt-step 0", saved[0]), ("step1", "--ref-ckpt-step 1", saved[1]),
+                                  ("latest", "", saved[1])):
+        got, policy = ref(name, flags)
+        assert equal(got, expected) and equal(policy, expected), name
+    # With a checkpoint in --load, the policy resumes from it (the latest, rollout 2 next); the reference reads
+    # --ref-load's iteration.
+    got, policy = ref("resume", f"--ref-ckpt-step 0 --load {ckpt}", start=2)
+    assert equal(got, saved[0]) and equal(policy, saved[1])
 
     missing = _run(backend, "ref", f"--ref-load {ckpt} --ref-ckpt-step 5", model_dir, tmp_path / "missing")
     assert f"--ref-ckpt-step 5: {os.path.join(ckpt, 'iter_0000005')}" in missing["error"]

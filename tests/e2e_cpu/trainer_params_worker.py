@@ -6,7 +6,8 @@ shim) built from slime flags, and what its parameters do. Rank 0 writes <out>/re
 --mode save2: init, save rollout 0, one step, save rollout 1 (two iterations with different weights),
   torch.save the policy's parameters at each save to <out>/policy_<rollout>.pt, and report the trainer's
   log-probs of a probe batch at each save.
---mode ref: init only; torch.save the reference model's parameters to <out>/ref.pt.
+--mode ref: init only; torch.save the reference model's parameters to <out>/ref.pt and the policy's to
+  <out>/policy.pt; the rollout id init returns is the result's "start".
 When init refuses the flags (ValueError, FileNotFoundError) the result holds the error instead.
 """
 
@@ -82,12 +83,13 @@ def main() -> None:
     result: dict = {}
     try:
         try:
-            actor.init(args, "actor", with_ref=True)
+            result["start"] = actor.init(args, "actor", with_ref=True)
         except (ValueError, FileNotFoundError) as e:
             result["error"] = str(e)
             return
         if cli.mode == "ref":
             torch.save(_values(actor.ref_model, cli.backend), os.path.join(cli.out, "ref.pt"))
+            torch.save(_values(actor.model, cli.backend), os.path.join(cli.out, "policy.pt"))
         elif cli.mode == "save2":
             for rollout_id in (0, 1):
                 if rollout_id:

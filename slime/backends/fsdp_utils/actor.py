@@ -65,10 +65,12 @@ class FSDPTrainRayActor(PolicyTrainer):
         self.args = args
         setup_rank(self, args)
         ckpt = checkpoint.find_checkpoint(args.load)
-        self.model = self._build_model(ckpt.path if ckpt else args.hf_checkpoint, trainable=True)
+        ref_folder = self._ref_folder(args)
+        # Without a checkpoint in --load the policy starts from the reference model's weights: a fresh start.
+        self.model = self._build_model(ckpt.path if ckpt else ref_folder, trainable=True)
         self.ref_model = None
         if with_ref:
-            self.ref_model = self._build_model(self._ref_folder(args), trainable=False)
+            self.ref_model = self._build_model(ref_folder, trainable=False)
         self.teacher_model = None
         if args.use_opd and args.opd_type == "megatron":  # slime's trainer-held teacher, here an fsdp model
             self.teacher_model = self._build_model(self._teacher_folder(args), trainable=False)
@@ -87,16 +89,24 @@ class FSDPTrainRayActor(PolicyTrainer):
 
     @staticmethod
     def _ref_folder(args: Any) -> str:
-        """The HF folder of the reference model: --ref-load's iteration --ref-ckpt-step (an fsdp save folder),
-        else --ref-load when it is an HF folder, else --hf-checkpoint."""
+        """The HF folder of the reference model, and of the policy when --load holds no checkpoint: --ref-load's
+        iteration --ref-ckpt-step, else its latest iteration (an fsdp save folder), else --ref-load itself when
+        it is an HF folder, else --hf-checkpoint."""
         ref_load = args.ref_load
         if ref_load and args.ref_ckpt_step is not None:
             return _iteration_folder(ref_load, args.ref_ckpt_step, "--ref-load", "--ref-ckpt-step")
-        if ref_load and not checkpoint.is_hf_folder(ref_load):
-            logger.warning("--ref-load %s is not an HF folder (no config.json); the fsdp backend takes the "
-                           "reference model from --hf-checkpoint %s (or give --ref-ckpt-step to read one of its "
-                           "saved iterations)", ref_load, args.hf_checkpoint)
-        return ref_load if checkpoint.is_hf_folder(ref_load) else args.hf_checkpoint
+        if not ref_load or checkpoint.is_hf_folder(ref_load):
+            return ref_load or args.hf_checkpoint
+        try:
+            latest = checkpoint.find_checkpoint(ref_load)
+        except (ValueError, FileNotFoundError):  # e.g. Megatron's torch_dist folder: not an fsdp save
+            latest = None
+        if latest is not None and checkpoint.is_hf_folder(latest.path):
+            return latest.path
+        logger.warning("--ref-load %s is neither an HF folder (no config.json) nor an fsdp save folder; the fsdp "
+                       "backend takes the reference model (and the policy, without a --load checkpoint) from "
+                       "--hf-checkpoint %s", ref_load, args.hf_checkpoint)
+        return args.hf_checkpoint
 
     @staticmethod
     def _teacher_folder(args: Any) -> str:

@@ -83,15 +83,16 @@ class MegatronTrainRayActor(PolicyTrainer):
 
         ckpt = checkpoint.find_checkpoint(args.load)
         self.model = build_model(args)
-        self._load_weights(self.model, ckpt, args.hf_checkpoint)
+        # Without a checkpoint in --load the policy starts from the reference model's weights (--ref-load at
+        # --ref-ckpt-step, else --hf-checkpoint): a fresh start at rollout 0, no optimizer state.
+        self._load_weights(self.model, *((ckpt, None) if ckpt is not None else self._ref_source(args)))
         self.ref_model = None
         if with_ref:
             self.ref_model = build_model(args, wrap=False)
-            ref_ckpt, ref_hf = self._ref_source(args)
-            if ckpt is None and ref_ckpt is None and ref_hf == args.hf_checkpoint:
-                self.copy_actor_to_ref()  # the policy was just loaded from the same HF weights: no second read
+            if ckpt is None:
+                self.copy_actor_to_ref()  # the policy was just loaded from the reference weights: no second read
             else:
-                self._load_weights(self.ref_model, ref_ckpt, ref_hf)
+                self._load_weights(self.ref_model, *self._ref_source(args))
         self.teacher_model = None
         if args.use_opd and args.opd_type == "megatron":  # slime's trainer-held teacher (the student's layout)
             self.teacher_model = build_model(args, wrap=False)
@@ -129,8 +130,9 @@ class MegatronTrainRayActor(PolicyTrainer):
 
     @staticmethod
     def _ref_source(args):
-        """(torch_dist checkpoint, HF folder) of the reference model: --ref-load (either kind; a save folder at
-        its iteration --ref-ckpt-step when given, else its latest), else the --hf-checkpoint weights."""
+        """(torch_dist checkpoint, HF folder) of the reference model, and of the policy when --load holds no
+        checkpoint: --ref-load (either kind; a save folder at its iteration --ref-ckpt-step when given, else its
+        latest), else the --hf-checkpoint weights."""
         if not args.ref_load:
             return None, args.hf_checkpoint
         if args.ref_ckpt_step is not None:

@@ -79,8 +79,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--ref-load",
         type=str,
         default=None,
-        help="Reference-model checkpoint (an HF folder or a save folder). Unlike slime's Megatron path, the policy does "
-        "not start from it when --load holds no checkpoint: it starts from --hf-checkpoint.",
+        help="Reference-model checkpoint (an HF folder or a save folder; its iteration --ref-ckpt-step, else its "
+        "latest). When --load holds no checkpoint the policy starts from it too (a fresh start at rollout 0), as in "
+        "slime; without --ref-load both start from --hf-checkpoint.",
     )
     g.add_argument("--save-hf", type=str, default=None,
                    help="slime: also write the policy as an HF model folder with each checkpoint, at this path "
