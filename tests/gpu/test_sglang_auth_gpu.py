@@ -54,8 +54,11 @@ def _call(url: str, method: str, path: str, body, headers: dict) -> httpx.Respon
 
 @pytest.mark.timeout(600)
 def test_sglang_with_a_key_refuses_slimes_calls_without_it(tiny_model_dir, tmp_path):
+    # triton attention and pytorch sampling, as the other GPU tests start SGLang: the devpack's sgl_kernel has no
+    # FA3 build, the default backend on Hopper.
     with sglang_server(tiny_model_dir, str(tmp_path / "sglang.log"), "--api-key", KEY, "--enable-memory-saver",
-                       "--mem-fraction-static", "0.2", "--disable-cuda-graph") as url:
+                       "--mem-fraction-static", "0.2", "--disable-cuda-graph", "--attention-backend", "triton",
+                       "--sampling-backend", "pytorch") as url:
         good = {"Authorization": f"Bearer {KEY}"}
         version = _call(url, "GET", "/get_weight_version", None, good).json()
         refused = {}
