@@ -117,20 +117,21 @@ class DeviceUsage(MemoryPeak):
             self._sides[pid] = side
         return self._sides[pid]
 
-    def window(self, start: float, end: float) -> tuple[tuple[float, dict[str, float]], float, float]:
+    def window(self, start: float, end: float) -> tuple[tuple[float, dict[str, float]], float, float, float]:
         return phase_window(self.samples, start, end)
 
 
 def phase_window(samples: list[tuple[float, float, dict[str, float]]], start: float, end: float
-                 ) -> tuple[tuple[float, dict[str, float]], float, float]:
+                 ) -> tuple[tuple[float, dict[str, float]], float, float, float]:
     """What a phase over [start, end) left: the first of `samples` (wall clock, device GB, {side: GB}) taken after
-    `end` ((device GB, {side: GB}); the last one when the run ended first), then the device's and the trainer's peak
-    GB in the phase (a phase shorter than the polling interval: those of the sample after it)."""
+    `end` ((device GB, {side: GB}); the last one when the run ended first), then the device's, the trainer's and the
+    engine's peak GB in the phase (a phase shorter than the polling interval: those of the sample after it)."""
     if not samples:
-        return (float("nan"), {}), float("nan"), float("nan")
+        return (float("nan"), {}), float("nan"), float("nan"), float("nan")
     after = next((sample for sample in samples if sample[0] >= end), samples[-1])
     inside = [sample for sample in samples if start <= sample[0] < end] or [after]
-    return after[1:], max(used for _, used, _ in inside), max(sides.get("trainer", 0.0) for _, _, sides in inside)
+    return (after[1:], max(used for _, used, _ in inside),
+            *(max(sides.get(side, 0.0) for _, _, sides in inside) for side in ("trainer", "engine")))
 
 
 def _cmdline(pid: int) -> str:
@@ -240,10 +241,10 @@ def report(name: str, r: dict) -> str:
         lines += ["", trainer_memory_table(r["perf"])]
     if r["timeline"]:
         lines += ["", "| phase | device GB after | trainer GB after | engine GB after | trainer peak GB in phase | "
-                  "device peak GB in phase |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
-        for phase, (used, sides), peak, trainer_peak in r["timeline"]:
+                  "engine peak GB in phase | device peak GB in phase |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for phase, (used, sides), peak, trainer_peak, engine_peak in r["timeline"]:
             lines.append(f"| {phase}{AFTER.get(phase, '')} | {used:.1f} | {sides.get('trainer', 0.0):.1f} | "
-                         f"{sides.get('engine', 0.0):.1f} | {trainer_peak:.1f} | {peak:.1f} |")
+                         f"{sides.get('engine', 0.0):.1f} | {trainer_peak:.1f} | {engine_peak:.1f} | {peak:.1f} |")
     lines += engine_memory_table(r.get("engine", []))
     return "\n".join(lines)
 

@@ -112,9 +112,11 @@ def colocate_runs(out: str) -> dict[str, dict]:
 
 
 def freed(phases: list[tuple], side: int, held_in: str, left_in: str) -> float:
-    """Share of one side's GB (`side`: 2 trainer, 3 engine column) freed while the other side works: the most it
-    held at the end of the phases starting with `held_in` against the most left at the end of those starting with
-    `left_in`. (Not the end of a release phase itself: its last sample may precede what the release freed.)"""
+    """Share of one side's GB (`side`: 4 trainer, 5 engine: its peak-in-phase column) freed while the other side
+    works: its peak in the phases starting with `held_in` against its peak in those starting with `left_in`.
+    Peaks, not the samples after a phase: a release or an offload that takes less than the polling interval
+    (the `hf` engine releases in ~0.1 s) is over before the sample after the phase before it is read, which then
+    shows the side already emptied and the other one already filling."""
     held = [p[side] for p in phases if p[0].startswith(held_in)]
     left = [p[side] for p in phases if p[0].startswith(left_in)]
     if not held or not left or max(held) <= 0:
@@ -138,7 +140,7 @@ def handoff_figures(run_name: str) -> Callable[[str], Figures]:
             figures.update({"step s": f"{statistics.median(s[1] for s in later):.2f}",
                             "handoff s": f"{statistics.median(s[2] for s in later):.2f}",
                             "handoff/step": f"{statistics.median(s[3] for s in later):.1f}%"})
-        engine, trainer = freed(run["phases"], 3, GENERATING, TRAINING), freed(run["phases"], 2, TRAINING, GENERATING)
+        engine, trainer = freed(run["phases"], 5, GENERATING, TRAINING), freed(run["phases"], 4, TRAINING, GENERATING)
         figures.update({"engine freed": f"{engine:.0%}", "trainer freed": f"{trainer:.0%}"})
         if run["rc"]:
             figures["error"] = run["error"][:120]
@@ -163,7 +165,7 @@ def handoff_check(run_name: str, min_steps: int) -> Callable[[str], list[str]]:
         later = run["steps"][1:]
         if later and statistics.median(s[3] for s in later) > 10.0:
             problems.append(f"the handoff took {statistics.median(s[3] for s in later):.1f}% of the step (> 10%)")
-        for side, col, held, left in (("engine", 3, GENERATING, TRAINING), ("trainer", 2, TRAINING, GENERATING)):
+        for side, col, held, left in (("engine", 5, GENERATING, TRAINING), ("trainer", 4, TRAINING, GENERATING)):
             share = freed(run["phases"], col, held, left)
             if not share >= 0.9:
                 problems.append(f"the {side} freed {share:.0%} of its GB (< 90%)")

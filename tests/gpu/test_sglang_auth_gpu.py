@@ -60,7 +60,11 @@ def test_sglang_with_a_key_refuses_slimes_calls_without_it(tiny_model_dir, tmp_p
                        "--mem-fraction-static", "0.2", "--disable-cuda-graph", "--attention-backend", "triton",
                        "--sampling-backend", "pytorch") as url:
         good = {"Authorization": f"Bearer {KEY}"}
-        version = _call(url, "GET", "/get_weight_version", None, good).json()
+
+        def weight_version() -> str:  # SGLang 0.5.16 serves it in /model_info (/get_weight_version answers 404)
+            return _call(url, "GET", "/model_info", None, good).json()["weight_version"]
+
+        version = weight_version()
         refused = {}
         for method, path, body in GUARDED:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -68,10 +72,13 @@ def test_sglang_with_a_key_refuses_slimes_calls_without_it(tiny_model_dir, tmp_p
                 if status != 401:
                     refused[(path, str(headers))] = status
         assert not refused, f"answered without the right key (want 401): {refused}"
-        assert _call(url, "GET", "/get_weight_version", None, good).json() == version, "a refused call changed it"
+        assert weight_version() == version, "a refused call changed the weight version"
         assert _call(url, "GET", "/health", None, {}).status_code == 200  # liveness stays open, as SGLang documents
         out = _call(url, "POST", "/generate", GENERATE, good)
         assert out.status_code == 200 and len(out.json()["output_ids"]) == 2, out.text[:500]
+        # The same call with the key does change it: the check above could see a refused call let through.
+        assert _call(url, "POST", "/update_weight_version", {"new_version": "with-key"}, good).status_code == 200
+        assert weight_version() == "with-key"
         print(f"\n[sglang auth, endpoints] {len(GUARDED)} endpoints x 3 wrong headers answered 401; "
               f"the weight version stayed {version}; /generate with the key answered")
 

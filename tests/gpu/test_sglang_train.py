@@ -77,7 +77,7 @@ def run_train(cmd: list[str], out: str, env_extra: dict | None = None,
     """train.py in its own process (engine logs under `out`); `during(proc)` runs in a thread meanwhile.
     Returns the finished process (output captured) and the engine logs' heads and tails."""
     logs = os.path.join(out, "engine_logs")
-    env = dict(os.environ, SLIME_ENGINE_LOG_DIR=logs, **(env_extra or {}),
+    env = dict(os.environ, SLIME_ENGINE_LOG_DIR=logs, SLIME_LOG_DIR=logs, **(env_extra or {}),  # router's log too
                PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=out)
     watcher = threading.Thread(target=during, args=(proc,), daemon=True) if during else None

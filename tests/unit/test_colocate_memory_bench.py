@@ -58,8 +58,9 @@ def test_a_phase_is_read_after_it_ended():
                (10.6, 112.0, {"trainer": 111.0, "engine": 1.0}),
                (11.2, 10.0, {"trainer": 9.0, "engine": 1.0}),  # the engine's resume has begun
                (11.8, 18.0, {"trainer": 9.0, "engine": 9.0})]
-    assert bench.phase_window(samples, 9.5, 11.0) == ((10.0, {"trainer": 9.0, "engine": 1.0}), 112.0, 111.0)
-    assert bench.phase_window(samples, 11.0, 20.0) == ((18.0, {"trainer": 9.0, "engine": 9.0}), 18.0, 9.0)
-    assert bench.phase_window(samples, 11.3, 11.4)[1:] == (18.0, 9.0)  # shorter than the interval: the next sample
+    assert bench.phase_window(samples, 9.5, 11.0) == ((10.0, {"trainer": 9.0, "engine": 1.0}), 112.0, 111.0, 1.0)
+    assert bench.phase_window(samples, 11.0, 20.0) == ((18.0, {"trainer": 9.0, "engine": 9.0}), 18.0, 9.0, 9.0)
+    # shorter than the interval: the next sample
+    assert bench.phase_window(samples, 11.3, 11.4)[1:] == (18.0, 9.0, 9.0)
     nan = bench.phase_window([], 0.0, 1.0)
-    assert nan[0][1] == {} and all(x != x for x in (nan[0][0], nan[1], nan[2]))
+    assert nan[0][1] == {} and all(x != x for x in (nan[0][0], *nan[1:]))
