@@ -44,13 +44,8 @@ import time
 
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, rollout_lifecycle
 from slime.rollout.filter_hub.base_types import call_dynamic_filter, drop_metric, should_drop_dynamic_filter_output
-from slime.rollout.sglang_rollout import (
-    abort_engines,
-    build_sampling_params,
-    check_failed_ratio,
-    generate_and_rm_group,
-    generate_rollout,
-)
+from slime.rollout.generation import abort_engines, build_sampling_params, check_failed_ratio, generate_and_rm_group
+from slime.rollout.train_rollout import generate_rollout
 from slime.utils.async_utils import run_sync
 from slime.rollout.staleness import collection_lag_bound, pushes_before_training, stale_groups
 from slime.utils.metrics import wait_time_ratio
