@@ -39,7 +39,8 @@ from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.router import RouterClient, url_of
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks, current_rollout_id
 from slime.utils.http_utils import HTTPRequestError, post
-from slime.utils.misc import SingletonMeta, load_function
+from slime.utils.hooks import hooks_of, sample_hook
+from slime.utils.misc import SingletonMeta
 from slime.utils.processing_utils import load_processor, load_tokenizer
 from slime.utils.types import Sample
 
@@ -402,7 +403,7 @@ async def generate_and_rm(
                 sample.status = Sample.Status.ABORTED
                 return sample
             with state.dp_rank_context():
-                result = await _call_generate(path, args, sample, params, evaluation)
+                result = await _call_generate(_generate_function(args, sample), args, sample, params, evaluation)
         _check_generated(result, sample, path)
         result = await apply_rollout_sample_hooks(args, result, evaluation=evaluation)
         samples = result if isinstance(result, list) else [result]
@@ -417,10 +418,18 @@ async def generate_and_rm(
     return result
 
 
-async def _call_generate(path: str | None, args, sample: Sample, params: dict, evaluation: bool):
-    if not path:
+def _generate_function(args, sample: Sample):
+    """The sample's own generate function (loaded once per distinct path), else the process's
+    --custom-generate-function-path, else None (the default `generate`)."""
+    if sample.generate_function_path:
+        return sample_hook(sample.generate_function_path, "--custom-generate-function-path",
+                           "sample.generate_function_path")
+    return hooks_of(args).custom_generate_function
+
+
+async def _call_generate(fn, args, sample: Sample, params: dict, evaluation: bool):
+    if fn is None:
         return await generate(args, sample, params)
-    fn = load_function(path)
     if "evaluation" in inspect.signature(fn).parameters:
         result = fn(args, sample, params, evaluation=evaluation)
     else:

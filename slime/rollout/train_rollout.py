@@ -35,7 +35,7 @@ from slime.rollout.generation import (
     generate_and_rm_group,
 )
 from slime.utils.async_utils import run_sync
-from slime.utils.misc import load_function
+from slime.utils.hooks import Hooks, hooks_of
 from slime.utils.progress import progress
 from slime.utils.types import Sample
 
@@ -67,8 +67,8 @@ async def _generate_rollout(args, rollout_id: int, data_source) -> RolloutFnTrai
     target = int(args.rollout_batch_size)
     over = max(target, int(args.over_sampling_batch_size or target))
     total_samples = target * int(args.n_samples_per_prompt)
-    filter_path = args.dynamic_sampling_filter_path
-    filter_fn = load_function(filter_path, "--dynamic-sampling-filter-path") if filter_path else None
+    hooks = hooks_of(args)  # resolved when the process started (the RolloutManager's constructor)
+    filter_fn = hooks.dynamic_sampling_filter
     params = build_sampling_params(args)
 
     pending: set[asyncio.Task] = set()
@@ -125,7 +125,7 @@ async def _generate_rollout(args, rollout_id: int, data_source) -> RolloutFnTrai
     if dropped:
         logger.info("%s: dynamic filter dropped %s", where, dropped)
     kept.sort(key=_group_order)
-    finish_rollout(args, kept, sorted(finished, key=_group_order), data_source)
+    finish_rollout(args, kept, sorted(finished, key=_group_order), data_source, hooks)
     return RolloutFnTrainOutput(samples=kept, metrics=metrics)
 
 
@@ -133,16 +133,16 @@ def _group_order(group: list[Sample]) -> int:
     return group[0].group_index if group and group[0].group_index is not None else -1
 
 
-def finish_rollout(args, groups: list[list[Sample]], all_groups: list[list[Sample]], data_source) -> None:
+def finish_rollout(args, groups: list[list[Sample]], all_groups: list[list[Sample]], data_source,
+                   hooks: Hooks) -> None:
     """The hooks slime runs once a rollout's groups are chosen: `--rollout-sample-filter-path fn(args, groups)`
     (marks `sample.remove_sample` on samples to leave out of the loss) on the kept groups, then
     `--rollout-all-samples-process-path fn(args, all_groups, data_source)` on every group that finished,
     those the dynamic filter dropped included."""
-    if args.rollout_sample_filter_path:
-        load_function(args.rollout_sample_filter_path, "--rollout-sample-filter-path")(args, groups)
-    if args.rollout_all_samples_process_path:
-        load_function(args.rollout_all_samples_process_path, "--rollout-all-samples-process-path")(
-            args, all_groups, data_source)
+    if hooks.rollout_sample_filter is not None:
+        hooks.rollout_sample_filter(args, groups)
+    if hooks.rollout_all_samples_process is not None:
+        hooks.rollout_all_samples_process(args, all_groups, data_source)
 
 
 async def _abort_and_collect(args, pending: set[asyncio.Task]) -> list[list[Sample]]:
