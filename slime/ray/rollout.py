@@ -74,6 +74,7 @@ from slime.rollout.train_data import (
     save_debug_samples,
 )
 from slime.utils.eval_config import eval_datasets
+from slime.utils.hooks import hooks_of, sample_hook
 from slime.utils.http_utils import bearer_headers, set_engine_api_key, trust_engine_url
 from slime.utils.metrics import (
     compute_eval_metrics,
@@ -82,7 +83,6 @@ from slime.utils.metrics import (
     multi_turn_metrics,
     wait_time_ratio,
 )
-from slime.utils.hooks import hooks_of, sample_hook
 from slime.utils.misc import load_function
 from slime.utils.net import node_ip
 from slime.utils.placement import engine_nnodes
