@@ -23,7 +23,7 @@ import torch
 
 from slime.algorithm.opd import apply_opd_kl_to_advantages
 from slime.utils import ppo_utils
-from slime.utils.misc import load_function
+from slime.utils.hooks import hooks_of
 
 Tensors = list[torch.Tensor]
 
@@ -215,7 +215,7 @@ def compute_advantages_and_returns(args, inputs: AdvantageInputs) -> tuple[Tenso
     if not custom:
         return estimator_of(args).advantages(args, inputs)
     rollout_data = inputs.to_rollout_data(token_reward_kl(args, inputs))
-    load_function(custom, "--custom-advantage-function-path")(args, rollout_data)
+    hooks_of(args).custom_advantage_function(args, rollout_data)
     return _custom_results(args, custom, rollout_data, inputs)
 
 
@@ -259,7 +259,7 @@ def compute_advantages_and_returns_in_place(args, rollout_data: dict[str, Any],
     kl = token_reward_kl(args, inputs)
     rollout_data["kl"] = kl
     if args.custom_advantage_function_path:
-        load_function(args.custom_advantage_function_path, "--custom-advantage-function-path")(args, rollout_data)
+        hooks_of(args).custom_advantage_function(args, rollout_data)
         advantages, returns = _custom_results(args, args.custom_advantage_function_path, rollout_data, inputs)
     else:
         advantages, returns = estimator_of(args).advantages(args, inputs)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from slime.algorithm.estimators import estimator_of
 from slime.utils import ppo_utils
-from slime.utils.misc import load_function
+from slime.utils.hooks import hooks_of
 
 LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
 
@@ -198,7 +198,7 @@ def importance_correction(args: Any, inputs: LossInputs, pg: torch.Tensor, ppo_k
         return pg * weights, None, {**metrics, **tis_metrics}
     flag = "--custom-tis-function-path"
     layout = SampleLayout(inputs, flag)
-    out = load_function(path, flag)(
+    out = hooks_of(args).custom_tis_function(
         args, pg_loss=layout.flat(pg), train_log_probs=layout.rows(inputs.old_log_probs),
         rollout_log_probs=layout.rows(inputs.rollout_log_probs), loss_masks=layout.rows(inputs.mask),
         total_lengths=layout.total_lengths, response_lengths=layout.lengths)
@@ -224,7 +224,8 @@ def reduce_pg_loss(args: Any, inputs: LossInputs, pg: torch.Tensor, pg_masks: to
     flag = "--custom-pg-loss-reducer-function-path"
     layout = SampleLayout(inputs, flag)
     masks = layout.rows(inputs.mask if pg_masks is None else pg_masks)
-    reducer = load_function(path, flag)(layout.total_lengths, layout.lengths, masks, args.calculate_per_token_loss)
+    reducer = hooks_of(args).custom_pg_loss_reducer_function(layout.total_lengths, layout.lengths, masks,
+                                                             args.calculate_per_token_loss)
     return reducer(layout.flat(pg)) / layout.denominator
 
 
@@ -264,8 +265,7 @@ def custom_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, 
     def sum_of_sample_mean(flat: torch.Tensor) -> torch.Tensor:
         return micro_batch_sum(layout.padded(flat), inputs.mask, per_token, inputs.sample_denominators)
 
-    out = load_function(args.custom_loss_function_path, flag)(args, loss_batch(inputs, layout), inputs.logits,
-                                                              sum_of_sample_mean)
+    out = hooks_of(args).custom_loss_function(args, loss_batch(inputs, layout), inputs.logits, sum_of_sample_mean)
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
         raise ValueError(f"{flag} {args.custom_loss_function_path}: returned {type(out).__name__}; slime's contract "
                          "returns (loss, {name: scalar})")

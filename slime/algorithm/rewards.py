@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from slime.algorithm.estimators import estimator_of
-from slime.utils.misc import load_function
+from slime.utils.hooks import hooks_of
 from slime.utils.ppo_utils import group_normalize_rewards
 from slime.utils.types import Sample
 
@@ -26,7 +26,7 @@ def rollout_rewards(args: Any, samples: list[Sample], group_indices: list[int]) 
     if not path:
         raw = [s.scalar_reward(args.reward_key) for s in samples]
         return raw, train_rewards(args, samples, raw, group_indices)
-    out = load_function(path, "--custom-reward-post-process-path")(args, samples)
+    out = hooks_of(args).custom_reward_post_process(args, samples)
     if not (isinstance(out, (tuple, list)) and len(out) == 2
             and all(hasattr(x, "__len__") and len(x) == len(samples) for x in out)):
         raise ValueError(f"--custom-reward-post-process-path {path}: slime's contract returns (raw_rewards, rewards), "

@@ -73,6 +73,8 @@ from slime.rollout.train_data import (
     save_debug_eval_samples,
     save_debug_samples,
 )
+from slime.utils.eval_config import eval_datasets
+from slime.utils.hooks import hooks_of, sample_hook
 from slime.utils.http_utils import bearer_headers, set_engine_api_key, trust_engine_url
 from slime.utils.metrics import (
     compute_eval_metrics,
@@ -101,6 +103,7 @@ class RolloutManager:
         self.args = args  # this actor's copy; for a router it starts, the router's address is filled in
         self.pg = pg
         self.generate_rollout = None
+        self.hooks = None  # this process's plugin hooks (slime.utils.hooks), resolved first thing below
         self.engines: list[Any] = []  # one actor per engine (node rank 0 of a multi-node engine)
         self.engine_followers: list[Any] = []  # the actors of node ranks > 0 of multi-node engines
         self.engine_urls: list[str] = []
@@ -119,7 +122,9 @@ class RolloutManager:
         self._generating = False
         try:
             # The cheap, error-prone parts first, so a bad plugin path or dataset starts no process.
-            self.generate_rollout = load_function(args.rollout_function_path, "--rollout-function-path")
+            self.hooks = hooks_of(args)
+            _load_eval_dataset_hooks(args)
+            self.generate_rollout = self.hooks.rollout_function
             self.data_source = self._make_data_source()
             set_engine_api_key(args.engine_api_key)
             if args.use_opd and args.opd_type == "sglang" and args.rm_url:
@@ -216,7 +221,7 @@ class RolloutManager:
         return options
 
     def _make_data_source(self) -> Any:
-        return load_function(self.args.data_source_path, "--data-source-path")(self.args)
+        return self.hooks.data_source(self.args)
 
     # ---- queries --------------------------------------------------------------------------------
     def get_engines(self) -> list[Any]:
@@ -298,8 +303,8 @@ class RolloutManager:
             metrics["perf/rollout_wait_time_ratio"] = wait_time_ratio(idle, idle + rollout_time)
         metrics.update({k: float(v) for k, v in fn_metrics.items()})  # a background rollout reports its own ratio
         self._last_generate_end = time.time()
-        if _custom_log(args.custom_rollout_log_function_path, "--custom-rollout-log-function-path",
-                       rollout_id, args, samples, output_metrics, rollout_time):
+        if _custom_log(self.hooks.custom_rollout_log_function, rollout_id, args, samples, output_metrics,
+                       rollout_time):
             metrics = {}  # the plugin logged this rollout itself
         if with_timing:
             return batch, metrics, {"generate_start": wall_start, "generate_end": self._last_generate_end}
@@ -393,7 +398,7 @@ class RolloutManager:
         into `eval/<name>` metrics."""
         args = self.args
         path = args.eval_function_path
-        fn = load_function(path, "--eval-function-path")
+        fn = self.hooks.eval_function
         set_current_rollout_id(rollout_id)
         log_marks = self._engine_log_marks()
         try:
@@ -406,8 +411,7 @@ class RolloutManager:
                             "RolloutFnEvalOutput or {name: {rewards, ...}}")
         if args.save_debug_rollout_data:
             save_debug_eval_samples(args.save_debug_rollout_data, rollout_id, output.data)
-        if _custom_log(args.custom_eval_rollout_log_function_path, "--custom-eval-rollout-log-function-path",
-                       rollout_id, args, output.data, output.metrics):
+        if _custom_log(self.hooks.custom_eval_rollout_log_function, rollout_id, args, output.data, output.metrics):
             return {}  # the plugin logged this eval itself
         metrics: dict[str, float] = {k: float(v) for k, v in (output.metrics or {}).items()}
         for name, data in output.data.items():
@@ -666,12 +670,28 @@ def router_args_from(args: Any) -> dict[str, Any]:
     return out
 
 
-def _custom_log(path: str | None, flag: str, *call_args: Any) -> bool:
-    """Call a `--custom-(eval-)rollout-log-function-path` plugin with slime's arguments; True when it asks for
-    the default metrics of that rollout to be skipped."""
-    if not path:
+def _custom_log(hook: Any, *call_args: Any) -> bool:
+    """Call a `--custom-(eval-)rollout-log-function-path` plugin (None: unset) with slime's arguments; True when
+    it asks for the default metrics of that rollout to be skipped."""
+    if hook is None:
         return False
-    return bool(load_function(path, flag)(*call_args))
+    return bool(hook(*call_args))
+
+
+def _load_eval_dataset_hooks(args: Any) -> None:
+    """Load the reward and generate functions the eval datasets name (they become their samples'
+    `custom_rm_path` / `generate_function_path`), so a bad one fails when the RolloutManager starts, not at the
+    first eval; `sample_hook` keeps them for the samples."""
+    for config in eval_datasets(args):
+        for path, flag, where in ((config.custom_rm_path, "--custom-rm-path", "sample.custom_rm_path"),
+                                  (config.custom_generate_function_path, "--custom-generate-function-path",
+                                   "sample.generate_function_path")):
+            if not path:
+                continue
+            try:
+                sample_hook(path, flag, where)
+            except (ImportError, AttributeError, TypeError, ValueError) as e:
+                raise type(e)(f"eval dataset {config.name!r}: {e}") from e
 
 
 def _best_effort(what: str, fn) -> None:

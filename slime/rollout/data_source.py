@@ -26,7 +26,7 @@ import logging
 import os
 
 from slime.utils.data import Dataset, StreamingDataset
-from slime.utils.misc import load_function
+from slime.utils.hooks import hooks_of
 from slime.utils.processing_utils import load_tokenizer
 from slime.utils.types import Sample
 
@@ -232,11 +232,7 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
     def __init__(self, args):
         super().__init__(args)
         self.buffer: list[list[Sample]] = []
-        path = args.buffer_filter_path
-        if path:
-            self.buffer_filter = load_function(path, "--buffer-filter-path")
-        else:
-            self.buffer_filter = pop_first
+        self.buffer_filter = hooks_of(args).buffer_filter or pop_first
 
     def get_samples(self, num_groups: int) -> list[list[Sample]]:
         groups = self._get_from_buffer(num_groups)

@@ -44,17 +44,12 @@ import time
 
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, rollout_lifecycle
 from slime.rollout.filter_hub.base_types import call_dynamic_filter, drop_metric, should_drop_dynamic_filter_output
-from slime.rollout.sglang_rollout import (
-    abort_engines,
-    build_sampling_params,
-    check_failed_ratio,
-    generate_and_rm_group,
-    generate_rollout,
-)
+from slime.rollout.generation import abort_engines, build_sampling_params, check_failed_ratio, generate_and_rm_group
+from slime.rollout.train_rollout import generate_rollout
 from slime.utils.async_utils import run_sync
 from slime.rollout.staleness import collection_lag_bound, pushes_before_training, stale_groups
 from slime.utils.metrics import wait_time_ratio
-from slime.utils.misc import load_function
+from slime.utils.hooks import hooks_of
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -116,8 +111,7 @@ class AsyncRolloutWorker:
         self.partial_rollout = bool(args.partial_rollout)
         self.max_staleness = collection_lag_bound(
             args.max_policy_version_lag, pushes_before_training(args.async_buffer_size, args.update_weights_interval))
-        filter_path = args.dynamic_sampling_filter_path
-        self.filter_fn = load_function(filter_path, "--dynamic-sampling-filter-path") if filter_path else None
+        self.filter_fn = hooks_of(args).dynamic_sampling_filter
         self.weight_version = weight_version
         self.in_flight: set[asyncio.Task] = set()
         self.requeued: list[list[Sample]] = []  # cut short by a push: launched before fresh prompts

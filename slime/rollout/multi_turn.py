@@ -16,7 +16,7 @@ Budgets: `sampling_params["max_new_tokens"]` (--rollout-max-response-len) bounds
 a tool result that does not fit ends the trajectory as TRUNCATED rather than overflowing); `--max-turns`
 (or `tool_loop(max_turns=...)`) bounds the number of model turns.
 
-Reused from the default rollout (`slime.rollout.sglang_rollout`): `prompt_ids`, `get_tokenizer`,
+Reused from the default rollout's generation (`slime.rollout.generation`): `prompt_ids`, `get_tokenizer`,
 `post_generate` (the /generate request with its retries and answer parsing) and `_aborted` (private: the
 per-rollout abort flag), so a multi-turn sample is tokenised, requested and aborted exactly like a
 single-turn one.
@@ -30,7 +30,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from slime.rollout.sglang_rollout import (
+from slime.rollout.generation import (
     _aborted,
     append_model_tokens,
     get_tokenizer,

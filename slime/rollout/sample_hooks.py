@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from slime.utils.misc import load_function
+from slime.utils.hooks import hooks_of
 from slime.utils.types import Sample
 
 FLAG = "--rollout-sample-hook-path"
@@ -51,9 +51,8 @@ def _kwargs_for(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in names}
 
 
-async def _run_hooks(args: Any, sample: Sample, paths: list[str], kwargs: dict[str, Any]) -> Sample:
-    for path in paths:
-        hook = load_function(path, FLAG)
+async def _run_hooks(args: Any, sample: Sample, hooks: list[tuple[str, Any]], kwargs: dict[str, Any]) -> Sample:
+    for path, hook in hooks:
         result = hook(args, sample, **_kwargs_for(hook, kwargs))
         if inspect.isawaitable(result):
             result = await result
@@ -72,13 +71,14 @@ async def apply_rollout_sample_hooks(args: Any, value: Sample | list, **kwargs: 
     paths = hook_paths(args)
     if not paths:
         return value
+    hooks = list(zip(paths, hooks_of(args).rollout_sample_hooks))  # loaded at the process's entry
     kwargs.setdefault("rollout_id", _current_rollout_id)
-    return await _walk(args, value, paths, kwargs)
+    return await _walk(args, value, hooks, kwargs)
 
 
-async def _walk(args: Any, value: Sample | list, paths: list[str], kwargs: dict[str, Any]) -> Sample | list:
+async def _walk(args: Any, value: Sample | list, hooks: list[tuple[str, Any]], kwargs: dict[str, Any]) -> Sample | list:
     if isinstance(value, Sample):
-        return await _run_hooks(args, value, paths, kwargs)
+        return await _run_hooks(args, value, hooks, kwargs)
     if isinstance(value, list):
-        return [await _walk(args, item, paths, kwargs) for item in value]
+        return [await _walk(args, item, hooks, kwargs) for item in value]
     raise TypeError(f"{FLAG}: hooks run on a Sample or a list of them, got {type(value).__name__}")

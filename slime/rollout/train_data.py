@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from slime.algorithm.rewards import rollout_rewards
-from slime.utils.misc import load_function
+from slime.utils.hooks import hooks_of
 from slime.utils.types import Sample, TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def samples_to_train_batch(args: Any, samples: list[Sample]) -> TrainBatch:
     path = args.custom_convert_samples_to_train_data_path
     if not path:
         return build_train_batch(args, samples)
-    data = load_function(path, CONVERT_FLAG)(args, samples)
+    data = hooks_of(args).custom_convert_samples_to_train_data(args, samples)
     return train_batch_from_dict(data, samples, f"{CONVERT_FLAG}={path}", args.n_samples_per_prompt)
 
 

@@ -18,7 +18,7 @@ from slime.utils.types import decode_int32_meta_array  # noqa: F401 - slime's pa
 
 _FORMS = "pkg.module.fn, file.py (the function named like the file) or file.py:fn"
 # flag -> the function a bare file.py may define instead of one named like the file
-_FILE_FALLBACKS = {"--custom-generate-function-path": "generate"}
+_FILE_FALLBACKS = {"--custom-generate-function-path": "generate", "sample.generate_function_path": "generate"}
 
 # flag -> (positional arguments, keyword arguments, the call as the docs write it): every hook flag slime calls.
 HOOK_CONTRACTS: dict[str, tuple[int, tuple[str, ...], str]] = {

@@ -123,19 +123,20 @@ def rollout_args(env: Env, mode: str, **kw) -> argparse.Namespace:
 
 
 def generate_once(env: Env, mode: str) -> None:
-    from slime.rollout import sglang_rollout
+    from slime.rollout import generation, sglang_rollout
     from slime.utils.http_utils import run_sync
     from slime.utils.types import Sample
 
     args = rollout_args(env, mode)
-    saved, sglang_rollout.GENERATE_BACKOFF_S = sglang_rollout.GENERATE_BACKOFF_S, 0.01  # keep the retries quick
+    # keep the retries quick (read in its home module; sglang_rollout is slime's facade onto it)
+    saved, generation.GENERATE_BACKOFF_S = generation.GENERATE_BACKOFF_S, 0.01
     try:
         params = sglang_rollout.build_sampling_params(args)
         failed = run_sync(sglang_rollout.generate_and_rm(args, Sample(prompt="one two", label="two"), params))
         assert failed.status == Sample.Status.FAILED and failed.reward == 0.0, failed  # marked, not raised
         run_sync(sglang_rollout.generate(args, Sample(prompt="one two", label="two"), params))  # the error itself
     finally:
-        sglang_rollout.GENERATE_BACKOFF_S = saved
+        generation.GENERATE_BACKOFF_S = saved
 
 
 # --- the cases: each writes its inputs under d and returns the call that must fail ------------------------------

@@ -27,7 +27,7 @@ from slime.backends.megatron_utils.sandwich_norm import add_sandwich_norms
 from slime.backends.megatron_utils.sdpa_attention import with_sdpa_attention
 from slime.backends.training import freeze
 from slime.utils.errors import SlimeArgumentError
-from slime.utils.misc import load_function
+from slime.utils.hooks import hooks_of
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +128,7 @@ def build_model(args: argparse.Namespace, wrap: bool = True) -> list[torch.nn.Mo
         _patch_moe_without_te()
     if args.qkv_format == "thd":
         packed_rope.install()
-    provider = load_function(args.custom_model_provider_path, "--custom-model-provider-path") \
-        if args.custom_model_provider_path else None
+    provider = hooks_of(args).custom_model_provider
     spec = plugins.load_spec(args)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     chunks = []

@@ -16,8 +16,9 @@
   are slime's fork of Megatron-LM: `glm4.get_glm_spec` is the built-in spec here (its extra norms are
   --post-self-attn-layernorm / --post-mlp-layernorm); the others are architectures not built here (refused).
 
-Hooks are loaded once per rank by `MegatronHooks.from_args`; a --spec is loaded at validation too, so a typo
-fails before Ray starts.
+The hooks are loaded once per rank, with every other hook of the run (`slime.utils.hooks`), by
+`MegatronHooks.from_args` at the start of the actor's `init`; a --spec is loaded at validation too, so a typo
+fails before Ray starts, and again when the model is built.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime.utils.errors import SlimeArgumentError
+from slime.utils.hooks import hooks_of
 from slime.utils.misc import load_function
 
 BUILTIN_EQUIVALENTS = {
@@ -61,24 +63,21 @@ def get_args() -> argparse.Namespace:
     return _ARGS
 
 
-@dataclass
+@dataclass(frozen=True)
 class MegatronHooks:
+    """The megatron backend's three hooks under the names its actor calls them by: a view of the rank's
+    `slime.utils.hooks.Hooks` record, which `from_args` resolves (every hook of the run, at the start of
+    `MegatronTrainRayActor.init`)."""
+
     init: Callable | None = None
     before_log_prob: Callable | None = None
     before_train_step: Callable | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MegatronHooks:
-        def load(path: str | None, flag: str):
-            return load_function(path, flag) if path else None
-
-        return cls(
-            init=load(args.custom_megatron_init_path, "--custom-megatron-init-path"),
-            before_log_prob=load(args.custom_megatron_before_log_prob_hook_path,
-                                 "--custom-megatron-before-log-prob-hook-path"),
-            before_train_step=load(args.custom_megatron_before_train_step_hook_path,
-                                   "--custom-megatron-before-train-step-hook-path"),
-        )
+        hooks = hooks_of(args)
+        return cls(init=hooks.custom_megatron_init, before_log_prob=hooks.custom_megatron_before_log_prob_hook,
+                   before_train_step=hooks.custom_megatron_before_train_step_hook)
 
 
 def spec_path(args: argparse.Namespace) -> str | None:

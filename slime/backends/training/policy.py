@@ -45,10 +45,9 @@ from slime.backends.training.record import (
     rollout_log_probs,
     token_mean,
 )
-from slime.backends.training.rollout_data import FLAG as POSTPROCESS_FLAG
 from slime.backends.training.rollout_data import apply_rollout_data, rollout_data_of
 from slime.observability.train_data_utils import save_debug_train_data
-from slime.utils.misc import load_function
+from slime.utils.hooks import hooks_of
 from slime.utils.progress import progress
 from slime.utils.types import TrainBatch
 
@@ -114,11 +113,11 @@ class PolicyTrainer(TrainRayActor):
 
     # ---- set-up and weight pushes ------------------------------------------------------------------------------
     def init_policy_hooks(self) -> None:
-        """The end of a backend's `init`: load --rollout-data-postprocess-path, copy the weights for
+        """The end of a backend's `init`: this rank's plugin hooks (`slime.utils.hooks`; the megatron backend
+        resolved them at the start of its `init`), --rollout-data-postprocess-path among them; copy the weights for
         --keep-old-actor."""
         args = self.args
-        if args.rollout_data_postprocess_path:
-            self.rollout_data_postprocess = load_function(args.rollout_data_postprocess_path, POSTPROCESS_FLAG)
+        self.rollout_data_postprocess = hooks_of(args).rollout_data_postprocess
         if args.keep_old_actor:
             self.old_actor = OldActor(self.weight_tensors, args.update_weights_interval, self.after_weights_loaded)
 

@@ -43,7 +43,7 @@ from slime.rollout.rm_hub.math_utils import extract_answer as extract_boxed_answ
 from slime.rollout.rm_hub.math_utils import grade_answer_verl
 from slime.rollout.rm_hub.toy import toy_reward
 from slime.utils.http_utils import post
-from slime.utils.misc import load_function
+from slime.utils.hooks import hooks_of, sample_hook
 from slime.utils.types import Sample
 
 __all__ = [
@@ -148,9 +148,11 @@ async def _builtin_reward(args, sample: Sample, rm_type: str) -> Any:
 async def async_rm(args, sample: Sample, **kwargs) -> Any:
     """The reward of one sample (see the module docstring for which function grades it)."""
     if sample.custom_rm_path:
-        return await _maybe_await(load_function(sample.custom_rm_path, "sample.custom_rm_path")(args, sample, **kwargs))
-    if args.custom_rm_path is not None:
-        return await _maybe_await(load_function(args.custom_rm_path, "--custom-rm-path")(args, sample, **kwargs))
+        fn = sample_hook(sample.custom_rm_path, "--custom-rm-path", "sample.custom_rm_path")
+        return await _maybe_await(fn(args, sample, **kwargs))
+    custom = hooks_of(args).custom_rm
+    if custom is not None:
+        return await _maybe_await(custom(args, sample, **kwargs))
     return await _builtin_reward(args, sample, _rm_type_of(args, sample))
 
 
@@ -158,8 +160,9 @@ async def batched_async_rm(args, samples: list[Sample], **kwargs) -> list[Any]:
     """Rewards of several samples (a group with `--group-rm`). A `--custom-rm-path` function gets the whole list
     at once and must return one reward per sample; otherwise each sample is graded by `async_rm` concurrently."""
     path = args.custom_rm_path
-    if path is not None:
-        rewards = await _maybe_await(load_function(path, "--custom-rm-path")(args, samples, **kwargs))
+    custom = hooks_of(args).custom_rm
+    if custom is not None:
+        rewards = await _maybe_await(custom(args, samples, **kwargs))
         if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):
             got = f"{len(rewards)} values" if isinstance(rewards, (list, tuple)) else type(rewards).__name__
             raise ValueError(
