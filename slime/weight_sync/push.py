@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from slime.utils.misc import load_hook
+from slime.utils.hooks import hooks_of
 from slime.utils.net import node_ip
 from slime.utils.placement import num_colocated_engines
 from slime.utils.progress import progress
@@ -201,7 +201,6 @@ class EnginePush:
         self._group = None
 
 
-POST_WRITE_FLAG = "--custom-update-weight-post-write-path"
 _CONFIG_FILES = ("config.json", "generation_config.json")
 
 
@@ -211,8 +210,7 @@ class DiskPush:
     def __init__(self, args: Any):
         self.args = args
         self.root = args.update_weight_disk_dir
-        path = args.custom_update_weight_post_write_path
-        self.post_write = load_hook(path, POST_WRITE_FLAG) if path else None
+        self.post_write = hooks_of(args).custom_update_weight_post_write
         self._engines: list[Any] = []
         self._dir: str | None = None
         self._files: dict[str, str] = {}

@@ -13,7 +13,7 @@ Sampling is per request: temperature (0 = greedy), top-p, top-k and one `torch.G
 seeded from the request's `sampling_seed` and its prompt length (as SGLang's seeded sampler keys its draws by
 seed and position: a later turn of a conversation sent with the same seed draws anew), so a request's random
 stream depends neither on which other requests share its batch nor on when it arrived. slime's rollout seeds
-every sample (slime/rollout/sglang_rollout.py `sampling_seed`). A request without a seed takes the engine's
+every sample (slime/rollout/generation.py `sampling_seed`). A request without a seed takes the engine's
 `--random-seed` and its arrival number, as SGLang's global generator would: reproducible only when requests
 arrive in a fixed order. Logits, log-probs and sampling are fp32. The reported
 log-prob is `log_softmax(logits / temperature)` at the chosen token, before top-p / top-k truncation
