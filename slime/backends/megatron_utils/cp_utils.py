@@ -48,6 +48,15 @@ def parallel_state() -> Any | None:
     return mpu
 
 
+def tensor_parallel_group() -> Any | None:
+    """megatron-core's tensor-parallel group when its parallel groups are set up and it spans more than one rank,
+    else None (the vocabulary of the logits is not split)."""
+    mpu = parallel_state()
+    if mpu is None or mpu.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return mpu.get_tensor_model_parallel_group()
+
+
 def cp_size_and_rank() -> tuple[int, int]:
     """(context-parallel size, this rank's CP rank): (1, 0) without megatron-core's parallel groups."""
     mpu = parallel_state()
