@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 
 from slime.algorithm.log_probs import log_probs_and_entropy
-from slime.backends.megatron_utils.cp_utils import tensor_parallel_group
 from slime.backends.training.batching import MicroBatch
+from slime.observability.context_parallel import tensor_parallel_group
 
 
 def response_log_probs(

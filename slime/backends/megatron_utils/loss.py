@@ -32,8 +32,8 @@ from slime.algorithm.estimators import compute_advantages_and_returns_in_place
 from slime.algorithm.loss import LossInputs, policy_loss
 from slime.algorithm.tis import icepop_function, vanilla_tis_function
 from slime.algorithm.log_probs import log_probs_and_entropy
-from slime.backends.megatron_utils.cp_utils import cp_size_and_rank, parallel_state, tensor_parallel_group
 from slime.backends.training.record import whiten
+from slime.observability.context_parallel import cp_size_and_rank, parallel_state, tensor_parallel_group
 
 __all__ = ["compute_advantages_and_returns", "get_log_probs_and_entropy", "get_values", "icepop_function",
            "policy_loss_function", "vanilla_tis_function"]
