@@ -1,6 +1,7 @@
-"""Memory of the training log-prob / entropy computation: the plain autograd formula against
-`slime.backends.fsdp_utils.token_log_probs` (chunked, recomputing softmax in backward) and the Megatron backend's
-`slime.backends.megatron_utils.log_probs.chunked_log_probs` (the same, vocab-parallel), side by side.
+"""Memory of the training log-prob / entropy computation: the plain autograd formula against the kernel both
+trainers use, `slime.algorithm.log_probs.log_probs_and_entropy` (chunked, recomputing softmax in backward), called
+as the fsdp trainer calls it (the whole `[T, V]` block) and as the Megatron trainer does (the rows it reads,
+picked by index), side by side.
 
     python benchmarks/log_prob_memory.py [--tokens 2048] [--vocab 151936] [--dtype bfloat16]
 
@@ -35,14 +36,14 @@ def measure(impl: str, tokens: int, vocab: int, dtype: str, with_entropy: bool) 
 
     import torch
 
-    from slime.backends.fsdp_utils.token_log_probs import token_log_probs
-    from slime.backends.megatron_utils.log_probs import chunked_log_probs
+    from slime.algorithm.log_probs import log_probs_and_entropy
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     torch.manual_seed(0)
     logits = torch.randn(tokens, vocab, dtype=getattr(torch, dtype), device=device).requires_grad_()
     targets = torch.randint(0, vocab, (tokens,), device=device)
+    rows = torch.arange(tokens, device=device)  # the Megatron trainer's call: the rows it reads, by index
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -50,8 +51,9 @@ def measure(impl: str, tokens: int, vocab: int, dtype: str, with_entropy: bool) 
     else:
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()
-    fn = {"plain": plain, "token_log_probs": lambda x, t, e: token_log_probs(x, t, 1.0, e),
-          "megatron chunked": lambda x, t, e: chunked_log_probs(x, t, vocab, e)}[impl]
+    fn = {"plain": plain, "kernel": lambda x, t, e: log_probs_and_entropy(x, t, with_entropy=e),
+          "kernel by rows": lambda x, t, e: log_probs_and_entropy(x, t, with_entropy=e, rows=rows,
+                                                                  vocab_size=vocab)}[impl]
     lp, ent = fn(logits, targets, with_entropy)
     loss = -lp.sum() + (0.01 * ent.sum() if with_entropy else 0.0)
     loss.backward()
@@ -77,7 +79,7 @@ def main() -> None:
         return
     rows = []
     for entropy in ("0", "1"):
-        for impl in ("plain", "token_log_probs", "megatron chunked"):
+        for impl in ("plain", "kernel", "kernel by rows"):
             out = subprocess.run([sys.executable, __file__, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
                                   "--dtype", args.dtype, "--one", f"{impl},{entropy}"],
                                  capture_output=True, text=True, check=True)

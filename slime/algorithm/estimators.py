@@ -5,7 +5,7 @@ the rollout (`group_normalized`, `divide_by_std`), the advantage and return comp
 policy loss (`policy_loss`), whether a PPO critic is trained next to the policy (`needs_critic`) and whether
 `--normalize-advantages` is required (`whitens`). Adding an estimator = one `Estimator(...)` in `ESTIMATORS`.
 
-The math is in slime/utils/ppo_utils.py (slime's functions, closed-form tests); the records only wire it.
+The math is in slime/algorithm/returns.py and objectives.py (closed-form tests); the records only wire it.
 `compute_advantages_and_returns` also honours `--custom-advantage-function-path` with slime's contract:
 `fn(args, rollout_data) -> None` sets `rollout_data["advantages"]` and `rollout_data["returns"]` (one [T_i] tensor
 per sample) in place, after the KL is in `rollout_data["kl"]` (`AdvantageInputs.to_rollout_data` lists the keys).
@@ -21,8 +21,16 @@ from typing import Any
 
 import torch
 
+from slime.algorithm.objectives import compute_approx_kl, compute_cispo_loss, compute_policy_loss, sequence_ppo_kl
 from slime.algorithm.opd import apply_opd_kl_to_advantages
-from slime.utils import ppo_utils
+from slime.algorithm.returns import (
+    get_advantages_and_returns_batch,
+    get_grpo_returns,
+    get_reinforce_plus_plus_baseline_advantages,
+    get_reinforce_plus_plus_returns,
+    kl_penalized_token_rewards,
+    masked_whiten,
+)
 from slime.utils.hooks import hooks_of
 
 Tensors = list[torch.Tensor]
@@ -89,7 +97,7 @@ class AdvantageInputs:
             if ref is None:
                 raise ValueError(f"--kl-coef {args.kl_coef}: rollout_data has no 'ref_log_probs' to compute the KL "
                                  "from; run a reference model or set --kl-coef 0")
-            kl = [ppo_utils.compute_approx_kl(lp, r, args.kl_loss_type) for lp, r in zip(log_probs, ref)]
+            kl = [compute_approx_kl(lp, r, args.kl_loss_type) for lp, r in zip(log_probs, ref)]
         rewards = [float(r) for r in rollout_data["rewards"]]
         return cls(
             rewards=rewards, raw_rewards=[float(r) for r in rollout_data.get("raw_reward", rewards)],
@@ -133,13 +141,13 @@ def _total_lengths(inputs: AdvantageInputs) -> list[int]:
 
 def scalar_reward_advantages(args, inputs: AdvantageInputs) -> tuple[Tensors, None]:
     """GRPO-like: each row's (normalised) reward broadcast to its response tokens; no returns."""
-    return ppo_utils.get_grpo_returns(inputs.rewards, token_reward_kl(args, inputs)), None
+    return get_grpo_returns(inputs.rewards, token_reward_kl(args, inputs)), None
 
 
 def reinforce_plus_plus_advantages(args, inputs: AdvantageInputs) -> tuple[Tensors, Tensors]:
     """REINFORCE++: discounted returns of the KL-penalised token rewards (the reward on the last loss-masked-in
     token); advantages = returns."""
-    returns = ppo_utils.get_reinforce_plus_plus_returns(
+    returns = get_reinforce_plus_plus_returns(
         inputs.rewards, token_reward_kl(args, inputs), [m.float() for m in inputs.loss_masks],
         list(inputs.response_lengths), _total_lengths(inputs), float(args.kl_coef), float(args.gamma))
     return returns, returns
@@ -147,7 +155,7 @@ def reinforce_plus_plus_advantages(args, inputs: AdvantageInputs) -> tuple[Tenso
 
 def reinforce_plus_plus_baseline_advantages(args, inputs: AdvantageInputs) -> tuple[Tensors, Tensors]:
     """REINFORCE++-baseline: the (group-mean-centred) reward − kl_coef·KL on every token."""
-    advantages = ppo_utils.get_reinforce_plus_plus_baseline_advantages(
+    advantages = get_reinforce_plus_plus_baseline_advantages(
         inputs.rewards, token_reward_kl(args, inputs), [m.float() for m in inputs.loss_masks], float(args.kl_coef))
     return advantages, advantages
 
@@ -157,10 +165,10 @@ def gae_advantages(args, inputs: AdvantageInputs) -> tuple[Tensors, Tensors]:
     returns = advantages + values."""
     if inputs.values is None:
         raise ValueError("--advantage-estimator ppo: no critic values were given to the actor's train step")
-    token_rewards = ppo_utils.kl_penalized_token_rewards(inputs.rewards, token_reward_kl(args, inputs),
+    token_rewards = kl_penalized_token_rewards(inputs.rewards, token_reward_kl(args, inputs),
                                                          float(args.kl_coef))
     values = [torch.as_tensor(v, dtype=torch.float32) for v in inputs.values]
-    return ppo_utils.get_advantages_and_returns_batch(_total_lengths(inputs), list(inputs.response_lengths), values,
+    return get_advantages_and_returns_batch(_total_lengths(inputs), list(inputs.response_lengths), values,
                                                       token_rewards, float(args.gamma), float(args.lambd))
 
 
@@ -168,15 +176,15 @@ def gae_advantages(args, inputs: AdvantageInputs) -> tuple[Tensors, Tensors]:
 def ppo_clip_loss(log_probs, old_log_probs, advantages, mask, args):
     """Token-level PPO clipped surrogate (dual clip with --eps-clip-c)."""
     ppo_kl = old_log_probs - log_probs
-    pg, clipfrac = ppo_utils.compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high,
+    pg, clipfrac = compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high,
                                                  eps_clip_c=args.eps_clip_c)
     return pg, clipfrac, ppo_kl
 
 
 def gspo_loss(log_probs, old_log_probs, advantages, mask, args):
     """The clipped surrogate on GSPO's sequence-level ratio."""
-    ppo_kl = ppo_utils.sequence_ppo_kl(log_probs, old_log_probs, mask)
-    pg, clipfrac = ppo_utils.compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high,
+    ppo_kl = sequence_ppo_kl(log_probs, old_log_probs, mask)
+    pg, clipfrac = compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high,
                                                  eps_clip_c=args.eps_clip_c)
     return pg, clipfrac, ppo_kl
 
@@ -184,7 +192,7 @@ def gspo_loss(log_probs, old_log_probs, advantages, mask, args):
 def cispo_loss(log_probs, old_log_probs, advantages, mask, args):
     """CISPO: REINFORCE with a clipped, gradient-free importance weight."""
     ppo_kl = old_log_probs - log_probs
-    pg, clipfrac = ppo_utils.compute_cispo_loss(ppo_kl, log_probs, advantages, args.eps_clip, args.eps_clip_high)
+    pg, clipfrac = compute_cispo_loss(ppo_kl, log_probs, advantages, args.eps_clip, args.eps_clip_high)
     return pg, clipfrac, ppo_kl
 
 
@@ -270,7 +278,7 @@ def compute_advantages_and_returns_in_place(args, rollout_data: dict[str, Any],
         advantages = whiten(advantages, inputs.loss_masks)
     elif args.normalize_advantages and advantages:
         masks = inputs.loss_masks
-        flat = ppo_utils.masked_whiten(torch.cat(advantages), torch.cat(masks))
+        flat = masked_whiten(torch.cat(advantages), torch.cat(masks))
         advantages = list(flat.split([m.shape[0] for m in masks]))
     rollout_data["advantages"] = advantages
     rollout_data["returns"] = returns if returns is not None else advantages

@@ -1,6 +1,6 @@
 """The per-micro-batch loss of the actor (`--loss-type`) and of the PPO critic, on padded `[B, R]` tensors.
 
-Backend-agnostic: it only sees tensors and `args`; the math is in slime/utils/ppo_utils.py. Every returned
+Backend-agnostic: it only sees tensors and `args`; the math is in slime/algorithm/objectives.py. Every returned
 metric is this micro-batch's share of a global-batch value (`global_share`), so summing the shares over
 micro-batches and ranks gives the global figure: by default the mean over the step's rollouts of each rollout's
 token mean (a rollout split into several rows weighs as one, as in slime), with --calculate-per-token-loss the
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from slime.algorithm import objectives
 from slime.algorithm.estimators import estimator_of
-from slime.utils import ppo_utils
 from slime.utils.hooks import hooks_of
 
 LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
@@ -106,7 +106,7 @@ def micro_batch_sum(values: torch.Tensor, mask: torch.Tensor, per_token: bool,
     masked sum over its denominator (`sample_denominators`, slime's rollout_mask_sums; None: the row's own
     masked tokens, i.e. Σ of per-row means)."""
     if per_token or sample_denominators is None:
-        return ppo_utils.sum_of_sample_mean(values, mask, per_token)
+        return objectives.sum_of_sample_mean(values, mask, per_token)
     row_sums = (values * mask.to(values.dtype)).sum(-1)
     return (row_sums / sample_denominators.to(row_sums).clamp_min(1.0)).sum()
 
@@ -157,7 +157,7 @@ def policy_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, 
     if args.use_opsm:
         # Before the importance correction, as slime. The metric is the share of dropped (loss-masked) tokens,
         # reduced like the others: per sample, the fraction of sequences dropped.
-        keep = ppo_utils.opsm_mask(lp, old, inputs.advantages, inputs.mask, args.opsm_delta)
+        keep = objectives.opsm_mask(lp, old, inputs.advantages, inputs.mask, args.opsm_delta)
         pg = pg * keep
         metrics["train/opsm_clipfrac"] = agg(1.0 - keep)
     pg_masks = None  # per-token masks a TIS / rejection-sampling function returned (None: the loss masks)
@@ -173,7 +173,7 @@ def policy_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, 
         # Reported whenever a reference model runs (also under --kl-coef reward shaping); in the loss only
         # with --use-kl-loss.
         ratio = torch.exp(lp - old) if args.use_unbiased_kl else None
-        kl_loss = agg(ppo_utils.compute_approx_kl(lp, inputs.ref_log_probs, args.kl_loss_type, importance_ratio=ratio))
+        kl_loss = agg(objectives.compute_approx_kl(lp, inputs.ref_log_probs, args.kl_loss_type, importance_ratio=ratio))
         if args.use_kl_loss:
             loss = loss + args.kl_loss_coef * kl_loss
         metrics["train/kl_loss"] = kl_loss
@@ -193,7 +193,7 @@ def importance_correction(args: Any, inputs: LossInputs, pg: torch.Tensor, ppo_k
     metrics = {"ois": torch.exp(-ppo_kl).detach()}
     path = args.custom_tis_function_path
     if not path:
-        weights, tis_metrics = ppo_utils.tis_weights(inputs.old_log_probs, inputs.rollout_log_probs, args.tis_clip,
+        weights, tis_metrics = objectives.tis_weights(inputs.old_log_probs, inputs.rollout_log_probs, args.tis_clip,
                                                      args.tis_clip_low)
         return pg * weights, None, {**metrics, **tis_metrics}
     flag = "--custom-tis-function-path"
@@ -287,7 +287,7 @@ def critic_loss(
     aggregate: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The PPO value loss (`--value-clip`) and its metrics."""
-    per_token, clipfrac = ppo_utils.compute_value_loss(values, old_values, returns, args.value_clip)
+    per_token, clipfrac = objectives.compute_value_loss(values, old_values, returns, args.value_clip)
     loss = aggregate(per_token)
     return loss, {"train/value_loss": loss.detach(), "train/value_clipfrac": aggregate(clipfrac),
                   "critic/values": aggregate(values.detach()), "critic/returns": aggregate(returns)}

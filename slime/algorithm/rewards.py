@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from slime.algorithm.estimators import estimator_of
+from slime.algorithm.returns import group_normalize_rewards
 from slime.utils.hooks import hooks_of
-from slime.utils.ppo_utils import group_normalize_rewards
 from slime.utils.types import Sample
 
 

@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from slime.utils import ppo_utils
+from slime.algorithm.objectives import icepop_weights, tis_weights
 
 
 def vanilla_tis_function(args: Any, *, pg_loss: torch.Tensor, train_log_probs: list[torch.Tensor],
                          rollout_log_probs: list[torch.Tensor], loss_masks: list[torch.Tensor], **kwargs: Any,
                          ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
     """TIS: pg_loss × clamp(exp(logp_train − logp_rollout), --tis-clip-low, --tis-clip); masks unchanged."""
-    weights, metrics = ppo_utils.tis_weights(torch.cat(train_log_probs), torch.cat(rollout_log_probs),
+    weights, metrics = tis_weights(torch.cat(train_log_probs), torch.cat(rollout_log_probs),
                                              args.tis_clip, args.tis_clip_low)
     return pg_loss * weights, loss_masks, metrics
 
@@ -33,6 +33,6 @@ def icepop_function(args: Any, *, pg_loss: torch.Tensor, train_log_probs: list[t
                     rollout_log_probs: list[torch.Tensor], loss_masks: list[torch.Tensor], **kwargs: Any,
                     ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
     """IcePop: pg_loss × the ratio where it lies in [--tis-clip-low, --tis-clip], × 0 elsewhere."""
-    weights, metrics = ppo_utils.icepop_weights(torch.cat(train_log_probs), torch.cat(rollout_log_probs),
+    weights, metrics = icepop_weights(torch.cat(train_log_probs), torch.cat(rollout_log_probs),
                                                 args.tis_clip, args.tis_clip_low)
     return pg_loss * weights, loss_masks, metrics

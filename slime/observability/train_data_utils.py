@@ -8,7 +8,7 @@ rollout; `raw_reward`: the whole batch's). It is collective:
 
 1. only the ranks that hold the computed values take part: the last pipeline stage, tensor-parallel rank 0;
 2. per-token values a context-parallel rank holds only its chunks of are made whole (`all_gather_with_cp`,
-   slime/backends/megatron_utils/cp_utils.py) and copied to the CPU, one tensor at a time, kept on CP rank 0;
+   slime/observability/context_parallel.py) and copied to the CPU, one tensor at a time, kept on CP rank 0;
 3. the data-parallel ranks' shards are gathered (`gather_object`) on the data-parallel source rank, which
    writes `PATH.format(rollout_id=, rank=)`.
 
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.backends.megatron_utils import cp_utils
+from slime.observability import context_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class _Layout:
 
 
 def _layout() -> _Layout:
-    mpu = cp_utils.parallel_state()
+    mpu = context_parallel.parallel_state()
     if mpu is None:
         on = dist.is_initialized()
         return _Layout(rank=dist.get_rank() if on else 0, holds_values=True, cp_rank=0,
@@ -187,7 +187,7 @@ def save_debug_train_data(args: Any, *, rollout_id: int, rollout_data: dict[str,
     where = _layout()
     if not where.holds_values:
         return None
-    restored = restore_context_parallel_fields_to_cpu(rollout_data, cp_utils.all_gather_with_cp,
+    restored = restore_context_parallel_fields_to_cpu(rollout_data, context_parallel.all_gather_with_cp,
                                                       keep_restored=where.cp_rank == 0)
     if where.cp_rank != 0:
         return None

@@ -1,6 +1,7 @@
 """The layer rule of docs/architecture.md, checked on the source: every import of a slime module inside
-`slime/` goes to the importer's own layer or to one the table lets it import, no import cycle exists
-between files, and no slime module is imported inside a function (the usual way to hide a cycle)."""
+`slime/` goes to the importer's own layer or to one the table lets it import, no slime module imports a facade
+(slime's import paths kept for plugins, which only re-export), no import cycle exists between files, and no
+slime module is imported inside a function (the usual way to hide a cycle)."""
 
 from __future__ import annotations
 
@@ -20,20 +21,22 @@ LAYERS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     ("weight sync", ("slime.weight_sync",), ("floor",)),
     ("engines", ("slime.backends.server_engine", "slime.backends.hf_engine", "slime.backends.sglang_utils"),
      ("floor", "weight sync")),
-    # cp_utils (slime's path for the context-parallel helpers) is observability: the train dump restores with it.
-    ("observability", ("slime.observability", "slime.backends.megatron_utils.cp_utils"), ("floor", "algorithm")),
-    # slime.utils.dp_schedule is slime's path onto the trainers' batching: training, though it sits in utils.
-    ("training", ("slime.backends.training", "slime.backends.fsdp_utils", "slime.backends.megatron_utils",
-                  "slime.utils.dp_schedule"), ("floor", "algorithm", "weight sync", "observability")),
+    ("observability", ("slime.observability",), ("floor", "algorithm")),
+    ("training", ("slime.backends.training", "slime.backends.fsdp_utils", "slime.backends.megatron_utils"),
+     ("floor", "algorithm", "weight sync", "observability")),
     ("rollout", ("slime.rollout",), ("floor", "algorithm")),
     # slime.agent: the coding-agent plugins' adapters, trajectories, sandboxes and harnesses (rollout-side).
     ("agent", ("slime.agent",), ("floor",)),
     ("orchestration", ("slime.ray",),
      ("floor", "algorithm", "weight sync", "engines", "training", "rollout", "observability")),
-    # slime.utils.arguments is slime's entry-point path onto slime/config: configuration, though it sits in utils.
-    ("configuration", ("slime.config", "slime.utils.arguments"),
+    ("configuration", ("slime.config",),
      ("floor", "algorithm", "weight sync", "engines", "training", "rollout", "orchestration", "observability")),
 ]
+# Facades: modules at slime's import paths whose code lives in a layer's folder; they only re-export it, may import
+# any layer, and no slime module imports them (plugins written for slime do).
+FACADES = ("slime.utils.ppo_utils", "slime.utils.dp_schedule", "slime.utils.arguments",
+           "slime.backends.megatron_utils.cp_utils")
+LAYERS.append(("facades", FACADES, tuple(name for name, _, _ in LAYERS)))
 # Package markers that import nothing and belong to no layer of their own.
 NEUTRAL = {"slime", "slime.backends"}
 
@@ -113,7 +116,10 @@ def violations(imports: list[Import]) -> list[str]:
         src, dst = layer_of(imp.importer), layer_of(imp.target)
         if imp.importer in NEUTRAL or imp.target in NEUTRAL:
             continue
-        if dst not in allowed[src]:
+        if dst == "facades":
+            problems.append(f"{os.path.relpath(imp.path, REPO_ROOT)}:{imp.line}: {imp.importer} imports the facade "
+                            f"{imp.target} (slime's path, kept for plugins); import the module it re-exports from")
+        elif dst not in allowed[src]:
             problems.append(f"{os.path.relpath(imp.path, REPO_ROOT)}:{imp.line}: {imp.importer} ({src}) imports "
                             f"{imp.target} ({dst}); {src} may import only {sorted(allowed[src])}")
     return problems
@@ -185,6 +191,25 @@ def test_no_slime_import_inside_a_function(graph):
                        "import is what usually makes one move there):\n" + "\n".join(inside)
 
 
+def test_facades_exist_and_only_re_export(graph):
+    """A facade's body is its docstring, imports and `__all__`: the code it offers lives in a layer's folder."""
+    modules, _ = graph
+    problems = []
+    for facade in FACADES:
+        if facade not in modules:
+            problems.append(f"{facade}: listed as a facade but no such module")
+            continue
+        with open(modules[facade]) as f:
+            tree = ast.parse(f.read(), modules[facade])
+        for i, node in enumerate(tree.body):
+            docstring = i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+            exported = isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["__all__"]
+            if not (docstring or exported or isinstance(node, (ast.Import, ast.ImportFrom))):
+                problems.append(f"{os.path.relpath(modules[facade], REPO_ROOT)}:{node.lineno}: a facade only "
+                                "re-exports; move this into the module it re-exports from")
+    assert not problems, "\n".join(problems)
+
+
 def test_the_checks_catch_what_they_look_for():
     """The rule itself: an upward import, a cycle and an in-function import are each reported."""
     upward = Import("slime.utils.misc", "slime.ray.rollout", "slime/utils/misc.py", 1, False)
@@ -193,5 +218,13 @@ def test_the_checks_catch_what_they_look_for():
     assert violations([sideways])
     down = Import("slime.ray.rollout", "slime.utils.misc", "slime/ray/rollout.py", 1, False)
     assert not violations([down])
+    # a facade may import any layer, but no slime module may import a facade, even from the floor
+    assert not violations([Import("slime.utils.arguments", "slime.config.arguments", "slime/utils/arguments.py", 1,
+                                  False)])
+    into_facade = violations([Import("slime.algorithm.loss", "slime.utils.ppo_utils", "slime/algorithm/loss.py", 33,
+                                     False)])
+    assert into_facade and into_facade[0].startswith("slime/algorithm/loss.py:33: ")
+    assert violations([Import("slime.utils.misc", "slime.utils.ppo_utils", "slime/utils/misc.py", 2, False)])
+    assert layer_of("slime.utils.dp_schedule") == "facades" and layer_of("slime.utils.types") == "floor"
     loop = [Import("slime.a", "slime.b", "a.py", 1, False), Import("slime.b", "slime.a", "b.py", 1, False)]
     assert cycles(loop) == [["slime.a", "slime.b"]]

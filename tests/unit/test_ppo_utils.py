@@ -1,11 +1,30 @@
-"""Closed-form checks of slime/utils/ppo_utils.py."""
+"""Closed-form checks of the algorithm's math (slime/algorithm/returns.py, objectives.py, log_probs.py), through
+slime's import path `slime.utils.ppo_utils` that plugins use."""
 
 import math
 
 import pytest
 import torch
 
+from slime.algorithm import log_probs, objectives, returns
 from slime.utils import ppo_utils as pu
+
+# what plugins written for slime import from slime.utils.ppo_utils here
+SLIME_NAMES = {
+    "KL_LOSS_TYPES", "aggregate_loss", "calculate_log_probs_and_entropy", "chunked_discounted_returns", "chunked_gae",
+    "compute_approx_kl", "compute_cispo_loss", "compute_policy_loss", "compute_value_loss",
+    "get_advantages_and_returns_batch", "get_grpo_returns", "get_reinforce_plus_plus_baseline_advantages",
+    "get_reinforce_plus_plus_returns", "group_normalize_rewards", "icepop_weights", "kl_penalized_token_rewards",
+    "masked_moments", "masked_whiten", "opsm_mask", "per_sample_masked_mean", "sequence_ppo_kl",
+    "sum_of_sample_mean", "tis_weights", "vanilla_gae", "whiten_with_moments",
+}
+
+
+def test_the_facade_re_exports_each_name_from_its_home():
+    assert set(pu.__all__) == SLIME_NAMES
+    for name in SLIME_NAMES:
+        homes = [m for m in (returns, objectives, log_probs) if getattr(m, name, None) is getattr(pu, name)]
+        assert len(homes) == 1, name
 
 
 # ---- KL ---------------------------------------------------------------------------------------------------

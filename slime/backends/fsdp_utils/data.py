@@ -12,7 +12,7 @@ import inspect
 
 import torch
 
-from slime.backends.fsdp_utils.token_log_probs import token_log_probs
+from slime.algorithm.log_probs import log_probs_and_entropy
 from slime.backends.training.batching import MicroBatch
 
 
@@ -45,7 +45,7 @@ def extract_response_log_probs(
         )
     targets = torch.where(valid, mb.input_ids.gather(1, torch.where(valid, starts + t, torch.zeros_like(t))), 0)
     selected = logits.gather(1, predicting.unsqueeze(-1).expand(-1, -1, vocab))
-    log_probs, entropy = token_log_probs(selected, targets, temperature, with_entropy)
+    log_probs, entropy = log_probs_and_entropy(selected, targets, temperature=temperature, with_entropy=with_entropy)
     return log_probs * valid, (entropy * valid if with_entropy else None)
 
 

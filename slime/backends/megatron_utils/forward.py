@@ -9,7 +9,7 @@ with the default causal mask: with right padding a real token never attends to a
 is needed. Either way each sample's log-probs equal those of the sample alone.
 
 Log-probs and entropy of the response tokens come from the vocab-parallel logits in place, chunk by chunk
-(`log_probs.py`: no fp32 copy of the logits kept for backward).
+(slime/algorithm/log_probs.py: no fp32 copy of the logits kept for backward).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-from slime.backends.megatron_utils.log_probs import vocab_parallel_log_probs
+from slime.algorithm.log_probs import log_probs_and_entropy
 from slime.backends.training.batching import MicroBatch
+from slime.observability.context_parallel import tensor_parallel_group
 
 
 def response_log_probs(
@@ -39,8 +40,9 @@ def response_log_probs(
     targets = ids[rows[valid], predicting[valid] + 1]
     # the rows of the [B·L, V/tp] view that predict response tokens, read in place (no copy of the block)
     flat = rows[valid] * logits.shape[1] + predicting[valid]
-    lp_flat, ent_flat = vocab_parallel_log_probs(logits.reshape(-1, logits.shape[-1]), targets, vocab_size,
-                                                 with_entropy, temperature, rows=flat)
+    lp_flat, ent_flat = log_probs_and_entropy(logits.reshape(-1, logits.shape[-1]), targets, temperature=temperature,
+                                              with_entropy=with_entropy, rows=flat, vocab_size=vocab_size,
+                                              group=tensor_parallel_group())
     log_probs = torch.zeros(valid.shape, dtype=torch.float32, device=device)
     log_probs = log_probs.masked_scatter(valid, lp_flat)
     entropy = None

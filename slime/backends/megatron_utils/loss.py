@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from slime.algorithm.estimators import compute_advantages_and_returns_in_place
 from slime.algorithm.loss import LossInputs, policy_loss
 from slime.algorithm.tis import icepop_function, vanilla_tis_function
-from slime.backends.megatron_utils.cp_utils import cp_size_and_rank, parallel_state
-from slime.backends.megatron_utils.log_probs import vocab_parallel_log_probs
+from slime.algorithm.log_probs import log_probs_and_entropy
 from slime.backends.training.record import whiten
+from slime.observability.context_parallel import cp_size_and_rank, parallel_state, tensor_parallel_group
 
 __all__ = ["compute_advantages_and_returns", "get_log_probs_and_entropy", "get_values", "icepop_function",
            "policy_loss_function", "vanilla_tis_function"]
@@ -83,7 +83,8 @@ def _response_rows(logits: torch.Tensor, total_lengths: list[int], response_leng
 def _log_probs_and_entropy(rows: torch.Tensor, targets: torch.Tensor, args: Any, with_entropy: bool
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if parallel_state() is not None:
-        return vocab_parallel_log_probs(rows, targets, args.vocab_size, with_entropy)
+        return log_probs_and_entropy(rows, targets, with_entropy=with_entropy, vocab_size=args.vocab_size,
+                                     group=tensor_parallel_group())
     log_p = torch.log_softmax(rows, dim=-1)
     log_probs = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return log_probs, (-(log_p.exp() * log_p).sum(-1) if with_entropy else None)

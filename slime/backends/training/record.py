@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from slime.algorithm.estimators import AdvantageInputs, compute_advantages_and_returns
 from slime.algorithm.loss import LossInputs, compute_actor_loss
+from slime.algorithm.objectives import compute_approx_kl
 from slime.algorithm.opd import missing_teacher_message, opd_advantages
+from slime.algorithm.returns import masked_moments, whiten_with_moments
 from slime.backends.training.batching import MicroBatch, pad_per_token
-from slime.utils import ppo_utils
 from slime.utils.types import TrainBatch
 
 PerRow = dict[int, torch.Tensor]
@@ -158,7 +159,7 @@ def advantages_and_returns(args: Any, record: RolloutRecord, values, device, gro
     rows = record.rows
     inputs = rollout_inputs(record, "cpu")
     if inputs.ref_log_probs is not None:
-        inputs.kl = [ppo_utils.compute_approx_kl(old, ref, args.kl_loss_type)
+        inputs.kl = [compute_approx_kl(old, ref, args.kl_loss_type)
                      for old, ref in zip(inputs.log_probs, inputs.ref_log_probs)]
     if values is not None:
         inputs.values = [torch.as_tensor(values[r], dtype=torch.float32) for r in rows]
@@ -179,10 +180,10 @@ def whiten(advantages: list[torch.Tensor], masks: list[torch.Tensor], device, gr
     if not advantages:
         moments = torch.zeros(3, dtype=torch.float64)
     else:
-        moments = ppo_utils.masked_moments(torch.cat(advantages), torch.cat(masks))
+        moments = masked_moments(torch.cat(advantages), torch.cat(masks))
     moments = moments.to(device)
     dist.all_reduce(moments, group=group)
-    return [ppo_utils.whiten_with_moments(a, m, moments.cpu()) for a, m in zip(advantages, masks)]
+    return [whiten_with_moments(a, m, moments.cpu()) for a, m in zip(advantages, masks)]
 
 
 def logprob_abs_diff(old_lp: PerRow, rollout_lp: PerRow, masks: PerRow, device, group=None) -> float:

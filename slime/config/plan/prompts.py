@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 
 from slime.config.arg_groups.data import DEFAULT_DATA_SOURCE
-from slime.rollout.sglang_rollout import get_tokenizer, prompt_ids
+from slime.rollout.generation import get_tokenizer, prompt_ids
 from slime.utils.data import RowFormat, build_samples, parse_prompt_path, read_file
 
 logger = logging.getLogger(__name__)

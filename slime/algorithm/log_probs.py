@@ -1,0 +1,214 @@
+"""Log-probs of target tokens, and optionally the entropy, from logits whose vocabulary may be split over a
+process group: the one autograd kernel of both trainers and of slime's `calculate_log_probs_and_entropy`.
+
+Each rank of `group` holds a contiguous slice of the vocabulary, slices in group-rank order (Megatron's
+vocab-parallel layout; `group=None` is one rank holding all of it, the fsdp backend). Columns at or past
+`vocab_size` are padding (Megatron pads the vocabulary to a multiple of 128 × TP) and left out, so the
+distribution is the one the engine samples from. The plain autograd form (`.float()`, divide by the
+temperature, log-softmax, ...) keeps several fp32 tensors of the logits' size alive until backward, 12 to 20 B per
+logit; this one saves the logits as they are (the model's dtype), the rows it reads and a few floats per row, and
+goes through the rows in chunks of about `CHUNK_ELEMENTS` logits, recomputing the softmax in backward.
+Per row, with x = logits / t over this rank's real columns:
+
+    pass 1: m = max x (all-reduced, MAX)
+    pass 2: s = Σ exp(x - m), x_target (on the rank that owns it), Σ exp(x - m)·x (all-reduced together, SUM)
+            lse = m + log s, log_prob = x_target - lse, E[x] = Σ exp(x - m)·x / s, entropy = lse - E[x]
+    backward: p = exp(x - lse);  d/dx = g_lp · (onehot(target) - p) - g_ent · p · (x - E[x]);  d/dlogits = d/dx / t
+
+With a `keep_mask` (slime's top-p replay) the log-prob's distribution is restricted to the kept columns (the
+target always stays): a second max and sum over them give its own lse, and p in the log-prob's gradient is that
+restricted softmax; the entropy stays the full distribution's. Each rank's gradient is its own slice's (the
+outputs are the same on every rank, so nothing is reduced in backward); rows not read, and padding columns, get
+zero gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+CHUNK_ELEMENTS = 1 << 26  # fp32 elements per chunk (256 MB)
+
+
+def log_probs_and_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    rows: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+    group=None,
+    keep_mask: torch.Tensor | None = None,
+    entropy_grad: bool = True,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / temperature)[target] and, with `with_entropy`, the entropy of the same distribution,
+    in fp32 (fp64 for fp64 logits); differentiable in `logits`, the gradient in the logits' dtype.
+
+    `logits` [..., V_local] with `targets` [...] gives outputs of `targets`' shape; with `rows` [N], `logits` is
+    [T, V_local], only those rows are read and `targets` [N] / the outputs are per read row. `vocab_size`: the
+    real vocabulary (None: every column is real). `group`: the process group the vocabulary is split over (None:
+    not split). `keep_mask` (bool, the logits' shape): the log-prob's distribution keeps only those columns and
+    the target. `entropy_grad=False` returns the entropy as a metric only (no gradient). `chunk_rows`: rows per
+    chunk (default: about `CHUNK_ELEMENTS` logits)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature {temperature}: must be > 0")
+    if rows is None:
+        shape = targets.shape
+        logits = logits.reshape(-1, logits.shape[-1])
+        if keep_mask is not None:
+            keep_mask = keep_mask.reshape(logits.shape)
+        targets = targets.reshape(-1)
+    else:
+        if logits.dim() != 2:
+            raise ValueError(f"logits of shape {tuple(logits.shape)} with rows: expected [rows, vocabulary slice]")
+        rows = rows.to(logits.device).long()
+        shape = rows.shape
+    local_vocab = logits.shape[-1]
+    start = dist.get_rank(group) * local_vocab if group is not None else 0
+    real = local_vocab if vocab_size is None else min(local_vocab, max(0, vocab_size - start))
+    step = chunk_rows if chunk_rows else max(1, CHUNK_ELEMENTS // max(real, 1))
+    log_probs, entropy = _LogProbs.apply(logits, rows, targets.to(logits.device).long(), keep_mask,
+                                         float(temperature), real, start, with_entropy, entropy_grad, step, group)
+    return log_probs.view(shape), (entropy.view(shape) if with_entropy else None)
+
+
+class _LogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, rows, targets, keep_mask, temperature: float, real_columns: int, column_start: int,
+                with_entropy: bool, entropy_grad: bool, step: int, group):
+        n = logits.shape[0] if rows is None else rows.numel()
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        dev = logits.device
+        local = targets - column_start
+        owned = (local >= 0) & (local < real_columns)
+        if group is not None or real_columns < logits.shape[-1]:
+            # a target on another rank's slice (or padding) reads a column of this slice, its value masked out by
+            # `owned`; with the whole vocabulary here, an id outside it fails in `gather`, as the plain form would
+            local = local.clamp(0, max(real_columns - 1, 0))
+        masked = keep_mask is not None
+
+        # row 0: the max of x; with a keep mask, row 1: the max over the kept columns
+        row_max = torch.full((1 + masked, n), float("-inf"), dtype=dtype, device=dev)
+        if real_columns:
+            for c in _chunks(n, step):
+                block = _read(logits, rows, c, real_columns).to(dtype)
+                row_max[0, c] = block.amax(-1).div_(temperature)
+                if masked:
+                    kept = _kept(keep_mask, rows, c, real_columns, local, owned)
+                    row_max[1, c] = block.masked_fill(~kept, float("-inf")).amax(-1).div_(temperature)
+        _all_reduce(row_max, dist.ReduceOp.MAX, group)
+
+        # Σ exp(x - m), x_target, Σ exp(x - m)·x; with a keep mask, Σ over the kept columns of exp(x - m_kept)
+        sums = torch.zeros(3 + masked, n, dtype=dtype, device=dev)
+        if real_columns:
+            for c in _chunks(n, step):
+                x = _scaled(_read(logits, rows, c, real_columns), dtype, temperature)
+                sums[1, c] = x.gather(-1, local[c].unsqueeze(-1)).squeeze(-1) * owned[c]
+                if masked:
+                    kept = _kept(keep_mask, rows, c, real_columns, local, owned)
+                    sums[3, c] = x.masked_fill(~kept, float("-inf")).sub_(row_max[1, c].unsqueeze(-1)).exp_().sum(-1)
+                e = x.sub(row_max[0, c].unsqueeze(-1)).exp_()
+                sums[0, c] = e.sum(-1)
+                if with_entropy:
+                    sums[2, c] = e.mul_(x).sum(-1)
+        _all_reduce(sums, dist.ReduceOp.SUM, group)
+        lse = row_max[0] + sums[0].log()
+        lse_lp = row_max[1] + sums[3].log() if masked else lse
+        log_probs = sums[1] - lse_lp
+        mean_x = sums[2] / sums[0]
+        entropy = lse - mean_x if with_entropy else torch.empty(0, dtype=dtype, device=dev)
+
+        ctx.save_for_backward(logits, rows, local, owned, keep_mask, lse, lse_lp, mean_x)
+        ctx.temperature, ctx.real_columns, ctx.step = temperature, real_columns, step
+        ctx.entropy_grad = with_entropy and entropy_grad
+        if with_entropy and not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output left out of the loss gets None: its term is skipped
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        logits, rows, local, owned, keep_mask, lse, lse_lp, mean_x = ctx.saved_tensors
+        t, cols = ctx.temperature, ctx.real_columns
+        nothing = (None,) * 10
+        with_entropy = ctx.entropy_grad and grad_entropy is not None and grad_entropy.numel()
+        if not cols or (grad_log_probs is None and not with_entropy):
+            return torch.zeros_like(logits), *nothing
+        # every element is written below when all rows and columns are read; otherwise the rest stays zero
+        whole = rows is None and cols == logits.shape[-1]
+        grad = torch.empty_like(logits) if whole else torch.zeros_like(logits)
+        dtype = lse.dtype
+        n = logits.shape[0] if rows is None else rows.numel()
+        for c in _chunks(n, ctx.step):
+            x = _scaled(_read(logits, rows, c, cols), dtype, t)
+            p = x.sub(lse[c].unsqueeze(-1)).exp_()
+            if grad_log_probs is None:
+                g = torch.zeros_like(p)
+            else:
+                p_lp = p
+                if keep_mask is not None:
+                    kept = _kept(keep_mask, rows, c, cols, local, owned)
+                    p_lp = x.masked_fill(~kept, float("-inf")).sub_(lse_lp[c].unsqueeze(-1)).exp_()
+                g = p_lp.mul(-grad_log_probs[c].unsqueeze(-1))
+                g.scatter_add_(-1, local[c].unsqueeze(-1), (grad_log_probs[c] * owned[c]).unsqueeze(-1))
+            if with_entropy:
+                g.sub_(p.mul_(x.sub_(mean_x[c].unsqueeze(-1))).mul_(grad_entropy[c].unsqueeze(-1)))
+            if rows is None:
+                grad[c, :cols] = g.div_(t).to(grad.dtype)
+            else:
+                grad[rows[c], :cols] += g.div_(t).to(grad.dtype)
+        return grad, *nothing
+
+
+def _chunks(n: int, step: int) -> list[slice]:
+    return [slice(i, min(n, i + step)) for i in range(0, n, step)]
+
+
+def _read(t: torch.Tensor, rows: torch.Tensor | None, c: slice, cols: int) -> torch.Tensor:
+    """Chunk `c` of the read rows of `t`, its real columns (a view when every row is read)."""
+    return t[c, :cols] if rows is None else t[rows[c], :cols]
+
+
+def _kept(keep_mask: torch.Tensor, rows, c: slice, cols: int, local: torch.Tensor, owned: torch.Tensor
+          ) -> torch.Tensor:
+    """The keep mask of chunk `c`, with each row's target kept on the rank that owns it (a new tensor)."""
+    kept = _read(keep_mask, rows, c, cols).clone()
+    target = local[c].unsqueeze(-1)
+    return kept.scatter_(-1, target, kept.gather(-1, target) | owned[c].unsqueeze(-1))
+
+
+def _scaled(block: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
+    """A new `dtype` tensor block / temperature (never a view of the logits)."""
+    return block.to(dtype, copy=True).div_(temperature)
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+
+
+def calculate_log_probs_and_entropy(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    tp_group,
+    with_entropy: bool = False,
+    chunk_size: int = -1,
+    log_prob_keep_mask: torch.Tensor | None = None,
+    with_entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """slime's call: log-probs `[N, 1]` of `tokens` [N] under softmax(logits) and, with `with_entropy`, the entropy
+    `[N]`, in fp32, from `logits` [N, V/tp] whose vocabulary is split over `tp_group` (slime's contract: None is
+    the default group when torch.distributed is initialized, a single shard otherwise). `chunk_size` > 0 works
+    through the rows in chunks of that many (else of about `CHUNK_ELEMENTS` logits). `log_prob_keep_mask`
+    [N, V/tp] restricts the log-prob's distribution to the kept ids (the sampled token always stays).
+    `with_entropy_grad=False` returns the entropy as a metric only. Empty input gives `[0]` tensors."""
+    if logits.shape[0] == 0:
+        return logits.new_zeros(0), (logits.new_zeros(0) if with_entropy else None)
+    if tp_group is None and dist.is_available() and dist.is_initialized():
+        tp_group = dist.group.WORLD
+    log_prob, entropy = log_probs_and_entropy(
+        logits, tokens, with_entropy=with_entropy, group=tp_group, keep_mask=log_prob_keep_mask,
+        entropy_grad=with_entropy_grad, chunk_rows=chunk_size if chunk_size > 0 else None)
+    return log_prob.float().unsqueeze(-1), (entropy.float() if with_entropy else None)
