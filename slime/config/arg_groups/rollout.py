@@ -9,6 +9,7 @@ import os
 from slime.backends.megatron_utils.config_check import is_hf_folder, load_hf_config
 from slime.backends.megatron_utils.converters import REGISTRY as CONVERTERS
 from slime.config.arg_groups._common import fail, require_positive
+from slime.utils.backend_specs import default_rollout_backend, engine_spec
 from slime.utils.misc import load_hook
 from slime.weight_sync.buckets import DEFAULT_BUFFER_BYTES
 
@@ -268,10 +269,9 @@ def validate_rollout(args: argparse.Namespace) -> None:
     if args.model_name and args.model_name.lower() not in CONVERTERS:
         fail(f"--model-name {args.model_name}: no HF <-> Megatron weight converter of that name; known: "
              f"{sorted(CONVERTERS)} (or drop the flag: config.json's model_type picks one).")
-    external = args.rollout_external_engine_addrs is not None
     if args.rollout_backend is None:
-        args.rollout_backend = "sglang" if args.use_cuda else "hf"
-    elif args.rollout_backend == "sglang" and not args.use_cuda and not (external or args.debug_train_only):
+        args.rollout_backend = default_rollout_backend(args.use_cuda)
+    if engine_spec(args).needs_cuda and not args.use_cuda and not args.debug_train_only:
         if not os.environ.get("SLIME_SGLANG_LAUNCHER"):
             fail(
                 "--rollout-backend sglang needs CUDA, which this machine does not have; use --rollout-backend hf "
