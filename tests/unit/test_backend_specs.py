@@ -1,6 +1,6 @@
 """The backend records (slime/utils/backend_specs.py): one per training backend and rollout engine, matching the
 classes the runtime registers and the parser's choices; configuration asks them instead of comparing names; the
-planner calls the runtime's own rules (reference model, rollout count, placement)."""
+planner calls the runtime's own rules (reference model, rollout count, placement); --offload-train's one rule."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from slime.config.arg_groups.cluster import offload_train_applies
 from slime.config.arguments import SlimeArgumentError, build_parser
 from slime.config.plan import report
 from slime.config.plan.layout import compute_layout
@@ -119,6 +120,24 @@ def test_the_planner_counts_rollouts_of_epochs_with_the_runtime_rule(tmp_path):
     args.prompt_data, args.rollout_global_dataset = str(data), True
     n, how = report.resolve_num_rollout(args)
     assert n == loop.num_rollout_of_epochs(args, 50) == 21 and "50 rows" in how
+
+
+@pytest.mark.parametrize("flags, fields, expected", [
+    ((), {}, False),
+    (("--offload",), {}, True),
+    (("--offload-train",), {}, True),
+    (("--offload", "--no-offload-train"), {}, False),
+    (("--colocate",), {}, True),
+    (("--colocate", "--no-offload-train"), {}, False),
+    (("--advantage-estimator", "ppo"), {}, True),
+    (("--advantage-estimator", "ppo", "--no-offload-train"), {}, True),  # slime: the critic takes turns
+    (("--offload-train",), {"debug_rollout_only": True}, False),
+])  # fmt: skip
+def test_offload_train_has_one_rule(tmp_path, flags, fields, expected):
+    args = with_engines(tmp_path, *flags, **fields)
+    assert args.offload_train is expected
+    assert offload_train_applies(args) is expected  # idempotent on resolved args
+    assert offload_train_applies(args, asynchronous=True) is False  # train_async.py hands nothing over
 
 
 def test_a_critic_on_a_backend_without_one_names_the_backends_that_have_one():
