@@ -45,6 +45,7 @@ from collections import deque
 
 import ray
 
+from slime.config.arg_groups.cluster import offload_train_applies
 from slime.config.arguments import SlimeArgumentError, check_before_start, parse_args
 from slime.config.plan import print_plan
 from slime.ray.launcher import Run
@@ -81,7 +82,8 @@ def check_async_args(args) -> None:
     if args.offload_train:  # PPO turns it on; with generation overlapping training nothing is handed over
         logger.info("--offload-train: train_async.py keeps the training state resident (the engines have their own "
                     "GPUs); the actor and critic share theirs as they do without it")
-        args.offload_train = args.offload = False
+    args.offload_train = offload_train_applies(args, asynchronous=True)
+    args.offload = args.offload_train and args.offload_rollout
     if args.debug_rollout_only:
         raise SlimeArgumentError("--debug-rollout-only: there is no training to overlap generation with; use train.py")
     built_in_lag = args.async_buffer_size // args.update_weights_interval

@@ -43,6 +43,8 @@ from slime.config.arg_groups.megatron import (
 from slime.config.arg_groups.rollout import DEFAULT_ROLLOUT_FUNCTION, check_hf_checkpoint
 from slime.config.plan import check_memory_fits
 from slime.rollout.rm_hub import RM_TYPES
+from slime.utils.backend_specs import train_spec
+from slime.utils.checkpoint_layout import has_checkpoint, save_folders
 from slime.utils.data import chat_template_missing, check_prompt_file, no_chat_template_message
 from slime.utils.misc import load_hook, read_yaml
 
@@ -51,6 +53,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["SlimeArgumentError", "build_parser", "parse_args", "split_argv", "validate_args"]
 
 CustomArguments = Callable[[argparse.ArgumentParser], "argparse.ArgumentParser | None"]
+
+# How validation finds the checkpoint --load names, per checkpoint format (TrainBackendSpec.checkpoint_format):
+# the trainers read the same folders with the same functions.
+CHECKPOINT_FINDERS = {"torch_dist": megatron_checkpoint.find_checkpoint, "hf": fsdp_checkpoint.find_checkpoint}
 
 _SGLANG_PREFIX = "--sglang-"
 _ROUTER_PREFIX = "--router-"
@@ -349,11 +355,13 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     check_model_args(args)
     check_prompt_rows(args, parser)
     check_checkpoint_to_load(args)
-    if args.megatron_args and args.train_backend == "fsdp":
+    if args.megatron_args and not train_spec(args).model_from_megatron_flags:
         flags = [t for t in args.megatron_args if _is_flag(t)]
         logger.warning(
-            "--train-backend fsdp: %d Megatron flag(s) are not used by fsdp (the model comes from --hf-checkpoint): %s",
+            "--train-backend %s: %d Megatron flag(s) are not used by %s (the model comes from --hf-checkpoint): %s",
+            args.train_backend,
             len(flags),
+            args.train_backend,
             " ".join(flags),
         )
     return args
@@ -371,7 +379,7 @@ def check_before_start(args: argparse.Namespace) -> None:
     megatron needs MODEL_ARGS; the default rollout needs a reward function; a colocated run whose engines and
     training state, both resident, overfill this machine's GPU by the --dry-run estimate is refused (unless
     --skip-memory-check; a dry run enforces the same refusal for the GPU size it plans)."""
-    if args.train_backend == "megatron" and not args.debug_rollout_only:
+    if train_spec(args).model_from_megatron_flags and not args.debug_rollout_only:
         require_model_args(args)
     check_reward_source(args)
     if args.colocate and args.use_cuda and not args.dry_run and not args.skip_memory_check:
@@ -403,9 +411,10 @@ def check_model_args(args: argparse.Namespace) -> None:
     try:
         check_against_hf_config(args, args.hf_checkpoint)
     except ConfigMismatchError as e:
-        if args.train_backend == "megatron":
+        if train_spec(args).model_from_megatron_flags:
             raise SlimeArgumentError(str(e)) from e
-        logger.warning("--train-backend fsdp (model from --hf-checkpoint; Megatron flags unused): %s", e)
+        logger.warning("--train-backend %s (model from --hf-checkpoint; Megatron flags unused): %s",
+                       args.train_backend, e)
 
 
 def check_prompt_rows(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -451,12 +460,9 @@ def check_checkpoint_to_load(args: argparse.Namespace) -> None:
     no marker yet is a fresh run, not an error."""
     if not args.load or args.debug_rollout_only:
         return
-    folders = [args.load] + ([os.path.join(args.load, "critic")] if args.train_backend != "megatron" else [])
-    folders = [d for d in folders if os.path.isfile(os.path.join(d, "latest_checkpointed_iteration.txt"))]
-    if not folders:
-        return
-    find_checkpoint = megatron_checkpoint.find_checkpoint if args.train_backend == "megatron" else fsdp_checkpoint.find_checkpoint
-    for folder in folders:
+    spec = train_spec(args)
+    find_checkpoint = CHECKPOINT_FINDERS[spec.checkpoint_format]
+    for folder in filter(has_checkpoint, save_folders(args.load, with_critic=spec.has_critic)):
         try:
             find_checkpoint(folder)
         except (ValueError, OSError) as e:

@@ -19,7 +19,7 @@ def resolve_num_rollout(args, run: Run) -> int:
     if args.num_rollout is not None:
         return args.num_rollout
     dataset_size = ray.get(run.rollout_manager.dataset_size.remote())
-    num_rollout = dataset_size // args.rollout_batch_size * (args.num_epoch or 1)
+    num_rollout = num_rollout_of_epochs(args, dataset_size)
     if num_rollout <= 0:
         raise ValueError(f"--num-epoch {args.num_epoch}: --prompt-data holds {dataset_size} prompts, fewer than one "
                          f"rollout of --rollout-batch-size {args.rollout_batch_size}; lower the batch size or give "
@@ -27,6 +27,12 @@ def resolve_num_rollout(args, run: Run) -> int:
     logger.info("--num-rollout resolved to %d (%s epochs of %d rollouts of %d prompts)", num_rollout,
                 args.num_epoch or 1, dataset_size // args.rollout_batch_size, dataset_size)
     return num_rollout
+
+
+def num_rollout_of_epochs(args, dataset_size: int) -> int:
+    """slime's rollout count of --num-epoch epochs over `dataset_size` prompts: whole rollouts of
+    --rollout-batch-size per epoch (the `--dry-run` planner counts with it too)."""
+    return dataset_size // args.rollout_batch_size * (args.num_epoch or 1)
 
 
 def init_training(args, run: Run, num_rollout: int) -> int:
@@ -45,6 +51,7 @@ def init_training(args, run: Run, num_rollout: int) -> int:
 
 
 def needs_reference_model(args) -> bool:
+    """The trainers build a frozen reference model for a KL term (the `--dry-run` planner asks this too)."""
     return bool(args.use_kl_loss or args.kl_coef)
 
 

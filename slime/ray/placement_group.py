@@ -16,7 +16,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slime.utils.placement import num_actor_devices, num_bundles
+from slime.utils.placement import num_bundles, num_training_devices
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class _BundleProbe:
 
 
 def create_placement_groups(args, timeout_s: float = 120.0) -> dict[str, PlacementSlice]:
-    num_actor = 0 if args.debug_rollout_only else num_actor_devices(args)
+    num_actor = num_training_devices(args)
     total = num_bundles(args)
     bundle = {"GPU": 1, "CPU": 1} if args.use_cuda else {"CPU": 1}
     pg = placement_group([dict(bundle) for _ in range(total)], strategy="PACK")

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 
+from slime.utils.checkpoint_layout import data_source_state_path
 from slime.utils.data import Dataset, StreamingDataset
 from slime.utils.hooks import hooks_of
 from slime.utils.processing_utils import load_tokenizer
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 def state_path(root: str, rollout_id: int) -> str:
-    return os.path.join(root, "rollout", f"data_source_state_{rollout_id}.json")
+    return data_source_state_path(root, rollout_id)
 
 
 class DataSource(abc.ABC):

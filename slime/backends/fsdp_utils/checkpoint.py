@@ -1,11 +1,9 @@
 """Checkpoints of the fsdp backend.
 
-Layout (slime's, with HF weights instead of Megatron's torch_dist):
-
-    <save>/latest_checkpointed_iteration.txt      the last complete rollout id, written last
-    <save>/iter_0000007/config.json, model.safetensors, tokenizer files   an HF folder (`from_pretrained`)
-    <save>/iter_0000007/optimizer/                 torch.distributed.checkpoint of the AdamW state (sharded)
-    <save>/iter_0000007/trainer_state.json         rollout id, optimizer step count, world size
+Layout (slime's, slime/utils/checkpoint_layout.py, with HF weights instead of Megatron's torch_dist): each
+iteration folder is an HF folder (`from_pretrained`: config.json, model.safetensors, tokenizer files) with
+`optimizer/` (torch.distributed.checkpoint of the AdamW state, sharded) and `trainer_state.json` (rollout id,
+optimizer step count, world size); the latest marker is written last.
 
 Loading builds the model from the iteration's HF folder (so `--load` weights replace `--hf-checkpoint`)
 and restores the optimizer through DCP, which re-shards when the number of ranks changes.
@@ -26,11 +24,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from slime.utils import checkpoint_layout as layout
+from slime.utils.checkpoint_layout import LATEST_FILE, is_hf_folder, iteration_dir
+
 logger = logging.getLogger(__name__)
 
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-TRAINER_STATE_FILE = "trainer_state.json"
-OPTIMIZER_DIR = "optimizer"
+TRAINER_STATE_FILE = layout.FSDP_STATE_FILE
+OPTIMIZER_DIR = layout.FSDP_OPTIMIZER_DIR
 # Files copied from --hf-checkpoint so that each iteration folder is a complete HF model folder.
 _HF_SIDE_FILES = (
     "tokenizer.json",
@@ -52,14 +52,6 @@ class Checkpoint:
     trainer_state: dict
 
 
-def iteration_dir(root: str, rollout_id: int) -> str:
-    return os.path.join(root, f"iter_{rollout_id:07d}")
-
-
-def is_hf_folder(path: str | None) -> bool:
-    return bool(path) and os.path.isfile(os.path.join(path, "config.json"))
-
-
 def _missing_parts(path: str) -> list[str]:
     """What an iteration folder lacks to be loadable: the folder itself, config.json, the weights."""
     if not os.path.isdir(path):
@@ -72,11 +64,7 @@ def _missing_parts(path: str) -> list[str]:
 
 def complete_iterations(load_dir: str) -> list[int]:
     """Rollout ids of the loadable iteration folders under `load_dir`, ascending."""
-    found = []
-    for name in os.listdir(load_dir):
-        if name.startswith("iter_") and name[5:].isdigit() and not _missing_parts(os.path.join(load_dir, name)):
-            found.append(int(name[5:]))
-    return sorted(found)
+    return [i for i, path in layout.iterations(load_dir) if not _missing_parts(path)]
 
 
 def _incomplete(load_dir: str, latest: str, iteration: int, path: str, missing: list[str]) -> FileNotFoundError:
@@ -92,17 +80,10 @@ def _incomplete(load_dir: str, latest: str, iteration: int, path: str, missing: 
 
 def find_checkpoint(load_dir: str | None) -> Checkpoint | None:
     """The checkpoint `--load` points at, or None when the folder holds none (a fresh run)."""
-    if not load_dir:
+    if not layout.has_checkpoint(load_dir):
         return None
-    latest = os.path.join(load_dir, LATEST_FILE)
-    if not os.path.isfile(latest):
-        return None
-    with open(latest) as f:
-        text = f.read().strip()
-    try:
-        iteration = int(text)
-    except ValueError:
-        raise ValueError(f"{latest}:1: expected a rollout id, found {text!r}; fix or delete the file") from None
+    latest = layout.latest_path(load_dir)
+    iteration = layout.read_latest(load_dir)
     path = iteration_dir(load_dir, iteration)
     missing = _missing_parts(path)
     if missing:
@@ -155,11 +136,7 @@ def save_checkpoint(
             json.dump(state, f, indent=2)
     dist.barrier()
     if rank == 0:
-        # Written last, atomically: a crash mid-save leaves the previous checkpoint as the latest.
-        tmp = os.path.join(save_dir, LATEST_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(rollout_id))
-        os.replace(tmp, os.path.join(save_dir, LATEST_FILE))
+        layout.write_latest(save_dir, rollout_id)  # last: a crash mid-save leaves the previous checkpoint the latest
         logger.info("saved checkpoint %s", path)
     dist.barrier()
     return path

@@ -48,12 +48,12 @@ from slime.backends.training.batching import (
 )
 from slime.backends.training.optimizer_state import reset_optimizer_states
 from slime.backends.training.record import loss_denominator, padded_rows
+from slime.utils.checkpoint_layout import critic_dir
 from slime.utils.types import TrainBatch
 
 logger = logging.getLogger(__name__)
 
 VALUE_HEAD_FILE = "value_head.pt"
-CRITIC_DIR = "critic"  # the critic's checkpoints, under --save / --load
 
 
 class ValueModel(torch.nn.Module):
@@ -103,7 +103,7 @@ class FSDPCriticRayActor(TrainRayActor):
         self.args = critic_args(args)
         setup_rank(self, self.args)
         load = args.load
-        ckpt = checkpoint.find_checkpoint(os.path.join(load, CRITIC_DIR)) if load else None
+        ckpt = checkpoint.find_checkpoint(critic_dir(load)) if load else None
         path = ckpt.path if ckpt else (args.critic_load or args.hf_checkpoint)
         model = load_value_model(path)
         self.model = shard_model(model, model.body, self.mesh, self.device, path)
@@ -186,7 +186,7 @@ class FSDPCriticRayActor(TrainRayActor):
         if not self.args.save:
             raise ValueError("save() called without --save; pass --save DIR to write checkpoints")
         optimizer = None if self.args.no_save_optim else self.optimizer
-        checkpoint.save_checkpoint(self.model, optimizer, os.path.join(self.args.save, CRITIC_DIR), rollout_id,
+        checkpoint.save_checkpoint(self.model, optimizer, critic_dir(self.args.save), rollout_id,
                                    self.args.hf_checkpoint, {"global_step": self.global_step},
                                    write_folder=write_value_model_folder)
 

@@ -1,9 +1,7 @@
-"""Megatron `torch_dist` checkpoints (megatron-core `dist_checkpointing`), in Megatron-LM's layout:
-
-    <save>/latest_checkpointed_iteration.txt   the last complete rollout id (or "release"), written last
-    <save>/iter_0000007/                        dist_checkpointing files: "model" (+ "optimizer")
-    <save>/iter_0000007/slime_state.json        rollout id, optimizer step, LR-scheduler state
-    <save>/release/                             weights only (tools/convert_hf_to_torch_dist.py)
+"""Megatron `torch_dist` checkpoints (megatron-core `dist_checkpointing`), in Megatron-LM's layout
+(slime/utils/checkpoint_layout.py): each iteration folder holds the dist_checkpointing files ("model" (+
+"optimizer")) and `slime_state.json` (rollout id, optimizer step, LR-scheduler state); `release/` holds weights
+only (tools/convert_hf_to_torch_dist.py); the latest marker is written last.
 
 Sharded tensors re-shard on load, so a checkpoint saved at one TP/PP/DP layout loads at another.
 A "release" checkpoint is a starting point, not a resume: training starts at rollout 0 without optimizer
@@ -21,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.megatron_utils.model import unwrap
+from slime.utils import checkpoint_layout as layout
+from slime.utils.checkpoint_layout import LATEST_FILE, RELEASE, is_torch_dist_dir, iteration_dir
 
 logger = logging.getLogger(__name__)
 
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-STATE_FILE = "slime_state.json"
-RELEASE = "release"
+STATE_FILE = layout.MEGATRON_STATE_FILE
 # The distributed optimizer's state in a canonical per-parameter form, gathered on data-parallel rank 0 at
 # save: it reloads at any TP / PP / DP layout (the default of megatron-core 0.16 cannot be saved at all).
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -39,14 +37,6 @@ class TorchDistCheckpoint:
     state: dict
 
 
-def iteration_dir(root: str, rollout_id: int | None) -> str:
-    return os.path.join(root, RELEASE if rollout_id is None else f"iter_{rollout_id:07d}")
-
-
-def is_torch_dist_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "metadata.json"))
-
-
 def find_checkpoint(root: str | None, flag: str = "--load") -> TorchDistCheckpoint | None:
     """The checkpoint a `--load` / `--ref-load` folder names, or None when it holds none yet.
 
@@ -55,26 +45,18 @@ def find_checkpoint(root: str | None, flag: str = "--load") -> TorchDistCheckpoi
         return None
     if is_torch_dist_dir(root):
         return TorchDistCheckpoint(root, None, _read_state(root))
-    latest = os.path.join(root, LATEST_FILE)
-    if not os.path.isfile(latest):
+    if not layout.has_checkpoint(root):
         return None
-    with open(latest) as f:
-        text = f.read().strip()
-    if text == RELEASE:
-        iteration = None
-    else:
-        try:
-            iteration = int(text)
-        except ValueError:
-            raise ValueError(f"{latest}:1: expected a rollout id or 'release', found {text!r}; fix or delete "
-                             "the file") from None
+    latest = layout.latest_path(root)
+    named = layout.read_latest(root, release_ok=True)
+    iteration = None if named == RELEASE else named
     path = iteration_dir(root, iteration)
     if not is_torch_dist_dir(path):
         what = "does not exist" if not os.path.isdir(path) else "holds no torch_dist checkpoint (no metadata.json)"
         complete = complete_iterations(root)
         fix = (f"write {complete[-1]} (the newest complete one; found: {complete}) into {latest}, or " if complete
                else "")  # fmt: skip
-        raise FileNotFoundError(f"{flag} {root}: {LATEST_FILE} names {text} but {path} {what} (a save was "
+        raise FileNotFoundError(f"{flag} {root}: {LATEST_FILE} names {named} but {path} {what} (a save was "
                                 f"interrupted or the folder was copied in part); {fix}point {flag} at a complete "
                                 "checkpoint. Nothing was loaded or written.")  # fmt: skip
     return TorchDistCheckpoint(path, iteration, _read_state(path))
@@ -93,8 +75,7 @@ def checkpoint_at(root: str, step: int, load_flag: str, step_flag: str) -> Torch
 
 def complete_iterations(root: str) -> list[int]:
     """Rollout ids of the iteration folders under `root` that hold a torch_dist checkpoint, ascending."""
-    return sorted(int(name[5:]) for name in os.listdir(root)
-                  if name.startswith("iter_") and name[5:].isdigit() and is_torch_dist_dir(os.path.join(root, name)))
+    return [i for i, path in layout.iterations(root) if is_torch_dist_dir(path)]
 
 
 def _read_state(path: str) -> dict:
@@ -132,11 +113,7 @@ def save(root: str, rollout_id: int | None, model: list[torch.nn.Module], optimi
     if dist.get_rank() == 0:
         with open(os.path.join(path, STATE_FILE), "w") as f:
             json.dump(dict(state or {}, rollout_id=rollout_id), f, indent=2)
-        # Written last, atomically: a crash mid-save leaves the previous checkpoint as the latest.
-        tmp = os.path.join(root, LATEST_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(RELEASE if rollout_id is None else str(rollout_id))
-        os.replace(tmp, os.path.join(root, LATEST_FILE))
+        layout.write_latest(root, rollout_id)  # last: a crash mid-save leaves the previous checkpoint the latest
         logger.info("saved torch_dist checkpoint %s", path)
     dist.barrier()
     return path

@@ -13,6 +13,8 @@ import argparse
 import os
 import shutil
 
+from slime.utils.checkpoint_layout import hf_export_dir
+
 WEIGHTS_FILE = "model.safetensors"
 _WEIGHT_NAMES = {"model.safetensors.index.json", "pytorch_model.bin.index.json", "tf_model.h5",
                  "flax_model.msgpack"}  # fmt: skip
@@ -21,7 +23,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack")
 
 def hf_save_path(args: argparse.Namespace, rollout_id: int) -> str | None:
     """The folder --save-hf names for this rollout's checkpoint, or None without the flag."""
-    return None if args.save_hf is None else args.save_hf.format(rollout_id=rollout_id)
+    return None if args.save_hf is None else hf_export_dir(args.save_hf, rollout_id)
 
 
 def _is_weight_file(name: str) -> bool:

@@ -12,6 +12,7 @@ import os
 
 from slime.algorithm.estimators import ESTIMATORS, estimator_of
 from slime.config.arg_groups._common import fail
+from slime.utils.backend_specs import TRAIN_BACKEND_SPECS, train_spec
 
 logger = logging.getLogger(__name__)
 
@@ -287,9 +288,10 @@ def validate_ppo_and_discounting(args: argparse.Namespace) -> None:
         os.path.join(args.critic_load, "config.json")
     ):
         fail(f"--critic-load {args.critic_load}: not an HF model folder (no config.json there); fix the path.")
-    if critic and args.train_backend == "megatron":
-        fail(f"--advantage-estimator {args.advantage_estimator}: the critic is implemented for --train-backend fsdp "
-             "only; add --train-backend fsdp.")
+    if critic and not train_spec(args).has_critic:
+        with_critic = " or ".join(name for name, spec in TRAIN_BACKEND_SPECS.items() if spec.has_critic)
+        fail(f"--advantage-estimator {args.advantage_estimator}: the critic is implemented for --train-backend "
+             f"{with_critic} only; add --train-backend {with_critic}.")
 
 
 def _critic_estimators() -> str:

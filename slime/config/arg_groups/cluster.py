@@ -113,16 +113,12 @@ def validate_cluster(args: argparse.Namespace) -> None:
             args.rollout_num_gpus = actor_gpus
         args.colocate = False
         args.offload = False
-        args.offload_train = args.offload_rollout = False
+        args.offload_rollout = False
 
-    if args.offload:
-        args.offload_train = True if args.offload_train is None else args.offload_train
-        args.offload_rollout = True if args.offload_rollout is None else args.offload_rollout
+    if args.offload_rollout is None and (args.offload or args.colocate):
+        args.offload_rollout = True  # slime's implication; an explicit --no-offload-rollout stays
 
     if args.colocate:
-        for dest in ("offload_train", "offload_rollout"):  # slime's implication; an explicit --no-... stays
-            if getattr(args, dest) is None:
-                setattr(args, dest, True)
         if args.rollout_num_gpus is None:
             args.rollout_num_gpus = actor_gpus
         elif 0 < args.rollout_num_gpus != actor_gpus:
@@ -172,9 +168,6 @@ def validate_cluster(args: argparse.Namespace) -> None:
             fail(f"--{dest.replace('_', '-')} {given}: the PPO critic runs on the actor's GPUs here, so it must equal "
                  f"the actor's ({actor_value}); drop the flag.")
         setattr(args, dest, actor_value)
-    if args.use_critic and not args.debug_rollout_only:
-        # slime: actor and critic alternate on the same GPUs, so the training state is offloadable.
-        args.offload_train = True
     resolve_offload(args)
 
 
@@ -192,10 +185,25 @@ def check_train_env_vars(args: argparse.Namespace) -> None:
     args.train_env_vars = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in env.items()}
 
 
+def offload_train_applies(args: argparse.Namespace, asynchronous: bool = False) -> bool:
+    """Whether the training state goes to host memory while the engines generate: the one rule of --offload-train.
+    Never without training, nor under train_async.py (`asynchronous`: generation overlaps training, so nothing is
+    handed over); always with a PPO critic (slime: actor and critic alternate on the same GPUs, so the state is
+    offloadable; even over --no-offload-train); else the flag as given, by default on with --colocate or
+    --offload. Idempotent: resolved args give the same answer again."""
+    if args.debug_rollout_only or asynchronous:
+        return False
+    if args.use_critic:
+        return True
+    if args.offload_train is not None:
+        return bool(args.offload_train)
+    return bool(args.colocate or args.offload)
+
+
 def resolve_offload(args: argparse.Namespace) -> None:
     """The offload flags as slime resolves them (on with --colocate, --offload-train with PPO; an explicit --no-...
     stays), None -> False. The loop hands the GPU memory back and forth accordingly (slime/ray/handoff.py)."""
-    args.offload_train = bool(args.offload_train)
+    args.offload_train = offload_train_applies(args)
     args.offload_rollout = bool(args.offload_rollout)
     args.offload = args.offload_train and args.offload_rollout
     if args.offload_rollout and args.update_weights_interval != 1 and not args.debug_train_only:

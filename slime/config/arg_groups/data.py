@@ -22,6 +22,8 @@ from slime.config.arg_groups._common import (
     require_existing_file,
     require_positive,
 )
+from slime.utils.backend_specs import train_spec
+from slime.utils.checkpoint_layout import has_checkpoint
 from slime.utils.data import parse_prompt_path
 from slime.utils.mask_utils import LOSS_MASK_TYPES
 
@@ -172,9 +174,7 @@ def validate_data(args: argparse.Namespace) -> None:
 
     if args.start_rollout_id is not None and args.start_rollout_id < 0:
         fail(f"--start-rollout-id {args.start_rollout_id}: must be >= 0.")
-    if args.start_rollout_id is None and not (
-        args.load and os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt"))
-    ):
+    if args.start_rollout_id is None and not has_checkpoint(args.load):
         args.start_rollout_id = 0  # slime: a fresh run starts at 0; a resumed one where its checkpoint says
 
     needs_prompts = (
@@ -283,7 +283,7 @@ def data_parallel_size(args: argparse.Namespace) -> tuple[int, str]:
         f"{ranks} actor ranks = --actor-num-nodes {args.actor_num_nodes} × "
         f"--actor-num-gpus-per-node {args.actor_num_gpus_per_node}"
     )
-    if args.train_backend != "megatron":
+    if not train_spec(args).megatron_parallelism:
         return ranks, how
     # the parsed values (not the command line's tokens): a --megatron-config-path role's copy overrides them
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size

@@ -16,6 +16,7 @@ import logging
 from slime.config.arg_groups._common import fail, require_existing_file, require_positive
 from slime.config.arg_groups.rollout import DEFAULT_ROLLOUT_FUNCTION
 from slime.rollout.rm_hub import validate_rm_type
+from slime.utils.backend_specs import engine_spec
 from slime.utils.eval_config import EvalDatasetConfig, dataset_where, eval_source, not_acted_on, resolve_eval_datasets
 from slime.utils.misc import load_hook
 
@@ -112,13 +113,12 @@ def check_eval_dataset(args: argparse.Namespace, where: str, ds: EvalDatasetConf
                 load_hook(path, flag)
             except (ImportError, AttributeError, TypeError, ValueError) as e:
                 raise ValueError(f"{where}: {key}: {e}") from e
-    if args.rollout_backend == "hf" and args.rollout_external_engine_addrs is None:
-        on = [f"{k}: {v!r}" for k, v, off in (("min_new_tokens", ds.min_new_tokens, 0),
-                                              ("repetition_penalty", ds.repetition_penalty, 1.0)) if v not in (None, off)]
-        if on:
-            fail(f"{where}: {', '.join(on)}: the hf engine (--rollout-backend hf) does not implement "
-                 f"{'this sampling setting' if len(on) == 1 else 'these sampling settings'}; remove it (min_new_tokens "
-                 "may come from --eval-min-new-tokens), or use --rollout-backend sglang")
+    engine = engine_spec(args)
+    on = [f"{k}: {getattr(ds, k)!r}" for k, off in engine.unsupported_sampling if getattr(ds, k) not in (None, off)]
+    if on:
+        fail(f"{where}: {', '.join(on)}: the {engine.name} engine (--rollout-backend {engine.name}) does not implement "
+             f"{'this sampling setting' if len(on) == 1 else 'these sampling settings'}; remove it (min_new_tokens "
+             "may come from --eval-min-new-tokens), or use --rollout-backend sglang")
     unused = not_acted_on(ds)
     if unused and (args.eval_function_path or args.rollout_function_path) == DEFAULT_ROLLOUT_FUNCTION:
         fail(f"{where}: {', '.join(f'{k}: {getattr(ds, k)!r}' for k in unused)}: the built-in eval rollout "

@@ -38,6 +38,7 @@ from slime.backends.megatron_utils.config_check import is_hf_folder, load_hf_con
 from slime.backends.megatron_utils.plugins import check_spec
 from slime.backends.megatron_utils.model import te_available
 from slime.config.arg_groups._common import fail
+from slime.utils.backend_specs import train_spec
 from slime.utils.errors import SlimeArgumentError
 from slime.utils.megatron_roles import ROLES, megatron_role_overrides, role_args
 
@@ -397,7 +398,7 @@ def validate_megatron(args: argparse.Namespace) -> None:
     if args.recompute_granularity == "full" and args.recompute_method and args.recompute_num_layers is None:
         fail("--recompute-granularity full with --recompute-method needs --recompute-num-layers N.")
     check_slime_megatron_flags(args)
-    if args.train_backend != "megatron":
+    if not train_spec(args).model_from_megatron_flags:
         return
     resolve_training_options(args)
     check_spec(args)  # a --spec that does not load fails here, before Ray starts
@@ -433,7 +434,7 @@ def validate_megatron(args: argparse.Namespace) -> None:
         )
     if args.num_layers:
         pipeline_layer_split(args)
-    if args.context_parallel_size > 1 and args.train_backend == "megatron":
+    if args.context_parallel_size > 1:  # only the backends that read the Megatron flags get here
         fail(
             f"--context-parallel-size {args.context_parallel_size}: the trainer here does not split sequences across "
             "context-parallel ranks (slime's zigzag layout), so every rank would attend over whole sequences; use "

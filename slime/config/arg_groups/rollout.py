@@ -9,6 +9,7 @@ import os
 from slime.backends.megatron_utils.config_check import is_hf_folder, load_hf_config
 from slime.backends.megatron_utils.converters import REGISTRY as CONVERTERS
 from slime.config.arg_groups._common import fail, require_positive
+from slime.utils.backend_specs import default_rollout_backend, engine_spec
 from slime.utils.misc import load_hook
 from slime.weight_sync.buckets import DEFAULT_BUFFER_BYTES
 
@@ -256,6 +257,23 @@ def model_context_length(args: argparse.Namespace) -> tuple[int | None, str]:
     return (int(value), f"max_position_embeddings of {checkpoint}/config.json") if value else (None, "")
 
 
+def resolve_rollout_backend(args: argparse.Namespace) -> None:
+    """--rollout-backend's default (SGLang with CUDA, the hf engine without); an engine that needs CUDA (SGLang)
+    launched on a machine without it is refused unless SLIME_SGLANG_LAUNCHER serves without CUDA."""
+    if args.rollout_backend is None:
+        args.rollout_backend = default_rollout_backend(args.use_cuda)
+    if not engine_spec(args).needs_cuda or args.use_cuda or args.debug_train_only:
+        return
+    if not os.environ.get("SLIME_SGLANG_LAUNCHER"):
+        fail(
+            "--rollout-backend sglang needs CUDA, which this machine does not have; use --rollout-backend hf "
+            "(the built-in engine), point --rollout-external-engine-addrs at running SGLang servers, or set "
+            "SLIME_SGLANG_LAUNCHER to a launcher that serves without CUDA (e.g. SGLang's CPU build)."
+        )
+    logger.warning("--rollout-backend sglang without CUDA: engines start through SLIME_SGLANG_LAUNCHER=%s",
+                   os.environ["SLIME_SGLANG_LAUNCHER"])
+
+
 def validate_rollout(args: argparse.Namespace) -> None:
     for path in args.rollout_sample_hook_path:
         try:
@@ -268,18 +286,7 @@ def validate_rollout(args: argparse.Namespace) -> None:
     if args.model_name and args.model_name.lower() not in CONVERTERS:
         fail(f"--model-name {args.model_name}: no HF <-> Megatron weight converter of that name; known: "
              f"{sorted(CONVERTERS)} (or drop the flag: config.json's model_type picks one).")
-    external = args.rollout_external_engine_addrs is not None
-    if args.rollout_backend is None:
-        args.rollout_backend = "sglang" if args.use_cuda else "hf"
-    elif args.rollout_backend == "sglang" and not args.use_cuda and not (external or args.debug_train_only):
-        if not os.environ.get("SLIME_SGLANG_LAUNCHER"):
-            fail(
-                "--rollout-backend sglang needs CUDA, which this machine does not have; use --rollout-backend hf "
-                "(the built-in engine), point --rollout-external-engine-addrs at running SGLang servers, or set "
-                "SLIME_SGLANG_LAUNCHER to a launcher that serves without CUDA (e.g. SGLang's CPU build)."
-            )
-        logger.warning("--rollout-backend sglang without CUDA: engines start through SLIME_SGLANG_LAUNCHER=%s",
-                       os.environ["SLIME_SGLANG_LAUNCHER"])
+    resolve_rollout_backend(args)
 
     if not args.rollout_temperature > 0:
         fail(

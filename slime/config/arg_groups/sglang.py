@@ -19,6 +19,7 @@ import secrets
 
 from slime.backends.sglang_utils import arguments as sglang_arguments
 from slime.config.arg_groups._common import fail
+from slime.utils.backend_specs import engine_spec
 
 # ServerArgs fields slime computes per engine; forwarding them would fight slime's own choice.
 RESERVED_SGLANG_FIELDS = {
@@ -130,10 +131,7 @@ def _refuse_reserved(flag_name: str, field: str) -> None:
 
 
 def _launches_sglang(args: argparse.Namespace) -> bool:
-    backend = args.rollout_backend or ("sglang" if args.use_cuda else "hf")
-    return (backend == "sglang" and bool(args.use_cuda)
-            and not args.rollout_external_engine_addrs
-            and not args.debug_train_only)
+    return engine_spec(args).takes_sglang_server_args and bool(args.use_cuda) and not args.debug_train_only
 
 
 def _type_forwarded_fields(args: argparse.Namespace) -> None:

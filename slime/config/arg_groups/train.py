@@ -13,6 +13,8 @@ import os
 
 from slime.config.arg_groups._common import fail, require_positive
 from slime.config.arg_groups.logging import run_name
+from slime.utils.backend_specs import default_train_backend, train_spec
+from slime.utils.checkpoint_layout import hf_export_dir
 
 logger = logging.getLogger(__name__)
 
@@ -128,12 +130,13 @@ def validate_train(args: argparse.Namespace) -> None:
     if args.train_backend is None:
         # Megatron needs the architecture flags (MODEL_ARGS); without them fsdp reads the model from
         # --hf-checkpoint, so a GPU run without a model script still starts.
-        args.train_backend = "megatron" if args.use_cuda and args.num_layers is not None else "fsdp"
-        if args.use_cuda and args.train_backend == "fsdp":
-            logger.info("--train-backend not given and no MODEL_ARGS (--num-layers ...): using fsdp; source a "
-                        "scripts/models/<model>.sh and pass ${MODEL_ARGS[@]} for megatron.")
-    elif args.train_backend == "megatron" and not args.use_cuda:
-        logger.warning("--train-backend megatron without CUDA: megatron-core expects a GPU on every rank.")
+        args.train_backend = default_train_backend(args.use_cuda, has_model_args=args.num_layers is not None)
+        if args.use_cuda and not train_spec(args).model_from_megatron_flags:
+            logger.info("--train-backend not given and no MODEL_ARGS (--num-layers ...): using %s; source a "
+                        "scripts/models/<model>.sh and pass ${MODEL_ARGS[@]} for megatron.", args.train_backend)
+    elif train_spec(args).expects_cuda and not args.use_cuda:
+        logger.warning("--train-backend %s without CUDA: megatron-core expects a GPU on every rank.",
+                       args.train_backend)
 
     if args.bf16 and args.fp16:
         fail("--bf16 and --fp16 are both set; choose one precision.")
@@ -142,10 +145,11 @@ def validate_train(args: argparse.Namespace) -> None:
              "adam or drop the flag.")
     if args.use_stateless_adam and not args.no_save_optim:
         fail("--use-stateless-adam keeps no Adam moments to checkpoint: add --no-save-optim (as slime requires).")
-    if args.train_backend == "megatron" and args.use_cuda and not args.fp16 and not args.bf16:
+    if train_spec(args).bf16_by_default_on_gpu and args.use_cuda and not args.fp16 and not args.bf16:
         # slime's Megatron backend always trains in bf16 unless --fp16 (its scripts pass neither); fp32 stays
         # the rule on CPU, where megatron-core runs only through the test shim.
-        logger.info("--train-backend megatron on GPU: training in bf16 as slime does (pass --fp16 for fp16).")
+        logger.info("--train-backend %s on GPU: training in bf16 as slime does (pass --fp16 for fp16).",
+                    args.train_backend)
         args.bf16 = True
     require_positive(args, "micro_batch_size", "save_interval", "lr_decay_iters")
     if args.lr < 0 or args.min_lr < 0:
@@ -184,7 +188,7 @@ def validate_train(args: argparse.Namespace) -> None:
 
 def _validate_save_hf(args: argparse.Namespace) -> None:
     try:
-        first = args.save_hf.format(rollout_id=0)
+        first = hf_export_dir(args.save_hf, 0)
     except (KeyError, IndexError, ValueError) as e:
         fail(f"--save-hf {args.save_hf}: not a path template with only {{rollout_id}} in braces ({e!r}); e.g. "
              "/out/hf_{rollout_id}.")

@@ -4,7 +4,7 @@ Mirrors `slime.ray.placement_group.create_placement_groups` and `RolloutManager.
 (slime/ray/rollout.py): one bundle per device, bundles sorted by (node ip, GPU id); the actor takes sorted
 bundles `[0, A)`, the rollout `[A, A+R)` (`--colocate`: `[0, R)` of max(A, R) bundles); engine i takes the rollout's
 bundles `[i·E, (i+1)·E)` for E = `--rollout-num-gpus-per-engine`; an engine wider than a node has one actor
-per node. The device counts reuse `num_actor_devices` / `num_bundles` and `engine_nnodes`; the bundle
+per node. The device counts reuse `num_training_devices` / `num_bundles` and `engine_node_count`; the bundle
 index arithmetic is re-derived here because the real function needs a live placement group.
 
 Assumption: every node has `--num-gpus-per-node` GPUs and PACK fills them in order, so sorted bundle k is
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slime.utils.placement import engine_nnodes, num_actor_devices, num_bundles
+from slime.utils.placement import engine_node_count, num_bundles, num_training_devices
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,14 @@ class Layout:
 
 
 def compute_layout(args) -> Layout:
-    num_actor = 0 if args.debug_rollout_only else num_actor_devices(args)
+    num_actor = num_training_devices(args)
     total = num_bundles(args)
     rollout = list(range(min(total, args.rollout_num_gpus or 0))) if args.colocate else list(range(num_actor, total))
     external = list(args.rollout_external_engine_addrs or [])
     engines: list[Engine] = []
     per_engine = args.rollout_num_gpus_per_engine
     if not external and not args.debug_train_only:
-        nnodes = engine_nnodes(args) if args.rollout_backend == "sglang" else 1
+        nnodes = engine_node_count(args)
         for i in range((args.rollout_num_gpus or 0) // per_engine):
             engines.append(Engine(rank=i, bundles=rollout[i * per_engine:(i + 1) * per_engine], nnodes=nnodes))
     return Layout(

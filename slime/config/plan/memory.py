@@ -45,12 +45,14 @@ import argparse
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from slime.backends.hf_engine.slots import bucket_rows, grown_columns
 from slime.backends.megatron_utils.args import padded_vocab_size
 from slime.config.arg_groups._common import SlimeArgumentError
 from slime.config.arg_groups.megatron import pipeline_layer_split
 from slime.config.plan.model_size import ModelShape, count_params, embedding_params, layer_params, load_model_shape
+from slime.utils.backend_specs import engine_spec, train_spec
 
 GiB = 2**30
 DEFAULT_MEM_FRACTION_STATIC = 0.9
@@ -116,7 +118,7 @@ class Parallel:
 
 def training_parallel(args) -> Parallel:
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
-    if args.train_backend != "megatron":
+    if not train_spec(args).megatron_parallelism:
         return Parallel(world=world)
     return Parallel(world=world, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                     cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
@@ -162,10 +164,16 @@ def state_bytes_per_param(args, with_ref: bool) -> int:
     """Weights + gradients + optimizer (+ a reference copy, + an OPD teacher of the student's size) per parameter,
     before any sharding."""
     frozen = int(with_ref) + int(holds_teacher(args))
-    if args.train_backend != "megatron":
-        return 16 + 4 * frozen  # fsdp: fp32 weights, fp32 gradients, AdamW m, v
+    return training_memory_model(args).state_bytes_per_param(args, frozen)
+
+
+def _megatron_state_bytes(args, frozen: int) -> int:
     wb, gb, ob, _ = megatron_bytes_per_param(args)
     return wb + gb + ob + wb * frozen
+
+
+def _fsdp_state_bytes(args, frozen: int) -> int:
+    return 16 + 4 * frozen  # fp32 weights, fp32 gradients, AdamW m, v (+ fp32 frozen copies)
 
 
 def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches: int | None,
@@ -303,11 +311,39 @@ def fsdp_memory(args, shape: ModelShape, tokens: float | None, with_ref: bool) -
     return est
 
 
+def _megatron_estimate(args, shape: ModelShape, tokens: float | None, micro_batches: int | None,
+                       with_ref: bool) -> Estimate:
+    return megatron_memory(args, shape, tokens, micro_batches, with_ref)[0]
+
+
+def _fsdp_estimate(args, shape: ModelShape, tokens: float | None, micro_batches: int | None,
+                   with_ref: bool) -> Estimate:
+    return fsdp_memory(args, shape, tokens, with_ref)  # every rank holds whole micro-batches of its own
+
+
+@dataclass(frozen=True)
+class TrainingMemoryModel:
+    """A training backend's memory model in the planner (`TrainBackendSpec.memory_model` names it)."""
+
+    # (args, frozen model copies) -> bytes per parameter of weights, gradients, optimizer and copies, unsharded
+    state_bytes_per_param: Callable[[Any, int], int]
+    # (args, shape, tokens per micro-batch, micro-batches per step, with a reference model) -> one rank's estimate
+    estimate: Callable[..., Estimate]
+
+
+TRAINING_MEMORY_MODELS = {
+    "megatron": TrainingMemoryModel(_megatron_state_bytes, _megatron_estimate),
+    "fsdp": TrainingMemoryModel(_fsdp_state_bytes, _fsdp_estimate),
+}
+
+
+def training_memory_model(args) -> TrainingMemoryModel:
+    return TRAINING_MEMORY_MODELS[train_spec(args).memory_model]
+
+
 def training_memory(args, shape: ModelShape, tokens: float | None, micro_batches: int | None,
                     with_ref: bool) -> Estimate:
-    if args.train_backend == "megatron":
-        return megatron_memory(args, shape, tokens, micro_batches, with_ref)[0]
-    return fsdp_memory(args, shape, tokens, with_ref)
+    return training_memory_model(args).estimate(args, shape, tokens, micro_batches, with_ref)
 
 
 # ---- engines -----------------------------------------------------------------------------------------------
@@ -379,8 +415,8 @@ def engine_memory(args, shape: ModelShape, gpu_bytes: float | None, prompt_token
                   sample_tokens: int | None = None) -> tuple[EngineMemory, str]:
     """Per-GPU memory of one engine, and how its KV bytes per token were computed. The hf engine's slots need the
     longest sample (`sample_tokens`, of which `prompt_tokens` the prompt; 0 when unknown)."""
-    sglang = args.rollout_backend == "sglang"
-    tp = args.rollout_num_gpus_per_engine if sglang else 1
+    engine = engine_spec(args)
+    tp = args.rollout_num_gpus_per_engine if engine.tensor_parallel else 1
     sglang_args = args.sglang_args
     if not args.use_cuda:
         wbytes = 4  # the hf engine runs float32 on CPU
@@ -391,7 +427,7 @@ def engine_memory(args, shape: ModelShape, gpu_bytes: float | None, prompt_token
     kv_b = 1 if str(sglang_args.get("kv_cache_dtype", "auto")).startswith("fp8") else (2 if args.use_cuda else 4)
     weights = count_params(shape).total * wbytes / tp
     per_token, how = kv_bytes_per_token(shape, tp, kv_b)
-    if not sglang:
+    if engine.kv_cache == "slots":
         if gpu_bytes is None or not sample_tokens:
             return EngineMemory(tp, wbytes, weights, None, False, None, None, per_token, None), how
         in_flight = args.over_sampling_batch_size * args.n_samples_per_prompt

@@ -29,6 +29,8 @@ from slime.config.plan.memory import (
 )
 from slime.config.plan.model_size import ModelShape, ModelShapeError, count_params, load_model_shape
 from slime.config.plan.prompts import measure_prompts
+from slime.ray.loop import needs_reference_model, num_rollout_of_epochs
+from slime.utils.backend_specs import engine_spec, train_spec
 from slime.utils.data import index_lines, parse_prompt_path
 from slime.utils.megatron_roles import megatron_role_overrides, role_args
 
@@ -140,7 +142,7 @@ def resolve_num_rollout(args) -> tuple[int | None, str]:
     if rows is None:
         return None, (f"{epochs} epoch(s) × dataset size ÷ {args.rollout_batch_size}: resolved when the data source "
                       "loads")
-    n = rows // args.rollout_batch_size * epochs
+    n = num_rollout_of_epochs(args, rows)
     return n, (f"{n} = {epochs} epoch(s) × ({rows} rows of --prompt-data // --rollout-batch-size "
                f"{args.rollout_batch_size}) (rows before length filtering; the real count can be lower)")
 
@@ -151,13 +153,7 @@ def micro_batch_tokens(args, length: Lengths) -> float | None:
         return float(args.max_tokens_per_gpu)
     if length.tokens is None:
         return None
-    cp = args.context_parallel_size if args.train_backend == "megatron" else 1
-    return args.micro_batch_size * length.tokens / cp
-
-
-def needs_reference_model(args) -> bool:
-    """The trainers build a frozen reference model for a KL term (the rule of train.needs_reference_model)."""
-    return bool(args.use_kl_loss or args.kl_coef)
+    return args.micro_batch_size * length.tokens / training_parallel(args).cp
 
 
 # ---- the sections ------------------------------------------------------------------------------------------
@@ -219,7 +215,7 @@ class _Builder:
         else:
             unit = "GPU" if lay.device == "GPU" else "CPU slot"
             rollout = f"{a.rollout_backend}, {len(lay.engines)} engine(s) × {a.rollout_num_gpus_per_engine} {unit}(s)"
-            if a.rollout_backend == "sglang":
+            if engine_spec(a).tensor_parallel:
                 rollout += f" (SGLang TP {a.rollout_num_gpus_per_engine})"
         if not lay.actor or not (lay.engines or lay.external_engines):
             placement = "one side only: " + ("engines" if not lay.actor else "training ranks")
@@ -258,7 +254,7 @@ class _Builder:
         if lay.actor:
             par = training_parallel(a)
             how = (f"TP {par.tp} × PP {par.pp} × CP {par.cp} × DP {par.dp}" + (f", EP {par.ep}" if par.ep > 1 else "")
-                   if a.train_backend == "megatron" else f"FSDP over {len(lay.actor)} rank(s)")
+                   if train_spec(a).megatron_parallelism else f"FSDP over {len(lay.actor)} rank(s)")
             rows.append(["actor", bundle_ranges(lay.actor), describe_bundles(lay, lay.actor), how])
             if lay.critic:
                 rows.append(["critic", bundle_ranges(lay.actor), "same as actor", "PPO critic group"])
@@ -306,7 +302,8 @@ class _Builder:
         return note
 
     def _engine_row(self, e) -> list[str]:
-        note = f"TP {len(e.bundles)}" if self.args.rollout_backend == "sglang" else "hf engine"
+        a = self.args
+        note = f"TP {len(e.bundles)}" if engine_spec(a).tensor_parallel else f"{a.rollout_backend} engine"
         if e.nnodes > 1:
             note += f", {e.nnodes} nodes: one actor per node on bundles {', '.join(map(str, e.node_actor_bundles()))}"
         return [f"engine {e.rank}", bundle_ranges(e.bundles), describe_bundles(self.layout, e.bundles), note]
@@ -438,7 +435,7 @@ class _Builder:
             if after < est.total * 0.97:
                 fixes.append(f"{text} (→ {fmt_bytes(after)})")
 
-        if a.train_backend == "megatron":
+        if train_spec(a).megatron_parallelism:
             par = training_parallel(a)
             if not a.use_distributed_optimizer and par.dp * par.cp > 1:
                 offer("add --use-distributed-optimizer", use_distributed_optimizer=True)
@@ -515,7 +512,7 @@ class _Builder:
                 rows += self._check_colocated(mem)
             return Section(title, kv_table(rows)), mem
         if mem.fraction is None:
-            if a.rollout_backend != "hf":
+            if engine_spec(a).kv_cache != "slots":
                 why = "CPU run"
             elif self.gpu_bytes is None:
                 why = "the hf engine allocates its KV cache as requests arrive"
@@ -587,7 +584,7 @@ class _Builder:
     def _check_engine_tp(self) -> None:
         a, s = self.args, self.shape
         tp = a.rollout_num_gpus_per_engine
-        if a.rollout_backend != "sglang" or self._engine_tp_ok(tp):
+        if not engine_spec(a).tensor_parallel or self._engine_tp_ok(tp):
             return
         valid = [t for t in range(1, a.rollout_num_gpus + 1) if self._engine_tp_ok(t)]
         near = " or ".join(str(t) for t in _nearest(tp, valid)) or "1"
@@ -671,7 +668,7 @@ class _Builder:
         """What the megatron ranks would refuse at start-up that parse_args cannot see: no MODEL_ARGS, and
         (without MODEL_ARGS to cross-check) a TP size that does not divide config.json's heads."""
         a, s = self.train_args, self.shape
-        if not self.training or a.train_backend != "megatron":
+        if not self.training or not train_spec(a).model_from_megatron_flags:
             return
         try:
             require_model_args(a)
