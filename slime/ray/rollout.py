@@ -85,7 +85,7 @@ from slime.utils.metrics import (
 )
 from slime.utils.misc import load_function
 from slime.utils.net import node_ip
-from slime.utils.placement import engine_nnodes
+from slime.utils.placement import engine_node_count
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class RolloutManager:
         num_engines = args.rollout_num_gpus // per_engine
         backend = args.rollout_backend
         engine_cls = ray.remote(load_function(ENGINE_CLASSES[backend], "--rollout-backend"))
-        nnodes = engine_nnodes(args) if backend == "sglang" else 1
+        nnodes = engine_node_count(args)
         per_node = per_engine // nnodes
         for i in range(num_engines):
             leader = engine_cls.options(**self._engine_options(i * per_engine, per_engine)).remote(args, i)
