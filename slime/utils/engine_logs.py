@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 import signal
 
+from slime.utils.backend_specs import ENGINE_SPECS
+
 MAX_LINE = 400
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -151,10 +153,11 @@ def advice(kind: str, *, backend: str, colocate: bool, offload_rollout: bool, of
         steps = []
         if colocate and not (offload_rollout and offload_train):
             steps.append("keep the colocated memory handoff on (drop --no-offload-rollout / --no-offload-train)")
-        if backend == "sglang":
+        kv_cache = ENGINE_SPECS[backend].kv_cache
+        if kv_cache == "static_pool":
             steps.append("lower --sglang-mem-fraction-static")
         steps.append("lower --sglang-server-concurrency or --rollout-batch-size"
-                     + (" (the hf engine's KV slots grow with its running batch)" if backend == "hf" else ""))
+                     + (" (the hf engine's KV slots grow with its running batch)" if kv_cache == "slots" else ""))
         return "the engine ran out of GPU memory: " + ", or ".join(steps) + "; `--dry-run` estimates the peak"
     if kind == "pool":
         return ("SGLang's static pool leaves no room for a KV cache: raise --sglang-mem-fraction-static, or give each "
