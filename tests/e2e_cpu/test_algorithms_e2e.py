@@ -9,13 +9,15 @@ advantages whitened with all-reduced moments).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 
 import pytest
 
-from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
 from slime.utils.tracking import read_scalars
-from tests.e2e_cpu.test_train_e2e import _env, _train_cmd
+from tests.e2e_cpu.test_train_async import _left_over, _marked_env
+from tests.e2e_cpu.test_train_e2e import _train_cmd
+from tests.e2e_cpu.together import result_of, run_together
 
 # GRPO's first step is checked by tests/e2e_cpu/test_seed_workflows.py::test_step3_standard_grpo.
 RUNS = {
@@ -28,11 +30,20 @@ RUNS = {
 }
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("estimator", list(RUNS))
-def test_first_step_invariants(estimator, tiny_model_dir, toy_data_path, tmp_path):
+def _train(cmd, tmp_path, timeout: int):
+    """One train.py run in `tmp_path`; its processes carry a marker of their own, so the leak check sees only them
+    while the module's other run goes on beside it."""
+    env, marker = _marked_env()
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert _left_over(marker) == {}
+    return out
+
+
+def _estimator_run(tmp_path, tiny_model_dir, toy_data_path, estimator):
+    """The estimator's run (PPO: also resumed from its checkpoint for one more rollout); returns its folder."""
+    tmp_path.mkdir()
     tb_dir = tmp_path / "tb"
-    before = run_processes()
     save = []
     if estimator == "ppo":  # a constant reward gives the critic non-zero returns to learn, so a restored
         # value head is told apart from a fresh (zero) one below
@@ -41,8 +52,33 @@ def test_first_step_invariants(estimator, tiny_model_dir, toy_data_path, tmp_pat
     cmd = _train_cmd(tiny_model_dir, toy_data_path, "--rollout-num-gpus", "1", "--global-batch-size", "16",
                      "--rm-type", "toy", "--use-tensorboard", "--tensorboard-dir", str(tb_dir), *RUNS[estimator],
                      *save)
-    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=560, cwd=str(tmp_path))
-    assert out.returncode == 0, out.stderr[-4000:]
+    _train(cmd, tmp_path, 560)
+    if estimator == "ppo":
+        # the test checks the first run's TensorBoard folder as it was before the resume appended to it
+        shutil.copytree(tb_dir, tmp_path / "tb_first_run")
+        _train([*cmd, "--load", str(tmp_path / "ckpt"), "--num-rollout", "4"], tmp_path, 560)
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def module_runs(tiny_model_dir, toy_data_path, tmp_path_factory) -> dict:
+    """The module's runs, two at a time (tests/e2e_cpu/together.py): PPO (and its resume) beside the others;
+    each test checks its own run."""
+    root = tmp_path_factory.mktemp("algorithms")
+
+    def run(key):
+        if key == "opsm":
+            return _opsm_run(root / key, tiny_model_dir, toy_data_path)
+        return _estimator_run(root / key, tiny_model_dir, toy_data_path, key)
+
+    return run_together(run, [*RUNS, "opsm"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("estimator", list(RUNS))
+def test_first_step_invariants(estimator, module_runs):
+    tmp_path = result_of(module_runs, estimator)
+    tb_dir = tmp_path / ("tb_first_run" if estimator == "ppo" else "tb")
     num_rollout = int(RUNS[estimator][-1])
     # --num-critic-only-steps 1: rollout 0 trains the critic only, the policy's first step is rollout 1
     first = 1 if estimator == "ppo" else 0
@@ -68,14 +104,11 @@ def test_first_step_invariants(estimator, tiny_model_dir, toy_data_path, tmp_pat
         # the critic is checkpointed with the actor and resumes with it: a fresh critic's values would be 0
         critic_iter = tmp_path / "ckpt" / "critic" / "iter_0000002"
         assert (critic_iter / "value_head.pt").is_file() and (critic_iter / "model.safetensors").is_file()
-        resumed = subprocess.run([*cmd, "--load", str(tmp_path / "ckpt"), "--num-rollout", "4"],
-                                 capture_output=True, text=True, env=_env(), timeout=560, cwd=str(tmp_path))
-        assert resumed.returncode == 0, resumed.stderr[-4000:]
-        values = read_scalars(str(tb_dir), "critic/values")
+        # the resumed run (the fixture's; it returned 0 and left no process behind) continued the same folder
+        values = read_scalars(str(tmp_path / "tb"), "critic/values")
         assert sorted(values) == [0, 1, 2, 3] and values[3] != 0.0, values
     else:
         assert read_scalars(str(tb_dir), "train/value_loss") == {}
-    assert wait_for_no_new_processes(before) == {}
 
 
 ENTROPY_HOOK = """
@@ -94,8 +127,21 @@ def look(args, rollout_id, rollout_data):
 """
 
 
-@pytest.mark.timeout(300)
-def test_opsm_and_rollout_entropy_in_the_trainer(tiny_model_dir, toy_data_path, tmp_path):
+def _opsm_run(tmp_path, tiny_model_dir, toy_data_path):
+    tmp_path.mkdir()
+    (tmp_path / "alt.py").write_text("async def alt(args, sample):\n    return float(sample.index % 2)\n")
+    (tmp_path / "look.py").write_text(ENTROPY_HOOK)
+    cmd = _train_cmd(tiny_model_dir, toy_data_path, "--rollout-num-gpus", "1", "--global-batch-size", "16",
+                     "--custom-rm-path", f"{tmp_path}/alt.py:alt", "--use-tensorboard", "--tensorboard-dir",
+                     str(tmp_path / "tb"), "--actor-num-gpus-per-node", "1", "--num-rollout", "1",
+                     "--use-opsm", "--opsm-delta", "-1e9",
+                     "--use-rollout-entropy", "--rollout-data-postprocess-path", f"{tmp_path}/look.py:look")
+    _train(cmd, tmp_path, 280)
+    return tmp_path
+
+
+@pytest.mark.timeout(600)
+def test_opsm_and_rollout_entropy_in_the_trainer(module_runs):
     """--use-opsm and --use-rollout-entropy through train.py (one run).
 
     OPSM: rewards alternate 0/1 by sample index, so every group of 4 holds two of each: GRPO advantages
@@ -106,17 +152,8 @@ def test_opsm_and_rollout_entropy_in_the_trainer(tiny_model_dir, toy_data_path, 
     Rollout entropy: the old-policy pass's entropies reach --rollout-data-postprocess-path as
     rollout_data["entropy"] (one per response token); at the first step the old policy is the trained one, so
     their per-sample loss-masked mean is train/entropy_loss; rollout/entropy is their token mean."""
+    tmp_path = result_of(module_runs, "opsm")
     tb_dir = tmp_path / "tb"
-    before = run_processes()
-    (tmp_path / "alt.py").write_text("async def alt(args, sample):\n    return float(sample.index % 2)\n")
-    (tmp_path / "look.py").write_text(ENTROPY_HOOK)
-    cmd = _train_cmd(tiny_model_dir, toy_data_path, "--rollout-num-gpus", "1", "--global-batch-size", "16",
-                     "--custom-rm-path", f"{tmp_path}/alt.py:alt", "--use-tensorboard", "--tensorboard-dir",
-                     str(tb_dir), "--actor-num-gpus-per-node", "1", "--num-rollout", "1",
-                     "--use-opsm", "--opsm-delta", "-1e9",
-                     "--use-rollout-entropy", "--rollout-data-postprocess-path", f"{tmp_path}/look.py:look")
-    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=280, cwd=str(tmp_path))
-    assert out.returncode == 0, out.stderr[-4000:]
     clipfrac = read_scalars(str(tb_dir), "train/opsm_clipfrac")
     assert clipfrac == {0: pytest.approx(0.5)}, clipfrac
     pg_loss = read_scalars(str(tb_dir), "train/pg_loss")
@@ -129,4 +166,3 @@ def test_opsm_and_rollout_entropy_in_the_trainer(tiny_model_dir, toy_data_path, 
     assert entropy_loss == {0: pytest.approx(seen["sample_mean"], rel=1e-5)}, (entropy_loss, seen)
     logged = read_scalars(str(tb_dir), "rollout/entropy")
     assert logged == {0: pytest.approx(seen["token_mean"], rel=1e-6)}, (logged, seen)
-    assert wait_for_no_new_processes(before) == {}

@@ -16,6 +16,10 @@ its flags: these checks see the same numbers every time, and a change that alter
   between two tokens flips with the batch's arithmetic (measured in docs/quickstart.md): too rare to show in a few
   runs, too frequent for an exact check in CI.
 - The same quick start with the advantages' sign flipped fails the check: the check can fail.
+
+The runs go two at a time (tests/e2e_cpu/together.py): the true and the flipped advantages, then the two replays.
+Each run is a function of its flags, not of what runs beside it, and a sync run's engine and trainer take turns on
+the cores, so two at once take much less than twice one.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import pytest
 
 from slime.utils.tracking import read_scalars
 from tests.conftest import REPO_ROOT
+from tests.e2e_cpu.together import result_of, run_together
 
 LEARNING_ROLLOUTS = 110
 REPLAY_ROLLOUTS = 5
@@ -71,12 +76,26 @@ def quick_start_data(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def learning_run(tiny_model_dir, quick_start_data, tmp_path_factory) -> str:
-    return quick_start(str(tmp_path_factory.mktemp("learn")), LEARNING_ROLLOUTS, tiny_model_dir, quick_start_data)
+def learning_runs(tiny_model_dir, quick_start_data, tmp_path_factory) -> dict:
+    """The quick start with the true and with the flipped advantages, the two runs at once (tests/e2e_cpu/together.py:
+    each run is a function of its flags, and its two processes, engine and trainer, take turns on the cores);
+    each test below checks its own run."""
+    extra = {"main": (), "flipped": BROKEN}
+    return run_together(lambda k: quick_start(str(tmp_path_factory.mktemp(k)), LEARNING_ROLLOUTS, tiny_model_dir,
+                                              quick_start_data, *extra[k]), extra)
+
+
+@pytest.fixture(scope="module")
+def replay_runs(tiny_model_dir, quick_start_data, tmp_path_factory) -> dict:
+    """Two deterministic runs of the same flags, at once: each engine serves one request at a time, so what runs
+    beside it does not change its arithmetic."""
+    return run_together(lambda k: metrics(quick_start(str(tmp_path_factory.mktemp(f"replay-{k}")), REPLAY_ROLLOUTS,
+                                                      tiny_model_dir, quick_start_data, *DETERMINISTIC)), ("a", "b"))
 
 
 @pytest.mark.timeout(600)
-def test_quick_start_learns(learning_run):
+def test_quick_start_learns(learning_runs):
+    learning_run = result_of(learning_runs, "main")
     reward = final_reward(learning_run)
     print(f"\n[learning] mean raw reward of rollouts {LEARNING_ROLLOUTS - WINDOW}-{LEARNING_ROLLOUTS - 1}: {reward:.4f}")
     assert sorted(read_scalars(learning_run, "rollout/raw_reward")) == list(range(LEARNING_ROLLOUTS))
@@ -84,19 +103,19 @@ def test_quick_start_learns(learning_run):
 
 
 @pytest.mark.timeout(600)
-def test_same_seed_same_run(tiny_model_dir, quick_start_data, tmp_path):
-    runs = [metrics(quick_start(str(tmp_path / name), REPLAY_ROLLOUTS, tiny_model_dir, quick_start_data,
-                                *DETERMINISTIC))
-            for name in ("a", "b")]
+def test_same_seed_same_run(replay_runs):
+    runs = [result_of(replay_runs, name) for name in ("a", "b")]
     for tag in COMPARED:
         assert sorted(runs[0][tag]) == list(range(REPLAY_ROLLOUTS)), f"{tag} was not logged every rollout"
         assert runs[1][tag] == runs[0][tag], f"{tag} differs between two runs with --seed {SEED}"
 
 
 @pytest.mark.timeout(600)
-def test_flipped_advantages_fail_the_check(tiny_model_dir, quick_start_data, tmp_path):
-    reward = final_reward(quick_start(str(tmp_path), LEARNING_ROLLOUTS, tiny_model_dir, quick_start_data, *BROKEN))
+def test_flipped_advantages_fail_the_check(learning_runs):
+    flipped = result_of(learning_runs, "flipped")
+    reward = final_reward(flipped)
     print(f"\n[learning, advantages flipped] mean raw reward of the last {WINDOW} rollouts: {reward:.4f}")
+    assert sorted(read_scalars(flipped, "rollout/raw_reward")) == list(range(LEARNING_ROLLOUTS))
     assert reward < THRESHOLD
 
 

@@ -16,6 +16,7 @@ import torch
 from slime.utils.tracking import read_scalars
 from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
 from tests.e2e_cpu.test_train_e2e import _env, _train_cmd
+from tests.e2e_cpu.together import result_of, run_together
 
 
 def _prompts(template: str, rollout_id: int) -> list[str]:
@@ -53,16 +54,18 @@ def test_resume_gets_the_same_prompts_and_replay_the_same_loss(tiny_model_dir, t
     shutil.rmtree(ckpt / "iter_0000003")
     (ckpt / "rollout" / "data_source_state_3.json").unlink()
     (ckpt / "latest_checkpointed_iteration.txt").write_text("1")
-    tb_c = _run(tiny_model_dir, str(data), tmp_path, "c", "--num-rollout", "4", "--load", str(ckpt),
-                "--save-debug-rollout-data", dump_c)
+    # run c resumes from run a's checkpoint and run d replays run a's dump: the two at once (together.py)
+    later = {"c": ("--num-rollout", "4", "--load", str(ckpt), "--save-debug-rollout-data", dump_c),
+             "d": ("--num-rollout", "1", "--debug-train-only", "--load-debug-rollout-data", dump_a)}
+    runs = run_together(lambda name: _run(tiny_model_dir, str(data), tmp_path, name, *later[name]), later)
+    tb_c = result_of(runs, "c")
 
     assert len(set(_prompts(dump_a, 0) + _prompts(dump_a, 1))) == 6  # the runs do cross an epoch boundary
     for rollout_id in (2, 3):
         assert _prompts(dump_c, rollout_id) == _prompts(dump_a, rollout_id), f"rollout {rollout_id}"
     assert sorted(read_scalars(tb_c, "rollout/raw_reward")) == [2, 3]  # metric steps continue, not restart
 
-    tb_d = _run(tiny_model_dir, str(data), tmp_path, "d", "--num-rollout", "1", "--debug-train-only",
-                "--load-debug-rollout-data", dump_a)
+    tb_d = result_of(runs, "d")
     # the policy-gradient part of the first step is ~0 (a random model earns no reward, ratio 1), so an
     # entropy bonus makes the loss and gradient depend on every sample and token
     for tag in ("train/loss", "train/grad_norm", "train/entropy_loss"):

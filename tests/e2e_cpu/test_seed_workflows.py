@@ -27,6 +27,7 @@ import pytest
 from slime.utils.tracking import read_scalars
 from tests.conftest import REPO_ROOT, model_args
 from tests.e2e_cpu.test_train_async import _left_over, _marked_env
+from tests.e2e_cpu.together import result_of, run_together
 
 # Step 1's chat form: a system prompt and a user message per row.
 CHAT_ROWS = [
@@ -77,25 +78,58 @@ def the_run(cwd, kind: str) -> str:
     return found[0]
 
 
-@pytest.fixture
-def workdir(tmp_path):
-    with open(tmp_path / "train.jsonl", "w") as f:
+def make_workdir(path):
+    path.mkdir()
+    with open(path / "train.jsonl", "w") as f:
         f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in CHAT_ROWS)
-    return tmp_path
+    return path
 
 
 SMALL = ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
          "--rollout-max-response-len", "8"]  # fmt: skip
 
 
+# Each step's command (script, flags); the three run two at a time, each in its own working directory
+# (tests/e2e_cpu/together.py), and each test checks its own run.
+STEPS = {
+    "step3": ("train.py", [*SMALL,
+              "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.001",
+              "--prompt-data", "train.jsonl", "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
+              "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
+              "--num-rollout", "3", "--save-interval", "2", "--eval-interval", "2",
+              "--eval-prompt-data", "aime", "train.jsonl@[0:4]", "gsm8k", "train.jsonl@[4:12]"]),
+    "step5": ("train_async.py", [*SMALL,
+              "--advantage-estimator", "grpo", "--async-buffer-size", "4", "--update-weights-interval", "2",
+              "--prompt-data", "train.jsonl", "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
+              "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
+              "--num-rollout", "4"]),
+    "step6": ("train.py", [*SMALL,
+              "--custom-generate-function-path", "custom_generate.py", "--max-turns", "5",
+              "--prompt-data", "train.jsonl", "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
+              "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
+              "--num-rollout", "2", "--log-multi-turn",
+              "--save-debug-rollout-data", "dump/rollout_{rollout_id}.pt"]),
+}  # fmt: skip
+
+
+def run_step(root, tiny_model_dir, step: str):
+    workdir = make_workdir(root / step)
+    if step == "step6":
+        (workdir / "custom_generate.py").write_text(CUSTOM_GENERATE)
+    script, flags = STEPS[step]
+    run_in(workdir, script, tiny_model_dir, *flags)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def step_runs(tiny_model_dir, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("seed")
+    return run_together(lambda step: run_step(root, tiny_model_dir, step), STEPS)
+
+
 @pytest.mark.timeout(600)
-def test_step3_standard_grpo(workdir, tiny_model_dir):
-    run_in(workdir, "train.py", tiny_model_dir, *SMALL,
-           "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.001",
-           "--prompt-data", "train.jsonl", "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
-           "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
-           "--num-rollout", "3", "--save-interval", "2", "--eval-interval", "2",
-           "--eval-prompt-data", "aime", "train.jsonl@[0:4]", "gsm8k", "train.jsonl@[4:12]")  # fmt: skip
+def test_step3_standard_grpo(step_runs):
+    workdir = result_of(step_runs, "step3")
     tb = the_run(workdir, "tensorboard")
     assert sorted(read_scalars(tb, "rollout/raw_reward")) == [0, 1, 2]
     # step 3's scenario two: several eval sets, each logged under its name
@@ -115,12 +149,8 @@ def test_step3_standard_grpo(workdir, tiny_model_dir):
 
 
 @pytest.mark.timeout(600)
-def test_step5_async(workdir, tiny_model_dir):
-    run_in(workdir, "train_async.py", tiny_model_dir, *SMALL,
-           "--advantage-estimator", "grpo", "--async-buffer-size", "4", "--update-weights-interval", "2",
-           "--prompt-data", "train.jsonl", "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
-           "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
-           "--num-rollout", "4")  # fmt: skip
+def test_step5_async(step_runs):
+    workdir = result_of(step_runs, "step5")
     tb = the_run(workdir, "tensorboard")
     assert sorted(read_scalars(tb, "rollout/raw_reward")) == [0, 1, 2, 3]
     assert sorted(read_scalars(tb, "perf/update_weights_time")) == [1, 3]  # every second rollout
@@ -129,14 +159,8 @@ def test_step5_async(workdir, tiny_model_dir):
 
 
 @pytest.mark.timeout(600)
-def test_step6_multi_turn_custom_generate_file(workdir, tiny_model_dir):
-    (workdir / "custom_generate.py").write_text(CUSTOM_GENERATE)
-    run_in(workdir, "train.py", tiny_model_dir, *SMALL,
-           "--custom-generate-function-path", "custom_generate.py", "--max-turns", "5",
-           "--prompt-data", "train.jsonl", "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
-           "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
-           "--num-rollout", "2", "--log-multi-turn",
-           "--save-debug-rollout-data", "dump/rollout_{rollout_id}.pt")  # fmt: skip
+def test_step6_multi_turn_custom_generate_file(step_runs):
+    workdir = result_of(step_runs, "step6")
     tb = the_run(workdir, "tensorboard")
     turns = read_scalars(tb, "rollout/multi_turn/turns_max")
     assert sorted(turns) == [0, 1] and set(turns.values()) == {5.0}  # --max-turns bounds the loop

@@ -19,6 +19,10 @@ from safetensors.torch import load_file
 from slime.utils.tracking import read_scalars
 from slime.weight_sync.delta import MANIFEST, decode
 from tests.e2e_cpu.test_train_e2e import _env, _train_cmd
+from tests.e2e_cpu.together import result_of, run_together
+
+ENCODINGS = ["xor", "overwrite"]
+N_ROLLOUT = 3
 
 
 def _shards(folder) -> dict[str, torch.Tensor]:
@@ -33,13 +37,13 @@ def _shard_bytes(folder) -> int:
     return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
-def test_delta_pushes_keep_the_engine_on_the_trainers_weights(tiny_model_dir, toy_data_path, tmp_path, encoding):
-    n = 3
+def _delta_run(root, tiny_model_dir, toy_data_path, encoding):
+    """One train.py run pushing deltas with `encoding`; returns its folder."""
+    tmp_path = root / encoding
+    tmp_path.mkdir()
     tb, push, local, save = tmp_path / "tb", tmp_path / "push", tmp_path / "local", tmp_path / "ckpt"
     cmd = _train_cmd(tiny_model_dir, toy_data_path, "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
-                     "--global-batch-size", "16", "--num-rollout", str(n), "--rm-type", "toy",
+                     "--global-batch-size", "16", "--num-rollout", str(N_ROLLOUT), "--rm-type", "toy",
                      "--update-weight-transport", "disk", "--update-weight-mode", "delta",
                      "--update-weight-disk-dir", str(push), "--update-weight-local-checkpoint-dir", str(local),
                      "--update-weight-disk-keep-files", "--update-weight-delta-encoding", encoding,
@@ -48,6 +52,22 @@ def test_delta_pushes_keep_the_engine_on_the_trainers_weights(tiny_model_dir, to
     # the hf server may load from L without SLIME_ENGINE_WEIGHT_DIRS: the weight-sync folders are allowed
     done = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=str(tmp_path), timeout=280)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def delta_runs(tiny_model_dir, toy_data_path, tmp_path_factory) -> dict:
+    """Both encodings' runs at once (tests/e2e_cpu/together.py); each test checks its own run."""
+    root = tmp_path_factory.mktemp("delta")
+    return run_together(lambda enc: _delta_run(root, tiny_model_dir, toy_data_path, enc), ENCODINGS)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_delta_pushes_keep_the_engine_on_the_trainers_weights(tiny_model_dir, delta_runs, encoding):
+    n = N_ROLLOUT
+    tmp_path = result_of(delta_runs, encoding)
+    tb, push, local, save = tmp_path / "tb", tmp_path / "push", tmp_path / "local", tmp_path / "ckpt"
 
     diffs = read_scalars(str(tb), "train/train_rollout_logprob_abs_diff")
     assert sorted(diffs) == list(range(n)) and max(diffs.values()) < 1e-3, diffs  # every push reached the engine
