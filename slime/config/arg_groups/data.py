@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 
 from slime.config.arg_groups._common import (
     SlimeArgumentError,
