@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from slime.algorithm.loss import LossInputs, compute_actor_loss, critic_loss
+from slime.algorithm.slime_formats import LossHookInputs
 from slime.algorithm.estimators import AdvantageInputs, compute_advantages_and_returns
 from slime.utils import ppo_utils as pu
 from slime.config.arguments import SlimeArgumentError
@@ -24,7 +25,7 @@ def _args(**kw):
     return make_args(**kw)
 
 
-def _inputs(per_token=False, denominator=2.0, **kw):
+def _inputs(per_token=False, denominator=2.0, logits=None, **kw):
     """Two samples: A with 2 tokens, B with 1 token (mask [[1, 1], [1, 0]]), on-policy (r = 1); both are the
     only samples of the global batch (denominator 2)."""
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
@@ -33,7 +34,8 @@ def _inputs(per_token=False, denominator=2.0, **kw):
         log_probs=logp, old_log_probs=logp.detach().clone(), advantages=torch.tensor([[1.0, 1.0], [-2.0, 0.0]]),
         mask=mask, entropy=torch.tensor([[0.6, 0.2], [1.0, 5.0]]),
         aggregate=functools.partial(pu.aggregate_loss, mask=mask, per_token=per_token, global_denominator=denominator),
-        response_lengths=[2, 1], total_lengths=[5, 3], global_denominator=denominator,
+        hook_inputs=LossHookInputs(response_lengths=[2, 1], total_lengths=[5, 3], logits=logits),
+        global_denominator=denominator,
     )
     base.update(kw)
     return LossInputs(**base)
@@ -307,8 +309,8 @@ def test_rows_split_from_one_rollout_weigh_as_one_token_mean(tmp_path):
 def test_slime_hooks_need_the_rows_lengths(tmp_path):
     path = _plugin(tmp_path, "my_reducer", REDUCER)
     args = _args(custom_pg_loss_reducer_function_path=f"{path}:constant_denominator")
-    with pytest.raises(ValueError, match="--custom-pg-loss-reducer-function-path: .*LossInputs.response_lengths"):
-        compute_actor_loss(args, _inputs(response_lengths=None))
+    with pytest.raises(ValueError, match="--custom-pg-loss-reducer-function-path: .*LossInputs.hook_inputs"):
+        compute_actor_loss(args, _inputs(hook_inputs=None))
 
 
 @pytest.mark.parametrize("flag, source, call", [

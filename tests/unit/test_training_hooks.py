@@ -158,6 +158,11 @@ def seeing_advantages(args, rollout_data):
     rollout_data["returns"] = rollout_data["advantages"]
 
 
+def sum_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss):
+    """A --custom-pg-loss-reducer-function-path: the flat pg loss's plain sum."""
+    return lambda flat: flat.sum()
+
+
 def split_rollout_record(args) -> tuple[RolloutRecord, MicroBatch, torch.Tensor]:
     """Rows 0 and 1 split from rollout 4, row 2 rollout 9: one optimizer step of 2 rollouts on this rank, its
     forward's logits (vocabulary 16) and the old policy a little off the current one."""
@@ -179,14 +184,31 @@ def split_rollout_record(args) -> tuple[RolloutRecord, MicroBatch, torch.Tensor]
 
 
 def test_the_record_gives_slimes_loss_hooks_what_they_read():
-    args = make_args(rollout_temperature=0.7)
+    args = make_args(rollout_temperature=0.7, loss_type="custom_loss", custom_loss_function_path=f"{HERE}.slime_style_loss")
     record, mb, logits = split_rollout_record(args)
     lp, ent = extract_response_log_probs(logits, mb, args.rollout_temperature, with_entropy=True)
-    inputs = record.loss_inputs([0, 1, 2], mb, lp, ent, record.denominators[0], mb.slime_logits(logits))
-    assert inputs.response_lengths == [2, 1, 3] and inputs.total_lengths == [4, 3, 5]
+    inputs = record.loss_inputs(args, [0, 1, 2], mb, lp, ent, record.denominators[0], mb.slime_logits(logits))
+    hook_inputs = inputs.hook_inputs
+    assert hook_inputs.response_lengths == [2, 1, 3] and hook_inputs.total_lengths == [4, 3, 5]
     assert inputs.global_denominator == 2  # the step's rollouts, not its 3 rows
     assert inputs.sample_denominators.tolist() == [3.0, 3.0, 2.0]  # each row's rollout's masked tokens
-    assert [t.tolist() for t in inputs.tokens] == record.batch.tokens and inputs.logits.shape == (1, 12, 16)
+    assert [t.tolist() for t in hook_inputs.tokens] == record.batch.tokens and hook_inputs.logits.shape == (1, 12, 16)
+
+
+@pytest.mark.parametrize("hook, built", [
+    ({}, False),
+    ({"use_tis": True, "custom_tis_function_path": "slime.backends.megatron_utils.loss.icepop_function"}, True),
+    ({"custom_tis_function_path": "slime.backends.megatron_utils.loss.icepop_function"}, False),  # never called
+    ({"custom_pg_loss_reducer_function_path": f"{HERE}.sum_reducer"}, True),
+    ({"loss_type": "custom_loss", "custom_loss_function_path": f"{HERE}.slime_style_loss"}, True),
+])
+def test_what_only_slimes_loss_hooks_read_is_built_only_when_one_is_set(hook, built):
+    args = make_args(rollout_temperature=0.7, **hook)
+    record, mb, logits = split_rollout_record(args)
+    lp, ent = extract_response_log_probs(logits, mb, args.rollout_temperature, with_entropy=True)
+    inputs = record.loss_inputs(args, [0, 1, 2], mb, lp, ent, record.denominators[0])
+    assert (inputs.hook_inputs is not None) == built
+    assert inputs.global_denominator == 2 and inputs.sample_denominators.tolist() == [3.0, 3.0, 2.0]
 
 
 @pytest.mark.parametrize("tis", [{}, {"use_tis": True,
@@ -501,5 +523,5 @@ def test_disabled_advantages_are_never_computed_and_a_custom_loss_sees_none():
     advantages_and_returns(args, record, None, "cpu")
     assert record.advantages is None and record.returns is None and len(SEEN) == calls  # the hook never ran
     lp, ent = extract_response_log_probs(logits, mb, args.rollout_temperature, with_entropy=True)
-    inputs = record.loss_inputs([0, 1, 2], mb, lp, ent, record.denominators[0], mb.slime_logits(logits))
+    inputs = record.loss_inputs(args, [0, 1, 2], mb, lp, ent, record.denominators[0], mb.slime_logits(logits))
     assert inputs.advantages is None

@@ -21,6 +21,7 @@ from slime.algorithm.loss import LossInputs, compute_actor_loss
 from slime.algorithm.objectives import compute_approx_kl
 from slime.algorithm.opd import missing_teacher_message, opd_advantages
 from slime.algorithm.returns import masked_moments, whiten_with_moments
+from slime.algorithm.slime_formats import LossHookInputs, loss_hooks_set
 from slime.backends.training.batching import MicroBatch, pad_per_token
 from slime.utils.types import TrainBatch
 
@@ -63,29 +64,34 @@ class RolloutRecord:
                 self.old_log_probs = {}
             for i, r in enumerate(rows):
                 self.old_log_probs[r] = log_probs[i, : self.batch.response_lengths[r]].detach()
-        return compute_actor_loss(args, self.loss_inputs(rows, mb, log_probs, entropy, denominator, logits))
+        return compute_actor_loss(args, self.loss_inputs(args, rows, mb, log_probs, entropy, denominator, logits))
 
-    def loss_inputs(self, rows: list[int], mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor,
-                    denominator: float, logits: torch.Tensor | None = None) -> LossInputs:
-        """The loss's inputs of one micro-batch: padded `[B, R]` per-token values and what slime's loss hooks
-        read (the rows' lengths and tokens, the step's denominator, the rollouts' mask sums, the logits)."""
+    def loss_inputs(self, args: Any, rows: list[int], mb: MicroBatch, log_probs: torch.Tensor,
+                    entropy: torch.Tensor, denominator: float, logits: torch.Tensor | None = None) -> LossInputs:
+        """The loss's inputs of one micro-batch: padded `[B, R]` per-token values, the step's denominator and the
+        rollouts' mask sums; what only slime's loss hooks read (the rows' lengths and tokens, the logits, the
+        teacher's log-probs) only when one is set (`loss_hooks_set`)."""
         device = log_probs.device
         padded = functools.partial(padded_rows, rows=rows, width=mb.max_response_len, device=device)
         mask = mb.response_mask.to(device) * padded(self.loss_masks)
         sample_denominators = None
         if self.mask_sums is not None:
             sample_denominators = torch.tensor([self.mask_sums[r] for r in rows], dtype=torch.float32, device=device)
+        hook_inputs = None
+        if loss_hooks_set(args):
+            hook_inputs = LossHookInputs(
+                response_lengths=[self.batch.response_lengths[r] for r in rows],
+                total_lengths=[len(self.batch.tokens[r]) for r in rows], tokens=mb.sequences(), logits=logits,
+                teacher_log_probs=None if self.teacher_log_probs is None else padded(self.teacher_log_probs))
         return LossInputs(
             log_probs=log_probs, old_log_probs=padded(self.old_log_probs),
             advantages=None if self.advantages is None else padded(self.advantages),
             mask=mask, entropy=entropy,
             ref_log_probs=None if self.ref_log_probs is None else padded(self.ref_log_probs),
             rollout_log_probs=None if self.rollout_log_probs is None else padded(self.rollout_log_probs),
-            response_lengths=[self.batch.response_lengths[r] for r in rows],
-            total_lengths=[len(self.batch.tokens[r]) for r in rows], global_denominator=denominator,
-            sample_denominators=sample_denominators, tokens=mb.sequences(), logits=logits,
-            teacher_log_probs=None if self.teacher_log_probs is None else padded(self.teacher_log_probs),
+            global_denominator=denominator, sample_denominators=sample_denominators,
             opd_reverse_kl=None if self.opd_reverse_kl is None else padded(self.opd_reverse_kl),
+            hook_inputs=hook_inputs,
         )
 
 
