@@ -9,6 +9,10 @@ hooks read the rows in slime's layouts, which need more than the built-in losses
 - `--loss-type custom_loss --custom-loss-function-path` also gets slime's micro-batch dict (`loss_batch`: the
   rows' tokens, slime's `unconcat_tokens`, and with --use-opd the teacher's log-probs) and the forward's logits in
   slime's `[1, T, V]` layout.
+
+The hooks that receive a rank's rows as slime's `rollout_data` dict (--custom-advantage-function-path,
+--rollout-data-postprocess-path, and the --save-debug-train-data dump) get it from `rollout_data`, built when they
+run; the advantage step itself reads `AdvantageInputs` (slime/algorithm/estimators.py).
 """
 
 from __future__ import annotations
@@ -102,3 +106,32 @@ def loss_batch(inputs: Any, layout: SampleLayout) -> dict[str, Any]:
         batch["teacher_log_probs"] = rows(hook_inputs.teacher_log_probs)
         batch["opd_reverse_kl"] = rows(inputs.opd_reverse_kl)
     return batch
+
+
+def rollout_data(*, response_lengths: list[int], rewards: list[float], loss_masks: list[torch.Tensor],
+                 total_lengths: list[int] | None = None, partition: list[int] | None = None,
+                 tokens: list[torch.Tensor] | None = None, raw_reward: list[float] | None = None,
+                 truncated: list[int] | None = None, kl: list[torch.Tensor] | None = None,
+                 values: list[torch.Tensor] | None = None, log_probs: list[torch.Tensor] | None = None,
+                 ref_log_probs: list[torch.Tensor] | None = None, rollout_log_probs: list[torch.Tensor] | None = None,
+                 advantages: list[torch.Tensor] | None = None, returns: list[torch.Tensor] | None = None,
+                 group_indices: list[int] | None = None, teacher_log_probs: list[torch.Tensor] | None = None,
+                 entropies: dict[str, list[torch.Tensor]] | None = None) -> dict[str, Any]:
+    """slime's `rollout_data` dict of a rank's rows (fresh lists), as --custom-advantage-function-path and
+    --rollout-data-postprocess-path receive it, with slime's keys and dtypes: "partition" (the rows' indices in the
+    rollout's train batch), "tokens" (prompt + response), "response_lengths", "total_lengths", "rewards",
+    "raw_reward" (the whole train batch's, as slime ships it), "truncated", "loss_masks" (int), "kl" (given by the
+    advantage step: zeros without --kl-coef, as in slime), "values", "log_probs" (the old policy's),
+    "ref_log_probs", "rollout_log_probs", "teacher_log_probs" (--use-opd), "advantages", "returns", and ours
+    "group_indices"; with --use-rollout-entropy "entropy" / "ref_entropy" / "teacher_entropy" (`entropies`: per
+    token, of each log-prob pass that ran). A key whose values are not given is absent, as in slime's dict."""
+    data = {
+        "partition": partition, "tokens": tokens, "response_lengths": response_lengths,
+        "total_lengths": total_lengths, "rewards": rewards, "raw_reward": raw_reward,
+        "truncated": truncated, "loss_masks": [m.to(torch.int) for m in loss_masks], "kl": kl,
+        "values": values, "log_probs": log_probs, "ref_log_probs": ref_log_probs,
+        "rollout_log_probs": rollout_log_probs, "advantages": advantages, "returns": returns,
+        "group_indices": group_indices, "teacher_log_probs": teacher_log_probs,
+        **(entropies or {}),
+    }
+    return {key: list(value) for key, value in data.items() if value is not None}
