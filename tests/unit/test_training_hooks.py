@@ -28,6 +28,7 @@ from slime.backends.training.record import (
 )
 from slime.backends.training.rollout_data import apply_rollout_data, rollout_data_of
 from slime.config.arguments import SlimeArgumentError
+from slime.algorithm.slime_formats import loss_hooks_set
 from slime.utils.misc import check_hook_signature
 from slime.utils.types import TrainBatch
 from tests.args import make_args
@@ -170,7 +171,7 @@ def split_rollout_record(args) -> tuple[RolloutRecord, MicroBatch, torch.Tensor]
                        loss_masks=[[1, 1], [1], [1, 0, 1]], rewards=[0.5, 0.5, -1.0], raw_rewards=[1.0, 1.0, 0.0],
                        truncated=[False, True, False], group_indices=[0, 0, 1],
                        rollout_log_probs=[[-2.5, -2.0], [-3.0], [-2.2, -2.9, -2.4]], rollout_ids=[4, 4, 9])
-    record = RolloutRecord(batch, [[[0, 1, 2]]], rollout_id=3)
+    record = RolloutRecord(batch, [[[0, 1, 2]]], rollout_id=3, loss_hooks=loss_hooks_set(args))
     record.loss_masks = {r: torch.tensor(m, dtype=torch.float32) for r, m in enumerate(batch.loss_masks)}
     record.rollout_log_probs = rollout_log_probs(args, batch, [0, 1, 2], "cpu")
     record.denominators = [loss_denominator(args, batch, [0, 1, 2])]
@@ -187,7 +188,7 @@ def test_the_record_gives_slimes_loss_hooks_what_they_read():
     args = make_args(rollout_temperature=0.7, loss_type="custom_loss", custom_loss_function_path=f"{HERE}.slime_style_loss")
     record, mb, logits = split_rollout_record(args)
     lp, ent = extract_response_log_probs(logits, mb, args.rollout_temperature, with_entropy=True)
-    inputs = record.loss_inputs(args, [0, 1, 2], mb, lp, ent, record.denominators[0], mb.slime_logits(logits))
+    inputs = record.loss_inputs([0, 1, 2], mb, lp, ent, record.denominators[0], mb.slime_logits(logits))
     hook_inputs = inputs.hook_inputs
     assert hook_inputs.response_lengths == [2, 1, 3] and hook_inputs.total_lengths == [4, 3, 5]
     assert inputs.global_denominator == 2  # the step's rollouts, not its 3 rows
@@ -206,7 +207,8 @@ def test_what_only_slimes_loss_hooks_read_is_built_only_when_one_is_set(hook, bu
     args = make_args(rollout_temperature=0.7, **hook)
     record, mb, logits = split_rollout_record(args)
     lp, ent = extract_response_log_probs(logits, mb, args.rollout_temperature, with_entropy=True)
-    inputs = record.loss_inputs(args, [0, 1, 2], mb, lp, ent, record.denominators[0])
+    assert loss_hooks_set(args) == built
+    inputs = record.loss_inputs([0, 1, 2], mb, lp, ent, record.denominators[0])
     assert (inputs.hook_inputs is not None) == built
     assert inputs.global_denominator == 2 and inputs.sample_denominators.tolist() == [3.0, 3.0, 2.0]
 
@@ -523,5 +525,5 @@ def test_disabled_advantages_are_never_computed_and_a_custom_loss_sees_none():
     advantages_and_returns(args, record, None, "cpu")
     assert record.advantages is None and record.returns is None and len(SEEN) == calls  # the hook never ran
     lp, ent = extract_response_log_probs(logits, mb, args.rollout_temperature, with_entropy=True)
-    inputs = record.loss_inputs(args, [0, 1, 2], mb, lp, ent, record.denominators[0], mb.slime_logits(logits))
+    inputs = record.loss_inputs([0, 1, 2], mb, lp, ent, record.denominators[0], mb.slime_logits(logits))
     assert inputs.advantages is None

@@ -23,7 +23,7 @@ from slime.algorithm.objectives import compute_approx_kl
 from slime.algorithm.opd import missing_teacher_message, opd_advantages
 from slime.algorithm.returns import masked_moments, whiten_with_moments
 from slime.algorithm import slime_formats
-from slime.algorithm.slime_formats import LossHookInputs, loss_hooks_set
+from slime.algorithm.slime_formats import LossHookInputs
 from slime.backends.training.batching import MicroBatch, pad_per_token
 from slime.utils.types import TrainBatch
 
@@ -49,6 +49,8 @@ class RolloutRecord:
     # --use-rollout-entropy: each log-prob pass's per-token entropies, by slime's rollout_data key ("entropy" the
     # old policy's, "ref_entropy", "teacher_entropy")
     entropies: dict[str, PerRow] = field(default_factory=dict)
+    # a loss hook that reads LossInputs.hook_inputs is set (`slime_formats.loss_hooks_set`, resolved at the rank's init)
+    loss_hooks: bool = False
 
     @property
     def rows(self) -> list[int]:
@@ -66,13 +68,13 @@ class RolloutRecord:
                 self.old_log_probs = {}
             for i, r in enumerate(rows):
                 self.old_log_probs[r] = log_probs[i, : self.batch.response_lengths[r]].detach()
-        return compute_actor_loss(args, self.loss_inputs(args, rows, mb, log_probs, entropy, denominator, logits))
+        return compute_actor_loss(args, self.loss_inputs(rows, mb, log_probs, entropy, denominator, logits))
 
-    def loss_inputs(self, args: Any, rows: list[int], mb: MicroBatch, log_probs: torch.Tensor,
-                    entropy: torch.Tensor, denominator: float, logits: torch.Tensor | None = None) -> LossInputs:
+    def loss_inputs(self, rows: list[int], mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor,
+                    denominator: float, logits: torch.Tensor | None = None) -> LossInputs:
         """The loss's inputs of one micro-batch: padded `[B, R]` per-token values, the step's denominator and the
         rollouts' mask sums; what only slime's loss hooks read (the rows' lengths and tokens, the logits, the
-        teacher's log-probs) only when one is set (`loss_hooks_set`)."""
+        teacher's log-probs) only when one is set (`loss_hooks`)."""
         device = log_probs.device
         padded = functools.partial(padded_rows, rows=rows, width=mb.max_response_len, device=device)
         mask = mb.response_mask.to(device) * padded(self.loss_masks)
@@ -80,7 +82,7 @@ class RolloutRecord:
         if self.mask_sums is not None:
             sample_denominators = torch.tensor([self.mask_sums[r] for r in rows], dtype=torch.float32, device=device)
         hook_inputs = None
-        if loss_hooks_set(args):
+        if self.loss_hooks:
             hook_inputs = LossHookInputs(
                 response_lengths=[self.batch.response_lengths[r] for r in rows],
                 total_lengths=[len(self.batch.tokens[r]) for r in rows], tokens=mb.sequences(), logits=logits,
