@@ -8,7 +8,8 @@ policy loss (`policy_loss`), whether a PPO critic is trained next to the policy 
 The math is in slime/algorithm/returns.py and objectives.py (closed-form tests); the records only wire it.
 `compute_advantages_and_returns` also honours `--custom-advantage-function-path` with slime's contract:
 `fn(args, rollout_data) -> None` sets `rollout_data["advantages"]` and `rollout_data["returns"]` (one [T_i] tensor
-per sample) in place, after the KL is in `rollout_data["kl"]` (`AdvantageInputs.to_rollout_data` lists the keys).
+per sample) in place, after the KL is in `rollout_data["kl"]` (slime/algorithm/slime_formats.py `rollout_data` lists
+the keys).
 `compute_advantages_and_returns_in_place` is slime's dict-shaped `compute_advantages_and_returns(args,
 rollout_data)` (slime.backends.megatron_utils.loss) as an adapter onto the same code.
 """
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from slime.algorithm.objectives import compute_approx_kl, compute_cispo_loss, compute_policy_loss, sequence_ppo_kl
+from slime.algorithm import slime_formats
 from slime.algorithm.opd import apply_opd_kl_to_advantages
 from slime.algorithm.returns import (
     get_advantages_and_returns_batch,
@@ -38,75 +40,36 @@ Tensors = list[torch.Tensor]
 
 @dataclass
 class AdvantageInputs:
-    """Everything an advantage estimator may use, for the rows one rank trains on (one entry per row); the typed
-    form of slime's `rollout_data` dict, which `to_rollout_data` builds for every hook that receives it."""
+    """What the advantage estimators read of the rows one rank trains on (one entry per row, in training order):
+    a view of the rank's record (slime/backends/training/record.py `advantages_and_returns`) or of slime's
+    `rollout_data` dict (`compute_advantages_and_returns_in_place`). The estimators do not write into it."""
 
     rewards: list[float]  # the rollout's training rewards (group-normalised when the estimator says so)
-    raw_rewards: list[float]
     response_lengths: list[int]
     loss_masks: list[torch.Tensor]  # [T_i] 0/1
-    group_indices: list[int] | None = None
+    total_lengths: list[int] | None = None  # prompt + response tokens
     kl: list[torch.Tensor] | None = None  # [T_i] KL(old policy || reference), when a reference model runs
     values: list[torch.Tensor] | None = None  # [T_i] critic values (ppo)
-    # For a custom advantage function (slime's rollout_data keys), when the trainer has them:
-    log_probs: list[torch.Tensor] | None = None  # [T_i] the old policy's
-    ref_log_probs: list[torch.Tensor] | None = None
-    rollout_log_probs: list[torch.Tensor] | None = None
-    total_lengths: list[int] | None = None  # prompt + response tokens
-    # slime's other rollout_data keys, for the hooks that receive the dict (when the trainer has them):
-    partition: list[int] | None = None  # the rows' indices in the rollout's train batch
-    tokens: list[torch.Tensor] | None = None  # prompt + response
-    truncated: list[int] | None = None
-    batch_raw_rewards: list[float] | None = None  # the whole train batch's (slime's "raw_reward" is the batch's)
-    advantages: list[torch.Tensor] | None = None  # once computed (--rollout-data-postprocess-path)
-    returns: list[torch.Tensor] | None = None
-    teacher_log_probs: list[torch.Tensor] | None = None  # on-policy distillation's teacher (--use-opd)
-    # --use-rollout-entropy: the log-prob passes' entropies by slime's key ("entropy", "ref_entropy", ...)
-    entropies: dict[str, list[torch.Tensor]] | None = None
 
-    def to_rollout_data(self, kl: Tensors | None = None) -> dict[str, Any]:
-        """slime's `rollout_data` dict of these rows (fresh lists), as --custom-advantage-function-path and
-        --rollout-data-postprocess-path receive it, with slime's keys and dtypes: "partition", "tokens",
-        "response_lengths", "total_lengths", "rewards", "raw_reward" (the whole batch's when known), "truncated",
-        "loss_masks" (int), "kl" (given by the advantage step: zeros without --kl-coef, as in slime), "values",
-        "log_probs", "ref_log_probs", "rollout_log_probs", "teacher_log_probs", "advantages", "returns", and ours
-        "group_indices"; with --use-rollout-entropy "entropy" / "ref_entropy" / "teacher_entropy" (per token, of
-        each log-prob pass that ran). A key whose values are not known here is absent, as in slime's dict."""
-        raw = self.batch_raw_rewards if self.batch_raw_rewards is not None else self.raw_rewards
-        data = {
-            "partition": self.partition, "tokens": self.tokens, "response_lengths": self.response_lengths,
-            "total_lengths": self.total_lengths, "rewards": self.rewards, "raw_reward": raw,
-            "truncated": self.truncated, "loss_masks": [m.to(torch.int) for m in self.loss_masks], "kl": kl,
-            "values": self.values, "log_probs": self.log_probs, "ref_log_probs": self.ref_log_probs,
-            "rollout_log_probs": self.rollout_log_probs, "advantages": self.advantages, "returns": self.returns,
-            "group_indices": self.group_indices, "teacher_log_probs": self.teacher_log_probs,
-            **(self.entropies or {}),
-        }
-        return {key: list(value) for key, value in data.items() if value is not None}
 
-    @classmethod
-    def from_rollout_data(cls, args: Any, rollout_data: dict[str, Any]) -> AdvantageInputs:
-        """The inputs of slime's `rollout_data` dict. The KL of the token rewards is computed here as slime does:
-        (the rollout's log-probs with --use-rollout-logprobs, else the old policy's) against the reference's,
-        with `--kl-loss-type`, only when --kl-coef is non-zero."""
-        rollout_lp = rollout_data.get("rollout_log_probs")
-        log_probs = rollout_lp if args.use_rollout_logprobs else rollout_data.get("log_probs")
-        ref = rollout_data.get("ref_log_probs")
-        kl = None
-        if args.kl_coef and log_probs:
-            if ref is None:
-                raise ValueError(f"--kl-coef {args.kl_coef}: rollout_data has no 'ref_log_probs' to compute the KL "
-                                 "from; run a reference model or set --kl-coef 0")
-            kl = [compute_approx_kl(lp, r, args.kl_loss_type) for lp, r in zip(log_probs, ref)]
-        rewards = [float(r) for r in rollout_data["rewards"]]
-        return cls(
-            rewards=rewards, raw_rewards=[float(r) for r in rollout_data.get("raw_reward", rewards)],
-            response_lengths=list(rollout_data["response_lengths"]),
-            loss_masks=[torch.as_tensor(m, dtype=torch.float32) for m in rollout_data["loss_masks"]],
-            group_indices=rollout_data.get("group_indices"), kl=kl, values=rollout_data.get("values"),
-            log_probs=log_probs, ref_log_probs=ref, rollout_log_probs=rollout_lp,
-            total_lengths=rollout_data.get("total_lengths"), teacher_log_probs=rollout_data.get("teacher_log_probs"),
-        )
+def inputs_of_rollout_data(args, rollout_data: dict[str, Any]) -> tuple[AdvantageInputs, Tensors | None]:
+    """The estimators' view of slime's `rollout_data` dict, and the student's log-probs (the rollout's with
+    --use-rollout-logprobs, else the old policy's). The KL of the token rewards is computed here as slime does:
+    those log-probs against the reference's, with `--kl-loss-type`, only when --kl-coef is non-zero."""
+    log_probs = rollout_data.get("rollout_log_probs") if args.use_rollout_logprobs else rollout_data.get("log_probs")
+    ref = rollout_data.get("ref_log_probs")
+    kl = None
+    if args.kl_coef and log_probs:
+        if ref is None:
+            raise ValueError(f"--kl-coef {args.kl_coef}: rollout_data has no 'ref_log_probs' to compute the KL "
+                             "from; run a reference model or set --kl-coef 0")
+        kl = [compute_approx_kl(lp, r, args.kl_loss_type) for lp, r in zip(log_probs, ref)]
+    inputs = AdvantageInputs(
+        rewards=[float(r) for r in rollout_data["rewards"]], response_lengths=list(rollout_data["response_lengths"]),
+        loss_masks=[torch.as_tensor(m, dtype=torch.float32) for m in rollout_data["loss_masks"]],
+        total_lengths=rollout_data.get("total_lengths"), kl=kl, values=rollout_data.get("values"),
+    )
+    return inputs, log_probs
 
 
 # (args, inputs) -> (advantages, returns or None), per row
@@ -215,14 +178,25 @@ def estimator_of(args) -> Estimator:
                          f"{', '.join(ESTIMATORS)}") from None
 
 
-def compute_advantages_and_returns(args, inputs: AdvantageInputs) -> tuple[Tensors, Tensors | None]:
+def compute_advantages_and_returns(args, inputs: AdvantageInputs,
+                                   rollout_data_of: Callable[[Tensors], dict[str, Any]] | None = None,
+                                   ) -> tuple[Tensors, Tensors | None]:
     """Per-token advantages (and returns for a critic) of every row: `--custom-advantage-function-path` when
     given, else the estimator's. Whitening (`--normalize-advantages`) is applied afterwards by the trainer,
-    across data-parallel ranks (to the custom function's advantages too, as in slime)."""
+    across data-parallel ranks (to the custom function's advantages too, as in slime). The custom function gets
+    slime's `rollout_data` of these rows, built only then: `rollout_data_of(kl)` (the trainer's, with every key it
+    has) or, without it, `slime_formats.rollout_data` of the inputs alone; "kl" is the token rewards' KL term (zeros
+    without --kl-coef, as in slime)."""
     custom = args.custom_advantage_function_path
     if not custom:
         return estimator_of(args).advantages(args, inputs)
-    rollout_data = inputs.to_rollout_data(token_reward_kl(args, inputs))
+    kl = token_reward_kl(args, inputs)
+    if rollout_data_of is not None:
+        rollout_data = rollout_data_of(kl)
+    else:
+        rollout_data = slime_formats.rollout_data(
+            response_lengths=inputs.response_lengths, total_lengths=inputs.total_lengths, rewards=inputs.rewards,
+            loss_masks=inputs.loss_masks, kl=kl, values=inputs.values)
     hooks_of(args).custom_advantage_function(args, rollout_data)
     return _custom_results(args, custom, rollout_data, inputs)
 
@@ -263,7 +237,7 @@ def compute_advantages_and_returns_in_place(args, rollout_data: dict[str, Any],
     when given (every rank calls it, rows or none: slime.backends.megatron_utils.loss whitens across its
     data-parallel group), else over these rows (the trainers here whiten across data-parallel ranks themselves
     and call `compute_advantages_and_returns`)."""
-    inputs = AdvantageInputs.from_rollout_data(args, rollout_data)
+    inputs, log_probs = inputs_of_rollout_data(args, rollout_data)
     kl = token_reward_kl(args, inputs)
     rollout_data["kl"] = kl
     if args.custom_advantage_function_path:
@@ -273,7 +247,7 @@ def compute_advantages_and_returns_in_place(args, rollout_data: dict[str, Any],
         advantages, returns = estimator_of(args).advantages(args, inputs)
     if args.use_opd:  # slime: the teacher's reverse KL enters the advantages before they are whitened
         advantages = list(advantages)
-        apply_opd_kl_to_advantages(args, rollout_data, advantages, inputs.log_probs)
+        apply_opd_kl_to_advantages(args, rollout_data, advantages, log_probs)
     if args.normalize_advantages and whiten is not None:
         advantages = whiten(advantages, inputs.loss_masks)
     elif args.normalize_advantages and advantages:

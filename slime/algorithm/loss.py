@@ -8,7 +8,8 @@ step's token mean.
 
 slime's loss hooks are called here, where slime calls them, with slime's arguments; they see slime's flat /
 per-sample layout (the rows' response tokens back to back, or one [T_i] tensor per sample), converted from and
-back to the padded rows by `SampleLayout`:
+back to the padded rows by `SampleLayout` from what only they read, `LossInputs.hook_inputs`, which the trainer
+builds only when one of them is set (slime/algorithm/slime_formats.py):
 - `--custom-tis-function-path fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
   response_lengths, **kw) -> (pg_loss, loss_masks, metrics)` with `--use-tis` (slime/algorithm/tis.py);
 - `--custom-pg-loss-reducer-function-path fn(total_lengths, response_lengths, loss_masks,
@@ -27,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from slime.algorithm import objectives
 from slime.algorithm.estimators import estimator_of
+from slime.algorithm.slime_formats import LossHookInputs, SampleLayout, loss_batch
 from slime.utils.hooks import hooks_of
 
 LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
@@ -50,54 +51,13 @@ class LossInputs:
     # [B, R] -> scalar share of the global aggregate (per-sample mean, or per-token with --calculate-per-token-loss);
     # None: `global_share` of `global_denominator` and `sample_denominators`
     aggregate: Callable[[torch.Tensor], torch.Tensor] | None = None
-    # What slime's hooks need besides (the slime layout, the micro-batch sums -> shares, a custom loss's logits):
-    response_lengths: list[int] | None = None
-    total_lengths: list[int] | None = None  # prompt + response tokens per row
     global_denominator: float | None = None  # rollouts (or masked tokens, per token) of the global batch
     # [B] what each row's masked sum is divided by in the per-sample mean: its rollout's loss-masked tokens (slime's
     # rollout_mask_sums); None: the row's own masked tokens
     sample_denominators: torch.Tensor | None = None
-    tokens: list[torch.Tensor] | None = None  # each row's prompt + response tokens (slime's unconcat_tokens)
-    logits: torch.Tensor | None = None  # the forward's logits, [1, T, V(/tp)]: the rows back to back (slime's layout)
-    # --use-opd: the teacher's log-probs and the reverse KL (student − teacher) the advantages were given
-    teacher_log_probs: torch.Tensor | None = None
-    opd_reverse_kl: torch.Tensor | None = None
-
-
-class SampleLayout:
-    """Conversions between the padded `[B, R]` rows of a micro-batch and slime's layouts: per-sample lists of
-    [T_i] tensors and their flat concatenation (differentiable both ways)."""
-
-    def __init__(self, inputs: LossInputs, needed_by: str):
-        self.needed_by = needed_by
-        self._inputs = inputs
-        self.lengths = list(self._required("response_lengths"))
-        self.total_lengths = list(self._required("total_lengths"))
-        self.width = inputs.mask.shape[1]
-
-    @property
-    def denominator(self) -> float:
-        """What a micro-batch sum is divided by to become this micro-batch's share of the global value."""
-        return float(self._required("global_denominator"))
-
-    def _required(self, name: str):
-        value = getattr(self._inputs, name)
-        if value is None:
-            raise ValueError(f"{self.needed_by}: the training backend passed no LossInputs.{name}, which slime's "
-                             "hook contract needs (slime/backends/training/record.py builds LossInputs)")
-        return value
-
-    def rows(self, padded: torch.Tensor) -> list[torch.Tensor]:
-        return [padded[i, :n] for i, n in enumerate(self.lengths)]
-
-    def flat(self, padded: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self.rows(padded))
-
-    def padded(self, flat: torch.Tensor) -> torch.Tensor:
-        if flat.shape[0] != sum(self.lengths):
-            raise ValueError(f"a flat per-token tensor has {flat.shape[0]} entries; this micro-batch has "
-                             f"{sum(self.lengths)} response tokens ({self.lengths})")
-        return torch.stack([F.pad(x, (0, self.width - n)) for x, n in zip(flat.split(self.lengths), self.lengths)])
+    opd_reverse_kl: torch.Tensor | None = None  # --use-opd: the reverse KL (student − teacher) in the advantages
+    # What only slime's loss hooks read (lengths, tokens, [1, T, V] logits): built when `loss_hooks_set(args)`
+    hook_inputs: LossHookInputs | None = None
 
 
 def micro_batch_sum(values: torch.Tensor, mask: torch.Tensor, per_token: bool,
@@ -229,30 +189,6 @@ def reduce_pg_loss(args: Any, inputs: LossInputs, pg: torch.Tensor, pg_masks: to
     return reducer(layout.flat(pg)) / layout.denominator
 
 
-def loss_batch(inputs: LossInputs, layout: SampleLayout) -> dict[str, Any]:
-    """slime's micro-batch dict for a custom loss, one [T_i] tensor per sample: "unconcat_tokens" (prompt +
-    response, for slime's `get_log_probs_and_entropy(logits, ...)` at slime.backends.megatron_utils.loss),
-    "advantages", "log_probs" (the old policy's), "ref_log_probs" / "rollout_log_probs" (None where absent),
-    "loss_masks", "response_lengths", "total_lengths", "rollout_mask_sums" ([B], when known), with --use-opd
-    "teacher_log_probs" and "opd_reverse_kl"; and ours, computed by the trainer from the logits at the rollout
-    temperature: "cur_log_probs" and "entropy" (the current policy's, with gradient)."""
-    def rows(x):
-        return None if x is None else layout.rows(x)
-    batch = {
-        "unconcat_tokens": inputs.tokens,
-        "advantages": rows(inputs.advantages), "log_probs": rows(inputs.old_log_probs),
-        "ref_log_probs": rows(inputs.ref_log_probs), "rollout_log_probs": rows(inputs.rollout_log_probs),
-        "loss_masks": rows(inputs.mask), "response_lengths": layout.lengths, "total_lengths": layout.total_lengths,
-        "cur_log_probs": rows(inputs.log_probs), "entropy": rows(inputs.entropy),
-    }
-    if inputs.sample_denominators is not None:
-        batch["rollout_mask_sums"] = inputs.sample_denominators
-    if inputs.opd_reverse_kl is not None:
-        batch["teacher_log_probs"] = rows(inputs.teacher_log_probs)
-        batch["opd_reverse_kl"] = rows(inputs.opd_reverse_kl)
-    return batch
-
-
 def custom_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`--custom-loss-function-path fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)`, slime's call:
     `sum_of_sample_mean` reduces a flat per-token tensor to the micro-batch's sum of sample means (or of tokens
@@ -265,7 +201,8 @@ def custom_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, 
     def sum_of_sample_mean(flat: torch.Tensor) -> torch.Tensor:
         return micro_batch_sum(layout.padded(flat), inputs.mask, per_token, inputs.sample_denominators)
 
-    out = hooks_of(args).custom_loss_function(args, loss_batch(inputs, layout), inputs.logits, sum_of_sample_mean)
+    out = hooks_of(args).custom_loss_function(args, loss_batch(inputs, layout), inputs.hook_inputs.logits,
+                                              sum_of_sample_mean)
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
         raise ValueError(f"{flag} {args.custom_loss_function_path}: returned {type(out).__name__}; slime's contract "
                          "returns (loss, {name: scalar})")

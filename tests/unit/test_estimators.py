@@ -30,8 +30,7 @@ def _args(**kw):
 def _inputs(rewards, lengths, kl=None, values=None, masks=None):
     masks = masks or [[1.0] * n for n in lengths]
     return AdvantageInputs(
-        rewards=rewards, raw_rewards=rewards, response_lengths=lengths,
-        loss_masks=[torch.tensor(m) for m in masks], group_indices=list(range(len(rewards))),
+        rewards=rewards, response_lengths=lengths, loss_masks=[torch.tensor(m) for m in masks],
         kl=None if kl is None else [torch.tensor(k) for k in kl],
         values=None if values is None else [torch.tensor(v) for v in values],
     )
@@ -154,8 +153,8 @@ def test_a_new_estimator_is_one_record(monkeypatch):
     samples = [Sample(group_index=g) for g in (0, 0, 1, 1)]
     assert train_rewards(args, samples, [1.0, 0.0, 3.0, 3.0], [0, 0, 1, 1]) == [0.5, -0.5, 0.0, 0.0]
 
-    inputs = AdvantageInputs(rewards=[0.5, -0.5, 0.0], raw_rewards=[1.0, 0.0, 3.0], response_lengths=[2, 1, 1],
-                             loss_masks=[torch.ones(2), torch.ones(1), torch.ones(1)], group_indices=[0, 0, 1])
+    inputs = AdvantageInputs(rewards=[0.5, -0.5, 0.0], response_lengths=[2, 1, 1],
+                             loss_masks=[torch.ones(2), torch.ones(1), torch.ones(1)])
     adv, ret = compute_advantages_and_returns(args, inputs)
     assert [a.tolist() for a in adv] == [[1.0, 1.0], [-1.0], [0.0]] and ret is adv
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from slime.algorithm.loss import LossInputs, compute_actor_loss, critic_loss
+from slime.algorithm.slime_formats import LossHookInputs, rollout_data
 from slime.algorithm.estimators import AdvantageInputs, compute_advantages_and_returns
 from slime.utils import ppo_utils as pu
 from slime.config.arguments import SlimeArgumentError
@@ -24,7 +25,7 @@ def _args(**kw):
     return make_args(**kw)
 
 
-def _inputs(per_token=False, denominator=2.0, **kw):
+def _inputs(per_token=False, denominator=2.0, logits=None, **kw):
     """Two samples: A with 2 tokens, B with 1 token (mask [[1, 1], [1, 0]]), on-policy (r = 1); both are the
     only samples of the global batch (denominator 2)."""
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
@@ -33,7 +34,8 @@ def _inputs(per_token=False, denominator=2.0, **kw):
         log_probs=logp, old_log_probs=logp.detach().clone(), advantages=torch.tensor([[1.0, 1.0], [-2.0, 0.0]]),
         mask=mask, entropy=torch.tensor([[0.6, 0.2], [1.0, 5.0]]),
         aggregate=functools.partial(pu.aggregate_loss, mask=mask, per_token=per_token, global_denominator=denominator),
-        response_lengths=[2, 1], total_lengths=[5, 3], global_denominator=denominator,
+        hook_inputs=LossHookInputs(response_lengths=[2, 1], total_lengths=[5, 3], logits=logits),
+        global_denominator=denominator,
     )
     base.update(kw)
     return LossInputs(**base)
@@ -183,9 +185,13 @@ def test_custom_loss_per_token_divides_by_the_global_token_count(tmp_path):
 def test_custom_advantage_function_contract(tmp_path):
     path = _plugin(tmp_path, "my_adv", CUSTOM_ADV)
     args = _args(custom_advantage_function_path=f"{path}:my_advantages")
-    inputs = AdvantageInputs(rewards=[0.0, 0.0], raw_rewards=[1.0, 0.5], response_lengths=[2, 1],
-                             loss_masks=[torch.ones(2), torch.ones(1)], group_indices=[0, 0])
-    adv, ret = compute_advantages_and_returns(args, inputs)
+    inputs = AdvantageInputs(rewards=[0.0, 0.0], response_lengths=[2, 1], loss_masks=[torch.ones(2), torch.ones(1)])
+
+    def rollout_data_of(kl):  # the trainer's: the rows' raw rewards too
+        return rollout_data(rewards=inputs.rewards, raw_reward=[1.0, 0.5], response_lengths=inputs.response_lengths,
+                            loss_masks=inputs.loss_masks, kl=kl, group_indices=[0, 0])
+
+    adv, ret = compute_advantages_and_returns(args, inputs, rollout_data_of)
     assert [a.tolist() for a in adv] == [[10.0, 10.0], [5.0]]
     assert [r.tolist() for r in ret] == [[10.0, 10.0], [5.0]]  # + kl: zeros without --kl-coef (slime's)
 
@@ -198,8 +204,7 @@ def test_custom_advantage_function_contract(tmp_path):
 def test_custom_advantage_function_bad_results_name_the_hook(tmp_path, body, message):
     path = _plugin(tmp_path, "bad_adv", f"import torch\n\ndef fn(args, rollout_data):\n    {body}\n")
     args = _args(custom_advantage_function_path=f"{path}:fn")
-    inputs = AdvantageInputs(rewards=[0.0, 0.0], raw_rewards=[1.0, 0.5], response_lengths=[2, 1],
-                             loss_masks=[torch.ones(2), torch.ones(1)])
+    inputs = AdvantageInputs(rewards=[0.0, 0.0], response_lengths=[2, 1], loss_masks=[torch.ones(2), torch.ones(1)])
     with pytest.raises(ValueError, match="--custom-advantage-function-path .*" + message):
         compute_advantages_and_returns(args, inputs)
 
@@ -307,8 +312,8 @@ def test_rows_split_from_one_rollout_weigh_as_one_token_mean(tmp_path):
 def test_slime_hooks_need_the_rows_lengths(tmp_path):
     path = _plugin(tmp_path, "my_reducer", REDUCER)
     args = _args(custom_pg_loss_reducer_function_path=f"{path}:constant_denominator")
-    with pytest.raises(ValueError, match="--custom-pg-loss-reducer-function-path: .*LossInputs.response_lengths"):
-        compute_actor_loss(args, _inputs(response_lengths=None))
+    with pytest.raises(ValueError, match="--custom-pg-loss-reducer-function-path: .*LossInputs.hook_inputs"):
+        compute_actor_loss(args, _inputs(hook_inputs=None))
 
 
 @pytest.mark.parametrize("flag, source, call", [

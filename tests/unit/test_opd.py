@@ -88,7 +88,7 @@ def test_the_loss_reports_the_reverse_kl_like_its_other_terms():
     logp = torch.log(torch.tensor([[0.5, 0.25], [0.5, 1.0]])).requires_grad_(True)
     inputs = LossInputs(
         log_probs=logp, old_log_probs=logp.detach().clone(), advantages=torch.zeros(2, 2), mask=mask,
-        entropy=torch.zeros(2, 2), response_lengths=[2, 1], total_lengths=[4, 2], global_denominator=2.0,
+        entropy=torch.zeros(2, 2), global_denominator=2.0,
         aggregate=functools.partial(pu.aggregate_loss, mask=mask, per_token=False, global_denominator=2.0),
         opd_reverse_kl=torch.tensor([[0.5, -1.0], [0.0, 9.0]]),  # 9.0: a padded position, masked out
     )

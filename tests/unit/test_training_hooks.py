@@ -28,6 +28,7 @@ from slime.backends.training.record import (
 )
 from slime.backends.training.rollout_data import apply_rollout_data, rollout_data_of
 from slime.config.arguments import SlimeArgumentError
+from slime.algorithm.slime_formats import loss_hooks_set
 from slime.utils.misc import check_hook_signature
 from slime.utils.types import TrainBatch
 from tests.args import make_args
@@ -158,6 +159,11 @@ def seeing_advantages(args, rollout_data):
     rollout_data["returns"] = rollout_data["advantages"]
 
 
+def sum_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss):
+    """A --custom-pg-loss-reducer-function-path: the flat pg loss's plain sum."""
+    return lambda flat: flat.sum()
+
+
 def split_rollout_record(args) -> tuple[RolloutRecord, MicroBatch, torch.Tensor]:
     """Rows 0 and 1 split from rollout 4, row 2 rollout 9: one optimizer step of 2 rollouts on this rank, its
     forward's logits (vocabulary 16) and the old policy a little off the current one."""
@@ -165,7 +171,7 @@ def split_rollout_record(args) -> tuple[RolloutRecord, MicroBatch, torch.Tensor]
                        loss_masks=[[1, 1], [1], [1, 0, 1]], rewards=[0.5, 0.5, -1.0], raw_rewards=[1.0, 1.0, 0.0],
                        truncated=[False, True, False], group_indices=[0, 0, 1],
                        rollout_log_probs=[[-2.5, -2.0], [-3.0], [-2.2, -2.9, -2.4]], rollout_ids=[4, 4, 9])
-    record = RolloutRecord(batch, [[[0, 1, 2]]], rollout_id=3)
+    record = RolloutRecord(batch, [[[0, 1, 2]]], rollout_id=3, loss_hooks=loss_hooks_set(args))
     record.loss_masks = {r: torch.tensor(m, dtype=torch.float32) for r, m in enumerate(batch.loss_masks)}
     record.rollout_log_probs = rollout_log_probs(args, batch, [0, 1, 2], "cpu")
     record.denominators = [loss_denominator(args, batch, [0, 1, 2])]
@@ -179,14 +185,32 @@ def split_rollout_record(args) -> tuple[RolloutRecord, MicroBatch, torch.Tensor]
 
 
 def test_the_record_gives_slimes_loss_hooks_what_they_read():
-    args = make_args(rollout_temperature=0.7)
+    args = make_args(rollout_temperature=0.7, loss_type="custom_loss", custom_loss_function_path=f"{HERE}.slime_style_loss")
     record, mb, logits = split_rollout_record(args)
     lp, ent = extract_response_log_probs(logits, mb, args.rollout_temperature, with_entropy=True)
     inputs = record.loss_inputs([0, 1, 2], mb, lp, ent, record.denominators[0], mb.slime_logits(logits))
-    assert inputs.response_lengths == [2, 1, 3] and inputs.total_lengths == [4, 3, 5]
+    hook_inputs = inputs.hook_inputs
+    assert hook_inputs.response_lengths == [2, 1, 3] and hook_inputs.total_lengths == [4, 3, 5]
     assert inputs.global_denominator == 2  # the step's rollouts, not its 3 rows
     assert inputs.sample_denominators.tolist() == [3.0, 3.0, 2.0]  # each row's rollout's masked tokens
-    assert [t.tolist() for t in inputs.tokens] == record.batch.tokens and inputs.logits.shape == (1, 12, 16)
+    assert [t.tolist() for t in hook_inputs.tokens] == record.batch.tokens and hook_inputs.logits.shape == (1, 12, 16)
+
+
+@pytest.mark.parametrize("hook, built", [
+    ({}, False),
+    ({"use_tis": True, "custom_tis_function_path": "slime.backends.megatron_utils.loss.icepop_function"}, True),
+    ({"custom_tis_function_path": "slime.backends.megatron_utils.loss.icepop_function"}, False),  # never called
+    ({"custom_pg_loss_reducer_function_path": f"{HERE}.sum_reducer"}, True),
+    ({"loss_type": "custom_loss", "custom_loss_function_path": f"{HERE}.slime_style_loss"}, True),
+])
+def test_what_only_slimes_loss_hooks_read_is_built_only_when_one_is_set(hook, built):
+    args = make_args(rollout_temperature=0.7, **hook)
+    record, mb, logits = split_rollout_record(args)
+    lp, ent = extract_response_log_probs(logits, mb, args.rollout_temperature, with_entropy=True)
+    assert loss_hooks_set(args) == built
+    inputs = record.loss_inputs([0, 1, 2], mb, lp, ent, record.denominators[0])
+    assert (inputs.hook_inputs is not None) == built
+    assert inputs.global_denominator == 2 and inputs.sample_denominators.tolist() == [3.0, 3.0, 2.0]
 
 
 @pytest.mark.parametrize("tis", [{}, {"use_tis": True,

@@ -9,7 +9,7 @@ implementation or a thin adapter onto it with slime's signature.
 - `get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, response_lengths, with_entropy)` and
   `get_values(logits, *, ...)`: per-sample response log-probs / entropies (at --rollout-temperature) or values,
   from logits in slime's layout, `[1, T, V]` with the micro-batch's sequences back to back, which is how a
-  `--custom-loss-function-path` receives them here (slime/algorithm/loss.py `LossInputs.logits`). On a megatron
+  `--custom-loss-function-path` receives them here (slime/algorithm/slime_formats.py `LossHookInputs.logits`). On a megatron
   trainer the logits are vocab-parallel and the log-softmax is reduced over its tensor-parallel group
   (slime/backends/megatron_utils/forward.py); elsewhere the logits hold the whole vocabulary;
 - `policy_loss_function(args, batch, logits, sum_of_sample_mean)`: slime's policy loss of a micro-batch dict,
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from slime.algorithm.estimators import compute_advantages_and_returns_in_place
 from slime.algorithm.loss import LossInputs, policy_loss
+from slime.algorithm.slime_formats import LossHookInputs
 from slime.algorithm.tis import icepop_function, vanilla_tis_function
 from slime.algorithm.log_probs import log_probs_and_entropy
 from slime.backends.training.record import whiten
@@ -151,7 +152,8 @@ def policy_loss_function(args: Any, batch: dict[str, Any], logits: torch.Tensor,
         log_probs=_padded(current["log_probs"], width), old_log_probs=_padded(old, width),
         advantages=padded("advantages"), mask=padded("loss_masks"), entropy=_padded(current["entropy"], width),
         ref_log_probs=padded("ref_log_probs"), rollout_log_probs=padded("rollout_log_probs"), aggregate=reduce,
-        response_lengths=lengths, total_lengths=totals, global_denominator=1.0,  # sums, as slime's
+        global_denominator=1.0,  # sums, as slime's
+        hook_inputs=LossHookInputs(response_lengths=lengths, total_lengths=totals),  # a TIS / reducer hook's
     )
     loss, metrics = policy_loss(args, inputs)
     reported = {"loss": loss.detach()}

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from slime.algorithm.slime_formats import loss_hooks_set
 from slime.backends.training.actor import TrainRayActor
 from slime.backends.training.batching import rollout_mask_sums, rows_per_step, step_rows
 from slime.backends.training.old_actor import OldActor
@@ -118,6 +119,7 @@ class PolicyTrainer(TrainRayActor):
         --keep-old-actor."""
         args = self.args
         self.rollout_data_postprocess = hooks_of(args).rollout_data_postprocess
+        self.loss_hooks = loss_hooks_set(args)  # slime's loss hooks: their inputs are built per micro-batch
         if args.keep_old_actor:
             self.old_actor = OldActor(self.weight_tensors, args.update_weights_interval, self.after_weights_loaded)
 
@@ -173,7 +175,8 @@ class PolicyTrainer(TrainRayActor):
         dp_rank, dp_size, dp_group = self.data_parallel()
         steps = rows_per_step(len(batch), args.global_batch_size, dp_size, dp_rank,
                               [len(t) for t in batch.tokens] if args.balance_data else None, batch.rollout_ids)
-        record = RolloutRecord(batch, [self.plan(batch.tokens, rows) for rows in steps], rollout_id)
+        record = RolloutRecord(batch, [self.plan(batch.tokens, rows) for rows in steps], rollout_id,
+                               loss_hooks=self.loss_hooks)
         record.denominators = [loss_denominator(args, batch, rows)
                                for rows in step_rows(len(batch), args.global_batch_size, batch.rollout_ids)]
         record.mask_sums = rollout_mask_sums(batch.loss_masks, batch.rollout_of_rows())

@@ -1,10 +1,11 @@
 """`RolloutRecord`: what a training rank holds of one rollout while it trains on it, and the per-micro-batch
 loss built from it. Backend-agnostic: both backends fill it the same way (slime/backends/training/policy.py).
 
-Per-row values are dicts {row index: [response_len] tensor} of the rows this data-parallel rank trains on;
-`group` is the rank's data-parallel process group (None: the whole world). `rollout_inputs` is the one view of
-them as the algorithm's `AdvantageInputs` (slime's rollout_data dict, `AdvantageInputs.to_rollout_data`): the
-advantage step and --rollout-data-postprocess-path both read it.
+Per-row values are dicts {row index: [response_len] tensor} of the rows this data-parallel rank trains on: the
+one place a rank declares them. `group` is the rank's data-parallel process group (None: the whole world). The
+algorithm reads views of them: the advantage step `AdvantageInputs` (the estimators' fields, rows in training
+order), the loss `LossInputs` (one micro-batch, padded `[B, R]`). slime's formats are built from the record only
+for the hooks that read them (`slime_rollout_data`, `LossInputs.hook_inputs`: slime/algorithm/slime_formats.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from slime.algorithm.loss import LossInputs, compute_actor_loss
 from slime.algorithm.objectives import compute_approx_kl
 from slime.algorithm.opd import missing_teacher_message, opd_advantages
 from slime.algorithm.returns import masked_moments, whiten_with_moments
+from slime.algorithm import slime_formats
+from slime.algorithm.slime_formats import LossHookInputs
 from slime.backends.training.batching import MicroBatch, pad_per_token
 from slime.utils.types import TrainBatch
 
@@ -46,6 +49,8 @@ class RolloutRecord:
     # --use-rollout-entropy: each log-prob pass's per-token entropies, by slime's rollout_data key ("entropy" the
     # old policy's, "ref_entropy", "teacher_entropy")
     entropies: dict[str, PerRow] = field(default_factory=dict)
+    # a loss hook that reads LossInputs.hook_inputs is set (`slime_formats.loss_hooks_set`, resolved at the rank's init)
+    loss_hooks: bool = False
 
     @property
     def rows(self) -> list[int]:
@@ -67,25 +72,30 @@ class RolloutRecord:
 
     def loss_inputs(self, rows: list[int], mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor,
                     denominator: float, logits: torch.Tensor | None = None) -> LossInputs:
-        """The loss's inputs of one micro-batch: padded `[B, R]` per-token values and what slime's loss hooks
-        read (the rows' lengths and tokens, the step's denominator, the rollouts' mask sums, the logits)."""
+        """The loss's inputs of one micro-batch: padded `[B, R]` per-token values, the step's denominator and the
+        rollouts' mask sums; what only slime's loss hooks read (the rows' lengths and tokens, the logits, the
+        teacher's log-probs) only when one is set (`loss_hooks`)."""
         device = log_probs.device
         padded = functools.partial(padded_rows, rows=rows, width=mb.max_response_len, device=device)
         mask = mb.response_mask.to(device) * padded(self.loss_masks)
         sample_denominators = None
         if self.mask_sums is not None:
             sample_denominators = torch.tensor([self.mask_sums[r] for r in rows], dtype=torch.float32, device=device)
+        hook_inputs = None
+        if self.loss_hooks:
+            hook_inputs = LossHookInputs(
+                response_lengths=[self.batch.response_lengths[r] for r in rows],
+                total_lengths=[len(self.batch.tokens[r]) for r in rows], tokens=mb.sequences(), logits=logits,
+                teacher_log_probs=None if self.teacher_log_probs is None else padded(self.teacher_log_probs))
         return LossInputs(
             log_probs=log_probs, old_log_probs=padded(self.old_log_probs),
             advantages=None if self.advantages is None else padded(self.advantages),
             mask=mask, entropy=entropy,
             ref_log_probs=None if self.ref_log_probs is None else padded(self.ref_log_probs),
             rollout_log_probs=None if self.rollout_log_probs is None else padded(self.rollout_log_probs),
-            response_lengths=[self.batch.response_lengths[r] for r in rows],
-            total_lengths=[len(self.batch.tokens[r]) for r in rows], global_denominator=denominator,
-            sample_denominators=sample_denominators, tokens=mb.sequences(), logits=logits,
-            teacher_log_probs=None if self.teacher_log_probs is None else padded(self.teacher_log_probs),
+            global_denominator=denominator, sample_denominators=sample_denominators,
             opd_reverse_kl=None if self.opd_reverse_kl is None else padded(self.opd_reverse_kl),
+            hook_inputs=hook_inputs,
         )
 
 
@@ -120,54 +130,63 @@ def require_ref(args: Any, has_ref: bool) -> None:
                          "without one (with_ref=False); the actor group must pass with_ref=True")
 
 
-def rollout_inputs(record: RolloutRecord, device=None) -> AdvantageInputs:
-    """This rank's rows as `AdvantageInputs` (copies, on `device`; None: where each tensor is): the batch's
-    per-row fields, the record's loss masks and log-probs, and its advantages / returns once computed. A per-row
-    value is given only when the record holds it for every row (e.g. no old log-probs off the last stage)."""
+def per_row_list(values: PerRow | None, rows: list[int], device=None, copy: bool = False
+                 ) -> list[torch.Tensor] | None:
+    """`values` of `rows` in order, fp32 on `device` (None: where each tensor is), copies with `copy`; None unless
+    the record holds a value for every row (e.g. no old log-probs off the last pipeline stage)."""
+    if values is None or not all(r in values for r in rows):
+        return None
+    return [values[r].detach().to(device if device is not None else values[r].device, torch.float32, copy=copy)
+            for r in rows]
+
+
+def slime_rollout_data(record: RolloutRecord, kl: list[torch.Tensor] | None = None,
+                       values: list[torch.Tensor] | None = None, device=None) -> dict[str, Any]:
+    """slime's `rollout_data` of this rank's rows (slime/algorithm/slime_formats.py `rollout_data`), from the batch
+    and copies of the record's tensors on `device` (None: where each is; a hook editing them leaves the record
+    alone); `kl` and `values` as the advantage step gives them."""
     batch, rows = record.batch, record.rows
-
-    def per_row(values: PerRow | None) -> list[torch.Tensor] | None:
-        if values is None or not all(r in values for r in rows):
-            return None
-        return [values[r].detach().to(device if device is not None else values[r].device, torch.float32, copy=True)
-                for r in rows]
-
-    return AdvantageInputs(
-        rewards=[batch.rewards[r] for r in rows], raw_rewards=[batch.raw_rewards[r] for r in rows],
-        response_lengths=[batch.response_lengths[r] for r in rows], loss_masks=per_row(record.loss_masks),
-        group_indices=[batch.group_indices[r] for r in rows], log_probs=per_row(record.old_log_probs),
-        ref_log_probs=per_row(record.ref_log_probs), rollout_log_probs=per_row(record.rollout_log_probs),
-        total_lengths=[len(batch.tokens[r]) for r in rows], partition=list(rows),
-        tokens=[torch.as_tensor(batch.tokens[r], dtype=torch.long) for r in rows],
-        truncated=[int(batch.truncated[r]) for r in rows], batch_raw_rewards=list(batch.raw_rewards),
-        advantages=per_row(record.advantages), returns=per_row(record.returns),
-        teacher_log_probs=per_row(record.teacher_log_probs),
-        entropies={key: known for key, values in record.entropies.items()
-                   if (known := per_row(values)) is not None},
+    copies = functools.partial(per_row_list, rows=rows, device=device, copy=True)
+    return slime_formats.rollout_data(
+        partition=list(rows), tokens=[torch.as_tensor(batch.tokens[r], dtype=torch.long) for r in rows],
+        response_lengths=[batch.response_lengths[r] for r in rows],
+        total_lengths=[len(batch.tokens[r]) for r in rows], rewards=[batch.rewards[r] for r in rows],
+        raw_reward=list(batch.raw_rewards), truncated=[int(batch.truncated[r]) for r in rows],
+        loss_masks=copies(record.loss_masks), kl=kl, values=values, log_probs=copies(record.old_log_probs),
+        ref_log_probs=copies(record.ref_log_probs), rollout_log_probs=copies(record.rollout_log_probs),
+        advantages=copies(record.advantages), returns=copies(record.returns),
+        group_indices=[batch.group_indices[r] for r in rows], teacher_log_probs=copies(record.teacher_log_probs),
+        entropies={key: known for key, per_row in record.entropies.items() if (known := copies(per_row)) is not None},
     )
 
 
 def advantages_and_returns(args: Any, record: RolloutRecord, values, device, group=None) -> None:
     """Fill the record's advantages (whitened over `group` with --normalize-advantages) and returns, computed on
-    the CPU from `rollout_inputs` with the KL of the old policy to the reference (when one runs) and the critic's
-    `values` (per row of the batch); with --use-opd the teacher's reverse KL enters the advantages before the
-    whitening (slime/algorithm/opd.py). With --disable-compute-advantages-and-returns both stay None, as in slime
-    (a custom loss then finds `advantages` None)."""
+    the CPU from the estimators' view of the record (`AdvantageInputs`) with the KL of the old policy to the
+    reference (when one runs) and the critic's `values` (per row of the batch); a custom advantage function gets
+    `slime_rollout_data`. With --use-opd the teacher's reverse KL enters the advantages before the whitening
+    (slime/algorithm/opd.py). With --disable-compute-advantages-and-returns both stay None, as in slime (a custom
+    loss then finds `advantages` None)."""
     if not args.compute_advantages_and_returns:  # slime's --disable-compute-advantages-and-returns: none at all
         record.advantages = record.returns = None
         return
-    rows = record.rows
-    inputs = rollout_inputs(record, "cpu")
-    if inputs.ref_log_probs is not None:
-        inputs.kl = [compute_approx_kl(old, ref, args.kl_loss_type)
-                     for old, ref in zip(inputs.log_probs, inputs.ref_log_probs)]
+    batch, rows = record.batch, record.rows
+    on_cpu = functools.partial(per_row_list, rows=rows, device="cpu")
+    old_log_probs, ref_log_probs = on_cpu(record.old_log_probs), on_cpu(record.ref_log_probs)
+    inputs = AdvantageInputs(
+        rewards=[batch.rewards[r] for r in rows], response_lengths=[batch.response_lengths[r] for r in rows],
+        loss_masks=on_cpu(record.loss_masks), total_lengths=[len(batch.tokens[r]) for r in rows])
+    if ref_log_probs is not None:
+        inputs.kl = [compute_approx_kl(old, ref, args.kl_loss_type) for old, ref in zip(old_log_probs, ref_log_probs)]
     if values is not None:
         inputs.values = [torch.as_tensor(values[r], dtype=torch.float32) for r in rows]
-    adv_list, ret_list = compute_advantages_and_returns(args, inputs)
+    adv_list, ret_list = compute_advantages_and_returns(
+        args, inputs, lambda kl: slime_rollout_data(record, kl, inputs.values, "cpu"))
     if args.use_opd:
-        if inputs.teacher_log_probs is None:
+        teacher_log_probs = on_cpu(record.teacher_log_probs)
+        if teacher_log_probs is None:
             raise ValueError(missing_teacher_message(args.opd_type))
-        adv_list, reverse_kls = opd_advantages(adv_list, inputs.log_probs, inputs.teacher_log_probs, args.opd_kl_coef)
+        adv_list, reverse_kls = opd_advantages(adv_list, old_log_probs, teacher_log_probs, args.opd_kl_coef)
         record.opd_reverse_kl = {r: kl.to(device) for r, kl in zip(rows, reverse_kls)}
     if args.normalize_advantages:
         adv_list = whiten(adv_list, inputs.loss_masks, device, group)

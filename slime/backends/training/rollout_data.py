@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from slime.backends.training.record import RolloutRecord, rollout_inputs
+from slime.backends.training.record import RolloutRecord, slime_rollout_data
 
 # rollout_data key -> the RolloutRecord field training reads
 EDITABLE = {
@@ -36,9 +36,9 @@ FLAG = "--rollout-data-postprocess-path"
 
 
 def rollout_data_of(record: RolloutRecord) -> dict[str, Any]:
-    """slime's `rollout_data` of this rank's rows (`AdvantageInputs.to_rollout_data` of `rollout_inputs`: copies,
-    so editing it leaves the record alone until `apply_rollout_data`)."""
-    return rollout_inputs(record).to_rollout_data()
+    """slime's `rollout_data` of this rank's rows (`slime_rollout_data`: copies, so editing it leaves the record
+    alone until `apply_rollout_data`)."""
+    return slime_rollout_data(record)
 
 
 def apply_rollout_data(record: RolloutRecord, data: dict[str, Any], given: set[str], path: str) -> None:
