@@ -1,5 +1,8 @@
 """Log-probs of target tokens, and optionally the entropy, from logits whose vocabulary may be split over a
-process group: the one autograd kernel of both trainers and of slime's `calculate_log_probs_and_entropy`.
+process group: the one autograd kernel of both trainers (`log_probs_and_entropy`). slime's
+`calculate_log_probs_and_entropy` (its `ppo_utils` API, for plugins) keeps its own small Function at the end of
+this file: slime's tests compare it with an unfused reference in slime's reduction order at 1e-8, which the
+chunked kernel meets only to rounding.
 
 Each rank of `group` holds a contiguous slice of the vocabulary, slices in group-rank order (Megatron's
 vocab-parallel layout; `group=None` is one rank holding all of it, the fsdp backend). Columns at or past
@@ -217,6 +220,97 @@ def _all_reduce(t: torch.Tensor, op, group) -> None:
         dist.all_reduce(t, op=op, group=group)
 
 
+def _all_reduce_if_initialized(tensor: torch.Tensor, op, group) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def _vocab_shard_start(local_vocab: int, group) -> int:
+    """The first vocabulary id this rank's logits hold: rank × local vocab (0 without torch.distributed)."""
+    if group is not None and hasattr(group, "rank") and hasattr(group, "size"):
+        return group.rank() * local_vocab
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group=group) * local_vocab
+    return 0
+
+
+def _softmax_over_shards(logits: torch.Tensor, local_targets: torch.Tensor, group):
+    """(target's shifted logit, Σ exp over the whole vocabulary [N, 1], softmax, row max [N, 1]) of fp32 rows
+    whose vocabulary is split over `group`; `local_targets` are clamped into this shard (masked by the caller)."""
+    row_max = logits.max(dim=-1, keepdim=True).values
+    _all_reduce_if_initialized(row_max, dist.ReduceOp.MAX, group)
+    shifted = logits - row_max
+    target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1)
+    exp = shifted.exp()
+    sum_exp = exp.sum(dim=-1, keepdim=True)
+    _all_reduce_if_initialized(sum_exp, dist.ReduceOp.SUM, group)
+    return target_logit, sum_exp, exp / sum_exp, row_max
+
+
+class _VocabParallelLogProbEntropy(torch.autograd.Function):
+    """log softmax(logits)[target] and the entropy of softmax(logits) for rows whose vocabulary is split over a
+    tensor-parallel group, with a hand-written backward (the softmaxes are kept, not the autograd graph of the
+    reductions):
+
+        d log_prob / d logits = onehot(target) − p_lp        d entropy / d logits = p · (Σ p·x − x)
+
+    `keep_mask` (engine-side top-p replay) restricts the log-prob's distribution to the kept ids (the target is
+    always kept); the entropy is always the full distribution's."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, keep_mask, group, with_entropy: bool, with_entropy_grad: bool):
+        x = logits.float()
+        local_vocab = x.shape[-1]
+        start = _vocab_shard_start(local_vocab, group)
+        local_targets = targets - start
+        off_shard = (local_targets < 0) | (local_targets >= local_vocab)
+        local_targets = local_targets.masked_fill(off_shard, 0)
+        rows = torch.arange(x.shape[0], device=x.device)
+
+        lp_logits = x
+        if keep_mask is not None:
+            lp_logits = x.masked_fill(~keep_mask, float("-inf"))
+            on = rows[~off_shard]
+            lp_logits[on, local_targets[on]] = x[on, local_targets[on]]
+        target_logit, sum_exp, p_log_prob, row_max = _softmax_over_shards(lp_logits, local_targets, group)
+        target_logit = target_logit.masked_fill(off_shard, 0.0).unsqueeze(-1)
+        _all_reduce_if_initialized(target_logit, dist.ReduceOp.SUM, group)
+        log_prob = target_logit - sum_exp.log()
+
+        entropy = p_entropy = sum_p_x = x.new_zeros(0)
+        if with_entropy:
+            if keep_mask is None:  # the log-prob's distribution is the full one
+                sum_exp_e, p_entropy, max_e = sum_exp, p_log_prob, row_max
+            else:
+                _, sum_exp_e, p_entropy, max_e = _softmax_over_shards(x, local_targets, group)
+            sum_p_x = (p_entropy * x).sum(dim=-1, keepdim=True)
+            _all_reduce_if_initialized(sum_p_x, dist.ReduceOp.SUM, group)
+            entropy = (max_e + sum_exp_e.log() - sum_p_x).squeeze(-1)
+
+        ctx.with_entropy_grad = with_entropy and with_entropy_grad
+        if not ctx.with_entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+            p_entropy = sum_p_x = x = x.new_zeros(0)
+        ctx.save_for_backward(p_log_prob, off_shard, local_targets, p_entropy, sum_p_x, x)
+        # An output outside the loss gets None (not zeros): its gradient term is skipped, not multiplied by 0.
+        ctx.set_materialize_grads(False)
+        return log_prob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_prob, grad_entropy):
+        p_log_prob, off_shard, local_targets, p_entropy, sum_p_x, x = ctx.saved_tensors
+        if grad_log_prob is None:
+            grad = torch.zeros_like(p_log_prob)
+        else:
+            grad = -p_log_prob
+            rows = torch.arange(grad.shape[0], device=grad.device)
+            grad[rows, local_targets] += (~off_shard).to(grad.dtype)
+            grad = grad * grad_log_prob.reshape(-1, 1)
+        if ctx.with_entropy_grad and grad_entropy is not None and grad_entropy.numel():
+            grad = grad + p_entropy * (sum_p_x - x) * grad_entropy.reshape(-1, 1)
+        return grad, None, None, None, None, None
+
+
 def calculate_log_probs_and_entropy(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -226,17 +320,25 @@ def calculate_log_probs_and_entropy(
     log_prob_keep_mask: torch.Tensor | None = None,
     with_entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """slime's call: log-probs `[N, 1]` of `tokens` [N] under softmax(logits) and, with `with_entropy`, the entropy
-    `[N]`, in fp32, from `logits` [N, V/tp] whose vocabulary is split over `tp_group` (slime's contract: None is
-    the default group when torch.distributed is initialized, a single shard otherwise). `chunk_size` > 0 works
-    through the rows in chunks of that many (else of about `CHUNK_ELEMENTS` logits). `log_prob_keep_mask`
-    [N, V/tp] restricts the log-prob's distribution to the kept ids (the sampled token always stays).
-    `with_entropy_grad=False` returns the entropy as a metric only. Empty input gives `[0]` tensors."""
+    """slime's call, in slime's reduction order (slime's own tests hold it to an unfused reference at 1e-8, which
+    the chunked kernel above meets only to rounding): log-probs `[N, 1]` of `tokens` [N] under softmax(logits)
+    and, with `with_entropy`, the entropy `[N]`, from
+    fp32-cast `logits` [N, V/tp] whose vocabulary is split over `tp_group` (slime's contract: None is the
+    default group when torch.distributed is initialized, a single shard otherwise). `chunk_size` > 0 works
+    through the rows in chunks of that many (less memory). `log_prob_keep_mask` [N, V/tp] restricts the
+    log-prob's distribution to the kept ids (the sampled token always stays). `with_entropy_grad=False`
+    returns the entropy as a metric only. Empty input gives `[0]` tensors."""
     if logits.shape[0] == 0:
         return logits.new_zeros(0), (logits.new_zeros(0) if with_entropy else None)
-    if tp_group is None and dist.is_available() and dist.is_initialized():
-        tp_group = dist.group.WORLD
-    log_prob, entropy = log_probs_and_entropy(
-        logits, tokens, with_entropy=with_entropy, group=tp_group, keep_mask=log_prob_keep_mask,
-        entropy_grad=with_entropy_grad, chunk_rows=chunk_size if chunk_size > 0 else None)
-    return log_prob.float().unsqueeze(-1), (entropy.float() if with_entropy else None)
+    logits = logits.contiguous()
+    step = chunk_size if chunk_size > 0 else logits.shape[0]
+    keep = log_prob_keep_mask.split(step) if log_prob_keep_mask is not None else [None] * (-(-len(tokens) // step))
+    log_probs, entropies = [], []
+    for lg, tk, km in zip(logits.split(step), tokens.split(step), keep):
+        lp, ent = _VocabParallelLogProbEntropy.apply(lg, tk, km, tp_group, with_entropy, with_entropy_grad)
+        log_probs.append(lp)
+        entropies.append(ent)
+    log_prob = log_probs[0] if len(log_probs) == 1 else torch.cat(log_probs)
+    if not with_entropy:
+        return log_prob, None
+    return log_prob, entropies[0] if len(entropies) == 1 else torch.cat(entropies)

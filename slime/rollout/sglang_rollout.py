@@ -9,9 +9,16 @@ A facade that nothing inside the package imports. The code lives in three module
   surplus, partial-rollout recycling, the rollout-end hooks);
 - `slime.rollout.eval_rollout`: the eval datasets' rollout (`generate_rollout(..., evaluation=True)`).
 
-Module-level settings (`GENERATE_BACKOFF_S`, `ABORT_WAIT_S`) are read in their home module: change them there
-(`slime.rollout.generation.GENERATE_BACKOFF_S`), not on this facade.
+The name is an alias, not a copy: `sys.modules` maps it to `slime.rollout.generation` itself, with the training
+and eval rollouts' names added to it, so what a plugin or a test sets on `sglang_rollout` (slime's tests
+monkeypatch `GenerateState`, `generate`, `generate_rollout`) is what the generation code reads, as it was in
+slime's single module. (Names of `train_rollout` / `eval_rollout` set here reach `generate_rollout`'s callers
+through this module, not those two modules' own references.)
 """
+
+import sys
+
+from slime.rollout import generation
 
 from slime.rollout.eval_rollout import (  # noqa: F401 - slime's names
     eval_groups,
@@ -50,3 +57,9 @@ from slime.rollout.train_rollout import (  # noqa: F401 - slime's names
 )
 
 __all__ = ["GenerateState", "generate", "generate_and_rm", "generate_and_rm_group", "generate_rollout", "get_model_url"]
+
+vars(generation).update(ABORT_WAIT_S=ABORT_WAIT_S, finish_rollout=finish_rollout, generate_rollout=generate_rollout,
+                        generate_rollout_async=generate_rollout_async, eval_groups=eval_groups,
+                        eval_prompts=eval_prompts, eval_rollout_async=eval_rollout_async,
+                        eval_sampling_params=eval_sampling_params)
+sys.modules[__name__] = generation
