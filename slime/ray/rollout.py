@@ -663,8 +663,14 @@ def engine_load_metrics(before: list[int] | None, after: list[int] | None) -> di
 
 def router_args_from(args: Any) -> dict[str, Any]:
     """sglang-router flags from `args`: the forwarded `--router-<field>` flags (`args.router_args`), plus
-    `--router-policy` and `--sglang-router-request-timeout-secs`, which are slime's own flags."""
-    out = {**args.router_args, "policy": args.router_policy}
+    `--router-policy` and `--sglang-router-request-timeout-secs`, which are slime's own flags.
+
+    As slime does, the router's circuit breaker and its own health checks are off: a worker the router marks
+    open or unhealthy (a slow probe while the engine's memory is released, a burst of failures) makes it answer
+    503 no_available_workers to requests the engine would have served, and hides the engine's real error.
+    Engine health is slime's to judge (`--use-fault-tolerance`'s monitor takes a dead engine out of the router)."""
+    out = {"disable_circuit_breaker": True, "disable_health_check": True,
+           **args.router_args, "policy": args.router_policy}
     if args.sglang_router_request_timeout_secs is not None:
         out.setdefault("request_timeout_secs", args.sglang_router_request_timeout_secs)
     return out

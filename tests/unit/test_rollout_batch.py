@@ -113,6 +113,8 @@ def test_router_flags():
         "disable_retries": True,
         "policy": "cache_aware",
         "request_timeout_secs": 99,
+        "disable_circuit_breaker": True,  # as slime: engine health is judged by slime, not by the router
+        "disable_health_check": True,
     }
 
 
