@@ -54,7 +54,7 @@ class AdvantageInputs:
 
 def inputs_of_rollout_data(args, rollout_data: dict[str, Any]) -> tuple[AdvantageInputs, Tensors | None]:
     """The estimators' view of slime's `rollout_data` dict, and the student's log-probs (the rollout's with
-    --use-rollout-logprobs, else the old policy's). The KL of the token rewards is computed here as slime does:
+    --use-rollout-logprobs, else the old policy's). The KL of the token rewards is computed here:
     those log-probs against the reference's, with `--kl-loss-type`, only when --kl-coef is non-zero."""
     log_probs = rollout_data.get("rollout_log_probs") if args.use_rollout_logprobs else rollout_data.get("log_probs")
     ref = rollout_data.get("ref_log_probs")
@@ -92,7 +92,7 @@ class Estimator:
 
 # ---- advantages ----------------------------------------------------------------------------------------
 def token_reward_kl(args, inputs: AdvantageInputs) -> Tensors:
-    """The KL term of the token rewards, per row: the given KL with --kl-coef, zeros otherwise (as slime)."""
+    """The KL term of the token rewards, per row: the given KL with --kl-coef, zeros otherwise."""
     if inputs.kl is not None and args.kl_coef:
         return [k.float() for k in inputs.kl]
     return [torch.zeros(m.shape[0], dtype=torch.float32) for m in inputs.loss_masks]

@@ -115,8 +115,9 @@ def policy_loss(args: Any, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, 
     pg, clipfrac, ppo_kl = estimator_of(args).policy_loss(lp, old, inputs.advantages, inputs.mask, args)
     metrics = {"train/pg_clipfrac": agg(clipfrac), "train/ppo_kl": agg(ppo_kl)}
     if args.use_opsm:
-        # Before the importance correction, as slime. The metric is the share of dropped (loss-masked) tokens,
-        # reduced like the others: per sample, the fraction of sequences dropped.
+        # Before the importance correction, so it (and a custom TIS function) sees the masked loss. The metric
+        # is the share of dropped (loss-masked) tokens, reduced like the others: per sample, the fraction of
+        # sequences dropped.
         keep = objectives.opsm_mask(lp, old, inputs.advantages, inputs.mask, args.opsm_delta)
         pg = pg * keep
         metrics["train/opsm_clipfrac"] = agg(1.0 - keep)
@@ -170,7 +171,8 @@ def importance_correction(args: Any, inputs: LossInputs, pg: torch.Tensor, ppo_k
         raise ValueError(f"{flag} {path}: returned {len(masks)} loss masks for {len(layout.lengths)} samples")
     pg_masks = layout.padded(torch.cat([torch.as_tensor(m, dtype=pg.dtype, device=pg.device) for m in masks]))
     metrics.update({name: layout.padded(torch.as_tensor(v)).detach() for name, v in custom_metrics.items()})
-    # Rejected tokens leave the numerator; the denominators stay the loss masks' (as slime).
+    # Rejected tokens leave the numerator; the denominators stay the loss masks' (a rejection lowers the
+    # loss; the kept tokens are not renormalised).
     return layout.padded(flat_pg) * pg_masks, pg_masks, metrics
 
 

@@ -149,7 +149,7 @@ def per_sample_masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 
 def sum_of_sample_mean(values: torch.Tensor, mask: torch.Tensor, per_token: bool) -> torch.Tensor:
-    """A micro-batch's sum, as slime's `sum_of_sample_mean` reducer: Σ_rows (row's masked token mean), or with
+    """A micro-batch's sum: Σ_rows (row's masked token mean), or with
     `per_token` (`--calculate-per-token-loss`) Σ of the masked tokens. [B, R] -> scalar."""
     if per_token:
         return (values * mask.to(values.dtype)).sum()

@@ -132,7 +132,7 @@ def create_rollout_manager(args, placement):
 
 
 def start_weight_check(run: Run) -> None:
-    """--check-weight-update-equal, as slime's: once the engines are up, snapshot their weights (the checkpoint
+    """--check-weight-update-equal: once the engines are up, snapshot their weights (the checkpoint
     they loaded) and overwrite them, so the first push must restore every tensor; `loop.push_weights` then
     compares (an engine that misses a tensor fails the run naming it)."""
     ray.get(run.rollout_manager.check_weights.remote(action="snapshot"))

@@ -2,7 +2,7 @@
 
 One bundle per device: `{GPU: 1, CPU: 1}` with CUDA, `{CPU: 1}` without (then `--actor-num-gpus-per-node` and
 `--rollout-num-gpus` count CPU ranks and CPU engines). Disaggregated: actor bundles `[0, A)`, rollout bundles
-`[A, A+R)`; `--colocate`: max(A, R) bundles, the actor on `[0, A)` and the engines on `[0, R)` (as slime sizes it:
+`[A, A+R)`; `--colocate`: max(A, R) bundles, the actor on `[0, A)` and the engines on `[0, R)` (so
 with R < A some training GPUs hold no engine, with R > A the engines past the actor's GPUs have GPUs of their
 own). Bundles are ordered by (node ip, GPU id) so that ranks land on GPUs in a predictable order.
 """

@@ -665,8 +665,8 @@ def router_args_from(args: Any) -> dict[str, Any]:
     """sglang-router flags from `args`: the forwarded `--router-<field>` flags (`args.router_args`), plus
     `--router-policy` and `--sglang-router-request-timeout-secs`, which are slime's own flags.
 
-    As slime does, the router's circuit breaker and its own health checks are off: a worker the router marks
-    open or unhealthy (a slow probe while the engine's memory is released, a burst of failures) makes it answer
+    The router's circuit breaker and its own health checks are off: a worker the router marks open or
+    unhealthy (a slow probe while the engine's memory is released, a burst of failures) makes it answer
     503 no_available_workers to requests the engine would have served, and hides the engine's real error.
     Engine health is slime's to judge (`--use-fault-tolerance`'s monitor takes a dead engine out of the router)."""
     out = {"disable_circuit_breaker": True, "disable_health_check": True,

@@ -64,7 +64,7 @@ def eval_prompts(args, config: EvalDatasetConfig) -> Dataset:
 def eval_sampling_params(args, config: EvalDatasetConfig) -> dict[str, Any]:
     """The sampling params of a dataset's eval requests: `build_sampling_params` of the eval flags with the
     dataset's overrides on them, plus, when set, its `no_stop_trim`, `repetition_penalty` and `min_new_tokens`
-    (falling back to `--eval-min-new-tokens`), as slime sends them."""
+    (falling back to `--eval-min-new-tokens`)."""
     params = build_sampling_params(args_for(args, config), evaluation=True)
     extra = {
         "no_stop_trim": config.no_stop_trim,

@@ -260,8 +260,8 @@ def subsample_debug_samples(samples: list[Sample], ratio: float) -> list[Sample]
 
 def trim_to_whole_steps(samples: list[Sample], global_batch_size: int) -> list[Sample]:
     """The samples of the first `global_batch_size` x k rollouts (in order of first appearance; `rollout_ids`),
-    the largest k: the rollouts past the last whole optimizer step are dropped, as slime's step schedule drops
-    them. An error when not even one step is left."""
+    the largest k: the rollouts past the last whole optimizer step are dropped (the trainer's step schedule
+    would never train them). An error when not even one step is left."""
     ids = rollout_ids(samples)
     order = list(dict.fromkeys(ids))
     kept = set(order[: len(order) // global_batch_size * global_batch_size])

@@ -15,7 +15,7 @@
 Every field resolves as: the dataset's entry, else `defaults`, else the flags in `ARG_FALLBACKS` (first one
 set; e.g. temperature: --eval-temperature, then --rollout-temperature); fields without flags stay None. A key
 that is not a field, in a dataset or in `defaults`, is an error naming it (and, from a file, the file and the
-dataset). A relative `path` is taken from the working directory, as slime does, else from the YAML's folder.
+dataset). A relative `path` is taken from the working directory when it exists there, else from the YAML's folder.
 
 `args_for` gives the built-in eval rollout a copy of args with a dataset's settings on the flags it reads;
 `NOT_ACTED_ON` lists the fields that rollout cannot honour (they are refused when it is the eval function).

@@ -642,7 +642,7 @@ def _release(state: EngineState, tags: set[str]) -> None:
     --release-memory-on-cpu):
 
     - "weights": the parameters' memory is freed (release.py; buffers stay) and comes back uninitialised on resume,
-      so the trainer pushes the complete weights right after resuming them, as slime's loop does; until every
+      so the trainer pushes the complete weights right after resuming them (the training loop does); until every
       parameter has been loaded, /generate answers 503 naming what is missing (SGLang would generate from
       garbage). With --enable-weights-cpu-backup the weights are copied to pinned host memory first (allocated on
       the first release, reused) and copied back on resume.

@@ -2,7 +2,7 @@
 rank trains on, fixed-size or token-budget micro-batches, right padding or packing, and per-token value
 (un)padding.
 
-Steps count rollouts, as slime's: `--global-batch-size` rollouts per optimizer step, the rows a custom generate
+Steps count rollouts: `--global-batch-size` rollouts per optimizer step, the rows a custom generate
 split from one rollout kept in one step (`step_rows`), and in the per-sample mean each row's token sum divided
 by its rollout's loss-masked tokens (`rollout_mask_sums`), so each rollout weighs as one sample.
 
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 # ---- which rows -------------------------------------------------------------------------------------------
 def step_rows(num_rows: int, global_batch_size: int, rollout_ids: Sequence[int] | None = None) -> list[list[int]]:
-    """The rows of every optimizer step (all ranks'), as slime counts them: a step is `global_batch_size`
+    """The rows of every optimizer step (all ranks'): a step is `global_batch_size`
     rollouts, and the rows split from one rollout (those sharing a `rollout_ids` entry; None: every row is a
     rollout) stay in one step, rollouts in order of first appearance. With one row per rollout, step s is rows
     [s·gbs, (s+1)·gbs)."""

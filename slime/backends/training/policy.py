@@ -77,9 +77,9 @@ class PolicyTrainer(TrainRayActor):
     def log_probs_of_rows(self, model: Any, batch: TrainBatch, micro_batches: list[list[int]], store_prefix: str,
                           entropy: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
         """{row: response log-probs} of `model` (no gradient); {} where they are not available (off the last
-        pipeline stage). `store_prefix` names the pass as slime does: "" the old policy, "ref_" the reference,
-        "teacher_" the distillation teacher. `entropy` (--use-rollout-entropy), when given, is filled with
-        {row: response entropies} of the same softmax."""
+        pipeline stage). `store_prefix` names the pass (its key prefix in the batch): "" the old policy, "ref_" the
+        reference, "teacher_" the distillation teacher. `entropy` (--use-rollout-entropy), when given, is filled
+        with {row: response entropies} of the same softmax."""
         raise NotImplementedError
 
     def optimizer_step(self, record: RolloutRecord, step_id: int) -> dict[str, float]:

@@ -218,7 +218,7 @@ def logprob_abs_diff(old_lp: PerRow, rollout_lp: PerRow, masks: PerRow, device, 
 
 def token_mean(values: PerRow, device, group=None) -> float:
     """Mean of per-token values over every response token of the batch (all data-parallel ranks' rows; not
-    loss-masked, as slime's rollout log of such a tensor)."""
+    loss-masked: a rollout-side figure, such as the engine's entropy, covers every generated token)."""
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for value in values.values():
         total[0] += value.to(device).sum().double()

@@ -201,7 +201,7 @@ def offload_train_applies(args: argparse.Namespace, asynchronous: bool = False) 
 
 
 def resolve_offload(args: argparse.Namespace) -> None:
-    """The offload flags as slime resolves them (on with --colocate, --offload-train with PPO; an explicit --no-...
+    """The offload flags resolved (on with --colocate, --offload-train with PPO; an explicit --no-...
     stays), None -> False. The loop hands the GPU memory back and forth accordingly (slime/ray/handoff.py)."""
     args.offload_train = offload_train_applies(args)
     args.offload_rollout = bool(args.offload_rollout)

@@ -354,7 +354,8 @@ def validate_rollout(args: argparse.Namespace) -> None:
 
 def check_hf_checkpoint(args: argparse.Namespace) -> None:
     """--hf-checkpoint names an HF model folder (the engines and the tokenizer need one, unless the run only
-    trains). A file check: parse_args runs it after the flag checks, as slime reads the folder after its own."""
+    trains). A file check: parse_args runs it after the flag checks, so a flag error comes before any file
+    is read."""
     if not args.debug_train_only:
         _check_hf_checkpoint(args.hf_checkpoint)
 
