@@ -91,6 +91,12 @@ class Estimator:
 
 
 # ---- advantages ----------------------------------------------------------------------------------------
+def needs_reference_model(args) -> bool:
+    """A KL term (in the loss, --use-kl-loss, or in the rewards, --kl-coef) needs a frozen reference model: the
+    trainers build one and the `--dry-run` planner counts its memory."""
+    return bool(args.use_kl_loss or args.kl_coef)
+
+
 def token_reward_kl(args, inputs: AdvantageInputs) -> Tensors:
     """The KL term of the token rewards, per row: the given KL with --kl-coef, zeros otherwise."""
     if inputs.kl is not None and args.kl_coef:

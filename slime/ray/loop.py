@@ -8,7 +8,9 @@ import time
 
 import ray
 
+from slime.algorithm.estimators import needs_reference_model
 from slime.ray.launcher import Run
+from slime.utils.data import num_rollout_of_epochs
 
 logger = logging.getLogger("slime")
 
@@ -29,12 +31,6 @@ def resolve_num_rollout(args, run: Run) -> int:
     return num_rollout
 
 
-def num_rollout_of_epochs(args, dataset_size: int) -> int:
-    """slime's rollout count of --num-epoch epochs over `dataset_size` prompts: whole rollouts of
-    --rollout-batch-size per epoch (the `--dry-run` planner counts with it too)."""
-    return dataset_size // args.rollout_batch_size * (args.num_epoch or 1)
-
-
 def init_training(args, run: Run, num_rollout: int) -> int:
     """Build the actor (and PPO critic) models, their LR schedules sized by `num_rollout`; load the data source's
     state when resuming. Returns the rollout id to start from."""
@@ -48,11 +44,6 @@ def init_training(args, run: Run, num_rollout: int) -> int:
     if start_rollout_id > 0:
         ray.get(run.rollout_manager.load.remote(start_rollout_id - 1))
     return start_rollout_id
-
-
-def needs_reference_model(args) -> bool:
-    """The trainers build a frozen reference model for a KL term (the `--dry-run` planner asks this too)."""
-    return bool(args.use_kl_loss or args.kl_coef)
 
 
 def train_on(run: Run, rollout_id: int, batch) -> dict[str, float]:

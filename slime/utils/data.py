@@ -660,3 +660,9 @@ def process_rollout_data(args, rollout_data_ref, dp_rank: int, dp_size: int) -> 
     if "raw_reward" in rollout_data:
         rollout_data["local_raw_reward"] = [rollout_data["raw_reward"][i] for i in partition]
     return rollout_data
+
+
+def num_rollout_of_epochs(args, dataset_size: int) -> int:
+    """The rollout count of --num-epoch epochs over `dataset_size` prompts: whole rollouts of --rollout-batch-size
+    per epoch (the training loop resolves an unset --num-rollout with it; the `--dry-run` planner counts with it)."""
+    return dataset_size // args.rollout_batch_size * (args.num_epoch or 1)

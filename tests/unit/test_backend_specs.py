@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -110,6 +112,16 @@ def test_the_planner_calls_the_runtime_rules():
     assert loop.num_rollout_of_epochs(args, 50) == 50 // 7 * 3 == 21
     args.prompt_data, args.rollout_global_dataset = None, True
     assert report.resolve_num_rollout(args)[0] is None  # no file to count: resolved when the data source loads
+
+
+def test_the_parser_and_the_planner_import_without_ray():
+    """Flag parsing and the `--dry-run` planner load no Ray: the rules they share with the loop live below it
+    (slime's own tests stub `ray` in sys.modules while they import slime.utils.arguments)."""
+    code = ("import sys; import slime.utils.arguments, slime.config.plan; "
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith(('ray.', 'slime.ray'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def test_the_planner_counts_rollouts_of_epochs_with_the_runtime_rule(tmp_path):

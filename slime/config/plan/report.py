@@ -27,11 +27,11 @@ from slime.config.plan.memory import (
     training_memory,
     training_parallel,
 )
+from slime.algorithm.estimators import needs_reference_model
 from slime.config.plan.model_size import ModelShape, ModelShapeError, count_params, load_model_shape
 from slime.config.plan.prompts import measure_prompts
-from slime.ray.loop import needs_reference_model, num_rollout_of_epochs
 from slime.utils.backend_specs import engine_spec, train_spec
-from slime.utils.data import index_lines, parse_prompt_path
+from slime.utils.data import index_lines, num_rollout_of_epochs, parse_prompt_path
 from slime.utils.megatron_roles import megatron_role_overrides, role_args
 
 DEFAULT_GPU_GB = 80.0
