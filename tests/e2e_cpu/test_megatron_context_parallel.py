@@ -21,8 +21,9 @@ from tests.e2e_cpu.ranks import run_ranks
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 
 WORKER = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "megatron_cp_worker.py")
-# an entropy bonus and the rollout's (shifted) log-probs as the old policy: a loss with every term non-zero
-FLAGS = "--entropy-coef 0.01 --use-rollout-logprobs --transformer-impl local"
+# an entropy bonus and the rollout's (shifted) log-probs as the old policy: a loss with every term non-zero; a clip
+# norm no gradient reaches, so that the gradients compared are the reduced ones, not rescaled to a common norm
+FLAGS = "--entropy-coef 0.01 --use-rollout-logprobs --transformer-impl local --clip-grad 1e9"
 # name: (world size, flags); each CP layout is compared with the one before it
 LAYOUTS = {
     "cp1": (1, FLAGS),
@@ -71,6 +72,6 @@ def test_context_parallel_matches_no_context_parallel(runs, base, cp):
     for name, grad in one["grads"].items():
         assert grad.abs().max() > 0, name
         diff = (grad - two["grads"][name]).abs().max().item()
-        assert diff <= 1e-6 * grad.abs().max().item() + 1e-9, (name, diff, grad.abs().max().item())
+        assert diff <= 5e-6 * grad.abs().max().item() + 1e-9, (name, diff, grad.abs().max().item())
     # and the weights the step produced
     assert max_abs_diff(one["lp_after"], two["lp_after"]) < 1e-5
