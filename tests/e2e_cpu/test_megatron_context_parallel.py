@@ -1,6 +1,6 @@
 """Context parallelism of the Megatron backend (slime/backends/megatron_utils/cp_layout.py) on real gloo ranks
 through the test-only CPU shim, in fp32: a run with `--context-parallel-size 2` against the same layout without
-CP, on the same packed micro-batches (one rank vs two, and DP2 vs DP2 × CP2 on four ranks).
+CP, on the same packed micro-batches (one rank vs two; DP2 vs DP2 × CP2 and TP2 vs TP2 × CP2 on four ranks).
 
 Compared: the log-probs and entropies of every response token, the step's loss and metrics, every parameter's
 gradient as the optimizer used it (after megatron-core's DDP reduction over the data-parallel-with-CP group), and
@@ -30,8 +30,11 @@ LAYOUTS = {
     "cp2": (2, FLAGS + " --context-parallel-size 2"),
     "dp2": (2, FLAGS),
     "dp2_cp2": (4, FLAGS + " --context-parallel-size 2"),
+    # vocab-parallel log-probs and split heads with CP; gradients compared shard by shard (rank 0's)
+    "tp2": (2, FLAGS + " --tensor-model-parallel-size 2"),
+    "tp2_cp2": (4, FLAGS + " --tensor-model-parallel-size 2 --context-parallel-size 2"),
 }
-PAIRS = [("cp1", "cp2"), ("dp2", "dp2_cp2")]
+PAIRS = [("cp1", "cp2"), ("dp2", "dp2_cp2"), ("tp2", "tp2_cp2")]
 
 
 def max_abs_diff(a, b) -> float:
@@ -66,7 +69,7 @@ def test_context_parallel_matches_no_context_parallel(runs, base, cp):
     assert set(one["metrics"]) == set(two["metrics"])
     assert one["metrics"]["train/loss"] != 0.0 and one["metrics"]["train/entropy_loss"] > 0.0
     for name, value in one["metrics"].items():
-        assert two["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+        assert two["metrics"][name] == pytest.approx(value, rel=1e-5, abs=5e-7), name
     # (c) every parameter's gradient after the reduction over the data-parallel-with-CP group
     assert set(one["grads"]) == set(two["grads"]) and len(one["grads"]) > 10
     for name, grad in one["grads"].items():
