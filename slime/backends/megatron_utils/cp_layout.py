@@ -9,7 +9,8 @@ of every sequence, sequence after sequence. The padded row has the boundaries `p
 
 What the forward does with it (forward.py, sdpa_attention.py):
 - each rank embeds its own tokens only; rotary embeddings use each token's position within its own sequence
-  (megatron-core's THD rotary under CP reads the same zigzag layout from `padded_cu`);
+  (packed_rope.py reads it from this layout, given `padded_cu` as the packed row's boundaries, which is also
+  how megatron-core's own THD rotary under CP reads a zigzag row);
 - attention gathers every rank's keys and values (`gather_cp`) and lets a query see the keys of its sequence at
   positions up to its own; the pad tokens of a sequence sit after its real tokens, so no real token sees them;
 - the per-position log-probs / entropies of a rank's tokens are gathered into the padded row and read back at
