@@ -74,7 +74,7 @@ def main() -> None:
         entropy: dict = {}
         actor._log_probs(actor.model, batch.tokens, batch.response_lengths, actor.plan(batch.tokens, rows, True),
                          entropy)
-        result["entropy"] = [entropy[r].tolist() for r in rows] if entropy else None
+        result["entropy"] = actor.from_last_stage([entropy[r].tolist() for r in rows] if entropy else None)
         batch.rollout_log_probs = [[x + 0.05 for x in row] for row in result["lp_before"]]
         result["metrics"] = actor.train(0, batch)
         grads = {name: p.main_grad.detach().clone() for name, p in unwrap(actor.model[0]).named_parameters()

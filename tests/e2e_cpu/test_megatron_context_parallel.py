@@ -1,6 +1,6 @@
 """Context parallelism of the Megatron backend (slime/backends/megatron_utils/cp_layout.py) on real gloo ranks
 through the test-only CPU shim, in fp32: a run with `--context-parallel-size 2` against the same layout without
-CP, on the same packed micro-batches (one rank vs two; DP2 vs DP2 × CP2 and TP2 vs TP2 × CP2 on four ranks).
+CP, on the same packed micro-batches (one rank vs two; DP2, TP2 and PP2 against each × CP2 on four ranks).
 
 Compared: the log-probs and entropies of every response token, the step's loss and metrics, every parameter's
 gradient as the optimizer used it (after megatron-core's DDP reduction over the data-parallel-with-CP group), and
@@ -33,8 +33,11 @@ LAYOUTS = {
     # vocab-parallel log-probs and split heads with CP; gradients compared shard by shard (rank 0's)
     "tp2": (2, FLAGS + " --tensor-model-parallel-size 2"),
     "tp2_cp2": (4, FLAGS + " --tensor-model-parallel-size 2 --context-parallel-size 2"),
+    # two pipeline stages exchange each CP rank's share of the row; rank 0's are the first stage's gradients
+    "pp2": (2, FLAGS + " --pipeline-model-parallel-size 2"),
+    "pp2_cp2": (4, FLAGS + " --pipeline-model-parallel-size 2 --context-parallel-size 2"),
 }
-PAIRS = [("cp1", "cp2"), ("dp2", "dp2_cp2"), ("tp2", "tp2_cp2")]
+PAIRS = [("cp1", "cp2"), ("dp2", "dp2_cp2"), ("tp2", "tp2_cp2"), ("pp2", "pp2_cp2")]
 
 
 def max_abs_diff(a, b) -> float:

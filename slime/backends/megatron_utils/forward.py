@@ -6,7 +6,9 @@ to back in one `[1, T]` row described by megatron-core's `PackedSeqParams` (cu_s
 to itself with rotary positions restarting at its start — TransformerEngine's attention when installed, else
 torch's varlen flash attention (`sdpa_attention.py`). Or right-padded `[B, L]` rows (`--qkv-format bshd`) run
 with the default causal mask: with right padding a real token never attends to a pad, so no padding mask
-is needed. Either way each sample's log-probs equal those of the sample alone.
+is needed. Either way each sample's log-probs equal those of the sample alone. With `--context-parallel-size` > 1
+(packed only) each CP rank runs its zigzag share of the row and the per-token log-probs are gathered back into
+whole sequences before the loss (cp_layout.py).
 
 Log-probs and entropy of the response tokens come from the vocab-parallel logits in place, chunk by chunk
 (slime/algorithm/log_probs.py: no fp32 copy of the logits kept for backward).
