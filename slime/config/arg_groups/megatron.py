@@ -190,7 +190,9 @@ def _add_parallel(parser) -> None:
     g = _Group(parser.add_argument_group("megatron parallelism"))
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="Split each packed micro-batch over this many ranks in slime's zigzag layout (megatron backend, "
+                   "--qkv-format thd, slime's attention: --transformer-impl local where TransformerEngine is installed).")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="Default: the TP size.")
     g.add_argument("--sequence-parallel", action="store_true", help="Shard norms/dropout along the sequence (TP > 1).")
