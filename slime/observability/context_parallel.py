@@ -6,7 +6,8 @@ Megatron trainer's log-prob passes read their tensor-parallel group from.
 
 The layout is slime's zigzag split: a sequence of `total_length` tokens is cut into `2 × cp_size` chunks of
 `ceil(total_length / (2 × cp_size))` tokens and CP rank r holds chunks r and `2 × cp_size − 1 − r`, so every rank
-gets an early and a late piece (causal attention costs about the same on each). A rank's per-token response
+gets an early and a late piece (causal attention costs about the same on each); the Megatron trainer splits every
+sequence of a packed micro-batch this way (slime/backends/megatron_utils/cp_layout.py). A rank's per-token response
 values (log-probs, advantages, ...) are those of the response tokens inside its two chunks, back to back; the
 value of response token t is computed from the logits at position `prompt_length + t − 1`.
 

@@ -9,6 +9,7 @@ import importlib.util
 import pytest
 
 from slime.backends.megatron_utils import args as margs
+from slime.config.arg_groups import megatron as megatron_group
 from slime.config.arguments import SlimeArgumentError, parse_args
 
 HAS_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
@@ -115,11 +116,24 @@ def test_moe_models_use_the_alltoall_dispatcher_as_in_slime(files):
     assert dense.moe_token_dispatcher_type == "allgather"  # no experts: nothing is dispatched
 
 
-def test_context_parallelism_is_refused_with_the_reason(files):
+def test_context_parallelism_is_accepted_for_packed_micro_batches_and_refused_elsewhere(files, monkeypatch):
     assert parse_args(base(*QWEN3_4B)).qkv_format == "thd"  # slime's default: packed micro-batches
-    for layout in ((), ("--qkv-format", "bshd")):
-        message = error_of(base(*QWEN3_4B, "--context-parallel-size", "2", *layout))
-        assert "--context-parallel-size 2: the trainer here does not split sequences" in message
+    args = parse_args(base(*QWEN3_4B, "--context-parallel-size", "2", "--transformer-impl", "local"))
+    assert args.context_parallel_size == 2
+    message = error_of(base(*QWEN3_4B, "--context-parallel-size", "2", "--qkv-format", "bshd"))
+    assert "--context-parallel-size 2 with --qkv-format bshd" in message and "use --qkv-format thd" in message
+    message = error_of(base(*QWEN3_4B, "--context-parallel-size", "4", ranks=6))
+    assert "TP 1 × PP 1 × CP 4 = 4 does not divide" in message
+    message = error_of(base(*QWEN3_4B, "--context-parallel-size", "2", backend="fsdp"))
+    assert "--context-parallel-size 2 with --train-backend fsdp" in message and "--train-backend megatron" in message
+    message = error_of(base(*QWEN3_4B, "--context-parallel-size", "2", "--loss-type", "custom_loss",
+                            "--custom-loss-function-path", "slime.backends.megatron_utils.loss.policy_loss_function"))
+    assert "--context-parallel-size 2 with --loss-type custom_loss" in message
+    # where TransformerEngine is installed, its layers would take the attention over: asked to build ours instead
+    monkeypatch.setattr(megatron_group, "te_available", lambda: True)
+    message = error_of(base(*QWEN3_4B, "--context-parallel-size", "2"))
+    assert "--context-parallel-size 2: TransformerEngine's attention" in message and "--transformer-impl local" in message
+    assert parse_args(base(*QWEN3_4B, "--context-parallel-size", "2", "--transformer-impl", "local"))
 
 
 def test_recompute_method_needs_full_granularity(files):

@@ -6,7 +6,9 @@ to back in one `[1, T]` row described by megatron-core's `PackedSeqParams` (cu_s
 to itself with rotary positions restarting at its start — TransformerEngine's attention when installed, else
 torch's varlen flash attention (`sdpa_attention.py`). Or right-padded `[B, L]` rows (`--qkv-format bshd`) run
 with the default causal mask: with right padding a real token never attends to a pad, so no padding mask
-is needed. Either way each sample's log-probs equal those of the sample alone.
+is needed. Either way each sample's log-probs equal those of the sample alone. With `--context-parallel-size` > 1
+(packed only) each CP rank runs its zigzag share of the row and the per-token log-probs are gathered back into
+whole sequences before the loss (cp_layout.py).
 
 Log-probs and entropy of the response tokens come from the vocab-parallel logits in place, chunk by chunk
 (slime/algorithm/log_probs.py: no fp32 copy of the logits kept for backward).
@@ -19,6 +21,8 @@ from collections.abc import Callable
 import torch
 
 from slime.algorithm.log_probs import log_probs_and_entropy
+from slime.backends.megatron_utils.cp_layout import (cp_group_size_rank, gather_cp, pad_row, padded_boundaries,
+                                                     zigzag_layout)
 from slime.backends.training.batching import MicroBatch
 from slime.observability.context_parallel import tensor_parallel_group
 
@@ -30,6 +34,8 @@ def response_log_probs(
     response log-probs (0 past each response), and entropies, of softmax(logits / temperature)."""
     if temperature <= 0:
         raise ValueError(f"--rollout-temperature {temperature}: must be > 0")
+    if mb.cu_seqlens is not None and cp_group_size_rank()[0] > 1:
+        return _response_log_probs_cp(logits, mb, temperature, vocab_size, with_entropy)
     device = logits.device
     t = torch.arange(mb.max_response_len, device=device).unsqueeze(0)
     starts = torch.as_tensor(mb.response_starts, device=device).unsqueeze(1)
@@ -51,6 +57,34 @@ def response_log_probs(
     return log_probs, entropy
 
 
+def _response_log_probs_cp(logits: torch.Tensor, mb: MicroBatch, temperature: float, vocab_size: int,
+                           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`response_log_probs` of a packed micro-batch under context parallelism: `logits` are this CP rank's
+    `[1, T_pad / cp, V/tp]` (cp_layout.py); the log-prob (and entropy) of every position's next token is computed
+    for the rank's tokens, gathered over the CP group and read at the response positions of the whole row."""
+    cp_size, cp_rank, group = cp_group_size_rank()
+    device = logits.device
+    layout = zigzag_layout(tuple(padded_boundaries(mb.cu_seqlens, cp_size)), cp_size, cp_rank, str(device))
+    ids, original = pad_row(mb.input_ids[0].to(device), mb.cu_seqlens, layout.padded_cu)
+    # the token after each of this rank's positions (the last position of the row predicts nothing real)
+    targets = ids[(layout.local_index + 1).clamp(max=ids.shape[0] - 1)]
+    lp, ent = log_probs_and_entropy(logits.reshape(-1, logits.shape[-1]), targets, temperature=temperature,
+                                    with_entropy=with_entropy, vocab_size=vocab_size, group=tensor_parallel_group())
+    local = torch.stack([lp, ent], dim=1) if with_entropy else lp.unsqueeze(1)
+    # every rank computes the same loss from these, so each keeps its own rows of the gradient (no sum)
+    row = gather_cp(local, group, sum_grad=False)[layout.gather_order][original]  # [T, 1 or 2]
+    t = torch.arange(mb.max_response_len, device=device).unsqueeze(0)
+    starts = torch.as_tensor(mb.response_starts, device=device).unsqueeze(1)
+    valid = mb.response_mask.to(device).bool()
+    predicting = (starts - 1 + t)[valid]
+    log_probs = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_scatter(valid, row[predicting, 0])
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_scatter(valid,
+                                                                                              row[predicting, 1])
+    return log_probs, entropy
+
+
 def _pad_to_multiple(mb: MicroBatch, multiple: int) -> torch.Tensor:
     """input_ids right-padded so that L divides by `multiple` (sequence parallelism splits L over TP)."""
     ids = mb.input_ids
@@ -64,6 +98,16 @@ def packed_positions(cu_seqlens: list[int], device) -> torch.Tensor:
     """[1, T] position ids restarting at 0 for each packed sequence."""
     return torch.cat([torch.arange(end - start, device=device)
                       for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]).unsqueeze(0)
+
+
+def cp_local_inputs(cu_seqlens: list[int], input_ids: torch.Tensor, cp_size: int, cp_rank: int):
+    """This CP rank's `[1, T_pad / cp]` tokens of a packed row, their positions within their sequences, and the
+    `PackedSeqParams` of the padded row (cp_layout.py), as the model's forward takes them."""
+    padded_cu = padded_boundaries(cu_seqlens, cp_size)
+    layout = zigzag_layout(tuple(padded_cu), cp_size, cp_rank, str(input_ids.device))
+    ids, _ = pad_row(input_ids[0], cu_seqlens, padded_cu)
+    return (ids[layout.local_index].unsqueeze(0), layout.local_positions.unsqueeze(0),
+            packed_seq_params(padded_cu, input_ids.device))
 
 
 def packed_seq_params(cu_seqlens: list[int], device):
@@ -92,10 +136,14 @@ def run_pipeline(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     multiple = ps.get_tensor_model_parallel_world_size() if model[0].config.sequence_parallel else 1
+    cp_size, cp_rank, _ = cp_group_size_rank()
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
-        if mb.cu_seqlens is not None:
+        if mb.cu_seqlens is not None and cp_size > 1:
+            ids, positions, params = cp_local_inputs(mb.cu_seqlens, mb.input_ids, cp_size, cp_rank)
+            output = chunk(ids, positions, None, packed_seq_params=params)
+        elif mb.cu_seqlens is not None:
             ids = mb.input_ids
             output = chunk(ids, packed_positions(mb.cu_seqlens, ids.device), None,
                            packed_seq_params=packed_seq_params(mb.cu_seqlens, ids.device))
@@ -107,6 +155,8 @@ def run_pipeline(
 
     iterators = [iter(micro_batches) for _ in model]
     max_len = max(_pad_to_multiple(mb, multiple).shape[1] for mb in micro_batches)
+    if cp_size > 1 and micro_batches[0].cu_seqlens is not None:  # the tokens a CP rank holds
+        max_len = max(padded_boundaries(mb.cu_seqlens, cp_size)[-1] // cp_size for mb in micro_batches)
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iterators if len(model) > 1 else iterators[0],

@@ -15,7 +15,8 @@ implementation or a thin adapter onto it with slime's signature.
 - `policy_loss_function(args, batch, logits, sum_of_sample_mean)`: slime's policy loss of a micro-batch dict,
   onto slime/algorithm/loss.py `policy_loss` (for custom losses that add a term to it).
 
-Not here: context parallelism (refused: the logits would be zigzag chunks) and slime's top-p replay arguments of
+Not here: these functions under context parallelism (refused: the logits hold each CP rank's zigzag chunks; the
+trainer's own loss gathers per-token log-probs instead, forward.py) and slime's top-p replay arguments of
 `get_log_probs_and_entropy` (refused); slime's other internals (CP helpers, value / SFT loss functions).
 """
 

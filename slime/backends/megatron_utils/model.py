@@ -10,7 +10,8 @@ in megatron-core's `DistributedDataParallel` for training (`wrap=False` for the 
 
 Without TE, MoE experts run as `SequentialMLP` (no grouped GEMM) and attention is torch's SDPA / varlen
 flash attention (`sdpa_attention.SDPAttention`, in place of megatron-core's unfused local attention);
-context parallelism needs TE's attention, so `--context-parallel-size > 1` is refused there. Parameters live in
+`--context-parallel-size > 1` splits packed micro-batches in slime's zigzag layout across the CP ranks with that
+attention gathering keys and values over the CP group (`cp_layout.py`; not with TE's layers). Parameters live in
 `--bf16` / `--fp16` precision with fp32 master weights in the optimizer (on the host with --optimizer-cpu-offload).
 """
 
@@ -68,9 +69,11 @@ def initialize_parallel(args: argparse.Namespace) -> None:
                     "nor sequence-parallel norms), which is not installed here; install transformer-engine"
                     + ("" if flag == "--multi-latent-attention" else " or drop --sequence-parallel")
                 )
-    if cp > 1:  # validation refuses it too; this guards callers that skip validation
+    if cp > 1 and (uses_te(args) or args.qkv_format != "thd"):  # validation refuses these too
         raise SlimeArgumentError(
-            f"--context-parallel-size {cp}: sequences are not split across context-parallel ranks here; use "
+            f"--context-parallel-size {cp}: context parallelism here runs packed micro-batches through slime's own "
+            f"attention (cp_layout.py), not with --qkv-format {args.qkv_format} or TransformerEngine's layers "
+            f"(TE installed: {te_available()}); pass --qkv-format thd --transformer-impl local, or "
             "--context-parallel-size 1"
         )
     vpp = None

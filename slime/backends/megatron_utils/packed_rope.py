@@ -10,8 +10,10 @@ CPU launch time.
 `install()` replaces that function (once per process) with one that gathers each token's frequencies by its
 position in its own sequence and rotates all tokens in one `_apply_rotary_pos_emb_bshd` call: the same
 rotation as megatron-core's, tokens of sequence i at positions 0..len_i - 1 (or, when `freqs` covers the
-whole pack, at their offset in it, as megatron-core does then). Context parallelism (cp > 1) and call
-signatures other than the one it was written against keep megatron-core's own function.
+whole pack, at their offset in it, as megatron-core does then). Under context parallelism (cp > 1) `t` holds
+this rank's zigzag chunks of the padded row `cu_seqlens` describes (cp_layout.py), each token rotated by its
+position in its sequence, as megatron-core's per-sequence CP path does. Call signatures other than the one it
+was written against keep megatron-core's own function.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import inspect
 import logging
 
 import torch
+
+from slime.backends.megatron_utils.cp_layout import zigzag_layout
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +59,17 @@ def install() -> bool:
         bound.apply_defaults()
         a = bound.arguments
         cp_group = a["cp_group"]
-        if cp_group is not None and cp_group.size() > 1:
-            return original(*args, **kwargs)
         mla = a.get("mla_rotary_interleaved", False)
         if a.get("multi_latent_attention") is not None:
             mla = a["multi_latent_attention"]
         t, freqs = a["t"], a["freqs"]
         total = t.shape[0]
-        if freqs.size(0) == total:  # frequencies of the whole pack: each token at its offset in the pack
+        if cp_group is not None and cp_group.size() > 1:
+            # this CP rank's zigzag chunks of the padded row `cu_seqlens` describes (cp_layout.py)
+            layout = zigzag_layout(tuple(a["cu_seqlens"].tolist()), cp_group.size(), cp_group.rank(), str(t.device))
+            whole_pack = freqs.size(0) == layout.padded_cu[-1]
+            token_freqs = freqs[layout.local_index if whole_pack else layout.local_positions]
+        elif freqs.size(0) == total:  # frequencies of the whole pack: each token at its offset in the pack
             token_freqs = freqs
         else:
             token_freqs = freqs[token_positions(a["cu_seqlens"], total)]

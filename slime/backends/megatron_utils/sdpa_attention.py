@@ -10,6 +10,10 @@ in the local layer spec (`megatron_utils.model`) with the same constructor and f
   causally within itself only, through torch's variable-length flash attention
   (`torch.nn.attention.varlen.varlen_attn`) on CUDA in bf16/fp16, else one SDPA call per sequence.
 
+Under context parallelism (cp > 1, packed only) each rank holds zigzag chunks of every sequence
+(`cp_layout.py`): the keys and values of the whole CP group are gathered and each local query attends to the
+keys of its sequence at positions up to its own, one SDPA call per sequence with an explicit mask.
+
 Grouped-query attention runs without copying key/value heads where the kernel supports it. Attention
 dropout applies in training mode only (slime keeps the model in eval mode: recomputed and trained
 log-probs must agree).
@@ -23,6 +27,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from slime.backends.megatron_utils.cp_layout import cp_group_size_rank, gather_cp, zigzag_layout
 
 
 @functools.cache
@@ -87,6 +93,9 @@ class SDPAttention(torch.nn.Module):
         kv = params.cu_seqlens_kv
         if kv is not None and kv is not cu and not torch.equal(kv, cu):
             raise ValueError("SDPAttention: packed self-attention needs equal query and key/value boundaries")
+        cp_size, cp_rank, cp_group = cp_group_size_rank()
+        if cp_size > 1:
+            return self._packed_cp(query, key, value, cu.tolist(), dropout, cp_size, cp_rank, cp_group)
         varlen = _varlen_attn()
         if varlen is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and dropout == 0:
             fn, keywords = varlen
@@ -97,6 +106,25 @@ class SDPAttention(torch.nn.Module):
         for start, end in zip(bounds[:-1], bounds[1:]):
             q, k, v = (x[start:end].permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
             outs.append(self._sdpa(q, k, v, None, dropout).squeeze(0).permute(1, 0, 2))
+        return torch.cat(outs, dim=0)
+
+    def _packed_cp(self, query, key, value, padded_cu, dropout, cp_size, cp_rank, cp_group):
+        """This rank's queries `[t, np, hn]` (zigzag chunks of sequences with boundaries `padded_cu` in the
+        padded row) against the keys / values of the whole CP group."""
+        layout = zigzag_layout(tuple(padded_cu), cp_size, cp_rank, str(query.device))
+        # keys and values of every rank, in one gather, back in padded-row order; their gradients are summed
+        # back to the rank that owns them
+        kv = gather_cp(torch.stack([key, value], dim=1), cp_group, sum_grad=True)[layout.gather_order]
+        positions = layout.local_positions
+        outs = []
+        for i in range(len(padded_cu) - 1):
+            lo, hi = layout.local_cu[i], layout.local_cu[i + 1]
+            start, end = padded_cu[i], padded_cu[i + 1]
+            q = query[lo:hi].permute(1, 0, 2).unsqueeze(0)
+            k, v = (kv[start:end, j].permute(1, 0, 2).unsqueeze(0) for j in (0, 1))
+            # megatron's convention: True = masked; a key later in the sequence than the query is masked
+            masked = torch.arange(end - start, device=query.device).unsqueeze(0) > positions[lo:hi].unsqueeze(1)
+            outs.append(self._sdpa(q, k, v, masked.unsqueeze(0).unsqueeze(0), dropout).squeeze(0).permute(1, 0, 2))
         return torch.cat(outs, dim=0)
 
     def _varlen(self, fn, keywords, query, key, value, cu, max_len):

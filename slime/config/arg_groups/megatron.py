@@ -190,7 +190,9 @@ def _add_parallel(parser) -> None:
     g = _Group(parser.add_argument_group("megatron parallelism"))
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="Split each packed micro-batch over this many ranks in slime's zigzag layout (megatron backend, "
+                   "--qkv-format thd, slime's attention: --transformer-impl local where TransformerEngine is installed).")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="Default: the TP size.")
     g.add_argument("--sequence-parallel", action="store_true", help="Shard norms/dropout along the sequence (TP > 1).")
@@ -398,6 +400,12 @@ def validate_megatron(args: argparse.Namespace) -> None:
     if args.recompute_granularity == "full" and args.recompute_method and args.recompute_num_layers is None:
         fail("--recompute-granularity full with --recompute-method needs --recompute-num-layers N.")
     check_slime_megatron_flags(args)
+    if args.context_parallel_size > 1 and not train_spec(args).megatron_parallelism:
+        fail(
+            f"--context-parallel-size {args.context_parallel_size} with --train-backend {args.train_backend}: "
+            "context parallelism is built for the megatron backend only; use --train-backend megatron or "
+            "--context-parallel-size 1."
+        )
     if not train_spec(args).model_from_megatron_flags:
         return
     resolve_training_options(args)
@@ -434,11 +442,22 @@ def validate_megatron(args: argparse.Namespace) -> None:
         )
     if args.num_layers:
         pipeline_layer_split(args)
-    if args.context_parallel_size > 1:  # only the backends that read the Megatron flags get here
-        fail(
-            f"--context-parallel-size {args.context_parallel_size}: the trainer here does not split sequences across "
-            "context-parallel ranks (slime's zigzag layout), so every rank would attend over whole sequences; use "
-            "--context-parallel-size 1 (the GPUs then serve data or tensor parallelism)."
-        )
+    if args.context_parallel_size > 1:
+        check_context_parallel(args)
     if args.vocab_size is not None and args.vocab_size <= 0:
         fail(f"--vocab-size {args.vocab_size}: must be positive.")
+
+
+def check_context_parallel(args: argparse.Namespace) -> None:
+    """--context-parallel-size > 1 runs packed micro-batches through slime's own attention (the zigzag split of
+    slime/backends/megatron_utils/cp_layout.py): refuse what it does not cover."""
+    cp = args.context_parallel_size
+    if args.qkv_format != "thd":
+        fail(f"--context-parallel-size {cp} with --qkv-format {args.qkv_format}: context parallelism splits packed "
+             "micro-batches only; use --qkv-format thd (the default).")
+    if args.transformer_impl == "transformer_engine" and te_available():
+        fail(f"--context-parallel-size {cp}: TransformerEngine's attention is not wired for context parallelism "
+             "here (slime's own attention gathers keys and values over the CP group); pass --transformer-impl local.")
+    if args.loss_type == "custom_loss":
+        fail(f"--context-parallel-size {cp} with --loss-type custom_loss: a custom loss receives the logits, which "
+             "hold only each CP rank's zigzag chunks here; use --context-parallel-size 1.")
