@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from slime.backends.training.batching import split_by_tokens
+from slime.backends.training.batching import plan_micro_batches, split_by_tokens
+from tests.args import make_args
 
 
 def test_rows_grouped_under_the_padded_token_budget():
@@ -15,6 +16,19 @@ def test_rows_grouped_under_the_padded_token_budget():
 
 def test_a_row_longer_than_the_budget_goes_alone_and_order_is_kept():
     assert split_by_tokens([4, 9, 2], [3, 50, 3], 10) == [[4], [9], [2]]
+
+
+@pytest.mark.parametrize("cp, packed, expected", [
+    (1, True, [[0], [1], [2], [3]]),
+    (2, True, [[0, 1, 2], [3]]),  # each CP rank runs half of a packed micro-batch's tokens
+    (2, False, [[0], [1], [2], [3]]),  # padded rows are not split over CP ranks
+])
+def test_packed_budget_scales_with_context_parallelism(cp, packed, expected):
+    args = make_args(validate=False, use_dynamic_batch_size=True, max_tokens_per_gpu=10,
+                     log_probs_max_tokens_per_gpu=10, context_parallel_size=cp)
+    tokens = [[1] * 6 for _ in range(4)]
+    assert plan_micro_batches(args, tokens, range(4), packed=packed) == expected
+    assert plan_micro_batches(args, tokens, range(4), packed=packed, log_probs=True) == expected
 
 
 def test_every_row_is_used_once():

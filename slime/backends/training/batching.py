@@ -152,7 +152,8 @@ def plan_micro_batches(args, tokens: Sequence[Sequence[int]], rows: Sequence[int
                        log_probs: bool = False, packed: bool = False) -> list[list[int]]:
     """Micro-batches of `rows`: `--micro-batch-size` rows each, or with `--use-dynamic-batch-size` at most
     `--max-tokens-per-gpu` tokens (`--log-probs-max-tokens-per-gpu` for forward-only passes), counted padded
-    or, for `packed` micro-batches, as the rows' own tokens.
+    or, for `packed` micro-batches, as the rows' own tokens. Packed under context parallelism a micro-batch
+    holds `--context-parallel-size` times the budget: each CP rank runs 1/cp of its tokens (slime's budget too).
 
     Collective (under torch.distributed): the ranks of `group` (None: all) run their forwards in lockstep (FSDP
     gathers parameters in every forward, expert parallelism exchanges tokens), so every rank takes as many
@@ -162,6 +163,8 @@ def plan_micro_batches(args, tokens: Sequence[Sequence[int]], rows: Sequence[int
         groups = split_micro_batches(rows, args.micro_batch_size)
     else:
         budget = args.log_probs_max_tokens_per_gpu if log_probs else args.max_tokens_per_gpu
+        if packed and budget is not None:
+            budget *= args.context_parallel_size
         groups = split_by_tokens(rows, lengths, budget, packed)
     return same_count(rows, lengths, groups, device, group)
 
