@@ -171,8 +171,9 @@ def _is_moe(cfg: dict) -> bool:
 
 
 def find_mismatches(args: argparse.Namespace, cfg: dict) -> list[str]:
-    """Every config.json field the args disagree with. As slime: a dest the args lack is not compared, and an MoE
-    model whose layers are all MoE layers has no dense FFN, so its `intermediate_size` is not compared."""
+    """Every config.json field the args disagree with. A dest the args lack is not compared (a partial namespace,
+    e.g. a role's), and an MoE model whose layers are all MoE layers has no dense FFN, so its `intermediate_size`
+    is not compared."""
     problems = []
     freq = getattr(args, "moe_layer_freq", None)  # read directly: a partial namespace may lack --num-experts
     all_moe = _is_moe(cfg) and (all(freq) if isinstance(freq, (list, tuple)) else freq == 1)
