@@ -13,7 +13,6 @@ gloo process group, and rank 0 writes what it saw to <out>/result.json:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -25,7 +24,7 @@ import torch
 
 from slime.utils.ppo_utils import group_normalize_rewards
 from tests.args import make_args as validated_args
-from tests.e2e_cpu.ranks import worker_parser
+from tests.e2e_cpu.ranks import worker_parser, write_result
 from slime.utils.types import TrainBatch
 
 TEMPERATURE = 1.0
@@ -167,9 +166,7 @@ def main() -> None:
     finally:
         if engine is not None:
             engine.shutdown()
-    if cli.rank == 0:
-        with open(os.path.join(cli.out, "result.json"), "w") as f:
-            json.dump(result, f)
+    write_result(cli, result)
     actor.shutdown()
 
 

@@ -8,7 +8,6 @@ gradient as the optimizer used it (the DDP buffers, after the reduction over the
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -24,7 +23,7 @@ if not torch.cuda.is_available():
 
 from tests.e2e_cpu.fsdp_worker import make_batch  # noqa: E402
 from tests.e2e_cpu.megatron_worker import make_args  # noqa: E402
-from tests.e2e_cpu.ranks import worker_parser  # noqa: E402
+from tests.e2e_cpu.ranks import worker_parser, write_result  # noqa: E402
 
 
 def long_batch():
@@ -86,9 +85,7 @@ def main() -> None:
         if cli.rank == 0:
             torch.save(grads, os.path.join(cli.out, "grads.pt"))
     finally:
-        if cli.rank == 0:
-            with open(os.path.join(cli.out, "result.json"), "w") as f:
-                json.dump(result, f)
+        write_result(cli, result)
         actor.shutdown()
 
 

@@ -30,6 +30,13 @@ def worker_parser() -> argparse.ArgumentParser:
     return p
 
 
+def write_result(cli: argparse.Namespace, result: dict) -> None:
+    """Rank 0 writes the worker's `result` where `run_ranks` reads it; other ranks write nothing."""
+    if cli.rank == 0:
+        with open(os.path.join(cli.out, "result.json"), "w") as f:
+            json.dump(result, f)
+
+
 def run_ranks(worker: str, world_size: int, out_dir: str, extra: list[str], timeout_s: float = 240) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     port = free_port()

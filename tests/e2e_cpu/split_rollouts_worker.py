@@ -7,14 +7,13 @@ before the ranks agree on 3. Rank 0 writes <out>/result.json: the train metrics 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO_ROOT)
 
-from tests.e2e_cpu.ranks import worker_parser  # noqa: E402
+from tests.e2e_cpu.ranks import worker_parser, write_result  # noqa: E402
 
 ROLLOUT_IDS = [0, 0, 1, 2, 3, 4, 5, 6, 7]
 
@@ -45,9 +44,7 @@ def main() -> None:
         result["metrics"] = actor.train(0, batch)
         result["lp_after"] = actor.compute_log_probs(batch.tokens, batch.response_lengths)
     finally:
-        if cli.rank == 0:
-            with open(os.path.join(cli.out, "result.json"), "w") as f:
-                json.dump(result, f)
+        write_result(cli, result)
         actor.shutdown()
 
 

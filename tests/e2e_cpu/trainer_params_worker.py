@@ -13,7 +13,6 @@ When init refuses the flags (ValueError, FileNotFoundError) the result holds the
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import types
@@ -23,7 +22,7 @@ sys.path.insert(0, REPO_ROOT)
 
 import torch  # noqa: E402
 
-from tests.e2e_cpu.ranks import worker_parser  # noqa: E402
+from tests.e2e_cpu.ranks import worker_parser, write_result  # noqa: E402
 
 
 def _megatron_actor(cli, flags: list[str]):
@@ -114,9 +113,7 @@ def main() -> None:
             else:
                 result["pushed"] = sorted(actor.weight_tensors())
     finally:
-        if cli.rank == 0:
-            with open(os.path.join(cli.out, "result.json"), "w") as f:
-                json.dump(result, f)
+        write_result(cli, result)
         actor.shutdown()
 
 

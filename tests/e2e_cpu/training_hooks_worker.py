@@ -9,7 +9,6 @@ per rollout the train metrics and the log-probs after it. --skewed lengthens two
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -18,7 +17,7 @@ sys.path.insert(0, REPO_ROOT)
 
 import torch  # noqa: E402
 
-from tests.e2e_cpu.ranks import worker_parser  # noqa: E402
+from tests.e2e_cpu.ranks import worker_parser, write_result  # noqa: E402
 
 
 def make_args(cli) -> argparse.Namespace:
@@ -81,9 +80,7 @@ def main() -> None:
             version += 1
             actor.update_weights([], version)
     finally:
-        if cli.rank == 0:
-            with open(os.path.join(cli.out, "result.json"), "w") as f:
-                json.dump(result, f)
+        write_result(cli, result)
         actor.shutdown()
 
 

@@ -16,7 +16,6 @@ The slime flags come from --flags (space-separated), after the backend's own (MO
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -25,7 +24,7 @@ sys.path.insert(0, REPO_ROOT)
 
 import torch  # noqa: E402
 
-from tests.e2e_cpu.ranks import worker_parser  # noqa: E402
+from tests.e2e_cpu.ranks import worker_parser, write_result  # noqa: E402
 
 
 def main() -> None:
@@ -79,9 +78,7 @@ def main() -> None:
                 batch = samples_to_train_batch(args, flatten_groups(groups, args.rollout_function_path))
             result["metrics"].append(actor.train(rollout_id, batch))
     finally:
-        if cli.rank == 0:
-            with open(os.path.join(cli.out, "result.json"), "w") as f:
-                json.dump(result, f)
+        write_result(cli, result)
         actor.shutdown()
 
 
