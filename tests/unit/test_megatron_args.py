@@ -9,7 +9,6 @@ import importlib.util
 import pytest
 
 from slime.backends.megatron_utils import args as margs
-from slime.config.arg_groups import megatron as megatron_group
 from slime.config.arguments import SlimeArgumentError, parse_args
 
 HAS_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
@@ -130,7 +129,9 @@ def test_context_parallelism_is_accepted_for_packed_micro_batches_and_refused_el
                             "--custom-loss-function-path", "slime.backends.megatron_utils.loss.policy_loss_function"))
     assert "--context-parallel-size 2 with --loss-type custom_loss" in message
     # where TransformerEngine is installed, its layers would take the attention over: asked to build ours instead
-    monkeypatch.setattr(megatron_group, "te_available", lambda: True)
+    from slime.backends.megatron_utils import model
+
+    monkeypatch.setattr(model, "te_available", lambda: True)
     message = error_of(base(*QWEN3_4B, "--context-parallel-size", "2"))
     assert "--context-parallel-size 2: TransformerEngine's attention" in message and "--transformer-impl local" in message
     assert parse_args(base(*QWEN3_4B, "--context-parallel-size", "2", "--transformer-impl", "local"))

@@ -25,6 +25,7 @@ import ast
 import logging
 from collections.abc import Callable
 
+from slime.backends.megatron_utils import model as megatron_model
 from slime.backends.megatron_utils.args import (
     divisors,
     moe_layer_pattern,
@@ -36,7 +37,6 @@ from slime.backends.megatron_utils.args import (
 from slime.backends.megatron_utils.arguments import validate_allgather_cp
 from slime.backends.megatron_utils.config_check import is_hf_folder, load_hf_config
 from slime.backends.megatron_utils.plugins import check_spec
-from slime.backends.megatron_utils.model import te_available
 from slime.config.arg_groups._common import fail
 from slime.utils.backend_specs import train_spec
 from slime.utils.errors import SlimeArgumentError
@@ -413,7 +413,7 @@ def validate_megatron(args: argparse.Namespace) -> None:
     if args.ckpt_format != "torch_dist":
         fail(f"--ckpt-format {args.ckpt_format}: the megatron backend here reads and writes torch_dist checkpoints "
              "only; drop the flag (tools/convert_hf_to_torch_dist.py makes one from an HF checkpoint).")
-    if args.transformer_impl == "transformer_engine" and not te_available() and not args.dry_run:
+    if args.transformer_impl == "transformer_engine" and not megatron_model.te_available() and not args.dry_run:
         logger.warning("--transformer-impl transformer_engine: TransformerEngine is not installed here, so the "
                        "training ranks build megatron-core's local layer spec (torch SDPA attention); pass "
                        "--transformer-impl local to say so, or install transformer-engine.")
@@ -455,7 +455,7 @@ def check_context_parallel(args: argparse.Namespace) -> None:
     if args.qkv_format != "thd":
         fail(f"--context-parallel-size {cp} with --qkv-format {args.qkv_format}: context parallelism splits packed "
              "micro-batches only; use --qkv-format thd (the default).")
-    if args.transformer_impl == "transformer_engine" and te_available():
+    if megatron_model.uses_te(args):
         fail(f"--context-parallel-size {cp}: TransformerEngine's attention is not wired for context parallelism "
              "here (slime's own attention gathers keys and values over the CP group); pass --transformer-impl local.")
     if args.loss_type == "custom_loss":
