@@ -325,7 +325,7 @@ def build_app(state: EngineState, api_key: str | None = None) -> FastAPI:
                 "weight_version": state.weight_version, "num_running_reqs": running, "num_waiting_reqs": waiting,
                 "paused": sched.paused, "released_tags": sorted(state.released), "weights_release": state.weights.mode,
                 "uninitialised_weights": len(state.weights.unloaded), "tp_size": 1, "dp_size": 1,
-                "context_length": sched.max_context_len, **sched.stats}
+                "context_length": sched.max_context_len, **sched.stats, **_cuda_memory(state)}
 
     app.add_api_route("/model_info", model_info, methods=["GET"])
     app.add_api_route("/server_info", server_info, methods=["GET"])
@@ -669,9 +669,30 @@ def _release(state: EngineState, tags: set[str]) -> None:
                 state.scheduler.free_idle_kv_cache()
         state.released |= tags
         if state.device != "cpu" and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            _free_cuda_scratch(state)
     logger.info("memory: released %s in %.3f s (weights %s: %.3f GB freed)", sorted(tags),
                 time.perf_counter() - start, state.weights.mode, freed / 1e9)
+
+
+def _cuda_memory(state: EngineState) -> dict[str, int]:
+    """torch's own counts of this process's device memory (CUDA only): what a release leaves behind shows here."""
+    if state.device == "cpu" or not torch.cuda.is_available():
+        return {}
+    return {"cuda_allocated_bytes": torch.cuda.memory_allocated(), "cuda_reserved_bytes": torch.cuda.memory_reserved()}
+
+
+def _free_cuda_scratch(state: EngineState) -> None:
+    """Give back what the released engine still holds besides its CUDA context: cuBLAS's per-stream workspaces
+    (torch keeps them allocated for the process's life; they are taken again at the next matmul) and the caching
+    allocator's free blocks. No graph may point into a workspace, so the graphs go first (every release tag
+    drops them already)."""
+    with state.scheduler.exclusive():
+        state.scheduler.drop_graphs()
+        torch.cuda.synchronize()
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
+    torch.cuda.empty_cache()
 
 
 def _resume(state: EngineState, tags: set[str]) -> None:
