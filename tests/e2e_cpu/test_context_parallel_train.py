@@ -30,11 +30,11 @@ COMPARED = ("train/loss", "train/kl_loss", "train/grad_norm", "train/train_rollo
 
 def train(model_dir: str, data: str, out, cp: int) -> tuple[str, list[dict]]:
     tb, hook_log = str(out / "tb"), str(out / "hooks.jsonl")
-    cmd = [sys.executable, os.path.join(REPO_ROOT, "train.py"), "--train-backend", "megatron", *model_args("tiny-qwen3"),
-           "--transformer-impl", "local", "--hf-checkpoint", model_dir, "--actor-num-nodes", "1",
-           "--actor-num-gpus-per-node", str(cp), "--context-parallel-size", str(cp), "--rollout-num-gpus", "1",
-           "--prompt-data", data, "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
-           "--rm-type", "toy", "--num-rollout", str(ROLLOUTS), "--rollout-batch-size", "2",
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "train.py"), "--train-backend", "megatron",
+           *model_args("tiny-qwen3"), "--transformer-impl", "local", "--hf-checkpoint", model_dir,
+           "--actor-num-nodes", "1", "--actor-num-gpus-per-node", str(cp), "--context-parallel-size", str(cp),
+           "--rollout-num-gpus", "1", "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
+           "--apply-chat-template", "--rm-type", "toy", "--num-rollout", str(ROLLOUTS), "--rollout-batch-size", "2",
            "--n-samples-per-prompt", "4", "--global-batch-size", "8", "--rollout-max-response-len", "4",
            "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl",
            "--entropy-coef", "0.01", "--lr", "1e-3", "--seed", "7", "--use-tensorboard", "--tensorboard-dir", tb,

@@ -8,8 +8,8 @@ metadata or no instruction ids score 0.0.
 
 The checkers themselves are IFBench's (`ifbench.instructions_registry`; not on PyPI: `pip install
 git+https://github.com/allenai/IFBench`, or a clone of it on PYTHONPATH). It is imported on first use, not with
-this module, since it pulls in nltk and friends; without it `--rm-type ifbench` fails when the flags are validated, naming what to
-install. slime instead clones IFBench and pip-installs its requirements at import time; nothing here
+this module, since it pulls in nltk and friends; without it `--rm-type ifbench` fails when the flags are validated,
+naming what to install. slime instead clones IFBench and pip-installs its requirements at import time; nothing here
 downloads anything.
 """
 

@@ -6,8 +6,9 @@ Python imports `sitecustomize` at start-up from the first folder of PYTHONPATH t
 folder first for train.py, and Ray's workers inherit the driver's PYTHONPATH. The shim must be in place before any
 megatron module is imported (it turns TorchDynamo off before megatron-core's fused functions are decorated), so an
 import hook installs it when `megatron` or slime's Megatron backend is first imported (whichever comes first:
-the backend checks for CUDA before it imports megatron, and the shim replaces that check). An hf engine server (`python -m
-slime.backends.hf_engine`) never gets it: the shim's device redirections are for megatron-core's code only.
+the backend checks for CUDA before it imports megatron, and the shim replaces that check). An hf engine server
+(`python -m slime.backends.hf_engine`) never gets it: the shim's device redirections are for megatron-core's code
+only.
 """
 
 import importlib.abc
