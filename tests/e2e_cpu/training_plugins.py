@@ -46,6 +46,14 @@ def on_init(args):
     record("init", args=type(args).__name__, parallel_ready=parallel_state.model_parallel_is_initialized())
 
 
+# --custom-megatron-init-path: the parallel layout the rank was given (tests/e2e_cpu/test_context_parallel_train.py)
+def record_layout(args):
+    from megatron.core import parallel_state as ps
+
+    record("layout", cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+           dp=ps.get_data_parallel_world_size(), tp=ps.get_tensor_model_parallel_world_size())
+
+
 # --custom-megatron-before-log-prob-hook-path: the reference model predicts uniformly (its final norm zeroed)
 def before_log_prob(args, model, store_prefix):
     record("before_log_prob", store_prefix=store_prefix, chunks=len(model), training=model[0].training)

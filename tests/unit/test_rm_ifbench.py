@@ -1,8 +1,9 @@
 """`ifbench`: the metadata -> checker wiring, IFBench's strict rule, and the errors without the IFBench package.
 
-IFBench (`pip install ifbench`) is not installable on the CPU test machines, so the end-to-end test puts a
-two-checker `ifbench` package of its own on sys.path: it has IFBench's interface (`INSTRUCTION_DICT`, checkers
-with `build_description` / `get_instruction_args` / `check_following`) and tests our side of it only.
+IFBench (`pip install git+https://github.com/allenai/IFBench`) is not installable on the CPU test machines, so the
+end-to-end test puts a two-checker `ifbench` package of its own on sys.path: it has IFBench's interface
+(`INSTRUCTION_DICT`, checkers with `build_description` / `get_instruction_args` / `check_following`) and tests our
+side of it only.
 """
 
 from __future__ import annotations
@@ -91,7 +92,9 @@ def test_missing_package_is_named_with_the_fix():
         ImportError, match="rm_type ifbench: the IFBench package `ifbench` is not installed: pip install"
     ):
         compute_ifbench_reward("text", None, {"instruction_id_list": ["keywords:contains"]})
-    with pytest.raises(ValueError, match="--eval-config rm_type 'ifbench': .*pip install ifbench"):
+    # IFBench is not on PyPI: the fix installs it from its repository
+    fix = r"pip install git\+https://github\.com/allenai/IFBench "
+    with pytest.raises(ValueError, match=r"--eval-config rm_type 'ifbench': .*" + fix):
         validate_rm_type("ifbench", flag="--eval-config rm_type")
     with pytest.raises(SlimeArgumentError, match="--rm-type ifbench: .*github.com/allenai/IFBench"):
         make_args("--rm-type", "ifbench")

@@ -6,10 +6,10 @@ last one, None values are dropped) and `prompt_text` (for the checkers that read
 1.0 when the response follows every instruction under IFBench's strict test, else 0.0; a None response, no
 metadata or no instruction ids score 0.0.
 
-The checkers themselves are IFBench's (`ifbench.instructions_registry`; `pip install ifbench`, or a clone of
-github.com/allenai/IFBench on PYTHONPATH). It is imported on first use, not with this module, since it pulls
-in nltk and friends; without it `--rm-type ifbench` fails when the flags are validated, naming what to
-install. slime instead clones IFBench and pip-installs its requirements at import time; nothing here
+The checkers themselves are IFBench's (`ifbench.instructions_registry`; not on PyPI: `pip install
+git+https://github.com/allenai/IFBench`, or a clone of it on PYTHONPATH). It is imported on first use, not with
+this module, since it pulls in nltk and friends; without it `--rm-type ifbench` fails when the flags are validated,
+naming what to install. slime instead clones IFBench and pip-installs its requirements at import time; nothing here
 downloads anything.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 
 IFBENCH_PACKAGE = "ifbench"
 INSTALL_HINT = (
-    "pip install ifbench (IFBench's instruction checkers), or put a clone of https://github.com/allenai/IFBench "
-    "on PYTHONPATH"
+    "pip install git+https://github.com/allenai/IFBench (IFBench's instruction checkers; it is not on PyPI), or "
+    "put a clone of https://github.com/allenai/IFBench on PYTHONPATH"
 )
 
 KwargsDict = dict[str, Any]
