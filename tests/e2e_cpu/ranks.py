@@ -1,16 +1,27 @@
 """Start N rank processes of a worker script over a real gloo process group and read rank 0's result.
 
 A failed rank (the others would wait on a collective) or a hang past the timeout kills them all; the
-test fails with the tail of every rank's log."""
+test fails with the tail of every rank's log.
+
+Without CUDA the ranks are forked from a zygote: one process per worker script (and environment) that has run the
+script's top level once (torch, megatron-core and the CPU shim: ~6 s of imports a process on a CI core) and then
+forks a fresh rank per request. Each rank then runs the script as `python worker.py ...` would (`__main__`, its
+argv, its log as stdout and stderr, the exit handlers run at the end); only the imports are not done again. With
+CUDA (tests/gpu) the ranks are plain processes: a forked process must not inherit a CUDA runtime."""
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import runpy
+import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 
 import pytest
 import torch
@@ -47,12 +58,16 @@ def run_ranks(worker: str, world_size: int, out_dir: str, extra: list[str], time
     gpus = torch.cuda.device_count()
     try:
         for rank in range(world_size):
+            argv = ["--world-size", str(world_size), "--rank", str(rank), "--port", str(port), "--out", out_dir, *extra]
+            log_path = os.path.join(out_dir, f"rank{rank}.log")
+            if gpus == 0:
+                procs.append(_zygote(worker, env).fork(argv, log_path))
+                continue
             if gpus >= world_size:  # one GPU per rank, as Ray gives each training actor
                 env["CUDA_VISIBLE_DEVICES"] = str(rank)
-            cmd = [sys.executable, worker, "--world-size", str(world_size), "--rank", str(rank), "--port", str(port),
-                   "--out", out_dir, *extra]
-            with open(os.path.join(out_dir, f"rank{rank}.log"), "w") as log:  # the child keeps its own handle
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT))
+            with open(log_path, "w") as log:  # the child keeps its own handle
+                procs.append(subprocess.Popen([sys.executable, worker, *argv], stdout=log, stderr=subprocess.STDOUT,
+                                              env=env, cwd=REPO_ROOT))
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
             if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
@@ -71,3 +86,147 @@ def run_ranks(worker: str, world_size: int, out_dir: str, extra: list[str], time
         pytest.fail(f"{os.path.basename(worker)} failed:\n" + "\n".join(tails))
     with open(os.path.join(out_dir, "result.json")) as f:
         return json.load(f)
+
+
+class _ForkedRank:
+    """A rank forked by a zygote (not our child: the zygote reaps it). Its exit code is the file it writes as it
+    exits; gone without one, it was killed (-9, as `Popen` reports a SIGKILL)."""
+
+    def __init__(self, pid: int, rc_path: str):
+        self.pid, self._rc_path, self.returncode = pid, rc_path, None
+
+    def poll(self):
+        if self.returncode is None:
+            if os.path.exists(self._rc_path):
+                with open(self._rc_path) as f:
+                    text = f.read().strip()
+                if text:
+                    self.returncode = int(text)
+            elif not _alive(self.pid):
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def kill(self):
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def wait(self):
+        while self.poll() is None:
+            time.sleep(0.05)
+        return self.returncode
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class _Zygote:
+    """The pytest side of one zygote process (`python ranks.py --zygote WORKER`): one fork request at a time."""
+
+    def __init__(self, worker: str, env: dict):
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--zygote", worker], env=env,
+                                     cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.lock = threading.Lock()
+
+    def fork(self, argv: list[str], log_path: str) -> _ForkedRank:
+        rc_path = log_path + ".rc"
+        if os.path.exists(rc_path):
+            os.remove(rc_path)
+        with self.lock:
+            self.proc.stdin.write(json.dumps({"argv": argv, "log": log_path, "rc": rc_path}) + "\n")
+            self.proc.stdin.flush()
+            reply = self.proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the rank zygote of {self.proc.args[-1]} exited (rc {self.proc.wait()}) before forking")
+        return _ForkedRank(json.loads(reply)["pid"], rc_path)
+
+    def close(self):
+        self.proc.stdin.close()  # the zygote exits at the end of its input
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_ZYGOTES: dict = {}
+_ZYGOTES_LOCK = threading.Lock()
+
+
+def _zygote(worker: str, env: dict) -> _Zygote:
+    key = (os.path.abspath(worker), tuple(sorted(env.items())))
+    with _ZYGOTES_LOCK:
+        if key not in _ZYGOTES or _ZYGOTES[key].proc.poll() is not None:
+            _ZYGOTES[key] = _Zygote(worker, env)
+        return _ZYGOTES[key]
+
+
+@atexit.register
+def _close_zygotes():
+    for z in _ZYGOTES.values():
+        z.close()
+
+
+def _serve(worker: str) -> None:
+    """The zygote: run the worker script's top level (its imports), then fork a rank per request line on stdin
+    ({"argv", "log", "rc"}), answering {"pid"} on stdout; exit at the end of stdin. Forked ranks are reaped by the
+    kernel (SIGCHLD ignored): each writes its own exit code."""
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # what the imports print goes to stderr, not into the replies
+    runpy.run_path(worker, run_name="__rank_zygote__")
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _run_rank(worker, request)
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        replies.flush()
+
+
+def _run_rank(worker: str, request: dict) -> None:
+    """In the forked child: become `python worker ARGV` with its output in the log; never returns."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the rank waits for its own children (an engine server)
+    code = 1
+    try:
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(null)
+        sys.stdin = open(0, closefd=False)
+        sys.argv = [worker, *request["argv"]]
+        try:
+            runpy.run_path(worker, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - reported as a script's uncaught exception is
+            traceback.print_exc()
+        atexit._run_exitfuncs()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            with open(request["rc"] + ".tmp", "w") as f:
+                f.write(str(code))
+            os.replace(request["rc"] + ".tmp", request["rc"])
+        finally:
+            os._exit(code)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--zygote"]:
+    _serve(sys.argv[2])
