@@ -61,7 +61,7 @@ def run_ranks(worker: str, world_size: int, out_dir: str, extra: list[str], time
             argv = ["--world-size", str(world_size), "--rank", str(rank), "--port", str(port), "--out", out_dir, *extra]
             log_path = os.path.join(out_dir, f"rank{rank}.log")
             if gpus == 0:
-                procs.append(_zygote(worker, env).fork(argv, log_path))
+                procs.append(fork_script(worker, worker, argv, log_path, env))
                 continue
             if gpus >= world_size:  # one GPU per rank, as Ray gives each training actor
                 env["CUDA_VISIBLE_DEVICES"] = str(rank)
@@ -127,19 +127,21 @@ def _alive(pid: int) -> bool:
 
 
 class _Zygote:
-    """The pytest side of one zygote process (`python ranks.py --zygote WORKER`): one fork request at a time."""
+    """The pytest side of one zygote process (`python -m tests.e2e_cpu.ranks --zygote PRELOAD`): one fork request
+    at a time."""
 
-    def __init__(self, worker: str, env: dict):
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--zygote", worker], env=env,
+    def __init__(self, preload: str, env: dict):
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.e2e_cpu.ranks", "--zygote", preload], env=env,
                                      cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.lock = threading.Lock()
 
-    def fork(self, argv: list[str], log_path: str) -> _ForkedRank:
+    def fork(self, script: str, argv: list[str], log_path: str) -> _ForkedRank:
         rc_path = log_path + ".rc"
         if os.path.exists(rc_path):
             os.remove(rc_path)
+        request = {"script": os.path.abspath(script), "argv": argv, "log": log_path, "rc": rc_path}
         with self.lock:
-            self.proc.stdin.write(json.dumps({"argv": argv, "log": log_path, "rc": rc_path}) + "\n")
+            self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             reply = self.proc.stdout.readline()
         if not reply:
@@ -159,12 +161,34 @@ _ZYGOTES: dict = {}
 _ZYGOTES_LOCK = threading.Lock()
 
 
-def _zygote(worker: str, env: dict) -> _Zygote:
-    key = (os.path.abspath(worker), tuple(sorted(env.items())))
+def fork_script(preload: str, script: str, argv: list[str], log_path: str, env: dict) -> _ForkedRank:
+    """`python SCRIPT ARGV` (cwd the repository, output to `log_path`) forked from the zygote that ran the top
+    level of `preload` under `env` (started on first use). `preload`'s imports must be the first thing SCRIPT does
+    (the same script, or one whose imports SCRIPT repeats: a worker that installs the CPU shim, for a script run
+    by the shim). Returns a handle with poll / wait / kill / returncode, as `subprocess.Popen`'s."""
+    key = (os.path.abspath(preload), tuple(sorted(env.items())))
     with _ZYGOTES_LOCK:
         if key not in _ZYGOTES or _ZYGOTES[key].proc.poll() is not None:
-            _ZYGOTES[key] = _Zygote(worker, env)
-        return _ZYGOTES[key]
+            _ZYGOTES[key] = _Zygote(os.path.abspath(preload), env)
+        zygote = _ZYGOTES[key]
+    return zygote.fork(script, argv, log_path)
+
+
+def run_script(preload: str, script: str, argv: list[str], log_path: str, env: dict, timeout_s: float) -> int:
+    """`python SCRIPT ARGV` run to its end (killed past `timeout_s`), its output in `log_path`; returns its exit
+    code. Without CUDA forked (`fork_script`), with CUDA a plain process."""
+    if torch.cuda.device_count():
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, script, *argv], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    cwd=REPO_ROOT)
+    else:
+        proc = fork_script(preload, script, argv, log_path, env)
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if proc.poll() is None:
+        proc.kill()
+    return proc.wait()
 
 
 @atexit.register
@@ -173,13 +197,14 @@ def _close_zygotes():
         z.close()
 
 
-def _serve(worker: str) -> None:
-    """The zygote: run the worker script's top level (its imports), then fork a rank per request line on stdin
-    ({"argv", "log", "rc"}), answering {"pid"} on stdout; exit at the end of stdin. Forked ranks are reaped by the
-    kernel (SIGCHLD ignored): each writes its own exit code."""
+def _serve(preload: str) -> None:
+    """The zygote: run the preload script's top level (its imports), then fork a process per request line on stdin
+    ({"script", "argv", "log", "rc"}), answering {"pid"} on stdout; exit at the end of stdin. Forked processes are
+    reaped by the kernel (SIGCHLD ignored): each writes its own exit code."""
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what the imports print goes to stderr, not into the replies
-    runpy.run_path(worker, run_name="__rank_zygote__")
+    sys.path[0] = os.path.dirname(preload)  # as `python PRELOAD` has it
+    runpy.run_path(preload, run_name="__rank_zygote__")
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     for line in sys.stdin:
         request = json.loads(line)
@@ -187,13 +212,13 @@ def _serve(worker: str) -> None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _run_rank(worker, request)
+            _run_script(request)
         replies.write(json.dumps({"pid": pid}) + "\n")
         replies.flush()
 
 
-def _run_rank(worker: str, request: dict) -> None:
-    """In the forked child: become `python worker ARGV` with its output in the log; never returns."""
+def _run_script(request: dict) -> None:
+    """In the forked child: become `python SCRIPT ARGV` with its output in the log; never returns."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the rank waits for its own children (an engine server)
     code = 1
     try:
@@ -205,9 +230,11 @@ def _run_rank(worker: str, request: dict) -> None:
         os.close(log)
         os.close(null)
         sys.stdin = open(0, closefd=False)
-        sys.argv = [worker, *request["argv"]]
+        script = request["script"]
+        sys.argv = [script, *request["argv"]]
+        sys.path[0] = os.path.dirname(script)
         try:
-            runpy.run_path(worker, run_name="__main__")
+            runpy.run_path(script, run_name="__main__")
             code = 0
         except SystemExit as e:
             if e.code is None or isinstance(e.code, int):
