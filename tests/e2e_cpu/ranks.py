@@ -48,6 +48,18 @@ def write_result(cli: argparse.Namespace, result: dict) -> None:
             json.dump(result, f)
 
 
+def write_prompt_file(cli: argparse.Namespace) -> str:
+    """<out>/prompts.jsonl with one prompt (the workers' --prompt-data, which parse_args reads), written by every
+    rank whole under a name of its own and renamed into place: the ranks start together, and one must never read
+    the file while another has it truncated."""
+    path = os.path.join(cli.out, "prompts.jsonl")
+    mine = f"{path}.rank{cli.rank}"
+    with open(mine, "w") as f:
+        f.write('{"prompt": "1+1?", "label": "2"}\n')
+    os.replace(mine, path)
+    return path
+
+
 def run_ranks(worker: str, world_size: int, out_dir: str, extra: list[str], timeout_s: float = 240) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     port = free_port()
@@ -89,21 +101,18 @@ def run_ranks(worker: str, world_size: int, out_dir: str, extra: list[str], time
 
 
 class _ForkedRank:
-    """A rank forked by a zygote (not our child: the zygote reaps it). Its exit code is the file it writes as it
-    exits; gone without one, it was killed (-9, as `Popen` reports a SIGKILL)."""
+    """A process forked by a zygote (not our child: the kernel reaps it). Its exit code is the file it writes as
+    it exits; gone without one, a signal ended it (reported as -9, SIGKILL's `Popen` code: which one is unknown)."""
 
     def __init__(self, pid: int, rc_path: str):
         self.pid, self._rc_path, self.returncode = pid, rc_path, None
 
     def poll(self):
-        if self.returncode is None:
+        if self.returncode is None and not _alive(self.pid):  # gone: its exit code file is complete, if any
+            self.returncode = -signal.SIGKILL
             if os.path.exists(self._rc_path):
                 with open(self._rc_path) as f:
-                    text = f.read().strip()
-                if text:
-                    self.returncode = int(text)
-            elif not _alive(self.pid):
-                self.returncode = -signal.SIGKILL
+                    self.returncode = int(f.read())
         return self.returncode
 
     def kill(self):
@@ -149,7 +158,8 @@ class _Zygote:
         return _ForkedRank(json.loads(reply)["pid"], rc_path)
 
     def close(self):
-        self.proc.stdin.close()  # the zygote exits at the end of its input
+        if not self.proc.stdin.closed:
+            self.proc.stdin.close()  # the zygote exits at the end of its input
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -194,6 +204,8 @@ def run_script(preload: str, script: str, argv: list[str], log_path: str, env: d
 @atexit.register
 def _close_zygotes():
     for z in _ZYGOTES.values():
+        z.proc.stdin.close()  # all at once: each zygote exits at the end of its input
+    for z in _ZYGOTES.values():
         z.close()
 
 
@@ -215,6 +227,10 @@ def _serve(preload: str) -> None:
             _run_script(request)
         replies.write(json.dumps({"pid": pid}) + "\n")
         replies.flush()
+    # nothing of the zygote's own needs finalising (the ranks ran their exit handlers): skip the interpreter's
+    # teardown of torch and megatron-core (~1.5 s)
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run_script(request: dict) -> None:
