@@ -224,6 +224,7 @@ def _serve(preload: str) -> None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
+            replies.close()  # the rank must not hold the zygote's answer pipe
             _run_script(request)
         replies.write(json.dumps({"pid": pid}) + "\n")
         replies.flush()
@@ -257,7 +258,7 @@ def _run_script(request: dict) -> None:
                 code = e.code or 0
             else:
                 print(e.code, file=sys.stderr)
-        except BaseException:  # noqa: BLE001 - reported as a script's uncaught exception is
+        except BaseException:  # noqa: BLE001 - printed as Python prints an uncaught one
             traceback.print_exc()
         atexit._run_exitfuncs()
     finally:
