@@ -30,15 +30,13 @@ if not torch.cuda.is_available():
 
 from tests.conftest import model_args  # noqa: E402
 from tests.e2e_cpu.fsdp_worker import engine_log_probs, make_batch  # noqa: E402
-from tests.e2e_cpu.ranks import worker_parser  # noqa: E402
+from tests.e2e_cpu.ranks import worker_parser, write_prompt_file  # noqa: E402
 from tests.args import make_args as validated_args  # noqa: E402
 
 def make_args(cli) -> argparse.Namespace:
     from slime.config.arguments import parse_args
 
-    data = os.path.join(cli.out, "prompts.jsonl")
-    with open(data, "w") as f:
-        f.write('{"prompt": "1+1?", "label": "2"}\n')
+    data = write_prompt_file(cli)
     argv = [
         *model_args(f"tiny-{cli.arch.replace('_', '-')}"), "--train-backend", "megatron", "--hf-checkpoint", cli.model,
         "--prompt-data", data, "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",

@@ -13,7 +13,7 @@ import sys
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO_ROOT)
 
-from tests.e2e_cpu.ranks import worker_parser, write_result  # noqa: E402
+from tests.e2e_cpu.ranks import worker_parser, write_prompt_file, write_result  # noqa: E402
 
 ROLLOUT_IDS = [0, 0, 1, 2, 3, 4, 5, 6, 7]
 
@@ -25,9 +25,7 @@ def main() -> None:
     from slime.config.arguments import parse_args
     from tests.e2e_cpu.fsdp_worker import make_batch
 
-    data = os.path.join(cli.out, "prompts.jsonl")
-    with open(data, "w") as f:
-        f.write('{"prompt": "1+1?", "label": "2"}\n')
+    data = write_prompt_file(cli)
     args = parse_args([
         "--train-backend", "fsdp", "--hf-checkpoint", cli.model, "--prompt-data", data,
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",

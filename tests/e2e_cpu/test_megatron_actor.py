@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT, model_args
-from tests.e2e_cpu.ranks import free_port, run_ranks
+from tests.e2e_cpu.ranks import free_port, run_ranks, run_script
 from tests.e2e_cpu.together import result_of, run_together
 from tools.make_tiny_model import make_tiny_model
 
@@ -81,11 +81,12 @@ def hf_logits(saved: dict, dtype=torch.float32, device="cpu") -> torch.Tensor:
 
 def run_logits_worker(arch: str, out: str, dtype: str = "float32", extra: str = "") -> dict:
     path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, LOGITS_WORKER, "--arch", arch, "--out", out, "--dtype", dtype,
-                           f"--extra={extra}", "--port", str(free_port())],
-                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
-                          env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1"))
-    assert done.returncode == 0, done.stderr[-4000:]
+    os.makedirs(out, exist_ok=True)
+    log = os.path.join(out, "worker.log")
+    rc = run_script(LOGITS_WORKER, LOGITS_WORKER, ["--arch", arch, "--out", out, "--dtype", dtype, f"--extra={extra}",
+                                                   "--port", str(free_port())],
+                    log, dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1"), timeout_s=300)
+    assert rc == 0, open(log, errors="replace").read()[-4000:]
     return torch.load(os.path.join(out, "logits.pt"))
 
 
@@ -184,14 +185,14 @@ def test_torch_dist_checkpoint_reshards_and_resumes(runs):
     assert max_abs_diff(loaded["lp_before"], runs["tp2"]["lp_after"]) < 1e-5
 
 
-def run_tool(tool: str, *argv: str) -> str:
-    """A tools/ converter under the CPU shim (the tools need CUDA otherwise)."""
+def run_tool(tool: str, *argv: str, log: str) -> None:
+    """A tools/ converter under the CPU shim (the tools need CUDA otherwise), its output in `log`. Forked from the
+    logits worker's zygote (tests/e2e_cpu/ranks.py): its top level is the shim's install, which the shim's
+    `__main__` does first."""
     shim = os.path.join(REPO_ROOT, "tests", "megatron_cpu_shim.py")
-    done = subprocess.run([sys.executable, shim, os.path.join(REPO_ROOT, "tools", tool), *argv],
-                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))  # one process: an in-process store
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return done.stdout
+    rc = run_script(LOGITS_WORKER, shim, [os.path.join(REPO_ROOT, "tools", tool), *argv], log,
+                    dict(os.environ, OMP_NUM_THREADS="1"), timeout_s=300)  # one process: an in-process store
+    assert rc == 0, open(log, errors="replace").read()[-6000:]
 
 
 @pytest.mark.timeout(900)
@@ -203,7 +204,8 @@ def test_trained_torch_dist_checkpoint_converts_to_hf(runs, tiny_model_dir, tmp_
 
     ckpt = os.path.join(runs["root"], "tp2", "ckpt")
     out = str(tmp_path / "hf")
-    run_tool("convert_torch_dist_to_hf.py", "--input-dir", ckpt, "--output-dir", out, "--origin-hf-dir", tiny_model_dir)
+    run_tool("convert_torch_dist_to_hf.py", "--input-dir", ckpt, "--output-dir", out, "--origin-hf-dir", tiny_model_dir,
+             log=str(tmp_path / "convert.log"))
     _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert max_abs_diff(hf_log_probs(out, runs["tp2"]["batch"]), runs["tp2"]["lp_after"]) < 1e-5
@@ -222,11 +224,11 @@ def round_trips(tmp_path_factory):
         tiny_model_dir = models[arch]
         release = str(root / arch / "torch_dist")
         run_tool("convert_hf_to_torch_dist.py", *model_args(f"tiny-{arch.replace('_', '-')}"),
-                 "--hf-checkpoint", tiny_model_dir, "--save", release)
+                 "--hf-checkpoint", tiny_model_dir, "--save", release, log=str(root / arch / "to_torch_dist.log"))
         latest = open(os.path.join(release, "latest_checkpointed_iteration.txt")).read()
         back = str(root / arch / "hf")
         run_tool("convert_torch_dist_to_hf.py", "--input-dir", release, "--output-dir", back,
-                 "--origin-hf-dir", tiny_model_dir)
+                 "--origin-hf-dir", tiny_model_dir, log=str(root / arch / "to_hf.log"))
         return tiny_model_dir, latest, back
 
     return run_together(round_trip, CONVERTED_ARCHS)

@@ -29,9 +29,9 @@ def _megatron_actor(cli, flags: list[str]):
     from tests.e2e_cpu import megatron_worker  # installs the CPU shim
     from slime.backends.megatron_utils.actor import MegatronTrainRayActor
 
-    mcli = types.SimpleNamespace(arch="qwen3", world_size=cli.world_size, tp=1, pp=1, bf16=False, engine=False,
-                                 broadcast=False, dynamic=False, load=None, extra=" ".join(flags), out=cli.out,
-                                 model=cli.model)
+    mcli = types.SimpleNamespace(arch="qwen3", world_size=cli.world_size, rank=cli.rank, tp=1, pp=1, bf16=False,
+                                 engine=False, broadcast=False, dynamic=False, load=None, extra=" ".join(flags),
+                                 out=cli.out, model=cli.model)
     return megatron_worker.make_args(mcli), MegatronTrainRayActor(cli.world_size, cli.rank, "127.0.0.1", cli.port)
 
 

@@ -17,16 +17,14 @@ sys.path.insert(0, REPO_ROOT)
 
 import torch  # noqa: E402
 
-from tests.e2e_cpu.ranks import worker_parser, write_result  # noqa: E402
+from tests.e2e_cpu.ranks import worker_parser, write_prompt_file, write_result  # noqa: E402
 
 
 def make_args(cli) -> argparse.Namespace:
     from slime.config.arguments import parse_args
     from tests.conftest import model_args
 
-    data = os.path.join(cli.out, "prompts.jsonl")
-    with open(data, "w") as f:
-        f.write('{"prompt": "1+1?", "label": "2"}\n')
+    data = write_prompt_file(cli)
     argv = [
         "--train-backend", cli.backend, "--hf-checkpoint", cli.model, "--prompt-data", data,
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
