@@ -37,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from slime.backends.fsdp_utils import checkpoint, weight_sync
+from slime.backends.fsdp_utils import checkpoint, lora, weight_sync
 from slime.backends.fsdp_utils.data import extract_response_log_probs, forward_logits, forward_response_log_probs
 from slime.backends.fsdp_utils.parallel import (
     gather_rows,
@@ -140,9 +140,28 @@ class FSDPTrainRayActor(PolicyTrainer):
             raise FileNotFoundError(f"--hf-checkpoint {path}: not an HF model folder (no config.json there)")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.requires_grad_(trainable)
-        if trainable:  # --only-train-params-name-list / --freeze-params-name-list, before FSDP wraps it
+        if trainable and self.args.lora_rank:  # the reference (and teacher) stay the plain base model
+            self._apply_lora(model, path)
+        elif trainable:  # --only-train-params-name-list / --freeze-params-name-list, before FSDP wraps it
             freeze.apply_freeze(self.args, model.named_parameters())
         return shard_model(model, model, self.mesh, self.device, path)
+
+    def _apply_lora(self, model: torch.nn.Module, path: str) -> None:
+        """LoRA layers on the target modules (docs/lora.md), the base frozen; the adapter from a checkpoint's
+        `adapter/` folder when `path` is a saved iteration, else from --lora-adapter-path, else zero (B = 0)."""
+        args = self.args
+        self.lora_modules = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.target_modules,
+                                            args.exclude_modules)
+        self.lora_config = lora.adapter_config(args, self.lora_modules)
+        saved = os.path.join(path, lora.ADAPTER_DIR)
+        source = saved if os.path.isdir(saved) else args.lora_adapter_path
+        if source:
+            lora.load_adapter_folder(model, source)
+        adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        logger.info("rank %d: LoRA r=%d alpha=%d on %d modules: %d adapter parameters (%.2f%% of %d)%s", self.rank,
+                    args.lora_rank, args.lora_alpha, len(self.lora_modules), adapter, 100 * adapter / total, total,
+                    f", from {source}" if source else "")
 
     # ---- PolicyTrainer's hooks -------------------------------------------------------------------------
     def data_parallel(self) -> tuple[int, int, Any]:
@@ -224,6 +243,9 @@ class FSDPTrainRayActor(PolicyTrainer):
         return result
 
     def push_weights(self, engines: list[Any], weight_version: int) -> None:
+        if self.args.lora_rank:
+            weight_sync.update_adapter(self.model, engines, weight_version, self.lora_config)
+            return
         weight_sync.update_weights(self.model, engines, weight_version, self.args.update_weight_buffer_size,
                                    self.engine_push)
 
@@ -242,8 +264,10 @@ class FSDPTrainRayActor(PolicyTrainer):
         if not self.args.save:
             raise ValueError("save() called without --save; pass --save DIR to write checkpoints")
         optimizer = None if self.args.no_save_optim else self.optimizer
+        writer = (lora.lora_folder_writer(self.lora_config, checkpoint.write_hf_folder) if self.args.lora_rank
+                  else None)
         path = checkpoint.save_checkpoint(self.model, optimizer, self.args.save, rollout_id,
-                                          self.args.hf_checkpoint, {"global_step": self.global_step})
+                                          self.args.hf_checkpoint, {"global_step": self.global_step}, writer)
         hf_path = hf_save.hf_save_path(self.args, rollout_id)
         if hf_path is not None and self.rank == 0:
             # The iteration folder's weights are already the HF tensors: copy them, no second gather.

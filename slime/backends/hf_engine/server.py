@@ -46,6 +46,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from slime.backends.hf_engine.auth import API_KEY_ENV, APIKeyMiddleware
+from slime.backends.hf_engine.lora import MergedAdapter, add_lora_routes
 from slime.backends.hf_engine.release import WeightMemory
 from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
 from slime.backends.hf_engine.weight_checker import WeightChecker
@@ -87,6 +88,7 @@ class EngineState:
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.params.update(dict(model.named_buffers(remove_duplicate=False)))
         self.weight_checker = WeightChecker(self.params)  # POST /weights_checker (--check-weight-update-equal)
+        self.adapter = MergedAdapter(model)  # a LoRA adapter merged into the weights (lora.py)
 
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]], source: str) -> int:
         """Copy tensors into the model by name (dtype/device cast); all-or-nothing on bad names/shapes."""
@@ -107,6 +109,7 @@ class EngineState:
             with self.scheduler.exclusive(), torch.no_grad():
                 for name, tensor in named:
                     self.params[name].copy_(tensor)
+                self.adapter.forget_base()  # loaded weights are the new base; a merged adapter went with the old
             self._note_loaded([self.params[name] for name, _ in named])
         return len(named)
 
@@ -325,7 +328,7 @@ def build_app(state: EngineState, api_key: str | None = None) -> FastAPI:
                 "weight_version": state.weight_version, "num_running_reqs": running, "num_waiting_reqs": waiting,
                 "paused": sched.paused, "released_tags": sorted(state.released), "weights_release": state.weights.mode,
                 "uninitialised_weights": len(state.weights.unloaded), "tp_size": 1, "dp_size": 1,
-                "context_length": sched.max_context_len, **sched.stats}
+                "context_length": sched.max_context_len, "lora_adapter": state.adapter.summary(), **sched.stats}
 
     app.add_api_route("/model_info", model_info, methods=["GET"])
     app.add_api_route("/server_info", server_info, methods=["GET"])
@@ -418,6 +421,8 @@ def build_app(state: EngineState, api_key: str | None = None) -> FastAPI:
             return _error(400, str(e))
         await run_in_threadpool(_resume, state, tags)
         return {"success": True, "message": f"resumed {sorted(tags)}", "released_tags": sorted(state.released)}
+
+    add_lora_routes(app, state, check_weight_dir)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(http: HTTPRequest):
