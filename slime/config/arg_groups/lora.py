@@ -107,6 +107,13 @@ def validate_lora(args: argparse.Namespace) -> None:
         fail(f"--lora-rank {args.lora_rank} with --update-weight-transport {args.update_weight_transport} / "
              f"--update-weight-mode {args.update_weight_mode}: the adapter is pushed as tensors "
              "(/load_lora_adapter_from_tensors); drop the disk / delta flags.")
+    if args.check_weight_update_equal:
+        fail(f"--lora-rank {args.lora_rank} with --check-weight-update-equal: that check overwrites every engine "
+             "tensor and expects one push to restore them all, while a LoRA push sends only the adapter; drop it.")
+    if args.colocate:
+        fail(f"--lora-rank {args.lora_rank} with --colocate: colocated engines free their weights between rollouts "
+             "and a LoRA push sends only the adapter, not the base they would need back; run the engines on their "
+             "own GPUs (drop --colocate).")
     if args.rollout_backend != "hf":
         fail(f"--lora-rank {args.lora_rank}: serving the adapter is built for the hf engine only (got "
              f"--rollout-backend {args.rollout_backend}); pass --rollout-backend hf.")
