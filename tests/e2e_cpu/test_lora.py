@@ -10,8 +10,9 @@ import os
 import httpx
 import pytest
 import ray
+import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime.config.arguments import parse_args
 from slime.ray.launcher import Run
@@ -59,7 +60,8 @@ def test_lora_push_sends_only_the_adapter_and_log_probs_agree(tiny_model_dir, to
     monkeypatch.setenv("SLIME_TRAIN_NUM_THREADS", "1")
     monkeypatch.setenv("SLIME_ENGINE_NUM_THREADS", "1")
     save = str(tmp_path / "ckpt")
-    args = _args(tiny_model_dir, toy_data_path, "--num-rollout", "2", "--save", save)
+    hf_out = str(tmp_path / "hf_{rollout_id}")
+    args = _args(tiny_model_dir, toy_data_path, "--num-rollout", "2", "--save", save, "--save-hf", hf_out)
     adapter_bytes, full_bytes = _adapter_bytes(tiny_model_dir)
     before = run_processes()
     with Run(args) as run:
@@ -98,6 +100,14 @@ def test_lora_push_sends_only_the_adapter_and_log_probs_agree(tiny_model_dir, to
         assert json.load(f)["r"] == RANK
     adapter = load_file(os.path.join(folder, "adapter", "adapter_model.safetensors"))
     assert sum(t.numel() * t.element_size() for t in adapter.values()) == adapter_bytes
+
+    # --save-hf: the base with the adapter merged in, i.e. the policy the engine served after the push
+    merged = AutoModelForCausalLM.from_pretrained(hf_out.format(rollout_id=0), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = merged(torch.tensor([tokens])).logits[0].float()
+    lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    assert max(abs(a - b) for a, b in zip(lp[-response_length:].tolist(), trainer_lp)) < 1e-4
+    assert os.path.isfile(os.path.join(hf_out.format(rollout_id=0), "adapter", "adapter_model.safetensors"))
 
     # Resume from the save: the same next rollout's loss as the run that went on.
     args = _args(tiny_model_dir, toy_data_path, "--num-rollout", "2", "--load", save, "--save", save)

@@ -270,9 +270,11 @@ class FSDPTrainRayActor(PolicyTrainer):
                                           self.args.hf_checkpoint, {"global_step": self.global_step}, writer)
         hf_path = hf_save.hf_save_path(self.args, rollout_id)
         if hf_path is not None and self.rank == 0:
-            # The iteration folder's weights are already the HF tensors: copy them, no second gather.
-            shutil.copyfile(os.path.join(path, hf_save.WEIGHTS_FILE),
-                            hf_save.prepare_hf_folder(hf_path, self.args.hf_checkpoint))
+            weights_file = hf_save.prepare_hf_folder(hf_path, self.args.hf_checkpoint)
+            if self.args.lora_rank:  # the policy the engines serve: the base with the adapter merged in
+                lora.export_merged(path, weights_file, os.path.join(hf_path, lora.ADAPTER_DIR))
+            else:  # the iteration folder's weights are already the HF tensors: copy them, no second gather
+                shutil.copyfile(os.path.join(path, hf_save.WEIGHTS_FILE), weights_file)
         dist.barrier()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -145,3 +146,24 @@ def lora_folder_writer(config: dict, write_hf_folder: Callable) -> Callable:
         write_adapter_folder(state, config, os.path.join(path, ADAPTER_DIR))
 
     return write
+
+
+def export_merged(iteration_folder: str, weights_file: str, adapter_out: str) -> None:
+    """--save-hf with LoRA: the saved iteration's base weights with its adapter merged in (`W + (alpha / r) B A`,
+    what the engines serve) written to `weights_file`, and the PEFT adapter folder copied to `adapter_out`."""
+    adapter_dir = os.path.join(iteration_folder, ADAPTER_DIR)
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        config = json.load(f)
+    scaling = config["lora_alpha"] / config["r"]
+    state = load_file(os.path.join(iteration_folder, "model.safetensors"))
+    adapter = {n.removeprefix(PEFT_PREFIX): t for n, t in load_file(os.path.join(adapter_dir,
+                                                                                  "adapter_model.safetensors")).items()}
+    for name, a in adapter.items():
+        if name.endswith(".lora_A.weight"):
+            module = name[: -len(".lora_A.weight")]
+            b = adapter[module + ".lora_B.weight"]
+            state[module + ".weight"] = state[module + ".weight"] + scaling * (b @ a)
+    save_file(state, weights_file, metadata={"format": "pt"})
+    os.makedirs(adapter_out, exist_ok=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(os.path.join(adapter_dir, name), os.path.join(adapter_out, name))
