@@ -102,6 +102,8 @@ def test_target_and_exclude_modules(base_model):
     assert not any(n.endswith(("down_proj", "o_proj")) for n in names) and any(n.endswith("up_proj") for n in names)
     with pytest.raises(ValueError, match=r"no linear layer named \['qkv'\].*q_proj"):
         _lora_model(base_model, targets="qkv")
+    _, with_head = _lora_model(base_model, targets="q_proj,lm_head")  # the tiny model's head is untied
+    assert "lm_head" in with_head and len(with_head) == 1 + base_model.config.num_hidden_layers
     with pytest.raises(ValueError, match="leaves no linear layer"):
         _lora_model(base_model, targets="q_proj", exclude="q_proj")
 

@@ -67,7 +67,10 @@ class FSDPTrainRayActor(PolicyTrainer):
         ckpt = checkpoint.find_checkpoint(args.load)
         ref_folder = self._ref_folder(args)
         # Without a checkpoint in --load the policy starts from the reference model's weights: a fresh start.
-        self.model = self._build_model(ckpt.path if ckpt else ref_folder, trainable=True)
+        # LoRA: the adapter saved with the checkpoint, else --lora-adapter-path, else none (B = 0).
+        saved = os.path.join(ckpt.path, lora.ADAPTER_DIR) if ckpt else None
+        adapter = saved if saved and os.path.isdir(saved) else args.lora_adapter_path
+        self.model = self._build_model(ckpt.path if ckpt else ref_folder, trainable=True, adapter=adapter)
         self.ref_model = None
         if with_ref:
             self.ref_model = self._build_model(ref_folder, trainable=False)
@@ -135,26 +138,24 @@ class FSDPTrainRayActor(PolicyTrainer):
         frozen = [m for m in (self.ref_model, self.teacher_model) if m is not None]
         return TrainState(weights=[self.model], modules=frozen, optimizers=[self.optimizer])
 
-    def _build_model(self, path: str, trainable: bool) -> torch.nn.Module:
+    def _build_model(self, path: str, trainable: bool, adapter: str | None = None) -> torch.nn.Module:
         if not checkpoint.is_hf_folder(path):
             raise FileNotFoundError(f"--hf-checkpoint {path}: not an HF model folder (no config.json there)")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.requires_grad_(trainable)
         if trainable and self.args.lora_rank:  # the reference (and teacher) stay the plain base model
-            self._apply_lora(model, path)
+            self._apply_lora(model, adapter)
         elif trainable:  # --only-train-params-name-list / --freeze-params-name-list, before FSDP wraps it
             freeze.apply_freeze(self.args, model.named_parameters())
         return shard_model(model, model, self.mesh, self.device, path)
 
-    def _apply_lora(self, model: torch.nn.Module, path: str) -> None:
-        """LoRA layers on the target modules (docs/lora.md), the base frozen; the adapter from a checkpoint's
-        `adapter/` folder when `path` is a saved iteration, else from --lora-adapter-path, else zero (B = 0)."""
+    def _apply_lora(self, model: torch.nn.Module, source: str | None) -> None:
+        """LoRA layers on the target modules (docs/lora.md), the base frozen; the adapter from the PEFT folder
+        `source` (B = 0 without one)."""
         args = self.args
         self.lora_modules = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.target_modules,
                                             args.exclude_modules)
         self.lora_config = lora.adapter_config(args, self.lora_modules)
-        saved = os.path.join(path, lora.ADAPTER_DIR)
-        source = saved if os.path.isdir(saved) else args.lora_adapter_path
         if source:
             lora.load_adapter_folder(model, source)
         adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -7,7 +7,8 @@ base model). These suffixes are PEFT's, so `adapter_state` is a PEFT adapter's t
 module names (`peft_names` adds PEFT's `base_model.model.` prefix).
 
 Assumed: dropout 0 (validation refuses more; every forward here runs without dropout), one adapter per model.
-The LM head (the model's output embeddings) is never adapted, as PEFT's `all-linear` leaves it out.
+`all-linear` leaves the LM head (the model's output embeddings) out, as PEFT's does; naming it adapts it, unless it is
+tied to the input embeddings (an engine merging the adapter would change the embeddings too: refused).
 """
 
 from __future__ import annotations
@@ -60,17 +61,25 @@ class LoRALinear(nn.Module):
 
 def target_names(model: nn.Module, target_modules: str, exclude_modules: str | None = None) -> list[str]:
     """Full names of the `nn.Linear` modules `--target-modules` / `--exclude-modules` select (by the last part of
-    the name; `all-linear`: every one but the LM head). A given name that matches no linear layer is an error
-    naming the ones there are."""
+    the name; `all-linear`: every one but the LM head, which is adapted only when named and untied). A given name
+    that matches no linear layer is an error naming the ones there are."""
     head = model.get_output_embeddings()
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
-    short = sorted({name.rsplit(".", 1)[-1] for name in linears})
     wanted, excluded = module_names(target_modules), module_names(exclude_modules)
+    # all-linear leaves the LM head out (as PEFT does); naming it adapts it
+    linears = {name: m for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and (m is not head or name.rsplit(".", 1)[-1] in wanted)}
+    short = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
     for flag, names in (("--target-modules", [n for n in wanted if n != ALL_LINEAR]), ("--exclude-modules", excluded)):
         unknown = [n for n in names if n not in short]
         if unknown:
             raise ValueError(f"{flag} {','.join(names)}: no linear layer named {unknown} in this model; its linear "
-                             f"layers are {short} (the LM head is never adapted)")
+                             f"layers are {short}")
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    named_head = [name for name, m in linears.items() if m is head]
+    if named_head and tied:
+        raise ValueError(f"--target-modules {target_modules}: {named_head[0]} shares its weight with the input "
+                         "embeddings (tie_word_embeddings); an adapter merged into it would change them too; leave it "
+                         "out")
     chosen = [name for name in linears
               if (ALL_LINEAR in wanted or name.rsplit(".", 1)[-1] in wanted) and name.rsplit(".", 1)[-1] not in excluded]
     if not chosen:
