@@ -14,8 +14,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from slime.backends.fsdp_utils import lora
+from slime.backends.hf_engine.engine import HFEngine
+from slime.backends.server_engine import EngineHTTPError
 from slime.config.arguments import parse_args
 from slime.ray.launcher import Run
+from tests.args import make_args
 from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
 
 RANK = 8
@@ -117,3 +121,50 @@ def test_lora_push_sends_only_the_adapter_and_log_probs_agree(tiny_model_dir, to
     assert wait_for_no_new_processes(before) == {}
     assert again["train/loss"] == pytest.approx(next_metrics["train/loss"], rel=1e-5, abs=1e-7)
     assert again["train/grad_norm"] == pytest.approx(next_metrics["train/grad_norm"], rel=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_engine_loads_and_unloads_a_peft_folder(tiny_model_dir, tmp_path, monkeypatch):
+    """SGLang's /load_lora_adapter and /unload_lora_adapter on the hf engine process: the served log-probs are those
+    of the merged model, then the base's again; bad requests answer 400 and change nothing."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    names = lora.apply_lora(model, RANK, 16, "q_proj,v_proj,down_proj")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(".lora_B.weight"):
+                p.normal_(0, 0.1)
+    folder = str(tmp_path / "adapters" / "a1")
+    lora.write_adapter_folder(model.state_dict(), {"r": RANK, "lora_alpha": 16, "target_modules": names}, folder)
+    monkeypatch.setenv("SLIME_ENGINE_WEIGHT_DIRS", str(tmp_path / "adapters"))
+    monkeypatch.setenv("SLIME_ENGINE_NUM_THREADS", "1")
+    tokens = [56, 62, 137, 92, 11, 40, 7]
+
+    def local(m):
+        with torch.no_grad():
+            logits = m(torch.tensor([tokens])).logits[0]
+        return torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0].tolist()
+
+    before = run_processes()
+    eng = HFEngine(make_args(hf_checkpoint=tiny_model_dir, sglang_server_concurrency=4), 0)
+    try:
+        url = eng.init()
+        out = eng.load_lora_adapter("a1", folder)
+        assert out["success"] and out["loaded_adapters"] == {"a1": folder}
+        served, _ = _engine_log_probs(url, tokens, len(tokens) - 1)
+        assert max(abs(a - b) for a, b in zip(served, local(model))) < 1e-4
+        assert max(abs(a - b) for a, b in zip(served, local(base))) > 1e-3
+        with pytest.raises(EngineHTTPError, match="no adapter named 'other'"):
+            eng.unload_lora_adapter("other")
+        with pytest.raises(EngineHTTPError, match="outside the folders"):
+            eng.load_lora_adapter("a2", str(tmp_path))
+        with pytest.raises(EngineHTTPError, match="no adapter_config.json"):
+            eng.load_lora_adapter("a2", str(tmp_path / "adapters"))
+        assert httpx.get(f"{url}/server_info", timeout=30).json()["lora_adapter"]["name"] == "a1"
+        assert eng.unload_lora_adapter("a1")["loaded_adapters"] == {}
+        served, _ = _engine_log_probs(url, tokens, len(tokens) - 1)
+        assert max(abs(a - b) for a, b in zip(served, local(base))) < 1e-5
+    finally:
+        eng.shutdown()
+    assert wait_for_no_new_processes(before) == {}

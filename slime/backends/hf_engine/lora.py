@@ -180,7 +180,7 @@ def add_lora_routes(app: FastAPI, state, check_weight_dir: Callable[[str, list[s
     async def unload_lora_adapter(http: HTTPRequest):
         body = await http.json()
         name = body.get("lora_name")
-        if name != state.adapter.name:
+        if not name or name != state.adapter.name:
             return refused(f"unload_lora_adapter: no adapter named {name!r} is loaded (loaded: {loaded()})")
         try:
             return await run_in_threadpool(apply, state.adapter.restore, None)
