@@ -323,12 +323,13 @@ def build_app(state: EngineState, api_key: str | None = None) -> FastAPI:
         running, waiting = sched.counts()
         return {"model_path": state.model_path, "tokenizer_path": state.model_path, "version": ENGINE_VERSION,
                 "engine": "hf", "device": state.device, "dtype": state.dtype,
+                "lora_adapter": state.adapter.summary(),  # the merged LoRA adapter, or None (lora.py)
                 "max_running_requests": sched.max_running_requests, "random_seed": sched.random_seed,
                 "enable_deterministic_inference": sched.deterministic,
                 "weight_version": state.weight_version, "num_running_reqs": running, "num_waiting_reqs": waiting,
                 "paused": sched.paused, "released_tags": sorted(state.released), "weights_release": state.weights.mode,
                 "uninitialised_weights": len(state.weights.unloaded), "tp_size": 1, "dp_size": 1,
-                "context_length": sched.max_context_len, "lora_adapter": state.adapter.summary(), **sched.stats}
+                "context_length": sched.max_context_len, **sched.stats}
 
     app.add_api_route("/model_info", model_info, methods=["GET"])
     app.add_api_route("/server_info", server_info, methods=["GET"])
