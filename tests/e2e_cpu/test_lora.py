@@ -122,6 +122,15 @@ def test_lora_push_sends_only_the_adapter_and_log_probs_agree(tiny_model_dir, to
     assert again["train/loss"] == pytest.approx(next_metrics["train/loss"], rel=1e-5, abs=1e-7)
     assert again["train/grad_norm"] == pytest.approx(next_metrics["train/grad_norm"], rel=1e-4)
 
+    # The checkpoint's weights are only the base: loading it without LoRA stops, naming the fix.
+    args = parse_args(["--hf-checkpoint", tiny_model_dir, "--prompt-data", toy_data_path, "--input-key", "prompt",
+                       "--label-key", "label", "--rm-type", "random", "--actor-num-gpus-per-node", "1",
+                       "--rollout-num-gpus", "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+                       "--global-batch-size", "16", "--num-rollout", "2", "--train-backend", "fsdp", "--load", save])
+    with Run(args) as run, pytest.raises(Exception, match="was saved with LoRA.*pass the run's --lora-rank"):
+        run.actor.init(with_ref=False, num_rollout=2)
+    assert wait_for_no_new_processes(before) == {}
+
 
 @pytest.mark.timeout(300)
 def test_engine_loads_and_unloads_a_peft_folder(tiny_model_dir, tmp_path, monkeypatch):

@@ -69,6 +69,11 @@ class FSDPTrainRayActor(PolicyTrainer):
         # Without a checkpoint in --load the policy starts from the reference model's weights: a fresh start.
         # LoRA: the adapter saved with the checkpoint, else --lora-adapter-path, else none (B = 0).
         saved = os.path.join(ckpt.path, lora.ADAPTER_DIR) if ckpt else None
+        if saved and os.path.isdir(saved) and not args.lora_rank:
+            raise ValueError(f"--load {args.load}: {ckpt.path} was saved with LoRA (its weights are the base, the "
+                             f"trained adapter is in {saved}); pass the run's --lora-rank / --lora-alpha / "
+                             "--target-modules to resume it, or start full fine-tuning from its --save-hf folder "
+                             "(the adapter merged in) with --hf-checkpoint")
         adapter = saved if saved and os.path.isdir(saved) else args.lora_adapter_path
         self.model = self._build_model(ckpt.path if ckpt else ref_folder, trainable=True, adapter=adapter)
         self.ref_model = None
