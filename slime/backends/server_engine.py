@@ -314,6 +314,22 @@ class ServerEngine:
                           {"model_path": model_path, "weight_version": weight_version},
                           timeout=self.weight_update_timeout_s)
 
+    # ---- LoRA adapters (SGLang's endpoints; the hf engine's: slime/backends/hf_engine/lora.py) ----
+    def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict, serialized_tensors: str,
+                                       weight_version: str | None = None) -> dict:
+        """Load (or replace) adapter `lora_name` from `serialize_bucket(flatten_bucket(named))` of its PEFT-named
+        tensors, with PEFT's adapter_config fields in `config_dict`."""
+        return self._call("POST", "/load_lora_adapter_from_tensors", {
+            "lora_name": lora_name, "config_dict": config_dict, "serialized_tensors": serialized_tensors,
+            "load_format": "flattened_bucket", "weight_version": weight_version}, timeout=self.weight_update_timeout_s)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        return self._call("POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path},
+                          timeout=self.weight_update_timeout_s)
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        return self._call("POST", "/unload_lora_adapter", {"lora_name": lora_name})
+
     def apply_weight_delta(self, push_dir: str, local_dir: str, weight_version: str) -> dict:
         """--update-weight-mode delta, on the engine's host (this actor runs there): bring `local_dir`
         (--update-weight-local-checkpoint-dir) to the push in `push_dir` (a full checkpoint copied, or a delta

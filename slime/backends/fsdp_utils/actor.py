@@ -37,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from slime.backends.fsdp_utils import checkpoint, weight_sync
+from slime.backends.fsdp_utils import checkpoint, lora, weight_sync
 from slime.backends.fsdp_utils.data import extract_response_log_probs, forward_logits, forward_response_log_probs
 from slime.backends.fsdp_utils.parallel import (
     gather_rows,
@@ -67,7 +67,15 @@ class FSDPTrainRayActor(PolicyTrainer):
         ckpt = checkpoint.find_checkpoint(args.load)
         ref_folder = self._ref_folder(args)
         # Without a checkpoint in --load the policy starts from the reference model's weights: a fresh start.
-        self.model = self._build_model(ckpt.path if ckpt else ref_folder, trainable=True)
+        # LoRA: the adapter saved with the checkpoint, else --lora-adapter-path, else none (B = 0).
+        saved = os.path.join(ckpt.path, lora.ADAPTER_DIR) if ckpt else None
+        if saved and os.path.isdir(saved) and not args.lora_rank:
+            raise ValueError(f"--load {args.load}: {ckpt.path} was saved with LoRA (its weights are the base, the "
+                             f"trained adapter is in {saved}); pass the run's --lora-rank / --lora-alpha / "
+                             "--target-modules to resume it, or start full fine-tuning from its --save-hf folder "
+                             "(the adapter merged in) with --hf-checkpoint")
+        adapter = saved if saved and os.path.isdir(saved) else args.lora_adapter_path
+        self.model = self._build_model(ckpt.path if ckpt else ref_folder, trainable=True, adapter=adapter)
         self.ref_model = None
         if with_ref:
             self.ref_model = self._build_model(ref_folder, trainable=False)
@@ -135,14 +143,31 @@ class FSDPTrainRayActor(PolicyTrainer):
         frozen = [m for m in (self.ref_model, self.teacher_model) if m is not None]
         return TrainState(weights=[self.model], modules=frozen, optimizers=[self.optimizer])
 
-    def _build_model(self, path: str, trainable: bool) -> torch.nn.Module:
+    def _build_model(self, path: str, trainable: bool, adapter: str | None = None) -> torch.nn.Module:
         if not checkpoint.is_hf_folder(path):
             raise FileNotFoundError(f"--hf-checkpoint {path}: not an HF model folder (no config.json there)")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.requires_grad_(trainable)
-        if trainable:  # --only-train-params-name-list / --freeze-params-name-list, before FSDP wraps it
+        if trainable and self.args.lora_rank:  # the reference (and teacher) stay the plain base model
+            self._apply_lora(model, adapter)
+        elif trainable:  # --only-train-params-name-list / --freeze-params-name-list, before FSDP wraps it
             freeze.apply_freeze(self.args, model.named_parameters())
         return shard_model(model, model, self.mesh, self.device, path)
+
+    def _apply_lora(self, model: torch.nn.Module, source: str | None) -> None:
+        """LoRA layers on the target modules (docs/lora.md), the base frozen; the adapter from the PEFT folder
+        `source` (B = 0 without one)."""
+        args = self.args
+        self.lora_modules = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.target_modules,
+                                            args.exclude_modules)
+        self.lora_config = lora.adapter_config(args, self.lora_modules)
+        if source:
+            lora.load_adapter_folder(model, source)
+        adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        logger.info("rank %d: LoRA r=%d alpha=%d on %d modules: %d adapter parameters (%.2f%% of %d)%s", self.rank,
+                    args.lora_rank, args.lora_alpha, len(self.lora_modules), adapter, 100 * adapter / total, total,
+                    f", from {source}" if source else "")
 
     # ---- PolicyTrainer's hooks -------------------------------------------------------------------------
     def data_parallel(self) -> tuple[int, int, Any]:
@@ -224,6 +249,9 @@ class FSDPTrainRayActor(PolicyTrainer):
         return result
 
     def push_weights(self, engines: list[Any], weight_version: int) -> None:
+        if self.args.lora_rank:
+            weight_sync.update_adapter(self.model, engines, weight_version, self.lora_config)
+            return
         weight_sync.update_weights(self.model, engines, weight_version, self.args.update_weight_buffer_size,
                                    self.engine_push)
 
@@ -242,13 +270,17 @@ class FSDPTrainRayActor(PolicyTrainer):
         if not self.args.save:
             raise ValueError("save() called without --save; pass --save DIR to write checkpoints")
         optimizer = None if self.args.no_save_optim else self.optimizer
+        writer = (lora.lora_folder_writer(self.lora_config, checkpoint.write_hf_folder) if self.args.lora_rank
+                  else None)
         path = checkpoint.save_checkpoint(self.model, optimizer, self.args.save, rollout_id,
-                                          self.args.hf_checkpoint, {"global_step": self.global_step})
+                                          self.args.hf_checkpoint, {"global_step": self.global_step}, writer)
         hf_path = hf_save.hf_save_path(self.args, rollout_id)
         if hf_path is not None and self.rank == 0:
-            # The iteration folder's weights are already the HF tensors: copy them, no second gather.
-            shutil.copyfile(os.path.join(path, hf_save.WEIGHTS_FILE),
-                            hf_save.prepare_hf_folder(hf_path, self.args.hf_checkpoint))
+            weights_file = hf_save.prepare_hf_folder(hf_path, self.args.hf_checkpoint)
+            if self.args.lora_rank:  # the policy the engines serve: the base with the adapter merged in
+                lora.export_merged(path, weights_file, os.path.join(hf_path, lora.ADAPTER_DIR))
+            else:  # the iteration folder's weights are already the HF tensors: copy them, no second gather
+                shutil.copyfile(os.path.join(path, hf_save.WEIGHTS_FILE), weights_file)
         dist.barrier()
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from slime.weight_sync.adapter import is_adapter_name, push_adapter
 from slime.weight_sync.push import DiskPush, EnginePush, push_weights
 
 
@@ -53,4 +54,18 @@ def update_weights(
         return push_weights(full_state(model), route, weight_version, buffer_size)
     finally:
         # Other ranks wait here so that no rank starts training while engines are still loading.
+        dist.barrier()
+
+
+def update_adapter(model: torch.nn.Module, engines: Sequence[Any], weight_version: int | str, config: dict) -> int:
+    """Collective, with LoRA: every rank gathers the adapter tensors only (the base is frozen: the engines keep
+    theirs), rank 0 loads them into every engine as one adapter (`push_adapter`), then a barrier. Returns the bytes
+    sent per engine (0 off rank 0)."""
+    with torch.no_grad():
+        named = [(name, full_tensor(t)) for name, t in model.state_dict().items() if is_adapter_name(name)]
+    try:
+        if dist.get_rank() == 0 and engines:
+            return push_adapter(named, engines, config, str(weight_version))
+        return 0
+    finally:
         dist.barrier()

@@ -46,6 +46,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from slime.backends.hf_engine.auth import API_KEY_ENV, APIKeyMiddleware
+from slime.backends.hf_engine.lora import MergedAdapter, add_lora_routes
 from slime.backends.hf_engine.release import WeightMemory
 from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
 from slime.backends.hf_engine.weight_checker import WeightChecker
@@ -87,6 +88,7 @@ class EngineState:
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.params.update(dict(model.named_buffers(remove_duplicate=False)))
         self.weight_checker = WeightChecker(self.params)  # POST /weights_checker (--check-weight-update-equal)
+        self.adapter = MergedAdapter(model)  # a LoRA adapter merged into the weights (lora.py)
 
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]], source: str) -> int:
         """Copy tensors into the model by name (dtype/device cast); all-or-nothing on bad names/shapes."""
@@ -107,6 +109,7 @@ class EngineState:
             with self.scheduler.exclusive(), torch.no_grad():
                 for name, tensor in named:
                     self.params[name].copy_(tensor)
+                self.adapter.forget_base()  # loaded weights are the new base; a merged adapter went with the old
             self._note_loaded([self.params[name] for name, _ in named])
         return len(named)
 
@@ -320,6 +323,7 @@ def build_app(state: EngineState, api_key: str | None = None) -> FastAPI:
         running, waiting = sched.counts()
         return {"model_path": state.model_path, "tokenizer_path": state.model_path, "version": ENGINE_VERSION,
                 "engine": "hf", "device": state.device, "dtype": state.dtype,
+                "lora_adapter": state.adapter.summary(),  # the merged LoRA adapter, or None (lora.py)
                 "max_running_requests": sched.max_running_requests, "random_seed": sched.random_seed,
                 "enable_deterministic_inference": sched.deterministic,
                 "weight_version": state.weight_version, "num_running_reqs": running, "num_waiting_reqs": waiting,
@@ -418,6 +422,8 @@ def build_app(state: EngineState, api_key: str | None = None) -> FastAPI:
             return _error(400, str(e))
         await run_in_threadpool(_resume, state, tags)
         return {"success": True, "message": f"resumed {sorted(tags)}", "released_tags": sorted(state.released)}
+
+    add_lora_routes(app, state, check_weight_dir)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(http: HTTPRequest):

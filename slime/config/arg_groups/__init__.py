@@ -16,6 +16,7 @@ from slime.config.arg_groups import (
     eval,
     fault_tolerance,
     logging,
+    lora,
     not_built,
     reward,
     rollout,
@@ -38,6 +39,7 @@ ADD_ORDER = [
     debug.add_debug_arguments,
     fault_tolerance.add_fault_tolerance_arguments,
     weight_update.add_weight_update_arguments,
+    lora.add_lora_arguments,
     not_built.add_not_built_arguments,
 ]
 
@@ -50,6 +52,7 @@ VALIDATE_ORDER = [
     sglang.validate_sglang,
     data.validate_data,
     rollout.validate_rollout,
+    lora.validate_lora,
     eval.validate_eval,
     algorithm.validate_algorithm,
     reward.validate_reward,

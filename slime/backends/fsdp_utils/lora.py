@@ -1,0 +1,178 @@
+"""LoRA layers for the fsdp trainer: `LoRALinear` in place of the target `nn.Linear`s of a transformers model.
+
+A wrapped layer computes `x W^T + b + (alpha / r) · (x A^T) B^T`. It keeps the original layer's `weight` and `bias`
+as its own parameters (frozen), so the model's state dict keeps every HF name, and adds `lora_A.weight` (r × in,
+Kaiming-uniform as PEFT initialises it) and `lora_B.weight` (out × r, zeros: at step 0 the model is exactly the
+base model). These suffixes are PEFT's, so `adapter_state` is a PEFT adapter's tensors under the model's own
+module names (`peft_names` adds PEFT's `base_model.model.` prefix).
+
+Assumed: dropout 0 (validation refuses more; every forward here runs without dropout), one adapter per model.
+`all-linear` leaves the LM head (the model's output embeddings) out, as PEFT's does; naming it adapts it, unless it is
+tied to the input embeddings (an engine merging the adapter would change the embeddings too: refused).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from slime.weight_sync.adapter import PEFT_PREFIX, is_adapter_name
+
+ALL_LINEAR = "all-linear"
+ADAPTER_DIR = "adapter"  # an fsdp save's iteration folder: the PEFT adapter beside the base model's HF files
+
+
+def module_names(text: str | None) -> list[str]:
+    """`--target-modules "q_proj, v_proj"` -> `["q_proj", "v_proj"]`."""
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.weight.requires_grad_(False)
+        self.bias = base.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, **kw)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, **kw)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(x)) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, r={self.rank}, alpha={self.alpha}"
+
+
+def target_names(model: nn.Module, target_modules: str, exclude_modules: str | None = None) -> list[str]:
+    """Full names of the `nn.Linear` modules `--target-modules` / `--exclude-modules` select (by the last part of
+    the name; `all-linear`: every one but the LM head, which is adapted only when named and untied). A given name
+    that matches no linear layer is an error naming the ones there are."""
+    head = model.get_output_embeddings()
+    wanted, excluded = module_names(target_modules), module_names(exclude_modules)
+    # all-linear leaves the LM head out (as PEFT does); naming it adapts it
+    linears = {name: m for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and (m is not head or name.rsplit(".", 1)[-1] in wanted)}
+    short = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+    for flag, names in (("--target-modules", [n for n in wanted if n != ALL_LINEAR]), ("--exclude-modules", excluded)):
+        unknown = [n for n in names if n not in short]
+        if unknown:
+            raise ValueError(f"{flag} {','.join(names)}: no linear layer named {unknown} in this model; its linear "
+                             f"layers are {short}")
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    named_head = [name for name, m in linears.items() if m is head]
+    if named_head and tied:
+        raise ValueError(f"--target-modules {target_modules}: {named_head[0]} shares its weight with the input "
+                         "embeddings (tie_word_embeddings); an adapter merged into it would change them too; leave it "
+                         "out")
+    chosen = [name for name in linears
+              if (ALL_LINEAR in wanted or name.rsplit(".", 1)[-1] in wanted) and name.rsplit(".", 1)[-1] not in excluded]
+    if not chosen:
+        raise ValueError(f"--target-modules {target_modules} minus --exclude-modules {exclude_modules} leaves no "
+                         "linear layer to adapt; exclude fewer")
+    return chosen
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: str,
+               exclude_modules: str | None = None) -> list[str]:
+    """Freeze every parameter of `model` and put a `LoRALinear` in place of each target layer (before FSDP wraps
+    the model). Returns the adapted modules' names."""
+    model.requires_grad_(False)
+    names = target_names(model, target_modules, exclude_modules)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, LoRALinear(getattr(parent, child), rank, alpha))
+    return names
+
+
+def adapter_config(args: Any, modules: list[str]) -> dict:
+    """PEFT's adapter_config.json fields for this run's adapter (what SGLang's LoRA loader reads)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.lora_rank, "lora_alpha": args.lora_alpha,
+            "lora_dropout": args.lora_dropout, "bias": "none", "base_model_name_or_path": args.hf_checkpoint,
+            "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules})}
+
+
+def peft_names(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {PEFT_PREFIX + name: t for name, t in named.items()}
+
+
+def load_adapter_folder(model: nn.Module, path: str) -> int:
+    """Copy a PEFT adapter folder's tensors (adapter_model.safetensors) into the model's LoRA layers, before FSDP
+    wraps it; every adapter tensor of the model must be there, with its shape. Returns the tensors loaded."""
+    file = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"--lora-adapter-path {path}: no adapter_model.safetensors there (a PEFT adapter "
+                                "folder holds it and adapter_config.json)")
+    loaded = {name.removeprefix(PEFT_PREFIX): t for name, t in load_file(file).items()}
+    params = {n: p for n, p in model.named_parameters() if is_adapter_name(n)}
+    missing = sorted(set(params) - set(loaded))
+    if missing:
+        raise ValueError(f"--lora-adapter-path {path}: {len(missing)} adapter tensor(s) of this run are not in the "
+                         f"folder, e.g. {missing[:3]}; its --target-modules must match the adapter's")
+    bad = [f"{n}: {tuple(loaded[n].shape)} vs {tuple(p.shape)}" for n, p in params.items()
+           if tuple(loaded[n].shape) != tuple(p.shape)]
+    if bad:
+        raise ValueError(f"--lora-adapter-path {path}: shapes differ from --lora-rank {bad[:3]}")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(loaded[n])
+    return len(params)
+
+
+def write_adapter_folder(state: dict[str, torch.Tensor], config: dict, path: str) -> int:
+    """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) from the adapter tensors of a full
+    state dict; returns the bytes of tensors written."""
+    adapter = {n: t.contiguous() for n, t in peft_names({n: t for n, t in state.items() if is_adapter_name(n)}).items()}
+    os.makedirs(path, exist_ok=True)
+    save_file(adapter, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return sum(t.numel() * t.element_size() for t in adapter.values())
+
+
+def lora_folder_writer(config: dict, write_hf_folder: Callable) -> Callable:
+    """`save_checkpoint`'s `write_folder` for a LoRA model: the base model's HF folder (loadable as it was) and the
+    PEFT adapter in its `adapter/` subfolder."""
+
+    def write(model, state, path, hf_checkpoint):
+        write_hf_folder(model, {n: t for n, t in state.items() if not is_adapter_name(n)}, path, hf_checkpoint)
+        write_adapter_folder(state, config, os.path.join(path, ADAPTER_DIR))
+
+    return write
+
+
+def export_merged(iteration_folder: str, weights_file: str, adapter_out: str) -> None:
+    """--save-hf with LoRA: the saved iteration's base weights with its adapter merged in (`W + (alpha / r) B A`,
+    what the engines serve) written to `weights_file`, and the PEFT adapter folder copied to `adapter_out`."""
+    adapter_dir = os.path.join(iteration_folder, ADAPTER_DIR)
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        config = json.load(f)
+    scaling = config["lora_alpha"] / config["r"]
+    state = load_file(os.path.join(iteration_folder, "model.safetensors"))
+    adapter = {n.removeprefix(PEFT_PREFIX): t for n, t in load_file(os.path.join(adapter_dir,
+                                                                                  "adapter_model.safetensors")).items()}
+    for name, a in adapter.items():
+        if name.endswith(".lora_A.weight"):
+            module = name[: -len(".lora_A.weight")]
+            b = adapter[module + ".lora_B.weight"]
+            state[module + ".weight"] = state[module + ".weight"] + scaling * (b @ a)
+    save_file(state, weights_file, metadata={"format": "pt"})
+    os.makedirs(adapter_out, exist_ok=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(os.path.join(adapter_dir, name), os.path.join(adapter_out, name))

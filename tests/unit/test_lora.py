@@ -1,0 +1,179 @@
+"""LoRA: the flags' validation, the trainer's LoRALinear layers, the PEFT folder round trip and the hf engine's
+merged adapter (docs/lora.md)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from slime.backends.fsdp_utils import lora
+from slime.backends.fsdp_utils.parallel import make_optimizer
+from slime.backends.hf_engine.lora import MergedAdapter, read_adapter_folder
+from slime.utils.errors import SlimeArgumentError
+from slime.weight_sync.adapter import is_adapter_name, module_of
+from tests.args import make_args
+
+LORA = ("--lora-rank", "8", "--lora-alpha", "16", "--target-modules", "all-linear")
+
+
+# ---- flags ----------------------------------------------------------------------------------------------------
+def test_lora_flags_parse_and_default_off():
+    assert make_args().lora_rank == 0
+    args = make_args(*LORA, "--exclude-modules", "down_proj")
+    assert (args.lora_rank, args.lora_alpha, args.target_modules, args.exclude_modules) == (8, 16, "all-linear",
+                                                                                            "down_proj")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--lora-rank", "8"), "needs --target-modules"),
+    (("--lora-rank", "-1", "--target-modules", "q_proj"), "--lora-rank -1"),
+    ((*LORA, "--lora-dropout", "0.05"), "--lora-dropout 0.05"),
+    ((*LORA, "--lora-alpha", "0"), "--lora-alpha 0"),
+    (("--lora-rank", "8", "--target-modules", "all-linear,q_proj"), "all-linear stands alone"),
+    ((*LORA, "--only-train-params-name-list", "q_proj"), "drop the name lists"),
+    ((*LORA, "--update-weight-transport", "disk", "--update-weight-disk-dir", "/tmp/x"), "pushed as tensors"),
+    (("--lora-type", "canonical_lora"), "--lora-type canonical_lora"),
+    (("--lora-train-only",), "--lora-train-only"),
+    (("--multi-lora-n-adapters", "2"), "multi-LoRA"),
+])
+def test_lora_flags_refused_with_the_fix(extra, message):
+    with pytest.raises(SlimeArgumentError, match=message):
+        make_args(*extra)
+
+
+def test_lora_refused_on_megatron_naming_fsdp():
+    with pytest.raises(SlimeArgumentError, match="pass --train-backend fsdp"):
+        make_args(*LORA, "--train-backend", "megatron")
+
+
+# ---- trainer layers -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def base_model(tiny_model_dir):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def _lora_model(base_model, targets="all-linear", exclude=None, rank=8, alpha=16):
+    model = copy.deepcopy(base_model)
+    names = lora.apply_lora(model, rank, alpha, targets, exclude)
+    return model, names
+
+
+def _tokens(model, n=12):
+    return torch.randint(0, model.config.vocab_size, (2, n), generator=torch.Generator().manual_seed(1))
+
+
+def test_lora_model_equals_base_at_init(base_model):
+    model, names = _lora_model(base_model)
+    kinds = {n.rsplit(".", 1)[-1] for n in names}
+    assert kinds == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert "lm_head" not in " ".join(names)
+    x = _tokens(model)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, base_model(x).logits)
+
+
+def test_only_adapter_parameters_train(base_model, tiny_model_dir):
+    model, names = _lora_model(base_model, targets="q_proj,v_proj")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"{m}.lora_{h}.weight" for m in names for h in "AB"}
+    assert all(is_adapter_name(n) for n in trainable)
+    # HF names of the base are unchanged, so checkpoints and the reference model read the same state dict
+    assert set(base_model.state_dict()) <= set(model.state_dict())
+    model(_tokens(model)).logits.float().pow(2).mean().backward()
+    for name, p in model.named_parameters():
+        if name in trainable:
+            assert p.grad is not None
+        else:
+            assert p.grad is None, name
+    # B = 0 at init: A's gradient is zero, B's is not
+    a, b = (model.get_submodule(names[0]).lora_A.weight, model.get_submodule(names[0]).lora_B.weight)
+    assert torch.count_nonzero(a.grad) == 0 and torch.count_nonzero(b.grad) > 0
+    optimizer = make_optimizer(model, make_args(*LORA, hf_checkpoint=tiny_model_dir), 1e-3)
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert held == {id(p) for n, p in model.named_parameters() if n in trainable}
+
+
+def test_target_and_exclude_modules(base_model):
+    _, names = _lora_model(base_model, exclude="down_proj,o_proj")
+    assert not any(n.endswith(("down_proj", "o_proj")) for n in names) and any(n.endswith("up_proj") for n in names)
+    with pytest.raises(ValueError, match=r"no linear layer named \['qkv'\].*q_proj"):
+        _lora_model(base_model, targets="qkv")
+    _, with_head = _lora_model(base_model, targets="q_proj,lm_head")  # the tiny model's head is untied
+    assert "lm_head" in with_head and len(with_head) == 1 + base_model.config.num_hidden_layers
+    with pytest.raises(ValueError, match="leaves no linear layer"):
+        _lora_model(base_model, targets="q_proj", exclude="q_proj")
+
+
+def _trained(model, seed=3):
+    """Non-zero adapters, as after some training."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if is_adapter_name(n):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def test_peft_folder_round_trip(base_model, tmp_path, tiny_model_dir):
+    model, names = _lora_model(base_model)
+    _trained(model)
+    config = lora.adapter_config(make_args(*LORA, hf_checkpoint=tiny_model_dir), names)
+    nbytes = lora.write_adapter_folder(model.state_dict(), config, str(tmp_path))
+    named, read_config = read_adapter_folder(str(tmp_path))
+    assert read_config["r"] == 8 and read_config["lora_alpha"] == 16 and read_config["peft_type"] == "LORA"
+    assert all(n.startswith("base_model.model.model.layers.") for n, _ in named)
+    assert nbytes == sum(p.numel() * 4 for n, p in model.named_parameters() if is_adapter_name(n))
+    fresh, _ = _lora_model(base_model)
+    assert lora.load_adapter_folder(fresh, str(tmp_path)) == 2 * len(names)
+    x = _tokens(model)
+    with torch.no_grad():
+        assert torch.equal(fresh(x).logits, model(x).logits)
+    other_rank, _ = _lora_model(base_model, rank=4)
+    with pytest.raises(ValueError, match="shapes differ"):
+        lora.load_adapter_folder(other_rank, str(tmp_path))
+
+
+# ---- engine side ----------------------------------------------------------------------------------------------
+def test_engine_merge_equals_the_lora_forward(base_model):
+    model, _ = _lora_model(base_model)
+    _trained(model)
+    engine_model = copy.deepcopy(base_model)
+    merged = MergedAdapter(engine_model)
+    named = [(lora.PEFT_PREFIX + n, t) for n, t in model.state_dict().items() if is_adapter_name(n)]
+    config = {"r": 8, "lora_alpha": 16}
+    x = _tokens(model)
+    with torch.no_grad():
+        want = model(x).logits
+        merged.load("a", named, config, "test")
+        assert torch.allclose(engine_model(x).logits, want, atol=1e-5)
+        merged.load("a", named, config, "test")  # a second push recomputes from the base: no accumulation
+        assert torch.allclose(engine_model(x).logits, want, atol=1e-5)
+        assert merged.summary()["tensors"] == len(named)
+        merged.restore()
+        assert torch.equal(engine_model(x).logits, base_model(x).logits)
+
+
+def test_engine_refuses_a_bad_adapter_and_changes_nothing(base_model):
+    engine_model = copy.deepcopy(base_model)
+    merged = MergedAdapter(engine_model)
+    a = torch.zeros(8, engine_model.config.hidden_size)
+    b = torch.ones(engine_model.config.hidden_size, 8)
+    good = ("model.layers.0.self_attn.q_proj.lora_A.weight", a)
+    with pytest.raises(ValueError, match="only lora_A"):
+        merged.load("a", [good], {"r": 8, "lora_alpha": 16}, "t")
+    with pytest.raises(ValueError, match="expected"):
+        merged.load("a", [good, ("model.layers.0.self_attn.q_proj.lora_B.weight", b[:, :4])], {"r": 8,
+                                                                                                "lora_alpha": 16}, "t")
+    with pytest.raises(ValueError, match="no module"):
+        merged.load("a", [("model.layers.99.q_proj.lora_A.weight", a)], {"r": 8, "lora_alpha": 16}, "t")
+    with pytest.raises(ValueError, match="'r'"):
+        merged.load("a", [good], {"lora_alpha": 16}, "t")
+    assert merged.name is None
+    for (n, p), q in zip(engine_model.named_parameters(), base_model.parameters()):
+        assert torch.equal(p, q), n
+    assert module_of("base_model.model.model.layers.0.mlp.up_proj.lora_B.weight") == ("model.layers.0.mlp.up_proj",
+                                                                                       "B")
