@@ -174,3 +174,12 @@ def test_text_only_model_refuses_image_data(tiny_model_dir):
     with pytest.raises(ValueError, match="is text-only"):
         parse_generate({"input_ids": [1, 2, 3], "image_data": ["data:image/png;base64,AAAA"]}, state)
     assert parse_generate({"input_ids": [1, 2, 3]}, state)[0][0].vision is None
+
+
+def test_vision_models_take_the_dynamic_cache(vlm, tiny_model_dir):
+    from slime.backends.hf_engine.scheduler import Scheduler
+    from slime.backends.hf_engine.server import load_model
+
+    for path, expected in [(vlm, "dynamic"), (tiny_model_dir, "slots")]:
+        model, tokenizer = load_model(path, "float32", "cpu")
+        assert Scheduler(model, tokenizer, kv_cache="slots", cuda_graphs=False).kv_cache == expected, path
