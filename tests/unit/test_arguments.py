@@ -524,6 +524,8 @@ def test_rm_type_check_logic(monkeypatch):
      "--multimodal-keys {\"image\": \"img\"}: not supported here yet: the sglang engines are not sent the images"),
     (["--multimodal-keys", '{"video": "v"}', "--train-backend", "fsdp", "--rollout-backend", "hf"],
      "media types ['video']: images only"),
+    (["--multimodal-keys", '{"image": "i"}', "--train-backend", "fsdp", "--rollout-backend", "hf",
+      "--advantage-estimator", "ppo"], "--advantage-estimator ppo trains a critic, a text-only value model"),
     (["--train-backend", "megatron", "--ckpt-format", "torch"], "--ckpt-format torch: the megatron backend"),
     (["--model-name", "nosuchfamily"], "--model-name nosuchfamily: no HF <-> Megatron weight converter"),
 ])  # fmt: skip

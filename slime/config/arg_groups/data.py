@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 
+from slime.algorithm.estimators import ESTIMATORS, estimator_of
 from slime.config.arg_groups._common import (
     SlimeArgumentError,
     fail,
@@ -153,6 +154,10 @@ def validate_data(args: argparse.Namespace) -> None:
             refuse("multimodal_keys", json.dumps(args.multimodal_keys),
                    f"the {engine.name} engines are not sent the images here (only the hf engine's image_data path "
                    "is built and tested)", "use --rollout-backend hf with --train-backend fsdp (docs/vlm.md)")
+        if args.advantage_estimator in ESTIMATORS and estimator_of(args).needs_critic:
+            refuse("multimodal_keys", json.dumps(args.multimodal_keys),
+                   f"--advantage-estimator {args.advantage_estimator} trains a critic, a text-only value model",
+                   "use a critic-free estimator (grpo, gspo, reinforce_plus_plus, ...) with images")
         unknown = sorted(set(args.multimodal_keys) - {"image"})
         if unknown:
             refuse("multimodal_keys", json.dumps(args.multimodal_keys), f"media types {unknown}: images only",
