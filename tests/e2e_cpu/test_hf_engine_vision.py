@@ -155,6 +155,7 @@ def test_bad_image_requests_answer_400(url, processor):
         (dict(text=text, image_data="https://example.com/cat.png"), "fetches no URLs"),
         (dict(input_ids=processor.tokenizer(text)["input_ids"] * 2, image_data=[data]), "runs of image tokens"),
         (dict(text=text + text, image_data=[data]), "2 image placeholder(s)"),
+        (dict(text=text), "holds image tokens (id"),
         (dict(text=[text, text], image_data=[data]), "image_data has 1 entries but the batch has 2"),
     ]
     for body, message in cases:

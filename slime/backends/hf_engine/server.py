@@ -191,6 +191,9 @@ def parse_generate(body: dict, state: EngineState) -> tuple[list[Request], bool]
         if items:
             prompts[i], vision[i] = image_inputs(state.processor, items, text=texts[i],
                                                  input_ids=None if texts[i] is not None else prompts[i])
+        elif state.processor is not None and state.processor.image_token_id in prompts[i]:
+            raise ValueError(f"prompt {i} holds image tokens (id {state.processor.image_token_id}) but no image_data "
+                             "was sent for it; send its images in image_data")
     params = _per_item(body.get("sampling_params") or {}, n, "sampling_params")
     return_logprob = _per_item(body.get("return_logprob") or False, n, "return_logprob")
     start = body.get("logprob_start_len", -1)
