@@ -4,6 +4,7 @@ engine from images (slime's request: text + image_data), trained one step and pu
 Rank 0 writes <out>/result.json: the rollout (engine) log-probs, the trainer's log-probs of the same rows before
 training, the metrics of one train step, and the engine's and trainer's log-probs after the weight push.
 Rows 0-5 have an image each (three colours x 2 samples); rows 6-7 are text only (a micro-batch mixing both).
+Row 5's response holds an image token the policy sampled (its seed is the first from 1000 that gives one).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tests.args import make_args as validated_args
 from tests.e2e_cpu.ranks import worker_parser, write_result
 
 COLOURS = [(255, 0, 0), (0, 200, 0), (0, 0, 255)]
+IMAGE_TOKEN: list[int] = []  # the processor's image token id, set in rollout()
 SAMPLING = {"temperature": 1.0, "max_new_tokens": 5, "ignore_eos": True}
 
 
@@ -35,6 +37,7 @@ def messages(with_image: bool) -> list[dict]:
 def rollout(url: str, processor) -> tuple[TrainBatch, list]:
     from PIL import Image
 
+    IMAGE_TOKEN.append(processor.image_token_id)
     tokens, lengths, lps, images, engine_images = [], [], [], [], []
     for i in range(8):
         with_image = i < 6
@@ -52,6 +55,11 @@ def rollout(url: str, processor) -> tuple[TrainBatch, list]:
             images.append(None)
             engine_images.append(None)
         out = httpx.post(url + "/generate", json=body, timeout=60).json()
+        seed = 1000
+        while i == 5 and processor.image_token_id not in out["output_ids"]:
+            body["sampling_params"]["sampling_seed"] = seed
+            out = httpx.post(url + "/generate", json=body, timeout=60).json()
+            seed += 1
         assert out["meta_info"]["prompt_tokens"] == len(prompt), (out["meta_info"], len(prompt))
         tokens.append(prompt + out["output_ids"])
         lengths.append(len(out["output_ids"]))
@@ -67,6 +75,9 @@ def rollout(url: str, processor) -> tuple[TrainBatch, list]:
 def engine_scores(url: str, batch: TrainBatch, engine_images: list) -> list[list[float]]:
     out = []
     for toks, n, data in zip(batch.tokens, batch.response_lengths, engine_images):
+        if data and sum(1 for t in toks[-n:] if t == IMAGE_TOKEN[0]):
+            out.append(None)  # the engine takes image tokens only where the images go
+            continue
         body = {"input_ids": toks, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
                 "logprob_start_len": 0, **({"image_data": data} if data else {})}
         meta = httpx.post(url + "/generate", json=body, timeout=60).json()["meta_info"]
@@ -105,6 +116,8 @@ def main() -> None:
         actor.update_weights([engine], weight_version=1)
         result["engine_lp_after_push"] = engine_scores(url, batch, engine_images)
         result["engine_weight_version"] = engine.get_weight_version()
+        result["stray_image_tokens"] = [sum(1 for t in toks[-n:] if t == IMAGE_TOKEN[0])
+                                        for toks, n in zip(batch.tokens, batch.response_lengths)]
         result["grid"] = [None if x is None else x["image_grid_thw"].tolist() for x in batch.multimodal_train_inputs]
         write_result(cli, result)
         actor.shutdown()

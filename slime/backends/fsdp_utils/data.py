@@ -76,12 +76,41 @@ def forward_logits(model: torch.nn.Module, mb: MicroBatch, all_positions: bool =
     if supports_logits_to_keep(model) and not all_positions:
         offset = mb.first_predicting_position()
         kwargs["logits_to_keep"] = mb.input_ids.shape[1] - offset
+    input_ids, stray = mb.input_ids, None
     if images is not None:
         image_token = model.config.image_token_id
+        input_ids, stray = _hide_response_image_tokens(mb, image_token)
         kwargs.update(pixel_values=images["pixel_values"].to(model.dtype), image_grid_thw=images["image_grid_thw"],
-                      mm_token_type_ids=(mb.input_ids == image_token).int())
-    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, **kwargs)
+                      mm_token_type_ids=(input_ids == image_token).int())
+    if stray is None:
+        out = model(input_ids=input_ids, attention_mask=mb.attention_mask, use_cache=False, **kwargs)
+        return out.logits, offset
+    # The engine fed a sampled image token back as the token's own embedding at a 1-D position: the model sees
+    # a stand-in id there (so only the prompt's image tokens take image features) and the embedding is put back.
+    embedding = model.get_input_embeddings()
+
+    def restore(module, args, output):
+        own = torch.nn.functional.embedding(torch.full_like(input_ids, image_token), module.weight)
+        return torch.where(stray.unsqueeze(-1), own.to(output.dtype), output)
+
+    handle = embedding.register_forward_hook(restore)
+    try:
+        out = model(input_ids=input_ids, attention_mask=mb.attention_mask, use_cache=False, **kwargs)
+    finally:
+        handle.remove()
     return out.logits, offset
+
+
+def _hide_response_image_tokens(mb: MicroBatch, image_token: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`mb.input_ids` with image tokens the policy sampled in a response (a tiny or young model may) replaced by a
+    stand-in id, and where they were (None: there are none). Only a prompt's image tokens are image placeholders."""
+    ids = mb.input_ids
+    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    starts = torch.as_tensor(mb.response_starts, device=ids.device).unsqueeze(1)
+    stray = (ids == image_token) & (positions >= starts)
+    if not bool(stray.any()):
+        return ids, None
+    return ids.masked_fill(stray, 0 if image_token != 0 else 1), stray
 
 
 def forward_response_log_probs(
