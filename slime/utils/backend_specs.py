@@ -36,6 +36,8 @@ class TrainBackendSpec:
     bf16_by_default_on_gpu: bool
     # Runs only on GPUs (a CPU run is warned: megatron-core runs without CUDA only through the test shim).
     expects_cuda: bool
+    # Trains LoRA adapters on a frozen base (--lora-rank > 0; docs/lora.md).
+    trains_lora: bool = False
     # Trains vision-language models on rows with images (--multimodal-keys: the vision tower in the forward).
     takes_images: bool = False
 
@@ -61,6 +63,8 @@ class EngineSpec:
     kv_cache: str | None
     # Sampling settings the engine does not implement: (field, value that means "off").
     unsupported_sampling: tuple[tuple[str, float], ...] = ()
+    # Serves a LoRA adapter pushed as tensors (/load_lora_adapter_from_tensors; docs/lora.md).
+    serves_lora: bool = False
     # Is sent the rows' images (--multimodal-keys) as /generate's image_data by the rollout, and serves them.
     takes_images: bool = False
 
@@ -72,7 +76,8 @@ TRAIN_BACKEND_SPECS: dict[str, TrainBackendSpec] = {
     ),
     "fsdp": TrainBackendSpec(
         name="fsdp", model_from_megatron_flags=False, megatron_parallelism=False, checkpoint_format="hf",
-        has_critic=True, memory_model="fsdp", bf16_by_default_on_gpu=False, expects_cuda=False, takes_images=True,
+        has_critic=True, memory_model="fsdp", bf16_by_default_on_gpu=False, expects_cuda=False,
+        trains_lora=True, takes_images=True,
     ),
 }  # fmt: skip
 
@@ -84,7 +89,8 @@ ENGINE_SPECS: dict[str, EngineSpec] = {
     "hf": EngineSpec(
         name="hf", launched=True, needs_cuda=False, tensor_parallel=False, spans_nodes=False,
         takes_sglang_server_args=False, kv_cache="slots",
-        unsupported_sampling=(("min_new_tokens", 0), ("repetition_penalty", 1.0)), takes_images=True,
+        unsupported_sampling=(("min_new_tokens", 0), ("repetition_penalty", 1.0)), serves_lora=True,
+        takes_images=True,
     ),
 }  # fmt: skip
 

@@ -38,6 +38,7 @@ def test_lora_flags_parse_and_default_off():
     (("--lora-type", "canonical_lora"), "--lora-type canonical_lora"),
     (("--lora-train-only",), "--lora-train-only"),
     (("--multi-lora-n-adapters", "2"), "multi-LoRA"),
+    ((*LORA, "--rollout-backend", "sglang"), "not built for sglang engines; pass --rollout-backend hf"),
 ])
 def test_lora_flags_refused_with_the_fix(extra, message):
     with pytest.raises(SlimeArgumentError, match=message):

@@ -14,6 +14,7 @@ import logging
 
 from slime.backends.fsdp_utils.lora import ALL_LINEAR, module_names
 from slime.config.arg_groups._common import fail
+from slime.utils.backend_specs import ENGINE_SPECS, TRAIN_BACKEND_SPECS, engine_spec, train_spec
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +87,10 @@ def validate_lora(args: argparse.Namespace) -> None:
             logger.warning("%s: LoRA is off (--lora-rank 0), so they have no effect; pass --lora-rank R to train "
                            "adapters.", ", ".join(given))
         return
-    if args.train_backend != "fsdp":
-        fail(f"--lora-rank {args.lora_rank}: LoRA is built for the fsdp trainer only (got --train-backend "
-             f"{args.train_backend}); pass --train-backend fsdp.")
+    if not train_spec(args).trains_lora:
+        trainers = [name for name, spec in TRAIN_BACKEND_SPECS.items() if spec.trains_lora]
+        fail(f"--lora-rank {args.lora_rank}: LoRA is not built for --train-backend {args.train_backend}; pass "
+             f"--train-backend {' or '.join(trainers)}.")
     if not module_names(args.target_modules):
         fail(f"--lora-rank {args.lora_rank} needs --target-modules: all-linear or comma-separated module names "
              "(e.g. q_proj,k_proj,v_proj,o_proj).")
@@ -114,6 +116,7 @@ def validate_lora(args: argparse.Namespace) -> None:
         fail(f"--lora-rank {args.lora_rank} with --colocate: colocated engines free their weights between rollouts "
              "and a LoRA push sends only the adapter, not the base they would need back; run the engines on their "
              "own GPUs (drop --colocate).")
-    if args.rollout_backend != "hf":
-        fail(f"--lora-rank {args.lora_rank}: serving the adapter is built for the hf engine only (got "
-             f"--rollout-backend {args.rollout_backend}); pass --rollout-backend hf.")
+    if not engine_spec(args).serves_lora:
+        engines = [name for name, spec in ENGINE_SPECS.items() if spec.serves_lora]
+        fail(f"--lora-rank {args.lora_rank}: serving the adapter is not built for {engine_spec(args).name} engines; "
+             f"pass --rollout-backend {' or '.join(engines)}.")
