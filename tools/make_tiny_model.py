@@ -3,7 +3,12 @@
 The folder holds config.json, model.safetensors, generation_config.json and a word-level tokenizer
 (tokenizer.json + tokenizer_config.json with a Qwen-style chat template). The architecture is a real
 transformers one (Qwen3 by default; also qwen2, llama, qwen3_moe, glm4, glm4_moe, deepseek_v3 for the
-HF<->Megatron converter tests) at a tiny size; everything is deterministic from --seed. Each arch has a
+HF<->Megatron converter tests) at a tiny size; `qwen2_5_vl` is a vision-language model (Qwen2.5-VL: a tiny
+ViT of 2 blocks with patch 14 and 2x2 merging, mrope text model) whose folder also holds its processor
+(preprocessor_config.json + processor chat template; the tokenizer gains Qwen's vision tokens
+<|vision_start|> <|image_pad|> <|vision_end|> <|video_pad|> and a few image words), loadable with
+`AutoProcessor.from_pretrained` offline. Its images are resized to 1..4 merged patches (at most 4 image tokens),
+and it has no video processor (that one needs torchvision); everything is deterministic from --seed. Each text arch has a
 matching `scripts/models/tiny-<arch>.sh` with its Megatron flags (for --size tiny).
 
 `build_tokenizer(out, chat_template=...)` can instead write a tokenizer with a Qwen3, GLM-4 or Llama-3 style
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<think>", "</think>",
                   "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -103,6 +109,24 @@ LLAMA3_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
 )
+# Qwen2.5-VL's layout: an image content part renders as <|vision_start|><|image_pad|><|vision_end|>, which the
+# processor then expands to one <|image_pad|> per merged image patch.
+QWEN2_5_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# words of the toy visual tasks, in the vision tokenizer only (the text models' vocabulary stays as it was)
+VISION_WORDS = "image picture fills fill shown shows colours colors".split()
 CHAT_TEMPLATES = {
     # family: (template, extra special tokens, eos token)
     "default": (CHAT_TEMPLATE, [], "<|im_end|>"),
@@ -111,6 +135,7 @@ CHAT_TEMPLATES = {
              "<|endoftext|>"),
     "llama3": (LLAMA3_CHAT_TEMPLATE, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
                                       "<|eom_id|>"], "<|eot_id|>"),
+    "qwen2_5_vl": (QWEN2_5_VL_CHAT_TEMPLATE, VISION_TOKENS, "<|im_end|>"),
 }
 
 SIZES = {
@@ -123,6 +148,12 @@ SIZES = {
 MOE = (4, 2, 64, 64)
 MLA = (64, 32, 16, 8, 16)
 ARCHS = ["qwen3", "qwen2", "llama", "qwen3_moe", "glm4", "glm4_moe", "deepseek_v3"]
+# vision-language archs: no Megatron script or converter (the Megatron trainer takes text only)
+VISION_ARCHS = ["qwen2_5_vl"]
+# tiny vision tower of qwen2_5_vl: (depth, hidden, heads, intermediate); patch 14, 2x2 merge as the real one
+VISION = (2, 32, 2, 64)
+# images are resized to between 1 and 4 merged patches of 28x28 pixels: at most 4 image tokens on CPU
+IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 28 * 28, 4 * 28 * 28
 
 
 def build_vocab() -> list[str]:
@@ -144,6 +175,8 @@ def build_tokenizer(out: str, chat_template: str = "default"):
     template, extra_special, eos = CHAT_TEMPLATES[chat_template]
     special = SPECIAL_TOKENS + extra_special
     vocab = build_vocab() + extra_special
+    if chat_template == "qwen2_5_vl":
+        vocab += [w for w in VISION_WORDS if w not in vocab]
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -223,24 +256,72 @@ def build_config(arch: str, size: str, vocab_size: int, tokenizer):
                                 num_experts_per_tok=topk, moe_intermediate_size=moe_ffn,
                                 n_shared_experts=shared_ffn // moe_ffn, first_k_dense_replace=1, n_group=1,
                                 topk_group=1, routed_scaling_factor=1.0, **common)  # fmt: skip
-    raise ValueError(f"--arch {arch}: supported architectures are {', '.join(ARCHS)}")
+    if arch == "qwen2_5_vl":
+        return _qwen2_5_vl_config(common, head_dim, tokenizer)
+    raise ValueError(f"--arch {arch}: supported architectures are {', '.join(ARCHS + VISION_ARCHS)}")
+
+
+def _qwen2_5_vl_config(common: dict, head_dim: int, tokenizer):
+    """Qwen2.5-VL: a Qwen2 text model with multimodal RoPE (mrope sections summing to head_dim / 2) and a
+    windowed-attention ViT whose last block attends globally."""
+    from transformers import Qwen2_5_VLConfig
+
+    depth, v_hidden, v_heads, v_inter = VISION
+    half = head_dim // 2
+    temporal = half // 4
+    sections = [temporal, (half - temporal) // 2, half - temporal - (half - temporal) // 2]
+    text = {k: v for k, v in common.items() if k not in ("rope_theta", "tie_word_embeddings")}
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": common["rope_theta"], "mrope_section": sections}
+    vision = dict(depth=depth, hidden_size=v_hidden, num_heads=v_heads, intermediate_size=v_inter,
+                  out_hidden_size=common["hidden_size"], patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                  window_size=112, fullatt_block_indexes=[depth - 1], initializer_range=0.02)
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in
+           [("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+
+
+def build_processor(out: str) -> None:
+    """Qwen2.5-VL's image processor config (preprocessor_config.json) and the folder's processor class
+    (tools/tiny_vlm/processing_tiny_qwen2_5_vl.py, named in processor_config.json's auto_map: the stock
+    Qwen2_5_VLProcessor cannot be built without torchvision, which its video processor needs)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    Qwen2VLImageProcessorPil(min_pixels=IMAGE_MIN_PIXELS, max_pixels=IMAGE_MAX_PIXELS, patch_size=14,
+                             merge_size=2, temporal_patch_size=2).save_pretrained(out)
+    module = "processing_tiny_qwen2_5_vl"
+    shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_vlm", module + ".py"), out)
+    auto = {"AutoProcessor": f"{module}.TinyQwen2_5_VLProcessor"}
+    with open(os.path.join(out, "processor_config.json"), "w") as f:
+        json.dump({"processor_class": "TinyQwen2_5_VLProcessor", "auto_map": auto}, f, indent=2)
+    # AutoProcessor reads auto_map from the image processor config too
+    path = os.path.join(out, "preprocessor_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**config, "auto_map": auto}, f, indent=2)
 
 
 def make_tiny_model(out: str, arch: str = "qwen3", size: str = "tiny", seed: int = 0) -> str:
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
     if size not in SIZES:
         raise ValueError(f"--size {size}: choose one of {sorted(SIZES)}")
     os.makedirs(out, exist_ok=True)
-    tokenizer = build_tokenizer(out)
+    vision = arch in VISION_ARCHS
+    tokenizer = build_tokenizer(out, chat_template="qwen2_5_vl" if vision else "default")
+    if vision:
+        build_processor(out)
     vocab_size = ((len(tokenizer) + 63) // 64) * 64
     config = build_config(arch, size, vocab_size, tokenizer)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
+    text_config = config.get_text_config()
     GenerationConfig(
-        eos_token_id=[config.eos_token_id, config.pad_token_id], pad_token_id=config.pad_token_id
+        eos_token_id=[text_config.eos_token_id, text_config.pad_token_id], pad_token_id=text_config.pad_token_id
     ).save_pretrained(out)
     n_params = sum(p.numel() for p in model.parameters())
     with open(os.path.join(out, "tiny_model_info.json"), "w") as f:
@@ -251,7 +332,7 @@ def make_tiny_model(out: str, arch: str = "qwen3", size: str = "tiny", seed: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--arch", default="qwen3", choices=ARCHS)
+    parser.add_argument("--arch", default="qwen3", choices=ARCHS + VISION_ARCHS)
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

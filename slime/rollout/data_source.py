@@ -28,7 +28,7 @@ import os
 from slime.utils.checkpoint_layout import data_source_state_path
 from slime.utils.data import Dataset, StreamingDataset
 from slime.utils.hooks import hooks_of
-from slime.utils.processing_utils import load_tokenizer
+from slime.utils.processing_utils import load_processor, load_tokenizer
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,10 @@ class RolloutDataSource(DataSource):
             tokenizer.save_pretrained(os.path.join(args.dump_details, "tokenizer"))
         common = {
             "tokenizer": tokenizer,
-            "processor": None,  # text only: --multimodal-keys is refused when the flags are validated
+            # with --multimodal-keys the rows' images are read for the model's processor (and count in
+            # --rollout-max-prompt-len as the image tokens they expand to)
+            "processor": load_processor(args.hf_checkpoint, trust_remote_code=True) if args.multimodal_keys else None,
+            "multimodal_keys": args.multimodal_keys,
             "max_length": args.rollout_max_prompt_len,
             "prompt_key": args.input_key,
             "label_key": args.label_key,

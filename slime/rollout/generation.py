@@ -41,7 +41,12 @@ from slime.rollout.sample_hooks import apply_rollout_sample_hooks, current_rollo
 from slime.utils.http_utils import HTTPRequestError, post
 from slime.utils.hooks import hooks_of, sample_hook
 from slime.utils.misc import SingletonMeta
-from slime.utils.processing_utils import load_processor, load_tokenizer
+from slime.utils.processing_utils import (
+    build_processor_kwargs,
+    encode_image_for_rollout_engine,
+    load_processor,
+    load_tokenizer,
+)
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -102,6 +107,17 @@ def get_tokenizer(args):
     return _load_tokenizer(args.hf_checkpoint)
 
 
+@functools.lru_cache(maxsize=4)
+def _load_processor(path: str):
+    return load_processor(path, trust_remote_code=True)
+
+
+def sample_images(sample: Sample) -> list:
+    """The sample's images (`Sample.multimodal_inputs["images"]`, read by the dataset), [] for a text sample."""
+    media = sample.multimodal_inputs or {}
+    return list(media.get("images") or [])
+
+
 def get_model_url(args, model_name: str, endpoint: str = "/generate") -> str:
     """URL of `endpoint` on the router serving `model_name` (slime's helper for rollouts that address several
     models): `args.sglang_model_routers[model_name]` (ip, port) when a multi-model deployment filled that
@@ -152,7 +168,7 @@ class GenerateState(metaclass=SingletonMeta):
     @functools.cached_property
     def processor(self):
         """The multimodal processor of --hf-checkpoint; None for a text-only model."""
-        return load_processor(self.args.hf_checkpoint, trust_remote_code=True)
+        return _load_processor(self.args.hf_checkpoint)
 
     @property
     def semaphore(self) -> asyncio.Semaphore:
@@ -257,11 +273,27 @@ def _parse_generate_answer(url: str, answer: Any) -> tuple[str, list[int], list[
     return str(answer.get("text") or ""), tokens, logprobs, status, meta.get("weight_version")
 
 
+def image_prompt_ids(args, sample: Sample) -> list[int]:
+    """A prompt with images through --hf-checkpoint's processor: its ids with each image placeholder expanded to
+    the image's tokens; the processed images are kept for training in `sample.multimodal_train_inputs`."""
+    processor = _load_processor(args.hf_checkpoint)
+    if processor is None:
+        raise ValueError(f"sample {sample.index} has images but --hf-checkpoint {args.hf_checkpoint} has no "
+                         "multimodal processor; use a vision-language model or drop --multimodal-keys")
+    prompt = sample.prompt
+    if isinstance(prompt, list):
+        prompt = processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    out = processor(text=prompt, **build_processor_kwargs({"images": sample_images(sample)}))
+    sample.multimodal_train_inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+    return list(out["input_ids"][0])
+
+
 def init_response(args, sample: Sample) -> None:
     """Make `sample` ready to append a response to: the prompt's ids when it has no tokens yet (put into its
-    empty token list, which a plugin may hold), empty loss mask and log-prob lists when it has none."""
+    empty token list, which a plugin may hold; through the processor for a prompt with images), empty loss mask
+    and log-prob lists when it has none."""
     if not sample.tokens:
-        ids = prompt_ids(args, sample.prompt)
+        ids = image_prompt_ids(args, sample) if sample_images(sample) else prompt_ids(args, sample.prompt)
         if isinstance(sample.tokens, list):
             sample.tokens.extend(ids)
         else:
@@ -283,11 +315,14 @@ def append_model_tokens(
         sample.weight_versions.append(str(weight_version))
 
 
-async def post_generate(args, input_ids: list[int], params: dict):
-    """POST `{router}/generate` for these token ids -> (text, new tokens, their log-probs, status, weight
-    version). Retried (60 times under --use-fault-tolerance, else 3) with backoff."""
+async def post_generate(args, input_ids: list[int], params: dict, image_data: list[str] | None = None):
+    """POST `{router}/generate` for these token ids (and images, as data URIs: `image_data`, with the ids holding
+    each image's expanded tokens) -> (text, new tokens, their log-probs, status, weight version). Retried (60
+    times under --use-fault-tolerance, else 3) with backoff."""
     url = f"{router_url(args)}/generate"
     payload = {"input_ids": list(input_ids), "sampling_params": params, "return_logprob": True}
+    if image_data:
+        payload["image_data"] = list(image_data)
     fault_tolerant = args.use_fault_tolerance
     retries = 60 if fault_tolerant else 3
     try:
@@ -335,7 +370,8 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
         return sample
     params["max_new_tokens"] = max_new
 
-    text, tokens, logprobs, status, weight_version = await post_generate(args, sample.tokens, params)
+    images = [encode_image_for_rollout_engine(image) for image in sample_images(sample)]
+    text, tokens, logprobs, status, weight_version = await post_generate(args, sample.tokens, params, images)
 
     append_model_tokens(sample, tokens, logprobs, text, weight_version)
     sample.status = status

@@ -176,7 +176,14 @@ def build_train_batch(args: Any, samples: list[Sample]) -> TrainBatch:
         teacher_log_probs=teacher_log_probs(samples),
         policy_versions=[s.policy_version for s in samples],
         token_policy_versions=token_policy_versions(samples),
+        multimodal_train_inputs=multimodal_train_inputs(samples),
     )
+
+
+def multimodal_train_inputs(samples: list[Sample]) -> list[dict | None] | None:
+    """Each sample's processed images (`Sample.multimodal_train_inputs`), when any sample has them."""
+    rows = [s.multimodal_train_inputs or None for s in samples]
+    return rows if any(r is not None for r in rows) else None
 
 
 def token_policy_versions(samples: list[Sample]) -> list[list[int]] | None:

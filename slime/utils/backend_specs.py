@@ -38,6 +38,8 @@ class TrainBackendSpec:
     expects_cuda: bool
     # Trains LoRA adapters on a frozen base (--lora-rank > 0; docs/lora.md).
     trains_lora: bool = False
+    # Trains vision-language models on rows with images (--multimodal-keys: the vision tower in the forward).
+    takes_images: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class EngineSpec:
     unsupported_sampling: tuple[tuple[str, float], ...] = ()
     # Serves a LoRA adapter pushed as tensors (/load_lora_adapter_from_tensors; docs/lora.md).
     serves_lora: bool = False
+    # Is sent the rows' images (--multimodal-keys) as /generate's image_data by the rollout, and serves them.
+    takes_images: bool = False
 
 
 TRAIN_BACKEND_SPECS: dict[str, TrainBackendSpec] = {
@@ -73,7 +77,7 @@ TRAIN_BACKEND_SPECS: dict[str, TrainBackendSpec] = {
     "fsdp": TrainBackendSpec(
         name="fsdp", model_from_megatron_flags=False, megatron_parallelism=False, checkpoint_format="hf",
         has_critic=True, memory_model="fsdp", bf16_by_default_on_gpu=False, expects_cuda=False,
-        trains_lora=True,
+        trains_lora=True, takes_images=True,
     ),
 }  # fmt: skip
 
@@ -86,6 +90,7 @@ ENGINE_SPECS: dict[str, EngineSpec] = {
         name="hf", launched=True, needs_cuda=False, tensor_parallel=False, spans_nodes=False,
         takes_sglang_server_args=False, kv_cache="slots",
         unsupported_sampling=(("min_new_tokens", 0), ("repetition_penalty", 1.0)), serves_lora=True,
+        takes_images=True,
     ),
 }  # fmt: skip
 

@@ -62,7 +62,8 @@ def build_processor_kwargs(multimodal_inputs: dict | None = None) -> dict:
     return kwargs
 
 
-def _open_image(data: Any):
+def open_image(data: Any):
+    """A PIL image from a PIL image, a data URI, a base64 string or a file path."""
     from PIL import Image
 
     if isinstance(data, Image.Image):
@@ -84,7 +85,7 @@ def _images_in(messages) -> list:
         content = message.get("content") if isinstance(message, dict) else None
         for item in content if isinstance(content, list) else []:
             if isinstance(item, dict) and item.get("type") == "image" and item.get("image") is not None:
-                images.append(_open_image(item["image"]))
+                images.append(open_image(item["image"]))
     return images
 
 

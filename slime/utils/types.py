@@ -516,6 +516,9 @@ class TrainBatch:
     teacher_log_probs: list[list[float]] | None = None
     policy_versions: list[int | None] | None = None
     token_policy_versions: list[list[int]] | None = None
+    # per row, the vision model's inputs of its prompt's images ({"pixel_values", "image_grid_thw"}, tensors from the
+    # processor: `Sample.multimodal_train_inputs`), None for a text row; None: no row has images
+    multimodal_train_inputs: list[dict | None] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -527,8 +530,8 @@ class TrainBatch:
     def __post_init__(self) -> None:
         n = len(self.tokens)
         per_row = ["response_lengths", "loss_masks", "rewards", "raw_rewards", "truncated", "group_indices"]
-        optional = [name for name in ("rollout_ids", "teacher_log_probs", "policy_versions", "token_policy_versions")
-                    if getattr(self, name) is not None]
+        optional = [name for name in ("rollout_ids", "teacher_log_probs", "policy_versions", "token_policy_versions",
+                                      "multimodal_train_inputs") if getattr(self, name) is not None]
         for name in per_row + optional:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"TrainBatch.{name} has {len(getattr(self, name))} entries, tokens has {n}")

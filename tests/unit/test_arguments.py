@@ -518,13 +518,28 @@ def test_rm_type_check_logic(monkeypatch):
 @pytest.mark.parametrize("extra, message", [
     (["--use-routing-replay"], "--use-routing-replay: not supported here: MoE routing replay"),
     (["--enable-mtp-training"], "--enable-mtp-training: not supported here: multi-token-prediction layers"),
-    (["--multimodal-keys", '{"image": "img"}'], "--multimodal-keys {\"image\": \"img\"}: not supported here yet"),
+    (["--multimodal-keys", '{"image": "img"}', "--train-backend", "megatron"],
+     "--multimodal-keys {\"image\": \"img\"}: not supported here yet: --train-backend megatron trains on text only"),
+    (["--multimodal-keys", '{"image": "img"}', "--train-backend", "fsdp", "--rollout-backend", "sglang"],
+     "--multimodal-keys {\"image\": \"img\"}: not supported here yet: the sglang engines are not sent the images"),
+    (["--multimodal-keys", '{"video": "v"}', "--train-backend", "fsdp", "--rollout-backend", "hf"],
+     "media types ['video']: images only"),
+    (["--multimodal-keys", '{"image": "i"}', "--train-backend", "fsdp", "--rollout-backend", "hf",
+      "--advantage-estimator", "ppo"], "--advantage-estimator ppo trains a critic, a text-only value model"),
+    (["--multimodal-keys", '{"image": "i"}', "--train-backend", "fsdp", "--rollout-backend", "hf",
+      "--eval-prompt-data", "toy", "train.jsonl"], "evaluation datasets are read text only"),
     (["--train-backend", "megatron", "--ckpt-format", "torch"], "--ckpt-format torch: the megatron backend"),
     (["--model-name", "nosuchfamily"], "--model-name nosuchfamily: no HF <-> Megatron weight converter"),
 ])  # fmt: skip
 def test_unsupported_slime_flags_are_refused_with_the_reason(files, extra, message):
     msg = error_of(base(*extra))
     assert message in msg and ";" in msg  # the reason, then what to do instead
+
+
+def test_multimodal_keys_are_taken_by_fsdp_with_the_hf_engine(files):
+    args = parse_args(base("--multimodal-keys", '{"image": "images"}', "--train-backend", "fsdp",
+                           "--rollout-backend", "hf"))
+    assert args.multimodal_keys == {"image": "images"}
 
 
 def test_only_train_and_freeze_params_together_are_refused(files):

@@ -1,7 +1,9 @@
 """`FSDPTrainRayActor`: one training rank of the `fsdp` backend (a transformers causal LM under FSDP2).
 
 Per rank: the policy model (and, with a KL term, a frozen reference model; with --use-opd --opd-type megatron, a
-frozen teacher model from --opd-teacher-load) loaded with `AutoModelForCausalLM.from_pretrained`, each decoder
+frozen teacher model from --opd-teacher-load) loaded with `AutoModelForCausalLM.from_pretrained` (a vision-language
+model, config.json with a vision_config, with `AutoModelForImageTextToText`: rows with images, the batch's
+`multimodal_train_inputs`, feed their pixels to its vision tower in every forward), each decoder
 layer and the root wrapped with `torch.distributed.fsdp.fully_shard` on a 1-D mesh over all ranks (pure data
 parallel, parameters, gradients and optimizer state sharded), and AdamW. fp32 on CPU (gloo); on CUDA, bf16 compute with fp32
 master weights and fp32 gradient reduction (FSDP2 MixedPrecisionPolicy).
@@ -35,10 +37,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from slime.backends.fsdp_utils import checkpoint, lora, weight_sync
-from slime.backends.fsdp_utils.data import extract_response_log_probs, forward_logits, forward_response_log_probs
+from slime.backends.fsdp_utils.data import (
+    extract_response_log_probs,
+    forward_logits,
+    forward_response_log_probs,
+    micro_batch_images,
+)
 from slime.backends.fsdp_utils.parallel import (
     gather_rows,
     lr_at,
@@ -146,7 +153,10 @@ class FSDPTrainRayActor(PolicyTrainer):
     def _build_model(self, path: str, trainable: bool, adapter: str | None = None) -> torch.nn.Module:
         if not checkpoint.is_hf_folder(path):
             raise FileNotFoundError(f"--hf-checkpoint {path}: not an HF model folder (no config.json there)")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        # a vision-language model (config.json with a vision_config) loads with its vision tower
+        vision = getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = auto.from_pretrained(path, dtype=torch.float32)
         model.requires_grad_(trainable)
         if trainable and self.args.lora_rank:  # the reference (and teacher) stay the plain base model
             self._apply_lora(model, adapter)
@@ -190,8 +200,9 @@ class FSDPTrainRayActor(PolicyTrainer):
                           entropy: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
         out = {}
         for rows in micro_batches:
+            images = micro_batch_images(batch.multimodal_train_inputs, rows, self.device)
             lp, ent = forward_response_log_probs(model, self._micro_batch(batch, rows), self.args.rollout_temperature,
-                                                 with_entropy=entropy is not None)
+                                                 with_entropy=entropy is not None, images=images)
             for i, r in enumerate(rows):
                 out[r] = lp[i, : batch.response_lengths[r]]
                 if entropy is not None:
@@ -205,7 +216,8 @@ class FSDPTrainRayActor(PolicyTrainer):
 
         def micro_loss(rows):
             mb = self._micro_batch(record.batch, rows)
-            logits, offset = forward_logits(self.model, mb, all_positions=custom)
+            images = micro_batch_images(record.batch.multimodal_train_inputs, rows, self.device)
+            logits, offset = forward_logits(self.model, mb, all_positions=custom, images=images)
             log_probs, entropy = extract_response_log_probs(logits, mb, args.rollout_temperature, offset,
                                                             with_entropy=True)
             return record.micro_batch_loss(args, rows, mb, log_probs, entropy, denominator,
@@ -227,6 +239,13 @@ class FSDPTrainRayActor(PolicyTrainer):
             ref_state[name].copy_(tensor)
 
     def prepare(self, rollout_id: int, batch: TrainBatch, values: list[list[float]] | None) -> RolloutRecord:
+        images = batch.multimodal_train_inputs
+        if self.world_size > 1 and images is not None and any(x is None for x in images):
+            # FSDP gathers the vision tower's shards collectively: a rank whose micro-batch has no image would
+            # skip the gather its peers wait in
+            raise ValueError(f"rollout {rollout_id}: {sum(x is None for x in images)} of {len(images)} rows have no "
+                             f"images; with {self.world_size} fsdp ranks every row of a vision-language rollout "
+                             "needs images (or none may have them): give every prompt an image, or train on 1 rank")
         record = super().prepare(rollout_id, batch, values)
         # Only a critic (ppo, given values) needs the returns of every row.
         self._returns = (gather_rows(record.returns, len(batch), self.world_size)

@@ -53,24 +53,72 @@ def supports_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def forward_logits(model: torch.nn.Module, mb: MicroBatch, all_positions: bool = False) -> tuple[torch.Tensor, int]:
+def micro_batch_images(per_row: list[dict | None] | None, rows: list[int], device) -> dict | None:
+    """The vision inputs of a micro-batch's rows (`TrainBatch.multimodal_train_inputs`), concatenated in row order
+    as the model takes them (its image tokens are filled image by image, left to right, row by row); None when
+    no row has images."""
+    found = [per_row[r] for r in rows if per_row is not None and per_row[r] is not None]
+    if not found:
+        return None
+    return {"pixel_values": torch.cat([x["pixel_values"] for x in found]).to(device),
+            "image_grid_thw": torch.cat([x["image_grid_thw"] for x in found]).to(device)}
+
+
+def forward_logits(model: torch.nn.Module, mb: MicroBatch, all_positions: bool = False,
+                   images: dict | None = None) -> tuple[torch.Tensor, int]:
     """Run the model on a micro-batch: (`[B, K, V]` logits, the position K starts at). Only the positions from the
     earliest response-predicting one onwards go through the LM head, which saves the `[B, L, V]` logits of long
-    prompts; with `all_positions` every position does (a custom loss reads slime's whole-sequence layout)."""
+    prompts; with `all_positions` every position does (a custom loss reads slime's whole-sequence layout).
+    `images` (`micro_batch_images`) go to a vision-language model with the token types it needs to place its
+    3-D RoPE positions (computed by the model from the attention mask, so right padding is fine)."""
     kwargs = {}
     offset = 0
     if supports_logits_to_keep(model) and not all_positions:
         offset = mb.first_predicting_position()
         kwargs["logits_to_keep"] = mb.input_ids.shape[1] - offset
-    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, **kwargs)
+    input_ids, stray = mb.input_ids, None
+    if images is not None:
+        image_token = model.config.image_token_id
+        input_ids, stray = _hide_response_image_tokens(mb, image_token)
+        kwargs.update(pixel_values=images["pixel_values"].to(model.dtype), image_grid_thw=images["image_grid_thw"],
+                      mm_token_type_ids=(input_ids == image_token).int())
+    if stray is None:
+        out = model(input_ids=input_ids, attention_mask=mb.attention_mask, use_cache=False, **kwargs)
+        return out.logits, offset
+    # The engine fed a sampled image token back as the token's own embedding at a 1-D position: the model sees
+    # a stand-in id there (so only the prompt's image tokens take image features) and the embedding is put back.
+    embedding = model.get_input_embeddings()
+
+    def restore(module, args, output):
+        own = torch.nn.functional.embedding(torch.full_like(input_ids, image_token), module.weight)
+        return torch.where(stray.unsqueeze(-1), own.to(output.dtype), output)
+
+    handle = embedding.register_forward_hook(restore)
+    try:
+        out = model(input_ids=input_ids, attention_mask=mb.attention_mask, use_cache=False, **kwargs)
+    finally:
+        handle.remove()
     return out.logits, offset
 
 
+def _hide_response_image_tokens(mb: MicroBatch, image_token: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`mb.input_ids` with image tokens the policy sampled in a response (a tiny or young model may) replaced by a
+    stand-in id, and where they were (None: there are none). Only a prompt's image tokens are image placeholders."""
+    ids = mb.input_ids
+    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    starts = torch.as_tensor(mb.response_starts, device=ids.device).unsqueeze(1)
+    stray = (ids == image_token) & (positions >= starts)
+    if not bool(stray.any()):
+        return ids, None
+    return ids.masked_fill(stray, 0 if image_token != 0 else 1), stray
+
+
 def forward_response_log_probs(
-    model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False
+    model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False,
+    images: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the model on a micro-batch and return [B, R] response log-probs (and entropies)."""
-    logits, offset = forward_logits(model, mb)
+    logits, offset = forward_logits(model, mb, images=images)
     return extract_response_log_probs(logits, mb, temperature, offset, with_entropy)
 
 

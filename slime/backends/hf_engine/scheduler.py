@@ -55,6 +55,7 @@ import torch
 from transformers import DynamicCache
 
 from slime.backends.hf_engine.slots import SlotCache, supports_slots
+from slime.backends.hf_engine.vision import vision_positions
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,9 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     return_logprob: bool = False
     logprob_start_len: int = -1
+    # a vision-language model's image inputs ({"pixel_values", "image_grid_thw"}, vision.py); input_ids then
+    # hold one image token per merged patch
+    vision: dict | None = None
     on_finish: Callable[[Request], None] | None = None
     # results
     output_ids: list[int] = field(default_factory=list)
@@ -616,6 +620,8 @@ class Scheduler:
             if r.params.max_new_tokens == 0 and not r.needs_input_logprobs:
                 r.finish_reason = {"type": "length", "length": 0}
                 self._notify(r)
+            elif r.vision is not None:
+                self._prefill_group([r])  # images: a prefill of its own (see _prefill_group)
             else:
                 ready.append(r)
         # Prompt log-probs need logits at every position: keep those rows apart so the rest stay cheap,
@@ -652,8 +658,18 @@ class Scheduler:
             mask[i, length - n:] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp_(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=DynamicCache(),
-                         use_cache=True, logits_to_keep=0 if full else 1)
+        model_pos, images = pos, {}
+        vision = group[0].vision
+        if vision is not None:
+            # One request alone (its image embeddings and 3-D RoPE positions are its own). Every token after the
+            # prompt has equal temporal/row/column positions, one past the prompt's largest, so from the first
+            # decode step on the row is an ordinary one: `pos` (its 1-D positions) continues from there.
+            grid = vision["image_grid_thw"].to(dev)
+            model_pos = vision_positions(self.model, ids, mask, grid)
+            pos = model_pos[0]
+            images = {"pixel_values": vision["pixel_values"].to(dev, self.model.dtype), "image_grid_thw": grid}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=model_pos, past_key_values=DynamicCache(),
+                         use_cache=True, logits_to_keep=0 if full else 1, **images)
         self.stats["num_forward_steps"] += 1
         self.stats["num_prefill_steps"] += 1
         self.stats["num_prefill_rows"] += len(prompts)

@@ -49,6 +49,7 @@ from slime.backends.hf_engine.auth import API_KEY_ENV, APIKeyMiddleware
 from slime.backends.hf_engine.lora import MergedAdapter, add_lora_routes
 from slime.backends.hf_engine.release import WeightMemory
 from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
+from slime.backends.hf_engine.vision import image_inputs, is_vision_model, load_processor_for, per_prompt_images
 from slime.backends.hf_engine.weight_checker import WeightChecker
 from slime.weight_sync import group as update_group
 from slime.weight_sync.tensor_payload import deserialize_bucket
@@ -89,6 +90,7 @@ class EngineState:
         self.params.update(dict(model.named_buffers(remove_duplicate=False)))
         self.weight_checker = WeightChecker(self.params)  # POST /weights_checker (--check-weight-update-equal)
         self.adapter = MergedAdapter(model)  # a LoRA adapter merged into the weights (lora.py)
+        self.processor = load_processor_for(model_path, model)  # None for a text-only model (vision.py)
 
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]], source: str) -> int:
         """Copy tensors into the model by name (dtype/device cast); all-or-nothing on bad names/shapes."""
@@ -138,12 +140,15 @@ class EngineState:
 
 
 def load_model(model_path: str, dtype: str, device: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """A causal LM, or an image-text-to-text model (vision tower + LM) when config.json has a vision_config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).to(device).eval()
+    vision = getattr(AutoConfig.from_pretrained(model_path), "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_pretrained(model_path, dtype=DTYPES[dtype]).to(device).eval()
     return model, tokenizer
 
 
@@ -168,13 +173,27 @@ def parse_generate(body: dict, state: EngineState) -> tuple[list[Request], bool]
         ids = body["input_ids"]
         batched = bool(ids) and isinstance(ids[0], list)
         prompts = ids if batched else [ids]
+        texts = [None] * len(prompts)
     elif body.get("text") is not None:
         text = body["text"]
         batched = isinstance(text, list)
-        prompts = [state.tokenizer(t)["input_ids"] for t in (text if batched else [text])]
+        texts = text if batched else [text]
+        prompts = [state.tokenizer(t)["input_ids"] for t in texts]
     else:
         raise ValueError("/generate needs input_ids (list of token ids) or text")
     n = len(prompts)
+    images = per_prompt_images(body.get("image_data"), n, batched)
+    if any(images) and state.processor is None:
+        raise ValueError(f"image_data was sent but the model at {state.model_path} is text-only (no vision_config "
+                         "in its config.json); send text only, or serve a vision-language model")
+    vision = [None] * n
+    for i, items in enumerate(images):
+        if items:
+            prompts[i], vision[i] = image_inputs(state.processor, items, text=texts[i],
+                                                 input_ids=None if texts[i] is not None else prompts[i])
+        elif state.processor is not None and state.processor.image_token_id in prompts[i]:
+            raise ValueError(f"prompt {i} holds image tokens (id {state.processor.image_token_id}) but no image_data "
+                             "was sent for it; send its images in image_data")
     params = _per_item(body.get("sampling_params") or {}, n, "sampling_params")
     return_logprob = _per_item(body.get("return_logprob") or False, n, "return_logprob")
     start = body.get("logprob_start_len", -1)
@@ -194,7 +213,8 @@ def parse_generate(body: dict, state: EngineState) -> tuple[list[Request], bool]
         if return_logprob[i] and s >= len(prompt):
             raise ValueError(f"logprob_start_len {s} must be < the prompt length {len(prompt)}")
         reqs.append(Request(rid=str(rids[i]) if rids[i] is not None else uuid.uuid4().hex, input_ids=list(prompt),
-                            params=sp, return_logprob=bool(return_logprob[i]), logprob_start_len=s))
+                            params=sp, return_logprob=bool(return_logprob[i]), logprob_start_len=s,
+                            vision=vision[i]))
     return reqs, batched
 
 
@@ -315,7 +335,7 @@ def build_app(state: EngineState, api_key: str | None = None) -> FastAPI:
         config = state.model.config
         return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": state.weight_version,
-                "has_image_understanding": False, "has_audio_understanding": False,
+                "has_image_understanding": state.processor is not None, "has_audio_understanding": False,
                 "model_type": getattr(config, "model_type", None),
                 "architectures": getattr(config, "architectures", None)}
 
@@ -781,6 +801,8 @@ def main(argv=None) -> None:
     model, tokenizer = load_model(args.model_path, args.dtype, args.device)
     with torch.no_grad():  # warm up kernels so the first request is not the slow one
         model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=args.device))
+    if is_vision_model(model):
+        logger.info("vision-language model: /generate takes image_data (requests with images prefill alone)")
     max_ctx = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
                           random_seed=args.random_seed, max_context_len=max_ctx,

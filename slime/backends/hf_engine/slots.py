@@ -36,6 +36,10 @@ ATTENTION_NAME = "slime_slot_decode"
 
 def supports_slots(model) -> tuple[bool, str]:
     """(True, "") when the slot cache can serve `model`, else (False, why)."""
+    if getattr(model.config, "vision_config", None) is not None:
+        # a row with an image continues from 3-D RoPE positions that differ from its count of cached tokens, and
+        # the slots take a row's position to be that count
+        return False, "vision-language model (image rows' positions are not their cache lengths)"
     config = model.config.get_text_config()
     if getattr(config, "is_encoder_decoder", False):
         return False, "encoder-decoder model"

@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 
+from slime.algorithm.estimators import ESTIMATORS, estimator_of
 from slime.config.arg_groups._common import (
     SlimeArgumentError,
     fail,
@@ -21,7 +22,7 @@ from slime.config.arg_groups._common import (
     require_existing_file,
     require_positive,
 )
-from slime.utils.backend_specs import train_spec
+from slime.utils.backend_specs import engine_spec, train_spec
 from slime.utils.checkpoint_layout import has_checkpoint
 from slime.utils.data import parse_prompt_path
 from slime.utils.mask_utils import LOSS_MASK_TYPES
@@ -86,8 +87,9 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
         "--multimodal-keys",
         type=json_object,
         default=None,
-        help='slime: media type -> record key, as JSON (e.g. \'{"image": "image_file"}\'). Refused here: the '
-        "engines and trainers take text only.",
+        help='slime: media type -> record key, as JSON (e.g. \'{"image": "images"}\'): each <image> in the prompt '
+        "takes the row's next image (path, base64 or data URI), read with --hf-checkpoint's processor. Images "
+        "only, with --train-backend fsdp --rollout-backend hf (docs/vlm.md); refused otherwise.",
     )
     g.add_argument(
         "--streaming-data",
@@ -143,8 +145,27 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 def validate_data(args: argparse.Namespace) -> None:
     if args.multimodal_keys:
-        refuse("multimodal_keys", json.dumps(args.multimodal_keys), "the engines and trainers here take text only",
-               "drop it (and the media from the rows) for a text-only run")
+        if not train_spec(args).takes_images:
+            refuse("multimodal_keys", json.dumps(args.multimodal_keys),
+                   f"--train-backend {args.train_backend} trains on text only (images reach the fsdp trainer only)",
+                   "train vision-language models with --train-backend fsdp --rollout-backend hf (docs/vlm.md)")
+        engine = engine_spec(args)
+        if not engine.takes_images:
+            refuse("multimodal_keys", json.dumps(args.multimodal_keys),
+                   f"the {engine.name} engines are not sent the images here (only the hf engine's image_data path "
+                   "is built and tested)", "use --rollout-backend hf with --train-backend fsdp (docs/vlm.md)")
+        if args.advantage_estimator in ESTIMATORS and estimator_of(args).needs_critic:
+            refuse("multimodal_keys", json.dumps(args.multimodal_keys),
+                   f"--advantage-estimator {args.advantage_estimator} trains a critic, a text-only value model",
+                   "use a critic-free estimator (grpo, gspo, reinforce_plus_plus, ...) with images")
+        if args.eval_prompt_data or args.eval_config:
+            refuse("multimodal_keys", json.dumps(args.multimodal_keys),
+                   "evaluation datasets are read text only (their <image> placeholders would stay text)",
+                   "drop --eval-prompt-data / --eval-config from a run with images")
+        unknown = sorted(set(args.multimodal_keys) - {"image"})
+        if unknown:
+            refuse("multimodal_keys", json.dumps(args.multimodal_keys), f"media types {unknown}: images only",
+                   'map only "image" to the rows\' key, e.g. \'{"image": "images"}\'')
     if args.rollout_batch_size is None:
         fail("--rollout-batch-size is required: the number of prompts per rollout, e.g. --rollout-batch-size 32.")
     require_positive(

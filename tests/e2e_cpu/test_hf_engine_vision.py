@@ -1,0 +1,186 @@
+"""The hf engine serving the tiny Qwen2.5-VL over HTTP: `image_data` in /generate as SGLang takes it, log-probs
+equal to transformers' own forward of the same sequence with the same image, and the 400s of bad requests."""
+
+import os
+import sys
+
+import httpx
+import pytest
+import torch
+from PIL import Image
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from slime.backends.hf_engine.engine import HFEngine
+from slime.utils.processing_utils import build_processor_kwargs, encode_image_for_rollout_engine, load_processor
+from tests.args import make_args
+
+TOL = 1e-5
+QUESTION = "which colour fills the image?"
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "vlm"), arch="qwen2_5_vl", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def url(vlm):
+    eng = HFEngine(make_args(hf_checkpoint=vlm, rollout_seed=1, sglang_server_concurrency=8), rank=0)
+    try:
+        eng.init()
+        yield eng.get_url()
+    finally:
+        eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def processor(vlm):
+    return load_processor(vlm, trust_remote_code=True)
+
+
+@pytest.fixture(scope="module")
+def reference(vlm):
+    from transformers import AutoModelForImageTextToText
+
+    torch.set_num_threads(1)
+    return AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32).eval()
+
+
+def prompt_text(processor):
+    messages = [{"role": "user", "content": [{"type": "image", "image": "x"}, {"type": "text", "text": QUESTION}]}]
+    return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def image(color, size=(60, 90)):
+    return Image.new("RGB", size, color)
+
+
+def post(url, **body):
+    return httpx.post(url + "/generate", json=body, timeout=60.0)
+
+
+def generate(url, **body):
+    resp = post(url, **body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def reference_logprobs(model, processor, ids, img):
+    """log p(ids[j] | ids[:j]) for j >= 1 from transformers' forward (its own 3-D positions)."""
+    pixels = processor.image_processor(images=[img], return_tensors="pt")
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(input_ids=t, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                       mm_token_type_ids=(t == processor.image_token_id).int()).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, t[0, 1:].unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def max_diff(a, b):
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+SAMPLING = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.mark.timeout(180)
+def test_text_with_image_data_matches_transformers(url, processor, reference):
+    img = image((255, 0, 0))
+    text = prompt_text(processor)
+    out = generate(url, text=text, image_data=[encode_image_for_rollout_engine(img)], sampling_params=SAMPLING,
+                   return_logprob=True)
+    expanded = processor(text=text, **build_processor_kwargs({"images": [img]}))["input_ids"][0]
+    assert out["meta_info"]["prompt_tokens"] == len(expanded) > len(processor.tokenizer(text)["input_ids"])
+    ids = expanded + out["output_ids"]
+    engine = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    ref = reference_logprobs(reference, processor, ids, img)[len(expanded) - 1:]
+    assert len(out["output_ids"]) == 6 and max_diff(engine, ref) < TOL
+    # greedy: each output token is transformers' argmax after the prefix
+    t = torch.tensor([ids])
+    pixels = processor.image_processor(images=[img], return_tensors="pt")
+    with torch.no_grad():
+        logits = reference(input_ids=t, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                           mm_token_type_ids=(t == processor.image_token_id).int()).logits[0]
+    assert logits[len(expanded) - 1:-1].argmax(-1).tolist() == out["output_ids"]
+
+
+@pytest.mark.timeout(180)
+def test_input_ids_expanded_or_not_and_prompt_logprobs(url, processor, reference):
+    img = image((0, 0, 255), size=(56, 56))
+    data = encode_image_for_rollout_engine(img)
+    text = prompt_text(processor)
+    from_text = generate(url, text=text, image_data=data, sampling_params=SAMPLING, return_logprob=True)
+    expanded = processor(text=text, **build_processor_kwargs({"images": [img]}))["input_ids"][0]
+    unexpanded = processor.tokenizer(text)["input_ids"]
+    for ids in (expanded, unexpanded):
+        out = generate(url, input_ids=ids, image_data=[data], sampling_params=SAMPLING, return_logprob=True)
+        assert out["output_ids"] == from_text["output_ids"]
+        assert out["meta_info"]["output_token_logprobs"] == from_text["meta_info"]["output_token_logprobs"]
+    scored = generate(url, input_ids=expanded, image_data=[data], return_logprob=True, logprob_start_len=0,
+                      sampling_params={"max_new_tokens": 0})
+    engine = [lp for lp, _, _ in scored["meta_info"]["input_token_logprobs"][1:]]
+    assert max_diff(engine, reference_logprobs(reference, processor, expanded, img)) < TOL
+
+
+@pytest.mark.timeout(180)
+def test_batch_with_and_without_images(url, processor):
+    text = prompt_text(processor)
+    plain = processor.tokenizer("<|im_start|>user what comes after one ?<|im_end|><|im_start|>assistant")["input_ids"]
+    red, green = (encode_image_for_rollout_engine(image(c)) for c in [(255, 0, 0), (0, 255, 0)])
+    batch = generate(url, text=[text, text, processor.tokenizer.decode(plain, skip_special_tokens=False)],
+                     image_data=[red, [green], None], sampling_params=SAMPLING, return_logprob=True)
+    alone = [generate(url, text=text, image_data=red, sampling_params=SAMPLING, return_logprob=True),
+             generate(url, text=text, image_data=[green], sampling_params=SAMPLING, return_logprob=True),
+             generate(url, input_ids=plain, sampling_params=SAMPLING, return_logprob=True)]
+    for b, a in zip(batch, alone):
+        assert b["output_ids"] == a["output_ids"]
+        lb = [lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]]
+        la = [lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]]
+        assert max_diff(lb, la) < TOL
+    lr = [lp for lp, _, _ in batch[0]["meta_info"]["output_token_logprobs"]]
+    lg = [lp for lp, _, _ in batch[1]["meta_info"]["output_token_logprobs"]]
+    assert max_diff(lr, lg) > 1e-4  # the image's colour reaches the model
+
+
+@pytest.mark.timeout(60)
+def test_bad_image_requests_answer_400(url, processor):
+    text = prompt_text(processor)
+    data = encode_image_for_rollout_engine(image((255, 0, 0)))
+    cases = [
+        (dict(text=text, image_data="data:image/png;base64,bm90IGFuIGltYWdl"), "not a readable image"),
+        (dict(text=text, image_data="https://example.com/cat.png"), "fetches no URLs"),
+        (dict(input_ids=processor.tokenizer(text)["input_ids"] * 2, image_data=[data]), "runs of image tokens"),
+        (dict(text=text + text, image_data=[data]), "2 image placeholder(s)"),
+        (dict(text=text), "holds image tokens (id"),
+        (dict(text=[text, text], image_data=[data]), "image_data has 1 entries but the batch has 2"),
+    ]
+    for body, message in cases:
+        resp = post(url, sampling_params={"max_new_tokens": 2}, **body)
+        assert resp.status_code == 400 and message in resp.json()["message"], resp.text
+    assert post(url, text=text, image_data=data, sampling_params={"max_new_tokens": 1}).status_code == 200
+    assert httpx.get(url + "/model_info", timeout=10).json()["has_image_understanding"] is True
+
+
+def test_text_only_model_refuses_image_data(tiny_model_dir):
+    from slime.backends.hf_engine.scheduler import Scheduler
+    from slime.backends.hf_engine.server import EngineState, load_model, parse_generate
+
+    model, tokenizer = load_model(tiny_model_dir, "float32", "cpu")
+    state = EngineState(model, tokenizer, Scheduler(model, tokenizer), model_path=tiny_model_dir, device="cpu",
+                        dtype="float32")
+    with pytest.raises(ValueError, match="is text-only"):
+        parse_generate({"input_ids": [1, 2, 3], "image_data": ["data:image/png;base64,AAAA"]}, state)
+    assert parse_generate({"input_ids": [1, 2, 3]}, state)[0][0].vision is None
+
+
+def test_vision_models_take_the_dynamic_cache(vlm, tiny_model_dir):
+    from slime.backends.hf_engine.scheduler import Scheduler
+    from slime.backends.hf_engine.server import load_model
+
+    for path, expected in [(vlm, "dynamic"), (tiny_model_dir, "slots")]:
+        model, tokenizer = load_model(path, "float32", "cpu")
+        assert Scheduler(model, tokenizer, kv_cache="slots", cuda_graphs=False).kv_cache == expected, path

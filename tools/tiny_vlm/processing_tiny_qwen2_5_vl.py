@@ -1,0 +1,26 @@
+"""The processor of the tiny Qwen2.5-VL written by tools/make_tiny_model.py (copied into the model folder and
+loaded by `AutoProcessor.from_pretrained(folder, trust_remote_code=True)` through its `auto_map`).
+
+It is transformers' Qwen2_5_VLProcessor with no video processor: transformers builds that one only with
+torchvision installed, and its constructor refuses a missing one even for image-only use. Images go through
+the PIL image processor saved in the folder (preprocessor_config.json); `<|image_pad|>` expansion, tokenizing
+and outputs are the parent's.
+"""
+
+from transformers import AutoTokenizer, Qwen2_5_VLProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+
+class TinyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+    def check_argument_for_proper_class(self, argument_name, argument):
+        if argument_name == "video_processor" and argument is None:
+            return None
+        return super().check_argument_for_proper_class(argument_name, argument)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k in ("trust_remote_code", "local_files_only", "revision")}
+        tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        images = Qwen2VLImageProcessorPil.from_pretrained(pretrained_model_name_or_path)
+        return cls(image_processor=images, tokenizer=tokenizer, video_processor=None,
+                   chat_template=tokenizer.chat_template)
