@@ -2,7 +2,7 @@
 
 The flags are those of the slime fork radixark/miles (`--lora-rank` 0 = off, `--lora-alpha`, `--lora-dropout`,
 `--target-modules`, `--exclude-modules`, `--lora-adapter-path`), so its launch scripts' LoRA arguments parse here.
-Built: the fsdp trainer with the `hf` engine (docs/lora.md). Its other LoRA flags parse with its defaults and are
+Built: the fsdp and Megatron trainers with the `hf` engine (docs/lora.md). Its other LoRA flags parse with its defaults and are
 refused (or warned about) when set: split-QKV `canonical_lora`, adapters trained but not served
 (`--lora-train-only`), several adapters in one job (`--multi-lora-*`).
 """
@@ -13,6 +13,7 @@ import argparse
 import logging
 
 from slime.backends.fsdp_utils.lora import ALL_LINEAR, module_names
+from slime.backends.megatron_utils.lora import megatron_targets
 from slime.config.arg_groups._common import fail
 
 logger = logging.getLogger(__name__)
@@ -86,19 +87,18 @@ def validate_lora(args: argparse.Namespace) -> None:
             logger.warning("%s: LoRA is off (--lora-rank 0), so they have no effect; pass --lora-rank R to train "
                            "adapters.", ", ".join(given))
         return
-    if args.train_backend != "fsdp":
-        fail(f"--lora-rank {args.lora_rank}: LoRA is built for the fsdp trainer only (got --train-backend "
-             f"{args.train_backend}); pass --train-backend fsdp.")
     if not module_names(args.target_modules):
         fail(f"--lora-rank {args.lora_rank} needs --target-modules: all-linear or comma-separated module names "
              "(e.g. q_proj,k_proj,v_proj,o_proj).")
     targets = module_names(args.target_modules)
     if ALL_LINEAR in targets and len(targets) > 1:
         fail(f"--target-modules {args.target_modules}: all-linear stands alone; give it or a list of names.")
+    if args.train_backend == "megatron":
+        _validate_megatron_lora(args)
     if args.lora_alpha <= 0:
         fail(f"--lora-alpha {args.lora_alpha}: must be positive (the adapter is scaled by alpha / rank).")
     if args.lora_dropout != 0.0:
-        fail(f"--lora-dropout {args.lora_dropout}: not supported here: the fsdp trainer runs every forward without "
+        fail(f"--lora-dropout {args.lora_dropout}: not supported here: the trainers run every forward without "
              "dropout so that its log-probs agree with the engine's; pass --lora-dropout 0.")
     if args.only_train_params_name_list or args.freeze_params_name_list:
         fail(f"--lora-rank {args.lora_rank} with --only-train-params-name-list / --freeze-params-name-list: with "
@@ -117,3 +117,18 @@ def validate_lora(args: argparse.Namespace) -> None:
     if args.rollout_backend != "hf":
         fail(f"--lora-rank {args.lora_rank}: serving the adapter is built for the hf engine only (got "
              f"--rollout-backend {args.rollout_backend}); pass --rollout-backend hf.")
+
+
+def _validate_megatron_lora(args: argparse.Namespace) -> None:
+    """LoRA on the Megatron trainer: the decoder's dense linears (megatron_utils/lora.py); fused q/k/v and gate/up
+    adapted whole."""
+    try:
+        megatron_targets(args.target_modules, args.exclude_modules)
+    except ValueError as e:
+        fail(str(e) + ".")
+    for flag, on in (("--num-experts", args.num_experts), ("--multi-latent-attention", args.multi_latent_attention),
+                     ("--sequence-parallel", args.sequence_parallel)):
+        if on:
+            fail(f"--lora-rank {args.lora_rank} with {flag} {on} on the Megatron trainer: adapters on MoE experts, "
+                 "multi-latent attention and sequence-parallel layers are not built; drop it, or train with "
+                 "--train-backend fsdp.")

@@ -1,0 +1,100 @@
+"""LoRA on the Megatron trainer, its pure parts: --target-modules (HF names) -> Megatron's fused linears, the
+adapter's tensor-parallel layout, the adapter's HF rows through a family converter, and the flags' validation
+(docs/lora.md). The layers themselves run on gloo ranks in tests/e2e_cpu/test_megatron_lora.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slime.backends.megatron_utils.converters import ConverterConfig, converter_for_hf_config
+from slime.backends.megatron_utils.converters import tp
+from slime.backends.megatron_utils.lora import hf_target_names, initial_a, megatron_targets
+from slime.backends.megatron_utils.lora_weights import hf_rows
+from slime.utils.errors import SlimeArgumentError
+from tests.args import make_args
+
+LORA = ("--lora-rank", "8", "--lora-alpha", "16", "--train-backend", "megatron", "--transformer-impl", "local")
+
+
+@pytest.mark.parametrize("targets, exclude, linears", [
+    ("all-linear", None, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]),
+    ("q_proj,k_proj,v_proj,o_proj", None, ["linear_qkv", "linear_proj"]),
+    ("all-linear", "gate_proj,up_proj,down_proj", ["linear_qkv", "linear_proj"]),
+    ("gate_proj, up_proj", None, ["linear_fc1"]),
+])
+def test_hf_targets_map_to_megatron_linears(targets, exclude, linears):
+    assert megatron_targets(targets, exclude) == linears
+    assert set(hf_target_names(linears)) >= set(t.strip() for t in targets.split(",") if t.strip() != "all-linear")
+
+
+@pytest.mark.parametrize("targets, exclude, message", [
+    ("q_proj,v_proj", None, r"selects \['q_proj', 'v_proj'\] but not \['k_proj'\].*linear_qkv"),
+    ("all-linear", "up_proj", r"but not \['up_proj'\].*linear_fc1"),
+    ("q_proj,k_proj,v_proj,lm_head", None, "LM head is not built"),
+    ("qkv", None, r"\['qkv'\] is none of them"),
+    ("o_proj", "o_proj", "leaves no linear layer"),
+])
+def test_partial_or_unknown_targets_are_refused(targets, exclude, message):
+    with pytest.raises(ValueError, match=message):
+        megatron_targets(targets, exclude)
+
+
+def test_megatron_lora_flags_validate():
+    args = make_args(*LORA, "--target-modules", "all-linear")
+    assert args.lora_rank == 8 and args.train_backend == "megatron"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--target-modules", "q_proj"), "one fused layer"),
+    (("--target-modules", "all-linear", "--num-experts", "4", "--moe-ffn-hidden-size", "64"), "--num-experts 4"),
+    (("--target-modules", "all-linear", "--colocate"), "--colocate"),
+    (("--target-modules", "all-linear", "--rollout-backend", "sglang"), "built for the hf engine only"),
+])
+def test_megatron_lora_refusals_name_the_fix(extra, message):
+    with pytest.raises(SlimeArgumentError, match=message):
+        make_args(*LORA, *extra)
+
+
+def test_adapter_tensor_parallel_layout():
+    kinds = {n: tp.shard_kind(f"decoder.layers.0.{n}") for n in (
+        "self_attention.linear_qkv.lora_A.weight", "self_attention.linear_qkv.lora_B.weight",
+        "self_attention.linear_proj.lora_A.weight", "self_attention.linear_proj.lora_B.weight",
+        "mlp.linear_fc1.lora_A.weight", "mlp.linear_fc1.lora_B.weight",
+        "mlp.linear_fc2.lora_A.weight", "mlp.linear_fc2.lora_B.weight")}
+    assert kinds == {
+        "self_attention.linear_qkv.lora_A.weight": "replicated", "self_attention.linear_qkv.lora_B.weight": "column",
+        "self_attention.linear_proj.lora_A.weight": "row", "self_attention.linear_proj.lora_B.weight": "replicated",
+        "mlp.linear_fc1.lora_A.weight": "replicated", "mlp.linear_fc1.lora_B.weight": "fc1",
+        "mlp.linear_fc2.lora_A.weight": "row", "mlp.linear_fc2.lora_B.weight": "replicated"}
+    # fc1's B shards as its weight: each rank holds [gate_i; up_i]; gathering undoes it
+    b = torch.arange(8.0).unsqueeze(1)
+    shards = tp.shard("decoder.layers.0.mlp.linear_fc1.lora_B.weight", b, 2)
+    assert [s.reshape(-1).tolist() for s in shards] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert torch.equal(tp.gather("decoder.layers.0.mlp.linear_fc1.lora_B.weight", shards), b)
+
+
+def test_fused_adapter_rows_follow_the_weight_conversion():
+    """GQA: 4 heads in 2 groups of head_dim 2: linear_qkv's rows per group are [q q; k; v]. The rows of B the
+    converter gives each HF module are the rows the same conversion gives that module's weight."""
+    hf = {"model_type": "qwen3", "num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 2, "vocab_size": 16}
+    converter, cfg = converter_for_hf_config(hf, None), ConverterConfig.from_hf_config(hf)
+    rows = dict(hf_rows(converter, cfg, "decoder.layers.0.self_attention.linear_qkv", 16))
+    assert {k: v.tolist() for k, v in rows.items()} == {
+        "model.layers.0.self_attn.q_proj": [0, 1, 2, 3, 8, 9, 10, 11],
+        "model.layers.0.self_attn.k_proj": [4, 5, 12, 13],
+        "model.layers.0.self_attn.v_proj": [6, 7, 14, 15]}
+    weight = torch.randn(16, 8)
+    for name, w in converter.megatron_to_hf("decoder.layers.0.self_attention.linear_qkv.weight", weight, cfg):
+        assert torch.equal(w, weight[rows[name.removesuffix(".weight")]])
+    fc1 = dict(hf_rows(converter, cfg, "decoder.layers.0.mlp.linear_fc1", 6))
+    assert {k: v.tolist() for k, v in fc1.items()} == {"model.layers.0.mlp.gate_proj": [0, 1, 2],
+                                                        "model.layers.0.mlp.up_proj": [3, 4, 5]}
+
+
+def test_initial_a_depends_on_seed_and_module_only():
+    a = initial_a(4, 32, 1234, "decoder.layers.3.mlp.linear_fc2")
+    assert torch.equal(a, initial_a(4, 32, 1234, "decoder.layers.3.mlp.linear_fc2"))
+    assert not torch.equal(a, initial_a(4, 32, 1234, "decoder.layers.2.mlp.linear_fc2"))
+    assert float(a.abs().max()) <= 1 / 32**0.5 and float(a.std()) > 0.1 / 32**0.5
