@@ -22,8 +22,8 @@ logger = logging.getLogger(__name__)
 # anyway, "refuse" | "warn", why, what to do instead).
 _NOT_BUILT = {
     "lora_type": ({"type": str, "choices": ["lora", "canonical_lora"], "default": "lora"}, "lora", "refuse",
-                  "canonical_lora (split Q/K/V adapters on Megatron's fused QKV) is not built; the fsdp trainer "
-                  "adapts the HF model's own q_proj/k_proj/v_proj, which is the same adapter set",
+                  "canonical_lora (split Q/K/V adapters on Megatron's fused QKV) is not built; the Megatron trainer "
+                  "gives each fused layer one adapter, the fsdp trainer adapts the HF model's own q_proj/k_proj/v_proj",
                   "drop it (the default lora)"),
     "lora_sync_from_tensor": ({"action": "store_true"}, False, "warn",
                               "the adapter always travels as tensors here", "drop it"),
@@ -44,7 +44,7 @@ _OPTION = {"multi_lora_adapters": "--multi-lora-adapter"}
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("LoRA", "Low-rank adapters on a frozen base model (the slime fork radixark/miles's "
-                                  "flags; fsdp trainer and hf engine: docs/lora.md).")  # fmt: skip
+                                  "flags; fsdp and Megatron trainers, hf engine: docs/lora.md).")  # fmt: skip
     g.add_argument("--lora-rank", type=int, default=0,
                    help="LoRA rank r; 0 (the default) trains the full model. With r > 0 only the adapters "
                    "(A: r x in, B: out x r) of the --target-modules train, and each weight push sends only them.")
@@ -56,7 +56,8 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--target-modules", type=str, default=None,
                    help="Which linear layers get adapters: all-linear (every nn.Linear of the decoder, not the LM "
                    "head) or comma-separated module names (the last part of the HF name, e.g. "
-                   "q_proj,k_proj,v_proj,o_proj). Required with --lora-rank > 0.")
+                   "q_proj,k_proj,v_proj,o_proj). Required with --lora-rank > 0. On the Megatron trainer q/k/v and "
+                   "gate/up are one fused layer each, adapted whole: name all of a group or none.")
     g.add_argument("--exclude-modules", type=str, default=None,
                    help="Comma-separated module names taken out of --target-modules.")
     g.add_argument("--lora-adapter-path", type=str, default=None,
