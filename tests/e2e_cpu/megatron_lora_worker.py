@@ -39,21 +39,24 @@ def make_args(cli):
         "--hf-checkpoint", cli.model, "--prompt-data", write_prompt_file(cli),
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--num-rollout", "3", "--actor-num-gpus-per-node", str(cli.world_size),
-        "--tensor-model-parallel-size", str(cli.tp), "--lr", "1e-2", "--clip-grad", "1.0", "--use-kl-loss",
+        "--tensor-model-parallel-size", str(cli.tp), "--pipeline-model-parallel-size", str(cli.pp), "--lr", "1e-2", "--clip-grad", "1.0", "--use-kl-loss",
         "--kl-loss-coef", "0.01", "--seed", "1234", "--rollout-num-gpus", "1",
-        "--lora-rank", "4", "--lora-alpha", "8", "--target-modules", "all-linear",
+        *(["--lora-rank", "4", "--lora-alpha", "8", "--target-modules", "all-linear"] if not cli.no_lora else []),
         "--save", os.path.join(cli.out, "ckpt"), "--save-hf", os.path.join(cli.out, "hf", "iter_{rollout_id}"),
     ]  # fmt: skip
     if cli.adapter:
         argv += ["--lora-adapter-path", cli.adapter]
     if cli.load:
         argv += ["--load", cli.load]
-    return parse_args(argv)
+    return parse_args(argv + cli.extra.split())
 
 
 def main() -> None:
     p = worker_parser()
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--no-lora", action="store_true", help="without --lora-rank (a LoRA checkpoint must be refused)")
+    p.add_argument("--extra", default="", help="more slime flags, space-separated")
     p.add_argument("--adapter", help="--lora-adapter-path")
     p.add_argument("--load")
     p.add_argument("--engine", action="store_true")
@@ -76,9 +79,10 @@ def main() -> None:
             before = {n: t.detach().clone() for n, t in actor.weight_tensors().items()}
             result["metrics"] = actor.train(0, batch)
             after = actor.weight_tensors()
-            changed = sorted(n for n, t in after.items() if not torch.equal(t, before[n]))
+            changed = sorted(f"rank{cli.rank}:{n}" for n, t in after.items() if not torch.equal(t, before[n]))
+            adapters = sorted(f"rank{cli.rank}:{n}" for n in after if is_adapter_name(n))
             everyone: list = [None] * cli.world_size
-            dist.all_gather_object(everyone, (changed, sorted(n for n in after if is_adapter_name(n))))
+            dist.all_gather_object(everyone, (changed, adapters))
             result["changed"] = sorted({n for c, _ in everyone for n in c})
             result["adapter_names"] = sorted({n for _, a in everyone for n in a})
             result["lp_after"] = actor.compute_log_probs(batch.tokens, batch.response_lengths)

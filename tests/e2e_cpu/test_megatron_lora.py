@@ -85,11 +85,13 @@ def runs(tiny_model_dir, adapter, tmp_path_factory):
         return run_ranks(WORKER, world, str(root / name), [*model, *flags], timeout_s=300)
 
     out = {"tp1": run("tp1", 1, "--adapter", adapter[0], "--engine"),
-           "tp2": run("tp2", 2, "--tp", "2", "--adapter", adapter[0])}
+           "tp2": run("tp2", 2, "--tp", "2", "--adapter", adapter[0]),
+           "pp2": run("pp2", 2, "--pp", "2", "--adapter", adapter[0], "--engine"),
+           "dp2": run("dp2", 2, "--adapter", adapter[0], "--extra=--use-distributed-optimizer")}
     ckpt = str(root / "tp1" / "ckpt")
     out["resume"] = run("resume", 1, "--load", ckpt)
     out["resume_tp2"] = run("resume_tp2", 2, "--tp", "2", "--load", ckpt)
-    out["root"] = root
+    out["root"], out["model"] = root, tiny_model_dir
     return out
 
 
@@ -103,6 +105,11 @@ def test_loaded_adapter_log_probs_equal_fsdp_lora_and_tp1_equals_tp2(runs, adapt
     assert max_abs_diff(tp2["lp_before"], tp1["lp_before"]) < 1e-5
     for key in ("train/kl_loss", "train/entropy_loss", "train/grad_norm"):
         assert tp2["metrics"][key] == pytest.approx(tp1["metrics"][key], rel=1e-5, abs=1e-7), key
+    for name in ("pp2", "dp2"):  # pipeline stages; data parallel with the distributed optimizer
+        other = runs[name]
+        assert max_abs_diff(other["lp_before"], tp1["lp_before"]) < 1e-5, name
+        assert other["metrics"]["train/grad_norm"] == pytest.approx(tp1["metrics"]["train/grad_norm"], rel=1e-5), name
+        assert max_abs_diff(other["lp_after"], tp1["lp_after"]) < 1e-5, name
     assert abs(tp1["metrics"]["train/kl_loss"]) > 1e-4  # against the base model: the reference has no adapter
     assert max_abs_diff(tp2["lp_after"], tp1["lp_after"]) < 1e-5
     assert max_abs_diff(tp1["lp_after"], tp1["lp_before"]) > 1e-3  # the step moved the policy
@@ -110,18 +117,19 @@ def test_loaded_adapter_log_probs_equal_fsdp_lora_and_tp1_equals_tp2(runs, adapt
 
 @pytest.mark.timeout(900)
 def test_a_train_step_changes_only_the_adapter(runs):
-    for name in ("tp1", "tp2"):
+    for name, replicas in (("tp1", 1), ("tp2", 2), ("pp2", 1), ("dp2", 2)):  # rank:name, over all ranks
         r = runs[name]
-        assert len(r["adapter_names"]) == 4 * 4 * 2  # 4 layers x (qkv, proj, fc1, fc2) x (A, B)
+        assert len(r["adapter_names"]) == 4 * 4 * 2 * replicas  # 4 layers x (qkv, proj, fc1, fc2) x (A, B)
         assert r["changed"] == r["adapter_names"], name
 
 
 @pytest.mark.timeout(900)
 def test_pushed_adapter_serves_the_trainers_log_probs(runs):
-    tp1 = runs["tp1"]
-    assert max_abs_diff(tp1["lp_engine"], tp1["lp_trainer"]) < 1e-5
-    info = tp1["engine_adapter"]
-    assert (info["r"], info["lora_alpha"], info["modules"]) == (RANK, ALPHA, 4 * 7)
+    for name in ("tp1", "pp2"):  # pp2: each stage's layers broadcast to rank 0
+        r = runs[name]
+        assert max_abs_diff(r["lp_engine"], r["lp_trainer"]) < 1e-5, name
+        info = r["engine_adapter"]
+        assert (info["r"], info["lora_alpha"], info["modules"]) == (RANK, ALPHA, 4 * 7), name
 
 
 @pytest.mark.timeout(900)
@@ -164,3 +172,18 @@ def test_fsdp_adapter_with_separate_q_k_v_a_is_refused(adapter, tmp_path):
     with pytest.raises(pytest.fail.Exception, match="have different lora_A"):
         run_ranks(WORKER, 1, str(tmp_path / "run"), ["--model", config["base_model_name_or_path"], "--adapter",
                                                      folder], timeout_s=300)
+
+
+def test_checkpoint_and_lora_flags_must_agree(runs, tmp_path):
+    """A LoRA checkpoint without --lora-rank (it would resume without its adapter), and a checkpoint of a run
+    without LoRA resumed with it (no adapter or its optimizer state to resume), stop the run naming the fix."""
+    root, model = runs["root"], ["--model", runs["model"]]
+    with pytest.raises(pytest.fail.Exception, match="was saved with LoRA"):
+        run_ranks(WORKER, 1, str(tmp_path / "no_lora"), [*model, "--no-lora", "--load", str(root / "tp1" / "ckpt")])
+    full = str(tmp_path / "full")
+    run_ranks(WORKER, 1, full, [*model, "--no-lora"])
+    with pytest.raises(pytest.fail.Exception, match="saved without LoRA.*--finetune"):
+        run_ranks(WORKER, 1, str(tmp_path / "lora_on_full"), [*model, "--load", os.path.join(full, "ckpt")])
+    finetune = run_ranks(WORKER, 1, str(tmp_path / "finetune"), [*model, "--load", os.path.join(full, "ckpt"),
+                                                                  "--extra=--finetune"])
+    assert finetune["start"] == 0
