@@ -1,18 +1,29 @@
 """LoRA on the Megatron trainer, its pure parts: --target-modules (HF names) -> Megatron's fused linears, the
-adapter's tensor-parallel layout, the adapter's HF rows through a family converter, and the flags' validation
-(docs/lora.md). The layers themselves run on gloo ranks in tests/e2e_cpu/test_megatron_lora.py."""
+adapter's tensor-parallel layout, the adapter's HF rows through a family converter, the flags' validation, and the
+--dry-run memory plan with LoRA (both trainers) (docs/lora.md). The layers themselves run on gloo ranks in tests/e2e_cpu/test_megatron_lora.py."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+from slime.backends.fsdp_utils import lora
 from slime.backends.megatron_utils.converters import ConverterConfig, converter_for_hf_config
 from slime.backends.megatron_utils.converters import tp
 from slime.backends.megatron_utils.lora import hf_target_names, initial_a, megatron_targets
 from slime.backends.megatron_utils.lora_weights import hf_rows
+from slime.config.arguments import parse_args
+from slime.config.plan import format_plan
+from slime.config.plan.lora_size import megatron_adapter_params_per_layer
+from slime.config.plan.memory import state_bytes_per_param, training_memory
+from slime.config.plan.model_size import count_params, load_model_shape
 from slime.utils.errors import SlimeArgumentError
 from tests.args import make_args
+from tests.conftest import model_args
+from tests.unit.test_dry_run import QWEN3_4B, base, write_config
 
 LORA = ("--lora-rank", "8", "--lora-alpha", "16", "--train-backend", "megatron", "--transformer-impl", "local")
 
@@ -98,3 +109,51 @@ def test_initial_a_depends_on_seed_and_module_only():
     assert torch.equal(a, initial_a(4, 32, 1234, "decoder.layers.3.mlp.linear_fc2"))
     assert not torch.equal(a, initial_a(4, 32, 1234, "decoder.layers.2.mlp.linear_fc2"))
     assert float(a.abs().max()) <= 1 / 32**0.5 and float(a.std()) > 0.1 / 32**0.5
+
+
+# ---- the --dry-run memory plan -------------------------------------------------------------------------------
+def test_megatron_lora_memory_plan_of_qwen3_4b_closed_form(files):
+    """Qwen3-4B (h 2560, q 4096, kv 1024, ffn 9728, 36 layers), r = 16 on all linear layers, TP 2, DP 4: the base
+    keeps its weights only; each rank's adapter shard has bf16 gradients and 12 B of optimizer state ÷ DP."""
+    write_config(files / "model", QWEN3_4B)
+    common = (*model_args("qwen3-4B"), "--dry-run", "--dry-run-cuda", "--actor-num-gpus-per-node", "8",
+              "--rollout-num-gpus", "8", "--rollout-backend", "hf", "--tensor-model-parallel-size", "2", "--bf16",
+              "--use-distributed-optimizer", "--micro-batch-size", "1", "--rollout-max-context-len", "4096",
+              "--transformer-impl", "local")
+    args = parse_args(base(*common, "--lora-rank", "16", "--lora-alpha", "32", "--target-modules", "all-linear"))
+    full = training_memory(parse_args(base(*common)), load_model_shape("model"), 4096, 64, with_ref=False)
+    est = training_memory(args, load_model_shape("model"), tokens=4096, micro_batches=64, with_ref=False)
+    r, h, q, kv, ffn = 16, 2560, 4096, 1024, 9728
+    per_layer = (r * h + r * (q + 2 * kv) / 2) + (r * q / 2 + r * h) + (r * h + r * 2 * ffn / 2) + (r * ffn / 2 + r * h)
+    assert per_layer == 479_232
+    assert megatron_adapter_params_per_layer(args, load_model_shape("model"), 2) == (per_layer, 794_624)
+    adapter = 36 * per_layer
+    assert est.get("weights") == full.get("weights")  # the base, unchanged
+    assert est.get("LoRA adapters") == adapter * 2
+    assert est.get("gradients") == adapter * 2  # none for the base
+    assert est.get("optimizer") == adapter * 12 / 4
+    assert est.get("activations") == full.get("activations")
+    assert full.get("gradients") / est.get("gradients") > 100  # 2.01 B base params per rank against 17.3 M
+    assert state_bytes_per_param(args, with_ref=True) == 2 + 2  # the frozen base and its reference copy
+    plan = format_plan(args)
+    assert "LoRA adapters" in plan and "the base is frozen: none" in plan, plan
+
+
+def test_fsdp_lora_memory_plan_counts_the_models_adapter(tiny_model_dir, toy_data_path):
+    """The adapter count the plan uses equals the parameters the fsdp trainer's LoRA layers add to the model."""
+    flags = ["--hf-checkpoint", tiny_model_dir, "--prompt-data", toy_data_path, "--rollout-batch-size", "4",
+             "--num-rollout", "1", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1", "--dry-run"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    shape = load_model_shape(tiny_model_dir)
+    p = count_params(shape).total
+    for targets in ("all-linear", "q_proj,v_proj,down_proj,lm_head"):
+        args = parse_args(flags + ["--lora-rank", "8", "--target-modules", targets])
+        if args.use_cuda:
+            pytest.skip("checks the CPU (fp32) numbers")
+        lora_model = copy.deepcopy(model)
+        lora.apply_lora(lora_model, 8, 16, targets)
+        adapter = sum(t.numel() for t in lora_model.parameters() if t.requires_grad)
+        est = training_memory(args, shape, tokens=100, micro_batches=None, with_ref=False)
+        assert est.get("weights") == 4 * p / 2, targets
+        assert est.get("LoRA adapters") == est.get("gradients") == 4 * adapter / 2, targets
+        assert est.get("optimizer") == 8 * adapter / 2, targets
