@@ -3,7 +3,7 @@
 A nonzero adapter written by the fsdp side's PEFT writer (random B; q/k/v and gate/up sharing their A, as Megatron's
 fused layers need) is loaded with --lora-adapter-path at TP1 and TP2: the log-probs equal the fsdp LoRA model's,
 and TP2's loss, gradient norm and trained log-probs equal TP1's. A train step changes the adapter and nothing else.
-The adapter pushed to an `hf` engine reproduces the trainer's log-probs; the saved PEFT folder loads into the fsdp
+The adapter pushed to an `hf` engine (from TP1, TP2, PP2) reproduces the trainer's log-probs; the saved PEFT folder loads into the fsdp
 trainer's LoRA model and the --save-hf folder (adapter merged) into transformers, both giving the trainer's
 log-probs; a resume from the torch_dist checkpoint, at TP1 and at TP2, gives the next step's metrics of the run that
 went on.
@@ -15,6 +15,8 @@ import copy
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -25,7 +27,9 @@ from slime.backends.fsdp_utils import lora
 from slime.backends.fsdp_utils.data import forward_response_log_probs
 from slime.backends.training.batching import make_micro_batch, unpad_per_token
 from tests.args import make_args
-from tests.conftest import REPO_ROOT
+from slime.utils.tracking import read_scalars
+from tests.conftest import REPO_ROOT, model_args
+from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
 from tests.e2e_cpu.ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
@@ -85,7 +89,7 @@ def runs(tiny_model_dir, adapter, tmp_path_factory):
         return run_ranks(WORKER, world, str(root / name), [*model, *flags], timeout_s=300)
 
     out = {"tp1": run("tp1", 1, "--adapter", adapter[0], "--engine"),
-           "tp2": run("tp2", 2, "--tp", "2", "--adapter", adapter[0]),
+           "tp2": run("tp2", 2, "--tp", "2", "--adapter", adapter[0], "--engine"),
            "pp2": run("pp2", 2, "--pp", "2", "--adapter", adapter[0], "--engine"),
            "dp2": run("dp2", 2, "--adapter", adapter[0], "--extra=--use-distributed-optimizer")}
     ckpt = str(root / "tp1" / "ckpt")
@@ -125,7 +129,7 @@ def test_a_train_step_changes_only_the_adapter(runs):
 
 @pytest.mark.timeout(900)
 def test_pushed_adapter_serves_the_trainers_log_probs(runs):
-    for name in ("tp1", "pp2"):  # pp2: each stage's layers broadcast to rank 0
+    for name in ("tp1", "tp2", "pp2"):  # TP shards gathered; each pipeline stage's layers broadcast to rank 0
         r = runs[name]
         assert max_abs_diff(r["lp_engine"], r["lp_trainer"]) < 1e-5, name
         info = r["engine_adapter"]
@@ -187,3 +191,40 @@ def test_checkpoint_and_lora_flags_must_agree(runs, tmp_path):
     finetune = run_ranks(WORKER, 1, str(tmp_path / "finetune"), [*model, "--load", os.path.join(full, "ckpt"),
                                                                   "--extra=--finetune"])
     assert finetune["start"] == 0
+
+
+def test_adapter_folder_of_another_alpha_is_refused(adapter, tiny_model_dir, tmp_path):
+    with pytest.raises(pytest.fail.Exception, match="has lora_alpha 8, the run --lora-alpha 16; pass --lora-alpha 8"):
+        run_ranks(WORKER, 1, str(tmp_path / "run"), ["--model", tiny_model_dir, "--adapter", adapter[0],
+                                                     "--extra=--lora-alpha 16"], timeout_s=300)
+
+
+SHIM_SITE = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "plugins", "megatron_shim")
+
+
+@pytest.mark.timeout(400)
+def test_train_py_with_megatron_lora(tiny_model_dir, toy_data_path, tmp_path):
+    """train.py end to end: Ray, sglang-router, an hf engine and the Megatron trainer with LoRA on two TP ranks;
+    after every adapter push the trainer's log-probs of the engine's samples are the engine's, and the policy leaves
+    the base model (the KL to the reference, which is the base, grows from 0)."""
+    before = run_processes()
+    tb = str(tmp_path / "tb")
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "train.py"), "--train-backend", "megatron",
+           *model_args("tiny-qwen3"), "--transformer-impl", "local", "--hf-checkpoint", tiny_model_dir,
+           "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
+           "--rollout-num-gpus", "1", "--prompt-data", toy_data_path, "--input-key", "prompt", "--label-key", "label",
+           "--apply-chat-template", "--rm-type", "toy", "--num-rollout", "3", "--rollout-batch-size", "2",
+           "--n-samples-per-prompt", "4", "--global-batch-size", "8", "--rollout-max-response-len", "4",
+           "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl",
+           "--lr", "2e-2", "--seed", "7", "--use-tensorboard", "--tensorboard-dir", tb,
+           "--lora-rank", "4", "--lora-alpha", "8", "--target-modules", "all-linear"]  # fmt: skip
+    env = dict(os.environ, SLIME_TRAIN_NUM_THREADS="1", SLIME_ENGINE_NUM_THREADS="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (SHIM_SITE, REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=360, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-4000:]
+    diff = read_scalars(tb, "train/train_rollout_logprob_abs_diff")
+    kl = read_scalars(tb, "train/kl_loss")
+    print("abs diff", diff, "kl", kl)
+    assert sorted(diff) == [0, 1, 2] and max(diff.values()) < 1e-5
+    assert kl[0] == 0.0 and kl[2] > 0  # rollout 0 runs the base model (B = 0); the pushed adapters moved it
+    assert wait_for_no_new_processes(before) == {}

@@ -91,10 +91,10 @@ def hf_target_names(linears: list[str]) -> list[str]:
 class _ColumnLoRA:
     """Mixed in before a ColumnParallelLinear class: adds the adapter to the (ungathered) output shard."""
 
-    def forward(self, input_, weight=None, runtime_gather_output=None):
+    def forward(self, input_, *args, **kwargs):
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-        output, bias = super().forward(input_, weight, runtime_gather_output)
+        output, bias = super().forward(input_, *args, **kwargs)
         # h is replicated over the TP ranks; its gradient sums each rank's B-shard part
         h = copy_to_tensor_model_parallel_region(F.linear(input_, self.lora_A.weight), group=self.tp_group)
         return output + F.linear(h, self.lora_B.weight) * self.lora_scaling, bias
@@ -108,10 +108,10 @@ class _ColumnLoRA:
 class _RowLoRA:
     """Mixed in before a RowParallelLinear class: adds the adapter after the base layer's reduction."""
 
-    def forward(self, input_):
+    def forward(self, input_, *args, **kwargs):
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-        output, bias = super().forward(input_)
+        output, bias = super().forward(input_, *args, **kwargs)
         h = reduce_from_tensor_model_parallel_region(F.linear(input_, self.lora_A.weight), group=self.tp_group)
         return output + F.linear(h, self.lora_B.weight) * self.lora_scaling, bias
 

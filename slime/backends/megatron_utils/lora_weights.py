@@ -10,6 +10,7 @@ separate A's for q/k/v (the fsdp trainer's) is not one Megatron adapter and is r
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -61,6 +62,7 @@ def load_adapter_folder(model: list[torch.nn.Module], args, hf_config: dict, pat
     if not os.path.isfile(file):
         raise FileNotFoundError(f"--lora-adapter-path {path}: no adapter_model.safetensors there (a PEFT adapter "
                                 "folder holds it and adapter_config.json)")
+    _check_folder_config(path, args)
     loaded = {name.removeprefix(PEFT_PREFIX): t for name, t in load_file(file).items()}
     converter = converter_for_hf_config(hf_config, args.model_name)
     cfg = ConverterConfig.from_args(args)
@@ -106,6 +108,20 @@ def load_adapter_folder(model: list[torch.nn.Module], args, hf_config: dict, pat
         raise ValueError(f"--lora-adapter-path {path}: {len(mine)} tensor(s) for modules this run does not adapt, "
                          f"e.g. {mine[:3]}; pass --target-modules covering them")
     return len(params)
+
+
+def _check_folder_config(path: str, args) -> None:
+    """The folder's adapter_config.json (when there is one) must have the run's rank and alpha: the same tensors
+    under another alpha / r scale would be another model."""
+    config_file = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(config_file):
+        return
+    with open(config_file) as f:
+        config = json.load(f)
+    for key, flag, mine in (("r", "--lora-rank", args.lora_rank), ("lora_alpha", "--lora-alpha", args.lora_alpha)):
+        if key in config and config[key] != mine:
+            raise ValueError(f"--lora-adapter-path {path}: its adapter_config.json has {key} {config[key]}, the run "
+                             f"{flag} {mine}; pass {flag} {config[key]}")
 
 
 def _b_rows(params, module: str, size: int) -> int:
