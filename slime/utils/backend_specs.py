@@ -73,6 +73,7 @@ TRAIN_BACKEND_SPECS: dict[str, TrainBackendSpec] = {
     "megatron": TrainBackendSpec(
         name="megatron", model_from_megatron_flags=True, megatron_parallelism=True, checkpoint_format="torch_dist",
         has_critic=False, memory_model="megatron", bf16_by_default_on_gpu=True, expects_cuda=True,
+        trains_lora=True,
     ),
     "fsdp": TrainBackendSpec(
         name="fsdp", model_from_megatron_flags=False, megatron_parallelism=False, checkpoint_format="hf",

@@ -45,9 +45,10 @@ def test_lora_flags_refused_with_the_fix(extra, message):
         make_args(*extra)
 
 
-def test_lora_refused_on_megatron_naming_fsdp():
-    with pytest.raises(SlimeArgumentError, match="pass --train-backend fsdp"):
-        make_args(*LORA, "--train-backend", "megatron")
+def test_lora_lm_head_refused_on_megatron_naming_fsdp():
+    with pytest.raises(SlimeArgumentError, match="LM head is not built on the Megatron trainer.*--train-backend fsdp"):
+        make_args("--lora-rank", "8", "--target-modules", "q_proj,k_proj,v_proj,lm_head", "--train-backend",
+                  "megatron")
 
 
 # ---- trainer layers -------------------------------------------------------------------------------------------

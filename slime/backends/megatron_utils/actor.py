@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.megatron_utils import args as mg_args
-from slime.backends.megatron_utils import checkpoint, config_check, plugins, weights
+from slime.backends.fsdp_utils.lora import ADAPTER_DIR
+from slime.backends.megatron_utils import checkpoint, config_check, lora, lora_weights, plugins, weights
 from slime.backends.megatron_utils.forward import response_log_probs, run_pipeline
 from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel, unwrap
 from slime.backends.training import hf_save
@@ -48,6 +49,7 @@ from slime.backends.training.policy import PolicyTrainer
 from slime.backends.training.record import RolloutRecord
 from slime.utils.types import TrainBatch
 from slime.weight_sync import push as weight_push
+from slime.weight_sync.adapter import is_adapter_name, push_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +87,10 @@ class MegatronTrainRayActor(PolicyTrainer):
         self.model = build_model(args)
         # Without a checkpoint in --load the policy starts from the reference model's weights (--ref-load at
         # --ref-ckpt-step, else --hf-checkpoint): a fresh start at rollout 0, no optimizer state.
-        self._load_weights(self.model, *((ckpt, None) if ckpt is not None else self._ref_source(args)))
+        self._load_weights(self.model, *((ckpt, None) if ckpt is not None else self._ref_source(args)),
+                           adapters=self._lora_checkpoint(ckpt))
+        if args.lora_rank:
+            self._start_adapter(ckpt)
         self.ref_model = None
         if with_ref:
             self.ref_model = build_model(args, wrap=False)
@@ -160,9 +165,43 @@ class MegatronTrainRayActor(PolicyTrainer):
                                     "torch_dist checkpoint (tools/convert_hf_to_torch_dist.py writes one)")
         return ckpt, None
 
-    def _load_weights(self, model, ckpt, hf_path: str | None) -> None:
+    def _lora_checkpoint(self, ckpt) -> bool:
+        """Whether the --load checkpoint was saved with LoRA (its adapter is in its torch_dist files and, as a PEFT
+        folder, in `adapter/`); one without --lora-rank stops the run."""
+        saved = ckpt is not None and os.path.isdir(os.path.join(ckpt.path, ADAPTER_DIR))
+        if saved and not self.args.lora_rank:
+            raise ValueError(f"--load {self.args.load}: {ckpt.path} was saved with LoRA (its adapter is in "
+                             f"{os.path.join(ckpt.path, ADAPTER_DIR)}); pass the run's --lora-rank / --lora-alpha / "
+                             "--target-modules to resume it, or start full fine-tuning from its --save-hf folder "
+                             "(the adapter merged in) with --hf-checkpoint")
+        return saved
+
+    def _start_adapter(self, ckpt) -> None:
+        """LoRA: the adapter of the --load checkpoint (loaded with its weights), else --lora-adapter-path's PEFT
+        folder, else the initial one (B = 0). A checkpoint of a run without LoRA resumes only with --finetune."""
+        args = self.args
+        self.lora_linears = lora.megatron_targets(args.target_modules, args.exclude_modules)
+        self.lora_config = lora_weights.adapter_config(args, self.lora_linears)
+        source = "the checkpoint" if self._lora_checkpoint(ckpt) else args.lora_adapter_path
+        if source is None and ckpt is not None and ckpt.iteration is not None and not args.finetune:
+            raise ValueError(f"--load {args.load}: {ckpt.path} was saved without LoRA, so it holds no adapter or "
+                             "adapter optimizer state to resume; pass --finetune to start LoRA from its weights at "
+                             "rollout 0, or drop --lora-rank")
+        if self.hf_config is None:
+            raise ValueError(f"--lora-rank {args.lora_rank} on the Megatron trainer needs --hf-checkpoint (its "
+                             "config.json maps the adapter to HF module names for pushes, adapter folders and "
+                             "--lora-adapter-path)")
+        if source is not None and source != "the checkpoint":
+            lora_weights.load_adapter_folder(self.model, args, self.hf_config, source)
+        adapter = sum(p.numel() for chunk in self.model for p in chunk.parameters() if p.requires_grad)
+        total = sum(p.numel() for chunk in self.model for p in chunk.parameters())
+        logger.info("rank %d: LoRA r=%d alpha=%d on %s: %d adapter parameters on this rank (%.2f%% of %d)%s",
+                    self.rank, args.lora_rank, args.lora_alpha, ",".join(self.lora_linears), adapter,
+                    100 * adapter / total, total, f", from {source}" if source else "")
+
+    def _load_weights(self, model, ckpt, hf_path: str | None, adapters: bool = False) -> None:
         if ckpt is not None:
-            checkpoint.load_model(ckpt, model)
+            checkpoint.load_model(ckpt, model, adapters)
         elif config_check.is_hf_folder(hf_path):
             weights.load_hf_weights(model, self.args, hf_path)
         else:
@@ -286,8 +325,8 @@ class MegatronTrainRayActor(PolicyTrainer):
     @torch.no_grad()
     def copy_actor_to_ref(self) -> None:
         """--ref-update-interval: the reference model takes the actor's weights (the same layout)."""
-        for ref, chunk in zip(self.ref_model, self.model):
-            ref.load_state_dict(unwrap(chunk).state_dict())
+        for ref, chunk in zip(self.ref_model, self.model):  # with LoRA the reference stays the base model
+            ref.load_state_dict({n: t for n, t in unwrap(chunk).state_dict().items() if not is_adapter_name(n)})
 
     @torch.no_grad()
     def compute_log_probs(self, tokens: list[list[int]], response_lengths: list[int]) -> list[list[float]]:
@@ -310,10 +349,23 @@ class MegatronTrainRayActor(PolicyTrainer):
         if self.hf_config is None:
             raise ValueError("--train-backend megatron: weight sync needs --hf-checkpoint (its config.json picks "
                              "the HF names the engines load)")
+        if self.args.lora_rank:
+            self._push_adapter(engines, weight_version)
+            return
         route = self.engine_push(engines) if self.rank == 0 and engines else None
         try:
             weight_push.push_weights(weights.iter_hf_weights(self.model, self.args, self.hf_config), route,
                                      weight_version, self.args.update_weight_buffer_size)
+        finally:
+            dist.barrier()
+
+    def _push_adapter(self, engines: list[Any], weight_version: int) -> None:
+        """Collective, with LoRA: the adapter only (HF module names; the engines keep their base weights), gathered
+        on every rank, loaded by rank 0 into every engine as one adapter."""
+        named = lora_weights.adapter_hf_tensors(self.model, self.args, self.hf_config)
+        try:
+            if self.rank == 0 and engines:
+                push_adapter(named, engines, self.lora_config, str(weight_version))
         finally:
             dist.barrier()
 
@@ -323,8 +375,13 @@ class MegatronTrainRayActor(PolicyTrainer):
         optimizer = None if self.args.no_save_optim else self.optimizer
         state = {"global_step": self.global_step, "scheduler": self.scheduler.state_dict(),
                  "megatron_args": self.args.megatron_args}
-        checkpoint.save(self.args.save, rollout_id, self.model, optimizer, state)
+        path = checkpoint.save(self.args.save, rollout_id, self.model, optimizer, state)
+        if self.args.lora_rank:  # the adapter also as a PEFT folder (for engines, --lora-adapter-path, PEFT)
+            lora_weights.write_adapter(self.model, self.args, self.hf_config, self.lora_config,
+                                       os.path.join(path, ADAPTER_DIR))
         hf_path = hf_save.hf_save_path(self.args, rollout_id)
-        if hf_path is not None:
+        if hf_path is not None and self.args.lora_rank:
+            lora_weights.save_hf_merged(self.model, self.args, self.hf_config, self.lora_config, hf_path)
+        elif hf_path is not None:
             weights.save_hf_weights(self.model, self.args, self.hf_config, hf_path)
 

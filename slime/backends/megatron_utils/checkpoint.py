@@ -4,6 +4,8 @@
 only (tools/convert_hf_to_torch_dist.py); the latest marker is written last.
 
 Sharded tensors re-shard on load, so a checkpoint saved at one TP/PP/DP layout loads at another.
+With LoRA the adapter is part of the model's sharded state (split as its layer is) and its optimizer state is the
+whole optimizer state; the actor also writes it as a PEFT folder in the iteration's `adapter/`.
 A "release" checkpoint is a starting point, not a resume: training starts at rollout 0 without optimizer
 state. Simplifications: the RNG state is not saved (training uses no dropout).
 """
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from slime.backends.megatron_utils.model import unwrap
 from slime.utils import checkpoint_layout as layout
 from slime.utils.checkpoint_layout import LATEST_FILE, RELEASE, is_torch_dist_dir, iteration_dir
+from slime.weight_sync.adapter import is_adapter_name
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +122,15 @@ def save(root: str, rollout_id: int | None, model: list[torch.nn.Module], optimi
     return path
 
 
-def load_model(ckpt: TorchDistCheckpoint, model: list[torch.nn.Module]) -> None:
-    """Collective: this rank's shards of the model weights."""
+def load_model(ckpt: TorchDistCheckpoint, model: list[torch.nn.Module], adapters: bool = False) -> None:
+    """Collective: this rank's shards of the model weights; LoRA adapters too when `adapters` (a checkpoint saved
+    with LoRA), else a LoRA model keeps its initial adapter."""
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load(_model_sharded_state_dict(model), ckpt.path)
+    sharded = _model_sharded_state_dict(model)
+    if not adapters:
+        sharded = {key: {n: t for n, t in sd.items() if not is_adapter_name(n)} for key, sd in sharded.items()}
+    loaded = dist_checkpointing.load(sharded, ckpt.path)
     keys = ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
     for key, chunk in zip(keys, model):
         unwrap(chunk).load_state_dict(loaded[key], strict=False)

@@ -4,7 +4,8 @@
 default process group and seeds its RNG tracker. `build_model(args, wrap=True)` returns the model chunks
 of this pipeline rank (one, or several with `--num-layers-per-virtual-pipeline-stage`): megatron-core's
 `GPTModel` with the TransformerEngine layer spec when TE is importable, the local spec otherwise, wrapped
-in megatron-core's `DistributedDataParallel` for training (`wrap=False` for the frozen reference model). A
+in megatron-core's `DistributedDataParallel` for training (`wrap=False` for the frozen reference model); with
+`--lora-rank` the training chunks are frozen and get LoRA adapters first (lora.py). A
 `--custom-model-provider-path` provider or a `--spec` builds the chunks instead (plugins.py).
 `build_optimizer` gives megatron-core's (distributed) optimizer and `OptimizerParamScheduler`.
 
@@ -23,7 +24,7 @@ import logging
 import torch
 
 from slime.backends.megatron_utils import args as mg_args
-from slime.backends.megatron_utils import packed_rope, plugins
+from slime.backends.megatron_utils import lora, packed_rope, plugins
 from slime.backends.megatron_utils.sandwich_norm import add_sandwich_norms
 from slime.backends.megatron_utils.sdpa_attention import with_sdpa_attention
 from slime.backends.training import freeze
@@ -147,9 +148,13 @@ def build_model(args: argparse.Namespace, wrap: bool = True) -> list[torch.nn.Mo
             model.requires_grad_(False)
             model.eval()
         return chunks
-    # --only-train-params-name-list / --freeze-params-name-list: before DDP, which gives a gradient buffer only to
-    # parameters that require one (and megatron-core's optimizer skips the others).
-    freeze.apply_freeze(args, [(name, p) for model in chunks for name, p in model.named_parameters()])
+    # --only-train-params-name-list / --freeze-params-name-list, or LoRA (the base frozen, adapters added): before
+    # DDP, which gives a gradient buffer only to parameters that require one (and megatron-core's optimizer skips
+    # the others).
+    if args.lora_rank:
+        lora.apply_lora(chunks, args)
+    else:
+        freeze.apply_freeze(args, [(name, p) for model in chunks for name, p in model.named_parameters()])
     return [_wrap_ddp(args, config, model, i) for i, model in enumerate(chunks)]
 
 

@@ -30,6 +30,7 @@ from slime.backends.megatron_utils.converters import tp as tp_layout
 from slime.backends.megatron_utils.model import uses_te, unwrap
 from slime.backends.megatron_utils.sandwich_norm import HF_STYLE_NAMES
 from slime.backends.training import hf_save
+from slime.weight_sync.adapter import is_adapter_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -52,9 +53,10 @@ def global_name(gpt: torch.nn.Module, name: str, ep_rank: int, experts_per_rank:
     return f"decoder.layers.{layer}.{rest}"
 
 
-def named_parameters(model: list[torch.nn.Module], args) -> list[tuple[str, str, torch.Tensor]]:
+def named_parameters(model: list[torch.nn.Module], args, adapters: bool = False) -> list[tuple[str, str, torch.Tensor]]:
     """(local name, global name, tensor) of this rank's chunks, in module order: the parameters, and the
-    MoE routers' `expert_bias` buffers (aux-loss-free balancing state, part of the checkpoint)."""
+    MoE routers' `expert_bias` buffers (aux-loss-free balancing state, part of the checkpoint). The model's own
+    weights, without LoRA adapters; `adapters=True`: the adapters' tensors only (megatron_utils/lora.py)."""
     from megatron.core import parallel_state as ps
 
     ep_rank = ps.get_expert_model_parallel_rank()
@@ -64,6 +66,8 @@ def named_parameters(model: list[torch.nn.Module], args) -> list[tuple[str, str,
         tensors = list(gpt.named_parameters())
         tensors += [(n, b) for n, b in gpt.named_buffers() if n.endswith("router.expert_bias")]
         for name, t in tensors:
+            if is_adapter_name(name) != adapters:
+                continue
             out.append((name, global_name(gpt, name, ep_rank, _experts_per_rank(args)), t))
     return out
 
@@ -146,13 +150,14 @@ def _gather_tp(name: str, t: torch.Tensor, gated: bool) -> torch.Tensor:
     return tp_layout.gather(name, shards, gated)
 
 
-def _stage_tensors(model: list[torch.nn.Module], args) -> list[tuple[str, torch.Tensor]]:
-    """This stage's parameters as full tensors with global names (TP and EP gathered). Collective."""
+def _stage_tensors(model: list[torch.nn.Module], args, adapters: bool) -> list[tuple[str, torch.Tensor]]:
+    """This stage's parameters (or LoRA adapters) as full tensors with global names (TP and EP gathered).
+    Collective."""
     from megatron.core import parallel_state as ps
 
     ep, per_rank = args.expert_model_parallel_size, _experts_per_rank(args)
     out = []
-    for _, name, param in named_parameters(model, args):
+    for _, name, param in named_parameters(model, args, adapters):
         full = _gather_tp(name, param.detach(), args.swiglu)
         e = _LAYER.match(name) and _EXPERT.match(name)
         if e and ep > 1:
@@ -165,12 +170,14 @@ def _stage_tensors(model: list[torch.nn.Module], args) -> list[tuple[str, torch.
     return out
 
 
-def iter_megatron_weights(model: list[torch.nn.Module], args) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective: (global Megatron name, full tensor) of the whole model on every rank, stage by stage."""
+def iter_megatron_weights(model: list[torch.nn.Module], args,
+                          adapters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: (global Megatron name, full tensor) of the whole model on every rank, stage by stage; with
+    `adapters`, of its LoRA adapters instead."""
     from megatron.core import parallel_state as ps
 
     pp = ps.get_pipeline_model_parallel_world_size()
-    mine = _stage_tensors(model, args)
+    mine = _stage_tensors(model, args, adapters)
     if pp == 1:
         yield from mine
         return

@@ -2,7 +2,7 @@
 
 The flags are those of the slime fork radixark/miles (`--lora-rank` 0 = off, `--lora-alpha`, `--lora-dropout`,
 `--target-modules`, `--exclude-modules`, `--lora-adapter-path`), so its launch scripts' LoRA arguments parse here.
-Built: the fsdp trainer with the `hf` engine (docs/lora.md). Its other LoRA flags parse with its defaults and are
+Built: the fsdp and Megatron trainers with the `hf` engine (docs/lora.md). Its other LoRA flags parse with its defaults and are
 refused (or warned about) when set: split-QKV `canonical_lora`, adapters trained but not served
 (`--lora-train-only`), several adapters in one job (`--multi-lora-*`).
 """
@@ -13,6 +13,7 @@ import argparse
 import logging
 
 from slime.backends.fsdp_utils.lora import ALL_LINEAR, module_names
+from slime.backends.megatron_utils.lora import megatron_targets
 from slime.config.arg_groups._common import fail
 from slime.utils.backend_specs import ENGINE_SPECS, TRAIN_BACKEND_SPECS, engine_spec, train_spec
 
@@ -22,8 +23,8 @@ logger = logging.getLogger(__name__)
 # anyway, "refuse" | "warn", why, what to do instead).
 _NOT_BUILT = {
     "lora_type": ({"type": str, "choices": ["lora", "canonical_lora"], "default": "lora"}, "lora", "refuse",
-                  "canonical_lora (split Q/K/V adapters on Megatron's fused QKV) is not built; the fsdp trainer "
-                  "adapts the HF model's own q_proj/k_proj/v_proj, which is the same adapter set",
+                  "canonical_lora (split Q/K/V adapters on Megatron's fused QKV) is not built; the Megatron trainer "
+                  "gives each fused layer one adapter, the fsdp trainer adapts the HF model's own q_proj/k_proj/v_proj",
                   "drop it (the default lora)"),
     "lora_sync_from_tensor": ({"action": "store_true"}, False, "warn",
                               "the adapter always travels as tensors here", "drop it"),
@@ -44,7 +45,7 @@ _OPTION = {"multi_lora_adapters": "--multi-lora-adapter"}
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("LoRA", "Low-rank adapters on a frozen base model (the slime fork radixark/miles's "
-                                  "flags; fsdp trainer and hf engine: docs/lora.md).")  # fmt: skip
+                                  "flags; fsdp and Megatron trainers, hf engine: docs/lora.md).")  # fmt: skip
     g.add_argument("--lora-rank", type=int, default=0,
                    help="LoRA rank r; 0 (the default) trains the full model. With r > 0 only the adapters "
                    "(A: r x in, B: out x r) of the --target-modules train, and each weight push sends only them.")
@@ -56,7 +57,8 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--target-modules", type=str, default=None,
                    help="Which linear layers get adapters: all-linear (every nn.Linear of the decoder, not the LM "
                    "head) or comma-separated module names (the last part of the HF name, e.g. "
-                   "q_proj,k_proj,v_proj,o_proj). Required with --lora-rank > 0.")
+                   "q_proj,k_proj,v_proj,o_proj). Required with --lora-rank > 0. On the Megatron trainer q/k/v and "
+                   "gate/up are one fused layer each, adapted whole: name all of a group or none.")
     g.add_argument("--exclude-modules", type=str, default=None,
                    help="Comma-separated module names taken out of --target-modules.")
     g.add_argument("--lora-adapter-path", type=str, default=None,
@@ -97,10 +99,12 @@ def validate_lora(args: argparse.Namespace) -> None:
     targets = module_names(args.target_modules)
     if ALL_LINEAR in targets and len(targets) > 1:
         fail(f"--target-modules {args.target_modules}: all-linear stands alone; give it or a list of names.")
+    if train_spec(args).model_from_megatron_flags:  # the adapters go on megatron-core's modules
+        _validate_megatron_lora(args)
     if args.lora_alpha <= 0:
         fail(f"--lora-alpha {args.lora_alpha}: must be positive (the adapter is scaled by alpha / rank).")
     if args.lora_dropout != 0.0:
-        fail(f"--lora-dropout {args.lora_dropout}: not supported here: the fsdp trainer runs every forward without "
+        fail(f"--lora-dropout {args.lora_dropout}: not supported here: the trainers run every forward without "
              "dropout so that its log-probs agree with the engine's; pass --lora-dropout 0.")
     if args.only_train_params_name_list or args.freeze_params_name_list:
         fail(f"--lora-rank {args.lora_rank} with --only-train-params-name-list / --freeze-params-name-list: with "
@@ -120,3 +124,18 @@ def validate_lora(args: argparse.Namespace) -> None:
         engines = [name for name, spec in ENGINE_SPECS.items() if spec.serves_lora]
         fail(f"--lora-rank {args.lora_rank}: serving the adapter is not built for {engine_spec(args).name} engines; "
              f"pass --rollout-backend {' or '.join(engines)}.")
+
+
+def _validate_megatron_lora(args: argparse.Namespace) -> None:
+    """LoRA on the Megatron trainer: the decoder's dense linears (megatron_utils/lora.py); fused q/k/v and gate/up
+    adapted whole."""
+    try:
+        megatron_targets(args.target_modules, args.exclude_modules)
+    except ValueError as e:
+        fail(str(e) + ".")
+    for flag, on in (("--num-experts", args.num_experts), ("--multi-latent-attention", args.multi_latent_attention),
+                     ("--sequence-parallel", args.sequence_parallel)):
+        if on:
+            fail(f"--lora-rank {args.lora_rank} with {flag} {on} on the Megatron trainer: adapters on MoE experts, "
+                 "multi-latent attention and sequence-parallel layers are not built; drop it, or train with "
+                 "--train-backend fsdp.")

@@ -7,6 +7,8 @@ Training, megatron (the largest pipeline stage is reported):
 - gradients: same count × 4 B with --accumulate-allreduce-grads-in-fp32 or fp32 training, else 2 B;
 - optimizer: Adam fp32 m and v + fp32 master weights = 12 B/param in bf16/fp16 (8 B in fp32; SGD 8 / 4 B),
   ÷ DP×CP (experts: ÷ expert-DP) with --use-distributed-optimizer;
+- LoRA (--lora-rank): the base has no gradients or optimizer state; the stage's adapters (plan/lora_size.py) have
+  weights, gradients and optimizer state as above;
 - reference model (a KL term): another copy of the weights; the teacher of `--use-opd --opd-type megatron`
   (the student's architecture and layout): one more;
 - activations (Korthikanti et al. 2022, flash attention so no s² term): per layer and micro-batch of T
@@ -19,7 +21,8 @@ Training, megatron (the largest pipeline stage is reported):
   measured at 5.9 B on CPU), last stage only.
 
 Training, fsdp (this repo's backend: FSDP2 over all ranks, fp32 master shards, AdamW, no recompute):
-weights, gradients (fp32) and AdamW state ÷ ranks = 16 B/param ÷ ranks; the gathered embedding/output
+weights, gradients (fp32) and AdamW state ÷ ranks = 16 B/param ÷ ranks (LoRA: 4 B/param of the frozen base, the
+adapters 16 B/param); the gathered embedding/output
 layer and two decoder layers in the compute dtype; a KL reference model's fp32 shards, and the OPD teacher's
 (`--opd-type megatron`: its own parameter count when --opd-teacher-load is an HF folder); activations as above
 with TP = 1 (fp32 on CPU doubles them).
@@ -51,6 +54,7 @@ from slime.backends.hf_engine.slots import bucket_rows, grown_columns
 from slime.backends.megatron_utils.args import padded_vocab_size
 from slime.config.arg_groups._common import SlimeArgumentError
 from slime.config.arg_groups.megatron import pipeline_layer_split
+from slime.config.plan.lora_size import fsdp_adapter_params, megatron_adapter_params_per_layer
 from slime.config.plan.model_size import ModelShape, count_params, embedding_params, layer_params, load_model_shape
 from slime.utils.backend_specs import engine_spec, train_spec
 
@@ -169,10 +173,14 @@ def state_bytes_per_param(args, with_ref: bool) -> int:
 
 def _megatron_state_bytes(args, frozen: int) -> int:
     wb, gb, ob, _ = megatron_bytes_per_param(args)
+    if args.lora_rank:  # a frozen base: weights only (the adapters' share is left out of this lower bound)
+        return wb + wb * frozen
     return wb + gb + ob + wb * frozen
 
 
 def _fsdp_state_bytes(args, frozen: int) -> int:
+    if args.lora_rank:  # a frozen base: fp32 weights only (the adapters' share is left out of this lower bound)
+        return 4 + 4 * frozen
     return 16 + 4 * frozen  # fp32 weights, fp32 gradients, AdamW m, v (+ fp32 frozen copies)
 
 
@@ -211,15 +219,18 @@ def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches
         else:
             shard = f"({fmt_count(dense)} ÷ TP {par.tp})"
         est.items.append(Item("weights", per_gpu * wb, f"{fmt_count(per_gpu)} params {shard} × {wb} B"))
-        est.items.append(Item("gradients", per_gpu * gb, f"{fmt_count(per_gpu)} × {gb} B"))
-        if dist_opt:
-            opt = dense / par.tp / (par.dp * par.cp) + expert / (par.ep * par.etp) / par.expert_dp
-            how = f"{ob} B ({opt_what}) × params ÷ DP×CP {par.dp * par.cp}" + (
-                f" (experts ÷ expert-DP {par.expert_dp})" if expert else "") + " (--use-distributed-optimizer)"
+        if args.lora_rank:
+            _megatron_lora_items(est, args, shape, par, n_layers, (wb, gb, ob, opt_what), dist_opt)
         else:
-            opt = per_gpu
-            how = f"{ob} B ({opt_what}) × {fmt_count(per_gpu)}, not sharded (no --use-distributed-optimizer)"
-        est.items.append(Item("optimizer", opt * ob, how))
+            est.items.append(Item("gradients", per_gpu * gb, f"{fmt_count(per_gpu)} × {gb} B"))
+            if dist_opt:
+                opt = dense / par.tp / (par.dp * par.cp) + expert / (par.ep * par.etp) / par.expert_dp
+                how = f"{ob} B ({opt_what}) × params ÷ DP×CP {par.dp * par.cp}" + (
+                    f" (experts ÷ expert-DP {par.expert_dp})" if expert else "") + " (--use-distributed-optimizer)"
+            else:
+                opt = per_gpu
+                how = f"{ob} B ({opt_what}) × {fmt_count(per_gpu)}, not sharded (no --use-distributed-optimizer)"
+            est.items.append(Item("optimizer", opt * ob, how))
         if with_ref:
             how = f"KL term: a frozen copy, {fmt_count(per_gpu)} × {wb} B"
             est.items.append(Item("reference model", per_gpu * wb, how))
@@ -262,6 +273,21 @@ def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches
     return est, stage
 
 
+def _megatron_lora_items(est: Estimate, args, shape: ModelShape, par: Parallel, n_layers: int, sizes,
+                         dist_opt: bool) -> None:
+    """LoRA on Megatron: the frozen base has no gradients or optimizer state; the stage's adapters have both."""
+    wb, gb, ob, opt_what = sizes
+    per_layer, whole = megatron_adapter_params_per_layer(args, shape, par.tp)
+    adapter = per_layer * n_layers
+    head = f"LoRA r={args.lora_rank}: {fmt_count(adapter)} adapter params ({n_layers} layers × {fmt_count(per_layer)})"
+    est.items.append(Item("LoRA adapters", adapter * wb, f"{head} × {wb} B"))
+    est.items.append(Item("gradients", adapter * gb, f"{head} × {gb} B (the base is frozen: none)"))
+    shards = par.dp * par.cp if dist_opt else 1
+    est.items.append(Item("optimizer", adapter * ob / shards, f"{ob} B ({opt_what}) × the adapter params"
+                          + (f" ÷ DP×CP {shards} (--use-distributed-optimizer)" if dist_opt else "")
+                          + "; the base has none"))
+
+
 def holds_teacher(args) -> bool:
     """The trainer builds a frozen teacher next to the policy (on-policy distillation, docs/on_policy_distillation.md)."""
     return bool(getattr(args, "use_opd", False)) and getattr(args, "opd_type", None) == "megatron"
@@ -286,8 +312,15 @@ def fsdp_memory(args, shape: ModelShape, tokens: float | None, with_ref: bool) -
     p = counts.total
     est = Estimate()
     est.items.append(Item("weights", 4 * p / world, f"{fmt_count(p)} params × 4 B (fp32 master) ÷ {world} ranks"))
-    est.items.append(Item("gradients", 4 * p / world, f"{fmt_count(p)} × 4 B (fp32) ÷ {world} ranks"))
-    est.items.append(Item("optimizer", 8 * p / world, f"{fmt_count(p)} × 8 B (AdamW m, v fp32) ÷ {world} ranks"))
+    trained, what = p, ""
+    if args.lora_rank:  # the base is frozen: gradients and AdamW state for the adapters only
+        trained = fsdp_adapter_params(args, shape)
+        what = f" LoRA r={args.lora_rank} adapter params (the frozen base has none)"
+        est.items.append(Item("LoRA adapters", 4 * trained / world,
+                              f"{fmt_count(trained)}{what} × 4 B ÷ {world} ranks"))
+    est.items.append(Item("gradients", 4 * trained / world, f"{fmt_count(trained)}{what} × 4 B (fp32) ÷ {world} ranks"))
+    est.items.append(Item("optimizer", 8 * trained / world,
+                          f"{fmt_count(trained)}{what} × 8 B (AdamW m, v fp32) ÷ {world} ranks"))
     biggest_layer = max(sum(layer_params(shape, i)) for i in range(shape.num_layers))
     gathered = counts.embedding + counts.output + shape.hidden_size + 2 * biggest_layer
     est.items.append(Item("gathered params", gathered * cb,

@@ -10,7 +10,9 @@ the MLA down-projections (TE spec: "duplicated") are replicated. Two fused tenso
   gate and up separately and regroups, gathering undoes it.
 
 Experts use the expert-tensor-parallel size (`--expert-tensor-parallel-size`), shared experts and dense
-MLPs the TP size; the caller passes the size that applies. Simplification: the MLA down-projections are
+MLPs the TP size; the caller passes the size that applies. LoRA adapters (`<linear>.lora_A.weight`, r × in, and
+`<linear>.lora_B.weight`, out × r) split with their layer: on a column-parallel layer B like its weight (rows, fc1
+regrouped) and A replicated; on a row-parallel one A like its weight (columns) and B replicated. Simplification: the MLA down-projections are
 treated as replicated (TE spec); the local spec shards them, but local MLA does not build in 0.16.
 """
 
@@ -26,6 +28,14 @@ Tensor = torch.Tensor
 def shard_kind(name: str) -> str:
     """'vocab', 'column', 'row', 'fc1' (gated, regrouped) or 'replicated' for a Megatron parameter name."""
     n = re.sub(r"^(?:module\.)+", "", name)
+    lora = re.search(r"\.lora_([AB])\.weight$", n)
+    if lora:
+        base = shard_kind(n[: lora.start()] + ".weight")
+        if base == "row":
+            return "row" if lora.group(1) == "A" else "replicated"
+        if base in ("column", "fc1"):
+            return base if lora.group(1) == "B" else "replicated"
+        raise KeyError(f"no tensor-parallel layout known for the adapter {name!r} (on a {base} layer)")
     if n in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return "vocab"
     if "norm" in n or ".router." in n or "_extra_state" in n:
