@@ -213,7 +213,7 @@ def test_train_py_with_megatron_lora(tiny_model_dir, toy_data_path, tmp_path):
            *model_args("tiny-qwen3"), "--transformer-impl", "local", "--hf-checkpoint", tiny_model_dir,
            "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
            "--rollout-num-gpus", "1", "--prompt-data", toy_data_path, "--input-key", "prompt", "--label-key", "label",
-           "--apply-chat-template", "--rm-type", "toy", "--num-rollout", "3", "--rollout-batch-size", "2",
+           "--apply-chat-template", "--rm-type", "random", "--num-rollout", "3", "--rollout-batch-size", "2",
            "--n-samples-per-prompt", "4", "--global-batch-size", "8", "--rollout-max-response-len", "4",
            "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl",
            "--lr", "2e-2", "--seed", "7", "--use-tensorboard", "--tensorboard-dir", tb,
