@@ -18,7 +18,9 @@ batch: 256 rows x 1088 tokens of the 4B shape are ~40 GB), the resident run is e
 is shown).
 
 While a run goes, this script polls every 0.25 s the device's used memory (all processes:
-`torch.cuda.mem_get_info`) and nvidia-smi's per-process memory, split into trainer and engine processes. The
+`torch.cuda.mem_get_info`) and nvidia-smi's per-process memory, split into trainer and engine processes. Before
+the runs it prints what a bare CUDA process holds (nvidia-smi's GB for a process that set up CUDA and ran one
+cuBLAS matmul): the floor under which no released engine or offloaded trainer can go. The
 driver's `memory handoff: ...` log lines (logged as each phase begins) cut the run into phases; per phase the
 table shows what it left (the first sample taken after it ended: exact for the side that ran the phase, while the
 next phase may have begun on the other side), the trainer's peak and the device's peak during it. A trainer offload
@@ -132,6 +134,39 @@ def phase_window(samples: list[tuple[float, float, dict[str, float]]], start: fl
     inside = [sample for sample in samples if start <= sample[0] < end] or [after]
     return (after[1:], max(used for _, used, _ in inside),
             *(max(sides.get(side, 0.0) for _, _, sides in inside) for side in ("trainer", "engine")))
+
+
+# a process that only sets up CUDA and cuBLAS, then waits for its stdin to close
+BARE_PROCESS = ("import sys, torch; a = torch.ones(256, 256, device='cuda'); (a @ a).sum().item(); "
+                "print('ready', flush=True); sys.stdin.read()")
+
+
+def bare_process_gb(timeout: float = 120.0) -> float:
+    """nvidia-smi's GB for a Python process that set up CUDA and ran one cuBLAS matmul: the CUDA context and the
+    libraries' handles, which a process keeps until it exits, so no release or offload gives them back. nan when
+    nvidia-smi does not list the process (e.g. in a PID namespace)."""
+    proc = subprocess.Popen([sys.executable, "-c", BARE_PROCESS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            return float("nan")
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,"
+                                  "nounits"], capture_output=True, text=True, timeout=10).stdout
+            for line in out.splitlines():
+                pid, _, mib = line.partition(",")
+                if pid.strip() == str(proc.pid) and mib.strip().isdigit():
+                    return int(mib) * 2**20 / 1e9
+            time.sleep(0.5)
+        return float("nan")
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _cmdline(pid: int) -> str:
@@ -327,6 +362,8 @@ def main() -> None:
     from grpo_step import job_inputs
 
     failed = False
+    print(f"bare CUDA process: {bare_process_gb():.2f} GB (nvidia-smi: a process that set up CUDA and ran one "
+          "cuBLAS matmul; no release or offload gives this back)", flush=True)
     with tempfile.TemporaryDirectory() as workdir:
         model_dir, data = job_inputs(args, workdir)
         for rollout in rollouts:

@@ -246,6 +246,17 @@ def test_figures_and_checks_read_colocate_memory_reports():
                           "| engines resume kv_cache, cuda_graph (then generate) | 69.9 | 67.2 | 2.5 | 1.2 |")
     assert row.check(fast) == [] and row.figures(fast)["engine freed"] == "98%"
     assert row.check("nothing") == ["no '## sglang, handoff' report in the output"]
+    # What a bare CUDA process holds no release can give back: a side is judged on its GB above it. A small
+    # engine (11 GB at its peak) that keeps 1.5 GB freed 86% of all it held but 95% of what it could free.
+    small = REPORT.replace("| 93.4 | 1.2 | 92.1 | 1.2 | 92.1 | 94.0 |", "| 13.4 | 1.2 | 11.0 | 1.2 | 11.0 | 14.0 |")
+    small = small.replace("| 80.0 | 78.0 | 1.8 | 78.0 | 1.8 | 120.0 |", "| 80.0 | 78.0 | 1.5 | 78.0 | 1.5 | 120.0 |")
+    assert row.check(small) == ["the engine freed 86% of its GB (< 90%)"]
+    floored = "bare CUDA process: 1.00 GB (nvidia-smi: ...)\n" + small
+    assert row.check(floored) == [] and row.figures(floored)["engine freed above floor"] == "95%"
+    assert row.figures(floored)["engine freed"] == "86%" and row.figures(floored)["bare CUDA process GB"] == "1.00"
+    assert row.check(floored.replace("| 78.0 | 1.5 | 78.0 | 1.5 |", "| 78.0 | 2.5 | 78.0 | 2.5 |")) == [
+        "the engine freed 85% of its GB above the 1.00 GB of a bare CUDA process (< 90%)"]
+    assert row.check("bare CUDA process: nan GB (...)\n" + small) == ["the engine freed 86% of its GB (< 90%)"]
 
     flat = next(r for r in registry.ROWS if "--steps 10" in r.command)
     assert flat.figures(REPORT)["trainer after offload"] == "+2.00 GB (grew)"
