@@ -202,7 +202,8 @@ class FSDPTrainRayActor(PolicyTrainer):
         for rows in micro_batches:
             images = micro_batch_images(batch.multimodal_train_inputs, rows, self.device)
             lp, ent = forward_response_log_probs(model, self._micro_batch(batch, rows), self.args.rollout_temperature,
-                                                 with_entropy=entropy is not None, images=images)
+                                                 with_entropy=entropy is not None, images=images,
+                                                 idle_vision=self._idle_vision(model))
             for i, r in enumerate(rows):
                 out[r] = lp[i, : batch.response_lengths[r]]
                 if entropy is not None:
@@ -217,7 +218,8 @@ class FSDPTrainRayActor(PolicyTrainer):
         def micro_loss(rows):
             mb = self._micro_batch(record.batch, rows)
             images = micro_batch_images(record.batch.multimodal_train_inputs, rows, self.device)
-            logits, offset = forward_logits(self.model, mb, all_positions=custom, images=images)
+            logits, offset = forward_logits(self.model, mb, all_positions=custom, images=images,
+                                            idle_vision=self._idle_vision(self.model))
             log_probs, entropy = extract_response_log_probs(logits, mb, args.rollout_temperature, offset,
                                                             with_entropy=True)
             return record.micro_batch_loss(args, rows, mb, log_probs, entropy, denominator,
@@ -238,14 +240,13 @@ class FSDPTrainRayActor(PolicyTrainer):
         for name, tensor in self.model.state_dict().items():
             ref_state[name].copy_(tensor)
 
+    def _idle_vision(self, model: torch.nn.Module) -> bool:
+        """Whether `model`'s micro-batches without images run its vision tower on a stand-in image: with several
+        ranks FSDP gathers the tower's shards collectively, and a rank whose rows have no image would skip the
+        gathers its peers wait in (data.forward_logits)."""
+        return self.world_size > 1 and getattr(model.config, "vision_config", None) is not None
+
     def prepare(self, rollout_id: int, batch: TrainBatch, values: list[list[float]] | None) -> RolloutRecord:
-        images = batch.multimodal_train_inputs
-        if self.world_size > 1 and images is not None and any(x is None for x in images):
-            # FSDP gathers the vision tower's shards collectively: a rank whose micro-batch has no image would
-            # skip the gather its peers wait in
-            raise ValueError(f"rollout {rollout_id}: {sum(x is None for x in images)} of {len(images)} rows have no "
-                             f"images; with {self.world_size} fsdp ranks every row of a vision-language rollout "
-                             "needs images (or none may have them): give every prompt an image, or train on 1 rank")
         record = super().prepare(rollout_id, batch, values)
         # Only a critic (ppo, given values) needs the returns of every row.
         self._returns = (gather_rows(record.returns, len(batch), self.world_size)

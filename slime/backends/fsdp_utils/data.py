@@ -65,12 +65,21 @@ def micro_batch_images(per_row: list[dict | None] | None, rows: list[int], devic
 
 
 def forward_logits(model: torch.nn.Module, mb: MicroBatch, all_positions: bool = False,
-                   images: dict | None = None) -> tuple[torch.Tensor, int]:
+                   images: dict | None = None, idle_vision: bool = False) -> tuple[torch.Tensor, int]:
     """Run the model on a micro-batch: (`[B, K, V]` logits, the position K starts at). Only the positions from the
     earliest response-predicting one onwards go through the LM head, which saves the `[B, L, V]` logits of long
     prompts; with `all_positions` every position does (a custom loss reads slime's whole-sequence layout).
     `images` (`micro_batch_images`) go to a vision-language model with the token types it needs to place its
-    3-D RoPE positions (computed by the model from the attention mask, so right padding is fine)."""
+    3-D RoPE positions (computed by the model from the attention mask, so right padding is fine).
+    `idle_vision`: a micro-batch without images still runs the vision tower, on a stand-in image whose features
+    count zero times (`_idle_vision_hook`), because with several FSDP ranks the tower's shards are gathered (and its
+    gradients reduced) collectively: a rank that skipped it would leave its peers waiting."""
+    if images is None and idle_vision:
+        handle = model.get_input_embeddings().register_forward_hook(_idle_vision_hook(model))
+        try:
+            return forward_logits(model, mb, all_positions, None)
+        finally:
+            handle.remove()
     kwargs = {}
     offset = 0
     if supports_logits_to_keep(model) and not all_positions:
@@ -101,6 +110,26 @@ def forward_logits(model: torch.nn.Module, mb: MicroBatch, all_positions: bool =
     return out.logits, offset
 
 
+def _idle_vision_hook(model: torch.nn.Module):
+    """A forward hook for the input embedding (which runs inside the model's forward, after FSDP gathered the root's
+    shards, where the model would run its vision tower): the tower on the smallest image it takes (one
+    merge-size square of patches), its features added to the embeddings times zero, so the logits do not change and
+    the backward reaches (and reduces) every vision parameter as a peer's does."""
+    vision = model.config.vision_config
+    merge = vision.spatial_merge_size
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+
+    def hook(module, args, output):
+        pixels = torch.zeros(merge * merge, width, device=output.device, dtype=model.dtype)
+        grid = torch.tensor([[1, merge, merge]], device=output.device)
+        features = model.get_image_features(pixel_values=pixels, image_grid_thw=grid)
+        pooled = getattr(features, "pooler_output", features)
+        tensors = pooled if isinstance(pooled, (list, tuple)) else [pooled]
+        return output + 0.0 * sum(t.sum() for t in tensors).to(output.dtype)
+
+    return hook
+
+
 def _hide_response_image_tokens(mb: MicroBatch, image_token: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`mb.input_ids` with image tokens the policy sampled in a response (a tiny or young model may) replaced by a
     stand-in id, and where they were (None: there are none). Only a prompt's image tokens are image placeholders."""
@@ -115,10 +144,10 @@ def _hide_response_image_tokens(mb: MicroBatch, image_token: int) -> tuple[torch
 
 def forward_response_log_probs(
     model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False,
-    images: dict | None = None,
+    images: dict | None = None, idle_vision: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the model on a micro-batch and return [B, R] response log-probs (and entropies)."""
-    logits, offset = forward_logits(model, mb, images=images)
+    logits, offset = forward_logits(model, mb, images=images, idle_vision=idle_vision)
     return extract_response_log_probs(logits, mb, temperature, offset, with_entropy)
 
 
