@@ -209,8 +209,8 @@ REPORT = textwrap.dedent("""\
     | step | step s | handoff s | handoff / step | engine release s | engine resume s | offload s | onload s | actor GB after offload |
     | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
     | 0 | 90.00 | 40.00 | 44.4% | 1.00 | 2.00 | 13.50 | 3.00 | 1.20 |
-    | 1 | 50.00 | 4.00 | 8.0% | 0.50 | 0.60 | 2.00 | 2.00 | 1.20 |
-    | 2 | 52.00 | 4.50 | 9.0% | 0.50 | 0.60 | 2.00 | 2.50 | 1.21 |
+    | 1 | 40.00 | 3.20 | 8.0% | 0.50 | 0.60 | 2.00 | 2.00 | 1.20 |
+    | 2 | 42.00 | 3.78 | 9.0% | 0.50 | 0.60 | 2.00 | 2.50 | 1.21 |
 
     | step | after onload: alloc / reserved / process / device GB | after offload all but weights: alloc / reserved / process / device GB | after offload: alloc / reserved / process / device GB |
     | ---: | ---: | ---: | ---: |
@@ -233,7 +233,7 @@ def test_figures_and_checks_read_colocate_memory_reports():
     figures = row.figures(REPORT)
     assert figures["steps"] == "3" and figures["handoff/step"] == "8.5%" and figures["engine freed"] == "98%"
     assert figures["trainer freed"] == "98%"
-    slow = REPORT.replace("| 2 | 52.00 | 4.50 | 9.0% |", "| 2 | 52.00 | 14.56 | 28.0% |")
+    slow = REPORT.replace("| 2 | 42.00 | 3.78 | 9.0% |", "| 2 | 42.00 | 11.76 | 28.0% |")
     assert row.check(slow) == ["the handoff took 18.0% of the step (> 10%)"]
     failed = REPORT.replace("exit 0, device peak 95.0 GB", "exit 1, device peak 144.2 GB; torch.OutOfMemoryError")
     assert row.check(failed)[0].startswith("train.py exited 1: torch.OutOfMemoryError")
@@ -312,3 +312,42 @@ def test_new_gpu_tests_command_lines_pass_validation(plan_inputs, tmp_path, monk
             assert args.update_weight_mode == "delta" and not args.colocate
         if name.startswith("weights checker"):
             assert args.check_weight_update_equal and args.colocate and args.offload_rollout
+
+
+GRPO_REPORT = textwrap.dedent("""\
+    | system | step s | rollout s | rollout tok/s | train s | train tok/s | weight sync s | peak GB |
+    | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+    | slime-sglang | 4.34 | 1.57 | 41,716 | 2.69 | 30,441 | 0.06 | 82.27 |
+    | trl | 12.18 | 9.80 | 6,688 | 2.38 | 34,365 | - | 149.06 |
+    | TRL / slime-sglang (time), slime-sglang / TRL (tok/s, GB) | 2.81x | 6.24x | 6.24x | 0.89x | 0.89x | - | 0.55x |
+    """)
+
+DECODE_REPORT = textwrap.dedent("""\
+    | kv cache | batch | wall s | prefill s | decode steps | ms / decode step | bound ms / step | efficiency | decode tok/s |
+    | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+    | slots | 64 | 1.82 | 0.04 | 255 | 6.98 | 0.60 | 8.7% | 9,172 |
+    | slots | 256 | 3.01 | 0.11 | 255 | 11.33 | 1.59 | 14.0% | 22,592 |
+    | sglang triton | 64 | 0.73 | 0.08 | 255 | 2.54 | 0.60 | 23.8% | 25,174 |
+    """)
+
+
+def test_speed_rows_fail_on_a_regression():
+    """The perf rows and the 4B handoff rows carry speed ceilings: the last measured figures hold, a slower run
+    fails naming the figure."""
+    rows = {r.id: r for r in registry.ROWS}
+    assert rows[15].check(GRPO_REPORT) == []
+    slower = GRPO_REPORT.replace("| slime-sglang | 4.34 |", "| slime-sglang | 5.61 |").replace("| 2.81x |", "| 2.17x |")
+    assert rows[15].check(slower) == ["slime-sglang step 5.61 s (> 5.0 s: a speed regression)",
+                                      "TRL / slime-sglang step 2.17x (< 2.4x)"]
+    assert rows[15].check("no table") == ["no slime-sglang row or TRL ratio in grpo_step.py's table"]
+    megatron = GRPO_REPORT.replace("slime-sglang", "slime-megatron")
+    assert rows[16].check(megatron) == []
+    assert rows[16].check(megatron.replace("| 2.81x |", "| 0.83x |")) == ["TRL / slime-megatron step 0.83x (< 1.0x)"]
+    assert rows[17].check(DECODE_REPORT) == []
+    assert rows[17].check(DECODE_REPORT.replace("| 255 | 11.33 |", "| 255 | 14.20 |")) == [
+        "hf engine decode 14.20 ms/step at batch 256 (> 13.0 ms: a speed regression)"]
+    assert rows[17].check(DECODE_REPORT.replace("| slots | 64 |", "| paged | 64 |")) == [
+        "no slots row at batch 64 in decode_speed.py's table"]
+    slow_step = REPORT.replace("| 1 | 40.00 | 3.20 | 8.0% |", "| 1 | 48.00 | 3.84 | 8.0% |")
+    assert rows[1].check(slow_step) == ["the step took 45.00 s (> 43.0 s: a speed regression)"]
+    assert rows[1].check(REPORT) == []
