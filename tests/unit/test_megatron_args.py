@@ -173,6 +173,18 @@ def test_moe_and_mla_kwargs(files):
     assert kw["rope_type"] == "yarn"  # megatron-core's MLA default
 
 
+def test_multimodal_rope_takes_its_sections(files):
+    qwen2_5_vl = [t for t in QWEN3_4B if t not in ("--use-rotary-position-embeddings", "--qk-layernorm")]
+    args = parse_args(base(*qwen2_5_vl, "--position-embedding-type", "mrope", "--mrope-section", "16", "24", "24"))
+    assert margs.transformer_config_kwargs(args)["mrope_section"] == [16, 24, 24]
+    assert margs.gpt_model_kwargs(args)["position_embedding_type"] == "mrope"
+    assert "mrope_section" not in margs.transformer_config_kwargs(parse_args(base(*QWEN3_4B)))
+    for sections in ([], ["16", "24", "20"]):  # missing; not the 64 rotary frequencies of kv-channels 128
+        error = error_of(base(*qwen2_5_vl, "--position-embedding-type", "mrope",
+                              *(["--mrope-section", *sections] if sections else [])))
+        assert "--mrope-section" in error and "64 rotary frequencies" in error
+
+
 def test_optimizer_ddp_and_schedule_kwargs(files):
     args = parse_args(base("--lr", "2e-6", "--min-lr", "1e-7", "--lr-decay-style", "cosine", "--lr-warmup-iters",
                            "5", "--use-distributed-optimizer", "--overlap-grad-reduce", "--clip-grad", "0.5"))  # fmt: skip
@@ -215,8 +227,11 @@ def test_kwargs_are_megatron_core_fields(files):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import MLATransformerConfig
 
-    argv = base(*QWEN3_4B, "--num-experts", "8", "--multi-latent-attention", "--recompute-modules", "core_attn")
+    mrope = [t for t in QWEN3_4B if t != "--use-rotary-position-embeddings"]
+    argv = base(*mrope, "--num-experts", "8", "--multi-latent-attention", "--recompute-modules", "core_attn",
+                "--position-embedding-type", "mrope", "--mrope-section", "16", "24", "24")
     args = parse_args(argv)
+    assert margs.transformer_config_kwargs(args)["mrope_section"] == [16, 24, 24]
     for kwargs, cls in (
         (margs.transformer_config_kwargs(args), MLATransformerConfig),
         (margs.optimizer_config_kwargs(args), OptimizerConfig),

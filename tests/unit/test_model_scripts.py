@@ -18,6 +18,7 @@ SCRIPTS = sorted(glob.glob(os.path.join(REPO, "scripts", "models", "*.sh")))
 TINY_ARCH = {  # tiny script -> tools/make_tiny_model.py --arch
     "tiny-qwen3": "qwen3", "tiny-qwen2": "qwen2", "tiny-llama": "llama", "tiny-qwen3-moe": "qwen3_moe",
     "tiny-glm4": "glm4", "tiny-glm4-moe": "glm4_moe", "tiny-deepseek-v3": "deepseek_v3",
+    "tiny-qwen2.5-vl": "qwen2_5_vl",
 }  # fmt: skip
 REQUIRED_MODELS = ["glm4-9B", "glm-z1-9B", "glm4.5-106B-A12B", "glm4.5-355B-A32B", "glm4.6-355B-A32B",
                    "glm4.7-355B-A32B", "qwen3-0.6B", "qwen3-4B", "qwen3-8B", "qwen3-30B-A3B", "deepseek-v3", "deepseek-v3.1", "deepseek-r1",
@@ -38,9 +39,9 @@ def test_every_listed_model_and_tiny_arch_has_a_script():
     have = {name(s) for s in SCRIPTS}
     assert set(REQUIRED_MODELS) <= have, set(REQUIRED_MODELS) - have
     assert set(TINY_ARCH) <= have, set(TINY_ARCH) - have
-    from tools.make_tiny_model import ARCHS
+    from tools.make_tiny_model import ARCHS, VISION_ARCHS
 
-    assert set(ARCHS) == set(TINY_ARCH.values())
+    assert set(ARCHS) | set(VISION_ARCHS) == set(TINY_ARCH.values())
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=name)
@@ -50,7 +51,8 @@ def test_script_parses_with_no_unknown_flags(files, script):
     args = parse_args(argv_for("model", tokens))
     assert args.megatron_args == tokens  # every token is a Megatron flag or its value, kept in order
     assert args.num_layers and args.hidden_size and args.num_attention_heads and args.vocab_size
-    assert args.position_embedding_type == "rope" and args.normalization == "RMSNorm" and args.swiglu
+    assert args.position_embedding_type == ("mrope" if args.mrope_section else "rope")
+    assert args.normalization == "RMSNorm" and args.swiglu
     if args.num_experts:
         assert args.moe_ffn_hidden_size and len(moe_layer_pattern(args)) == args.num_layers
     # the published sizes fit the usual 8-GPU layouts: EP 8 for MoE, TP up to 8 (whole KV heads) for dense

@@ -11,8 +11,9 @@ Pure functions returning plain dicts (importable without CUDA and without megatr
 - `lr_scheduler_kwargs(args, total_steps)` -> `OptimizerParamScheduler(optimizer, **kwargs)`.
 
 Field names are megatron-core 0.16.1's (checked against its dataclasses by tests/unit/test_megatron_args.py
-when megatron-core is installed). Simplifications: no FP8/FP4, no heterogeneous layers, no
-vision/multimodal fields; `--attention-backend auto` becomes `local` when TransformerEngine is missing.
+when megatron-core is installed). Simplifications: no FP8/FP4, no heterogeneous layers; of the
+multimodal fields only `mrope_section`; `--attention-backend auto` becomes `local` when TransformerEngine is
+missing.
 """
 
 from __future__ import annotations
@@ -96,6 +97,14 @@ def resolve_training_options(args: argparse.Namespace) -> None:
             f"--no-position-embedding with --position-embedding-type {args.position_embedding_type}: Megatron-LM "
             "refuses it (deprecated); say --position-embedding-type rope (or none) instead."
         )
+    if args.position_embedding_type == "mrope":
+        half = int(args.kv_channels * args.rotary_percent) // 2
+        if not args.mrope_section or sum(args.mrope_section) != half:
+            raise SlimeArgumentError(
+                f"--position-embedding-type mrope with --mrope-section {args.mrope_section}: multimodal RoPE "
+                f"needs the three sections (temporal, height, width) of the {half} rotary frequencies "
+                "(kv-channels × rotary-percent / 2); copy mrope_section from the HF config's rope_parameters."
+            )
     if args.keep_old_actor and args.overlap_param_gather:
         raise SlimeArgumentError(
             "--keep-old-actor with --overlap-param-gather: the old weights are swapped into the model between "
@@ -243,6 +252,8 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         kw["virtual_pipeline_model_parallel_size"] = per_stage // args.num_layers_per_virtual_pipeline_stage
     if args.mtp_num_layers:
         kw["mtp_num_layers"] = args.mtp_num_layers
+    if args.position_embedding_type == "mrope":
+        kw["mrope_section"] = list(args.mrope_section)
     if args.num_experts:
         kw.update(
             num_moe_experts=args.num_experts,

@@ -75,7 +75,10 @@ def expected_flags(cfg: dict) -> list[tuple[str, str, object, object]]:
         want("rms_norm_eps (RMSNorm)", "normalization", "RMSNorm")
     if cfg.get("hidden_act") in ("silu", "swish"):
         want("hidden_act", "swiglu", True)
-    if rope.get("rope_theta") is not None:
+    if rope.get("mrope_section"):  # vision-language text models: 3-D (temporal, height, width) positions
+        want("rope mrope_section (multimodal RoPE)", "position_embedding_type", "mrope")
+        want("rope mrope_section", "mrope_section", list(rope["mrope_section"]))
+    elif rope.get("rope_theta") is not None:
         want("rope_theta (RoPE)", "position_embedding_type", "rope")
     if "partial_rotary_factor" in rope:
         want("partial_rotary_factor", "rotary_percent", rope["partial_rotary_factor"], "close")
@@ -107,7 +110,7 @@ def expected_flags(cfg: dict) -> list[tuple[str, str, object, object]]:
         qk_norm = mt.startswith("qwen3") or bool(cfg.get("use_qk_norm"))
         if mt:
             want("q_norm / k_norm", "qk_layernorm", qk_norm)
-        if mt == "qwen2" or cfg.get("attention_bias"):
+        if mt in ("qwen2", "qwen2_5_vl_text") or cfg.get("attention_bias"):
             want("attention_bias (QKV bias)", "add_qkv_bias", True)
         if mt:  # GLM-4 dense rotates interleaved pairs; the other GQA families rotate halves
             want("RoPE pairing (interleaved in GLM-4 dense)", "rotary_interleaved", mt == "glm4")

@@ -6,7 +6,8 @@ of this pipeline rank (one, or several with `--num-layers-per-virtual-pipeline-s
 `GPTModel` with the TransformerEngine layer spec when TE is importable, the local spec otherwise, wrapped
 in megatron-core's `DistributedDataParallel` for training (`wrap=False` for the frozen reference model); with
 `--lora-rank` the training chunks are frozen and get LoRA adapters first (lora.py). A
-`--custom-model-provider-path` provider or a `--spec` builds the chunks instead (plugins.py).
+`--custom-model-provider-path` provider or a `--spec` builds the chunks instead (plugins.py). A vision-language
+--hf-checkpoint gets the GPTModel that carries its HF vision tower (vision_language.py).
 `build_optimizer` gives megatron-core's (distributed) optimizer and `OptimizerParamScheduler`.
 
 Without TE, MoE experts run as `SequentialMLP` (no grouped GEMM) and attention is torch's SDPA / varlen
@@ -27,6 +28,7 @@ from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import lora, packed_rope, plugins
 from slime.backends.megatron_utils.sandwich_norm import add_sandwich_norms
 from slime.backends.megatron_utils.sdpa_attention import with_sdpa_attention
+from slime.backends.megatron_utils.vision_language import VisionSpec, vision_spec
 from slime.backends.training import freeze
 from slime.utils.errors import SlimeArgumentError
 from slime.utils.hooks import hooks_of
@@ -134,10 +136,11 @@ def build_model(args: argparse.Namespace, wrap: bool = True) -> list[torch.nn.Mo
         packed_rope.install()
     provider = hooks_of(args).custom_model_provider
     spec = plugins.load_spec(args)
+    vision = vision_spec(args)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     chunks = []
     for vp_stage in range(vpp) if vpp > 1 else [None]:
-        model = _build_chunk(args, config, provider, spec, vp_stage)
+        model = _build_chunk(args, config, provider, spec, vp_stage, vision)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         if device is not None:
             model.to(device)
@@ -158,9 +161,11 @@ def build_model(args: argparse.Namespace, wrap: bool = True) -> list[torch.nn.Mo
     return [_wrap_ddp(args, config, model, i) for i, model in enumerate(chunks)]
 
 
-def _build_chunk(args: argparse.Namespace, config, provider, spec, vp_stage: int | None) -> torch.nn.Module:
+def _build_chunk(args: argparse.Namespace, config, provider, spec, vp_stage: int | None,
+                 vision: VisionSpec | None = None) -> torch.nn.Module:
     """One model chunk: --custom-model-provider-path's provider, else GPTModel with --spec's layer spec (which may
-    return a model provider instead, as in slime) or the built-in one."""
+    return a model provider instead, as in slime) or the built-in one; for a vision-language --hf-checkpoint
+    (`vision`), the GPTModel carrying its HF vision tower (vision_language_model.py)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -174,6 +179,11 @@ def _build_chunk(args: argparse.Namespace, config, provider, spec, vp_stage: int
             provider = layer_spec
     if provider is not None:
         return plugins.call_model_provider(provider, pre, post, vp_stage, config)
+    if vision is not None:
+        from slime.backends.megatron_utils.vision_language_model import VisionLanguageModel
+
+        return VisionLanguageModel(config, layer_spec, vision, pre_process=pre, post_process=post,
+                                   vp_stage=vp_stage, **mg_args.gpt_model_kwargs(args))
     return GPTModel(config, layer_spec, pre_process=pre, post_process=post, vp_stage=vp_stage,
                     **mg_args.gpt_model_kwargs(args))
 

@@ -113,6 +113,10 @@ def _add_architecture(parser) -> None:
         action="store_true",
         help="Deprecated alias of --position-embedding-type rope.",
     )
+    g.add_argument("--mrope-section", type=int, nargs="+", default=None,
+                   help="Multimodal RoPE (--position-embedding-type mrope): the rotary frequencies given to the "
+                        "temporal, height and width position ids, in pairs (sums to kv-channels / 2), as the HF "
+                        "config's rope_parameters / rope_scaling mrope_section.")
     g.add_argument("--rotary-base", type=float, default=10000, help="RoPE theta.")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of the head dim RoPE rotates.")
     g.add_argument("--rotary-interleaved", action="store_true", help="Rotate interleaved pairs, not halves.")

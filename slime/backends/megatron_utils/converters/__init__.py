@@ -16,10 +16,12 @@ from slime.backends.megatron_utils.converters.glm4 import Glm4Converter
 from slime.backends.megatron_utils.converters.glm4_moe import Glm4MoeConverter
 from slime.backends.megatron_utils.converters.llama import LlamaConverter
 from slime.backends.megatron_utils.converters.qwen import QwenConverter
+from slime.backends.megatron_utils.converters.qwen2_5_vl import Qwen2_5VLConverter
 from slime.backends.megatron_utils.converters.qwen3_moe import Qwen3MoeConverter
 
 FAMILIES: tuple[type[GPTConverter], ...] = (
     QwenConverter,
+    Qwen2_5VLConverter,
     LlamaConverter,
     Qwen3MoeConverter,
     Glm4Converter,

@@ -36,6 +36,8 @@ def shard_kind(name: str) -> str:
         if base in ("column", "fc1"):
             return base if lora.group(1) == "B" else "replicated"
         raise KeyError(f"no tensor-parallel layout known for the adapter {name!r} (on a {base} layer)")
+    if n.startswith("visual."):
+        return "replicated"  # a vision-language model's HF vision tower runs whole on every TP rank
     if n in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return "vocab"
     if "norm" in n or ".router." in n or "_extra_state" in n:

@@ -1,0 +1,117 @@
+"""Vision-language models on the Megatron backend: the language model on megatron-core, the vision tower as the
+HF module. This module: what the checkpoint says of its tower (`vision_spec`) and the 3-D position ids
+(`mrope_position_ids`), importable without megatron-core; the model itself is vision_language_model.py.
+
+`VisionLanguageModel` is megatron-core's `GPTModel` (so pipeline schedules, DDP, the optimizer, weight loading and
+export treat it as one) with, on the first pipeline stage, the checkpoint's HF vision tower as `visual` (its HF
+parameter names under `visual.`, loaded from the checkpoint as they are: converters/qwen2_5_vl.py). Its forward
+takes the rows' `pixel_values` / `image_grid_thw` (the processor's output, `TrainBatch.multimodal_train_inputs`),
+runs the tower, and puts the image features into the decoder's input embeddings at the image tokens, image by
+image, left to right, row by row, as transformers does. The decoder rotates by multimodal RoPE
+(`--position-embedding-type mrope`): 3-D (temporal, height, width) position ids from `mrope_position_ids`.
+
+Simplifications: Qwen2.5-VL only (`VISION_TOWERS`); images, no video; no sequence or context parallelism with
+images (the embedding would be split across ranks before the features are placed); the tower is replicated on
+every tensor-parallel rank (each computes it whole).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from slime.utils.errors import SlimeArgumentError
+
+
+def _qwen2_5_vl_tower():
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    return Qwen2_5_VisionTransformerPretrainedModel
+
+
+# HF model_type -> the class of its vision tower (a transformers module built from the config's vision_config)
+VISION_TOWERS = {"qwen2_5_vl": _qwen2_5_vl_tower}
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the Megatron model needs of an HF vision-language checkpoint besides MODEL_ARGS."""
+
+    model_type: str
+    vision_config: object  # transformers' config of the tower
+    image_token_id: int
+    spatial_merge_size: int
+
+
+def vision_spec(args: argparse.Namespace) -> VisionSpec | None:
+    """The vision tower of --hf-checkpoint (None for a text model, or without an HF folder)."""
+    path = args.hf_checkpoint
+    config_file = os.path.join(path, "config.json") if path else None
+    if not config_file or not os.path.isfile(config_file):
+        return None
+    with open(config_file) as f:
+        raw = json.load(f)
+    if "vision_config" not in raw:
+        return None
+    model_type = raw.get("model_type")
+    if model_type not in VISION_TOWERS:
+        raise SlimeArgumentError(
+            f"--hf-checkpoint {path}: a vision-language model of type {model_type!r}; the Megatron backend has the "
+            f"vision tower of {sorted(VISION_TOWERS)} only; use --train-backend fsdp for this model"
+        )
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if args.sequence_parallel or args.context_parallel_size > 1:
+        raise SlimeArgumentError(
+            f"--hf-checkpoint {path} is a vision-language model: its image features are placed into the whole "
+            "sequence's embeddings, which --sequence-parallel / --context-parallel-size > 1 split across ranks "
+            "first; drop those flags"
+        )
+    return VisionSpec(model_type, config.vision_config, config.image_token_id,
+                      config.vision_config.spatial_merge_size)
+
+
+def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, image_mask: torch.Tensor,
+                       spatial_merge_size: int) -> torch.Tensor:
+    """[3, B, L] multimodal RoPE position ids (temporal, height, width) of `[B, L]` rows, the images' grids
+    (`[n, 3]`, in row order) placed at the tokens of `image_mask`, as transformers' Qwen2.5-VL computes them: a text
+    token takes the next position on all three axes; an image of t x h x w merged patches (h, w: the grid's divided
+    by the merge size) starting at position p gives its token (i, j, k) the positions (p + i, p + j, p + k), and the
+    text after it continues from p + max(h, w). A row without images counts 0, 1, 2, ... on all three axes."""
+    batch, length = input_ids.shape
+    device = input_ids.device
+    out = torch.empty(3, batch, length, dtype=torch.long, device=device)
+    grids = [] if image_grid_thw is None else [tuple(int(x) for x in g) for g in image_grid_thw.tolist()]
+    next_grid = 0
+    mask = image_mask.cpu()
+    for b in range(batch):
+        flags = mask[b]
+        i, pos = 0, 0
+        while i < length:
+            image_tokens = torch.nonzero(flags[i:]).flatten()
+            text = int(image_tokens[0]) if len(image_tokens) else length - i
+            out[:, b, i:i + text] = torch.arange(pos, pos + text, device=device)
+            i, pos = i + text, pos + text
+            if i == length:
+                break
+            if next_grid == len(grids):
+                raise ValueError(f"row {b} has more image tokens than image_grid_thw {grids} describes")
+            t, h, w = grids[next_grid]
+            next_grid += 1
+            h, w = h // spatial_merge_size, w // spatial_merge_size
+            n = t * h * w
+            if i + n > length or not bool(flags[i:i + n].all()):
+                raise ValueError(f"row {b}: the image at token {i} has grid {grids[next_grid - 1]} ({n} tokens "
+                                 f"after merging {spatial_merge_size}x{spatial_merge_size}), but not as many "
+                                 "image tokens follow")
+            grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+            out[:, b, i:i + n] = grid.reshape(3, n).to(device) + pos
+            i, pos = i + n, pos + max(h, w)
+    if next_grid != len(grids):
+        raise ValueError(f"image_grid_thw describes {len(grids)} image(s), the rows hold image tokens of {next_grid}")
+    return out

@@ -1,0 +1,95 @@
+"""One rank of the Megatron vision-language model for tests/e2e_cpu/test_megatron_vision_language.py.
+
+Without CUDA it installs the test-only CPU shim (fp32). It builds the Megatron model of the tiny Qwen2.5-VL at
+--out (language model on megatron-core at --tp, the HF vision tower), loads the HF checkpoint, and runs the rows of
+<out>/rows.pt ({"ids", "pixel_values", "image_grid_thw"} each, the images None for a text row). Rank 0 writes
+<out>/logits.pt with the logits over the real vocabulary, per row:
+  "full": the images placed, 3-D (mrope) positions;
+  "no_features": the same positions, the image tokens left with their own embeddings;
+  "rope_1d": the images placed, positions 0, 1, 2, ... on all three axes (plain 1-D RoPE);
+  "batched": the "full" logits of all rows run as one right-padded batch, each row cut to its length.
+transformers' logits are computed by the test in its own process (not under the shim).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO_ROOT)
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    from tests import megatron_cpu_shim
+
+    megatron_cpu_shim.install()
+
+from tests.conftest import model_args  # noqa: E402
+from tests.e2e_cpu.ranks import worker_parser, write_prompt_file, write_result  # noqa: E402
+
+
+def main() -> None:
+    p = worker_parser()
+    p.add_argument("--tp", type=int, default=1)
+    cli = p.parse_args()
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from slime.backends.megatron_utils import weights
+    from slime.backends.megatron_utils.model import build_model, initialize_parallel
+    from slime.backends.megatron_utils.vision_language import mrope_position_ids
+    from slime.config.arguments import parse_args
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cli.port}", rank=cli.rank,
+                            world_size=cli.world_size)
+    argv = [*model_args("tiny-qwen2.5-vl"), "--train-backend", "megatron", "--hf-checkpoint", cli.model,
+            "--prompt-data", write_prompt_file(cli), "--rollout-batch-size", "1", "--n-samples-per-prompt", "1",
+            "--global-batch-size", "1", "--num-rollout", "1", "--actor-num-gpus-per-node", str(cli.world_size),
+            "--rollout-num-gpus", "1", "--tensor-model-parallel-size", str(cli.tp), "--qkv-format", "bshd"]
+    args = parse_args(argv)
+    initialize_parallel(args)
+    model = build_model(args, wrap=False)[0]
+    weights.load_hf_weights([model], args, cli.model)
+    rows = torch.load(os.path.join(cli.out, "rows.pt"))
+    merge = model.visual.spatial_merge_size
+    image_token = model.image_token_id
+
+    def logits(ids, positions, images):
+        with torch.no_grad():
+            out = model(ids, positions, None, **images)
+        return gather_from_tensor_model_parallel_region(out)[..., : args.vocab_size].float()
+
+    def images_of(selected):
+        found = [r for r in selected if r["pixel_values"] is not None]
+        if not found:
+            return {}
+        return {"pixel_values": torch.cat([r["pixel_values"] for r in found]),
+                "image_grid_thw": torch.cat([r["image_grid_thw"] for r in found])}
+
+    out = {"full": [], "no_features": [], "rope_1d": []}
+    for row in rows:
+        ids = row["ids"].unsqueeze(0)
+        images = images_of([row])
+        positions = mrope_position_ids(ids, images.get("image_grid_thw"), ids == image_token, merge)
+        flat = torch.arange(ids.shape[1]).expand(3, 1, -1)
+        out["full"].append(logits(ids, positions, images)[0])
+        out["no_features"].append(logits(ids, positions, {})[0])
+        out["rope_1d"].append(logits(ids, flat, images)[0])
+    lengths = [len(r["ids"]) for r in rows]
+    batch = torch.zeros(len(rows), max(lengths), dtype=torch.long)  # right-padded with token 0
+    for i, r in enumerate(rows):
+        batch[i, : lengths[i]] = r["ids"]
+    images = images_of(rows)
+    positions = mrope_position_ids(batch, images.get("image_grid_thw"), batch == image_token, merge)
+    batched = logits(batch, positions, images)
+    out["batched"] = [batched[i, :n] for i, n in enumerate(lengths)]
+    if cli.rank == 0:
+        torch.save(out, os.path.join(cli.out, "logits.pt"))
+    write_result(cli, {"rows": len(rows)})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The Megatron vision-language model (language model on megatron-core, HF vision tower) of the tiny Qwen2.5-VL
+against transformers' forward of the same rows, in fp32, on one rank and at TP2 over gloo through the test-only
+CPU shim (tests/e2e_cpu/megatron_vlm_worker.py).
+
+Rows: one image, two images of different shapes with text between them, and text only; each a chat prompt from
+the model's processor plus response tokens. The logits must equal transformers' (1e-5), run row by row and as
+one right-padded batch. Two controls show that the comparison sees the images and the 3-D positions: the same
+rows without the image features placed, and with 1-D positions, are far from transformers'.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import REPO_ROOT
+from tests.e2e_cpu.ranks import run_ranks
+from tools.make_tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
+
+WORKER = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "megatron_vlm_worker.py")
+TOLERANCE = 1e-5
+
+
+def _row(processor, content: list, response: str) -> dict:
+    from slime.utils.processing_utils import build_processor_kwargs
+
+    images = [part["image"] for part in content if part["type"] == "image"]
+    messages = [{"role": "user", "content": content}]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = processor(text=text, **build_processor_kwargs({"images": images} if images else {}))
+    ids = out["input_ids"][0] + processor.tokenizer.encode(response, add_special_tokens=False)
+    return {"ids": torch.tensor(ids), "pixel_values": out.get("pixel_values") if images else None,
+            "image_grid_thw": out.get("image_grid_thw") if images else None}
+
+
+@pytest.fixture(scope="module")
+def vlm_rows(tmp_path_factory):
+    from slime.utils.processing_utils import load_processor
+
+    model_dir = make_tiny_model(str(tmp_path_factory.mktemp("vlm") / "tiny-qwen2_5_vl"), arch="qwen2_5_vl",
+                                size="tiny", seed=0)
+    processor = load_processor(model_dir, trust_remote_code=True)
+    red, blue = Image.new("RGB", (56, 56), (220, 10, 10)), Image.new("RGB", (28, 56), (10, 10, 230))
+    rows = [
+        _row(processor, [{"type": "image", "image": red}, {"type": "text", "text": "which colour fills the image?"}],
+             "red is the answer"),
+        _row(processor, [{"type": "image", "image": blue}, {"type": "text", "text": "and this one"},
+                         {"type": "image", "image": red}, {"type": "text", "text": "which colour?"}], "blue and red"),
+        _row(processor, [{"type": "text", "text": "1+1?"}], "2"),
+    ]
+    image_token = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert [int((r["ids"] == image_token).sum()) for r in rows] == [4, 6, 0]  # grids (1,4,4); (1,4,2) + (1,4,4)
+    return model_dir, rows, image_token
+
+
+def hf_logits(model_dir: str, rows: list[dict], image_token: int) -> list[torch.Tensor]:
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for r in rows:
+            ids = r["ids"].unsqueeze(0)
+            images = {}
+            if r["pixel_values"] is not None:
+                images = {"pixel_values": r["pixel_values"], "image_grid_thw": r["image_grid_thw"],
+                          "mm_token_type_ids": (ids == image_token).int()}
+            out.append(model(input_ids=ids, **images).logits[0].float())
+    return out
+
+
+@pytest.fixture(scope="module")
+def compared(vlm_rows, tmp_path_factory):
+    model_dir, rows, image_token = vlm_rows
+    reference = hf_logits(model_dir, rows, image_token)
+    runs = {}
+    for name, world, extra in [("tp1", 1, []), ("tp2", 2, ["--tp", "2"])]:
+        out = tmp_path_factory.mktemp(name)
+        torch.save(rows, out / "rows.pt")
+        run_ranks(WORKER, world, str(out), ["--model", model_dir, *extra], timeout_s=300)
+        runs[name] = torch.load(out / "logits.pt")
+    return reference, runs, rows, image_token
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape
+    return float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2"])
+@pytest.mark.parametrize("kind", ["full", "batched"])
+def test_logits_equal_transformers(compared, layout, kind):
+    reference, runs, _, _ = compared
+    diffs = [max_diff(ours, hf) for ours, hf in zip(runs[layout][kind], reference)]
+    assert max(diffs) <= TOLERANCE, diffs
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2"])
+def test_the_comparison_sees_the_image_features_and_the_3d_positions(compared, layout):
+    """Without the features placed, or with 1-D positions, the image rows' logits after the first image token are
+    far from transformers' (so the parity above depends on both); the text row has no images and agrees."""
+    reference, runs, rows, image_token = compared
+    for i, row in enumerate(rows):
+        image_at = torch.nonzero(row["ids"] == image_token).flatten()
+        if not len(image_at):
+            assert max_diff(runs[layout]["no_features"][i], reference[i]) <= TOLERANCE
+            assert max_diff(runs[layout]["rope_1d"][i], reference[i]) <= TOLERANCE
+            continue
+        after = slice(int(image_at[0]), None)
+        assert max_diff(runs[layout]["no_features"][i][after], reference[i][after]) > 1e-3
+        # 1-D RoPE gives the same positions up to the first image token's; after the image they differ
+        last = int(image_at[-1]) + 1
+        assert max_diff(runs[layout]["rope_1d"][i][last:], reference[i][last:]) > 1e-3

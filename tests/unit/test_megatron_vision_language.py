@@ -1,0 +1,110 @@
+"""The Megatron backend's vision-language pieces that need no megatron-core: 3-D (mrope) position ids against
+transformers' Qwen2.5-VL `get_rope_index`, and the Qwen2.5-VL converter's names (language model through the Qwen2
+mapping, the vision tower under its HF names)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slime.backends.megatron_utils.converters import ConverterConfig, converter_for_hf_config
+from slime.backends.megatron_utils.converters.qwen2_5_vl import split_vision_language
+from slime.backends.megatron_utils.vision_language import mrope_position_ids
+
+IMAGE = 9
+
+
+def _image(grid: tuple[int, int, int], merge: int = 2) -> list[int]:
+    t, h, w = grid
+    return [7] + [IMAGE] * (t * h * w // merge ** 2) + [8]  # vision start, image tokens, vision end
+
+
+def test_text_rows_count_on_all_three_axes():
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert mrope_position_ids(ids, None, ids == IMAGE, 2).tolist() == [[[0, 1, 2, 3]]] * 3
+
+
+def test_an_image_spreads_over_height_and_width_and_text_continues_after_its_largest_side():
+    # grid (1, 4, 6) merged 2x2: 2 rows x 3 columns of tokens, starting at position 2 (after "1 <start>")
+    ids = torch.tensor([[1, *_image((1, 4, 6)), 5]])
+    pos = mrope_position_ids(ids, torch.tensor([[1, 4, 6]]), ids == IMAGE, 2)[:, 0].tolist()
+    assert pos[0] == [0, 1, 2, 2, 2, 2, 2, 2, 5, 6]
+    assert pos[1] == [0, 1, 2, 2, 2, 3, 3, 3, 5, 6]
+    assert pos[2] == [0, 1, 2, 3, 4, 2, 3, 4, 5, 6]
+
+
+def test_positions_equal_transformers_get_rope_index():
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    config = Qwen2_5_VLConfig(
+        text_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+                     "intermediate_size": 64, "vocab_size": 16,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}},
+        vision_config={"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32, "out_hidden_size": 32},
+        image_token_id=IMAGE, vision_start_token_id=7, vision_end_token_id=8)
+    model = Qwen2_5_VLModel(config)
+    rows = [[1, 2, *_image((1, 4, 4)), 3, *_image((1, 2, 6)), 4, 5], [1, *_image((2, 6, 2)), 3], [1, 2, 3, 4]]
+    grids = torch.tensor([[1, 4, 4], [1, 2, 6], [2, 6, 2]])
+    for row, row_grids in zip(rows, [grids[:2], grids[2:], None]):
+        ids = torch.tensor([row])
+        theirs = (model.get_rope_index(ids, mm_token_type_ids=(ids == IMAGE).int(), image_grid_thw=row_grids)[0]
+                  if row_grids is not None else torch.arange(len(row)).expand(3, 1, -1))
+        assert torch.equal(mrope_position_ids(ids, row_grids, ids == IMAGE, 2), theirs)
+    # the rows as one right-padded batch, images in row order: each real token's positions as alone
+    length = max(map(len, rows))
+    batch = torch.tensor([r + [0] * (length - len(r)) for r in rows])
+    together = mrope_position_ids(batch, grids, batch == IMAGE, 2)
+    for i, row in enumerate(rows):
+        alone = torch.tensor([row])
+        row_grids = [grids[:2], grids[2:], None][i]
+        assert torch.equal(together[:, i, :len(row)], mrope_position_ids(alone, row_grids, alone == IMAGE, 2)[:, 0])
+
+
+def test_image_tokens_and_grids_that_disagree_are_errors():
+    ids = torch.tensor([[1, *_image((1, 4, 4)), 2]])
+    with pytest.raises(ValueError, match="more image tokens"):
+        mrope_position_ids(ids, torch.zeros(0, 3, dtype=torch.long), ids == IMAGE, 2)
+    with pytest.raises(ValueError, match="not as many image tokens follow"):
+        mrope_position_ids(ids, torch.tensor([[1, 4, 6]]), ids == IMAGE, 2)
+    with pytest.raises(ValueError, match="describes 2 image"):
+        mrope_position_ids(ids, torch.tensor([[1, 4, 4], [1, 2, 2]]), ids == IMAGE, 2)
+
+
+def _qwen2_5_vl_checkpoint(language_prefix: str, vision_prefix: str) -> tuple[dict, dict]:
+    hidden, heads, groups, inter, vocab = 8, 2, 1, 16, 12
+    head = hidden // heads
+    torch.manual_seed(0)
+    sd = {f"{language_prefix}embed_tokens.weight": torch.randn(vocab, hidden),
+          f"{language_prefix}norm.weight": torch.randn(hidden), "lm_head.weight": torch.randn(vocab, hidden),
+          f"{vision_prefix}patch_embed.proj.weight": torch.randn(4, 3, 2, 2, 2),
+          f"{vision_prefix}blocks.0.attn.qkv.weight": torch.randn(12, 4)}
+    p = f"{language_prefix}layers.0."
+    q, kv = heads * head, groups * head
+    for name, shape in [("self_attn.q_proj.weight", (q, hidden)), ("self_attn.q_proj.bias", (q,)),
+                        ("self_attn.k_proj.weight", (kv, hidden)), ("self_attn.k_proj.bias", (kv,)),
+                        ("self_attn.v_proj.weight", (kv, hidden)), ("self_attn.v_proj.bias", (kv,)),
+                        ("self_attn.o_proj.weight", (hidden, hidden)), ("input_layernorm.weight", (hidden,)),
+                        ("post_attention_layernorm.weight", (hidden,)), ("mlp.gate_proj.weight", (inter, hidden)),
+                        ("mlp.up_proj.weight", (inter, hidden)), ("mlp.down_proj.weight", (hidden, inter))]:
+        sd[p + name] = torch.randn(shape)
+    cfg = ConverterConfig(num_layers=1, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+                          head_dim=head, vocab_size=vocab, padded_vocab_size=16)
+    return sd, cfg
+
+
+@pytest.mark.parametrize("language_prefix,vision_prefix", [("model.", "visual."),
+                                                           ("model.language_model.", "model.visual.")],
+                         ids=["hub_files", "transformers_in_memory"])
+def test_converter_loads_both_spellings_and_exports_the_hub_names(language_prefix, vision_prefix):
+    hf, cfg = _qwen2_5_vl_checkpoint(language_prefix, vision_prefix)
+    conv = converter_for_hf_config({"model_type": "qwen2_5_vl"})
+    mg = conv.hf_to_megatron(hf, cfg, spec="local")
+    assert torch.equal(mg["visual.blocks.0.attn.qkv.weight"], hf[f"{vision_prefix}blocks.0.attn.qkv.weight"])
+    assert mg["embedding.word_embeddings.weight"].shape == (16, 8)  # padded vocabulary
+    assert mg["decoder.layers.0.self_attention.linear_qkv.bias"].shape == (16,)  # Qwen2's QKV bias, fused
+    exported = conv.state_dict_to_hf(mg, cfg)
+    language, vision = split_vision_language(hf)
+    hub = {**language, **vision}  # the Hub's spelling: model.*, visual.*, lm_head.weight
+    assert set(exported) == set(hub)
+    assert all(torch.equal(exported[k], hub[k]) for k in hub)
