@@ -148,7 +148,7 @@ SIZES = {
 MOE = (4, 2, 64, 64)
 MLA = (64, 32, 16, 8, 16)
 ARCHS = ["qwen3", "qwen2", "llama", "qwen3_moe", "glm4", "glm4_moe", "deepseek_v3"]
-# vision-language archs: no Megatron script or converter (the Megatron trainer takes text only)
+# vision-language archs (their Megatron script: scripts/models/tiny-qwen2.5-vl.sh, the language model only)
 VISION_ARCHS = ["qwen2_5_vl"]
 # tiny vision tower of qwen2_5_vl: (depth, hidden, heads, intermediate); patch 14, 2x2 merge as the real one
 VISION = (2, 32, 2, 64)

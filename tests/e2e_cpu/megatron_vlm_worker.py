@@ -8,6 +8,11 @@ Without CUDA it installs the test-only CPU shim (fp32). It builds the Megatron m
   "no_features": the same positions, the image tokens left with their own embeddings;
   "rope_1d": the images placed, positions 0, 1, 2, ... on all three axes (plain 1-D RoPE);
   "batched": the "full" logits of all rows run as one right-padded batch, each row cut to its length.
+With --actor it drives `MegatronTrainRayActor` instead (no Ray) on the same rows as one TrainBatch (the last
+--response-tokens of each row its response, `multimodal_train_inputs` its images), micro-batches of 2 rows
+(--qkv-format given by --extra), and rank 0 writes <out>/result.json: the response log-probs of
+`log_probs_of_rows`, then the metrics of one training step (rewards 1, 0, 0, ...) and the largest change of a
+vision-tower and of a language-model weight.
 transformers' logits are computed by the test in its own process (not under the shim).
 """
 
@@ -33,7 +38,13 @@ from tests.e2e_cpu.ranks import worker_parser, write_prompt_file, write_result  
 def main() -> None:
     p = worker_parser()
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--actor", action="store_true")
+    p.add_argument("--response-tokens", type=int, default=3)
+    p.add_argument("--extra", default="", help="more slime flags, space-separated")
     cli = p.parse_args()
+    if cli.actor:
+        run_actor(cli)
+        return
     import torch.distributed as dist
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -89,6 +100,44 @@ def main() -> None:
         torch.save(out, os.path.join(cli.out, "logits.pt"))
     write_result(cli, {"rows": len(rows)})
     dist.destroy_process_group()
+
+
+def run_actor(cli) -> None:
+    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+    from slime.backends.megatron_utils.model import unwrap
+    from slime.config.arguments import parse_args
+    from slime.utils.types import TrainBatch
+
+    rows = torch.load(os.path.join(cli.out, "rows.pt"))
+    n, r = len(rows), cli.response_tokens
+    argv = [*model_args("tiny-qwen2.5-vl"), "--train-backend", "megatron", "--hf-checkpoint", cli.model,
+            "--prompt-data", write_prompt_file(cli), "--rollout-batch-size", str(n), "--n-samples-per-prompt", "1",
+            "--global-batch-size", str(n), "--micro-batch-size", "2", "--num-rollout", "1",
+            "--actor-num-gpus-per-node", str(cli.world_size), "--rollout-num-gpus", "1",
+            "--tensor-model-parallel-size", str(cli.tp), "--lr", "1e-2", "--seed", "1234", *cli.extra.split()]
+    args = parse_args(argv)
+    batch = TrainBatch(tokens=[row["ids"].tolist() for row in rows], response_lengths=[r] * n,
+                       loss_masks=[[1] * r] * n, rewards=[1.0] + [0.0] * (n - 1), raw_rewards=[1.0] + [0.0] * (n - 1),
+                       truncated=[False] * n, group_indices=[0] * n,
+                       multimodal_train_inputs=[{"pixel_values": row["pixel_values"],
+                                                 "image_grid_thw": row["image_grid_thw"]}
+                                                if row["pixel_values"] is not None else None for row in rows])
+    actor = MegatronTrainRayActor(cli.world_size, cli.rank, "127.0.0.1", cli.port)
+    result: dict = {}
+    try:
+        actor.init(args, "actor", with_ref=False)
+        lp = actor.log_probs_of_rows(actor.model, batch, actor.plan(batch.tokens, list(range(n)), log_probs=True))
+        result["log_probs"] = [lp[i].float().cpu().tolist() for i in range(n)]
+        model = unwrap(actor.model[0])
+        before = {k: v.detach().clone() for k, v in model.named_parameters()}
+        batch.rollout_log_probs = result["log_probs"]
+        result["metrics"] = actor.train(0, batch)
+        changed = {k: float((v.detach() - before[k]).abs().max()) for k, v in model.named_parameters()}
+        result["vision_change"] = max(v for k, v in changed.items() if k.startswith("visual."))
+        result["language_change"] = max(v for k, v in changed.items() if not k.startswith("visual."))
+        write_result(cli, result)
+    finally:
+        actor.shutdown()
 
 
 if __name__ == "__main__":

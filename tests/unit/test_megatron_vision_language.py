@@ -108,3 +108,26 @@ def test_converter_loads_both_spellings_and_exports_the_hub_names(language_prefi
     hub = {**language, **vision}  # the Hub's spelling: model.*, visual.*, lm_head.weight
     assert set(exported) == set(hub)
     assert all(torch.equal(exported[k], hub[k]) for k in hub)
+
+
+def test_packed_micro_batch_inputs_restart_per_sequence_and_leave_response_image_tokens_as_text():
+    from slime.backends.megatron_utils.vision_language import VisionSpec, micro_batch_inputs
+    from slime.backends.training.batching import make_micro_batch, make_packed_micro_batch
+
+    first = [1, *_image((1, 4, 4)), 3, 4, IMAGE]  # the response (last 2 tokens) sampled an image token
+    second = [1, 2, 5]
+    grid = torch.tensor([[1, 4, 4]])
+    per_row = [{"pixel_values": torch.zeros(16, 6), "image_grid_thw": grid}, None]
+    spec = VisionSpec("qwen2_5_vl", None, IMAGE, 2)
+    packed = micro_batch_inputs(make_packed_micro_batch([first, second], [2, 1], multiple=4), per_row, [0, 1], spec)
+    alone = mrope_position_ids(torch.tensor([first[:-1]]), grid, torch.tensor([first[:-1]]) == IMAGE, 2)[:, 0]
+    positions = packed["position_ids"][:, 0]
+    assert torch.equal(positions[:, : len(first) - 1], alone)
+    assert positions[:, len(first) - 1].tolist() == [int(alone[0, -1]) + 1] * 3  # the sampled image token: text
+    assert positions[:, len(first): len(first) + 3].tolist() == [[0, 1, 2]] * 3  # the next sequence restarts
+    assert packed["image_mask"].sum() == 4 and not bool(packed["image_mask"][0, len(first) - 1])
+    assert packed["pixel_values"].shape == (16, 6) and torch.equal(packed["image_grid_thw"], grid)
+    padded = micro_batch_inputs(make_micro_batch([second, first], [1, 2]), per_row[::-1], [0, 1], spec)
+    assert padded["position_ids"].shape == (3, 2, len(first)) and int(padded["image_mask"][1].sum()) == 4
+    text_only = micro_batch_inputs(make_micro_batch([second], [1]), [None], [0], spec)
+    assert set(text_only) == {"position_ids"} and text_only["position_ids"][:, 0].tolist() == [[0, 1, 2]] * 3

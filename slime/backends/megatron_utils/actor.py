@@ -37,6 +37,7 @@ from slime.backends.fsdp_utils.lora import ADAPTER_DIR
 from slime.backends.megatron_utils import checkpoint, config_check, lora, lora_weights, plugins, weights
 from slime.backends.megatron_utils.forward import response_log_probs, run_pipeline
 from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel, unwrap
+from slime.backends.megatron_utils.vision_language import micro_batch_inputs, vision_spec
 from slime.backends.training import hf_save
 from slime.backends.training.offload import TrainState
 from slime.backends.training.batching import (
@@ -82,6 +83,7 @@ class MegatronTrainRayActor(PolicyTrainer):
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.hf_config = self._hf_config(args.hf_checkpoint)
+        self.vision = vision_spec(args)
 
         ckpt = checkpoint.find_checkpoint(args.load)
         self.model = build_model(args)
@@ -249,10 +251,19 @@ class MegatronTrainRayActor(PolicyTrainer):
         """{row: response log-probs} on the last pipeline stage; {} on the others."""
         if self.hooks.before_log_prob is not None:
             self.hooks.before_log_prob(self.args, model, store_prefix)
-        return self._log_probs(model, batch.tokens, batch.response_lengths, micro_batches, entropy)
+        return self._log_probs(model, batch.tokens, batch.response_lengths, micro_batches, entropy,
+                               batch.multimodal_train_inputs)
+
+    def _model_inputs(self, mbs, micro_batches, per_row: list[dict | None] | None) -> list[dict] | None:
+        """A vision-language model's forward inputs per micro-batch (3-D positions, the rows' images); None for a
+        text model."""
+        if self.vision is None:
+            return None
+        return [micro_batch_inputs(mb, per_row, rows, self.vision) for mb, rows in zip(mbs, micro_batches)]
 
     def _log_probs(self, model, tokens, response_lengths, micro_batches,
-                   entropy: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+                   entropy: dict[int, torch.Tensor] | None = None,
+                   multimodal: list[dict | None] | None = None) -> dict[int, torch.Tensor]:
         mbs = [self._micro_batch(tokens, response_lengths, rows) for rows in micro_batches]
         with_entropy = entropy is not None
 
@@ -262,7 +273,8 @@ class MegatronTrainRayActor(PolicyTrainer):
             return torch.zeros((), device=logits.device), ({"log_probs": lp, "entropy": ent} if with_entropy
                                                            else {"log_probs": lp})
 
-        outputs = run_pipeline(model, mbs, loss_fn, forward_only=True)
+        outputs = run_pipeline(model, mbs, loss_fn, forward_only=True,
+                               model_inputs=self._model_inputs(mbs, micro_batches, multimodal))
         result = {}
         for rows, out in zip(micro_batches, outputs):
             for i, r in enumerate(rows):
@@ -306,7 +318,8 @@ class MegatronTrainRayActor(PolicyTrainer):
         self.optimizer.zero_grad()
         if self.hooks.before_train_step is not None:
             self.hooks.before_train_step(args, record.rollout_id, step_id, self.model, self.optimizer, self.scheduler)
-        outputs = run_pipeline(self.model, mbs, loss_fn, forward_only=False)
+        outputs = run_pipeline(self.model, mbs, loss_fn, forward_only=False,
+                               model_inputs=self._model_inputs(mbs, micro_batches, batch.multimodal_train_inputs))
         update_ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.global_step += 1

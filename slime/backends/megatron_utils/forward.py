@@ -125,13 +125,16 @@ LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
 def run_pipeline(
-    model: list[torch.nn.Module], micro_batches: list[MicroBatch], loss_fn: LossFn, forward_only: bool
+    model: list[torch.nn.Module], micro_batches: list[MicroBatch], loss_fn: LossFn, forward_only: bool,
+    model_inputs: list[dict] | None = None,
 ) -> list[dict]:
     """All micro-batches through megatron-core's schedule for this PP layout (1F1B, interleaved, or none).
 
     `loss_fn(mb, logits)` runs on the last pipeline stage and returns (loss to backpropagate, outputs);
     the loss is scaled by the caller (the schedule divides it by the number of micro-batches). Returns
-    the outputs of every micro-batch, in order, on the last stage; [] on other stages."""
+    the outputs of every micro-batch, in order, on the last stage; [] on other stages. `model_inputs` (one dict per
+    micro-batch) go to the model's forward as keyword arguments, a `position_ids` among them in place of the
+    positions the layout gives (a vision-language model's 3-D positions and images: vision_language.py)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -139,21 +142,27 @@ def run_pipeline(
     cp_size, cp_rank, _ = cp_group_size_rank()
 
     def forward_step(data_iterator, chunk):
-        mb = next(data_iterator)
+        mb, extra = next(data_iterator)
+        extra = dict(extra)
+        positions = extra.pop("position_ids", None)
         if mb.cu_seqlens is not None and cp_size > 1:
             ids, positions, params = cp_local_inputs(mb.cu_seqlens, mb.input_ids, cp_size, cp_rank)
-            output = chunk(ids, positions, None, packed_seq_params=params)
+            output = chunk(ids, positions, None, packed_seq_params=params, **extra)
         elif mb.cu_seqlens is not None:
             ids = mb.input_ids
-            output = chunk(ids, packed_positions(mb.cu_seqlens, ids.device), None,
-                           packed_seq_params=packed_seq_params(mb.cu_seqlens, ids.device))
+            if positions is None:
+                positions = packed_positions(mb.cu_seqlens, ids.device)
+            output = chunk(ids, positions, None, packed_seq_params=packed_seq_params(mb.cu_seqlens, ids.device),
+                           **extra)
         else:
             ids = _pad_to_multiple(mb, multiple)
-            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-            output = chunk(ids, positions, None)
+            if positions is None:
+                positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+            output = chunk(ids, positions, None, **extra)
         return output, lambda out: loss_fn(mb, out)
 
-    iterators = [iter(micro_batches) for _ in model]
+    inputs = model_inputs if model_inputs is not None else [{} for _ in micro_batches]
+    iterators = [iter(list(zip(micro_batches, inputs))) for _ in model]
     max_len = max(_pad_to_multiple(mb, multiple).shape[1] for mb in micro_batches)
     if cp_size > 1 and micro_batches[0].cu_seqlens is not None:  # the tokens a CP rank holds
         max_len = max(padded_boundaries(mb.cu_seqlens, cp_size)[-1] // cp_size for mb in micro_batches)

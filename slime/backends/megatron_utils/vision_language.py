@@ -1,6 +1,7 @@
 """Vision-language models on the Megatron backend: the language model on megatron-core, the vision tower as the
-HF module. This module: what the checkpoint says of its tower (`vision_spec`) and the 3-D position ids
-(`mrope_position_ids`), importable without megatron-core; the model itself is vision_language_model.py.
+HF module. This module: what the checkpoint says of its tower (`vision_spec`), the 3-D position ids
+(`mrope_position_ids`) and a micro-batch's forward inputs (`micro_batch_inputs`), importable without megatron-core;
+the model itself is vision_language_model.py.
 
 `VisionLanguageModel` is megatron-core's `GPTModel` (so pipeline schedules, DDP, the optimizer, weight loading and
 export treat it as one) with, on the first pipeline stage, the checkpoint's HF vision tower as `visual` (its HF
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slime.backends.training.batching import MicroBatch
 from slime.utils.errors import SlimeArgumentError
 
 
@@ -77,41 +79,84 @@ def vision_spec(args: argparse.Namespace) -> VisionSpec | None:
 
 
 def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, image_mask: torch.Tensor,
-                       spatial_merge_size: int) -> torch.Tensor:
+                       spatial_merge_size: int, cu_seqlens: list[int] | None = None) -> torch.Tensor:
     """[3, B, L] multimodal RoPE position ids (temporal, height, width) of `[B, L]` rows, the images' grids
     (`[n, 3]`, in row order) placed at the tokens of `image_mask`, as transformers' Qwen2.5-VL computes them: a text
     token takes the next position on all three axes; an image of t x h x w merged patches (h, w: the grid's divided
     by the merge size) starting at position p gives its token (i, j, k) the positions (p + i, p + j, p + k), and the
-    text after it continues from p + max(h, w). A row without images counts 0, 1, 2, ... on all three axes."""
+    text after it continues from p + max(h, w). A row without images counts 0, 1, 2, ... on all three axes. A packed
+    row (`cu_seqlens`, B = 1) restarts the count at each sequence."""
     batch, length = input_ids.shape
     device = input_ids.device
     out = torch.empty(3, batch, length, dtype=torch.long, device=device)
     grids = [] if image_grid_thw is None else [tuple(int(x) for x in g) for g in image_grid_thw.tolist()]
-    next_grid = 0
     mask = image_mask.cpu()
+    bounds = list(cu_seqlens) if cu_seqlens is not None else [0, length]
+    if bounds[-1] != length:
+        bounds.append(length)
+    used = 0
     for b in range(batch):
-        flags = mask[b]
-        i, pos = 0, 0
-        while i < length:
-            image_tokens = torch.nonzero(flags[i:]).flatten()
-            text = int(image_tokens[0]) if len(image_tokens) else length - i
-            out[:, b, i:i + text] = torch.arange(pos, pos + text, device=device)
-            i, pos = i + text, pos + text
-            if i == length:
-                break
-            if next_grid == len(grids):
-                raise ValueError(f"row {b} has more image tokens than image_grid_thw {grids} describes")
-            t, h, w = grids[next_grid]
-            next_grid += 1
-            h, w = h // spatial_merge_size, w // spatial_merge_size
-            n = t * h * w
-            if i + n > length or not bool(flags[i:i + n].all()):
-                raise ValueError(f"row {b}: the image at token {i} has grid {grids[next_grid - 1]} ({n} tokens "
-                                 f"after merging {spatial_merge_size}x{spatial_merge_size}), but not as many "
-                                 "image tokens follow")
-            grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
-            out[:, b, i:i + n] = grid.reshape(3, n).to(device) + pos
-            i, pos = i + n, pos + max(h, w)
-    if next_grid != len(grids):
-        raise ValueError(f"image_grid_thw describes {len(grids)} image(s), the rows hold image tokens of {next_grid}")
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            used = _segment_positions(out[:, b], mask[b], start, end, grids, used, spatial_merge_size)
+    if used != len(grids):
+        raise ValueError(f"image_grid_thw describes {len(grids)} image(s), the rows hold image tokens of {used}")
+    return out
+
+
+def _segment_positions(out: torch.Tensor, flags: torch.Tensor, start: int, end: int, grids: list[tuple],
+                       used: int, merge: int) -> int:
+    """Fill `out[:, start:end]` (one sequence, counting from 0) taking images from `grids[used:]`; returns how many
+    grids are used after it."""
+    i, pos = start, 0
+    while i < end:
+        image_tokens = torch.nonzero(flags[i:end]).flatten()
+        text = int(image_tokens[0]) if len(image_tokens) else end - i
+        out[:, i:i + text] = torch.arange(pos, pos + text, device=out.device)
+        i, pos = i + text, pos + text
+        if i == end:
+            break
+        if used == len(grids):
+            raise ValueError(f"more image tokens than image_grid_thw {grids} describes (at token {i})")
+        t, h, w = grids[used]
+        h, w = h // merge, w // merge
+        n = t * h * w
+        if i + n > end or not bool(flags[i:i + n].all()):
+            raise ValueError(f"the image at token {i} has grid {grids[used]} ({n} tokens after merging "
+                             f"{merge}x{merge}), but not as many image tokens follow")
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+        out[:, i:i + n] = grid.reshape(3, n).to(out.device) + pos
+        i, pos, used = i + n, pos + max(h, w), used + 1
+    return used
+
+
+def prompt_image_mask(mb: MicroBatch, image_token_id: int) -> torch.Tensor:
+    """[B, L] True at the image tokens of the prompts: the tokens that take image features. An image token the
+    policy sampled in its response is an ordinary token (its own embedding, a text position), as the engine fed it
+    back while generating."""
+    ids = mb.input_ids
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    starts = torch.as_tensor(mb.response_starts, device=ids.device)
+    if mb.cu_seqlens is None:
+        prompt = positions.unsqueeze(0) < starts.unsqueeze(1)
+    else:  # packed: a token is in sequence k when cu[k] <= p < cu[k + 1]; a trailing pad sequence has no prompt
+        cu = torch.as_tensor(mb.cu_seqlens, device=ids.device)
+        sequence = torch.bucketize(positions, cu[1:], right=True)
+        ends = torch.cat([starts, torch.zeros(1, dtype=starts.dtype, device=ids.device)])
+        prompt = (positions < ends[sequence.clamp(max=len(starts))]).unsqueeze(0)
+    return (ids == image_token_id) & prompt
+
+
+def micro_batch_inputs(mb: MicroBatch, per_row: list[dict | None] | None, rows: list[int],
+                       vision: VisionSpec) -> dict:
+    """The forward's inputs of a micro-batch for the vision-language model besides its token ids: 3-D
+    `position_ids`, and with images their `pixel_values` / `image_grid_thw` (the rows' `multimodal_train_inputs`,
+    concatenated in row order) and the `image_mask` of the tokens that take their features."""
+    found = [per_row[r] for r in rows if per_row is not None and per_row[r] is not None]
+    grids = torch.cat([x["image_grid_thw"] for x in found]) if found else None
+    mask = prompt_image_mask(mb, vision.image_token_id)
+    out = {"position_ids": mrope_position_ids(mb.input_ids, grids, mask, vision.spatial_merge_size, mb.cu_seqlens)}
+    if found:
+        device = mb.input_ids.device
+        out.update(pixel_values=torch.cat([x["pixel_values"] for x in found]).to(device),
+                   image_grid_thw=grids.to(device), image_mask=mask)
     return out

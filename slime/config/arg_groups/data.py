@@ -147,7 +147,8 @@ def validate_data(args: argparse.Namespace) -> None:
     if args.multimodal_keys:
         if not train_spec(args).takes_images:
             refuse("multimodal_keys", json.dumps(args.multimodal_keys),
-                   f"--train-backend {args.train_backend} trains on text only (images reach the fsdp trainer only)",
+                   f"--train-backend {args.train_backend} trains on text only in a run (images reach the fsdp trainer "
+                   "only; the megatron model of a vision-language checkpoint is not yet pushed to the engines)",
                    "train vision-language models with --train-backend fsdp --rollout-backend hf (docs/vlm.md)")
         engine = engine_spec(args)
         if not engine.takes_images:
