@@ -127,13 +127,15 @@ def run_actor(cli) -> None:
     try:
         actor.init(args, "actor", with_ref=False)
         lp = actor.log_probs_of_rows(actor.model, batch, actor.plan(batch.tokens, list(range(n)), log_probs=True))
-        result["log_probs"] = [lp[i].float().cpu().tolist() for i in range(n)]
+        mine = [lp[i].float().cpu().tolist() for i in range(n)] if lp else None  # on the last pipeline stage
+        result["log_probs"] = actor.from_last_stage(mine)
         model = unwrap(actor.model[0])
         before = {k: v.detach().clone() for k, v in model.named_parameters()}
         batch.rollout_log_probs = result["log_probs"]
         result["metrics"] = actor.train(0, batch)
         changed = {k: float((v.detach() - before[k]).abs().max()) for k, v in model.named_parameters()}
-        result["vision_change"] = max(v for k, v in changed.items() if k.startswith("visual."))
+        # the tower lives on the first pipeline stage (rank 0, which reports)
+        result["vision_change"] = max((v for k, v in changed.items() if k.startswith("visual.")), default=0.0)
         result["language_change"] = max(v for k, v in changed.items() if not k.startswith("visual."))
         write_result(cli, result)
     finally:
