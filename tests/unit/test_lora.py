@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM
 from slime.backends.fsdp_utils import lora
 from slime.backends.fsdp_utils.parallel import make_optimizer
 from slime.backends.hf_engine.lora import MergedAdapter, read_adapter_folder
+from slime.utils import lora_adapter
 from slime.utils.errors import SlimeArgumentError
-from slime.weight_sync.adapter import is_adapter_name, module_of
+from slime.utils.lora_adapter import is_adapter_name, module_of
 from tests.args import make_args
 
 LORA = ("--lora-rank", "8", "--lora-alpha", "16", "--target-modules", "all-linear")
@@ -123,8 +124,8 @@ def _trained(model, seed=3):
 def test_peft_folder_round_trip(base_model, tmp_path, tiny_model_dir):
     model, names = _lora_model(base_model)
     _trained(model)
-    config = lora.adapter_config(make_args(*LORA, hf_checkpoint=tiny_model_dir), names)
-    nbytes = lora.write_adapter_folder(model.state_dict(), config, str(tmp_path))
+    config = lora_adapter.adapter_config(make_args(*LORA, hf_checkpoint=tiny_model_dir), names)
+    nbytes = lora_adapter.write_adapter_folder(model.state_dict(), config, str(tmp_path))
     named, read_config = read_adapter_folder(str(tmp_path))
     assert read_config["r"] == 8 and read_config["lora_alpha"] == 16 and read_config["peft_type"] == "LORA"
     assert all(n.startswith("base_model.model.model.layers.") for n, _ in named)
@@ -145,7 +146,7 @@ def test_engine_merge_equals_the_lora_forward(base_model):
     _trained(model)
     engine_model = copy.deepcopy(base_model)
     merged = MergedAdapter(engine_model)
-    named = [(lora.PEFT_PREFIX + n, t) for n, t in model.state_dict().items() if is_adapter_name(n)]
+    named = [(lora_adapter.PEFT_PREFIX + n, t) for n, t in model.state_dict().items() if is_adapter_name(n)]
     config = {"r": 8, "lora_alpha": 16}
     x = _tokens(model)
     with torch.no_grad():

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 from safetensors.torch import load_file
 from starlette.concurrency import run_in_threadpool
 
-from slime.weight_sync.adapter import module_of
+from slime.utils.lora_adapter import module_of
 from slime.weight_sync.tensor_payload import deserialize_bucket
 
 
