@@ -20,6 +20,7 @@ ALL_LINEAR = "all-linear"
 ADAPTER_DIR = "adapter"  # a save's iteration folder: the PEFT adapter beside the base model's files
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 PEFT_PREFIX = "base_model.model."
+ADAPTER_NAME = "slime_lora"  # the engines hold the trainer's adapter under it; rollout requests name it (lora_path)
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -27,6 +28,22 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 def module_names(text: str | None) -> list[str]:
     """`--target-modules "q_proj, v_proj"` -> `["q_proj", "v_proj"]`."""
     return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def request_adapter(args: Any) -> str | None:
+    """The `lora_path` a rollout's /generate names once the trainer has pushed its adapter: ADAPTER_NAME with
+    --lora-rank, None without LoRA."""
+    return ADAPTER_NAME if args.lora_rank > 0 else None
+
+
+def engine_target_modules(target_modules: str, exclude_modules: str | None) -> list[str]:
+    """SGLang's `--lora-target-modules` for --target-modules / --exclude-modules: `all` for all-linear (SGLang's
+    word for every module it can adapt; the adapter it is then sent covers fewer), else the names left."""
+    names = module_names(target_modules)
+    if ALL_LINEAR in names:
+        return ["all"]
+    excluded = set(module_names(exclude_modules))
+    return [n for n in names if n not in excluded]
 
 
 def is_adapter_name(name: str) -> bool:

@@ -15,16 +15,14 @@ from typing import Any
 
 import torch
 
+from slime.utils.lora_adapter import ADAPTER_NAME
 from slime.weight_sync.push import _start
 from slime.weight_sync.tensor_payload import flatten_bucket, serialize_bucket
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ADAPTER_NAME = "slime_lora"
-
-
 def push_adapter(named: list[tuple[str, torch.Tensor]], engines: Sequence[Any], config: dict,
-                 weight_version: str, lora_name: str = DEFAULT_ADAPTER_NAME) -> int:
+                 weight_version: str, lora_name: str = ADAPTER_NAME) -> int:
     """Hand every engine the adapter and wait until all have loaded it; returns the bytes sent per engine. Engines
     are Ray actor handles or in-process objects with `load_lora_adapter_from_tensors`."""
     flat = flatten_bucket([(n, t.detach().contiguous().cpu()) for n, t in named])

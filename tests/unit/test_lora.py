@@ -12,9 +12,10 @@ from transformers import AutoModelForCausalLM
 from slime.backends.fsdp_utils import lora
 from slime.backends.fsdp_utils.parallel import make_optimizer
 from slime.backends.hf_engine.lora import MergedAdapter, read_adapter_folder
+from slime.rollout.generation import generate_payload, set_engine_adapter
 from slime.utils import lora_adapter
 from slime.utils.errors import SlimeArgumentError
-from slime.utils.lora_adapter import is_adapter_name, module_of
+from slime.utils.lora_adapter import is_adapter_name, module_of, request_adapter
 from tests.args import make_args
 
 LORA = ("--lora-rank", "8", "--lora-alpha", "16", "--target-modules", "all-linear")
@@ -39,11 +40,28 @@ def test_lora_flags_parse_and_default_off():
     (("--lora-type", "canonical_lora"), "--lora-type canonical_lora"),
     (("--lora-train-only",), "--lora-train-only"),
     (("--multi-lora-n-adapters", "2"), "multi-LoRA"),
-    ((*LORA, "--rollout-backend", "sglang"), "not built for sglang engines; pass --rollout-backend hf"),
+    ((*LORA, "--rollout-external-engine-addrs", "127.0.0.1:30000"),
+     "not built for external engines; pass --rollout-backend sglang or hf"),
 ])
 def test_lora_flags_refused_with_the_fix(extra, message):
     with pytest.raises(SlimeArgumentError, match=message):
         make_args(*extra)
+
+
+def test_lora_rollouts_name_the_adapter_once_the_engines_hold_it():
+    """SGLang serves a request with the adapter its lora_path names and the base model without one: after a push
+    with LoRA (RolloutManager.after_weight_update) every rollout request names the adapter; before the first push
+    the engines hold none and requests name none."""
+    assert request_adapter(make_args(*LORA, "--rollout-backend", "sglang")) == "slime_lora"
+    assert request_adapter(make_args("--rollout-backend", "sglang")) is None
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4}, "return_logprob": True}
+    assert generate_payload([1, 2], {"max_new_tokens": 4}) == body
+    try:
+        set_engine_adapter("slime_lora")
+        assert generate_payload([1, 2], {"max_new_tokens": 4}) == {**body, "lora_path": "slime_lora"}
+    finally:
+        set_engine_adapter(None)
+    assert "lora_path" not in generate_payload([1], {})
 
 
 def test_lora_lm_head_refused_on_megatron_naming_fsdp():
