@@ -199,6 +199,7 @@ def parse_generate(body: dict, state: EngineState) -> tuple[list[Request], bool]
     start = body.get("logprob_start_len", -1)
     starts = _per_item(-1 if start is None else start, n, "logprob_start_len")
     rids = _per_item(body.get("rid") or None, n, "rid")
+    state.adapter.check_lora_path(_per_item(body.get("lora_path"), n, "lora_path"))
     max_len = state.scheduler.max_context_len
     reqs = []
     for i, prompt in enumerate(prompts):
@@ -344,6 +345,7 @@ def build_app(state: EngineState, api_key: str | None = None) -> FastAPI:
         return {"model_path": state.model_path, "tokenizer_path": state.model_path, "version": ENGINE_VERSION,
                 "engine": "hf", "device": state.device, "dtype": state.dtype,
                 "lora_adapter": state.adapter.summary(),  # the merged LoRA adapter, or None (lora.py)
+                "enable_lora": True,  # SGLang's flag: this engine always serves adapters
                 "max_running_requests": sched.max_running_requests, "random_seed": sched.random_seed,
                 "enable_deterministic_inference": sched.deterministic,
                 "weight_version": state.weight_version, "num_running_reqs": running, "num_waiting_reqs": waiting,
