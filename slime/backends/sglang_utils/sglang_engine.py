@@ -178,6 +178,9 @@ class SGLangEngine(ServerEngine):
         if args.lora_rank > 0:  # adapters are loaded after start: SGLang needs the largest rank and the modules
             values.update(enable_lora=True, max_lora_rank=args.lora_rank,
                           lora_target_modules=engine_target_modules(args.target_modules, args.exclude_modules))
+            if self.rank == 0:
+                logger.warning("LoRA on SGLang engines follows SGLang 0.5.16's API and is checked on CPU only: it has "
+                               "not yet run against a real SGLang server (docs/lora.md, GPU acceptance row 21)")
         if args.engine_api_key:  # SGLang takes it on its command line only; the engine's log shows `--api-key ***`
             values["api_key"] = args.engine_api_key
         if self.nnodes > 1:
