@@ -201,7 +201,7 @@ class FSDPTrainRayActor(PolicyTrainer):
                           entropy: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
         out = {}
         for rows in micro_batches:
-            images = micro_batch_images(batch.multimodal_train_inputs, rows, self.device)
+            images = micro_batch_images(batch.multimodal_train_inputs, rows, self.device, batch.loss_masks)
             lp, ent = forward_response_log_probs(model, self._micro_batch(batch, rows), self.args.rollout_temperature,
                                                  with_entropy=entropy is not None, images=images,
                                                  idle_vision=self._idle_vision(model))
@@ -218,7 +218,8 @@ class FSDPTrainRayActor(PolicyTrainer):
 
         def micro_loss(rows):
             mb = self._micro_batch(record.batch, rows)
-            images = micro_batch_images(record.batch.multimodal_train_inputs, rows, self.device)
+            images = micro_batch_images(record.batch.multimodal_train_inputs, rows, self.device,
+                                        record.batch.loss_masks)
             logits, offset = forward_logits(self.model, mb, all_positions=custom, images=images,
                                             idle_vision=self._idle_vision(self.model))
             log_probs, entropy = extract_response_log_probs(logits, mb, args.rollout_temperature, offset,
