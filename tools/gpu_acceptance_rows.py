@@ -442,6 +442,13 @@ ROWS: tuple[Row, ...] = (
         "with the handoff) trains with every server started with the key: versions 1-3, |Δ log-prob| < 0.05",
         figures=grab(endpoints=r"\[sglang auth, endpoints\] (.+)$",
                      logprob_diff=r"\[sglang auth, train.py\].*?\|Δ log-prob\| (\[[^\]]*\])")),
+    Row(21, "LoRA contract vs real SGLang", "LoRA", f"{PYTEST} tests/gpu/test_lora_sglang_gpu.py", timeout_s=600,
+        estimate_s=100, part="9",
+        must_show="tests/contract/test_lora_api.py passes against SGLang started with `--enable-lora` (as "
+        "`--lora-rank` starts it): a PEFT folder and a tensor push load, a request naming the adapter moves the "
+        "log-probs and a zero adapter does not, unload restores the base, unknown / duplicate names are refused",
+        figures=grab(suite=r"\[lora contract vs sglang\] (.+?); not passed",
+                     not_passed=r"\[lora contract vs sglang\].*; not passed: (.+)$")),
 )
 PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."9", then perf, perf2, x2
 

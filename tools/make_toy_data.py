@@ -12,6 +12,10 @@ blue, the shade jittered, the size varied), the prompt "<image> which colour fil
 name as the label, for `--multimodal-keys '{"image": "images"}'` with a vision-language model (the tiny
 Qwen2.5-VL of `tools/make_tiny_model.py --arch qwen2_5_vl`). The images are PNG data URIs inside the rows.
 The same `--rm-type toy` grades it; the answer is learnable only by looking at the image.
+
+`--task geo3k` writes rows in the geo3k dataset's shape that slime's `examples/geo3k_vlm_multi_turn` reads
+(`--input-key problem --label-key answer --multimodal-keys '{"image": "images"}'`): a problem with one `<image>`,
+a numeric answer, and the image (a filled square whose side in patches is the answer), so its plugins run offline.
 """
 
 from __future__ import annotations
@@ -64,7 +68,18 @@ def make_colour_rows(num_samples: int, seed: int) -> list[dict]:
     return rows
 
 
-TASKS = {"number": make_toy_rows, "colour": make_colour_rows}
+def make_geo3k_rows(num_samples: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_samples):
+        side = rng.randint(2, 4)
+        rgb = COLOURS[rng.choice(sorted(COLOURS))]
+        rows.append({"problem": "<image> the square is drawn on a grid. find its side x.", "answer": str(side),
+                     "images": [colour_image(rgb, (28 * side, 28 * side))]})
+    return rows
+
+
+TASKS = {"number": make_toy_rows, "colour": make_colour_rows, "geo3k": make_geo3k_rows}
 
 
 def write_toy_data(out: str, num_samples: int, seed: int, task: str = "number") -> str:

@@ -63,6 +63,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from slime.observability.rollout_metrics import top_p_kept_vocab_metrics
 from slime.ray.engine_health import EngineHealthMonitor
 from slime.rollout.base_types import call_rollout_fn, lifecycle_of
+from slime.rollout.generation import set_engine_adapter
 from slime.rollout.router import RouterClient, RouterProcess, url_of
 from slime.rollout.sample_hooks import set_current_rollout_id
 from slime.rollout.train_data import (
@@ -76,6 +77,7 @@ from slime.rollout.train_data import (
 from slime.utils.eval_config import eval_datasets
 from slime.utils.hooks import hooks_of, sample_hook
 from slime.utils.http_utils import bearer_headers, set_engine_api_key, trust_engine_url
+from slime.utils.lora_adapter import request_adapter
 from slime.utils.metrics import (
     compute_eval_metrics,
     compute_rollout_metrics,
@@ -547,6 +549,7 @@ class RolloutManager:
         """Called after a push: record the engines' new version; generation comes back unless engine memory is
         still released (colocated: the KV cache comes back after the push)."""
         self.weight_version = int(weight_version)
+        set_engine_adapter(request_adapter(self.args))  # with LoRA the engines now hold the trainer's adapter
         self._end_quiet("push")
 
     # ---- fault tolerance (--use-fault-tolerance) ------------------------------------------------------

@@ -315,14 +315,34 @@ def append_model_tokens(
         sample.weight_versions.append(str(weight_version))
 
 
+_engine_adapter: str | None = None
+
+
+def set_engine_adapter(name: str | None) -> None:
+    """The LoRA adapter the engines hold, named in every /generate from now on (set by the RolloutManager after
+    each push; None until the first, when the engines hold none)."""
+    global _engine_adapter
+    _engine_adapter = name
+
+
+def generate_payload(input_ids: list[int], params: dict, image_data: list[str] | None = None) -> dict:
+    """The body of a rollout's `/generate`: the token ids, sampling params, log-probs on, the images (data URIs) if
+    any, and with LoRA the adapter the engines hold (`lora_path`: SGLang serves a request with the adapter it names,
+    the base model without one)."""
+    payload = {"input_ids": list(input_ids), "sampling_params": params, "return_logprob": True}
+    if image_data:
+        payload["image_data"] = list(image_data)
+    if _engine_adapter is not None:
+        payload["lora_path"] = _engine_adapter
+    return payload
+
+
 async def post_generate(args, input_ids: list[int], params: dict, image_data: list[str] | None = None):
     """POST `{router}/generate` for these token ids (and images, as data URIs: `image_data`, with the ids holding
     each image's expanded tokens) -> (text, new tokens, their log-probs, status, weight version). Retried (60
     times under --use-fault-tolerance, else 3) with backoff."""
     url = f"{router_url(args)}/generate"
-    payload = {"input_ids": list(input_ids), "sampling_params": params, "return_logprob": True}
-    if image_data:
-        payload["image_data"] = list(image_data)
+    payload = generate_payload(input_ids, params, image_data)
     fault_tolerant = args.use_fault_tolerance
     retries = 60 if fault_tolerant else 3
     try:

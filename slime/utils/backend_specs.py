@@ -63,7 +63,8 @@ class EngineSpec:
     kv_cache: str | None
     # Sampling settings the engine does not implement: (field, value that means "off").
     unsupported_sampling: tuple[tuple[str, float], ...] = ()
-    # Serves a LoRA adapter pushed as tensors (/load_lora_adapter_from_tensors; docs/lora.md).
+    # Serves a LoRA adapter pushed as tensors (/load_lora_adapter_from_tensors) to the requests naming it in
+    # lora_path (docs/lora.md).
     serves_lora: bool = False
     # Is sent the rows' images (--multimodal-keys) as /generate's image_data by the rollout, and serves them.
     takes_images: bool = False
@@ -85,7 +86,7 @@ TRAIN_BACKEND_SPECS: dict[str, TrainBackendSpec] = {
 ENGINE_SPECS: dict[str, EngineSpec] = {
     "sglang": EngineSpec(
         name="sglang", launched=True, needs_cuda=True, tensor_parallel=True, spans_nodes=True,
-        takes_sglang_server_args=True, kv_cache="static_pool",
+        takes_sglang_server_args=True, kv_cache="static_pool", serves_lora=True,
     ),
     "hf": EngineSpec(
         name="hf", launched=True, needs_cuda=False, tensor_parallel=False, spans_nodes=False,

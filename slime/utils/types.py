@@ -291,7 +291,8 @@ class Sample:
         """Append response tokens and keep the per-token fields aligned.
 
         Model tokens: `trainable=True` with their `log_probs` (and SGLang's `meta_info`). Tool / environment
-        tokens: `trainable=False`, no log-probs: they get loss mask 0, log-prob 0.0 and empty top-p spans.
+        tokens: `trainable=False`, no log-probs (or all 0.0, the value they get: slime's own multi-turn VLM example
+        passes zeros): they get loss mask 0, log-prob 0.0 and empty top-p spans.
         With `meta_info`, its top-p spans and routed experts are merged in; with `update_terminal_info` (the
         default; off for streamed chunks) its `finish_reason` sets the status (length -> TRUNCATED, abort ->
         ABORTED, stop -> COMPLETED, anything else leaves it), `weight_version` is appended, the prefix-cache
@@ -308,7 +309,7 @@ class Sample:
             raise ValueError("append_response_tokens: trainable response tokens require rollout log probabilities; "
                              "pass log_probs=..., or trainable=False for tool / environment tokens")  # fmt: skip
         if tokens and not trainable:
-            if log_probs is not None:
+            if log_probs is not None and any(lp != 0.0 for lp in log_probs):
                 raise ValueError("append_response_tokens: non-trainable response tokens should not pass rollout log "
                                  "probabilities (they get 0.0); drop log_probs or set trainable=True")
             log_probs = [0.0] * len(tokens)

@@ -15,30 +15,14 @@ from typing import Any
 
 import torch
 
+from slime.utils.lora_adapter import ADAPTER_NAME
 from slime.weight_sync.push import _start
 from slime.weight_sync.tensor_payload import flatten_bucket, serialize_bucket
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
-PEFT_PREFIX = "base_model.model."
-DEFAULT_ADAPTER_NAME = "slime_lora"
-
-
-def is_adapter_name(name: str) -> bool:
-    return name.endswith(ADAPTER_SUFFIXES)
-
-
-def module_of(name: str) -> tuple[str, str]:
-    """`base_model.model.model.layers.0.mlp.up_proj.lora_A.weight` -> (`model.layers.0.mlp.up_proj`, `A`)."""
-    for suffix in ADAPTER_SUFFIXES:
-        if name.endswith(suffix):
-            return name.removeprefix(PEFT_PREFIX)[: -len(suffix)], suffix[len(".lora_")]
-    raise ValueError(f"{name}: not a LoRA adapter tensor (names end with {' or '.join(ADAPTER_SUFFIXES)})")
-
-
 def push_adapter(named: list[tuple[str, torch.Tensor]], engines: Sequence[Any], config: dict,
-                 weight_version: str, lora_name: str = DEFAULT_ADAPTER_NAME) -> int:
+                 weight_version: str, lora_name: str = ADAPTER_NAME) -> int:
     """Hand every engine the adapter and wait until all have loaded it; returns the bytes sent per engine. Engines
     are Ray actor handles or in-process objects with `load_lora_adapter_from_tensors`."""
     flat = flatten_bucket([(n, t.detach().contiguous().cpu()) for n, t in named])

@@ -75,9 +75,6 @@ def rollout(url: str, processor) -> tuple[TrainBatch, list]:
 def engine_scores(url: str, batch: TrainBatch, engine_images: list) -> list[list[float]]:
     out = []
     for toks, n, data in zip(batch.tokens, batch.response_lengths, engine_images):
-        if data and sum(1 for t in toks[-n:] if t == IMAGE_TOKEN[0]):
-            out.append(None)  # the engine takes image tokens only where the images go
-            continue
         body = {"input_ids": toks, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
                 "logprob_start_len": 0, **({"image_data": data} if data else {})}
         meta = httpx.post(url + "/generate", json=body, timeout=60).json()["meta_info"]

@@ -64,7 +64,7 @@ def main() -> None:
     os.makedirs(cli.out, exist_ok=True)
 
     from slime.backends.megatron_utils.actor import MegatronTrainRayActor
-    from slime.weight_sync.adapter import is_adapter_name
+    from slime.utils.lora_adapter import is_adapter_name
 
     args = make_args(cli)
     batch = make_batch(8, seed=0)

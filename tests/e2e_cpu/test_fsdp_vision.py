@@ -47,6 +47,7 @@ def test_one_step_moves_the_policy_and_reaches_the_engine(run):
     assert all(math.isfinite(v) for v in metrics.values())
     assert abs(metrics["train/ppo_kl"]) < 1e-6  # old log-probs recomputed with the images: ratio 1 on step one
     assert run["engine_weight_version"] == "1"
+    assert all(row is not None for row in run["engine_lp_before_push"])  # row 5's sampled image token included
     assert _max_abs_diff(run["engine_lp_before_push"], run["rollout_lp"]) < TOL
     assert _max_abs_diff(run["engine_lp_after_push"], run["trainer_lp_after"]) < TOL
     assert _max_abs_diff(run["engine_lp_after_push"], run["engine_lp_before_push"]) > 1e-3

@@ -19,6 +19,7 @@ from slime.backends.hf_engine.engine import HFEngine
 from slime.backends.server_engine import EngineHTTPError
 from slime.config.arguments import parse_args
 from slime.ray.launcher import Run
+from slime.utils import lora_adapter
 from tests.args import make_args
 from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
 
@@ -145,7 +146,7 @@ def test_engine_loads_and_unloads_a_peft_folder(tiny_model_dir, tmp_path, monkey
             if n.endswith(".lora_B.weight"):
                 p.normal_(0, 0.1)
     folder = str(tmp_path / "adapters" / "a1")
-    lora.write_adapter_folder(model.state_dict(), {"r": RANK, "lora_alpha": 16, "target_modules": names}, folder)
+    lora_adapter.write_adapter_folder(model.state_dict(), {"r": RANK, "lora_alpha": 16, "target_modules": names}, folder)
     monkeypatch.setenv("SLIME_ENGINE_WEIGHT_DIRS", str(tmp_path / "adapters"))
     monkeypatch.setenv("SLIME_ENGINE_NUM_THREADS", "1")
     tokens = [56, 62, 137, 92, 11, 40, 7]

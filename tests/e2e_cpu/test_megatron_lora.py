@@ -26,8 +26,9 @@ from transformers import AutoModelForCausalLM
 from slime.backends.fsdp_utils import lora
 from slime.backends.fsdp_utils.data import forward_response_log_probs
 from slime.backends.training.batching import make_micro_batch, unpad_per_token
-from tests.args import make_args
+from slime.utils import lora_adapter
 from slime.utils.tracking import read_scalars
+from tests.args import make_args
 from tests.conftest import REPO_ROOT, model_args
 from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
 from tests.e2e_cpu.ranks import run_ranks
@@ -76,7 +77,7 @@ def adapter(tiny_model_dir, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("adapter"))
     args = make_args("--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--target-modules", "all-linear",
                      hf_checkpoint=tiny_model_dir)
-    lora.write_adapter_folder(model.state_dict(), lora.adapter_config(args, names), folder)
+    lora_adapter.write_adapter_folder(model.state_dict(), lora_adapter.adapter_config(args, names), folder)
     return folder, model
 
 
@@ -139,7 +140,7 @@ def test_pushed_adapter_serves_the_trainers_log_probs(runs):
 @pytest.mark.timeout(900)
 def test_saved_adapter_and_merged_export_give_the_trainers_log_probs(runs, adapter, tiny_model_dir):
     tp1, root = runs["tp1"], runs["root"]
-    saved = os.path.join(root, "tp1", "ckpt", "iter_0000000", lora.ADAPTER_DIR)
+    saved = os.path.join(root, "tp1", "ckpt", "iter_0000000", lora_adapter.ADAPTER_DIR)
     assert set(load_file(os.path.join(saved, "adapter_model.safetensors"))) == \
         set(load_file(os.path.join(adapter[0], "adapter_model.safetensors")))
     with open(os.path.join(saved, "adapter_config.json")) as f:
@@ -151,7 +152,7 @@ def test_saved_adapter_and_merged_export_give_the_trainers_log_probs(runs, adapt
     assert max_abs_diff(log_probs(model, tp1["batch"]), tp1["lp_after"]) < 1e-5
     merged = AutoModelForCausalLM.from_pretrained(os.path.join(root, "tp1", "hf", "iter_0"), dtype=torch.float32)
     assert max_abs_diff(log_probs(merged.eval(), tp1["batch"]), tp1["lp_after"]) < 1e-5
-    assert os.path.isfile(os.path.join(root, "tp1", "hf", "iter_0", lora.ADAPTER_DIR, "adapter_model.safetensors"))
+    assert os.path.isfile(os.path.join(root, "tp1", "hf", "iter_0", lora_adapter.ADAPTER_DIR, "adapter_model.safetensors"))
 
 
 @pytest.mark.timeout(900)
@@ -172,7 +173,7 @@ def test_fsdp_adapter_with_separate_q_k_v_a_is_refused(adapter, tmp_path):
     folder = str(tmp_path / "separate")
     with open(os.path.join(adapter[0], "adapter_config.json")) as f:
         config = json.load(f)
-    lora.write_adapter_folder(model.state_dict(), config, folder)
+    lora_adapter.write_adapter_folder(model.state_dict(), config, folder)
     with pytest.raises(pytest.fail.Exception, match="have different lora_A"):
         run_ranks(WORKER, 1, str(tmp_path / "run"), ["--model", config["base_model_name_or_path"], "--adapter",
                                                      folder], timeout_s=300)

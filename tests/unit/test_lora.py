@@ -12,8 +12,10 @@ from transformers import AutoModelForCausalLM
 from slime.backends.fsdp_utils import lora
 from slime.backends.fsdp_utils.parallel import make_optimizer
 from slime.backends.hf_engine.lora import MergedAdapter, read_adapter_folder
+from slime.rollout.generation import generate_payload, set_engine_adapter
+from slime.utils import lora_adapter
 from slime.utils.errors import SlimeArgumentError
-from slime.weight_sync.adapter import is_adapter_name, module_of
+from slime.utils.lora_adapter import is_adapter_name, module_of, request_adapter
 from tests.args import make_args
 
 LORA = ("--lora-rank", "8", "--lora-alpha", "16", "--target-modules", "all-linear")
@@ -38,11 +40,28 @@ def test_lora_flags_parse_and_default_off():
     (("--lora-type", "canonical_lora"), "--lora-type canonical_lora"),
     (("--lora-train-only",), "--lora-train-only"),
     (("--multi-lora-n-adapters", "2"), "multi-LoRA"),
-    ((*LORA, "--rollout-backend", "sglang"), "not built for sglang engines; pass --rollout-backend hf"),
+    ((*LORA, "--rollout-external-engine-addrs", "127.0.0.1:30000"),
+     "not built for external engines; pass --rollout-backend sglang or hf"),
 ])
 def test_lora_flags_refused_with_the_fix(extra, message):
     with pytest.raises(SlimeArgumentError, match=message):
         make_args(*extra)
+
+
+def test_lora_rollouts_name_the_adapter_once_the_engines_hold_it():
+    """SGLang serves a request with the adapter its lora_path names and the base model without one: after a push
+    with LoRA (RolloutManager.after_weight_update) every rollout request names the adapter; before the first push
+    the engines hold none and requests name none."""
+    assert request_adapter(make_args(*LORA, "--rollout-backend", "sglang")) == "slime_lora"
+    assert request_adapter(make_args("--rollout-backend", "sglang")) is None
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4}, "return_logprob": True}
+    assert generate_payload([1, 2], {"max_new_tokens": 4}) == body
+    try:
+        set_engine_adapter("slime_lora")
+        assert generate_payload([1, 2], {"max_new_tokens": 4}) == {**body, "lora_path": "slime_lora"}
+    finally:
+        set_engine_adapter(None)
+    assert "lora_path" not in generate_payload([1], {})
 
 
 def test_lora_lm_head_refused_on_megatron_naming_fsdp():
@@ -123,8 +142,8 @@ def _trained(model, seed=3):
 def test_peft_folder_round_trip(base_model, tmp_path, tiny_model_dir):
     model, names = _lora_model(base_model)
     _trained(model)
-    config = lora.adapter_config(make_args(*LORA, hf_checkpoint=tiny_model_dir), names)
-    nbytes = lora.write_adapter_folder(model.state_dict(), config, str(tmp_path))
+    config = lora_adapter.adapter_config(make_args(*LORA, hf_checkpoint=tiny_model_dir), names)
+    nbytes = lora_adapter.write_adapter_folder(model.state_dict(), config, str(tmp_path))
     named, read_config = read_adapter_folder(str(tmp_path))
     assert read_config["r"] == 8 and read_config["lora_alpha"] == 16 and read_config["peft_type"] == "LORA"
     assert all(n.startswith("base_model.model.model.layers.") for n, _ in named)
@@ -145,7 +164,7 @@ def test_engine_merge_equals_the_lora_forward(base_model):
     _trained(model)
     engine_model = copy.deepcopy(base_model)
     merged = MergedAdapter(engine_model)
-    named = [(lora.PEFT_PREFIX + n, t) for n, t in model.state_dict().items() if is_adapter_name(n)]
+    named = [(lora_adapter.PEFT_PREFIX + n, t) for n, t in model.state_dict().items() if is_adapter_name(n)]
     config = {"r": 8, "lora_alpha": 16}
     x = _tokens(model)
     with torch.no_grad():

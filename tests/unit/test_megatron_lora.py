@@ -60,7 +60,8 @@ def test_megatron_lora_flags_validate():
     (("--target-modules", "q_proj"), "one fused layer"),
     (("--target-modules", "all-linear", "--num-experts", "4", "--moe-ffn-hidden-size", "64"), "--num-experts 4"),
     (("--target-modules", "all-linear", "--colocate"), "--colocate"),
-    (("--target-modules", "all-linear", "--rollout-backend", "sglang"), "not built for sglang engines; pass --rollout-backend hf"),
+    (("--target-modules", "all-linear", "--rollout-external-engine-addrs", "127.0.0.1:30000"),
+     "not built for external engines; pass --rollout-backend sglang or hf"),
 ])
 def test_megatron_lora_refusals_name_the_fix(extra, message):
     with pytest.raises(SlimeArgumentError, match=message):

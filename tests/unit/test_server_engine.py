@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from slime.backends.server_engine import EngineHTTPError, ServerEngine
+from slime.backends.sglang_utils.sglang_engine import SGLangEngine
 from tests.args import make_args
 
 
@@ -92,3 +93,26 @@ def test_pause_modes_memory_tags_and_empty_answers(engine):
 def test_a_refused_update_raises_with_the_servers_message(engine):
     with pytest.raises(EngineHTTPError, match=r"update_weights_from_disk -> HTTP 400: no such folder"):
         engine.update_weights_from_disk("/nowhere", weight_version="2")
+
+
+def test_sglang_lora_push_replaces_the_adapter_and_restamps_the_version():
+    """SGLang refuses to load a name it holds and takes no weight version with an adapter: each push after the
+    first unloads the previous adapter, loads the new one and restamps the version without aborting requests."""
+    Peer.seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Peer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    eng = SGLangEngine(make_args(), rank=0)
+    eng.host, eng.port = "127.0.0.1", server.server_address[1]
+    try:
+        for version in ("1", "2"):
+            eng.load_lora_adapter_from_tensors("slime_lora", {"r": 8, "lora_alpha": 16}, f"payload{version}", version)
+    finally:
+        eng.shutdown()
+        server.shutdown()
+    load = {"lora_name": "slime_lora", "config_dict": {"r": 8, "lora_alpha": 16}, "load_format": "flattened_bucket"}
+    assert [(p, b) for _, p, b in Peer.seen] == [
+        ("/load_lora_adapter_from_tensors", {**load, "serialized_tensors": "payload1", "weight_version": "1"}),
+        ("/update_weight_version", {"new_version": "1", "abort_all_requests": False}),
+        ("/unload_lora_adapter", {"lora_name": "slime_lora"}),
+        ("/load_lora_adapter_from_tensors", {**load, "serialized_tensors": "payload2", "weight_version": "2"}),
+        ("/update_weight_version", {"new_version": "2", "abort_all_requests": False})]

@@ -289,6 +289,25 @@ def test_engine_server_args(monkeypatch):
     assert "--enable-memory-saver" in colocated.launch_command("127.0.0.1", 1)
 
 
+@pytest.mark.parametrize("targets, exclude, modules", [
+    ("all-linear", None, ["all"]), ("all-linear", "down_proj", ["all"]),
+    ("q_proj,k_proj,v_proj,o_proj", "o_proj", ["q_proj", "k_proj", "v_proj"]),
+])
+def test_engine_serves_lora_adapters_loaded_after_start(monkeypatch, targets, exclude, modules):
+    """SGLang needs --enable-lora, --max-lora-rank and --lora-target-modules to load adapters it was not started
+    with; SGLang's `all` covers every module it can adapt (the adapter pushed may cover fewer)."""
+    monkeypatch.setenv("SLIME_SGLANG_LAUNCHER", "sglang serve")
+    eng = SGLangEngine(_engine_args(lora_rank=16, target_modules=targets, exclude_modules=exclude), rank=0)
+    values = eng.server_args("127.0.0.1", 30000)
+    assert (values["enable_lora"], values["max_lora_rank"], values["lora_target_modules"]) == (True, 16, modules)
+    cmd = eng.launch_command("127.0.0.1", 30000)
+    assert "--enable-lora" in cmd and cmd[cmd.index("--max-lora-rank") + 1] == "16"
+    at = cmd.index("--lora-target-modules") + 1
+    assert cmd[at:at + len(modules)] == modules
+    plain = SGLangEngine(_engine_args(), rank=0).launch_command("127.0.0.1", 30000)
+    assert not any("lora" in part for part in plain)
+
+
 def test_engine_resolves_forwarded_flags_against_its_own_sglang(monkeypatch):
     """A driver without sglang hands the flags over as given; the engine resolves them (each rendered once)."""
     monkeypatch.delenv("SLIME_SGLANG_LAUNCHER", raising=False)

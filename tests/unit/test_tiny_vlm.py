@@ -41,6 +41,9 @@ def test_processor_loads_offline_and_expands_the_image(vlm, monkeypatch):
     assert ids.count(pad) == int(grid.prod()) // 4 and 1 <= ids.count(pad) <= 4
     assert out["pixel_values"].shape == (int(grid.prod()), 3 * 2 * 14 * 14)
     assert "<unk>" not in processor.tokenizer.convert_ids_to_tokens(ids)
+    bare = processor(text=text, images=[image])  # no return_tensors: media as tensors, as a real checkpoint's
+    assert isinstance(bare["pixel_values"], torch.Tensor) and torch.equal(bare["pixel_values"], out["pixel_values"])
+    assert isinstance(bare["image_grid_thw"], torch.Tensor) and bare["input_ids"][0] == ids
 
 
 def test_config_is_qwen2_5_vl_and_the_image_reaches_the_logits(vlm):

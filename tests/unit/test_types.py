@@ -68,7 +68,9 @@ def test_append_model_then_tool_tokens_keeps_fields_aligned():
     with pytest.raises(ValueError, match="trainable response tokens require rollout log probabilities"):
         s.append_response_tokens(tokens=[1])
     with pytest.raises(ValueError, match="non-trainable response tokens should not pass"):
-        s.append_response_tokens(tokens=[1], log_probs=[0.0], trainable=False)
+        s.append_response_tokens(tokens=[1], log_probs=[-0.5], trainable=False)
+    s.append_response_tokens(tokens=[4, 5], log_probs=[0.0, 0.0], trainable=False)  # zeros: the value they get
+    assert s.loss_mask == [1, 1, 0, 0, 0] and s.rollout_log_probs == [-0.1, -0.2, 0.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="1 log_probs for 2 tokens"):
         s.append_response_tokens(tokens=[1, 2], log_probs=[0.0])
     bare = Sample(tokens=[1, 2, 3], response_length=1)  # a response without log-probs cannot gain model tokens

@@ -4,9 +4,13 @@ loaded by `AutoProcessor.from_pretrained(folder, trust_remote_code=True)` throug
 It is transformers' Qwen2_5_VLProcessor with no video processor: transformers builds that one only with
 torchvision installed, and its constructor refuses a missing one even for image-only use. Images go through
 the PIL image processor saved in the folder (preprocessor_config.json); `<|image_pad|>` expansion, tokenizing
-and outputs are the parent's.
+and outputs are the parent's, except that `pixel_values` and `image_grid_thw` are torch tensors even when no
+`return_tensors` is asked for, as the real checkpoints' (torchvision) image processor returns them: plugins such
+as slime's multi-turn VLM rollout call `processor(text=..., images=...)` bare and keep only tensor outputs.
 """
 
+import numpy as np
+import torch
 from transformers import AutoTokenizer, Qwen2_5_VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -16,6 +20,13 @@ class TinyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
         if argument_name == "video_processor" and argument is None:
             return None
         return super().check_argument_for_proper_class(argument_name, argument)
+
+    def __call__(self, *args, **kwargs):
+        out = super().__call__(*args, **kwargs)
+        for key in ("pixel_values", "image_grid_thw"):
+            if isinstance(out.get(key), np.ndarray):
+                out[key] = torch.from_numpy(out[key])
+        return out
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):

@@ -59,6 +59,7 @@ from slime.backends.training.batching import make_micro_batch, plan_micro_batche
 from slime.backends.training.offload import TrainState
 from slime.backends.training.policy import PolicyTrainer
 from slime.backends.training.record import RolloutRecord
+from slime.utils.lora_adapter import ADAPTER_DIR, adapter_config
 from slime.utils.types import TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class FSDPTrainRayActor(PolicyTrainer):
         ref_folder = self._ref_folder(args)
         # Without a checkpoint in --load the policy starts from the reference model's weights: a fresh start.
         # LoRA: the adapter saved with the checkpoint, else --lora-adapter-path, else none (B = 0).
-        saved = os.path.join(ckpt.path, lora.ADAPTER_DIR) if ckpt else None
+        saved = os.path.join(ckpt.path, ADAPTER_DIR) if ckpt else None
         if saved and os.path.isdir(saved) and not args.lora_rank:
             raise ValueError(f"--load {args.load}: {ckpt.path} was saved with LoRA (its weights are the base, the "
                              f"trained adapter is in {saved}); pass the run's --lora-rank / --lora-alpha / "
@@ -170,7 +171,7 @@ class FSDPTrainRayActor(PolicyTrainer):
         args = self.args
         self.lora_modules = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.target_modules,
                                             args.exclude_modules)
-        self.lora_config = lora.adapter_config(args, self.lora_modules)
+        self.lora_config = adapter_config(args, self.lora_modules)
         if source:
             lora.load_adapter_folder(model, source)
         adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -200,7 +201,7 @@ class FSDPTrainRayActor(PolicyTrainer):
                           entropy: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
         out = {}
         for rows in micro_batches:
-            images = micro_batch_images(batch.multimodal_train_inputs, rows, self.device)
+            images = micro_batch_images(batch.multimodal_train_inputs, rows, self.device, batch.loss_masks)
             lp, ent = forward_response_log_probs(model, self._micro_batch(batch, rows), self.args.rollout_temperature,
                                                  with_entropy=entropy is not None, images=images,
                                                  idle_vision=self._idle_vision(model))
@@ -217,7 +218,8 @@ class FSDPTrainRayActor(PolicyTrainer):
 
         def micro_loss(rows):
             mb = self._micro_batch(record.batch, rows)
-            images = micro_batch_images(record.batch.multimodal_train_inputs, rows, self.device)
+            images = micro_batch_images(record.batch.multimodal_train_inputs, rows, self.device,
+                                        record.batch.loss_masks)
             logits, offset = forward_logits(self.model, mb, all_positions=custom, images=images,
                                             idle_vision=self._idle_vision(self.model))
             log_probs, entropy = extract_response_log_probs(logits, mb, args.rollout_temperature, offset,
@@ -298,7 +300,7 @@ class FSDPTrainRayActor(PolicyTrainer):
         if hf_path is not None and self.rank == 0:
             weights_file = hf_save.prepare_hf_folder(hf_path, self.args.hf_checkpoint)
             if self.args.lora_rank:  # the policy the engines serve: the base with the adapter merged in
-                lora.export_merged(path, weights_file, os.path.join(hf_path, lora.ADAPTER_DIR))
+                lora.export_merged(path, weights_file, os.path.join(hf_path, ADAPTER_DIR))
             else:  # the iteration folder's weights are already the HF tensors: copy them, no second gather
                 shutil.copyfile(os.path.join(path, hf_save.WEIGHTS_FILE), weights_file)
         dist.barrier()

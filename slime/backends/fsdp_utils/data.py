@@ -8,12 +8,15 @@ unchanged, so a padded row computes the same log-probs as the row alone.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
 
 from slime.algorithm.log_probs import log_probs_and_entropy
 from slime.backends.training.batching import MicroBatch
+from slime.utils.image_tokens import (image_token_counts, own_embeddings_at, stand_in_id, stray_image_tokens,
+                                      token_runs)
 
 
 # ---- log-prob extraction --------------------------------------------------------------------------------
@@ -53,15 +56,20 @@ def supports_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def micro_batch_images(per_row: list[dict | None] | None, rows: list[int], device) -> dict | None:
+def micro_batch_images(per_row: list[dict | None] | None, rows: list[int], device,
+                       loss_masks: list[list[int]] | None = None) -> dict | None:
     """The vision inputs of a micro-batch's rows (`TrainBatch.multimodal_train_inputs`), concatenated in row order
-    as the model takes them (its image tokens are filled image by image, left to right, row by row); None when
-    no row has images."""
-    found = [per_row[r] for r in rows if per_row is not None and per_row[r] is not None]
+    as the model takes them (its image tokens are filled image by image, left to right, row by row), plus
+    `row_grids`: each row's own `image_grid_thw` (None: no images) and `row_loss_masks` (its response's loss mask,
+    None when not given); None when no row has images."""
+    chosen = [per_row[r] if per_row is not None else None for r in rows]
+    found = [x for x in chosen if x is not None]
     if not found:
         return None
     return {"pixel_values": torch.cat([x["pixel_values"] for x in found]).to(device),
-            "image_grid_thw": torch.cat([x["image_grid_thw"] for x in found]).to(device)}
+            "image_grid_thw": torch.cat([x["image_grid_thw"] for x in found]).to(device),
+            "row_grids": [None if x is None else x["image_grid_thw"] for x in chosen],
+            "row_loss_masks": [None if loss_masks is None else loss_masks[r] for r in rows]}
 
 
 def forward_logits(model: torch.nn.Module, mb: MicroBatch, all_positions: bool = False,
@@ -88,25 +96,17 @@ def forward_logits(model: torch.nn.Module, mb: MicroBatch, all_positions: bool =
     input_ids, stray = mb.input_ids, None
     if images is not None:
         image_token = model.config.image_token_id
-        input_ids, stray = _hide_response_image_tokens(mb, image_token)
+        stray = _stray_image_tokens(model, mb, images["row_grids"], images["row_loss_masks"])
+        if stray is not None:
+            input_ids = input_ids.masked_fill(stray, stand_in_id(image_token))
         kwargs.update(pixel_values=images["pixel_values"].to(model.dtype), image_grid_thw=images["image_grid_thw"],
                       mm_token_type_ids=(input_ids == image_token).int())
-    if stray is None:
+    # An image token the policy sampled is an ordinary token (the engine fed it back with its own embedding at a
+    # text position): the model sees a stand-in id there, so only images' tokens take image features, and the
+    # token's own embedding is put back.
+    own = contextlib.nullcontext() if stray is None else own_embeddings_at(model, stray, model.config.image_token_id)
+    with own:
         out = model(input_ids=input_ids, attention_mask=mb.attention_mask, use_cache=False, **kwargs)
-        return out.logits, offset
-    # The engine fed a sampled image token back as the token's own embedding at a 1-D position: the model sees
-    # a stand-in id there (so only the prompt's image tokens take image features) and the embedding is put back.
-    embedding = model.get_input_embeddings()
-
-    def restore(module, args, output):
-        own = torch.nn.functional.embedding(torch.full_like(input_ids, image_token), module.weight)
-        return torch.where(stray.unsqueeze(-1), own.to(output.dtype), output)
-
-    handle = embedding.register_forward_hook(restore)
-    try:
-        out = model(input_ids=input_ids, attention_mask=mb.attention_mask, use_cache=False, **kwargs)
-    finally:
-        handle.remove()
     return out.logits, offset
 
 
@@ -130,16 +130,39 @@ def _idle_vision_hook(model: torch.nn.Module):
     return hook
 
 
-def _hide_response_image_tokens(mb: MicroBatch, image_token: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`mb.input_ids` with image tokens the policy sampled in a response (a tiny or young model may) replaced by a
-    stand-in id, and where they were (None: there are none). Only a prompt's image tokens are image placeholders."""
-    ids = mb.input_ids
-    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-    starts = torch.as_tensor(mb.response_starts, device=ids.device).unsqueeze(1)
-    stray = (ids == image_token) & (positions >= starts)
-    if not bool(stray.any()):
-        return ids, None
-    return ids.masked_fill(stray, 0 if image_token != 0 else 1), stray
+def _stray_image_tokens(model: torch.nn.Module, mb: MicroBatch, row_grids: list,
+                        row_loss_masks: list) -> torch.Tensor | None:
+    """[B, L] bool: the image tokens of each row that hold none of the row's images (the policy sampled them), by
+    the engine's rule (`slime.utils.image_tokens.stray_image_tokens`: the prompt's images and a multi-turn
+    rollout's observation images in the response region hold their runs); None when there are none.
+    A stray run between the vision markers at loss mask 0 is an environment's image whose pixels are missing from
+    `multimodal_train_inputs`: an error (a policy-sampled run has loss mask 1)."""
+    config = model.config
+    merge = config.vision_config.spatial_merge_size
+    markers = (config.vision_start_token_id, config.vision_end_token_id)
+    stray = torch.zeros_like(mb.input_ids, dtype=torch.bool)
+    for i, (grid, loss_mask) in enumerate(zip(row_grids, row_loss_masks)):
+        ids = mb.input_ids[i, : int(mb.attention_mask[i].sum())].tolist()
+        counts = [] if grid is None else image_token_counts(grid, merge)
+        hint = ("Sample.multimodal_train_inputs must hold the images of every image run of Sample.tokens, in "
+                "order: a multi-turn rollout adds each observation's images")
+        try:
+            positions = stray_image_tokens(ids, config.image_token_id, counts, *markers)
+        except ValueError as e:
+            raise ValueError(f"micro-batch row {i}: {e} ({hint})") from None
+        start, stray_ids = mb.response_starts[i], [-1] * len(ids)
+        for p in positions:
+            stray_ids[p] = ids[p]
+        for run_start, n in token_runs(stray_ids, config.image_token_id):
+            end = run_start + n
+            marked = run_start > 0 and ids[run_start - 1] == markers[0] and end < len(ids) and ids[end] == markers[1]
+            observed = loss_mask is not None and run_start >= start and not any(loss_mask[run_start - start:end - start])
+            if marked and observed:
+                raise ValueError(f"micro-batch row {i}: image tokens at positions {run_start}..{end - 1}, between the "
+                                 f"vision markers with loss mask 0 (an observation's image), have no image: the row's "
+                                 f"{len(counts)} image(s) need runs of {counts} ({hint})")
+        stray[i, positions] = True
+    return stray if bool(stray.any()) else None
 
 
 def forward_response_log_probs(

@@ -3,8 +3,8 @@
 A wrapped layer computes `x W^T + b + (alpha / r) · (x A^T) B^T`. It keeps the original layer's `weight` and `bias`
 as its own parameters (frozen), so the model's state dict keeps every HF name, and adds `lora_A.weight` (r × in,
 Kaiming-uniform as PEFT initialises it) and `lora_B.weight` (out × r, zeros: at step 0 the model is exactly the
-base model). These suffixes are PEFT's, so `adapter_state` is a PEFT adapter's tensors under the model's own
-module names (`peft_names` adds PEFT's `base_model.model.` prefix).
+base model). These suffixes are PEFT's, so the adapter's tensors are a PEFT adapter's under the model's own module
+names (slime.utils.lora_adapter holds that format: the names, adapter_config.json and the folder).
 
 Assumed: dropout 0 (validation refuses more; every forward here runs without dropout), one adapter per model.
 `all-linear` leaves the LM head (the model's output embeddings) out, as PEFT's does; naming it adapts it, unless it is
@@ -18,22 +18,14 @@ import math
 import os
 import shutil
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from slime.weight_sync.adapter import PEFT_PREFIX, is_adapter_name
-
-ALL_LINEAR = "all-linear"
-ADAPTER_DIR = "adapter"  # an fsdp save's iteration folder: the PEFT adapter beside the base model's HF files
-
-
-def module_names(text: str | None) -> list[str]:
-    """`--target-modules "q_proj, v_proj"` -> `["q_proj", "v_proj"]`."""
-    return [part.strip() for part in (text or "").split(",") if part.strip()]
+from slime.utils.lora_adapter import (ADAPTER_DIR, ALL_LINEAR, PEFT_PREFIX, is_adapter_name, module_names,
+                                      write_adapter_folder)
 
 
 class LoRALinear(nn.Module):
@@ -101,17 +93,6 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: str,
     return names
 
 
-def adapter_config(args: Any, modules: list[str]) -> dict:
-    """PEFT's adapter_config.json fields for this run's adapter (what SGLang's LoRA loader reads)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.lora_rank, "lora_alpha": args.lora_alpha,
-            "lora_dropout": args.lora_dropout, "bias": "none", "base_model_name_or_path": args.hf_checkpoint,
-            "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules})}
-
-
-def peft_names(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {PEFT_PREFIX + name: t for name, t in named.items()}
-
-
 def load_adapter_folder(model: nn.Module, path: str) -> int:
     """Copy a PEFT adapter folder's tensors (adapter_model.safetensors) into the model's LoRA layers, before FSDP
     wraps it; every adapter tensor of the model must be there, with its shape. Returns the tensors loaded."""
@@ -133,17 +114,6 @@ def load_adapter_folder(model: nn.Module, path: str) -> int:
         for n, p in params.items():
             p.copy_(loaded[n])
     return len(params)
-
-
-def write_adapter_folder(state: dict[str, torch.Tensor], config: dict, path: str) -> int:
-    """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) from the adapter tensors of a full
-    state dict; returns the bytes of tensors written."""
-    adapter = {n: t.contiguous() for n, t in peft_names({n: t for n, t in state.items() if is_adapter_name(n)}).items()}
-    os.makedirs(path, exist_ok=True)
-    save_file(adapter, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return sum(t.numel() * t.element_size() for t in adapter.values())
 
 
 def lora_folder_writer(config: dict, write_hf_folder: Callable) -> Callable:

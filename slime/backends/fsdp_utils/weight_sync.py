@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from slime.weight_sync.adapter import is_adapter_name, push_adapter
+from slime.utils.lora_adapter import is_adapter_name
+from slime.weight_sync.adapter import push_adapter
 from slime.weight_sync.push import DiskPush, EnginePush, push_weights
 
 

@@ -5,11 +5,13 @@ adapted linear layer (taken when the first adapter touches it) and sets `W = W_b
 Loading again (the trainer's next push) recomputes from the kept base copies, so pushes never accumulate; unloading
 restores the base. The forward is then the plain model's, so decoding equals a model with the merged weights.
 
-Simplified against SGLang 0.5.16: one adapter at a time (loading a second name replaces the first), and every
-request is served with it, whatever its `lora_path` field says (SGLang serves each request with the adapter it
-names, the base model without one). `/load_lora_adapter_from_tensors` takes the adapter as one flattened bucket
-(`load_format: "flattened_bucket"`, slime.weight_sync.tensor_payload), where SGLang takes a serialized dict of
-tensors.
+As SGLang 0.5.16: answers are `{success, error_message, loaded_adapters: {name: lora_path}}` (`"__tensor__"` for an
+adapter loaded from tensors), 400 when refused; `/load_lora_adapter` refuses a name already loaded; a /generate
+request naming in `lora_path` an adapter that is not loaded answers 400 (`check_lora_path`).
+Simplified: one adapter at a time (loading another name replaces the first), and while one is loaded every request
+is served with it, also one without `lora_path` (SGLang serves that one with the base model).
+`/load_lora_adapter_from_tensors` takes only `load_format: "flattened_bucket"` (slime.weight_sync.tensor_payload)
+and, unlike SGLang, replaces an adapter loaded under the same name: the trainer's pushes reuse one name.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ from fastapi.responses import JSONResponse
 from safetensors.torch import load_file
 from starlette.concurrency import run_in_threadpool
 
-from slime.weight_sync.adapter import module_of
+from slime.utils.lora_adapter import module_of
 from slime.weight_sync.tensor_payload import deserialize_bucket
+
+
+TENSOR_SOURCE = "__tensor__"  # SGLang's lora_path of an adapter loaded from tensors
 
 
 class MergedAdapter:
@@ -82,7 +87,7 @@ class MergedAdapter:
             delta = (b.to(torch.float32) @ a.to(torch.float32)) * scale
             weight.copy_((self.base[module].to(torch.float32) + delta.to(weight.device)).to(weight.dtype))
         self.name = lora_name
-        self.info = {"source": "tensors", "r": int(config["r"]), "lora_alpha": config["lora_alpha"], "modules": len(pairs),
+        self.info = {"source": TENSOR_SOURCE, "r": int(config["r"]), "lora_alpha": config["lora_alpha"], "modules": len(pairs),
                      "tensors": 2 * len(pairs), "bytes": sum(t.numel() * t.element_size() for _, t in named)}
         return self.info
 
@@ -98,6 +103,14 @@ class MergedAdapter:
     def summary(self) -> dict | None:
         """/server_info's `lora_adapter`: the merged adapter's name, rank, alpha, modules, tensors and bytes."""
         return {"name": self.name, **self.info} if self.name else None
+
+    def check_lora_path(self, lora_path) -> None:
+        """A /generate body's `lora_path` (one name, or one per prompt, None for the base) must name the loaded
+        adapter; otherwise ValueError with SGLang's message."""
+        for name in lora_path if isinstance(lora_path, list) else [lora_path]:
+            if name is not None and name != self.name:
+                loaded = [self.name] if self.name else []
+                raise ValueError(f"Got LoRA adapter that has never been loaded: {name}\nAll loaded adapters: {loaded}.")
 
     def forget_base(self) -> None:
         """Full weights were loaded: they are the new base (any merged adapter is gone with the old weights)."""
@@ -135,7 +148,7 @@ def add_lora_routes(app: FastAPI, state, check_weight_dir: Callable[[str, list[s
 
     def loaded() -> dict:
         adapter = state.adapter
-        return {adapter.name: adapter.info.get("source", "tensors")} if adapter.name else {}
+        return {adapter.name: adapter.info.get("source", TENSOR_SOURCE)} if adapter.name else {}
 
     def refused(message: str) -> JSONResponse:
         return JSONResponse({"success": False, "error_message": message, "loaded_adapters": loaded(),
@@ -166,6 +179,8 @@ def add_lora_routes(app: FastAPI, state, check_weight_dir: Callable[[str, list[s
         name, path = body.get("lora_name"), body.get("lora_path")
         if not name or not path:
             return refused("load_lora_adapter needs lora_name and lora_path (a PEFT adapter folder)")
+        if name == state.adapter.name:
+            return refused(f"Failed to load LoRA adapter {name} because it is already loaded; unload it first")
         try:
             check_weight_dir(path, state.weight_dirs)
             named, config = await run_in_threadpool(read_adapter_folder, path)

@@ -56,6 +56,7 @@ from transformers import DynamicCache
 
 from slime.backends.hf_engine.slots import SlotCache, supports_slots
 from slime.backends.hf_engine.vision import vision_positions
+from slime.utils.image_tokens import own_embeddings_at, stand_in_id
 
 logger = logging.getLogger(__name__)
 
@@ -155,8 +156,8 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     return_logprob: bool = False
     logprob_start_len: int = -1
-    # a vision-language model's image inputs ({"pixel_values", "image_grid_thw"}, vision.py); input_ids then
-    # hold one image token per merged patch
+    # a vision-language model's image inputs ({"pixel_values", "image_grid_thw", "stray"}, vision.py); input_ids
+    # then hold one image token per merged patch of each image, plus sampled image tokens at the `stray` positions
     vision: dict | None = None
     on_finish: Callable[[Request], None] | None = None
     # results
@@ -658,18 +659,27 @@ class Scheduler:
             mask[i, length - n:] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp_(min=0)
-        model_pos, images = pos, {}
+        model_pos, images, model_ids, stray = pos, {}, ids, None
+        image_token = getattr(self.model.config, "image_token_id", None)
         vision = group[0].vision
         if vision is not None:
             # One request alone (its image embeddings and 3-D RoPE positions are its own). Every token after the
             # prompt has equal temporal/row/column positions, one past the prompt's largest, so from the first
             # decode step on the row is an ordinary one: `pos` (its 1-D positions) continues from there.
+            # Image tokens the policy sampled in earlier turns (`stray`) are ordinary tokens: a stand-in id keeps
+            # them from taking image features or 3-D positions, and their own embedding is put back.
+            if vision.get("stray"):
+                stray = torch.zeros_like(ids, dtype=torch.bool)
+                stray[0, vision["stray"]] = True  # alone in its row: no left padding
+                model_ids = ids.masked_fill(stray, stand_in_id(image_token))
             grid = vision["image_grid_thw"].to(dev)
-            model_pos = vision_positions(self.model, ids, mask, grid)
+            model_pos = vision_positions(self.model, model_ids, mask, grid)
             pos = model_pos[0]
             images = {"pixel_values": vision["pixel_values"].to(dev, self.model.dtype), "image_grid_thw": grid}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=model_pos, past_key_values=DynamicCache(),
-                         use_cache=True, logits_to_keep=0 if full else 1, **images)
+        own = contextlib.nullcontext() if stray is None else own_embeddings_at(self.model, stray, image_token)
+        with own:
+            out = self.model(input_ids=model_ids, attention_mask=mask, position_ids=model_pos,
+                             past_key_values=DynamicCache(), use_cache=True, logits_to_keep=0 if full else 1, **images)
         self.stats["num_forward_steps"] += 1
         self.stats["num_prefill_steps"] += 1
         self.stats["num_prefill_rows"] += len(prompts)

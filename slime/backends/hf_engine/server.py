@@ -49,7 +49,8 @@ from slime.backends.hf_engine.auth import API_KEY_ENV, APIKeyMiddleware
 from slime.backends.hf_engine.lora import MergedAdapter, add_lora_routes
 from slime.backends.hf_engine.release import WeightMemory
 from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
-from slime.backends.hf_engine.vision import image_inputs, is_vision_model, load_processor_for, per_prompt_images
+from slime.backends.hf_engine.vision import (image_inputs, is_vision_model, load_processor_for, per_prompt_images,
+                                            vision_markers)
 from slime.backends.hf_engine.weight_checker import WeightChecker
 from slime.weight_sync import group as update_group
 from slime.weight_sync.tensor_payload import deserialize_bucket
@@ -189,7 +190,7 @@ def parse_generate(body: dict, state: EngineState) -> tuple[list[Request], bool]
     vision = [None] * n
     for i, items in enumerate(images):
         if items:
-            prompts[i], vision[i] = image_inputs(state.processor, items, text=texts[i],
+            prompts[i], vision[i] = image_inputs(state.processor, items, vision_markers(state.model), text=texts[i],
                                                  input_ids=None if texts[i] is not None else prompts[i])
         elif state.processor is not None and state.processor.image_token_id in prompts[i]:
             raise ValueError(f"prompt {i} holds image tokens (id {state.processor.image_token_id}) but no image_data "
@@ -199,6 +200,7 @@ def parse_generate(body: dict, state: EngineState) -> tuple[list[Request], bool]
     start = body.get("logprob_start_len", -1)
     starts = _per_item(-1 if start is None else start, n, "logprob_start_len")
     rids = _per_item(body.get("rid") or None, n, "rid")
+    state.adapter.check_lora_path(_per_item(body.get("lora_path"), n, "lora_path"))
     max_len = state.scheduler.max_context_len
     reqs = []
     for i, prompt in enumerate(prompts):
@@ -344,6 +346,7 @@ def build_app(state: EngineState, api_key: str | None = None) -> FastAPI:
         return {"model_path": state.model_path, "tokenizer_path": state.model_path, "version": ENGINE_VERSION,
                 "engine": "hf", "device": state.device, "dtype": state.dtype,
                 "lora_adapter": state.adapter.summary(),  # the merged LoRA adapter, or None (lora.py)
+                "enable_lora": True,  # SGLang's flag: this engine always serves adapters
                 "max_running_requests": sched.max_running_requests, "random_seed": sched.random_seed,
                 "enable_deterministic_inference": sched.deterministic,
                 "weight_version": state.weight_version, "num_running_reqs": running, "num_waiting_reqs": waiting,

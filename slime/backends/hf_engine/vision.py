@@ -1,11 +1,14 @@
 """Images in `/generate` (`image_data`, as SGLang 0.5.16 takes it) for a vision-language model.
 
 `load_processor_for(model_path, model)`: the model's processor when the model has a vision tower, else None.
-`image_inputs(processor, images, text=..., input_ids=...)` turns one prompt and its images into the prompt ids
+`image_inputs(processor, images, markers, text=..., input_ids=...)` turns one prompt and its images into the prompt ids
 the model sees (one `<|image_pad|>`-style token per merged image patch) and the vision tower's inputs
 (`pixel_values`, `image_grid_thw`). A text prompt goes through the processor, which renders each image
 placeholder to its patch count; `input_ids` are taken as already expanded (what slime's rollout sends after its
-own processor call) or, with exactly one placeholder token per image, expanded here.
+own processor call) or, with exactly one placeholder token per image, expanded here. Expanded `input_ids` may hold
+several images anywhere in the sequence (a multi-turn rollout's observation images sit after earlier responses)
+and image tokens the policy sampled: `slime.utils.image_tokens.stray_image_tokens` tells them apart, and the
+sampled ones go to the scheduler as `vision["stray"]` (prefilled as ordinary tokens, as the trainer does).
 `vision_positions(model, ids, mask, image_grid_thw)` gives the multimodal RoPE position ids of a prefill.
 
 SGLang's shapes of `image_data`: for one prompt, an image or a list of images; for a batch of n prompts, a list
@@ -21,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from slime.utils.image_tokens import image_token_counts, stray_image_tokens, token_runs
 from slime.utils.processing_utils import build_processor_kwargs, load_processor, open_image
-
 
 
 def is_vision_model(model) -> bool:
@@ -64,26 +67,28 @@ def _decode(item, i: int):
         raise ValueError(f"image_data[{i}]: not a readable image ({type(e).__name__}: {e})") from None
 
 
-def image_inputs(processor, items: list, *, text: str | None = None, input_ids: list[int] | None = None):
-    """(prompt ids with expanded image tokens, {"pixel_values", "image_grid_thw"}) for one prompt."""
+def image_inputs(processor, items: list, markers: tuple[int, int], *, text: str | None = None,
+                 input_ids: list[int] | None = None):
+    """(prompt ids with expanded image tokens, {"pixel_values", "image_grid_thw", "stray"}) for one prompt;
+    `stray`: positions of image tokens that hold no image (sampled by the policy). `markers`: the model's vision
+    start and end token ids, which bound an image's tokens in expanded `input_ids`."""
     images = [_decode(item, i) for i, item in enumerate(items)]
     pad = processor.image_token_id
     if text is not None:
-        placeholders = _runs(processor.tokenizer(text)["input_ids"], pad)
+        placeholders = token_runs(processor.tokenizer(text)["input_ids"], pad)
         if len(placeholders) != len(images):
             raise ValueError(f"the text has {len(placeholders)} image placeholder(s) ({processor.image_token}) for "
                              f"{len(images)} image(s) in image_data; put one in the prompt per image")
         out = processor(text=text, **build_processor_kwargs({"images": images}))
         ids = list(out["input_ids"][0])
-        return ids, {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+        return ids, {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"], "stray": []}
     out = processor.image_processor(images=images, return_tensors="pt")
     grid = out["image_grid_thw"]
     merge = processor.image_processor.merge_size
-    per_image = [int(g.prod()) // (merge * merge) for g in grid]
-    runs = _runs(input_ids, pad)
-    if runs == per_image:
-        ids = list(input_ids)
-    elif runs == [1] * len(images):
+    per_image = image_token_counts(grid, merge)
+    runs = [n for _, n in token_runs(input_ids, pad)]
+    stray: list[int] = []
+    if runs == [1] * len(images) and runs != per_image:
         ids, k = [], 0
         for t in input_ids:
             if t == pad:
@@ -92,27 +97,23 @@ def image_inputs(processor, items: list, *, text: str | None = None, input_ids: 
             else:
                 ids.append(t)
     else:
-        raise ValueError(f"input_ids hold runs of image tokens (id {pad}) of lengths {runs} for {len(images)} "
-                         f"image(s); send one token per image, or the processor's expansion {per_image}")
-    return ids, {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
+        ids = list(input_ids)
+        try:
+            stray = stray_image_tokens(ids, pad, per_image, *markers)
+        except ValueError as e:
+            raise ValueError(f"input_ids with {len(images)} image(s) in image_data: {e}; or send one image token "
+                             "per image to have them expanded here") from None
+    return ids, {"pixel_values": out["pixel_values"], "image_grid_thw": grid, "stray": stray}
 
 
-def _runs(ids: list[int], token: int) -> list[int]:
-    """Lengths of the runs of consecutive `token` in `ids`."""
-    runs, previous = [], None
-    for t in ids:
-        if t == token:
-            if previous == token:
-                runs[-1] += 1
-            else:
-                runs.append(1)
-        previous = t
-    return runs
+def vision_markers(model) -> tuple[int, int]:
+    """The model's vision start and end token ids (they bound each image's run of image tokens)."""
+    return model.config.vision_start_token_id, model.config.vision_end_token_id
 
 
 def vision_positions(model, ids: torch.Tensor, mask: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
     """Multimodal RoPE position ids [3, B, L] of a left-padded prefill (image tokens by temporal/row/column, text
-    after an image continuing from its largest position)."""
+    after an image continuing from its largest position). `ids` hold a stand-in id at sampled image tokens."""
     image_token = model.config.image_token_id
     return model.model.get_rope_index(ids, mm_token_type_ids=(ids == image_token).int(),
                                       image_grid_thw=image_grid_thw, attention_mask=mask)[0]

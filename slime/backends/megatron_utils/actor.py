@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.megatron_utils import args as mg_args
-from slime.backends.fsdp_utils.lora import ADAPTER_DIR
 from slime.backends.megatron_utils import checkpoint, config_check, lora, lora_weights, plugins, weights
 from slime.backends.megatron_utils.forward import response_log_probs, run_pipeline
 from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel, unwrap
@@ -48,9 +47,10 @@ from slime.backends.training.batching import (
 )
 from slime.backends.training.policy import PolicyTrainer
 from slime.backends.training.record import RolloutRecord
+from slime.utils.lora_adapter import ADAPTER_DIR, is_adapter_name
 from slime.utils.types import TrainBatch
 from slime.weight_sync import push as weight_push
-from slime.weight_sync.adapter import is_adapter_name, push_adapter
+from slime.weight_sync.adapter import push_adapter
 
 logger = logging.getLogger(__name__)
 

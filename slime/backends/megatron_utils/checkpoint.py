@@ -23,7 +23,7 @@ import torch.distributed as dist
 from slime.backends.megatron_utils.model import unwrap
 from slime.utils import checkpoint_layout as layout
 from slime.utils.checkpoint_layout import LATEST_FILE, RELEASE, is_torch_dist_dir, iteration_dir
-from slime.weight_sync.adapter import is_adapter_name
+from slime.utils.lora_adapter import is_adapter_name
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slime.backends.fsdp_utils.lora import ALL_LINEAR, module_names
+from slime.utils.lora_adapter import ALL_LINEAR, module_names
 
 # Megatron linear -> the HF modules it computes (in HF order)
 HF_MODULES = {

@@ -18,14 +18,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from slime.backends.fsdp_utils.lora import ADAPTER_DIR, write_adapter_folder
-from slime.backends.fsdp_utils.lora import adapter_config as peft_config
 from slime.backends.megatron_utils import weights
 from slime.backends.megatron_utils.converters import ConverterConfig, converter_for_hf_config
 from slime.backends.megatron_utils.converters import tp as tp_layout
 from slime.backends.megatron_utils.lora import hf_target_names
 from slime.backends.training import hf_save
-from slime.weight_sync.adapter import PEFT_PREFIX
+from slime.utils.lora_adapter import ADAPTER_DIR, PEFT_PREFIX, write_adapter_folder
+from slime.utils.lora_adapter import adapter_config as peft_config
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 

@@ -30,7 +30,7 @@ from slime.backends.megatron_utils.converters import tp as tp_layout
 from slime.backends.megatron_utils.model import uses_te, unwrap
 from slime.backends.megatron_utils.sandwich_norm import HF_STYLE_NAMES
 from slime.backends.training import hf_save
-from slime.weight_sync.adapter import is_adapter_name
+from slime.utils.lora_adapter import is_adapter_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")

@@ -13,11 +13,18 @@ engine, or per node of a multi-node engine. It computes the server's arguments f
 | `enable_memory_saver` | `--offload-rollout` (on with `--colocate`: the engines release their memory to the trainer) |
 | `skip_server_warmup`, `trust_remote_code` | always on |
 | `api_key` | `--engine-api-key` (when set; shown as `--api-key ***` in the engine's log) |
+| `enable_lora`, `max_lora_rank`, `lora_target_modules` | `--lora-rank` > 0: on, the rank, `--target-modules` (`all` for all-linear) |
 | `dist_init_addr`, `nnodes`, `node_rank` | engines wider than `--num-gpus-per-node`: one actor per node |
 | anything else | every `--sglang-<flag>` (resolved and checked against the installed SGLang's flags) |
 
 and waits for `GET /health_generate` (a real one-token generation), quoting the tail of the server's log
 if it exits first. Control calls (weights, memory, pause, abort) are the base class's HTTP calls.
+
+LoRA pushes: SGLang refuses to load an adapter under a name it holds, and `/load_lora_adapter_from_tensors` takes
+no weight version, so a push unloads the adapter this engine loaded last, loads the new one and then restamps the
+version (`/update_weight_version`, without aborting requests). The rollout's requests name the adapter in
+`lora_path`; between the unload and the load a request naming it would fail, so pushes run while the rollout is
+not generating (the training loops pause it around every push).
 
 The server's environment gets slime's defaults (`SERVER_ENV_DEFAULTS`: /health answers without generating, no TP
 memory-imbalance check, ...) unless they are set already.
@@ -54,6 +61,7 @@ from slime.backends.sglang_utils.arguments import (
     server_fields,
     sglang_cli_args,
 )
+from slime.utils.lora_adapter import engine_target_modules
 from slime.utils.net import free_port
 from slime.utils.placement import engine_nnodes
 
@@ -115,6 +123,7 @@ class SGLangEngine(ServerEngine):
         self._dist_init_addr = dist_init_addr
         self.nccl_port: int | None = None
         self.gpu_ids = ray_gpu_ids()
+        self.loaded_adapter: str | None = None  # the adapter name this engine's last push loaded
 
     # ---- multi-node ----
     def get_dist_init_addr(self) -> str:
@@ -166,6 +175,12 @@ class SGLangEngine(ServerEngine):
             "skip_server_warmup": True,
             "trust_remote_code": True,
         }
+        if args.lora_rank > 0:  # adapters are loaded after start: SGLang needs the largest rank and the modules
+            values.update(enable_lora=True, max_lora_rank=args.lora_rank,
+                          lora_target_modules=engine_target_modules(args.target_modules, args.exclude_modules))
+            if self.rank == 0:
+                logger.warning("LoRA on SGLang engines follows SGLang 0.5.16's API and is checked on CPU only: it has "
+                               "not yet run against a real SGLang server (docs/lora.md, GPU acceptance row 21)")
         if args.engine_api_key:  # SGLang takes it on its command line only; the engine's log shows `--api-key ***`
             values["api_key"] = args.engine_api_key
         if self.nnodes > 1:
@@ -219,6 +234,19 @@ class SGLangEngine(ServerEngine):
         if self.node_rank != 0:
             return None  # node rank 0's server applies control calls to every node of the engine
         return super()._call(method, path, json, timeout)
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict, serialized_tensors: str,
+                                       weight_version: str | None = None) -> dict:
+        """A push of the trainer's adapter: unload the one loaded last under this name, load the new one, restamp."""
+        if self.loaded_adapter == lora_name:
+            self.unload_lora_adapter(lora_name)
+            self.loaded_adapter = None
+        out = super().load_lora_adapter_from_tensors(lora_name, config_dict, serialized_tensors, weight_version)
+        self.loaded_adapter = lora_name
+        if weight_version is not None:
+            self._call("POST", "/update_weight_version", {"new_version": str(weight_version),
+                                                          "abort_all_requests": False})
+        return out
 
     def health_generate(self, timeout: float) -> bool:
         if self.node_rank != 0:

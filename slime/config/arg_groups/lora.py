@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import logging
 
-from slime.backends.fsdp_utils.lora import ALL_LINEAR, module_names
 from slime.backends.megatron_utils.lora import megatron_targets
 from slime.config.arg_groups._common import fail
 from slime.utils.backend_specs import ENGINE_SPECS, TRAIN_BACKEND_SPECS, engine_spec, train_spec
+from slime.utils.lora_adapter import ALL_LINEAR, module_names
 
 logger = logging.getLogger(__name__)
 

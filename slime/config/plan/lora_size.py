@@ -9,9 +9,9 @@ MLA projections and MoE experts (which Megatron LoRA refuses) are not.
 
 from __future__ import annotations
 
-from slime.backends.fsdp_utils.lora import ALL_LINEAR, module_names
 from slime.backends.megatron_utils.lora import HF_MODULES, megatron_targets
 from slime.config.plan.model_size import ModelShape
+from slime.utils.lora_adapter import ALL_LINEAR, module_names
 
 
 def hf_linear_shapes(s: ModelShape) -> dict[str, tuple[int, int]]:
