@@ -110,7 +110,7 @@ def test_converter_loads_both_spellings_and_exports_the_hub_names(language_prefi
     assert all(torch.equal(exported[k], hub[k]) for k in hub)
 
 
-def test_packed_micro_batch_inputs_restart_per_sequence_and_leave_response_image_tokens_as_text():
+def test_packed_micro_batch_inputs_restart_per_sequence_and_leave_sampled_image_tokens_as_text():
     from slime.backends.megatron_utils.vision_language import VisionSpec, micro_batch_inputs
     from slime.backends.training.batching import make_micro_batch, make_packed_micro_batch
 
@@ -118,7 +118,7 @@ def test_packed_micro_batch_inputs_restart_per_sequence_and_leave_response_image
     second = [1, 2, 5]
     grid = torch.tensor([[1, 4, 4]])
     per_row = [{"pixel_values": torch.zeros(16, 6), "image_grid_thw": grid}, None]
-    spec = VisionSpec("qwen2_5_vl", None, IMAGE, 2)
+    spec = VisionSpec("qwen2_5_vl", None, IMAGE, 2, 7, 8)
     packed = micro_batch_inputs(make_packed_micro_batch([first, second], [2, 1], multiple=4), per_row, [0, 1], spec)
     alone = mrope_position_ids(torch.tensor([first[:-1]]), grid, torch.tensor([first[:-1]]) == IMAGE, 2)[:, 0]
     positions = packed["position_ids"][:, 0]
@@ -131,3 +131,21 @@ def test_packed_micro_batch_inputs_restart_per_sequence_and_leave_response_image
     assert padded["position_ids"].shape == (3, 2, len(first)) and int(padded["image_mask"][1].sum()) == 4
     text_only = micro_batch_inputs(make_micro_batch([second], [1]), [None], [0], spec)
     assert set(text_only) == {"position_ids"} and text_only["position_ids"][:, 0].tolist() == [[0, 1, 2]] * 3
+
+
+def test_an_observation_image_in_the_response_takes_features():
+    """A multi-turn rollout's observation image (a marked run in the response region) holds its image, as the
+    engine and the fsdp trainer place it (slime.utils.image_tokens)."""
+    from slime.backends.megatron_utils.vision_language import VisionSpec, micro_batch_inputs
+    from slime.backends.training.batching import make_micro_batch
+
+    row = [1, *_image((1, 4, 4)), 3, *_image((1, 2, 2)), 5, IMAGE]  # response: from the 3; the last token sampled
+    grids = torch.tensor([[1, 4, 4], [1, 2, 2]])
+    per_row = [{"pixel_values": torch.zeros(20, 6), "image_grid_thw": grids}]
+    spec = VisionSpec("qwen2_5_vl", None, IMAGE, 2, 7, 8)
+    out = micro_batch_inputs(make_micro_batch([row], [7]), per_row, [0], spec)
+    assert out["image_mask"][0].tolist() == [t == IMAGE for t in row[:-1]] + [False]
+    with pytest.raises(ValueError, match="micro-batch sequence 0"):  # an image whose run is not there
+        wrong = torch.tensor([[1, 4, 4], [1, 4, 4]])
+        micro_batch_inputs(make_micro_batch([row], [7]), [{"pixel_values": torch.zeros(32, 6),
+                                                          "image_grid_thw": wrong}], [0], spec)

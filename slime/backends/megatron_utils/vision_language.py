@@ -27,6 +27,7 @@ import torch
 
 from slime.backends.training.batching import MicroBatch
 from slime.utils.errors import SlimeArgumentError
+from slime.utils.image_tokens import image_token_counts, stray_image_tokens
 
 
 def _qwen2_5_vl_tower():
@@ -47,6 +48,8 @@ class VisionSpec:
     vision_config: object  # transformers' config of the tower
     image_token_id: int
     spatial_merge_size: int
+    vision_start_token_id: int
+    vision_end_token_id: int
 
 
 def vision_spec(args: argparse.Namespace) -> VisionSpec | None:
@@ -74,8 +77,8 @@ def vision_spec(args: argparse.Namespace) -> VisionSpec | None:
             "sequence's embeddings, which --sequence-parallel / --context-parallel-size > 1 split across ranks "
             "first; drop those flags"
         )
-    return VisionSpec(model_type, config.vision_config, config.image_token_id,
-                      config.vision_config.spatial_merge_size)
+    return VisionSpec(model_type, config.vision_config, config.image_token_id, config.vision_config.spatial_merge_size,
+                      config.vision_start_token_id, config.vision_end_token_id)
 
 
 def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, image_mask: torch.Tensor,
@@ -129,31 +132,41 @@ def _segment_positions(out: torch.Tensor, flags: torch.Tensor, start: int, end: 
     return used
 
 
-def prompt_image_mask(mb: MicroBatch, image_token_id: int) -> torch.Tensor:
-    """[B, L] True at the image tokens of the prompts: the tokens that take image features. An image token the
-    policy sampled in its response is an ordinary token (its own embedding, a text position), as the engine fed it
-    back while generating."""
+def image_placeholder_mask(mb: MicroBatch, row_grids: list[torch.Tensor | None], vision: VisionSpec) -> torch.Tensor:
+    """[B, L] True at the image tokens that take image features: each sequence's runs of its own images
+    (`row_grids[k]`, None: no images), by the rule the engine and the fsdp trainer share
+    (`slime.utils.image_tokens`): the prompt's images and a multi-turn rollout's observation images in the response
+    hold their runs; an image token the policy sampled is an ordinary token (its own embedding, a text position), as
+    the engine fed it back."""
     ids = mb.input_ids
-    positions = torch.arange(ids.shape[1], device=ids.device)
-    starts = torch.as_tensor(mb.response_starts, device=ids.device)
-    if mb.cu_seqlens is None:
-        prompt = positions.unsqueeze(0) < starts.unsqueeze(1)
-    else:  # packed: a token is in sequence k when cu[k] <= p < cu[k + 1]; a trailing pad sequence has no prompt
-        cu = torch.as_tensor(mb.cu_seqlens, device=ids.device)
-        sequence = torch.bucketize(positions, cu[1:], right=True)
-        ends = torch.cat([starts, torch.zeros(1, dtype=starts.dtype, device=ids.device)])
-        prompt = (positions < ends[sequence.clamp(max=len(starts))]).unsqueeze(0)
-    return (ids == image_token_id) & prompt
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    ends = [s + n for s, n in zip(mb.response_starts, mb.response_lengths)]
+    spans = ([(k, 0, end) for k, end in enumerate(ends)] if mb.cu_seqlens is None
+             else [(0, start, end) for start, end in zip(mb.cu_seqlens, ends)])
+    for k, ((row, start, end), grid) in enumerate(zip(spans, row_grids)):
+        tokens = ids[row, start:end].tolist()
+        counts = [] if grid is None else image_token_counts(grid, vision.spatial_merge_size)
+        try:
+            stray = set(stray_image_tokens(tokens, vision.image_token_id, counts, vision.vision_start_token_id,
+                                           vision.vision_end_token_id))
+        except ValueError as e:
+            raise ValueError(f"micro-batch sequence {k}: {e} (Sample.multimodal_train_inputs must hold the images "
+                             "of every image run of Sample.tokens, in order)") from None
+        places = [start + p for p, t in enumerate(tokens) if t == vision.image_token_id and p not in stray]
+        mask[row, places] = True
+    return mask
 
 
 def micro_batch_inputs(mb: MicroBatch, per_row: list[dict | None] | None, rows: list[int],
                        vision: VisionSpec) -> dict:
     """The forward's inputs of a micro-batch for the vision-language model besides its token ids: 3-D
     `position_ids`, and with images their `pixel_values` / `image_grid_thw` (the rows' `multimodal_train_inputs`,
-    concatenated in row order) and the `image_mask` of the tokens that take their features."""
-    found = [per_row[r] for r in rows if per_row is not None and per_row[r] is not None]
+    concatenated in row order) and the `image_mask` of the tokens that take their features
+    (`image_placeholder_mask`)."""
+    chosen = [per_row[r] if per_row is not None else None for r in rows]
+    found = [x for x in chosen if x is not None]
     grids = torch.cat([x["image_grid_thw"] for x in found]) if found else None
-    mask = prompt_image_mask(mb, vision.image_token_id)
+    mask = image_placeholder_mask(mb, [None if x is None else x["image_grid_thw"] for x in chosen], vision)
     out = {"position_ids": mrope_position_ids(mb.input_ids, grids, mask, vision.spatial_merge_size, mb.cu_seqlens)}
     if found:
         device = mb.input_ids.device
