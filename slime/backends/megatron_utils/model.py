@@ -29,6 +29,7 @@ from slime.backends.megatron_utils import lora, packed_rope, plugins
 from slime.backends.megatron_utils.sandwich_norm import add_sandwich_norms
 from slime.backends.megatron_utils.sdpa_attention import with_sdpa_attention
 from slime.backends.megatron_utils.vision_language import VisionSpec, vision_spec
+from slime.backends.megatron_utils.vision_language_model import vision_language_model_class
 from slime.backends.training import freeze
 from slime.utils.errors import SlimeArgumentError
 from slime.utils.hooks import hooks_of
@@ -180,10 +181,8 @@ def _build_chunk(args: argparse.Namespace, config, provider, spec, vp_stage: int
     if provider is not None:
         return plugins.call_model_provider(provider, pre, post, vp_stage, config)
     if vision is not None:
-        from slime.backends.megatron_utils.vision_language_model import VisionLanguageModel
-
-        return VisionLanguageModel(config, layer_spec, vision, pre_process=pre, post_process=post,
-                                   vp_stage=vp_stage, **mg_args.gpt_model_kwargs(args))
+        return vision_language_model_class()(config, layer_spec, vision, pre_process=pre, post_process=post,
+                                             vp_stage=vp_stage, **mg_args.gpt_model_kwargs(args))
     return GPTModel(config, layer_spec, pre_process=pre, post_process=post, vp_stage=vp_stage,
                     **mg_args.gpt_model_kwargs(args))
 
