@@ -38,6 +38,7 @@ from slime.utils.engine_logs import advice, exit_description, failure_kind, tell
 from slime.utils.http_utils import bearer_headers
 from slime.utils.net import free_port, node_ip
 from slime.utils.processes import shown_command, spawn, stop_process_group
+from slime.weight_sync.delta import apply_push
 
 _STARTUP_RETRIES = 3  # a freshly picked free port can be taken by someone else before the server binds it
 _REPORT_READ_BYTES = 256 * 1024  # log read for the telling line: an OOM traceback can be followed by much more
@@ -335,10 +336,6 @@ class ServerEngine:
         decoded; every tensor's checksum checked before any file is replaced: slime/weight_sync/delta.py
         `apply_push`), then load `local_dir` (`update_weights_from_disk`; SGLang itself is not changed).
         A failed check raises before anything changed here or in the server."""
-        # Imported on the first delta push, not with this module: it imports torch (~1.5 s of CPU), which an engine
-        # actor otherwise never needs, and every engine's server is launched only once this module is imported.
-        from slime.weight_sync.delta import apply_push
-
         applied = apply_push(push_dir, local_dir)
         self.update_weights_from_disk(local_dir, weight_version)
         return applied
