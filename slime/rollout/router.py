@@ -168,7 +168,8 @@ class RouterClient:
 
 
 class RouterProcess(RouterClient):
-    """Owns one `python -m sglang_router.launch_router` process.
+    """Owns one router process: `python -m slime.rollout.launch_sglang_router`, which takes the flags of
+    `python -m sglang_router.launch_router` and starts the same Rust router without importing SGLang.
 
     The process runs in its own session (so `stop()` can signal its whole group) with PR_SET_PDEATHSIG
     (so it dies with its parent even when the parent is SIGKILLed); its output goes to
@@ -213,7 +214,7 @@ class RouterProcess(RouterClient):
             extra["prometheus_host"] = extra.get("prometheus_host", self.host)
             extra["prometheus_port"] = self._prometheus_port
         return [
-            sys.executable, "-m", "sglang_router.launch_router",
+            sys.executable, "-m", "slime.rollout.launch_sglang_router",
             "--host", self.host, "--port", str(self.port), "--policy", self.policy,
             *router_cli_args(extra),
             *(["--api-key", self.api_key] if self.api_key else []),

@@ -34,10 +34,14 @@ import shutil
 import uuid
 import zlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import load_file, save_file
+if TYPE_CHECKING:
+    import torch
+
+# torch (and safetensors' torch loader) are imported by the functions that use them: every engine actor imports
+# this module (ServerEngine.apply_weight_delta) and would otherwise spend ~1.5 s of CPU importing torch, which it
+# needs only for a delta push, before it can launch its server.
 
 MANIFEST = "weight_delta.json"
 STATE = "slime_weight_state.json"
@@ -76,15 +80,21 @@ def _import_hash(package: str, algorithm: str):
 # ---- encodings -------------------------------------------------------------------------------------------------
 def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     """A CPU copy of `t`'s bytes as a flat uint8 tensor (any dtype, any shape, 0-dim included)."""
+    import torch
+
     return t.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8)
 
 
 def _position_dtype(nbytes: int) -> torch.dtype:
+    import torch
+
     return torch.int32 if nbytes < 2**31 else torch.int64
 
 
 def encode(new: torch.Tensor, old: torch.Tensor, encoding: str) -> torch.Tensor | None:
     """The encoded change from `old` to `new` (flat uint8, equal lengths), or None when the bytes are equal."""
+    import torch
+
     if new.numel() != old.numel():
         raise WeightDeltaError(f"encode: {new.numel()} bytes against a base of {old.numel()}")
     if torch.equal(new, old):
@@ -99,6 +109,8 @@ def encode(new: torch.Tensor, old: torch.Tensor, encoding: str) -> torch.Tensor 
 
 def decode(encoded: torch.Tensor, old: torch.Tensor, encoding: str) -> torch.Tensor:
     """The new bytes from `old` and `encode(new, old, encoding)`."""
+    import torch
+
     if encoding == "xor":
         if encoded.numel() != old.numel():
             raise WeightDeltaError(f"xor delta of {encoded.numel()} bytes against a base of {old.numel()}")
@@ -141,6 +153,8 @@ class Snapshot:
 
     def record(self, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
         """A full push of CPU `tensors`: they become the base. Returns their manifest entries."""
+        import torch
+
         entries = {}
         for name, t in tensors.items():
             raw = t.contiguous().reshape(-1).view(torch.uint8)
@@ -245,6 +259,9 @@ def _mismatch(m: dict, name: str, expected: str, got: str) -> WeightDeltaError:
 
 def _stage_full(push_dir: str, local_dir: str, m: dict) -> dict[str, str]:
     """Copy the push's files to temporary names in `local_dir`, checking every tensor; returns final -> temp."""
+    import torch
+    from safetensors.torch import load_file
+
     checksum = checksum_fn(m["checksum"])
     tag = _TMP + m["push_id"][:8]
     staged: dict[str, str] = {}
@@ -272,6 +289,9 @@ def _stage_full(push_dir: str, local_dir: str, m: dict) -> dict[str, str]:
 def _stage_delta(push_dir: str, local_dir: str, m: dict) -> dict[str, str]:
     """Decode the changed tensors against the local shards, write each touched shard to a temporary name and
     check every changed tensor's checksum; returns final -> temp."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
     checksum = checksum_fn(m["checksum"])
     tag = _TMP + m["push_id"][:8]
     with open(os.path.join(local_dir, INDEX)) as f:

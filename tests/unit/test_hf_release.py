@@ -174,7 +174,7 @@ def test_hf_engine_launch_flags(monkeypatch):
 
     def command(*flags):
         args = make_args(*flags, validate=False, hf_checkpoint="/models/tiny", rollout_seed=0,
-                         sglang_server_concurrency=8)
+                         sglang_server_concurrency=8, use_cuda=torch.cuda.is_available())  # as validation sets it
         return HFEngine(args, rank=0).launch_command("127.0.0.1", 1)
 
     monkeypatch.delenv("SLIME_ENGINE_RELEASE_MEMORY_ON_CPU", raising=False)

@@ -5,7 +5,7 @@ without a `sampling_seed`, as SGLang's `--random-seed`), `--sglang-server-concur
 `--sglang-disable-cuda-graph` (decode steps run eagerly), `--sglang-disable-radix-cache` (no prompt shared between
 requests: each prefilled itself), `--sglang-enable-deterministic-inference` (batch-invariant: one request at a
 time, each alone), `--sglang-enable-weights-cpu-backup` (released weights are kept in host memory instead of freed).
-Device is CUDA when visible, else CPU; dtype is float32 on CPU (so engine and trainer log-probs agree to ~1e-5) and
+Device is CUDA when the run has it (`args.use_cuda`: the manager then gives the engine a GPU), else CPU; dtype is float32 on CPU (so engine and trainer log-probs agree to ~1e-5) and
 bfloat16 on CUDA. Torch threads per server: env `SLIME_ENGINE_NUM_THREADS` (default 1, so several
 engines and a trainer can share a small CPU machine). Env `SLIME_ENGINE_RELEASE_MEMORY_ON_CPU=1` starts CPU servers
 with `--release-memory-on-cpu` (a release frees the weights as on CUDA; for tests of that path without a GPU).
@@ -61,12 +61,12 @@ class HFEngine(ServerEngine):
     name = "hf-engine"
 
     def launch_command(self, host: str, port: int) -> list[str]:
-        import torch
-
         checkpoint = self.args.hf_checkpoint
         if not checkpoint:
             raise ValueError("--hf-checkpoint is required for the hf rollout engine (an HF model folder)")
-        cuda = torch.cuda.is_available()
+        # The rollout manager gives engines GPUs exactly when args.use_cuda; asking torch here instead would import
+        # it (~1.5 s of CPU) in an actor that needs it for nothing else, before its server can start.
+        cuda = bool(self.args.use_cuda)
         sglang_args = self.args.sglang_args
         seed = self.args.seed + self.rank  # as SGLang's --random-seed: for requests sent without a sampling_seed
         return [sys.executable, "-m", "slime.backends.hf_engine",
