@@ -67,9 +67,10 @@ class Run:
                 self._reaper = process_reaper.watch(process_reaper.ray_node_processes())
             placements = create_placement_groups(self.args)
             # The engines and the router start inside the manager's constructor; the training processes start
-            # meanwhile, and `Run` returns without waiting for the manager, so the trainers build their models
-            # while the engines load theirs (the caller asks for the engines after `init_training`). The
-            # manager's first call waits for its constructor and raises its start-up error, with its message.
+            # meanwhile, and `Run` returns without waiting for the manager (unless colocated, below), so the
+            # trainers build their models while the engines load theirs (the caller asks for the engines after
+            # `init_training`). The manager's first call waits for its constructor and raises its start-up error,
+            # with its message.
             self.rollout_manager = create_rollout_manager(self.args, placements["rollout"])
             use_critic = bool(self.args.use_critic)
             # With a critic (or colocated engines) several processes share each GPU bundle.
@@ -79,6 +80,10 @@ class Run:
             if use_critic:
                 self.critic = RayTrainGroup(role_args(self.args, "critic"), placements["actor"], role="critic",
                                             num_gpus_per_actor=0.2)
+            if self.args.colocate:
+                # Engines on the trainers' GPUs size their memory pools from what is free when they start (SGLang's
+                # static pool): the trainers build only once they are up (and, with the handoff, have released it).
+                ray.get(self.rollout_manager.get_router_url.remote())
             if self.args.check_weight_update_equal:
                 start_weight_check(self)
         except BaseException:
