@@ -38,8 +38,6 @@ class TrainBackendSpec:
     expects_cuda: bool
     # Trains LoRA adapters on a frozen base (--lora-rank > 0; docs/lora.md).
     trains_lora: bool = False
-    # Trains vision-language models on rows with images (--multimodal-keys: the vision tower in the forward).
-    takes_images: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,7 +77,7 @@ TRAIN_BACKEND_SPECS: dict[str, TrainBackendSpec] = {
     "fsdp": TrainBackendSpec(
         name="fsdp", model_from_megatron_flags=False, megatron_parallelism=False, checkpoint_format="hf",
         has_critic=True, memory_model="fsdp", bf16_by_default_on_gpu=False, expects_cuda=False,
-        trains_lora=True, takes_images=True,
+        trains_lora=True,
     ),
 }  # fmt: skip
 

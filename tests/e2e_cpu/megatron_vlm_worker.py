@@ -12,7 +12,9 @@ With --actor it drives `MegatronTrainRayActor` instead (no Ray) on the same rows
 --response-tokens of each row its response, `multimodal_train_inputs` its images), micro-batches of 2 rows
 (--qkv-format given by --extra), and rank 0 writes <out>/result.json: the response log-probs of
 `log_probs_of_rows`, then the metrics of one training step (rewards 1, 0, 0, ...) and the largest change of a
-vision-tower and of a language-model weight.
+vision-tower and of a language-model weight. With --engine (one rank) it then starts an `hf` engine on the
+checkpoint, pushes the trained weights into it (by broadcast over gloo) and adds the names pushed and the engine's
+response log-probs of the rows (images as image_data) before and after the push, and the trainer's after the step.
 transformers' logits are computed by the test in its own process (not under the shim).
 """
 
@@ -41,6 +43,7 @@ def main() -> None:
     p.add_argument("--actor", action="store_true")
     p.add_argument("--response-tokens", type=int, default=3)
     p.add_argument("--extra", default="", help="more slime flags, space-separated")
+    p.add_argument("--engine", action="store_true", help="with --actor: push the trained weights into an hf engine")
     cli = p.parse_args()
     if cli.actor:
         run_actor(cli)
@@ -103,6 +106,7 @@ def main() -> None:
 
 
 def run_actor(cli) -> None:
+    from slime.backends.megatron_utils import weights
     from slime.backends.megatron_utils.actor import MegatronTrainRayActor
     from slime.backends.megatron_utils.model import unwrap
     from slime.config.arguments import parse_args
@@ -124,6 +128,7 @@ def run_actor(cli) -> None:
                                                 if row["pixel_values"] is not None else None for row in rows])
     actor = MegatronTrainRayActor(cli.world_size, cli.rank, "127.0.0.1", cli.port)
     result: dict = {}
+    engine = None
     try:
         actor.init(args, "actor", with_ref=False)
         lp = actor.log_probs_of_rows(actor.model, batch, actor.plan(batch.tokens, list(range(n)), log_probs=True))
@@ -137,9 +142,47 @@ def run_actor(cli) -> None:
         # the tower lives on the first pipeline stage (rank 0, which reports)
         result["vision_change"] = max((v for k, v in changed.items() if k.startswith("visual.")), default=0.0)
         result["language_change"] = max(v for k, v in changed.items() if not k.startswith("visual."))
+        if cli.engine:
+            engine = start_engine(cli.model)
+            result["engine_lp_before_push"] = engine_log_probs(engine, rows, r)
+            result["pushed_names"] = [name for name, _ in weights.iter_hf_weights(actor.model, args, actor.hf_config)]
+            result["pushed_visual"] = sum(n.startswith("visual.") for n in result["pushed_names"])
+            result["pushed_language"] = len(result["pushed_names"]) - result["pushed_visual"]
+            actor.update_weights([engine], weight_version=1)
+            result["engine_lp_after_push"] = engine_log_probs(engine, rows, r)
+            result["engine_weight_version"] = engine.get_weight_version()
+            lp = actor.log_probs_of_rows(actor.model, batch, actor.plan(batch.tokens, list(range(n)), log_probs=True))
+            result["lp_after"] = [lp[i].float().cpu().tolist() for i in range(n)]
         write_result(cli, result)
     finally:
-        actor.shutdown()
+        try:
+            actor.shutdown()  # first: it dissolves the weight broadcast group with the engine
+        finally:
+            if engine is not None:
+                engine.shutdown()
+
+
+def start_engine(model: str):
+    from slime.backends.hf_engine.engine import HFEngine
+    from tests.args import make_args as validated_args
+
+    engine = HFEngine(validated_args(hf_checkpoint=model, rollout_seed=0, sglang_server_concurrency=8), 0)
+    engine.init()
+    return engine
+
+
+def engine_log_probs(engine, rows: list[dict], response: int) -> list[list[float]]:
+    """The engine's log-probs of each row's last `response` tokens, its images sent as image_data."""
+    import httpx
+
+    out = []
+    for row in rows:
+        ids = row["ids"].tolist()
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                "logprob_start_len": 0, **({"image_data": row["image_data"]} if row["image_data"] else {})}
+        meta = httpx.post(engine.get_url() + "/generate", json=body, timeout=60).json()["meta_info"]
+        out.append([e[0] for e in meta["input_token_logprobs"][len(ids) - response:]])
+    return out
 
 
 if __name__ == "__main__":

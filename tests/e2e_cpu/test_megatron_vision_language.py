@@ -28,7 +28,7 @@ TOLERANCE = 1e-5
 
 
 def _row(processor, content: list, response: str) -> dict:
-    from slime.utils.processing_utils import build_processor_kwargs
+    from slime.utils.processing_utils import build_processor_kwargs, encode_image_for_rollout_engine
 
     images = [part["image"] for part in content if part["type"] == "image"]
     messages = [{"role": "user", "content": content}]
@@ -36,7 +36,8 @@ def _row(processor, content: list, response: str) -> dict:
     out = processor(text=text, **build_processor_kwargs({"images": images} if images else {}))
     ids = out["input_ids"][0] + processor.tokenizer.encode(response, add_special_tokens=False)
     return {"ids": torch.tensor(ids), "pixel_values": out.get("pixel_values") if images else None,
-            "image_grid_thw": out.get("image_grid_thw") if images else None}
+            "image_grid_thw": out.get("image_grid_thw") if images else None,
+            "image_data": [encode_image_for_rollout_engine(image) for image in images]}
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +142,11 @@ def actor_runs(vlm_rows, compared, tmp_path_factory):
     runs = {}
     # packed micro-batches (the default --qkv-format thd) on one rank; right-padded ones at TP2; packed at PP2 (the
     # tower on the first stage, the 3-D positions on both)
-    for name, world, extra in [("thd", 1, []), ("bshd_tp2", 2, ["--tp", "2", "--extra=--qkv-format bshd"]),
+    # thd and frozen_tower also push the trained weights into an `hf` engine (by broadcast over gloo)
+    for name, world, extra in [("thd", 1, ["--engine"]),
+                               ("bshd_tp2", 2, ["--tp", "2", "--extra=--qkv-format bshd"]),
                                ("thd_pp2", 2, ["--extra=--pipeline-model-parallel-size 2"]),
-                               ("frozen_tower", 1, ["--extra=--freeze-params-name-list ^visual\\."])]:
+                               ("frozen_tower", 1, ["--engine", "--extra=--freeze-params-name-list ^visual\\."])]:
         out = tmp_path_factory.mktemp(f"actor_{name}")
         torch.save(rows, out / "rows.pt")
         runs[name] = run_ranks(WORKER, world, str(out), ["--model", model_dir, "--actor",
@@ -179,3 +182,23 @@ def test_a_training_step_is_the_same_at_tp2_and_pp2(actor_runs, layout):
     one, two = actor_runs["thd"]["metrics"], actor_runs[layout]["metrics"]
     for name in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm"):
         assert two[name] == pytest.approx(one[name], rel=1e-5, abs=1e-6), name
+
+
+@pytest.mark.parametrize("layout", ["thd", "frozen_tower"])
+def test_weight_push_reaches_the_hf_engine_by_checkpoint_names(actor_runs, layout):
+    """The push sends the Hub's spelling (`model.layers.*`, `visual.*`, `lm_head.*`), which the engine renames as
+    transformers does on load; after it the engine's log-probs of the rows (images sent as image_data) equal the
+    trainer's. Before the push they do not (the step moved the weights), so the parity needs the pushed weights.
+    The vision tower is pushed whether it trains or not, as slime's push sends every parameter."""
+    run = actor_runs[layout]
+    assert run["engine_weight_version"] == "1"
+    assert run["pushed_visual"] > 0 and run["pushed_language"] > 0, run
+    assert all(n.startswith(("model.layers.", "model.embed_tokens.", "model.norm.", "visual.", "lm_head."))
+               for n in run["pushed_names"]), run["pushed_names"]
+    after = [max(abs(a - b) for a, b in zip(e, t)) for e, t in zip(run["engine_lp_after_push"], run["lp_after"])]
+    before = [max(abs(a - b) for a, b in zip(e, t)) for e, t in zip(run["engine_lp_before_push"], run["lp_after"])]
+    assert max(after) <= TOLERANCE, after
+    assert max(before) > 1e-3, before
+    # thd trains the tower (the step moved it, so the image rows' parity needs the pushed tower); frozen_tower not
+    assert (run["vision_change"] > 0) == (layout == "thd"), run["vision_change"]
+

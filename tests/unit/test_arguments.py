@@ -518,8 +518,14 @@ def test_rm_type_check_logic(monkeypatch):
 @pytest.mark.parametrize("extra, message", [
     (["--use-routing-replay"], "--use-routing-replay: not supported here: MoE routing replay"),
     (["--enable-mtp-training"], "--enable-mtp-training: not supported here: multi-token-prediction layers"),
-    (["--multimodal-keys", '{"image": "img"}', "--train-backend", "megatron"],
-     "--multimodal-keys {\"image\": \"img\"}: not supported here yet: --train-backend megatron trains on text only"),
+    (["--multimodal-keys", '{"image": "img"}', "--train-backend", "megatron", "--rollout-backend", "sglang"],
+     "--multimodal-keys {\"image\": \"img\"}: not supported here yet: the sglang engines are not sent the images"),
+    (["--multimodal-keys", '{"image": "i"}', "--train-backend", "megatron", "--rollout-backend", "hf",
+      "--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"],
+     "--sequence-parallel / --context-parallel-size > 1 split across ranks first"),
+    (["--multimodal-keys", '{"image": "i"}', "--train-backend", "megatron", "--rollout-backend", "hf",
+      "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "--sequence-parallel / --context-parallel-size > 1 split across ranks first"),
     (["--multimodal-keys", '{"image": "img"}', "--train-backend", "fsdp", "--rollout-backend", "sglang"],
      "--multimodal-keys {\"image\": \"img\"}: not supported here yet: the sglang engines are not sent the images"),
     (["--multimodal-keys", '{"video": "v"}', "--train-backend", "fsdp", "--rollout-backend", "hf"],
@@ -536,8 +542,9 @@ def test_unsupported_slime_flags_are_refused_with_the_reason(files, extra, messa
     assert message in msg and ";" in msg  # the reason, then what to do instead
 
 
-def test_multimodal_keys_are_taken_by_fsdp_with_the_hf_engine(files):
-    args = parse_args(base("--multimodal-keys", '{"image": "images"}', "--train-backend", "fsdp",
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_multimodal_keys_are_taken_with_the_hf_engine(files, backend):
+    args = parse_args(base("--multimodal-keys", '{"image": "images"}', "--train-backend", backend,
                            "--rollout-backend", "hf"))
     assert args.multimodal_keys == {"image": "images"}
 

@@ -8,7 +8,8 @@ Weight updates (`/update_weights_from_tensor`, `/update_weights_from_disk`,
 `/update_weights_from_distributed`) validate every name first and then copy into the model's parameters
 inside `Scheduler.exclusive()`, i.e. between two forward steps, never during one. Names are the model's
 own parameter names (`model.named_parameters()`, which for dense transformers models are the HF
-checkpoint names).
+checkpoint names), or the checkpoint's keys, renamed as transformers renames them on load (checkpoint_names.py:
+a Qwen2.5-VL's `model.layers.*` / `visual.*` as well as its in-memory `model.language_model.*` / `model.visual.*`).
 
 The distributed path follows SGLang: `/init_weights_update_group` joins the trainer's process group
 (the trainer is rank 0; this server, one TP rank, is `rank_offset`) from a worker thread while the HTTP
@@ -46,6 +47,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from slime.backends.hf_engine.auth import API_KEY_ENV, APIKeyMiddleware
+from slime.backends.hf_engine.checkpoint_names import checkpoint_name_mapper
 from slime.backends.hf_engine.lora import MergedAdapter, add_lora_routes
 from slime.backends.hf_engine.release import WeightMemory
 from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
@@ -89,6 +91,7 @@ class EngineState:
         self.weights = WeightMemory(model, ("cpu_backup" if weights_cpu_backup else "free") if frees_memory else "keep")
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.params.update(dict(model.named_buffers(remove_duplicate=False)))
+        self.model_name = checkpoint_name_mapper(model, set(self.params))  # Hub spelling -> in-memory name
         self.weight_checker = WeightChecker(self.params)  # POST /weights_checker (--check-weight-update-equal)
         self.adapter = MergedAdapter(model)  # a LoRA adapter merged into the weights (lora.py)
         self.processor = load_processor_for(model_path, model)  # None for a text-only model (vision.py)
@@ -99,12 +102,13 @@ class EngineState:
             if self.weights.freed:
                 raise ValueError(f"{source}: the weights are released (their memory is freed); POST "
                                  "/resume_memory_occupation with {\"tags\": [\"weights\"]} before loading them")
+            named = [(self.model_name(n), t) for n, t in named]
             unknown = [n for n, _ in named if n not in self.params]
             if unknown:
                 valid = sorted(self.params)[:5]
                 more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-                raise ValueError(f"{source}: unknown parameter name(s) {unknown[:5]}{more}; "
-                                 f"names must be the model's parameter names, e.g. {valid}")
+                raise ValueError(f"{source}: unknown parameter name(s) {unknown[:5]}{more}; names must be the "
+                                 f"model's parameter names (e.g. {valid}) or its checkpoint's keys")
             bad = [f"{n}: got {tuple(t.shape)}, model has {tuple(self.params[n].shape)}"
                    for n, t in named if tuple(t.shape) != tuple(self.params[n].shape)]
             if bad:

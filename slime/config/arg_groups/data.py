@@ -89,7 +89,8 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='slime: media type -> record key, as JSON (e.g. \'{"image": "images"}\'): each <image> in the prompt '
         "takes the row's next image (path, base64 or data URI), read with --hf-checkpoint's processor. Images "
-        "only, with --train-backend fsdp --rollout-backend hf (docs/vlm.md); refused otherwise.",
+        "only, with --rollout-backend hf and either trainer (megatron: a Qwen2.5-VL, without sequence / context "
+        "parallelism; docs/vlm.md); refused otherwise.",
     )
     g.add_argument(
         "--streaming-data",
@@ -145,16 +146,16 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 def validate_data(args: argparse.Namespace) -> None:
     if args.multimodal_keys:
-        if not train_spec(args).takes_images:
-            refuse("multimodal_keys", json.dumps(args.multimodal_keys),
-                   f"--train-backend {args.train_backend} trains on text only in a run (images reach the fsdp trainer "
-                   "only; the megatron model of a vision-language checkpoint is not yet pushed to the engines)",
-                   "train vision-language models with --train-backend fsdp --rollout-backend hf (docs/vlm.md)")
         engine = engine_spec(args)
         if not engine.takes_images:
             refuse("multimodal_keys", json.dumps(args.multimodal_keys),
                    f"the {engine.name} engines are not sent the images here (only the hf engine's image_data path "
-                   "is built and tested)", "use --rollout-backend hf with --train-backend fsdp (docs/vlm.md)")
+                   "is built and tested)", "use --rollout-backend hf (docs/vlm.md)")
+        if train_spec(args).megatron_parallelism and (args.sequence_parallel or args.context_parallel_size > 1):
+            refuse("multimodal_keys", json.dumps(args.multimodal_keys),
+                   "the Megatron vision-language model places the image features into the whole sequence's "
+                   "embeddings, which --sequence-parallel / --context-parallel-size > 1 split across ranks first",
+                   "drop --sequence-parallel and --context-parallel-size with images")
         if args.advantage_estimator in ESTIMATORS and estimator_of(args).needs_critic:
             refuse("multimodal_keys", json.dumps(args.multimodal_keys),
                    f"--advantage-estimator {args.advantage_estimator} trains a critic, a text-only value model",
