@@ -31,19 +31,25 @@ SERVER_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch"
                 "--mem-fraction-static", "0.3", "--enable-memory-saver", "--disable-cuda-graph", "--random-seed", "0"]
 
 
-@pytest.mark.timeout(900)
-def test_contract_suite_against_real_sglang(tiny_model_dir, tmp_path):
+def run_contract(url: str, tmp_path, tag: str, *paths: str) -> tuple[int, str, str, list[tuple[str, str]]]:
+    """The contract suite's `paths` in their own pytest process against the server at `url`: (its exit status, its
+    output, its summary line, (outcome, test) of each test), and a line `[tag] summary; not passed: ...`."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
-    with sglang_server(tiny_model_dir, str(tmp_path / "sglang.log"), *SERVER_FLAGS) as url:
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", "tests/contract", "-rA", "-p", "no:cacheprovider", "--engine-url", url,
-             "--engine-same-host", "--weight-sync-backend", "gloo", "--logprob-tol", "0.05",
-             "--basetemp", str(tmp_path / "contract")],
-            capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *paths, "-rA", "-p", "no:cacheprovider", "--engine-url", url,
+         "--engine-same-host", "--weight-sync-backend", "gloo", "--logprob-tol", "0.05",
+         "--basetemp", str(tmp_path / "contract")],
+        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)
     said = done.stdout + done.stderr
     summary = (re.findall(r"^=+ (.+ in [\d.]+s.*?) =+$", said, re.M) or ["(no pytest summary)"])[-1]
     outcomes = re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b.*?::(\w+)", said, re.M)
-    print(f"\n[contract vs sglang] {summary}; not passed: "
-          f"{[f'{o} {t}' for o, t in outcomes if o != 'PASSED'] or 'none'}")
-    assert done.returncode == 0, said[-6000:]
+    print(f"\n[{tag}] {summary}; not passed: {[f'{o} {t}' for o, t in outcomes if o != 'PASSED'] or 'none'}")
+    return done.returncode, said, summary, outcomes
+
+
+@pytest.mark.timeout(900)
+def test_contract_suite_against_real_sglang(tiny_model_dir, tmp_path):
+    with sglang_server(tiny_model_dir, str(tmp_path / "sglang.log"), *SERVER_FLAGS) as url:
+        rc, said, _, outcomes = run_contract(url, tmp_path, "contract vs sglang", "tests/contract")
+    assert rc == 0, said[-6000:]
     assert ("PASSED", "test_update_weights_from_distributed") in outcomes, said[-4000:]
