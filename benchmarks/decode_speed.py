@@ -45,7 +45,8 @@ def kv_bytes_per_token(config) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # K and V, bf16
 
 
-def bench(model, tokenizer, kv_cache: str, batch: int, prompt_len: int, new_tokens: int, bandwidth: float) -> dict:
+def bench(model, tokenizer, kv_cache: str, batch: int, prompt_len: int, new_tokens: int, bandwidth: float,
+          profile: int = 0) -> dict:
     import torch
 
     from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
@@ -79,6 +80,8 @@ def bench(model, tokenizer, kv_cache: str, batch: int, prompt_len: int, new_toke
         sched.run_until_idle()
         wall = time.perf_counter() - start
     assert all(len(r.output_ids) == new_tokens for r in reqs), "a request stopped early"
+    if profile:
+        profile_round(sched, vocab, batch, prompt_len, profile, f"{kv_cache}, batch {batch}")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     per_token = kv_bytes_per_token(model.config)
     # decode step k (k = 1 .. new_tokens - 1) feeds token k of every row, attending to prompt + k tokens
@@ -89,6 +92,33 @@ def bench(model, tokenizer, kv_cache: str, batch: int, prompt_len: int, new_toke
             "ms / decode step": 1e3 * statistics.fmean(decode), "bound ms / step": 1e3 * statistics.fmean(bounds),
             "efficiency": statistics.fmean(bounds) / statistics.fmean(decode),
             "decode tok/s": batch * len(decode) / sum(decode)}
+
+
+def profile_round(sched, vocab: int, batch: int, prompt_len: int, top: int, label: str) -> None:
+    """--profile: one more round of 32 new tokens under torch.profiler (after the measured one, so the timings
+    above are not profiled); prints GPU kernel time against wall time and the top kernels and host operators."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from slime.backends.hf_engine.scheduler import Request, SamplingParams
+
+    gen = torch.Generator().manual_seed(batch + 1)
+    for i in range(batch):
+        sched.submit(Request(rid=f"p{i}", input_ids=torch.randint(1, vocab - 1, (prompt_len,), generator=gen).tolist(),
+                             params=SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True),
+                             return_logprob=True))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        sched.run_until_idle()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    kernel_s = sum(e.self_device_time_total for e in events) / 1e6
+    print(f"\n[{label}] profiled round (32 new tokens): wall {wall:.3f} s, GPU kernel time {kernel_s:.3f} s "
+          f"({kernel_s / wall:.0%} busy)", file=sys.stderr)
+    print(events.table(sort_by="self_device_time_total", row_limit=top), file=sys.stderr)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=top), file=sys.stderr, flush=True)
 
 
 def sglang_server(model_dir: str, attention_backend: str, max_batch: int, log_path: str):
@@ -172,6 +202,8 @@ def main() -> None:
     p.add_argument("--kv-cache", default="dynamic,slots", help="scheduler KV cache modes to compare ('' for none)")
     p.add_argument("--sglang", default="", help="attention backends of a real SGLang server to add rows for, "
                    "e.g. triton,flashinfer")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after each measured row, profile one more round and print the top N kernels / host ops")
     args = p.parse_args()
     import torch
 
@@ -202,7 +234,7 @@ def main() -> None:
         for mode in filter(None, args.kv_cache.split(",")):
             bench(model, tokenizer, mode, 8, args.prompt_len, 8, bandwidth)  # warm-up (kernels)
             for b in batches:
-                print_row(bench(model, tokenizer, mode, b, args.prompt_len, args.new_tokens, bandwidth))
+                print_row(bench(model, tokenizer, mode, b, args.prompt_len, args.new_tokens, bandwidth, args.profile))
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         per_token, vocab = kv_bytes_per_token(model.config), model.config.vocab_size
         del model

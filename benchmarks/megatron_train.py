@@ -120,12 +120,31 @@ def run_layout(cli, model_dir: str, workdir: str, layout: str) -> dict:
                    for _ in range(2)]
         train = [timed(lambda i=i: actor.train(i, batch)) for i in range(cli.steps + 1)]
         peak = torch.cuda.max_memory_allocated() / 1e9
+        if cli.profile:
+            profile_step(cli, actor, batch, layout)
         push = time_push(cli, actor, model_dir) if cli.push else []
     finally:
         actor.shutdown()
     lengths = [len(t) for t in batch.tokens]
     return {"layout": layout, "tokens": sum(lengths), "fwd_flops": forward_flops(SHAPES[cli.shape], lengths),
             "forward_s": min(forward), "train_s": sum(train[1:]) / cli.steps, "peak_gb": peak, "push_s": push}
+
+
+def profile_step(cli, actor, batch, layout: str) -> None:
+    """--profile: one more train step under torch.profiler; prints (to stderr) wall time against GPU kernel time
+    and the top kernels and host operators, so a launch-bound step (host time above kernel time) shows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = timed(lambda: actor.train(cli.steps + 1, batch))
+    events = prof.key_averages()
+    kernel_s = sum(e.self_device_time_total for e in events) / 1e6
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    print(f"\n[{layout}] profiled train step: wall {wall:.2f} s, GPU kernel time {kernel_s:.2f} s "
+          f"({kernel_s / wall:.0%} busy), kernel launches {launches}", file=sys.stderr)
+    print(events.table(sort_by="self_device_time_total", row_limit=cli.profile), file=sys.stderr)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=cli.profile), file=sys.stderr)
 
 
 def time_push(cli, actor, model_dir: str) -> list[float]:
@@ -178,6 +197,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=790.0)
     p.add_argument("--push", type=int, default=0, help="also time N colocated weight pushes to an hf engine")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile one more train step; print the top N kernels and host operators")
     p.add_argument("--model-dir", help="reuse this HF folder (made by an earlier run)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     cli = p.parse_args()
