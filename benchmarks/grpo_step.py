@@ -2,7 +2,7 @@
 
     python benchmarks/grpo_step.py [--shape qwen3-0.6b] [--prompts 32] [--prompt-len 64] [--response-len 256]
                                    [--steps 5] [--micro-batch-size 16] [--systems slime,trl]
-                                   [--sglang-attention-backend triton]
+                                   [--sglang-attention-backend triton] [--max-tokens-per-gpu N]
 
 Both sides get the same random-init model (published Qwen3 dimensions, benchmarks/weight_sync.py's helper,
 loaded in fp32 and trained with bf16 compute), the same prompts (`--prompts` strings of exactly
@@ -19,6 +19,9 @@ no reference model.
   step). SGLang is started by `SLIME_SGLANG_LAUNCHER` when it is set (docs/sglang_backend.md), with
   `--sglang-attention-backend` (triton by default), the pytorch sampler, bf16, CUDA graphs up to the batch
   and no prefill CUDA graphs; its start-up is not part of any step.
+  The Megatron trainer packs micro-batches of at most `--max-tokens-per-gpu` tokens (slime's
+  `--use-dynamic-batch-size`); by default the tokens of `--micro-batch-size` samples, i.e. the micro-batches TRL
+  gets. A larger budget is the lever slime users have (fewer, larger micro-batches; same optimizer step).
 - TRL: `GRPOTrainer` with its default generation path (`model.generate` inside the trainer), timed by a
   callback (step) and a wrapper around the model's `generate` (rollout).
 
@@ -150,7 +153,7 @@ def backend_flags(args, backend: str) -> list[str]:
     (distributed optimizer), packed micro-batches of at most --max-tokens-per-gpu tokens."""
     if backend == "fsdp":
         return ["--train-backend", "fsdp", "--micro-batch-size", str(args.micro_batch_size)]
-    tokens = args.micro_batch_size * (args.prompt_len + args.response_len)
+    tokens = args.max_tokens_per_gpu or args.micro_batch_size * (args.prompt_len + args.response_len)
     return ["--train-backend", "megatron", *model_args(args.shape), "--bf16", "--use-distributed-optimizer",
             "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(tokens)]
 
@@ -351,6 +354,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1, help="first steps left out of the means")
     p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                   help="Megatron systems: token budget per micro-batch (default: --micro-batch-size samples' tokens)")
     p.add_argument("--systems", default="slime,trl", help="of slime (fsdp), slime-megatron, slime-sglang, trl")
     p.add_argument("--sglang-attention-backend", default="triton", help="slime-sglang: SGLang's attention backend")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)

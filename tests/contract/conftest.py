@@ -42,6 +42,15 @@ def pytest_addoption(parser):
                 help="backend of the update_weights_from_distributed group")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Against an external engine (--engine-url), tests marked `runs_last` go after every other contract test:
+    SGLang 0.5.16 stops serving after the pickle refusal, and the LoRA file would otherwise run after it. The
+    in-process hf engine survives it, so a plain run keeps the files' order (and its module-scoped engines)."""
+    if _option(config, "engine_url") is None:
+        return
+    items.sort(key=lambda item: item.get_closest_marker("runs_last") is not None)  # stable: the rest keep order
+
+
 def _option(config, name, default=None):
     try:
         return config.getoption(name)

@@ -545,10 +545,11 @@ def test_router_registration_and_removal(engine, tmp_path):
 
 
 # ---- last: SGLang 0.5.16 does not survive it --------------------------------------------------------
+@pytest.mark.runs_last
 def test_update_weights_from_tensor_refuses_other_pickles(engine, base_scores):
     """The payload may name tensors, dtypes and bucket metadata only: a pickle that calls anything else is
-    refused before it runs, and the engine's weights and version stay as they were. Last in this file: SGLang
-    0.5.16 refuses it but stops serving."""
+    refused before it runs, and the engine's weights and version stay as they were. Runs last of the whole
+    contract run (`runs_last`, tests/contract/conftest.py): SGLang 0.5.16 refuses it but stops serving."""
     marker = f"/tmp/slime-contract-{uuid.uuid4().hex}"
     evil = base64.b64encode(pickle.dumps(EvilPayload(marker))).decode()
     version = weight_version(engine)
