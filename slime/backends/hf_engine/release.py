@@ -30,6 +30,7 @@ memory, and a new storage would part it from the buffer).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -167,8 +168,11 @@ class WeightMemory:
             return
         if self.released:
             raise ValueError("snapshot: the weights are released; resume them first")
+        start = time.perf_counter()
         self._copy_to_host()
         self._host_fresh = True
+        logger.info("weights: host copy of the base taken (%.3f GB, %.3f s); releases copy nothing until the next "
+                    "full-weight load", self.nbytes / 1e9, time.perf_counter() - start)
 
     def changed(self) -> None:
         """The weights were loaded anew (a full-weight push): they are the base the next snapshot copies."""
