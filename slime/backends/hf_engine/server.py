@@ -681,7 +681,9 @@ def _release(state: EngineState, tags: set[str]) -> None:
       so the trainer pushes the complete weights right after resuming them (the training loop does); until every
       parameter has been loaded, /generate answers 503 naming what is missing (SGLang would generate from
       garbage). With --enable-weights-cpu-backup the weights are copied to pinned host memory first (allocated on
-      the first release, reused) and copied back on resume.
+      the first release, reused) and copied back on resume. With --lora-base-cpu-backup the host copy is of the
+      frozen base, taken once: a release copies nothing, a resume copies the base back and merges the loaded LoRA
+      adapter again (lora.py).
     - "kv_cache": the KV slot buffers are freed (the endpoint refuses a release while any request is in the engine,
       as SGLang does, so none is running);
     - "cuda_graph": the captured decode graphs are dropped (captured again when next needed; releasing the weights
