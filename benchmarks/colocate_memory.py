@@ -216,7 +216,10 @@ def engine_memory_table(calls: list[dict]) -> list[str]:
     return lines
 
 
-def run_mode(args, rollout: str, mode: str, model_dir: str, data: str, workdir: str) -> dict:
+def run_mode(args, rollout: str, mode: str, model_dir: str, data: str, workdir: str,
+             extra_flags: tuple[str, ...] = ()) -> dict:
+    """One train.py run of the job (`extra_flags` appended to its command, e.g. LoRA's: tests/gpu/
+    test_lora_colocate_gpu.py); its exit status, phases with their memory, `perf/*` figures and engine calls."""
     from grpo_step import slime_command
 
     from slime.utils.tracking import read_scalars
@@ -224,7 +227,8 @@ def run_mode(args, rollout: str, mode: str, model_dir: str, data: str, workdir: 
     name = f"{rollout}_{mode}"
     tb = os.path.join(workdir, f"{name}_tb")
     log_path = os.path.join(workdir, f"{name}.log")
-    extra = [*MODES[mode], *(["--sglang-enable-weights-cpu-backup"] if args.engine_weights_cpu_backup else [])]
+    extra = [*MODES[mode], *(["--sglang-enable-weights-cpu-backup"] if args.engine_weights_cpu_backup else []),
+             *extra_flags]
     cmd = [*slime_command(args, model_dir, data, tb, args.backend, rollout), *extra]
     engine_logs = os.path.join(workdir, f"{name}_engine_logs")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),

@@ -449,6 +449,16 @@ ROWS: tuple[Row, ...] = (
         "log-probs and a zero adapter does not, unload restores the base, unknown / duplicate names are refused",
         figures=grab(suite=r"\[lora contract vs sglang\] (.+?); not passed",
                      not_passed=r"\[lora contract vs sglang\].*; not passed: (.+)$")),
+    Row(22, "LoRA colocated, Megatron + SGLang (4B)", "LoRA",
+        f"{FAST_SGLANG} {PYTEST} tests/gpu/test_lora_colocate_gpu.py", timeout_s=600, estimate_s=450, part="lora",
+        must_show="the short 4B job (4 × 8 × 128 tokens) with LoRA r = 16 on all linear layers, Megatron + SGLang "
+        "colocated with the handoff (SGLang started with `--enable-lora --enable-weights-cpu-backup`), 3 rollouts: "
+        "|Δ log-prob| < 0.05 after every adapter push, the KL to the base > 0, the adapter push < 2% of the full "
+        "weights' bytes; step seconds, memory per phase, push seconds of the adapter against a full-weight run's",
+        figures=grab(logprob_diff=r"\[lora colocate\] step s .*?\|Δ log-prob\| (\[[^\]]*\])",
+                     step_s=r"\[lora colocate\] step s (\[[^\]]*\])",
+                     push_s=r"\[lora colocate\] push s (adapter \[[^\]]*\] vs full \[[^\]]*\])",
+                     push_bytes=r"\[lora colocate\] .*push bytes (.+)$")),
 )
 PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."9", then perf, perf2, x2
 

@@ -36,6 +36,14 @@ def request_adapter(args: Any) -> str | None:
     return ADAPTER_NAME if args.lora_rank > 0 else None
 
 
+def engine_keeps_base_on_host(args: Any) -> bool:
+    """A LoRA run whose engines release their weights (--offload-rollout, on with --colocate): each push sends only
+    the adapter, so the engines keep a host copy of the frozen base and restore it on every resume (SGLang's
+    --enable-weights-cpu-backup; the hf engine's --lora-base-cpu-backup). What miles' --lora-base-cpu-backup turns
+    on; here it is the only way such a run works, so it is on whether or not that flag is given."""
+    return args.lora_rank > 0 and bool(args.offload_rollout)
+
+
 def engine_target_modules(target_modules: str, exclude_modules: str | None) -> list[str]:
     """SGLang's `--lora-target-modules` for --target-modules / --exclude-modules: `all` for all-linear (SGLang's
     word for every module it can adapt; the adapter it is then sent covers fewer), else the names left."""

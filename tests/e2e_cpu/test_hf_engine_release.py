@@ -130,3 +130,71 @@ def test_cpu_backup_keeps_the_released_weights(tiny_model_dir):
             engine.resume_memory_occupation()
             assert scores(url) == loaded  # no push needed
         assert float(re.search(r"([\d.]+) GB freed", log_lines(engine, "released")[-1]).group(1)) > 0
+
+
+def local_scores(model) -> list[float]:
+    ids = torch.tensor([SEQ])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+    return logp.gather(1, ids[0, 1:, None])[:, 0].tolist()
+
+
+@pytest.mark.timeout(240)
+def test_colocated_lora_engine_gets_its_base_back_from_one_host_copy(tiny_model_dir):
+    """A LoRA run whose engines release their weights (--offload-rollout, on with --colocate) starts the hf engine
+    with --lora-base-cpu-backup: each release frees the weights (as on CUDA) and copies nothing, each resume brings
+    the base back from one host copy and merges the loaded adapter again, so a push of the adapter alone gives
+    base + adapter; unloading it gives exactly the checkpoint's weights."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.weight_sync.adapter import push_adapter
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    r, alpha = 4, 8
+
+    def adapter(scale: float):
+        named, merged = [], {}
+        for name, module in base.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                a = torch.randn(r, module.in_features, generator=gen) * 0.3
+                b = torch.randn(module.out_features, r, generator=gen) * scale
+                named += [(f"{name}.lora_A.weight", a), (f"{name}.lora_B.weight", b)]
+                merged[name + ".weight"] = module.weight + (alpha / r) * b @ a
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in merged:
+                    p.copy_(merged[n])
+        return named, local_scores(model)
+
+    config = {"r": r, "lora_alpha": alpha, "target_modules": ["all-linear"]}
+    lora = ("--lora-rank", str(r), "--lora-alpha", str(alpha), "--target-modules", "all-linear", "--offload-rollout")
+    with released_engine(tiny_model_dir, *lora) as engine:
+        url = engine.get_url()
+        assert local_scores(base) == pytest.approx(scores(url), abs=1e-5)
+        engine.check_weights("snapshot")  # the checkpoint's weights, to compare with after the round trips
+        info = engine.get_server_info()
+        assert info["weights_release"] == "base_backup" and info["weights_host_copies"] == 0
+        engine.release_memory_occupation()  # start-up: released before the first push, as train.py does
+        assert "resume_memory_occupation" in refused(url)
+        for version in range(3):  # each step: resume the weights, push the adapter, generate, release
+            engine.resume_memory_occupation(["weights"])
+            named, want = adapter(scale=0.05 * (version + 1))
+            push_adapter(named, [engine], config, str(version))
+            engine.resume_memory_occupation(["kv_cache", "cuda_graph"])
+            got = scores(url)
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5, (version, got, want)
+            assert max(abs(a - b) for a, b in zip(got, local_scores(base))) > 1e-3  # the adapter moves them
+            engine.release_memory_occupation()
+            engine.resume_memory_occupation()  # without a push: the same adapter merged on the base again
+            assert scores(url) == got
+            engine.release_memory_occupation()
+        info = engine.get_server_info()
+        assert info["weights_host_copies"] == 1 and info["uninitialised_weights"] == 0  # taken once, at start-up
+        freed = [float(re.search(r"([\d.]+) GB freed", line).group(1)) for line in log_lines(engine, "released")]
+        assert len(freed) == 7 and all(gb > 0 for gb in freed), freed
+        engine.resume_memory_occupation()
+        engine.unload_lora_adapter("slime_lora")
+        assert engine.check_weights("compare")["success"] is True  # exactly the checkpoint's weights again
+        assert scores(url) == pytest.approx(local_scores(base), abs=1e-5)

@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 
 
-def _layout(out, distributed_optimizer: bool) -> None:
+def _layout(out, distributed_optimizer: bool, lora: bool = False) -> None:
     from tests import megatron_cpu_shim
 
     megatron_cpu_shim.install()
@@ -30,7 +30,9 @@ def _layout(out, distributed_optimizer: bool) -> None:
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     args = make_args(*model_args("tiny-qwen3"), "--train-backend", "megatron", "--lr", "1e-3",
-                     *(["--use-distributed-optimizer"] if distributed_optimizer else []))
+                     *(["--use-distributed-optimizer"] if distributed_optimizer else []),
+                     *(["--lora-rank", "4", "--target-modules", "all-linear", "--transformer-impl", "local"]
+                       if lora else []))
     initialize_parallel(args)
     model = build_model(args)
     build_optimizer(args, model, total_steps=1)  # the distributed optimizer maps the parameters into the buffer
@@ -38,9 +40,36 @@ def _layout(out, distributed_optimizer: bool) -> None:
     loose = {id(p) for p in loose_parameters(state)}
     params = [p for chunk in model for p in chunk.parameters()]
     buffered = [p for chunk in model for b in chunk.buffers if b.param_data is not None for p in b.params]
-    out.put({"params": len(params), "loose": len(loose), "in_a_buffer": len(buffered),
-             "loose_are_the_unbuffered": loose == {id(p) for p in params} - {id(p) for p in buffered}})
+    frozen = {id(p) for p in params if not p.requires_grad}
+    out.put({"params": len(params), "loose": len(loose), "in_a_buffer": len(buffered), "frozen": len(frozen),
+             "loose_are_the_unbuffered": loose == {id(p) for p in params} - {id(p) for p in buffered},
+             "loose_are_the_frozen": loose == frozen})
     dist.destroy_process_group()
+
+
+def _run_layout(distributed_optimizer: bool, lora: bool = False) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_layout, args=(out, distributed_optimizer, lora), daemon=True)
+    proc.start()
+    try:
+        result = out.get(timeout=240)
+        proc.join(30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
+    return result
+
+
+@pytest.mark.timeout(300)
+def test_a_lora_models_frozen_base_moves_one_by_one():
+    """LoRA (--colocate works with it): megatron-core's DDP gives buffers only to parameters that train, so with the
+    distributed optimizer the adapters are in the buffer and the frozen base, in none, moves one by one; there is no
+    gradient or optimizer state of the base to move."""
+    result = _run_layout(distributed_optimizer=True, lora=True)
+    assert result["frozen"] > 0 and result["in_a_buffer"] == result["params"] - result["frozen"], result
+    assert result["loose_are_the_frozen"] and result["loose_are_the_unbuffered"], result
 
 
 @pytest.mark.timeout(300)

@@ -2,7 +2,9 @@
 `_apply` keeps every parameter object (DTensors are swapped in place) while their storage is replaced, and
 re-registers the new shards, so the optimizer, which holds the parameter objects, still trains the module, and the
 forward reads the new storage. A device move is an `_apply` that copies every tensor; on CPU the same `_apply`
-with a copy (`clone`) exercises it. Runs in a child process (its own default process group)."""
+with a copy (`clone`) exercises it. Also with a frozen layer in the model and the optimizer given only the
+parameters that train (LoRA's layout, docs/lora.md): the move keeps both kinds and the step leaves the frozen one
+as it was. Runs in a child process (its own default process group)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import multiprocessing as mp
 import pytest
 
 
-def _check(out) -> None:
+def _check(out, frozen: bool) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -21,10 +23,12 @@ def _check(out) -> None:
     mesh = init_device_mesh("cpu", (1,))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    if frozen:  # as LoRA: the base frozen before FSDP wraps it, the optimizer given only what trains
+        model[0].requires_grad_(False)
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
     x = torch.randn(4, 8)
     model(x).sum().backward()
     opt.step()
@@ -42,19 +46,21 @@ def _check(out) -> None:
     out.put({
         "same_objects": objects == [id(p) for p in model.parameters()],
         "new_storage": all(a != p._local_tensor.data_ptr() for a, p in zip(storage, model.parameters())),
-        "optimizer_holds_them": [id(p) for g in opt.param_groups for p in g["params"]] == objects,
+        "optimizer_holds_them": [id(p) for g in opt.param_groups for p in g["params"]] == [
+            id(p) for p in model.parameters() if p.requires_grad],
         "forward_unchanged": torch.equal(y_before, y_after),
-        "step_trains_module": all(not torch.equal(w, p.detach().full_tensor())
-                                  for w, p in zip(weights, model.parameters())),
+        "step_trains_module": all(torch.equal(w, p.detach().full_tensor()) != p.requires_grad
+                                  for w, p in zip(weights, model.parameters())),  # and leaves a frozen one as it was
     })
     dist.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
-def test_fsdp2_apply_keeps_parameters_and_optimizer_references():
+@pytest.mark.parametrize("frozen", [False, True], ids=["all-train", "frozen-base"])
+def test_fsdp2_apply_keeps_parameters_and_optimizer_references(frozen):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_check, args=(out,), daemon=True)
+    proc = ctx.Process(target=_check, args=(out, frozen), daemon=True)
     proc.start()
     try:
         result = out.get(timeout=90)

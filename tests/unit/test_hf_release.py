@@ -151,6 +151,50 @@ def test_cpu_backup_brings_the_values_back_and_reuses_its_host_copy(chunk, monke
     assert torch.equal(logits(model), changed)
 
 
+@pytest.mark.parametrize("chunk", [release.HOST_CHUNK_BYTES, 1000], ids=["one-chunk", "split-over-chunks"])
+def test_base_backup_copies_the_base_once_and_restores_parameters_from_it(chunk, monkeypatch):
+    """base_backup: the host copy is taken once (the base is frozen); releases copy nothing, each resume brings
+    the base back whatever was written since; `restore_params` puts single parameters back (a range split over
+    host chunks too); `changed` (a full load) makes the next release take a new copy."""
+    monkeypatch.setattr(release, "HOST_CHUNK_BYTES", chunk)
+    model = tiny_qwen3(tied=True)
+    base = state(model)
+    memory = WeightMemory(model, "base_backup")
+    with pytest.raises(ValueError, match="no host copy"):
+        memory.restore_params([model.model.norm.weight])
+
+    def same(want):
+        return all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+
+    assert memory.release() == memory.nbytes and all(p.numel() == 0 for p in model.parameters())
+    memory.resume()
+    assert memory.host_copies == 1 and memory.unloaded == [] and same(base)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.add_(1)  # an adapter merged in: not the base
+    memory.release()
+    memory.resume()
+    assert memory.host_copies == 1 and same(base)  # no copy at this release; the base came back
+
+    with torch.no_grad():
+        model.model.norm.weight.mul_(2)  # a full-weight load
+    memory.changed()
+    new = state(model)
+    memory.release()
+    memory.resume()
+    assert memory.host_copies == 2 and same(new)
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3)
+    memory.restore_params([model.model.layers[1].self_attn.q_proj.weight, model.model.embed_tokens.weight])
+    assert torch.equal(model.model.layers[1].self_attn.q_proj.weight, new["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(model.model.embed_tokens.weight, new["model.embed_tokens.weight"])
+    assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight,
+                           new["model.layers.0.self_attn.q_proj.weight"])  # only the ones named
+    with pytest.raises(ValueError, match="only base_backup"):
+        WeightMemory(model, "cpu_backup").snapshot()
+
+
 def test_keep_frees_nothing():
     model = tiny_qwen3(tied=False)
     before = logits(model)
@@ -182,6 +226,11 @@ def test_hf_engine_launch_flags(monkeypatch):
     assert "--enable-weights-cpu-backup" in command("--sglang-enable-weights-cpu-backup", "true")
     assert "--enable-weights-cpu-backup" not in command("--sglang-enable-weights-cpu-backup", "false")
     assert "--enable-weights-cpu-backup" not in command() and "--release-memory-on-cpu" not in command()
+    lora = ("--lora-rank", "8", "--target-modules", "all-linear")
+    # unvalidated args: --offload-rollout as --colocate resolves it; the adapter push leaves the base to the engine
+    assert "--lora-base-cpu-backup" in command(*lora, "--offload-rollout")
+    assert "--lora-base-cpu-backup" not in command(*lora) and "--lora-base-cpu-backup" not in command(
+        "--offload-rollout")
     monkeypatch.setenv("SLIME_ENGINE_RELEASE_MEMORY_ON_CPU", "1")
     assert ("--release-memory-on-cpu" in command()) == (not torch.cuda.is_available())
     monkeypatch.setenv("SLIME_ENGINE_RELEASE_MEMORY_ON_CPU", "0")
@@ -204,8 +253,13 @@ def test_server_flags_choose_the_release_mode(tiny_model_dir):
     assert not defaults.enable_weights_cpu_backup and not defaults.release_memory_on_cpu
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    for frees, backup, mode in ((False, False, "keep"), (False, True, "keep"), (True, False, "free"),
-                                (True, True, "cpu_backup")):
+    assert parse_args(["--model-path", "m", "--lora-base-cpu-backup"]).lora_base_cpu_backup
+    for frees, backup, lora_base, mode in ((False, False, False, "keep"), (False, True, False, "keep"),
+                                           (True, False, False, "free"), (True, True, False, "cpu_backup"),
+                                           (True, False, True, "base_backup"), (True, True, True, "base_backup"),
+                                           (False, False, True, "keep")):
         state = EngineState(model, tokenizer, Scheduler(model, tokenizer), model_path=tiny_model_dir, device="cpu",
-                            dtype="float32", frees_memory=frees, weights_cpu_backup=backup)
+                            dtype="float32", frees_memory=frees, weights_cpu_backup=backup,
+                            lora_base_cpu_backup=lora_base)
         assert state.weights.mode == mode
+        assert (state.adapter.weights is not None) == (mode == "base_backup")

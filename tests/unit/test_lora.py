@@ -48,6 +48,23 @@ def test_lora_flags_refused_with_the_fix(extra, message):
         make_args(*extra)
 
 
+def test_colocated_lora_keeps_the_base_on_the_engines_host(caplog):
+    """--colocate (or --offload-rollout) with LoRA: the engines release their weights and a push sends only the
+    adapter, so they keep a host copy of the base; miles' --lora-base-cpu-backup asks for exactly that, so it
+    changes nothing there and is warned about where engines never release their weights."""
+    colocated = make_args(*LORA, "--colocate")
+    assert lora_adapter.engine_keeps_base_on_host(colocated)
+    assert lora_adapter.engine_keeps_base_on_host(make_args(*LORA, "--offload-rollout"))
+    assert not lora_adapter.engine_keeps_base_on_host(make_args(*LORA))
+    assert not lora_adapter.engine_keeps_base_on_host(make_args("--colocate"))  # full pushes bring everything back
+    with caplog.at_level("WARNING"):
+        make_args(*LORA, "--colocate", "--lora-base-cpu-backup")
+    assert "--lora-base-cpu-backup" not in caplog.text
+    with caplog.at_level("WARNING"):
+        assert make_args(*LORA, "--lora-base-cpu-backup").lora_base_cpu_backup
+    assert "--lora-base-cpu-backup: no effect without --offload-rollout" in caplog.text
+
+
 def test_lora_rollouts_name_the_adapter_once_the_engines_hold_it():
     """SGLang serves a request with the adapter its lora_path names and the base model without one: after a push
     with LoRA (RolloutManager.after_weight_update) every rollout request names the adapter; before the first push
@@ -176,6 +193,46 @@ def test_engine_merge_equals_the_lora_forward(base_model):
         assert merged.summary()["tensors"] == len(named)
         merged.restore()
         assert torch.equal(engine_model(x).logits, base_model(x).logits)
+
+
+def test_engine_with_a_host_base_restores_it_on_resume(base_model):
+    """base_backup (a colocated LoRA engine): one host copy of the base, taken at the first adapter load; a release
+    copies nothing more, a resume brings the base back and merges the adapter again; a second push and an unload
+    equal the device-copy path's, bit for bit, with no device copy of the base kept."""
+    from slime.backends.hf_engine.release import WeightMemory
+
+    model, _ = _lora_model(base_model)
+    _trained(model)
+    named = [(lora_adapter.PEFT_PREFIX + n, t) for n, t in model.state_dict().items() if is_adapter_name(n)]
+    other = [(n, t * 2 if n.endswith("lora_B.weight") else t) for n, t in named]
+    config = {"r": 8, "lora_alpha": 16}
+    x = _tokens(model)
+    reference = copy.deepcopy(base_model)  # the device-copy path
+    by_device = MergedAdapter(reference)
+    engine_model = copy.deepcopy(base_model)
+    weights = WeightMemory(engine_model, "base_backup")
+    merged = MergedAdapter(engine_model, weights)
+    with torch.no_grad():
+        merged.load("a", named, config, "test")
+        by_device.load("a", named, config, "test")
+        want = reference(x).logits
+        assert torch.equal(engine_model(x).logits, want) and weights.host_copies == 1 and merged.base == {}
+        for _ in range(2):
+            weights.release()
+            assert all(p.numel() == 0 for p in engine_model.parameters())
+            weights.resume()
+            merged.reapply()
+            assert torch.equal(engine_model(x).logits, want)  # the base back, the adapter merged again
+        merged.load("a", other, config, "test")  # the next push: from the host base, not on top of the last
+        by_device.load("a", other, config, "test")
+        assert torch.equal(engine_model(x).logits, reference(x).logits)
+        merged.restore()
+        for (n, p), q in zip(engine_model.named_parameters(), base_model.parameters()):
+            assert torch.equal(p, q), n
+        assert weights.host_copies == 1  # taken once: the base is frozen
+        merged.forget_base()  # a full-weight load: the next snapshot takes the new base
+        weights.release()
+        assert weights.host_copies == 2
 
 
 def test_engine_refuses_a_bad_adapter_and_changes_nothing(base_model):

@@ -54,12 +54,13 @@ def test_partial_or_unknown_targets_are_refused(targets, exclude, message):
 def test_megatron_lora_flags_validate():
     args = make_args(*LORA, "--target-modules", "all-linear")
     assert args.lora_rank == 8 and args.train_backend == "megatron"
+    colocated = make_args(*LORA, "--target-modules", "all-linear", "--colocate")  # the engines keep the base on host
+    assert colocated.offload_rollout and colocated.offload_train
 
 
 @pytest.mark.parametrize("extra, message", [
     (("--target-modules", "q_proj"), "one fused layer"),
     (("--target-modules", "all-linear", "--num-experts", "4", "--moe-ffn-hidden-size", "64"), "--num-experts 4"),
-    (("--target-modules", "all-linear", "--colocate"), "--colocate"),
     (("--target-modules", "all-linear", "--rollout-external-engine-addrs", "127.0.0.1:30000"),
      "not built for external engines; pass --rollout-backend sglang or hf"),
 ])

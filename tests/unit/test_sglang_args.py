@@ -306,6 +306,25 @@ def test_engine_serves_lora_adapters_loaded_after_start(monkeypatch, targets, ex
     assert cmd[at:at + len(modules)] == modules
     plain = SGLangEngine(_engine_args(), rank=0).launch_command("127.0.0.1", 30000)
     assert not any("lora" in part for part in plain)
+    assert "--enable-weights-cpu-backup" not in cmd  # the engines keep their weights: nothing to back up
+
+
+def test_colocated_lora_engines_keep_the_base_in_host_memory(monkeypatch):
+    """A colocated LoRA run's engines release their weights and each push sends only the adapter: SGLang is
+    started with --enable-weights-cpu-backup so that a resume brings the base back (without it SGLang's memory
+    saver gives the weights back uninitialised); a colocated full-weight run does not need it (every push is
+    complete), and a forwarded --sglang-enable-weights-cpu-backup false wins."""
+    monkeypatch.setenv("SLIME_SGLANG_LAUNCHER", "sglang serve")
+    lora = {"lora_rank": 16, "target_modules": "all-linear"}
+    eng = SGLangEngine(_engine_args(colocate=True, offload_rollout=True, **lora), rank=0)
+    assert eng.server_args("127.0.0.1", 30000)["enable_weights_cpu_backup"] is True
+    cmd = eng.launch_command("127.0.0.1", 30000)
+    assert "--enable-weights-cpu-backup" in cmd and "--enable-memory-saver" in cmd and "--enable-lora" in cmd
+    full = SGLangEngine(_engine_args(colocate=True, offload_rollout=True), rank=0).launch_command("127.0.0.1", 1)
+    assert "--enable-memory-saver" in full and "--enable-weights-cpu-backup" not in full
+    off = SGLangEngine(_engine_args(colocate=True, offload_rollout=True, sglang_args={
+        "enable_weights_cpu_backup": False}, **lora), rank=0)
+    assert off.server_args("127.0.0.1", 30000)["enable_weights_cpu_backup"] is False
 
 
 def test_engine_resolves_forwarded_flags_against_its_own_sglang(monkeypatch):

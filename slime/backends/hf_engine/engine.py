@@ -4,7 +4,9 @@ Launch settings come from slime's args: `--hf-checkpoint` (model), `--seed` + ra
 without a `sampling_seed`, as SGLang's `--random-seed`), `--sglang-server-concurrency` (largest running batch),
 `--sglang-disable-cuda-graph` (decode steps run eagerly), `--sglang-disable-radix-cache` (no prompt shared between
 requests: each prefilled itself), `--sglang-enable-deterministic-inference` (batch-invariant: one request at a
-time, each alone), `--sglang-enable-weights-cpu-backup` (released weights are kept in host memory instead of freed).
+time, each alone), `--sglang-enable-weights-cpu-backup` (released weights are kept in host memory instead of freed);
+a LoRA run whose engines release their weights (`--lora-rank` with `--offload-rollout`, on with `--colocate`) starts
+it with `--lora-base-cpu-backup` (one host copy of the frozen base, restored on every resume: release.py).
 Device is CUDA when the run has it (`args.use_cuda`: the manager then gives the engine a GPU), else CPU; dtype is float32 on CPU (so engine and trainer log-probs agree to ~1e-5) and
 bfloat16 on CUDA. Torch threads per server: env `SLIME_ENGINE_NUM_THREADS` (default 1, so several
 engines and a trainer can share a small CPU machine). Env `SLIME_ENGINE_RELEASE_MEMORY_ON_CPU=1` starts CPU servers
@@ -22,6 +24,7 @@ import sys
 from slime.backends.hf_engine.auth import API_KEY_ENV
 from slime.backends.server_engine import ServerEngine
 from slime.backends.sglang_utils.arguments import as_bool, flag_of
+from slime.utils.lora_adapter import engine_keeps_base_on_host
 
 def weight_dirs(args) -> list[str]:
     """Folders the server may load weights from (update_weights_from_disk): the one holding --hf-checkpoint,
@@ -80,6 +83,7 @@ class HFEngine(ServerEngine):
                 *(["--enable-deterministic-inference"] if _flag_on(sglang_args, "enable_deterministic_inference")
                   else []),
                 *(["--enable-weights-cpu-backup"] if _flag_on(sglang_args, "enable_weights_cpu_backup") else []),
+                *(["--lora-base-cpu-backup"] if engine_keeps_base_on_host(self.args) else []),
                 *(["--release-memory-on-cpu"] if not cuda and _env_on("SLIME_ENGINE_RELEASE_MEMORY_ON_CPU") else []),
                 "--weight-dirs", *weight_dirs(self.args)]
 

@@ -4,6 +4,10 @@ The engine serves one adapter at a time by merging it into its weights: it keeps
 adapted linear layer (taken when the first adapter touches it) and sets `W = W_base + (lora_alpha / r) · B A`.
 Loading again (the trainer's next push) recomputes from the kept base copies, so pushes never accumulate; unloading
 restores the base. The forward is then the plain model's, so decoding equals a model with the merged weights.
+An engine whose weights are released with `base_backup` (a LoRA engine colocated with its trainer: release.py)
+keeps no device copy of the base: the one host copy of the frozen base serves both the resume and the merges, and
+after a resume, which brings back the base, the loaded adapter is merged again from its A and B (kept on the host,
+as pushed), so a resumed engine serves what it served before the release.
 
 As SGLang 0.5.16: answers are `{success, error_message, loaded_adapters: {name: lora_path}}` (`"__tensor__"` for an
 adapter loaded from tensors), 400 when refused; `/load_lora_adapter` refuses a name already loaded; a /generate
@@ -28,6 +32,7 @@ from fastapi.responses import JSONResponse
 from safetensors.torch import load_file
 from starlette.concurrency import run_in_threadpool
 
+from slime.backends.hf_engine.release import WeightMemory
 from slime.utils.lora_adapter import module_of
 from slime.weight_sync.tensor_payload import deserialize_bucket
 
@@ -36,11 +41,15 @@ TENSOR_SOURCE = "__tensor__"  # SGLang's lora_path of an adapter loaded from ten
 
 
 class MergedAdapter:
-    """The adapter merged into `model`'s linear weights, and the base copies that undo it."""
+    """The adapter merged into `model`'s linear weights, and the base copies that undo it (device copies, or with
+    `weights` in base_backup mode its host copy of the whole base)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, weights: WeightMemory | None = None):
         self.model = model
-        self.base: dict[str, torch.Tensor] = {}  # module name -> its base weight (a copy)
+        self.weights = weights if weights is not None and weights.mode == "base_backup" else None
+        self.base: dict[str, torch.Tensor] = {}  # module name -> its base weight (a device copy; none with weights)
+        self.merged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module -> the merged (A, B), on the host
+        self.scale = 0.0
         self.name: str | None = None
         self.info: dict = {}
 
@@ -78,27 +87,46 @@ class MergedAdapter:
     @torch.no_grad()
     def load(self, lora_name: str, named: list[tuple[str, torch.Tensor]], config: dict, source: str) -> dict:
         pairs = self.pairs(named, config, source)
+        if self.weights is not None:
+            self.weights.snapshot()  # the first adapter (or the first after a full load): the weights are the base
         self.restore()
-        scale = float(config["lora_alpha"]) / int(config["r"])
-        for module, (a, b) in pairs.items():
-            weight = self.model.get_submodule(module).weight
-            if module not in self.base:
-                self.base[module] = weight.detach().clone()
-            delta = (b.to(torch.float32) @ a.to(torch.float32)) * scale
-            weight.copy_((self.base[module].to(torch.float32) + delta.to(weight.device)).to(weight.dtype))
+        self.scale = float(config["lora_alpha"]) / int(config["r"])
+        self.merged = {m: (a.detach().to("cpu", copy=True), b.detach().to("cpu", copy=True))
+                       for m, (a, b) in pairs.items()}
+        self._merge()
         self.name = lora_name
         self.info = {"source": TENSOR_SOURCE, "r": int(config["r"]), "lora_alpha": config["lora_alpha"], "modules": len(pairs),
                      "tensors": 2 * len(pairs), "bytes": sum(t.numel() * t.element_size() for _, t in named)}
         return self.info
 
     @torch.no_grad()
+    def _merge(self) -> None:
+        """W = W_base + scale · B A for every module in `merged`, from the base copies (the weights hold the base
+        with a host copy)."""
+        for module, (a, b) in self.merged.items():
+            weight = self.model.get_submodule(module).weight
+            if self.weights is None and module not in self.base:
+                self.base[module] = weight.detach().clone()
+            base = weight if self.weights is not None else self.base[module]
+            delta = (b.to(weight.device, torch.float32) @ a.to(weight.device, torch.float32)) * self.scale
+            weight.copy_((base.to(torch.float32) + delta).to(weight.dtype))
+
+    def reapply(self) -> None:
+        """After a base_backup resume (the weights are the base again): merge the loaded adapter again."""
+        if self.name is not None and self.weights is not None:
+            self._merge()
+
+    @torch.no_grad()
     def restore(self) -> None:
         """The base weights back (a no-op without an adapter)."""
         if self.name is None:
             return
-        for module, base in self.base.items():
-            self.model.get_submodule(module).weight.copy_(base)
-        self.name, self.info = None, {}
+        if self.weights is not None:
+            self.weights.restore_params([self.model.get_submodule(m).weight for m in self.merged])
+        else:
+            for module, base in self.base.items():
+                self.model.get_submodule(module).weight.copy_(base)
+        self.merged, self.name, self.info = {}, None, {}
 
     def summary(self) -> dict | None:
         """/server_info's `lora_adapter`: the merged adapter's name, rank, alpha, modules, tensors and bytes."""
@@ -115,7 +143,9 @@ class MergedAdapter:
     def forget_base(self) -> None:
         """Full weights were loaded: they are the new base (any merged adapter is gone with the old weights)."""
         self.base.clear()
-        self.name, self.info = None, {}
+        self.merged, self.name, self.info = {}, None, {}
+        if self.weights is not None:
+            self.weights.changed()
 
 
 def read_adapter_folder(path: str) -> tuple[list[tuple[str, torch.Tensor]], dict]:

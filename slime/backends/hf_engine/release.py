@@ -11,6 +11,11 @@ copy instead and copies it back. `WeightMemory` does the same for a torch module
   has been written again (`mark_loaded`), `unloaded` names the ones that have not.
 - `cpu_backup`: the same, but the bytes are first copied into host buffers and copied back on resume. The host
   buffers are fixed-size chunks (pinned when the device is CUDA), allocated on the first release and reused.
+- `base_backup`: for a LoRA engine whose base is frozen: the host copy is taken once (`snapshot`, at the first
+  release or the first adapter load, whichever comes first) and a release copies nothing; a resume copies it back,
+  so the weights come back as the base, whatever adapter was merged into them (lora.py merges it again). The host
+  copy is the base the adapter merges read (`restore_params`), so the engine holds no device copy of it. A
+  full-weight load makes a new base (`changed`): the next snapshot takes it.
 - `keep`: nothing is freed (a CPU engine has nowhere cheaper to put its weights); only `released` changes.
 
 Storages, not parameters, are what is freed and re-allocated: a tied parameter (embed_tokens and lm_head, one
@@ -25,13 +30,15 @@ memory, and a new storage would part it from the buffer).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 logger = logging.getLogger("slime.hf_engine")
 
-MODES = ("free", "cpu_backup", "keep")
+MODES = ("free", "cpu_backup", "base_backup", "keep")
+HOST_COPY_MODES = ("cpu_backup", "base_backup")
 HOST_CHUNK_BYTES = 1 << 28  # 256 MiB: a power of two, so torch's pinned allocator does not round it up
 
 
@@ -75,7 +82,16 @@ class WeightMemory:
             logger.warning("parameters %s share storage with a buffer: they stay resident when weights are released",
                            self.resident)
         self._storages = list(storages.values())
-        self._host: list[torch.Tensor] = []  # cpu_backup: the chunks, allocated on the first release
+        self._starts = []  # each storage's first byte in the host layout (storages laid end to end)
+        self._where: dict[int, tuple[int, _View]] = {}  # id(Parameter) -> (its storage's index, its view)
+        pos = 0
+        for i, s in enumerate(self._storages):
+            self._starts.append(pos)
+            pos += s.nbytes
+            self._where.update({id(v.param): (i, v) for v in s.views})
+        self._host: list[torch.Tensor] = []  # cpu_backup / base_backup: the chunks, allocated on the first copy
+        self._host_fresh = False  # base_backup: the host copy holds the current base
+        self.host_copies = 0  # copies taken to the host (base_backup: one per base)
         self.released = False
         self._unloaded: dict[int, str] = {}  # id(Parameter) -> name, while resumed uninitialised
 
@@ -110,6 +126,8 @@ class WeightMemory:
             return 0
         if self.mode == "cpu_backup":
             self._copy_to_host()
+        elif self.mode == "base_backup":
+            self.snapshot()
         if self.mode != "keep":
             for s in self._storages:
                 for v in s.views:
@@ -128,7 +146,7 @@ class WeightMemory:
                 for v in s.views:
                     v.param.data = torch.empty(0, dtype=v.dtype, device=s.device).set_(storage, v.offset, v.size,
                                                                                         v.stride)
-            if self.mode == "cpu_backup":
+            if self.mode in HOST_COPY_MODES:
                 self._copy_from_host()
             else:
                 self._unloaded = {id(v.param): v.name for s in self._storages for v in s.views}
@@ -140,16 +158,54 @@ class WeightMemory:
         for t in tensors:
             self._unloaded.pop(id(t), None)
 
-    # ---- cpu_backup ----
-    def _segments(self):
-        """(storage index, start in it, host chunk index, start in the chunk, length): the storages laid end to
-        end over the chunks, a storage split where a chunk ends."""
-        pos = 0
-        for i, s in enumerate(self._storages):
-            start = 0
-            while start < s.nbytes:
+    # ---- base_backup ----
+    def snapshot(self) -> None:
+        """base_backup: copy the weights (the base: no adapter merged) to the host unless the copy holds them."""
+        if self.mode != "base_backup":
+            raise ValueError(f"snapshot: the weights are released in mode {self.mode!r}; only base_backup keeps a "
+                             "host copy of the base")
+        if self._host_fresh:
+            return
+        if self.released:
+            raise ValueError("snapshot: the weights are released; resume them first")
+        start = time.perf_counter()
+        self._copy_to_host()
+        self._host_fresh = True
+        logger.info("weights: host copy of the base taken (%.3f GB, %.3f s); releases copy nothing until the next "
+                    "full-weight load", self.nbytes / 1e9, time.perf_counter() - start)
+
+    def changed(self) -> None:
+        """The weights were loaded anew (a full-weight push): they are the base the next snapshot copies."""
+        self._host_fresh = False
+
+    def restore_params(self, params) -> None:
+        """base_backup: copy the host copy of these parameters (the module's own objects) back into them."""
+        if not self._host_fresh:
+            raise ValueError("restore_params: no host copy of the current base (snapshot first)")
+        ranges = []
+        for p in params:
+            i, v = self._where[id(p)]
+            if p.is_contiguous():
+                size = v.dtype.itemsize
+                ranges.append((i, v.offset * size, p.numel() * size))
+            else:  # a strided view: its whole storage (every parameter in it is base too)
+                ranges.append((i, 0, self._storages[i].nbytes))
+        for i, start, chunk, at, n in self._segments(ranges):
+            self._bytes(i)[start:start + n].copy_(self._host[chunk][at:at + n], non_blocking=True)
+        self._synchronize()
+
+    # ---- the host copy ----
+    def _segments(self, ranges=None):
+        """(storage index, start in it, host chunk index, start in the chunk, length) over `ranges` ((storage
+        index, first byte, bytes); None: every storage whole): the storages laid end to end over the chunks, a
+        range split where a chunk ends."""
+        if ranges is None:
+            ranges = [(i, 0, s.nbytes) for i, s in enumerate(self._storages)]
+        for i, first, nbytes in ranges:
+            start, pos = first, self._starts[i] + first
+            while start < first + nbytes:
                 chunk, at = divmod(pos, HOST_CHUNK_BYTES)
-                n = min(s.nbytes - start, HOST_CHUNK_BYTES - at)
+                n = min(first + nbytes - start, HOST_CHUNK_BYTES - at)
                 yield i, start, chunk, at, n
                 start += n
                 pos += n
@@ -167,6 +223,7 @@ class WeightMemory:
         for i, start, chunk, at, n in self._segments():
             self._host[chunk][at:at + n].copy_(self._bytes(i)[start:start + n], non_blocking=True)
         self._synchronize()
+        self.host_copies += 1
 
     def _copy_from_host(self) -> None:
         for i, start, chunk, at, n in self._segments():

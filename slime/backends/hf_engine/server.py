@@ -73,12 +73,13 @@ class EngineState:
     """Everything the endpoints share: model, tokenizer, scheduler, weight version, released tags.
 
     `frees_memory`: a release frees memory (on CUDA; on CPU only with --release-memory-on-cpu); the weights are then
-    freed, or with `weights_cpu_backup` copied to host memory first (`self.weights`, release.py).
+    freed, or with `weights_cpu_backup` copied to host memory first, or with `lora_base_cpu_backup` (a LoRA engine:
+    the base is frozen) restored from one host copy of the base taken once (`self.weights`, release.py).
     """
 
     def __init__(self, model, tokenizer, scheduler: Scheduler, *, model_path: str, device: str, dtype: str,
                  weight_version: str = "default", weight_dirs: list[str] | None = None, frees_memory: bool = False,
-                 weights_cpu_backup: bool = False):
+                 weights_cpu_backup: bool = False, lora_base_cpu_backup: bool = False):
         self.model, self.tokenizer, self.scheduler = model, tokenizer, scheduler
         self.model_path, self.device, self.dtype = model_path, device, dtype
         self.weight_dirs = weight_dirs or [os.path.dirname(os.path.abspath(model_path))]
@@ -88,12 +89,13 @@ class EngineState:
         self.memory_lock = threading.Lock()  # serialises release / resume / weight loading
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.frees_memory = frees_memory
-        self.weights = WeightMemory(model, ("cpu_backup" if weights_cpu_backup else "free") if frees_memory else "keep")
+        backup = "base_backup" if lora_base_cpu_backup else "cpu_backup" if weights_cpu_backup else "free"
+        self.weights = WeightMemory(model, backup if frees_memory else "keep")
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.params.update(dict(model.named_buffers(remove_duplicate=False)))
         self.model_name = checkpoint_name_mapper(model, set(self.params))  # Hub spelling -> in-memory name
         self.weight_checker = WeightChecker(self.params)  # POST /weights_checker (--check-weight-update-equal)
-        self.adapter = MergedAdapter(model)  # a LoRA adapter merged into the weights (lora.py)
+        self.adapter = MergedAdapter(model, self.weights)  # a LoRA adapter merged into the weights (lora.py)
         self.processor = load_processor_for(model_path, model)  # None for a text-only model (vision.py)
 
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]], source: str) -> int:
@@ -355,6 +357,7 @@ def build_app(state: EngineState, api_key: str | None = None) -> FastAPI:
                 "enable_deterministic_inference": sched.deterministic,
                 "weight_version": state.weight_version, "num_running_reqs": running, "num_waiting_reqs": waiting,
                 "paused": sched.paused, "released_tags": sorted(state.released), "weights_release": state.weights.mode,
+                "weights_host_copies": state.weights.host_copies,
                 "uninitialised_weights": len(state.weights.unloaded), "tp_size": 1, "dp_size": 1,
                 "context_length": sched.max_context_len, **sched.stats, **_cuda_memory(state)}
 
@@ -678,7 +681,9 @@ def _release(state: EngineState, tags: set[str]) -> None:
       so the trainer pushes the complete weights right after resuming them (the training loop does); until every
       parameter has been loaded, /generate answers 503 naming what is missing (SGLang would generate from
       garbage). With --enable-weights-cpu-backup the weights are copied to pinned host memory first (allocated on
-      the first release, reused) and copied back on resume.
+      the first release, reused) and copied back on resume. With --lora-base-cpu-backup the host copy is of the
+      frozen base, taken once: a release copies nothing, a resume copies the base back and merges the loaded LoRA
+      adapter again (lora.py).
     - "kv_cache": the KV slot buffers are freed (the endpoint refuses a release while any request is in the engine,
       as SGLang does, so none is running);
     - "cuda_graph": the captured decode graphs are dropped (captured again when next needed; releasing the weights
@@ -736,6 +741,7 @@ def _resume(state: EngineState, tags: set[str]) -> None:
         if "weights" in tags and "weights" in state.released:
             with state.scheduler.exclusive():
                 allocated = state.weights.resume()
+                state.adapter.reapply()  # base_backup: the weights came back as the base
                 state.scheduler.drop_graphs()
             if state.weights.complete:
                 state.scheduler.resume("released")
@@ -772,6 +778,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="releasing the weights copies them to host memory (pinned, kept for the next release) and "
                         "resuming copies them back (SGLang's flag); default: released weights are freed and come back "
                         "uninitialised, and /generate answers 503 until the complete weights have been loaded again")
+    p.add_argument("--lora-base-cpu-backup", action="store_true",
+                   help="for a LoRA engine (its base frozen): one host copy of the base weights (pinned), taken at the "
+                        "first release or adapter load and again only after a full-weight load; a release copies "
+                        "nothing, a resume copies the base back and merges the loaded adapter again, and adapter "
+                        "merges read the base from that copy (no device copy of it). Wins over "
+                        "--enable-weights-cpu-backup")
     p.add_argument("--release-memory-on-cpu", action="store_true",
                    help="on --device cpu, free released memory as on CUDA (for tests of that path on machines without "
                         "a GPU; default on CPU: a release frees nothing, the weights keep their values)")
@@ -820,7 +832,8 @@ def main(argv=None) -> None:
     state = EngineState(model, tokenizer, scheduler, model_path=args.model_path, device=args.device,
                         dtype=args.dtype, weight_version=args.weight_version, weight_dirs=args.weight_dirs,
                         frees_memory=args.device != "cpu" or args.release_memory_on_cpu,
-                        weights_cpu_backup=args.enable_weights_cpu_backup)
+                        weights_cpu_backup=args.enable_weights_cpu_backup,
+                        lora_base_cpu_backup=args.lora_base_cpu_backup)
     scheduler.start()
     logger.info("loaded %s (%s, %s) in %.1f s; serving on http://%s:%d (pid %d, process group %d)%s", args.model_path,
                 args.device, args.dtype, time.time() - t0, args.host, args.port, os.getpid(), os.getpgid(0),

@@ -14,6 +14,7 @@ engine, or per node of a multi-node engine. It computes the server's arguments f
 | `skip_server_warmup`, `trust_remote_code` | always on |
 | `api_key` | `--engine-api-key` (when set; shown as `--api-key ***` in the engine's log) |
 | `enable_lora`, `max_lora_rank`, `lora_target_modules` | `--lora-rank` > 0: on, the rank, `--target-modules` (`all` for all-linear) |
+| `enable_weights_cpu_backup` | `--lora-rank` > 0 with `--offload-rollout` (on with `--colocate`): a push sends only the adapter, so the released base must come back from host memory on resume |
 | `dist_init_addr`, `nnodes`, `node_rank` | engines wider than `--num-gpus-per-node`: one actor per node |
 | anything else | every `--sglang-<flag>` (resolved and checked against the installed SGLang's flags) |
 
@@ -61,7 +62,7 @@ from slime.backends.sglang_utils.arguments import (
     server_fields,
     sglang_cli_args,
 )
-from slime.utils.lora_adapter import engine_target_modules
+from slime.utils.lora_adapter import engine_keeps_base_on_host, engine_target_modules
 from slime.utils.net import free_port
 from slime.utils.placement import engine_nnodes
 
@@ -178,6 +179,8 @@ class SGLangEngine(ServerEngine):
         if args.lora_rank > 0:  # adapters are loaded after start: SGLang needs the largest rank and the modules
             values.update(enable_lora=True, max_lora_rank=args.lora_rank,
                           lora_target_modules=engine_target_modules(args.target_modules, args.exclude_modules))
+            if engine_keeps_base_on_host(args):  # released weights come back from host memory, not uninitialised
+                values["enable_weights_cpu_backup"] = True
             if self.rank == 0:
                 logger.warning("LoRA on SGLang engines follows SGLang 0.5.16's API and is checked on CPU only: it has "
                                "not yet run against a real SGLang server (docs/lora.md, GPU acceptance row 21)")

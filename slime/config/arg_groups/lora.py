@@ -2,7 +2,7 @@
 
 The flags are those of the slime fork radixark/miles (`--lora-rank` 0 = off, `--lora-alpha`, `--lora-dropout`,
 `--target-modules`, `--exclude-modules`, `--lora-adapter-path`), so its launch scripts' LoRA arguments parse here.
-Built: the fsdp and Megatron trainers with the `hf` engine (docs/lora.md). Its other LoRA flags parse with its defaults and are
+Built: the fsdp and Megatron trainers with the `hf` engine, colocated or not (docs/lora.md). Its other LoRA flags parse with its defaults and are
 refused (or warned about) when set: split-QKV `canonical_lora`, adapters trained but not served
 (`--lora-train-only`), several adapters in one job (`--multi-lora-*`).
 """
@@ -28,8 +28,6 @@ _NOT_BUILT = {
                   "drop it (the default lora)"),
     "lora_sync_from_tensor": ({"action": "store_true"}, False, "warn",
                               "the adapter always travels as tensors here", "drop it"),
-    "lora_base_cpu_backup": ({"action": "store_true"}, False, "warn",
-                             "the hf engine always keeps its base weights; only memory would differ", "drop it"),
     "lora_train_only": ({"action": "store_true"}, False, "refuse",
                         "training adapters while the engines keep generating with the base model is not built",
                         "drop it (the engines serve the trained adapter)"),
@@ -64,6 +62,12 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-adapter-path", type=str, default=None,
                    help="Start from this PEFT adapter folder (adapter_config.json, adapter_model.safetensors) "
                    "instead of a zero adapter.")
+    g.add_argument("--lora-base-cpu-backup", action="store_true",
+                   help="miles: engines that release their memory (--colocate / --offload-rollout) keep a host copy "
+                   "of the frozen base weights and restore it on resume, so a push sends only the adapter. Here "
+                   "such a LoRA run always does this (SGLang: --enable-weights-cpu-backup; hf engine: one host copy "
+                   "taken once), so the flag changes nothing; without --offload-rollout the engines keep their "
+                   "weights and it has no effect (warned).")
     for dest, (kwargs, _, kind, why, _) in _NOT_BUILT.items():
         what = "refused when set" if kind == "refuse" else "warned about when set (not acted on)"
         g.add_argument(_OPTION.get(dest, "--" + dest.replace("_", "-")), dest=dest, help=f"miles: {what}: {why}.",
@@ -116,10 +120,9 @@ def validate_lora(args: argparse.Namespace) -> None:
     if args.check_weight_update_equal:
         fail(f"--lora-rank {args.lora_rank} with --check-weight-update-equal: that check overwrites every engine "
              "tensor and expects one push to restore them all, while a LoRA push sends only the adapter; drop it.")
-    if args.colocate:
-        fail(f"--lora-rank {args.lora_rank} with --colocate: colocated engines free their weights between rollouts "
-             "and a LoRA push sends only the adapter, not the base they would need back; run the engines on their "
-             "own GPUs (drop --colocate).")
+    if args.lora_base_cpu_backup and not args.offload_rollout:
+        logger.warning("--lora-base-cpu-backup: no effect without --offload-rollout (on with --colocate): the engines "
+                       "never release their weights; drop it.")
     if not engine_spec(args).serves_lora:
         engines = [name for name, spec in ENGINE_SPECS.items() if spec.serves_lora]
         fail(f"--lora-rank {args.lora_rank}: serving the adapter is not built for {engine_spec(args).name} engines; "
