@@ -459,6 +459,17 @@ ROWS: tuple[Row, ...] = (
                      step_s=r"\[lora colocate\] step s (\[[^\]]*\])",
                      push_s=r"\[lora colocate\] push s (adapter \[[^\]]*\] vs full \[[^\]]*\])",
                      push_bytes=r"\[lora colocate\] .*push bytes (.+)$")),
+    Row(23, "images through real SGLang (Megatron)", "VLM", f"{PYTEST} tests/gpu/test_vlm_sglang_gpu.py",
+        timeout_s=600, estimate_s=330, part="vlm",
+        must_show="tests/contract/test_image_api.py passes against SGLang serving the tiny Qwen2.5-VL (text with "
+        "one placeholder per image + PNG data URLs: its prompt tokens are the trained ids, log-probs within 0.05 of "
+        "a transformers fp32 forward, a push to the vision tower reaching an image seen before it); train.py on the "
+        "colour task, Megatron + SGLang colocated, 3 rollouts with images: versions 1-3, |Δ log-prob| < 0.05; "
+        "the step times",
+        figures=grab(contract=r"\[image contract vs sglang\] (.+?); not passed",
+                     vision_push=r"\[image contract vs sglang\] vision push: (.+)$",
+                     logprob_diff=r"\[vlm megatron \+ sglang\].*?\|Δ log-prob\| (\[[^\]]*\])",
+                     step_s=r"\[vlm megatron \+ sglang\].*; step s (\[[^\]]*\])")),
 )
 PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."9", then perf, perf2, x2
 

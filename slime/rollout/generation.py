@@ -273,19 +273,40 @@ def _parse_generate_answer(url: str, answer: Any) -> tuple[str, list[int], list[
     return str(answer.get("text") or ""), tokens, logprobs, status, meta.get("weight_version")
 
 
-def image_prompt_ids(args, sample: Sample) -> list[int]:
-    """A prompt with images through --hf-checkpoint's processor: its ids with each image placeholder expanded to
-    the image's tokens; the processed images are kept for training in `sample.multimodal_train_inputs`."""
+def _image_processor(args, sample: Sample):
     processor = _load_processor(args.hf_checkpoint)
     if processor is None:
         raise ValueError(f"sample {sample.index} has images but --hf-checkpoint {args.hf_checkpoint} has no "
                          "multimodal processor; use a vision-language model or drop --multimodal-keys")
+    return processor
+
+
+def image_prompt_text(args, sample: Sample) -> str:
+    """The prompt of a sample with images as text, one placeholder per image (a message list through the
+    processor's chat template)."""
     prompt = sample.prompt
     if isinstance(prompt, list):
-        prompt = processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    out = processor(text=prompt, **build_processor_kwargs({"images": sample_images(sample)}))
+        prompt = _image_processor(args, sample).apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
+def image_prompt_ids(args, sample: Sample) -> list[int]:
+    """A prompt with images through --hf-checkpoint's processor: its ids with each image placeholder expanded to
+    the image's tokens; the processed images are kept for training in `sample.multimodal_train_inputs`."""
+    processor = _image_processor(args, sample)
+    out = processor(text=image_prompt_text(args, sample), **build_processor_kwargs({"images": sample_images(sample)}))
     sample.multimodal_train_inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
     return list(out["input_ids"][0])
+
+
+def request_prompt_text(args, sample: Sample) -> str | None:
+    """The text a /generate request sends instead of the sample's ids: the prompt of a sample with images that has
+    no response yet (generate_payload says why). A sample with images continued after a response (a partial
+    rollout resumed) is sent as ids, which the hf engine takes; --partial-rollout with images is refused for
+    engines that do not (their spec's `takes_expanded_image_ids`)."""
+    if not sample_images(sample) or sample.response_length > 0:
+        return None
+    return image_prompt_text(args, sample)
 
 
 def init_response(args, sample: Sample) -> None:
@@ -325,11 +346,17 @@ def set_engine_adapter(name: str | None) -> None:
     _engine_adapter = name
 
 
-def generate_payload(input_ids: list[int], params: dict, image_data: list[str] | None = None) -> dict:
-    """The body of a rollout's `/generate`: the token ids, sampling params, log-probs on, the images (data URIs) if
+def generate_payload(input_ids: list[int], params: dict, image_data: list[str] | None = None,
+                     text: str | None = None) -> dict:
+    """The body of a rollout's `/generate`: the prompt, sampling params, log-probs on, the images (data URIs) if
     any, and with LoRA the adapter the engines hold (`lora_path`: SGLang serves a request with the adapter it names,
-    the base model without one)."""
-    payload = {"input_ids": list(input_ids), "sampling_params": params, "return_logprob": True}
+    the base model without one).
+
+    The prompt is `input_ids`, or `text` when given: a prompt with images goes as text with one placeholder per
+    image, which the server expands with its own processor (SGLang decodes `input_ids` to text and runs the
+    processor on that, so ids holding the images' expanded tokens would be expanded a second time)."""
+    payload = {"text": text} if text is not None else {"input_ids": list(input_ids)}
+    payload.update({"sampling_params": params, "return_logprob": True})
     if image_data:
         payload["image_data"] = list(image_data)
     if _engine_adapter is not None:
@@ -337,12 +364,13 @@ def generate_payload(input_ids: list[int], params: dict, image_data: list[str] |
     return payload
 
 
-async def post_generate(args, input_ids: list[int], params: dict, image_data: list[str] | None = None):
-    """POST `{router}/generate` for these token ids (and images, as data URIs: `image_data`, with the ids holding
-    each image's expanded tokens) -> (text, new tokens, their log-probs, status, weight version). Retried (60
-    times under --use-fault-tolerance, else 3) with backoff."""
+async def post_generate(args, input_ids: list[int], params: dict, image_data: list[str] | None = None,
+                        text: str | None = None):
+    """POST `{router}/generate` for these token ids (or `text`, whose tokens the server makes: they must be
+    `input_ids`; and images, as data URIs: `image_data`) -> (text, new tokens, their log-probs, status, weight
+    version). Retried (60 times under --use-fault-tolerance, else 3) with backoff."""
     url = f"{router_url(args)}/generate"
-    payload = generate_payload(input_ids, params, image_data)
+    payload = generate_payload(input_ids, params, image_data, text)
     fault_tolerant = args.use_fault_tolerance
     retries = 60 if fault_tolerant else 3
     try:
@@ -354,7 +382,22 @@ async def post_generate(args, input_ids: list[int], params: dict, image_data: li
             "" if fault_tolerant else "; --use-fault-tolerance retries 60 times and restarts engines that die"
         )
         raise HTTPRequestError(url, f"{e}; {hint}", e.status_code, e.response_text) from e
+    if text is not None:
+        check_prompt_tokens(url, answer, len(input_ids))
     return _parse_generate_answer(url, answer)
+
+
+def check_prompt_tokens(url: str, answer, expected: int) -> None:
+    """A prompt sent as text was tokenized by the server: its token count (`meta_info.prompt_tokens`) must be the
+    count of the ids the sample trains on, else the response's log-probs were computed after another prompt."""
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    got = meta.get("prompt_tokens") if isinstance(meta, dict) else None
+    if got is not None and got != expected:
+        raise ValueError(
+            f"{url}: the server made {got} prompt tokens of the prompt with images, --hf-checkpoint's processor "
+            f"made {expected}: the engine's processor expands the images differently (another image processor "
+            "config or min/max pixels?); serve the same model folder as --hf-checkpoint"
+        )
 
 
 def mask_offpolicy(args, sample: Sample) -> None:
@@ -391,7 +434,8 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     params["max_new_tokens"] = max_new
 
     images = [encode_image_for_rollout_engine(image) for image in sample_images(sample)]
-    text, tokens, logprobs, status, weight_version = await post_generate(args, sample.tokens, params, images)
+    text, tokens, logprobs, status, weight_version = await post_generate(
+        args, sample.tokens, params, images, request_prompt_text(args, sample))
 
     append_model_tokens(sample, tokens, logprobs, text, weight_version)
     sample.status = status

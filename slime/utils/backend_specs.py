@@ -38,6 +38,9 @@ class TrainBackendSpec:
     expects_cuda: bool
     # Trains LoRA adapters on a frozen base (--lora-rank > 0; docs/lora.md).
     trains_lora: bool = False
+    # Pushes a vision-language model under its checkpoint's names (`model.layers.*`, `visual.*`) rather than
+    # transformers' in-memory ones (`model.language_model.*`, `model.visual.*`).
+    pushes_checkpoint_vlm_names: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,13 +69,20 @@ class EngineSpec:
     serves_lora: bool = False
     # Is sent the rows' images (--multimodal-keys) as /generate's image_data by the rollout, and serves them.
     takes_images: bool = False
+    # Takes input_ids that hold the images' expanded tokens with image_data (what a continued sample with images,
+    # e.g. a partial rollout resumed, is sent as); SGLang expands placeholders in the decoded ids itself.
+    takes_expanded_image_ids: bool = False
+    # Loads a vision-language model's push under transformers' in-memory names (`model.language_model.*`, what the
+    # fsdp trainer pushes), not only the checkpoint's (`model.layers.*`, `visual.*`: what Megatron pushes); SGLang's
+    # Qwen2.5-VL loader skips names it does not know without an error.
+    takes_transformers_vlm_names: bool = False
 
 
 TRAIN_BACKEND_SPECS: dict[str, TrainBackendSpec] = {
     "megatron": TrainBackendSpec(
         name="megatron", model_from_megatron_flags=True, megatron_parallelism=True, checkpoint_format="torch_dist",
         has_critic=False, memory_model="megatron", bf16_by_default_on_gpu=True, expects_cuda=True,
-        trains_lora=True,
+        trains_lora=True, pushes_checkpoint_vlm_names=True,
     ),
     "fsdp": TrainBackendSpec(
         name="fsdp", model_from_megatron_flags=False, megatron_parallelism=False, checkpoint_format="hf",
@@ -84,13 +94,13 @@ TRAIN_BACKEND_SPECS: dict[str, TrainBackendSpec] = {
 ENGINE_SPECS: dict[str, EngineSpec] = {
     "sglang": EngineSpec(
         name="sglang", launched=True, needs_cuda=True, tensor_parallel=True, spans_nodes=True,
-        takes_sglang_server_args=True, kv_cache="static_pool", serves_lora=True,
+        takes_sglang_server_args=True, kv_cache="static_pool", serves_lora=True, takes_images=True,
     ),
     "hf": EngineSpec(
         name="hf", launched=True, needs_cuda=False, tensor_parallel=False, spans_nodes=False,
         takes_sglang_server_args=False, kv_cache="slots",
         unsupported_sampling=(("min_new_tokens", 0), ("repetition_penalty", 1.0)), serves_lora=True,
-        takes_images=True,
+        takes_images=True, takes_expanded_image_ids=True, takes_transformers_vlm_names=True,
     ),
 }  # fmt: skip
 

@@ -96,3 +96,36 @@ def engine(request, tmp_path_factory) -> EngineUnderTest:
         yield EngineUnderTest(eng.init(), model_path, False, same_host=True, **common)
     finally:
         eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def vision_engine(request, tmp_path_factory) -> EngineUnderTest:
+    """The engine of the image tests (test_image_api.py): `--engine-url`'s server when it serves a vision-language
+    model (its /model_info `has_image_understanding`; skipped otherwise), else an `hf` engine started on the tiny
+    Qwen2.5-VL of tools/make_tiny_model.py."""
+    config = request.config
+    common = {"trainer_address": _option(config, "--trainer-address", "127.0.0.1"),
+              "logprob_tol": _option(config, "--logprob-tol", 1e-4),
+              "weight_sync_backend": _option(config, "--weight-sync-backend", "gloo")}
+    url = _option(config, "--engine-url")
+    if url:
+        url = url.rstrip("/")
+        info = httpx.get(url + "/model_info", timeout=30, trust_env=False).json()
+        if not info.get("has_image_understanding"):
+            pytest.skip(f"{url} serves a text-only model ({info.get('model_path')}): the image tests need a "
+                        "vision-language one")
+        yield EngineUnderTest(url, _option(config, "--engine-model-path") or info["model_path"], True,
+                              same_host=bool(_option(config, "--engine-same-host")), **common)
+        return
+
+    from tools.make_tiny_model import make_tiny_model
+
+    model_path = make_tiny_model(str(tmp_path_factory.mktemp("contract") / "tiny-vlm"), arch="qwen2_5_vl",
+                                 size="tiny", seed=0)
+    os.environ.setdefault("SLIME_ENGINE_LOG_DIR", str(tmp_path_factory.mktemp("engine_logs")))
+    eng = HFEngine(make_args(hf_checkpoint=model_path, rollout_seed=0, sglang_server_concurrency=8), rank=0)
+    try:
+        yield EngineUnderTest(eng.init(), model_path, False, same_host=True, **common)
+    finally:
+        eng.shutdown()
+

@@ -121,6 +121,7 @@ def test_engine_lifecycle_behind_the_sglang_command(tmp_path, monkeypatch, tiny_
         assert "--enable-memory-saver" not in argv
         env = json.loads((tmp_path / "argv.json.env").read_text())  # slime's server environment
         assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"  # /health must not generate
+        assert env["SGLANG_VLM_CACHE_SIZE_MB"] == "0"  # no vision-tower outputs kept across weight pushes
         assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in env and env["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] == "true"
         assert eng.health_generate(timeout=30)
 

@@ -518,8 +518,10 @@ def test_rm_type_check_logic(monkeypatch):
 @pytest.mark.parametrize("extra, message", [
     (["--use-routing-replay"], "--use-routing-replay: not supported here: MoE routing replay"),
     (["--enable-mtp-training"], "--enable-mtp-training: not supported here: multi-token-prediction layers"),
-    (["--multimodal-keys", '{"image": "img"}', "--train-backend", "megatron", "--rollout-backend", "sglang"],
-     "--multimodal-keys {\"image\": \"img\"}: not supported here yet: the sglang engines are not sent the images"),
+    (["--multimodal-keys", '{"image": "img"}', "--rollout-external-engine-addrs", "10.0.0.1:30000"],
+     "--multimodal-keys {\"image\": \"img\"}: not supported here yet: the external engines are not sent the images"),
+    (["--multimodal-keys", '{"image": "i"}', "--train-backend", "megatron", "--rollout-backend", "sglang",
+      "--partial-rollout"], "--partial-rollout resumes a sample with images as input_ids holding the images' expanded"),
     (["--multimodal-keys", '{"image": "i"}', "--train-backend", "megatron", "--rollout-backend", "hf",
       "--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"],
      "--sequence-parallel / --context-parallel-size > 1 split across ranks first"),
@@ -527,7 +529,8 @@ def test_rm_type_check_logic(monkeypatch):
       "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
      "--sequence-parallel / --context-parallel-size > 1 split across ranks first"),
     (["--multimodal-keys", '{"image": "img"}', "--train-backend", "fsdp", "--rollout-backend", "sglang"],
-     "--multimodal-keys {\"image\": \"img\"}: not supported here yet: the sglang engines are not sent the images"),
+     "the fsdp trainer pushes a vision-language model under transformers' in-memory names (model.language_model.*), "
+     "which the sglang engine's loader skips"),
     (["--multimodal-keys", '{"video": "v"}', "--train-backend", "fsdp", "--rollout-backend", "hf"],
      "media types ['video']: images only"),
     (["--multimodal-keys", '{"image": "i"}', "--train-backend", "fsdp", "--rollout-backend", "hf",
@@ -542,10 +545,14 @@ def test_unsupported_slime_flags_are_refused_with_the_reason(files, extra, messa
     assert message in msg and ";" in msg  # the reason, then what to do instead
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_multimodal_keys_are_taken_with_the_hf_engine(files, backend):
+@pytest.mark.parametrize("backend, engine, extra", [
+    ("fsdp", "hf", []), ("megatron", "hf", []), ("megatron", "sglang", []),
+    ("megatron", "hf", ["--partial-rollout"]),  # the hf engine takes a resumed sample's expanded image ids
+])  # fmt: skip
+def test_multimodal_keys_are_taken(files, monkeypatch, backend, engine, extra):
+    monkeypatch.setenv("SLIME_SGLANG_LAUNCHER", "sglang serve")  # sglang without CUDA here
     args = parse_args(base("--multimodal-keys", '{"image": "images"}', "--train-backend", backend,
-                           "--rollout-backend", "hf"))
+                           "--rollout-backend", engine, *extra))
     assert args.multimodal_keys == {"image": "images"}
 
 

@@ -314,6 +314,25 @@ def test_new_gpu_tests_command_lines_pass_validation(plan_inputs, tmp_path, monk
             assert args.check_weight_update_equal and args.colocate and args.offload_rollout
 
 
+def test_vlm_gpu_test_command_line_passes_validation(tmp_path, monkeypatch):
+    """Row 23's train.py command (tests/gpu/test_vlm_sglang_gpu.py) parses and plans for the GPU (`--dry-run-cuda`):
+    images with Megatron + SGLang colocated, the vision tower's attention backend forwarded to SGLang."""
+    monkeypatch.setenv("SLIME_SGLANG_LAUNCHER", "sglang serve")
+    from slime.config.arguments import parse_args
+    from tests.gpu.test_vlm_sglang_gpu import vlm_train_cmd
+    from tools.make_tiny_model import build_config, build_processor, build_tokenizer
+    from tools.make_toy_data import write_toy_data
+
+    model = str(tmp_path / "tiny-vlm")  # config, tokenizer and processor without weights: all a plan reads
+    tokenizer = build_tokenizer(model, chat_template="qwen2_5_vl")
+    build_processor(model)
+    build_config("qwen2_5_vl", "tiny", ((len(tokenizer) + 63) // 64) * 64, tokenizer).save_pretrained(model)
+    data = write_toy_data(str(tmp_path / "colour.jsonl"), num_samples=8, seed=0, task="colour")
+    args = parse_args([*vlm_train_cmd(model, data, str(tmp_path))[2:], "--dry-run", "--dry-run-cuda"])
+    assert args.multimodal_keys == {"image": "images"} and args.rollout_backend == "sglang" and args.colocate
+    assert args.sglang_args["mm_attention_backend"] == "sdpa"
+
+
 GRPO_REPORT = textwrap.dedent("""\
     | system | step s | rollout s | rollout tok/s | train s | train tok/s | weight sync s | peak GB |
     | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |

@@ -74,6 +74,8 @@ LAUNCHER_ENV = "SLIME_SGLANG_LAUNCHER"
 # for the colocated trainer crashes its scheduler); no TP memory-imbalance check (a colocated trainer holds memory
 # on some GPUs). slime also sets SGLANG_MEMORY_SAVER_CUDA_GRAPH=true, which needs torch_memory_saver's LD_PRELOAD
 # hook mode (with the default hook SGLang's scheduler fails its assertion at start-up): not set here.
+# SGLANG_VLM_CACHE_SIZE_MB=0: no cache of vision-tower outputs keyed by the image; a weight push and /flush_cache
+# leave that cache alone (SGLang 0.5.16), so an image seen before a push would keep the old tower's features.
 SERVER_ENV_DEFAULTS = {
     "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "false",
@@ -82,6 +84,7 @@ SERVER_ENV_DEFAULTS = {
     "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "false",
     "SGLANG_JIT_DEEPGEMM_FAST_WARMUP": "true",
     "SGLANG_BATCH_INVARIANT_OPS_ENABLE_MM_FALLBACK_VARIANT": "true",
+    "SGLANG_VLM_CACHE_SIZE_MB": "0",
 }
 DEFAULT_LAUNCHER = (sys.executable, "-m", "sglang.launch_server")
 FOLLOWER_SETTLE_S = 3.0  # a node-rank > 0 server that survives this long is taken as started
