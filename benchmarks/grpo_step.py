@@ -153,7 +153,7 @@ def backend_flags(args, backend: str) -> list[str]:
     (distributed optimizer), packed micro-batches of at most --max-tokens-per-gpu tokens."""
     if backend == "fsdp":
         return ["--train-backend", "fsdp", "--micro-batch-size", str(args.micro_batch_size)]
-    tokens = args.max_tokens_per_gpu or args.micro_batch_size * (args.prompt_len + args.response_len)
+    tokens = getattr(args, "max_tokens_per_gpu", None) or args.micro_batch_size * (args.prompt_len + args.response_len)
     return ["--train-backend", "megatron", *model_args(args.shape), "--bf16", "--use-distributed-optimizer",
             "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(tokens)]
 
