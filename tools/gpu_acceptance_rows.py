@@ -450,15 +450,22 @@ ROWS: tuple[Row, ...] = (
         figures=grab(suite=r"\[lora contract vs sglang\] (.+?); not passed",
                      not_passed=r"\[lora contract vs sglang\].*; not passed: (.+)$")),
     Row(22, "LoRA colocated, Megatron + SGLang (4B)", "LoRA",
-        f"{FAST_SGLANG} {PYTEST} tests/gpu/test_lora_colocate_gpu.py", timeout_s=600, estimate_s=450, part="lora",
+        f"{FAST_SGLANG} {PYTEST} tests/gpu/test_lora_colocate_gpu.py -k adapter", timeout_s=600, estimate_s=360,
+        part="lora",
         must_show="the short 4B job (4 × 8 × 128 tokens) with LoRA r = 16 on all linear layers, Megatron + SGLang "
         "colocated with the handoff (SGLang started with `--enable-lora --enable-weights-cpu-backup`), 3 rollouts: "
         "|Δ log-prob| < 0.05 after every adapter push, the KL to the base > 0, the adapter push < 2% of the full "
-        "weights' bytes; step seconds, memory per phase, push seconds of the adapter against a full-weight run's",
+        "weights' bytes; step seconds, memory per phase, the adapter's push seconds (row 24: the full weights')",
         figures=grab(logprob_diff=r"\[lora colocate\] step s .*?\|Δ log-prob\| (\[[^\]]*\])",
                      step_s=r"\[lora colocate\] step s (\[[^\]]*\])",
-                     push_s=r"\[lora colocate\] push s (adapter \[[^\]]*\] vs full \[[^\]]*\])",
+                     push_s=r"\[lora colocate\] push s adapter (\[[^\]]*\])",
                      push_bytes=r"\[lora colocate\] .*push bytes (.+)$")),
+    Row(24, "full-weight push of row 22's job", "LoRA",
+        f"{FAST_SGLANG} {PYTEST} tests/gpu/test_lora_colocate_gpu.py -k full_weight", timeout_s=600, estimate_s=250,
+        part="lora2",
+        must_show="row 22's job without LoRA, one rollout, colocated with the handoff: it trains, and its step, "
+        "push seconds and bytes are the full-weight side of row 22's adapter push",
+        figures=grab(full_push=r"\[full push\] (.+)$")),
     Row(23, "images through real SGLang (Megatron)", "VLM", f"{PYTEST} tests/gpu/test_vlm_sglang_gpu.py",
         timeout_s=600, estimate_s=330, part="vlm",
         must_show="tests/contract/test_image_api.py passes against SGLang serving the tiny Qwen2.5-VL (text with "

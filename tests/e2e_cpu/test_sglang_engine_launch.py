@@ -156,6 +156,12 @@ def test_engine_lifecycle_behind_the_sglang_command(tmp_path, monkeypatch, tiny_
 
 
 @pytest.mark.timeout(240)
+def engine_pids() -> list[int]:
+    """Engine server processes (hf engine or the stand-in SGLang launcher) below this test process."""
+    return [p.pid for p in psutil.Process().children(recursive=True)
+            if any(s in " ".join(p.cmdline()) for s in ("slime.backends.hf_engine", "bin/sglang"))]
+
+
 def test_multi_node_engine_gets_one_actor_per_node(tmp_path, monkeypatch, tiny_model_dir):
     """An engine twice as wide as a node: the RolloutManager starts two actors on their own bundles,
     node rank 1 told node rank 0's rendezvous address, one URL registered, both servers reaped."""
@@ -181,6 +187,7 @@ def test_multi_node_engine_gets_one_actor_per_node(tmp_path, monkeypatch, tiny_m
     args.rollout_backend = "sglang"
     env = {k: os.environ[k] for k in ("PATH", "SLIME_SGLANG_LAUNCHER", "SLIME_ENGINE_LOG_DIR", "PYTHONPATH")}
     env["FAKE_SGLANG_ARGV"] = str(argv_file)
+    before = engine_pids()  # engines of other tests in this session (the contract suite's) are not this test's
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     pg = placement_group([{"CPU": 1}, {"CPU": 1}])
     try:
@@ -202,8 +209,7 @@ def test_multi_node_engine_gets_one_actor_per_node(tmp_path, monkeypatch, tiny_m
             assert flag(leader, "--tp-size") == flag(follower, "--tp-size") == "2"
             batch, _ = ray.get(manager.generate.remote(0), timeout=120)
             assert len(batch) == 2
-            pids = [p.pid for p in psutil.Process().children(recursive=True)
-                    if any(s in " ".join(p.cmdline()) for s in ("slime.backends.hf_engine", "bin/sglang"))]
+            pids = [p for p in engine_pids() if p not in before]
             assert len(pids) == 2, pids  # node rank 0's server (hf engine) and node rank 1's
         finally:
             ray.get(manager.shutdown.remote(), timeout=120)

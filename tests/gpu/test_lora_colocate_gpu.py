@@ -8,7 +8,8 @@ by the benchmark's own `run_mode` (its memory per phase and per trainer move). T
 - LoRA: `--lora-rank 16 --lora-alpha 32 --target-modules all-linear` (Megatron's local layers), lr 2e-4, KL to
   the base. SGLang is started with `--enable-lora` and `--enable-weights-cpu-backup`: a release pauses its weights
   into host memory and a resume brings the base back, then the adapter push loads the new adapter;
-- full weights: the same job without LoRA, one rollout, for the push seconds and bytes of the full model.
+- full weights (`test_full_weight_push_of_the_same_job`, row 24: one device call does not hold both runs): the same
+  job without LoRA, one rollout, for the push seconds and bytes of the full model.
 
 Printed: step seconds, memory per phase (the benchmark's tables), push seconds (`perf/update_weights_time`, the
 push after each step) and bytes (from the shapes: `adapter_bytes`) of the adapter against the full weights, the
@@ -82,44 +83,60 @@ def scalars(workdir: str, tag: str) -> dict[int, float]:
     return read_scalars(os.path.join(workdir, "sglang_handoff_tb"), tag)
 
 
-@pytest.mark.timeout(900)
-def test_lora_colocated_with_sglang_pushes_only_the_adapter(tmp_path):
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The short 4B job's model folder and prompts, written once for both tests."""
     sys.path.insert(0, BENCH_DIR)
-    from colocate_memory import report, run_mode
     from grpo_step import job_inputs
 
-    lora_dir, full_dir = tmp_path / "lora", tmp_path / "full"
-    lora_dir.mkdir()
-    full_dir.mkdir()
-    model_dir, data = job_inputs(job_args(3), str(tmp_path))
-    full_bytes = checkpoint_bytes(model_dir)
+    root = str(tmp_path_factory.mktemp("lora_colocate"))
+    return job_inputs(job_args(3), root)
 
-    lora = run_mode(job_args(3), "sglang", "handoff", model_dir, data, str(lora_dir), extra_flags=LORA)
+
+@pytest.mark.timeout(900)
+def test_lora_colocated_with_sglang_pushes_only_the_adapter(job, tmp_path):
+    """Row 22: the LoRA job, 3 rollouts."""
+    from colocate_memory import report, run_mode
+
+    model_dir, data = job
+    lora = run_mode(job_args(3), "sglang", "handoff", model_dir, data, str(tmp_path), extra_flags=LORA)
     print(report("LoRA r=16 all-linear, sglang, handoff", lora), flush=True)
-    with open(os.path.join(lora_dir, "sglang_handoff.log"), errors="replace") as f:
+    with open(os.path.join(tmp_path, "sglang_handoff.log"), errors="replace") as f:
         log = f.read()
     assert lora["rc"] == 0, lora["error"] + "\n" + log[-4000:]
     engine_log = "".join(open(p, errors="replace").read()
-                         for p in glob.glob(os.path.join(lora_dir, "sglang_handoff_engine_logs", "*.log")))
+                         for p in glob.glob(os.path.join(tmp_path, "sglang_handoff_engine_logs", "*.log")))
     assert "--enable-weights-cpu-backup" in engine_log and "--enable-lora" in engine_log, engine_log[:3000]
 
-    full = run_mode(job_args(1), "sglang", "handoff", model_dir, data, str(full_dir))
-    print(report("full weights, sglang, handoff", full), flush=True)
-    assert full["rc"] == 0, full["error"]
-
-    diffs = scalars(str(lora_dir), "train/train_rollout_logprob_abs_diff")
-    kl = scalars(str(lora_dir), "train/kl_loss")
-    push_s = scalars(str(lora_dir), "perf/update_weights_time")
-    full_push_s = scalars(str(full_dir), "perf/update_weights_time")
-    steps = scalars(str(lora_dir), "perf/step_time")
-    adapter = adapter_bytes(model_dir, int(LORA[1]))
+    diffs = scalars(str(tmp_path), "train/train_rollout_logprob_abs_diff")
+    kl = scalars(str(tmp_path), "train/kl_loss")
+    push_s = scalars(str(tmp_path), "perf/update_weights_time")
+    steps = scalars(str(tmp_path), "perf/step_time")
+    adapter, full_bytes = adapter_bytes(model_dir, int(LORA[1])), checkpoint_bytes(model_dir)
     print(f"[lora colocate] step s {[round(v, 2) for _, v in sorted(steps.items())]}; engine/trainer |Δ log-prob| "
           f"{[f'{diffs[k]:.2e}' for k in sorted(diffs)]}; kl_loss {[f'{kl[k]:.2e}' for k in sorted(kl)]}", flush=True)
-    print(f"[lora colocate] push s adapter {[round(v, 3) for _, v in sorted(push_s.items())]} vs full "
-          f"{[round(v, 3) for _, v in sorted(full_push_s.items())]}; push bytes adapter "
+    print(f"[lora colocate] push s adapter {[round(v, 3) for _, v in sorted(push_s.items())]}; push bytes adapter "
           f"{adapter / 1e6:.1f} MB vs full {full_bytes / 1e9:.2f} GB ({adapter / full_bytes:.2%})", flush=True)
     assert sorted(steps) == [0, 1, 2], steps
-    assert sorted(push_s) == [0, 1, 2] and sorted(full_push_s) == [0], (push_s, full_push_s)
+    assert sorted(push_s) == [0, 1, 2], push_s
     assert sorted(diffs) == [0, 1, 2] and max(diffs.values()) < 0.05, diffs  # bf16 SGLang vs bf16 trainer
     assert max(abs(v) for k, v in kl.items() if k > 0) > 0, kl  # the adapter moved the policy off the base
     assert adapter < 0.02 * full_bytes, (adapter, full_bytes)
+
+
+@pytest.mark.timeout(900)
+def test_full_weight_push_of_the_same_job(job, tmp_path):
+    """Row 24: the same job without LoRA, one rollout: the full-weight push's seconds and bytes to set against
+    row 22's adapter push (one device call cannot hold both runs)."""
+    from colocate_memory import report, run_mode
+
+    model_dir, data = job
+    full = run_mode(job_args(1), "sglang", "handoff", model_dir, data, str(tmp_path))
+    print(report("full weights, sglang, handoff", full), flush=True)
+    assert full["rc"] == 0, full["error"]
+    push_s = scalars(str(tmp_path), "perf/update_weights_time")
+    steps = scalars(str(tmp_path), "perf/step_time")
+    print(f"[full push] step s {[round(v, 2) for _, v in sorted(steps.items())]}; push s "
+          f"{[round(v, 3) for _, v in sorted(push_s.items())]}; push bytes {checkpoint_bytes(model_dir) / 1e9:.2f} GB",
+          flush=True)
+    assert sorted(push_s) == [0], push_s

@@ -11,7 +11,7 @@ as slime's multi-turn VLM rollout call `processor(text=..., images=...)` bare an
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, Qwen2_5_VLProcessor
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2_5_VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 
@@ -19,6 +19,13 @@ class TinyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
     def check_argument_for_proper_class(self, argument_name, argument):
         if argument_name == "video_processor" and argument is None:
             return None
+        if argument_name == "tokenizer":
+            # the parent resolves every tokenizer backend transformers names, MistralCommonBackend included, which
+            # fails to import where mistral-common's pydantic-extra-types is missing (SGLang's site on the H200)
+            if not isinstance(argument, PreTrainedTokenizerBase):
+                raise TypeError(f"Received a {type(argument).__name__} for argument tokenizer, but a tokenizer was "
+                                "expected.")
+            return PreTrainedTokenizerBase
         return super().check_argument_for_proper_class(argument_name, argument)
 
     def __call__(self, *args, **kwargs):
