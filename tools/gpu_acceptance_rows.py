@@ -460,12 +460,6 @@ ROWS: tuple[Row, ...] = (
                      step_s=r"\[lora colocate\] step s (\[[^\]]*\])",
                      push_s=r"\[lora colocate\] push s adapter (\[[^\]]*\])",
                      push_bytes=r"\[lora colocate\] .*push bytes (.+)$")),
-    Row(24, "full-weight push of row 22's job", "LoRA",
-        f"{FAST_SGLANG} {PYTEST} tests/gpu/test_lora_colocate_gpu.py -k full_weight", timeout_s=600, estimate_s=250,
-        part="lora2",
-        must_show="row 22's job without LoRA, one rollout, colocated with the handoff: it trains, and its step, "
-        "push seconds and bytes are the full-weight side of row 22's adapter push",
-        figures=grab(full_push=r"\[full push\] (.+)$")),
     Row(23, "images through real SGLang (Megatron)", "VLM", f"{PYTEST} tests/gpu/test_vlm_sglang_gpu.py",
         timeout_s=600, estimate_s=330, part="vlm",
         must_show="tests/contract/test_image_api.py passes against SGLang serving the tiny Qwen2.5-VL (text with "
@@ -477,6 +471,12 @@ ROWS: tuple[Row, ...] = (
                      vision_push=r"\[image contract vs sglang\] vision push: (.+)$",
                      logprob_diff=r"\[vlm megatron \+ sglang\].*?\|Δ log-prob\| (\[[^\]]*\])",
                      step_s=r"\[vlm megatron \+ sglang\].*; step s (\[[^\]]*\])")),
+    Row(24, "full-weight push of row 22's job", "LoRA",
+        f"{FAST_SGLANG} {PYTEST} tests/gpu/test_lora_colocate_gpu.py -k full_weight", timeout_s=600, estimate_s=250,
+        part="lora2",
+        must_show="row 22's job without LoRA, one rollout, colocated with the handoff: it trains, and its step, "
+        "push seconds and bytes are the full-weight side of row 22's adapter push",
+        figures=grab(full_push=r"\[full push\] (.+)$")),
 )
 PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."9", then perf, perf2, x2
 
