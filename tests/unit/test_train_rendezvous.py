@@ -47,7 +47,10 @@ def test_rank_zero_holds_its_port_from_creation(monkeypatch):
 def test_three_ranks_meet_at_rank_zeros_store(given):
     from slime.utils.net import free_port
 
-    ctx = mp.get_context("spawn")
+    # Fresh processes forked from a server that imported torch and this module once for all the ranks of both
+    # cases (a spawned rank imports them itself: seconds each); nothing in the server has touched the network.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
     address, out = ctx.Queue(), ctx.Queue()
     rank0 = ("127.0.0.1", free_port()) if given else None  # a launcher that names the address (the test workers)
     procs = [ctx.Process(target=_rank, args=(3, r, address, out, rank0), daemon=True) for r in range(3)]
