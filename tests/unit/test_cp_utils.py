@@ -85,7 +85,10 @@ def test_context_parallel_layout_over_megatron_cp_groups(tmp_path):
     import torch.multiprocessing as mp
 
     template = str(tmp_path / "train_{rollout_id}_{rank}.pt")
-    mp.spawn(_cp_worker, args=(str(tmp_path / "store"), template), nprocs=2)
+    # The ranks fork from a server that imported megatron-core and this module once for both (a spawned rank
+    # imports them itself: seconds each); each rank is still a fresh process with no process group.
+    mp.set_forkserver_preload(["torch.distributed", "megatron.core.parallel_state", __name__])
+    mp.start_processes(_cp_worker, args=(str(tmp_path / "store"), template), nprocs=2, start_method="forkserver")
 
     saved = torch.load(tmp_path / "train_2_0.pt", weights_only=True)
     assert [p.name for p in tmp_path.glob("train_*")] == ["train_2_0.pt"]  # CP rank 1 only helped restore
