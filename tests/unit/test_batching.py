@@ -190,8 +190,11 @@ def _same_count(tmp_path, rows_of, micro_batch_sizes):
 
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_same_count_worker, args=(str(tmp_path / "store"), rows_of, micro_batch_sizes, results),
-                 nprocs=len(rows_of))
+        # The ranks fork from a server that imported torch and this module once for both (spawned, each
+        # imports them itself); each rank is still a fresh process with no process group.
+        mp.set_forkserver_preload(["torch.distributed", __name__])
+        mp.start_processes(_same_count_worker, args=(str(tmp_path / "store"), rows_of, micro_batch_sizes, results),
+                           nprocs=len(rows_of), start_method="forkserver")
         return [[results[case, r] for r in range(len(rows_of))] for case in range(len(micro_batch_sizes))]
 
 
