@@ -7,6 +7,7 @@ import pytest
 
 from slime.backends.training.batching import plan_micro_batches, split_by_tokens
 from tests.args import make_args
+from tests.forkserver import fork_context
 
 
 def test_rows_grouped_under_the_padded_token_budget():
@@ -190,9 +191,7 @@ def _same_count(tmp_path, rows_of, micro_batch_sizes):
 
     with mp.Manager() as manager:
         results = manager.dict()
-        # The ranks fork from a server that imported torch and this module once for both (spawned, each
-        # imports them itself); each rank is still a fresh process with no process group.
-        mp.set_forkserver_preload(["torch.distributed", __name__])
+        fork_context(__name__)  # tests/forkserver.py: the ranks fork from a server that imported torch once
         mp.start_processes(_same_count_worker, args=(str(tmp_path / "store"), rows_of, micro_batch_sizes, results),
                            nprocs=len(rows_of), start_method="forkserver")
         return [[results[case, r] for r in range(len(rows_of))] for case in range(len(micro_batch_sizes))]

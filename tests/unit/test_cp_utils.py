@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from slime.backends.megatron_utils import cp_utils
+from tests.forkserver import fork_context
 
 
 def test_without_megatron_parallel_groups_everything_is_the_identity_or_a_per_sample_sum():
@@ -85,9 +86,7 @@ def test_context_parallel_layout_over_megatron_cp_groups(tmp_path):
     import torch.multiprocessing as mp
 
     template = str(tmp_path / "train_{rollout_id}_{rank}.pt")
-    # The ranks fork from a server that imported megatron-core and this module once for both (a spawned rank
-    # imports them itself: seconds each); each rank is still a fresh process with no process group.
-    mp.set_forkserver_preload(["torch.distributed", "megatron.core.parallel_state", __name__])
+    fork_context("megatron.core.parallel_state", __name__)  # tests/forkserver.py: imported once, not per rank
     mp.start_processes(_cp_worker, args=(str(tmp_path / "store"), template), nprocs=2, start_method="forkserver")
 
     saved = torch.load(tmp_path / "train_2_0.pt", weights_only=True)
