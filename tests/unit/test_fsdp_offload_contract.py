@@ -6,9 +6,9 @@ with a copy (`clone`) exercises it. Runs in a child process (its own default pro
 
 from __future__ import annotations
 
-import pytest
+import multiprocessing as mp
 
-from tests.forkserver import fork_context
+import pytest
 
 
 def _check(out) -> None:
@@ -52,7 +52,7 @@ def _check(out) -> None:
 
 @pytest.mark.timeout(120)
 def test_fsdp2_apply_keeps_parameters_and_optimizer_references():
-    ctx = fork_context(__name__)  # tests/forkserver.py: a fresh process, torch imported once per session
+    ctx = mp.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=_check, args=(out,), daemon=True)
     proc.start()
