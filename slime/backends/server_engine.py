@@ -35,7 +35,7 @@ import time
 import httpx
 
 from slime.utils.engine_logs import advice, exit_description, failure_kind, telling_line
-from slime.utils.http_utils import bearer_headers
+from slime.utils.http_utils import bearer_headers, probe_get
 from slime.utils.net import free_port, node_ip
 from slime.utils.processes import shown_command, spawn, stop_process_group
 from slime.weight_sync.delta import apply_push
@@ -155,8 +155,7 @@ class ServerEngine:
                 raise RuntimeError(f"{self.failure_report(when=f'at start-up, before answering {url}')}\n"
                                    f"last lines of {self.log_path}:\n{self.log_tail()}")
             try:
-                if httpx.get(url, timeout=self.health_probe_timeout_s, headers=self.auth_headers(),
-                             trust_env=False).status_code == 200:
+                if probe_get(url, timeout=self.health_probe_timeout_s, headers=self.auth_headers()).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -422,8 +421,7 @@ class ServerEngine:
     def health_generate(self, timeout: float) -> bool:
         """True when the server generated one token within `timeout` seconds."""
         try:
-            resp = httpx.get(self.get_url() + "/health_generate", timeout=timeout, headers=self.auth_headers(),
-                             trust_env=False)
+            resp = probe_get(self.get_url() + "/health_generate", timeout=timeout, headers=self.auth_headers())
             return resp.status_code == 200
         except (httpx.HTTPError, RuntimeError):
             return False

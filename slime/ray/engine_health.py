@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import httpx
 
+from slime.utils.http_utils import probe_get
+
 logger = logging.getLogger(__name__)
 
 
@@ -68,8 +70,7 @@ class EngineHealthMonitor:
         whose KV cache is released must not generate; slime's SGLang servers answer /health without it)."""
         try:
             path = "/health_generate" if generate else "/health"
-            return httpx.get(url + path, timeout=self.timeout, headers=self._headers,
-                             trust_env=False).status_code == 200
+            return probe_get(url + path, timeout=self.timeout, headers=self._headers).status_code == 200
         except httpx.HTTPError:
             return False
 

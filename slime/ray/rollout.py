@@ -76,7 +76,7 @@ from slime.rollout.train_data import (
 )
 from slime.utils.eval_config import eval_datasets
 from slime.utils.hooks import hooks_of, sample_hook
-from slime.utils.http_utils import bearer_headers, set_engine_api_key, trust_engine_url
+from slime.utils.http_utils import bearer_headers, probe_get, set_engine_api_key, trust_engine_url
 from slime.utils.lora_adapter import request_adapter
 from slime.utils.metrics import (
     compute_eval_metrics,
@@ -318,8 +318,8 @@ class RolloutManager:
         counts = []
         for url in self.engine_urls if self._counts_reported else []:
             try:
-                info = httpx.get(url + "/server_info", timeout=1.0, headers=bearer_headers(self.args.engine_api_key),
-                                 trust_env=False).json()
+                info = probe_get(url + "/server_info", timeout=1.0,
+                                 headers=bearer_headers(self.args.engine_api_key)).json()
                 counts.append(int(info["num_finished_requests"]))
             except (httpx.HTTPError, ValueError, TypeError):
                 return None

@@ -13,7 +13,8 @@ a 4xx answer is the caller's fault and fails at once. Backoff is exponential, ca
 
 Why aiohttp and not httpx here: with a rollout's burst of concurrent requests, httpx's async pool spread
 128 requests over 1-4 s (measured against one hf engine), so the engine prefilled them in dozens of small
-pieces; aiohttp delivered the same burst in 0.25 s. Synchronous control calls elsewhere use httpx.
+pieces; aiohttp delivered the same burst in 0.25 s. Synchronous control calls elsewhere use httpx; one-off
+synchronous GETs (health probes, counters) go through `probe_get`.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+import httpx
 
 from slime.utils.async_utils import run_sync
 
 __all__ = ["HTTPRequestError", "bearer_headers", "close_client", "engine_auth_headers", "get", "get_client", "post",
-           "run_sync", "set_engine_api_key", "trust_engine_url"]
+           "probe_get", "run_sync", "set_engine_api_key", "trust_engine_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,8 @@ _TIMEOUT = aiohttp.ClientTimeout(total=None, connect=30.0)
 
 _engine_api_key: str | None = None
 _engine_origins: set[tuple[str, str, int | None]] = set()
+
+_probe_client: httpx.Client | None = None
 
 _clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = weakref.WeakKeyDictionary()
 
@@ -82,6 +86,17 @@ def engine_auth_headers(url: str) -> dict[str, str]:
     if _engine_api_key is None or _origin(url) not in _engine_origins:
         return {}
     return bearer_headers(_engine_api_key)
+
+
+def probe_get(url: str, *, timeout: float, headers: dict[str, str] | None = None) -> httpx.Response:
+    """A synchronous GET on a connection of its own, as `httpx.get(url, trust_env=False)` makes it (no proxy from
+    the environment, no connection kept for the next call), through one client per process: `httpx.get` builds
+    a client, and with it an SSL context (~30 ms of CPU), on every call, which start-up probes every 0.2 s and
+    the per-rollout counters paid each time. Raises what `httpx.get` raises."""
+    global _probe_client
+    if _probe_client is None:
+        _probe_client = httpx.Client(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
+    return _probe_client.get(url, timeout=timeout, headers=headers)
 
 
 def get_client() -> aiohttp.ClientSession:

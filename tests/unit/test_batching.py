@@ -7,6 +7,7 @@ import pytest
 
 from slime.backends.training.batching import plan_micro_batches, split_by_tokens
 from tests.args import make_args
+from tests.forkserver import fork_context
 
 
 def test_rows_grouped_under_the_padded_token_budget():
@@ -165,7 +166,7 @@ def test_rollout_mask_sums_are_per_rollout_token_counts():
     assert rollout_mask_sums(masks, [0, 1, 2, 3]) == [2.0, 1.0, 0.0, 4.0]  # own rollouts: their own tokens
 
 
-def _same_count_worker(rank: int, store_path: str, rows_of: list, micro_batch_size: int, results) -> None:
+def _same_count_worker(rank: int, store_path: str, rows_of: list, micro_batch_sizes: list, results) -> None:
     import torch.distributed as dist
 
     from slime.backends.training.batching import same_count, split_micro_batches
@@ -173,30 +174,35 @@ def _same_count_worker(rank: int, store_path: str, rows_of: list, micro_batch_si
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=len(rows_of))
     try:
         rows = rows_of[rank]
-        results[rank] = same_count(rows, [4] * len(rows), split_micro_batches(rows, micro_batch_size))
-    except ValueError as e:
-        results[rank] = str(e)
+        # Each case is one all-reduce on every rank (same_count raises only after it), so the cases share a group.
+        for case, micro_batch_size in enumerate(micro_batch_sizes):
+            try:
+                results[case, rank] = same_count(rows, [4] * len(rows), split_micro_batches(rows, micro_batch_size))
+            except ValueError as e:
+                results[case, rank] = str(e)
     finally:
         dist.destroy_process_group()
 
 
-def _same_count(tmp_path, rows_of, micro_batch_size):
+def _same_count(tmp_path, rows_of, micro_batch_sizes):
+    """Each rank's result (its micro-batches, or its error) for each of `micro_batch_sizes`, over one gloo group
+    (the ranks' processes start once for all the cases)."""
     import torch.multiprocessing as mp
 
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_same_count_worker, args=(str(tmp_path / "store"), rows_of, micro_batch_size, results),
-                 nprocs=len(rows_of))
-        return [results[r] for r in range(len(rows_of))]
+        fork_context(__name__)  # tests/forkserver.py: the ranks fork from a server that imported torch once
+        mp.start_processes(_same_count_worker, args=(str(tmp_path / "store"), rows_of, micro_batch_sizes, results),
+                           nprocs=len(rows_of), start_method="forkserver")
+        return [[results[case, r] for r in range(len(rows_of))] for case in range(len(micro_batch_sizes))]
 
 
 def test_ranks_with_a_row_more_or_less_plan_as_many_micro_batches(tmp_path):
     """Over a real gloo group: 5 rows of a step over 2 ranks (3 + 2) with --micro-batch-size 2 would be 2 and 1
     micro-batches; FSDP forwards are collective, so the rank with fewer cuts one more. With 1 row per micro-batch
     it cannot: the error names the flags that fix it."""
-    assert _same_count(tmp_path, [[0, 1, 2], [3, 4]], 2) == [[[0, 1], [2]], [[3], [4]]]
-    (tmp_path / "store").unlink(missing_ok=True)
-    errors = _same_count(tmp_path, [[0, 1, 2], [3, 4]], 1)
+    planned, errors = _same_count(tmp_path, [[0, 1, 2], [3, 4]], [2, 1])
+    assert planned == [[[0, 1], [2]], [[3], [4]]]
     assert errors[0] == [[0], [1], [2]]
     assert "this rank has 2 rows of an optimizer step but another data-parallel rank runs 3 micro-batches" in errors[1]
     assert "--micro-batch-size 2 or more" in errors[1]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from slime.backends.megatron_utils import cp_utils
+from tests.forkserver import fork_context
 
 
 def test_without_megatron_parallel_groups_everything_is_the_identity_or_a_per_sample_sum():
@@ -85,7 +86,8 @@ def test_context_parallel_layout_over_megatron_cp_groups(tmp_path):
     import torch.multiprocessing as mp
 
     template = str(tmp_path / "train_{rollout_id}_{rank}.pt")
-    mp.spawn(_cp_worker, args=(str(tmp_path / "store"), template), nprocs=2)
+    fork_context("megatron.core.parallel_state", __name__)  # tests/forkserver.py: imported once, not per rank
+    mp.start_processes(_cp_worker, args=(str(tmp_path / "store"), template), nprocs=2, start_method="forkserver")
 
     saved = torch.load(tmp_path / "train_2_0.pt", weights_only=True)
     assert [p.name for p in tmp_path.glob("train_*")] == ["train_2_0.pt"]  # CP rank 1 only helped restore

@@ -21,6 +21,7 @@ from slime.config.plan.layout import compute_layout, describe_bundles
 from slime.config.plan.memory import GiB, engine_memory, fmt_bytes, kv_bytes_per_token, training_memory
 from slime.config.plan.model_size import count_params, load_model_shape, shape_from_hf_config
 from tests.conftest import REPO_ROOT, model_args
+from tests.e2e_cpu.together import result_of, run_together
 
 # Published config.json values of Qwen/Qwen3-4B and deepseek-ai/DeepSeek-V3 (the fields the plan reads).
 QWEN3_4B = {
@@ -76,27 +77,46 @@ def tagged_processes(tag: str) -> list[str]:
 # ---- the command line, end to end ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("entry", ["train.py", "train_async.py"])
-def test_tiny_cpu_dry_run_prints_the_plan_and_starts_nothing(entry, tiny_model_dir, toy_data_path, tmp_path):
-    from transformers import AutoModelForCausalLM
+DRY_RUN_ENTRIES = ["train.py", "train_async.py"]
 
+
+def _dry_run(entry: str, model_dir: str, data_path: str, cwd: str) -> tuple[subprocess.CompletedProcess, float, list]:
+    """One dry run of `entry` in `cwd`: its result, its wall time, and the processes of its tag alive as it
+    returned."""
     tag = uuid.uuid4().hex
     # A Ray address that refuses connections: any ray.init would fail the run instead of starting a cluster.
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, RAY_ADDRESS="127.0.0.1:9", **{TAG: tag})
     cmd = [
         sys.executable, os.path.join(REPO_ROOT, entry),
-        "--hf-checkpoint", tiny_model_dir, "--prompt-data", toy_data_path, "--input-key", "prompt",
+        "--hf-checkpoint", model_dir, "--prompt-data", data_path, "--input-key", "prompt",
         "--label-key", "label", "--apply-chat-template", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
         "--rollout-max-response-len", "4", "--lr", "1e-3", "--micro-batch-size", "4", "--rm-type", "toy",
         "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--global-batch-size", "16",
         "--num-rollout", "3", "--dry-run",
     ]  # fmt: skip
     start = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=str(tmp_path))
-    elapsed = time.monotonic() - start
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=cwd)
+    return out, time.monotonic() - start, tagged_processes(tag)
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tiny_model_dir, toy_data_path, tmp_path_factory) -> dict:
+    """Both entries' dry runs, at once (tests/e2e_cpu/together.py: each is a single-threaded process, and each
+    test checks its own run, in a working folder of its own)."""
+    folders = {entry: tmp_path_factory.mktemp(entry.replace(".", "_")) for entry in DRY_RUN_ENTRIES}
+    runs = run_together(lambda e: _dry_run(e, tiny_model_dir, toy_data_path, str(folders[e])), DRY_RUN_ENTRIES)
+    return {"runs": runs, "folders": folders}
+
+
+@pytest.mark.parametrize("entry", DRY_RUN_ENTRIES)
+def test_tiny_cpu_dry_run_prints_the_plan_and_starts_nothing(entry, tiny_model_dir, dry_runs):
+    from transformers import AutoModelForCausalLM
+
+    out, elapsed, left = result_of(dry_runs["runs"], entry)
+    tmp_path = dry_runs["folders"][entry]
     assert out.returncode == 0, out.stderr[-3000:]
     assert elapsed < 60, f"a dry run should take seconds, took {elapsed:.1f}s"
-    assert tagged_processes(tag) == []
+    assert left == []
     assert not (tmp_path / "outputs").exists()  # no tracker, no checkpoint folder
     plan = out.stdout
     assert plan.startswith(f"slime dry run: {entry}: arguments are valid; nothing was started")

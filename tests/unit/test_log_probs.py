@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from slime.algorithm import log_probs as lp_module
 from slime.algorithm.log_probs import log_probs_and_entropy
+from tests.forkserver import fork_context
 
 T, V, REAL = 12, 40, 37  # logits rows, padded vocabulary, real vocabulary (Megatron pads at the end)
 
@@ -98,7 +99,9 @@ def _rank(rank: int, init: str, out: str) -> None:
 
 
 def test_vocabulary_split_over_two_ranks(tmp_path):
-    mp.spawn(_rank, args=(f"file://{tmp_path / 'init'}", str(tmp_path / "out")), nprocs=2, join=True)
+    fork_context(__name__)  # tests/forkserver.py: the ranks fork from a server that imported torch once
+    mp.start_processes(_rank, args=(f"file://{tmp_path / 'init'}", str(tmp_path / "out")), nprocs=2, join=True,
+                       start_method="forkserver")
     logits, rows, targets, weights = inputs(torch.float32)
     want = grads(lambda x: reference(x, rows, targets, 0.7), logits.double(), weights)
     _, kept = keep_mask(rows, targets)

@@ -15,6 +15,7 @@ from slime.observability.train_data_utils import (
     save_debug_train_data,
 )
 from slime.utils.types import Sample
+from tests.forkserver import fork_context
 
 
 def _shard(rank, dp_rank, partition, log_probs, **extra):
@@ -136,7 +137,8 @@ def test_dump_gathers_the_data_parallel_ranks_on_rank_0(tmp_path):
     import torch.multiprocessing as mp
 
     template = str(tmp_path / "train_{rollout_id}.pt")
-    mp.spawn(_dump_worker, args=(str(tmp_path / "store"), template), nprocs=2)
+    fork_context(__name__)  # tests/forkserver.py: the ranks fork from a server that imported torch once
+    mp.start_processes(_dump_worker, args=(str(tmp_path / "store"), template), nprocs=2, start_method="forkserver")
 
     saved = torch.load(tmp_path / "train_7.pt", weights_only=True)
     assert [p.name for p in tmp_path.glob("train_*")] == ["train_7.pt"]

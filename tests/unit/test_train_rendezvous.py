@@ -5,12 +5,12 @@ take the port. CI once failed a run at start-up with EADDRINUSE when the port wa
 from __future__ import annotations
 
 import errno
-import multiprocessing as mp
 import socket
 
 import pytest
 
 from slime.backends.training.actor import TrainRayActor
+from tests.forkserver import fork_context
 
 
 def _rank(world_size: int, rank: int, address, out, given: tuple[str, int] | None) -> None:
@@ -47,7 +47,7 @@ def test_rank_zero_holds_its_port_from_creation(monkeypatch):
 def test_three_ranks_meet_at_rank_zeros_store(given):
     from slime.utils.net import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = fork_context(__name__)  # tests/forkserver.py: fresh rank processes, torch imported once
     address, out = ctx.Queue(), ctx.Queue()
     rank0 = ("127.0.0.1", free_port()) if given else None  # a launcher that names the address (the test workers)
     procs = [ctx.Process(target=_rank, args=(3, r, address, out, rank0), daemon=True) for r in range(3)]

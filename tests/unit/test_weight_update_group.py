@@ -8,8 +8,6 @@ Here SGLang's function runs in a second process (gloo on CPU) and must receive w
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
 
@@ -19,6 +17,7 @@ from slime.weight_sync.group import (
     init_weight_update_group,
     open_rendezvous,
 )
+from tests.forkserver import fork_context
 
 pytest.importorskip("sglang")
 
@@ -39,7 +38,7 @@ def _sglang_rank(port: int, group_name: str, out) -> None:
 def test_trainer_group_meets_sglangs_init_custom_process_group():
     store, name = open_rendezvous("127.0.0.1", timeout_s=60), "slime-contract-group"  # the trainer's store, as
     port = store.port  # BroadcastGroup opens it: bound before the engines are told the port
-    ctx = mp.get_context("spawn")
+    ctx = fork_context(__name__)  # tests/forkserver.py: a fresh process, torch imported once per session
     out = ctx.Queue()
     peer = ctx.Process(target=_sglang_rank, args=(port, name, out), daemon=True)
     peer.start()

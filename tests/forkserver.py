@@ -1,0 +1,18 @@
+"""Rank processes for multi-process unit tests, forked from multiprocessing's forkserver.
+
+A spawned process imports torch (and megatron-core, slime, the test module) itself, seconds of CPU per rank; a
+forked one starts from the forkserver, which imported them once when the session first used it. Each rank is
+still a fresh process: the server imports modules and nothing else (no process group, no socket, no thread).
+The server is one per pytest process and exits with it."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+
+def fork_context(*modules: str):
+    """The forkserver context, its server told to import torch.distributed and `modules` (the test's own module,
+    megatron-core, ...) before forking. The list applies when the server starts: the first test to use it in a
+    session sets it, and later tests' ranks import what it lacks themselves."""
+    mp.set_forkserver_preload(["torch", "torch.distributed", *modules])
+    return mp.get_context("forkserver")
