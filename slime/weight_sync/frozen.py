@@ -48,7 +48,7 @@ class FrozenPushes:
         decision = [True]
         if route is not None:
             urls = engine_urls(engines)
-            decision = [self._urls is None or urls != self._urls or route.needs_every_tensor()]
+            decision = [sends_everything(self._urls, urls, route.needs_every_tensor())]
             self._urls = None  # until this push completes (`pushed`)
             self._pending = urls
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -59,6 +59,13 @@ class FrozenPushes:
         """The push completed: the engines hold every frozen tensor (rank 0 remembers their servers)."""
         if self._pending is not None:
             self._urls, self._pending = self._pending, None
+
+
+def sends_everything(previous: list[str] | None, urls: list[str], route_needs_every_tensor: bool) -> bool:
+    """Whether a push must send the frozen tensors too: no push completed yet (`previous` None: the run's first,
+    or the last one failed), an engine's server changed since (`urls`, in engine order), or the route needs
+    them."""
+    return previous is None or urls != previous or route_needs_every_tensor
 
 
 def frozen_parameter_names(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

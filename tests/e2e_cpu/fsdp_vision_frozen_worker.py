@@ -1,7 +1,7 @@
 """One fsdp training rank for tests/e2e_cpu/test_fsdp_vision_frozen.py: the tiny Qwen2.5-VL trained with its vision
 tower frozen (`--freeze-params-name-list visual.`), two steps, each followed by a push to a real hf engine.
 
-The engine is wrapped in `Recording`, which passes every call through and notes the names and bytes of the tensors
+The engine is wrapped in `Recording` (tests/e2e_cpu/push_recording.py), which passes every call through and notes the names and bytes of the tensors
 each push announces (`update_weights_from_distributed`: the broadcast route of an engine that is not colocated).
 Rank 0 writes <out>/result.json: per push the names and bytes sent, the trainer's and the engine's log-probs of the
 rows after the second push, and per tensor the engine's checksum (its `/weights_checker` "checksum") next to the
@@ -22,28 +22,8 @@ import torch
 from slime.utils.processing_utils import load_processor
 from tests.args import make_args as validated_args
 from tests.e2e_cpu.fsdp_vision_worker import engine_scores, rollout, trainer_scores
+from tests.e2e_cpu.push_recording import Recording
 from tests.e2e_cpu.ranks import worker_parser, write_result
-
-
-class Recording:
-    """The real engine, with each push's announced tensors noted (`pushes[-1]`: the push under way)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.pushes: list[dict] = []
-
-    def begin_push(self) -> None:
-        self.pushes.append({"names": [], "bytes": 0})
-
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, weight_version=None):
-        self.pushes[-1]["names"] += list(names)
-        self.pushes[-1]["bytes"] += sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
-                                        for d, s in zip(dtypes, shapes))
-        return self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name,
-                                                           weight_version=weight_version)
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
 
 
 def checksum(t: torch.Tensor) -> str:
