@@ -11,8 +11,9 @@ except when the engines would not keep them:
   every push restores all of them;
 - the route writes whole checkpoints (`--update-weight-transport disk`: each version folder is a complete HF
   checkpoint that the engines load; `--update-weight-mode delta`'s full pushes);
-- an engine's server is not the one of the last push (a fault-tolerant restart: the new server loaded
-  `--hf-checkpoint`, not the trainer's weights), or the last push failed part way.
+- an engine does not report the weight version of the last completed push (a fault-tolerant restart: the new
+  server loaded `--hf-checkpoint`, not the trainer's weights, and reports its initial version), or the last push
+  failed part way.
 
 Rank 0 holds the route and the engines, so it decides, and broadcasts the decision: every rank takes part in
 gathering each tensor, so all of them must leave out the same ones.
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime.weight_sync.push import engine_urls
+from slime.weight_sync.push import engine_weight_versions
 
 
 class FrozenPushes:
@@ -36,8 +37,7 @@ class FrozenPushes:
     def __init__(self, frozen: Iterable[str], engines_release: bool):
         self.frozen = frozenset(frozen)
         self.engines_release = engines_release
-        self._urls: list[str] | None = None  # rank 0: the engines' servers after the last push that completed
-        self._pending: list[str] | None = None  # rank 0: the engines' servers of the push under way
+        self._version: str | None = None  # rank 0: the weight version of the last push that completed
 
     def left_out(self, route: Any, engines: Sequence[Any]) -> frozenset[str]:
         """Collective (every training rank, before the push gathers anything): the names this push leaves out.
@@ -47,25 +47,23 @@ class FrozenPushes:
         # every rank joins the broadcast, also one that holds no frozen parameter (a pipeline stage without any)
         decision = [True]
         if route is not None:
-            urls = engine_urls(engines)
-            decision = [sends_everything(self._urls, urls, route.needs_every_tensor())]
-            self._urls = None  # until this push completes (`pushed`)
-            self._pending = urls
+            versions = engine_weight_versions(engines)
+            decision = [sends_everything(self._version, versions, route.needs_every_tensor())]
+            self._version = None  # until this push completes (`pushed`)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(decision, src=0)
         return frozenset() if decision[0] else self.frozen
 
-    def pushed(self) -> None:
-        """The push completed: the engines hold every frozen tensor (rank 0 remembers their servers)."""
-        if self._pending is not None:
-            self._urls, self._pending = self._pending, None
+    def pushed(self, weight_version: int | str) -> None:
+        """The push of `weight_version` completed: the engines hold every frozen tensor."""
+        self._version = str(weight_version)
 
 
-def sends_everything(previous: list[str] | None, urls: list[str], route_needs_every_tensor: bool) -> bool:
+def sends_everything(previous: str | None, versions: list[str], route_needs_every_tensor: bool) -> bool:
     """Whether a push must send the frozen tensors too: no push completed yet (`previous` None: the run's first,
-    or the last one failed), an engine's server changed since (`urls`, in engine order), or the route needs
-    them."""
-    return previous is None or urls != previous or route_needs_every_tensor
+    or the last one failed), an engine's weight version (`versions`) is not the last push's `previous` (a
+    restarted server), or the route needs them."""
+    return previous is None or any(v != previous for v in versions) or route_needs_every_tensor
 
 
 def frozen_parameter_names(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

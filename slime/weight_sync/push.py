@@ -157,6 +157,11 @@ def engine_urls(engines: Sequence[Any]) -> list[str]:
     return _start([(e, "get_url", (), {}) for e in engines])()
 
 
+def engine_weight_versions(engines: Sequence[Any]) -> list[str]:
+    """The weight version each engine reports (that of its last loaded push; a new server's initial one)."""
+    return [str(v) for v in _start([(e, "get_weight_version", (), {}) for e in engines])()]
+
+
 class EnginePush:
     """Rank 0's route for weight buckets: `begin(engines)` once per push, then `send` every bucket. The first
     `colocated` engines (those on the training ranks' devices, `--colocate`) get handles; the others get each

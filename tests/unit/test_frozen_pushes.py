@@ -11,11 +11,10 @@ from tests.args import make_args
 
 
 def test_sends_everything_on_the_first_push_after_a_failure_a_restart_or_for_the_route():
-    urls = ["http://a:1", "http://b:2"]
-    assert sends_everything(None, urls, False)  # first push (or the last one failed)
-    assert not sends_everything(urls, list(urls), False)
-    assert sends_everything(urls, ["http://a:1", "http://b:3"], False)  # engine b restarted
-    assert sends_everything(urls, list(urls), True)  # a whole-checkpoint route
+    assert sends_everything(None, ["3", "3"], False)  # first push (or the last one failed)
+    assert not sends_everything("3", ["3", "3"], False)
+    assert sends_everything("3", ["3", "default"], False)  # engine 1 restarted: its server's initial version
+    assert sends_everything("3", ["3", "3"], True)  # a whole-checkpoint route
 
 
 def test_engines_that_release_their_weights_get_every_tensor():

@@ -63,7 +63,7 @@ def update_weights(
     route = engine_push(engines) if dist.get_rank() == 0 and engines else None
     try:
         sent = push_weights(full_state(model, frozen.left_out(route, engines)), route, weight_version, buffer_size)
-        frozen.pushed()
+        frozen.pushed(weight_version)
         return sent
     finally:
         # Other ranks wait here so that no rank starts training while engines are still loading.

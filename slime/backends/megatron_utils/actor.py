@@ -373,7 +373,7 @@ class MegatronTrainRayActor(PolicyTrainer):
             left_out = self._frozen.left_out(route, engines)
             weight_push.push_weights(weights.iter_hf_weights(self.model, self.args, self.hf_config, left_out),
                                      route, weight_version, self.args.update_weight_buffer_size)
-            self._frozen.pushed()
+            self._frozen.pushed(weight_version)
         finally:
             dist.barrier()
 
