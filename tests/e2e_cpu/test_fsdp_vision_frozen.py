@@ -1,7 +1,7 @@
 """A frozen vision tower (`--freeze-params-name-list visual.`) goes to the engine in the run's first push only
 (slime/weight_sync/frozen.py): the second push announces no tower tensor and fewer bytes, yet afterwards the
 engine's tower equals the trainer's (per-tensor checksums), every other tensor too, and the engine's log-probs of
-rows with images equal the trainer's. One gloo rank, a real hf engine (tests/e2e_cpu/fsdp_vision_frozen_worker.py).
+rows with images equal the trainer's. One and two gloo ranks, a real hf engine (tests/e2e_cpu/fsdp_vision_frozen_worker.py).
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ WORKER = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "fsdp_vision_frozen_worker.
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 2], ids=["one_rank", "two_ranks"])
+def run(request, tmp_path_factory):
+    """One rank, and two (FSDP shards: every rank gathers each pushed tensor, so all leave out the same ones)."""
     from tools.make_tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("fsdp_vision_frozen")
     vlm = make_tiny_model(str(root / "vlm"), arch="qwen2_5_vl", size="tiny", seed=0)
-    return run_ranks(WORKER, 1, str(root / "w1"), ["--model", vlm], timeout_s=300)
+    return run_ranks(WORKER, request.param, str(root / "w"), ["--model", vlm], timeout_s=300)
 
 
 @pytest.mark.timeout(400)
