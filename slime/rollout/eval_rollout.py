@@ -3,7 +3,9 @@ eval dataset graded, returned as `{name: {"rewards", "truncated", "samples"}}`.
 
 The datasets are `args.eval_datasets` (`EvalDatasetConfig`s): `--n-samples-per-eval-prompt` samples each, eval
 sampling flags falling back to the rollout's, a dataset's own settings over both. As in slime: prompts are read
-with the dataset's keys and chat-template settings and cut by `--eval-max-prompt-len` only; each sample's
+with the dataset's keys and chat-template settings and cut by `--eval-max-prompt-len` only (image tokens count);
+with `multimodal_keys` (the dataset's, else `--multimodal-keys`) each row's images are read for `--hf-checkpoint`'s
+processor as the training data's are, and each request sends them as `image_data`; each sample's
 metadata goes through `config.inject_metadata` (`rm_type`, `metadata_overrides`); the dataset's
 `custom_generate_function_path` / `custom_rm_path` become the samples' `generate_function_path` /
 `custom_rm_path`; its `no_stop_trim`, `repetition_penalty` and `min_new_tokens` join the sampling params
@@ -22,6 +24,7 @@ from slime.rollout.generation import (
     build_sampling_params,
     check_failed_ratio,
     generate_and_rm_group,
+    get_processor,
     get_tokenizer,
 )
 from slime.utils.data import Dataset
@@ -41,14 +44,16 @@ def eval_prompts(args, config: EvalDatasetConfig) -> Dataset:
     (slime's limit for eval prompts; unset: none dropped)."""
     template = _or(config.apply_chat_template, args.apply_chat_template)
     template_kwargs = _or(config.apply_chat_template_kwargs, args.apply_chat_template_kwargs)
+    images = config.multimodal_keys  # the dataset's, else --multimodal-keys
     key = config.cache_key + (args.hf_checkpoint, args.eval_max_prompt_len, template,
-                              json.dumps(template_kwargs, sort_keys=True))  # fmt: skip
+                              json.dumps(template_kwargs, sort_keys=True), json.dumps(images, sort_keys=True))  # fmt: skip
     if key not in _eval_dataset_cache:
         _eval_dataset_cache[key] = Dataset(
             config.path,
             get_tokenizer(args),
-            None,  # text only: a dataset's multimodal_keys is refused (eval_config.NOT_ACTED_ON)
+            get_processor(args) if images else None,
             args.eval_max_prompt_len,
+            multimodal_keys=images,
             prompt_key=config.input_key,
             label_key=config.label_key,
             metadata_key=config.metadata_key,

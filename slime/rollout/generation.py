@@ -112,6 +112,11 @@ def _load_processor(path: str):
     return load_processor(path, trust_remote_code=True)
 
 
+def get_processor(args):
+    """--hf-checkpoint's multimodal processor (None for a text-only model), loaded once per process."""
+    return _load_processor(args.hf_checkpoint)
+
+
 def sample_images(sample: Sample) -> list:
     """The sample's images (`Sample.multimodal_inputs["images"]`, read by the dataset), [] for a text sample."""
     media = sample.multimodal_inputs or {}

@@ -79,7 +79,7 @@ _ARGS_FOR: dict[str, str] = {
 # with each request: `sglang_rollout.eval_sampling_params`)
 NOT_ACTED_ON = (
     "app_service", "eval_task_timeout", "min_eval_samples", "eval_early_stop_remaining",
-    "eval_early_stop_idle_timeout", "message_processor", "reward_model", "remote_environment", "multimodal_keys",
+    "eval_early_stop_idle_timeout", "message_processor", "reward_model", "remote_environment",
 )  # fmt: skip
 
 # type checks of the fields a YAML most often gets wrong

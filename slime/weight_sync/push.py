@@ -157,6 +157,11 @@ def engine_urls(engines: Sequence[Any]) -> list[str]:
     return _start([(e, "get_url", (), {}) for e in engines])()
 
 
+def engine_weight_versions(engines: Sequence[Any]) -> list[str]:
+    """The weight version each engine reports (that of its last loaded push; a new server's initial one)."""
+    return [str(v) for v in _start([(e, "get_weight_version", (), {}) for e in engines])()]
+
+
 class EnginePush:
     """Rank 0's route for weight buckets: `begin(engines)` once per push, then `send` every bucket. The first
     `colocated` engines (those on the training ranks' devices, `--colocate`) get handles; the others get each
@@ -187,6 +192,10 @@ class EnginePush:
         if self._broadcast:
             self._group.send(bucket, weight_version)
 
+    def needs_every_tensor(self) -> bool:
+        """False: the engines keep the tensors a push leaves out (slime/weight_sync/frozen.py)."""
+        return False
+
     def finish(self, weight_version: str) -> None:
         """Nothing left to do: every bucket was loaded when it was sent."""
 
@@ -215,6 +224,10 @@ class DiskPush:
         self._dir: str | None = None
         self._files: dict[str, str] = {}
         self._previous: str | None = None
+
+    def needs_every_tensor(self) -> bool:
+        """True: each version folder is a whole checkpoint the engines load (and the post-write hook publishes)."""
+        return True
 
     def version_dir(self, weight_version: str) -> str:
         return os.path.join(self.root, f"weight_v{int(weight_version):06d}")
@@ -299,6 +312,11 @@ class DeltaPush(DiskPush):
         self._urls, self._full = urls, not self.snapshot.base
         self._entries, self._total, self._unfinished = {}, 0, True
 
+    def needs_every_tensor(self) -> bool:
+        """A full push writes the whole checkpoint the engines' local copies start from; a delta only the changes
+        (a tensor left out is one that did not change)."""
+        return self._full
+
     def send(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str) -> None:
         self._total += sum(t.numel() * t.element_size() for _, t in bucket)
         if self._full:
@@ -362,14 +380,15 @@ def push_weights(named_tensors: Iterable[Named], route: EnginePush | None, weigh
         for _ in named_tensors:  # each tensor dropped as soon as it is made: this rank holds no bucket
             pass
         return 0
-    sent = 0
+    sent = nbytes = 0
     with progress(None, f"push v{weight_version}", "bucket") as bar:
         for bucket in buckets(named_tensors, max_bytes):
             route.send(bucket, str(weight_version))
             sent += 1
+            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
             bar.update(1)
             logger.debug("update_weights v%s: bucket %d (%d tensors, %.1f MiB)", weight_version, sent, len(bucket),
                          sum(t.numel() * t.element_size() for _, t in bucket) / 2**20)
     route.finish(str(weight_version))
-    logger.info("update_weights v%s: %d bucket(s) sent", weight_version, sent)
+    logger.info("update_weights v%s: %d bucket(s) sent, %.2f MiB", weight_version, sent, nbytes / 2**20)
     return sent

@@ -14,7 +14,9 @@ With --actor it drives `MegatronTrainRayActor` instead (no Ray) on the same rows
 `log_probs_of_rows`, then the metrics of one training step (rewards 1, 0, 0, ...) and the largest change of a
 vision-tower and of a language-model weight. With --engine (one rank) it then starts an `hf` engine on the
 checkpoint, pushes the trained weights into it (by broadcast over gloo) and adds the names pushed and the engine's
-response log-probs of the rows (images as image_data) before and after the push, and the trainer's after the step.
+response log-probs of the rows (images as image_data) before and after the push, and the trainer's after the step;
+then one more step and push, adding the names and bytes each push announced (tests/e2e_cpu/push_recording.py) and
+both sides' log-probs after the second push.
 transformers' logits are computed by the test in its own process (not under the shim).
 """
 
@@ -34,6 +36,7 @@ if not torch.cuda.is_available():
     megatron_cpu_shim.install()
 
 from tests.conftest import model_args  # noqa: E402
+from tests.e2e_cpu.push_recording import Recording  # noqa: E402
 from tests.e2e_cpu.ranks import worker_parser, write_prompt_file, write_result  # noqa: E402
 
 
@@ -148,11 +151,21 @@ def run_actor(cli) -> None:
             result["pushed_names"] = [name for name, _ in weights.iter_hf_weights(actor.model, args, actor.hf_config)]
             result["pushed_visual"] = sum(n.startswith("visual.") for n in result["pushed_names"])
             result["pushed_language"] = len(result["pushed_names"]) - result["pushed_visual"]
-            actor.update_weights([engine], weight_version=1)
+            recording = Recording(engine)
+            recording.begin_push()
+            actor.update_weights([recording], weight_version=1)
             result["engine_lp_after_push"] = engine_log_probs(engine, rows, r)
             result["engine_weight_version"] = engine.get_weight_version()
             lp = actor.log_probs_of_rows(actor.model, batch, actor.plan(batch.tokens, list(range(n)), log_probs=True))
             result["lp_after"] = [lp[i].float().cpu().tolist() for i in range(n)]
+            # a second step and push: a frozen tower stays out of it (slime/weight_sync/frozen.py)
+            actor.train(1, batch)
+            recording.begin_push()
+            actor.update_weights([recording], weight_version=2)
+            result["pushes"] = recording.pushes
+            result["engine_lp_after_push2"] = engine_log_probs(engine, rows, r)
+            lp = actor.log_probs_of_rows(actor.model, batch, actor.plan(batch.tokens, list(range(n)), log_probs=True))
+            result["lp_after2"] = [lp[i].float().cpu().tolist() for i in range(n)]
         write_result(cli, result)
     finally:
         try:

@@ -189,7 +189,8 @@ def test_weight_push_reaches_the_hf_engine_by_checkpoint_names(actor_runs, layou
     """The push sends the Hub's spelling (`model.layers.*`, `visual.*`, `lm_head.*`), which the engine renames as
     transformers does on load; after it the engine's log-probs of the rows (images sent as image_data) equal the
     trainer's. Before the push they do not (the step moved the weights), so the parity needs the pushed weights.
-    The vision tower is pushed whether it trains or not, as slime's push sends every parameter."""
+    The run's first push sends the vision tower whether it trains or not (the engines start in line with the
+    trainer); a frozen one is left out of the second (slime/weight_sync/frozen.py), and the log-probs still agree."""
     run = actor_runs[layout]
     assert run["engine_weight_version"] == "1"
     assert run["pushed_visual"] > 0 and run["pushed_language"] > 0, run
@@ -201,4 +202,12 @@ def test_weight_push_reaches_the_hf_engine_by_checkpoint_names(actor_runs, layou
     assert max(before) > 1e-3, before
     # thd trains the tower (the step moved it, so the image rows' parity needs the pushed tower); frozen_tower not
     assert (run["vision_change"] > 0) == (layout == "thd"), run["vision_change"]
+    first, second = run["pushes"]
+    assert sorted(first["names"]) == sorted(run["pushed_names"])
+    tower = {n for n in first["names"] if n.startswith("visual.")}
+    kept = set(first["names"]) - tower if layout == "frozen_tower" else set(first["names"])
+    assert tower and sorted(second["names"]) == sorted(kept)
+    assert (second["bytes"] < first["bytes"]) == (layout == "frozen_tower"), (first["bytes"], second["bytes"])
+    after2 = [max(abs(a - b) for a, b in zip(e, t)) for e, t in zip(run["engine_lp_after_push2"], run["lp_after2"])]
+    assert max(after2) <= TOLERANCE, after2
 

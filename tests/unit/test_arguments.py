@@ -535,8 +535,6 @@ def test_rm_type_check_logic(monkeypatch):
      "media types ['video']: images only"),
     (["--multimodal-keys", '{"image": "i"}', "--train-backend", "fsdp", "--rollout-backend", "hf",
       "--advantage-estimator", "ppo"], "--advantage-estimator ppo trains a critic, a text-only value model"),
-    (["--multimodal-keys", '{"image": "i"}', "--train-backend", "fsdp", "--rollout-backend", "hf",
-      "--eval-prompt-data", "toy", "train.jsonl"], "evaluation datasets are read text only"),
     (["--train-backend", "megatron", "--ckpt-format", "torch"], "--ckpt-format torch: the megatron backend"),
     (["--model-name", "nosuchfamily"], "--model-name nosuchfamily: no HF <-> Megatron weight converter"),
 ])  # fmt: skip

@@ -114,6 +114,25 @@ def _argv(*extra):
             "train.jsonl", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", *extra]  # fmt: skip
 
 
+def test_eval_datasets_with_images(files):
+    """An eval dataset reads images with --multimodal-keys (or its own multimodal_keys in a run with images);
+    a dataset's multimodal_keys in a run without images, or a media type other than image, is refused."""
+    from slime.config.arguments import parse_args
+
+    images = ("--multimodal-keys", '{"image": "images"}', "--rollout-backend", "hf")
+    args = parse_args(_argv(*images, "--eval-prompt-data", "toy", "train.jsonl"))
+    assert [(d.name, d.multimodal_keys) for d in args.eval_datasets] == [("toy", {"image": "images"})]
+    (files / "own.yaml").write_text("datasets:\n  - {name: toy, path: train.jsonl, multimodal_keys: {image: img}}\n")
+    args = parse_args(_argv(*images, "--eval-config", "own.yaml"))
+    assert args.eval_datasets[0].multimodal_keys == {"image": "img"}  # the dataset's own key over the flag's
+    with pytest.raises(SlimeArgumentError, match=r"datasets\[0\] \(toy\): multimodal_keys: \{\"image\": \"img\"\} in "
+                                                 r"a run without --multimodal-keys"):
+        parse_args(_argv("--eval-config", "own.yaml"))
+    (files / "video.yaml").write_text("datasets:\n  - {name: toy, path: train.jsonl, multimodal_keys: {video: v}}\n")
+    with pytest.raises(SlimeArgumentError, match=r"media types \['video'\]: images only"):
+        parse_args(_argv(*images, "--eval-config", "video.yaml"))
+
+
 def test_parse_args_resolves_and_checks_the_datasets(files):
     from slime.config.arguments import parse_args
 

@@ -274,8 +274,10 @@ class FSDPTrainRayActor(PolicyTrainer):
         if self.args.lora_rank:
             weight_sync.update_adapter(self.model, engines, weight_version, self.lora_config)
             return
+        if self._frozen is None:  # the freezing flags were applied when the model was built; nothing changes them
+            self._frozen = weight_sync.frozen_pushes(self.model, self.args.offload_rollout)
         weight_sync.update_weights(self.model, engines, weight_version, self.args.update_weight_buffer_size,
-                                   self.engine_push)
+                                   self.engine_push, self._frozen)
 
     def weight_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's shards of the policy's state (the local tensors of FSDP's sharded DTensors)."""

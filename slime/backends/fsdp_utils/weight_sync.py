@@ -5,7 +5,8 @@ all-gather of each sharded tensor (`DTensor.full_tensor`, on the training device
 to the engines' dtype (bf16 on CUDA, unchanged on CPU) and sends them, bucket by bucket, through its route
 (slime/weight_sync/push.py `weight_route`, `push_weights`). Memory beyond the sharded model: one bucket
 (`--update-weight-buffer-size`) and the tensor being gathered on rank 0, one tensor on the others; nothing goes
-through host memory on CUDA.
+through host memory on CUDA. Parameters that do not train (`--freeze-params-name-list`, e.g. a frozen vision
+tower) go in the run's first push only, unless the engines would lose them (slime/weight_sync/frozen.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from slime.utils.lora_adapter import is_adapter_name
+from slime.weight_sync.frozen import FrozenPushes, frozen_parameter_names
 from slime.weight_sync.adapter import push_adapter
 from slime.weight_sync.push import DiskPush, EnginePush, push_weights
 
@@ -37,22 +39,32 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to(engine_dtype(tensor))
 
 
-def full_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) of every state-dict entry, gathered one at a time (every rank must iterate it all)."""
+def full_state(model: torch.nn.Module, left_out: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every state-dict entry not in `left_out`, gathered one at a time (every rank must
+    iterate it all, with the same `left_out`)."""
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
-            yield name, full_tensor(tensor)
+            if name not in left_out:
+                yield name, full_tensor(tensor)
+
+
+def frozen_pushes(model: torch.nn.Module, engines_release: bool) -> FrozenPushes:
+    """The policy's parameters that never change, by state-dict name (a tied parameter under each of its names)."""
+    return FrozenPushes(frozen_parameter_names(model.named_parameters(remove_duplicate=False)), engines_release)
 
 
 def update_weights(
     model: torch.nn.Module, engines: Sequence[Any], weight_version: int | str, buffer_size: int,
-    engine_push: Callable[[Sequence[Any]], EnginePush | DiskPush],
+    engine_push: Callable[[Sequence[Any]], EnginePush | DiskPush], frozen: FrozenPushes,
 ) -> int:
-    """Collective: every rank gathers, rank 0 pushes (through `engine_push(engines)`), then a barrier. Returns
-    buckets sent (0 off rank 0)."""
+    """Collective: every rank gathers, rank 0 pushes (through `engine_push(engines)`), then a barrier. `frozen`
+    says which tensors this push may leave out (slime/weight_sync/frozen.py). Returns buckets sent (0 off
+    rank 0)."""
     route = engine_push(engines) if dist.get_rank() == 0 and engines else None
     try:
-        return push_weights(full_state(model), route, weight_version, buffer_size)
+        sent = push_weights(full_state(model, frozen.left_out(route, engines)), route, weight_version, buffer_size)
+        frozen.pushed(weight_version)
+        return sent
     finally:
         # Other ranks wait here so that no rank starts training while engines are still loading.
         dist.barrier()

@@ -51,6 +51,7 @@ from slime.utils.lora_adapter import ADAPTER_DIR, is_adapter_name
 from slime.utils.types import TrainBatch
 from slime.weight_sync import push as weight_push
 from slime.weight_sync.adapter import push_adapter
+from slime.weight_sync.frozen import FrozenPushes
 
 logger = logging.getLogger(__name__)
 
@@ -365,10 +366,14 @@ class MegatronTrainRayActor(PolicyTrainer):
         if self.args.lora_rank:
             self._push_adapter(engines, weight_version)
             return
+        if self._frozen is None:  # the freezing flags were applied when the model was built; nothing changes them
+            self._frozen = FrozenPushes(weights.frozen_global_names(self.model, self.args), self.args.offload_rollout)
         route = self.engine_push(engines) if self.rank == 0 and engines else None
         try:
-            weight_push.push_weights(weights.iter_hf_weights(self.model, self.args, self.hf_config), route,
-                                     weight_version, self.args.update_weight_buffer_size)
+            left_out = self._frozen.left_out(route, engines)
+            weight_push.push_weights(weights.iter_hf_weights(self.model, self.args, self.hf_config, left_out),
+                                     route, weight_version, self.args.update_weight_buffer_size)
+            self._frozen.pushed(weight_version)
         finally:
             dist.barrier()
 

@@ -31,6 +31,7 @@ from slime.backends.megatron_utils.model import uses_te, unwrap
 from slime.backends.megatron_utils.sandwich_norm import HF_STYLE_NAMES
 from slime.backends.training import hf_save
 from slime.utils.lora_adapter import is_adapter_name
+from slime.weight_sync.frozen import frozen_parameter_names
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -119,6 +120,12 @@ def load_hf_weights(model: list[torch.nn.Module], args, path: str) -> None:
         param.copy_(shard.to(param.dtype))
 
 
+def frozen_global_names(model: list[torch.nn.Module], args) -> set[str]:
+    """Global names of this rank's parameters that do not train (the MoE routers' `expert_bias` buffers change
+    during training: not parameters, never among them)."""
+    return frozen_parameter_names((name, t) for _, name, t in named_parameters(model, args))
+
+
 def _check_all_used(full: dict, mine: set[str], path: str, family: str) -> None:
     """Collective: every converted tensor must have a home on some rank (else weights would be dropped)."""
     everyone: list = [None] * dist.get_world_size()
@@ -150,14 +157,17 @@ def _gather_tp(name: str, t: torch.Tensor, gated: bool) -> torch.Tensor:
     return tp_layout.gather(name, shards, gated)
 
 
-def _stage_tensors(model: list[torch.nn.Module], args, adapters: bool) -> list[tuple[str, torch.Tensor]]:
-    """This stage's parameters (or LoRA adapters) as full tensors with global names (TP and EP gathered).
-    Collective."""
+def _stage_tensors(model: list[torch.nn.Module], args, adapters: bool,
+                   left_out: frozenset[str] = frozenset()) -> list[tuple[str, torch.Tensor]]:
+    """This stage's parameters (or LoRA adapters) as full tensors with global names (TP and EP gathered), but
+    those whose global name is in `left_out`. Collective."""
     from megatron.core import parallel_state as ps
 
     ep, per_rank = args.expert_model_parallel_size, _experts_per_rank(args)
     out = []
     for _, name, param in named_parameters(model, args, adapters):
+        if name in left_out:
+            continue
         full = _gather_tp(name, param.detach(), args.swiglu)
         e = _LAYER.match(name) and _EXPERT.match(name)
         if e and ep > 1:
@@ -170,14 +180,14 @@ def _stage_tensors(model: list[torch.nn.Module], args, adapters: bool) -> list[t
     return out
 
 
-def iter_megatron_weights(model: list[torch.nn.Module], args,
-                          adapters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective: (global Megatron name, full tensor) of the whole model on every rank, stage by stage; with
-    `adapters`, of its LoRA adapters instead."""
+def iter_megatron_weights(model: list[torch.nn.Module], args, adapters: bool = False,
+                          left_out: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: (global Megatron name, full tensor) of the whole model on every rank, stage by stage, but the
+    global names in `left_out`; with `adapters`, of its LoRA adapters instead."""
     from megatron.core import parallel_state as ps
 
     pp = ps.get_pipeline_model_parallel_world_size()
-    mine = _stage_tensors(model, args, adapters)
+    mine = _stage_tensors(model, args, adapters, left_out)
     if pp == 1:
         yield from mine
         return
@@ -193,11 +203,13 @@ def iter_megatron_weights(model: list[torch.nn.Module], args,
             yield name, t
 
 
-def iter_hf_weights(model: list[torch.nn.Module], args, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective: (HF name, tensor) pairs of the whole model, converted per family."""
+def iter_hf_weights(model: list[torch.nn.Module], args, hf_config: dict,
+                    left_out: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: (HF name, tensor) pairs of the whole model, converted per family; the Megatron parameters
+    whose global names are in `left_out` are skipped."""
     converter = converter_for_hf_config(hf_config, args.model_name)
     cfg = ConverterConfig.from_args(args)
-    for name, t in iter_megatron_weights(model, args):
+    for name, t in iter_megatron_weights(model, args, left_out=left_out):
         yield from converter.megatron_to_hf(name, t, cfg)
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from slime.backends.training.offload import Offloader, TrainState, memory_gb
 from slime.utils.net import node_ip
+from slime.weight_sync.frozen import FrozenPushes
 from slime.weight_sync.group import open_rendezvous
 from slime.weight_sync.push import DiskPush, EnginePush, weight_route
 
@@ -27,6 +28,7 @@ STORE_TIMEOUT_MINUTES = 30  # until init_process_group sets --distributed-timeou
 class TrainRayActor:
     _push: EnginePush | DiskPush | None = None  # rank 0's route to the engines, see engine_push
     _offloader: Offloader | None = None  # --offload-train
+    _frozen: FrozenPushes | None = None  # which tensors pushes leave out, made on the first push
 
     def __init__(self, world_size: int, rank: int, master_addr: str | None, master_port: int | None):
         self.world_size = world_size

@@ -171,10 +171,6 @@ def validate_data(args: argparse.Namespace) -> None:
             refuse("multimodal_keys", json.dumps(args.multimodal_keys),
                    f"--advantage-estimator {args.advantage_estimator} trains a critic, a text-only value model",
                    "use a critic-free estimator (grpo, gspo, reinforce_plus_plus, ...) with images")
-        if args.eval_prompt_data or args.eval_config:
-            refuse("multimodal_keys", json.dumps(args.multimodal_keys),
-                   "evaluation datasets are read text only (their <image> placeholders would stay text)",
-                   "drop --eval-prompt-data / --eval-config from a run with images")
         unknown = sorted(set(args.multimodal_keys) - {"image"})
         if unknown:
             refuse("multimodal_keys", json.dumps(args.multimodal_keys), f"media types {unknown}: images only",

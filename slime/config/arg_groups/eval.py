@@ -11,6 +11,7 @@ dataset setting it cannot act on (`eval_config.NOT_ACTED_ON`) is refused.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 
 from slime.config.arg_groups._common import fail, require_existing_file, require_positive
@@ -101,6 +102,19 @@ def validate_eval(args: argparse.Namespace) -> None:
         args.eval_function_path = args.rollout_function_path
 
 
+def check_eval_images(args: argparse.Namespace, where: str, keys: dict) -> None:
+    """A dataset's images (its `multimodal_keys`, else --multimodal-keys) are read like the training data's: the
+    run must be one with images (--multimodal-keys), whose checks (engine, trainer) cover them, and images only."""
+    if not args.multimodal_keys:
+        fail(f"{where}: multimodal_keys: {json.dumps(keys)} in a run without --multimodal-keys: evaluation with "
+             "images runs in a run with images; add --multimodal-keys '{\"image\": \"<row key>\"}' (docs/vlm.md), "
+             "or remove the dataset's multimodal_keys")
+    unknown = sorted(set(keys) - {"image"})
+    if unknown:
+        fail(f"{where}: multimodal_keys: {json.dumps(keys)}: media types {unknown}: images only; map only \"image\" "
+             "to the rows' key")
+
+
 def check_eval_dataset(args: argparse.Namespace, where: str, ds: EvalDatasetConfig) -> None:
     """A dataset's reward type and hooks load like their flags'; the built-in eval rollout acts on its settings."""
     if ds.rm_type is not None:
@@ -119,6 +133,8 @@ def check_eval_dataset(args: argparse.Namespace, where: str, ds: EvalDatasetConf
         fail(f"{where}: {', '.join(on)}: the {engine.name} engine (--rollout-backend {engine.name}) does not implement "
              f"{'this sampling setting' if len(on) == 1 else 'these sampling settings'}; remove it (min_new_tokens "
              "may come from --eval-min-new-tokens), or use --rollout-backend sglang")
+    if ds.multimodal_keys is not None:
+        check_eval_images(args, where, ds.multimodal_keys)
     unused = not_acted_on(ds)
     if unused and (args.eval_function_path or args.rollout_function_path) == DEFAULT_ROLLOUT_FUNCTION:
         fail(f"{where}: {', '.join(f'{k}: {getattr(ds, k)!r}' for k in unused)}: the built-in eval rollout "
