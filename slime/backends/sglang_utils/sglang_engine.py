@@ -184,9 +184,6 @@ class SGLangEngine(ServerEngine):
                           lora_target_modules=engine_target_modules(args.target_modules, args.exclude_modules))
             if engine_keeps_base_on_host(args):  # released weights come back from host memory, not uninitialised
                 values["enable_weights_cpu_backup"] = True
-            if self.rank == 0:
-                logger.warning("LoRA on SGLang engines follows SGLang 0.5.16's API and is checked on CPU only: it has "
-                               "not yet run against a real SGLang server (docs/lora.md, GPU acceptance row 21)")
         if args.engine_api_key:  # SGLang takes it on its command line only; the engine's log shows `--api-key ***`
             values["api_key"] = args.engine_api_key
         if self.nnodes > 1:
