@@ -47,27 +47,12 @@ def _layout(out, distributed_optimizer: bool, lora: bool = False) -> None:
     dist.destroy_process_group()
 
 
-def _run_layout(distributed_optimizer: bool, lora: bool = False) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_layout, args=(out, distributed_optimizer, lora), daemon=True)
-    proc.start()
-    try:
-        result = out.get(timeout=240)
-        proc.join(30)
-    finally:
-        if proc.is_alive():
-            proc.kill()
-    assert proc.exitcode == 0
-    return result
-
-
 @pytest.mark.timeout(300)
 def test_a_lora_models_frozen_base_moves_one_by_one():
     """LoRA (--colocate works with it): megatron-core's DDP gives buffers only to parameters that train, so with the
     distributed optimizer the adapters are in the buffer and the frozen base, in none, moves one by one; there is no
     gradient or optimizer state of the base to move."""
-    result = _run_layout(distributed_optimizer=True, lora=True)
+    result = _child(_layout, True, True)  # distributed optimizer, LoRA
     assert result["frozen"] > 0 and result["in_a_buffer"] == result["params"] - result["frozen"], result
     assert result["loose_are_the_frozen"] and result["loose_are_the_unbuffered"], result
 
@@ -75,22 +60,12 @@ def test_a_lora_models_frozen_base_moves_one_by_one():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("distributed_optimizer", [False, True])
 def test_parameters_outside_a_parameter_buffer_move_one_by_one(distributed_optimizer):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_layout, args=(out, distributed_optimizer), daemon=True)
-    proc.start()
-    try:
-        result = out.get(timeout=240)
-        proc.join(30)
-    finally:
-        if proc.is_alive():
-            proc.kill()
+    result = _child(_layout, distributed_optimizer)
     assert result["params"] > 0 and result["loose_are_the_unbuffered"], result
     if distributed_optimizer:  # every parameter is a view of the buffer, which megatron-core moves
         assert result == {**result, "loose": 0, "in_a_buffer": result["params"]}
     else:  # no parameter buffer: all of them move one by one
         assert result == {**result, "loose": result["params"], "in_a_buffer": 0}
-    assert proc.exitcode == 0
 
 
 def _step_after(out, how: str) -> None:
