@@ -13,6 +13,12 @@ log-probs of the response tokens (`meta_info.input_token_logprobs`, whose first 
 advantages (slime/algorithm/opd.py). Any SGLang-API server serves as the teacher, e.g. a second `hf` engine on
 CPU (`python -m slime.backends.hf_engine --model-path TEACHER --port N`); it needs the student's tokenizer.
 
+A sample with images (`Sample.multimodal_inputs`, read by the data source with `--multimodal-keys`) is scored with
+them: its ids (each image's tokens expanded, as it was trained) go with the images as PNG data URLs in
+`image_data`, slime's request. The `hf` engine takes expanded ids with `image_data`; SGLang 0.5.16 expands the image
+tokens of `input_ids` again (docs/vlm.md), so a teacher for samples with images is an `hf` engine here. Images an
+environment adds inside the response (multi-turn observations) are not sent: only the prompt's.
+
 Checked here where slime indexes blindly: the answer holds one log-prob per input token and names the tokens it
 was sent, as SGLang names them: SGLang reports an input id of its `vocab_size - 1` or more as 0 (with the sent
 token's log-prob), and a random-init student's samples do hold its last id (`scored_tokens_problem`). A sample
@@ -24,22 +30,27 @@ from __future__ import annotations
 
 from typing import Any
 
+from slime.rollout.generation import sample_images
 from slime.utils.http_utils import post
+from slime.utils.processing_utils import encode_image_for_rollout_engine
 from slime.utils.types import Sample
 
 __all__ = ["post_process_rewards", "reward_func"]
 
 
 def teacher_payload(args: Any, sample: Sample) -> dict[str, Any]:
-    """The teacher's `/generate` request for one sample: score `sample.tokens`, generate nothing (slime's)."""
-    if sample.multimodal_inputs and any(v is not None for v in sample.multimodal_inputs.values()):
-        raise ValueError(f"sample {sample.index}: on-policy distillation here is text only (the sample has media)")
-    return {
+    """The teacher's `/generate` request for one sample: score `sample.tokens`, generate nothing (slime's); the
+    sample's images, if any, go along as `image_data`."""
+    payload = {
         "input_ids": list(sample.tokens),
         "sampling_params": {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False},
         "return_logprob": True,
         "logprob_start_len": 0,
     }
+    images = sample_images(sample)
+    if images:
+        payload["image_data"] = [encode_image_for_rollout_engine(image) for image in images]
+    return payload
 
 
 async def reward_func(args: Any, sample: Sample, **kwargs) -> dict[str, Any]:
