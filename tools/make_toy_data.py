@@ -11,7 +11,9 @@ one prompt token, which a small transformer can attend to. The reward is `--rm-t
 blue, the shade jittered, the size varied), the prompt "<image> which colour fills the image?" and the colour's
 name as the label, for `--multimodal-keys '{"image": "images"}'` with a vision-language model (the tiny
 Qwen2.5-VL of `tools/make_tiny_model.py --arch qwen2_5_vl`). The images are PNG data URIs inside the rows.
-The same `--rm-type toy` grades it; the answer is learnable only by looking at the image.
+The same `--rm-type toy` grades it; the answer is learnable only by looking at the image. `--task colour_sft`
+writes the same rows as supervised chat rows (`{"messages": [user, assistant], "images": [...]}`) for the SFT
+rollout with images (docs/sft.md).
 
 `--task geo3k` writes rows in the geo3k dataset's shape that slime's `examples/geo3k_vlm_multi_turn` reads
 (`--input-key problem --label-key answer --multimodal-keys '{"image": "images"}'`): a problem with one `<image>`,
@@ -79,7 +81,14 @@ def make_geo3k_rows(num_samples: int, seed: int) -> list[dict]:
     return rows
 
 
-TASKS = {"number": make_toy_rows, "colour": make_colour_rows, "geo3k": make_geo3k_rows}
+def make_colour_sft_rows(num_samples: int, seed: int) -> list[dict]:
+    """The colour task's rows as supervised chat rows: the prompt as the user turn, the label as the answer."""
+    return [{"messages": [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["label"]}],
+             "images": row["images"]} for row in make_colour_rows(num_samples, seed)]
+
+
+TASKS = {"number": make_toy_rows, "colour": make_colour_rows, "colour_sft": make_colour_sft_rows,
+         "geo3k": make_geo3k_rows}
 
 
 def write_toy_data(out: str, num_samples: int, seed: int, task: str = "number") -> str:
