@@ -103,6 +103,23 @@ def test_the_teacher_engine_scores_samples_with_their_images_as_transformers(mod
 ROLLOUTS = 3
 
 
+def opd_train_cmd(student: str, data: str, tb, *opd_flags: str) -> list[str]:
+    return [sys.executable, os.path.join(REPO_ROOT, "train.py"), "--actor-num-nodes", "1",
+            "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--rollout-backend", "hf",
+            "--hf-checkpoint", student, "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
+            "--multimodal-keys", '{"image": "images"}', "--apply-chat-template", "--rollout-shuffle",
+            "--num-rollout", str(ROLLOUTS), "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+            "--rollout-max-response-len", "4", "--rollout-temperature", "1", "--global-batch-size", "16",
+            "--use-opd", "--opd-kl-coef", "1.0", *opd_flags, "--advantage-estimator", "grpo", "--lr", "3e-3",
+            "--micro-batch-size", "16", "--use-tensorboard", "--tensorboard-dir", str(tb)]  # fmt: skip
+
+
+def check_kl(tb) -> None:
+    kl = read_scalars(str(tb), "train/opd_reverse_kl")
+    print("opd_reverse_kl:", kl)
+    assert sorted(kl) == list(range(ROLLOUTS)) and all(math.isfinite(v) for v in kl.values()), kl
+
+
 @pytest.mark.timeout(400)
 def test_train_py_distills_with_images_to_a_finite_kl(models, tmp_path):
     """train.py, GRPO with --use-opd --opd-type sglang on the colour task with images: the student's rollouts
@@ -119,27 +136,18 @@ def test_train_py_distills_with_images_to_a_finite_kl(models, tmp_path):
     try:
         url = engine.init()
         out = subprocess.run(
-            [sys.executable, os.path.join(REPO_ROOT, "train.py"), "--actor-num-nodes", "1",
-             "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--rollout-backend", "hf",
-             "--hf-checkpoint", student, "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
-             "--multimodal-keys", '{"image": "images"}', "--apply-chat-template", "--rollout-shuffle",
-             "--num-rollout", str(ROLLOUTS), "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-             "--rollout-max-response-len", "4", "--rollout-temperature", "1", "--global-batch-size", "16",
-             "--use-opd", "--opd-type", "sglang", "--opd-kl-coef", "1.0",
-             "--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func",
-             "--custom-reward-post-process-path", "slime.rollout.on_policy_distillation.post_process_rewards",
-             "--rm-url", url + "/generate", "--advantage-estimator", "grpo", "--lr", "3e-3",
-             "--micro-batch-size", "16", "--use-tensorboard", "--tensorboard-dir", str(tb),
-             "--save-debug-rollout-data", dump],
+            opd_train_cmd(student, data, tb, "--opd-type", "sglang",
+                          "--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func",
+                          "--custom-reward-post-process-path",
+                          "slime.rollout.on_policy_distillation.post_process_rewards",
+                          "--rm-url", url + "/generate", "--save-debug-rollout-data", dump),
             capture_output=True, text=True, env=_env(), timeout=360, cwd=str(tmp_path),
         )  # fmt: skip
     finally:
         engine.shutdown()
     assert out.returncode == 0, out.stderr[-4000:]
 
-    kl = read_scalars(str(tb), "train/opd_reverse_kl")
-    print("opd_reverse_kl:", kl)
-    assert sorted(kl) == list(range(ROLLOUTS)) and all(math.isfinite(v) for v in kl.values()), kl
+    check_kl(tb)
     rows = torch.load(dump.format(rollout_id=0), weights_only=False)["samples"]
     processor = load_processor(teacher, trust_remote_code=True)
     worst = 0.0
@@ -155,3 +163,36 @@ def test_train_py_distills_with_images_to_a_finite_kl(models, tmp_path):
     print(f"rollout 0: |teacher log-probs - transformers| max {worst:.2e}")
     assert worst < TOL
     assert wait_for_no_new_processes(before) == {}
+
+
+@pytest.mark.timeout(400)
+def test_the_trainer_held_teacher_scores_with_the_images(models, tmp_path):
+    """--opd-type megatron on the fsdp trainer: the teacher is a second (frozen) tiny Qwen2.5-VL in the trainer,
+    fed the rows' images like the policy; its log-probs in rollout 0's train batch equal a transformers forward of
+    the teacher on those tokens and images."""
+    from tools.make_toy_data import write_toy_data
+
+    student, teacher = models
+    data = write_toy_data(str(tmp_path / "colour.jsonl"), 64, seed=0, task="colour")
+    tb = tmp_path / "tb"
+    rollout_dump, train_dump = str(tmp_path / "rollout_{rollout_id}.pt"), str(tmp_path / "train_{rollout_id}.pt")
+    before = run_processes()
+    out = subprocess.run(
+        opd_train_cmd(student, data, tb, "--opd-type", "megatron", "--opd-teacher-load", teacher, "--rm-type", "toy",
+                      "--save-debug-rollout-data", rollout_dump, "--save-debug-train-data", train_dump),
+        capture_output=True, text=True, env=_env(), timeout=360, cwd=str(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert wait_for_no_new_processes(before) == {}
+    check_kl(tb)
+    images_of = {tuple(r["tokens"]): r["multimodal_inputs"]["images"]
+                 for r in torch.load(rollout_dump.format(rollout_id=0), weights_only=False)["samples"]}
+    rows = torch.load(train_dump.format(rollout_id=0), weights_only=False)["samples"]
+    processor = load_processor(teacher, trust_remote_code=True)
+    worst = 0.0
+    for row in rows[:4]:
+        tokens = row["tokens"].tolist()
+        want = transformers_log_probs(teacher, processor, tokens, images_of[tuple(tokens)], row["response_lengths"])
+        worst = max(worst, max(abs(a - b) for a, b in zip(row["teacher_log_probs"].tolist(), want, strict=True)))
+    print(f"rollout 0: |trainer teacher log-probs - transformers| max {worst:.2e}")
+    assert worst < TOL

@@ -141,7 +141,9 @@ class FSDPTrainRayActor(PolicyTrainer):
         return ckpt.path
 
     def _check_teacher_vocabulary(self) -> None:
-        student, teacher = self.model.config.vocab_size, self.teacher_model.config.vocab_size
+        # a vision-language config keeps the vocabulary in its text config
+        student = self.model.config.get_text_config().vocab_size
+        teacher = self.teacher_model.config.get_text_config().vocab_size
         if student != teacher:
             raise ValueError(f"--opd-teacher-load {self.args.opd_teacher_load}: the teacher's vocabulary has {teacher} "
                              f"tokens, the student's {student}; its log-probs of the student's tokens need the same "
