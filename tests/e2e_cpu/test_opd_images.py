@@ -5,6 +5,7 @@ short train.py OPD run on the colour task with images finishes with a finite rev
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import subprocess
@@ -21,11 +22,12 @@ from slime.utils.processing_utils import load_processor
 from slime.utils.tracking import read_scalars
 from slime.utils.types import Sample
 from tests.args import make_args
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, model_args
 from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
 from tests.e2e_cpu.test_train_e2e import _env
 
 TOL = 1e-5
+SHIM_SITE = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "plugins", "megatron_shim")
 
 
 @pytest.fixture(scope="module")
@@ -165,22 +167,29 @@ def test_train_py_distills_with_images_to_a_finite_kl(models, tmp_path):
     assert wait_for_no_new_processes(before) == {}
 
 
+@pytest.mark.parametrize("backend", ["fsdp", pytest.param("megatron", marks=pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron-core not installed"))])
 @pytest.mark.timeout(400)
-def test_the_trainer_held_teacher_scores_with_the_images(models, tmp_path):
-    """--opd-type megatron on the fsdp trainer: the teacher is a second (frozen) tiny Qwen2.5-VL in the trainer,
-    fed the rows' images like the policy; its log-probs in rollout 0's train batch equal a transformers forward of
-    the teacher on those tokens and images."""
+def test_the_trainer_held_teacher_scores_with_the_images(models, tmp_path, backend):
+    """--opd-type megatron on either trainer (Megatron through the test-only CPU shim): the teacher is a second
+    (frozen) tiny Qwen2.5-VL in the trainer, fed the rows' images like the policy; its log-probs in rollout 0's train
+    batch equal a transformers forward of the teacher on those tokens and images."""
     from tools.make_toy_data import write_toy_data
 
     student, teacher = models
     data = write_toy_data(str(tmp_path / "colour.jsonl"), 64, seed=0, task="colour")
     tb = tmp_path / "tb"
     rollout_dump, train_dump = str(tmp_path / "rollout_{rollout_id}.pt"), str(tmp_path / "train_{rollout_id}.pt")
+    env, backend_flags = _env(), []
+    if backend == "megatron":
+        env["PYTHONPATH"] = os.pathsep.join([SHIM_SITE, REPO_ROOT])
+        backend_flags = ["--train-backend", "megatron", *model_args("tiny-qwen2.5-vl"), "--micro-batch-size", "8"]
     before = run_processes()
     out = subprocess.run(
         opd_train_cmd(student, data, tb, "--opd-type", "megatron", "--opd-teacher-load", teacher, "--rm-type", "toy",
-                      "--save-debug-rollout-data", rollout_dump, "--save-debug-train-data", train_dump),
-        capture_output=True, text=True, env=_env(), timeout=360, cwd=str(tmp_path),
+                      "--save-debug-rollout-data", rollout_dump, "--save-debug-train-data", train_dump,
+                      *backend_flags),
+        capture_output=True, text=True, env=env, timeout=360, cwd=str(tmp_path),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     assert wait_for_no_new_processes(before) == {}
@@ -194,5 +203,5 @@ def test_the_trainer_held_teacher_scores_with_the_images(models, tmp_path):
         tokens = row["tokens"].tolist()
         want = transformers_log_probs(teacher, processor, tokens, images_of[tuple(tokens)], row["response_lengths"])
         worst = max(worst, max(abs(a - b) for a, b in zip(row["teacher_log_probs"].tolist(), want, strict=True)))
-    print(f"rollout 0: |trainer teacher log-probs - transformers| max {worst:.2e}")
+    print(f"{backend}, rollout 0: |trainer teacher log-probs - transformers| max {worst:.2e}")
     assert worst < TOL
