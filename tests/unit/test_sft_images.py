@@ -14,6 +14,7 @@ from slime.rollout import sft_rollout
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.train_data import flatten_groups, samples_to_train_batch
 from slime.utils.processing_utils import load_processor
+from slime.utils.types import Sample
 from tests.args import make_args
 from tools.make_tiny_model import make_tiny_model
 
@@ -83,3 +84,15 @@ def test_an_image_in_an_assistant_turn_is_refused(vlm, tmp_path):
     args = sft_args(vlm, write_rows(tmp_path / "sft.jsonl", [{"messages": messages, "images": [image]}]))
     with pytest.raises(ValueError, match="sample 0: an image placeholder at token .* is in a trained span"):
         sft_rollout.generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+
+
+def test_placeholders_that_do_not_match_the_images_are_refused(vlm, tmp_path):
+    """A sample from another data source whose text holds a literal image token besides its image part."""
+    messages = [{"role": "user", "content": [{"type": "image", "image": "x"},
+                                             {"type": "text", "text": "which colour is <|image_pad|> ?"}]},
+                {"role": "assistant", "content": "red"}]
+    sample = Sample(index=3, prompt=messages, multimodal_inputs={"images": [Image.new("RGB", (28, 28), "red")]})
+    args = sft_args(vlm, write_rows(tmp_path / "sft.jsonl", [{"messages": messages[1:]}]))
+    with pytest.raises(ValueError, match=r"sample 3: the rendered conversation holds 2 image placeholder\(s\) .* "
+                                         r"the row has 1 image\(s\)"):
+        sft_rollout.to_sft_sample(sample, sft_rollout.mask_generator(args), load_processor(vlm, trust_remote_code=True))
