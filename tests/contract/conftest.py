@@ -29,6 +29,7 @@ import pytest
 
 from slime.backends.hf_engine.engine import HFEngine
 from tests.args import make_args
+from tools.make_tiny_model import VISION_ARCHS
 
 
 def pytest_addoption(parser):
@@ -98,12 +99,9 @@ def engine(request, tmp_path_factory) -> EngineUnderTest:
         eng.shutdown()
 
 
-# the tiny vision-language archs the image tests start an `hf` engine on (without --engine-url)
-VISION_ARCHS = ["qwen2_5_vl", "qwen3_vl"]
-
-
 def pytest_generate_tests(metafunc):
-    """`vision_arch`: each tiny VLM of VISION_ARCHS for a local `hf` engine; "external" once for --engine-url."""
+    """`vision_arch`: each tiny VLM of tools/make_tiny_model.py (VISION_ARCHS) for a local `hf` engine; "external"
+    once for --engine-url."""
     if "vision_arch" in metafunc.fixturenames:
         archs = ["external"] if _option(metafunc.config, "engine_url") else VISION_ARCHS
         metafunc.parametrize("vision_arch", archs, scope="session")
