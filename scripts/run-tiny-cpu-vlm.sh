@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The visual toy task on CPU (docs/vlm.md): GRPO teaches a tiny random-init Qwen2.5-VL to name the colour that
 # fills an image, through Ray, sglang-router, one built-in `hf` engine (image_data) and one `fsdp` rank (the
-# vision tower in the forward). Makes the model and the data under ./models and ./data if they are missing.
-# Extra flags are passed on.
+# vision tower in the forward). ARCH=qwen3_vl trains a tiny Qwen3-VL instead. Makes the model and the data under
+# ./models and ./data if they are missing. Extra flags are passed on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-MODEL_DIR=${MODEL_DIR:-models/tiny-qwen2_5_vl}
-[ -f "$MODEL_DIR/config.json" ] || python tools/make_tiny_model.py --out "$MODEL_DIR" --arch qwen2_5_vl --seed 0
+ARCH=${ARCH:-qwen2_5_vl}
+MODEL_DIR=${MODEL_DIR:-models/tiny-$ARCH}
+[ -f "$MODEL_DIR/config.json" ] || python tools/make_tiny_model.py --out "$MODEL_DIR" --arch "$ARCH" --seed 0
 DATA=${DATA:-data/toy_colour_train.jsonl}
 [ -f "$DATA" ] || python tools/make_toy_data.py --task colour --out "$DATA" --num-samples 4000 --seed 0
 

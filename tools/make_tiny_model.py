@@ -7,8 +7,10 @@ HF<->Megatron converter tests) at a tiny size; `qwen2_5_vl` is a vision-language
 ViT of 2 blocks with patch 14 and 2x2 merging, mrope text model) whose folder also holds its processor
 (preprocessor_config.json + processor chat template; the tokenizer gains Qwen's vision tokens
 <|vision_start|> <|image_pad|> <|vision_end|> <|video_pad|> and a few image words), loadable with
-`AutoProcessor.from_pretrained` offline. Its images are resized to 1..4 merged patches (at most 4 image tokens),
-and it has no video processor (that one needs torchvision); everything is deterministic from --seed. Each text arch has a
+`AutoProcessor.from_pretrained` offline. `qwen3_vl` is Qwen3-VL (dense): a Qwen3 text model (q/k norm) with
+interleaved mrope, a ViT with patch 16, 2x2 merging and deepstack features from both of its blocks, the same vision
+tokens and chat template. Their images are resized to 1..4 merged patches (at most 4 image tokens), and they have no
+video processor (that one needs torchvision); everything is deterministic from --seed. Each text arch has a
 matching `scripts/models/tiny-<arch>.sh` with its Megatron flags (for --size tiny).
 
 `build_tokenizer(out, chat_template=...)` can instead write a tokenizer with a Qwen3, GLM-4 or Llama-3 style
@@ -136,6 +138,8 @@ CHAT_TEMPLATES = {
     "llama3": (LLAMA3_CHAT_TEMPLATE, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
                                       "<|eom_id|>"], "<|eot_id|>"),
     "qwen2_5_vl": (QWEN2_5_VL_CHAT_TEMPLATE, VISION_TOKENS, "<|im_end|>"),
+    # Qwen3-VL marks an image with the same three tokens as Qwen2.5-VL
+    "qwen3_vl": (QWEN2_5_VL_CHAT_TEMPLATE, VISION_TOKENS, "<|im_end|>"),
 }
 
 SIZES = {
@@ -149,11 +153,15 @@ MOE = (4, 2, 64, 64)
 MLA = (64, 32, 16, 8, 16)
 ARCHS = ["qwen3", "qwen2", "llama", "qwen3_moe", "glm4", "glm4_moe", "deepseek_v3"]
 # vision-language archs (their Megatron script: scripts/models/tiny-qwen2.5-vl.sh, the language model only)
-VISION_ARCHS = ["qwen2_5_vl"]
-# tiny vision tower of qwen2_5_vl: (depth, hidden, heads, intermediate); patch 14, 2x2 merge as the real one
+VISION_ARCHS = ["qwen2_5_vl", "qwen3_vl"]
+# archs the Megatron backend does not build (it refuses them before Ray starts): no scripts/models/*.sh of theirs;
+# they run on the fsdp trainer and the hf engine
+NO_MEGATRON_ARCHS = ["qwen3_vl"]
+# tiny vision tower: (depth, hidden, heads, intermediate); 2x2 merge as the real ones
 VISION = (2, 32, 2, 64)
-# images are resized to between 1 and 4 merged patches of 28x28 pixels: at most 4 image tokens on CPU
-IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 28 * 28, 4 * 28 * 28
+# each arch's ViT patch size: images are resized to between 1 and 4 merged patches (2 x patch pixels square), so
+# at most 4 image tokens on CPU
+PATCH_SIZE = {"qwen2_5_vl": 14, "qwen3_vl": 16}
 
 
 def build_vocab() -> list[str]:
@@ -175,7 +183,7 @@ def build_tokenizer(out: str, chat_template: str = "default"):
     template, extra_special, eos = CHAT_TEMPLATES[chat_template]
     special = SPECIAL_TOKENS + extra_special
     vocab = build_vocab() + extra_special
-    if chat_template == "qwen2_5_vl":
+    if chat_template in ("qwen2_5_vl", "qwen3_vl"):
         vocab += [w for w in VISION_WORDS if w not in vocab]
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
@@ -258,6 +266,8 @@ def build_config(arch: str, size: str, vocab_size: int, tokenizer):
                                 topk_group=1, routed_scaling_factor=1.0, **common)  # fmt: skip
     if arch == "qwen2_5_vl":
         return _qwen2_5_vl_config(common, head_dim, tokenizer)
+    if arch == "qwen3_vl":
+        return _qwen3_vl_config(common, head_dim, tokenizer)
     raise ValueError(f"--arch {arch}: supported architectures are {', '.join(ARCHS + VISION_ARCHS)}")
 
 
@@ -273,27 +283,63 @@ def _qwen2_5_vl_config(common: dict, head_dim: int, tokenizer):
     text = {k: v for k, v in common.items() if k not in ("rope_theta", "tie_word_embeddings")}
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": common["rope_theta"], "mrope_section": sections}
     vision = dict(depth=depth, hidden_size=v_hidden, num_heads=v_heads, intermediate_size=v_inter,
-                  out_hidden_size=common["hidden_size"], patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                  out_hidden_size=common["hidden_size"], patch_size=PATCH_SIZE["qwen2_5_vl"], spatial_merge_size=2,
+                  temporal_patch_size=2,
                   window_size=112, fullatt_block_indexes=[depth - 1], initializer_range=0.02)
-    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in
-           [("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-            ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                            **_vision_token_ids(tokenizer))
 
 
-def build_processor(out: str) -> None:
-    """Qwen2.5-VL's image processor config (preprocessor_config.json) and the folder's processor class
-    (tools/tiny_vlm/processing_tiny_qwen2_5_vl.py, named in processor_config.json's auto_map: the stock
-    Qwen2_5_VLProcessor cannot be built without torchvision, which its video processor needs)."""
+def _vision_token_ids(tokenizer) -> dict:
+    return {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in
+            [("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+             ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
+
+
+def _qwen3_vl_config(common: dict, head_dim: int, tokenizer):
+    """Qwen3-VL (dense): a Qwen3 text model (q/k norm) with interleaved multimodal RoPE (sections summing to
+    head_dim / 2, as [24, 20, 20] for the real head_dim 128) and a ViT with learned position embeddings whose blocks
+    in `deepstack_visual_indexes` feed extra features into the first text layers (every block here: 2 of 4)."""
+    from transformers import Qwen3VLConfig
+
+    depth, v_hidden, v_heads, v_inter = VISION
+    half = head_dim // 2
+    spatial = (half * 5 // 16)
+    sections = [half - 2 * spatial, spatial, spatial]
+    text = {k: v for k, v in common.items() if k not in ("rope_theta", "tie_word_embeddings")}
+    text["head_dim"] = head_dim
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": common["rope_theta"], "mrope_section": sections,
+                               "mrope_interleaved": True}
+    vision = dict(depth=depth, hidden_size=v_hidden, num_heads=v_heads, intermediate_size=v_inter,
+                  out_hidden_size=common["hidden_size"], patch_size=PATCH_SIZE["qwen3_vl"], spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=list(range(depth)),
+                  initializer_range=0.02)
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                         **_vision_token_ids(tokenizer))
+
+
+# the processor class written into each vision arch's folder (tools/tiny_vlm/<module>.py)
+PROCESSORS = {"qwen2_5_vl": ("processing_tiny_qwen2_5_vl", "TinyQwen2_5_VLProcessor"),
+              "qwen3_vl": ("processing_tiny_qwen3_vl", "TinyQwen3VLProcessor")}
+
+
+def build_processor(out: str, arch: str = "qwen2_5_vl") -> None:
+    """The arch's image processor config (preprocessor_config.json: Qwen2-VL's image processor with its patch size)
+    and the folder's processor class (tools/tiny_vlm/processing_tiny_<arch>.py, named in processor_config.json's
+    auto_map: the stock Qwen2.5-VL / Qwen3-VL processors cannot be built without torchvision, which their video
+    processors need)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    Qwen2VLImageProcessorPil(min_pixels=IMAGE_MIN_PIXELS, max_pixels=IMAGE_MAX_PIXELS, patch_size=14,
-                             merge_size=2, temporal_patch_size=2).save_pretrained(out)
-    module = "processing_tiny_qwen2_5_vl"
+    side = 2 * PATCH_SIZE[arch]  # one merged patch
+    # Qwen3-VL normalises with mean = std = 0.5 (its checkpoints' preprocessor_config.json); Qwen2.5-VL with CLIP's
+    norm = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if arch == "qwen3_vl" else {}
+    Qwen2VLImageProcessorPil(min_pixels=side * side, max_pixels=4 * side * side, patch_size=PATCH_SIZE[arch],
+                             merge_size=2, temporal_patch_size=2, **norm).save_pretrained(out)
+    module, cls = PROCESSORS[arch]
     shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_vlm", module + ".py"), out)
-    auto = {"AutoProcessor": f"{module}.TinyQwen2_5_VLProcessor"}
+    auto = {"AutoProcessor": f"{module}.{cls}"}
     with open(os.path.join(out, "processor_config.json"), "w") as f:
-        json.dump({"processor_class": "TinyQwen2_5_VLProcessor", "auto_map": auto}, f, indent=2)
+        json.dump({"processor_class": cls, "auto_map": auto}, f, indent=2)
     # AutoProcessor reads auto_map from the image processor config too
     path = os.path.join(out, "preprocessor_config.json")
     with open(path) as f:
@@ -310,9 +356,9 @@ def make_tiny_model(out: str, arch: str = "qwen3", size: str = "tiny", seed: int
         raise ValueError(f"--size {size}: choose one of {sorted(SIZES)}")
     os.makedirs(out, exist_ok=True)
     vision = arch in VISION_ARCHS
-    tokenizer = build_tokenizer(out, chat_template="qwen2_5_vl" if vision else "default")
+    tokenizer = build_tokenizer(out, chat_template=arch if vision else "default")
     if vision:
-        build_processor(out)
+        build_processor(out, arch)
     vocab_size = ((len(tokenizer) + 63) // 64) * 64
     config = build_config(arch, size, vocab_size, tokenizer)
     torch.manual_seed(seed)

@@ -29,6 +29,7 @@ import pytest
 
 from slime.backends.hf_engine.engine import HFEngine
 from tests.args import make_args
+from tools.make_tiny_model import VISION_ARCHS
 
 
 def pytest_addoption(parser):
@@ -98,11 +99,19 @@ def engine(request, tmp_path_factory) -> EngineUnderTest:
         eng.shutdown()
 
 
+def pytest_generate_tests(metafunc):
+    """`vision_arch`: each tiny VLM of tools/make_tiny_model.py (VISION_ARCHS) for a local `hf` engine; "external"
+    once for --engine-url."""
+    if "vision_arch" in metafunc.fixturenames:
+        archs = ["external"] if _option(metafunc.config, "engine_url") else VISION_ARCHS
+        metafunc.parametrize("vision_arch", archs, scope="session")
+
+
 @pytest.fixture(scope="session")
-def vision_engine(request, tmp_path_factory) -> EngineUnderTest:
+def vision_engine(request, vision_arch, tmp_path_factory) -> EngineUnderTest:
     """The engine of the image tests (test_image_api.py): `--engine-url`'s server when it serves a vision-language
     model (its /model_info `has_image_understanding`; skipped otherwise), else an `hf` engine started on the tiny
-    Qwen2.5-VL of tools/make_tiny_model.py."""
+    model of tools/make_tiny_model.py named by `vision_arch` (Qwen2.5-VL, then Qwen3-VL; `-k qwen2_5_vl` for one)."""
     config = request.config
     common = {"trainer_address": _option(config, "--trainer-address", "127.0.0.1"),
               "logprob_tol": _option(config, "--logprob-tol", 1e-4),
@@ -120,7 +129,7 @@ def vision_engine(request, tmp_path_factory) -> EngineUnderTest:
 
     from tools.make_tiny_model import make_tiny_model
 
-    model_path = make_tiny_model(str(tmp_path_factory.mktemp("contract") / "tiny-vlm"), arch="qwen2_5_vl",
+    model_path = make_tiny_model(str(tmp_path_factory.mktemp("contract") / f"tiny-{vision_arch}"), arch=vision_arch,
                                  size="tiny", seed=0)
     os.environ.setdefault("SLIME_ENGINE_LOG_DIR", str(tmp_path_factory.mktemp("engine_logs")))
     eng = HFEngine(make_args(hf_checkpoint=model_path, rollout_seed=0, sglang_server_concurrency=8), rank=0)

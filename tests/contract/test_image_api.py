@@ -2,7 +2,8 @@
 slime's rollout sends it (slime/rollout/generation.py): the prompt as `text` with one image placeholder per image
 and the images as PNG data URLs, which the server expands with its own processor.
 
-CI runs it against an `hf` engine on the tiny Qwen2.5-VL (conftest.py's `vision_engine`); with `--engine-url` it
+CI runs it against an `hf` engine on the tiny Qwen2.5-VL and on the tiny Qwen3-VL (conftest.py's `vision_engine`,
+one per `vision_arch`); with `--engine-url` it
 runs against that server when it serves a vision-language model (tests/gpu/test_vlm_sglang_gpu.py starts SGLang on
 the tiny Qwen2.5-VL for it). Checked: the server's prompt is the one the trainer trains on (its token count equals
 the local processor's expansion) and its log-probs are a transformers fp32 forward's of the same sequence and
@@ -28,8 +29,9 @@ pytestmark = pytest.mark.timeout(300)
 
 QUESTION = "which colour fills the image?"
 SAMPLING = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
-# the merger's last projection: its output is what the text model sees of an image
-TOWER_TENSOR = "visual.merger.mlp.2.weight"
+# the merger's last projection (Qwen2.5-VL's name, then Qwen3-VL's): its output is what the text model sees of an
+# image
+TOWER_TENSORS = ("visual.merger.mlp.2.weight", "visual.merger.linear_fc2.weight")
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +139,10 @@ def test_push_to_the_vision_tower_reaches_image_requests(vision_engine, processo
     if vision_engine.external and not vision_engine.same_host:
         pytest.skip("the tensor push hands over shared memory: pass --engine-same-host for an external engine")
     tensors = model_tensors(vision_engine.model_path)
-    assert TOWER_TENSOR in tensors, f"{TOWER_TENSOR} not in {vision_engine.model_path} (a Qwen2.5-VL checkpoint)"
-    original = tensors[TOWER_TENSOR]
+    found = [name for name in tensors if name.endswith(TOWER_TENSORS)]
+    assert len(found) == 1, f"none or several of {TOWER_TENSORS} in {vision_engine.model_path}: {found}"
+    tower_tensor = found[0]
+    original = tensors[tower_tensor]
     perturbed = original * 1000.0
     img = image((255, 0, 0))
     text, plain = prompt_text(processor), "<|im_start|>user what comes after one ?<|im_end|><|im_start|>assistant"
@@ -146,7 +150,7 @@ def test_push_to_the_vision_tower_reaches_image_requests(vision_engine, processo
     plain_before, _ = scored(vision_engine, plain, [])
     tol = vision_engine.logprob_tol
     try:
-        push_tensor(vision_engine, [(TOWER_TENSOR, perturbed)], "contract-vision-1")
+        push_tensor(vision_engine, [(tower_tensor, perturbed)], "contract-vision-1")
         after, version = scored(vision_engine, text, [img])
         plain_after, _ = scored(vision_engine, plain, [])
         print(f"\n[vision push] image prompt max |Δ log-prob| {max_diff(after, before):.3f}, text prompt "
@@ -156,7 +160,7 @@ def test_push_to_the_vision_tower_reaches_image_requests(vision_engine, processo
         assert max_diff(plain_after, plain_before) <= tol
         if reference is not None:
             state = reference.state_dict()
-            key = next(k for k in state if k.endswith("visual.merger.mlp.2.weight"))
+            key = next(k for k in state if k.endswith("visual." + tower_tensor.split("visual.", 1)[1]))
             state[key].copy_(perturbed)
             try:
                 ids = expanded_ids(processor, text, [img])
@@ -164,7 +168,7 @@ def test_push_to_the_vision_tower_reaches_image_requests(vision_engine, processo
             finally:
                 state[key].copy_(original)
     finally:
-        push_tensor(vision_engine, [(TOWER_TENSOR, original)], "contract-vision-2")
+        push_tensor(vision_engine, [(tower_tensor, original)], "contract-vision-2")
     restored, version = scored(vision_engine, text, [img])
     assert version == "contract-vision-2" and max_diff(restored, before) <= tol
 

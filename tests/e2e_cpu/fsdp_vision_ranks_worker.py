@@ -1,4 +1,4 @@
-"""One fsdp training rank for tests/e2e_cpu/test_fsdp_vision_ranks.py: the tiny Qwen2.5-VL trained one step on a
+"""One fsdp training rank for tests/e2e_cpu/test_fsdp_vision_ranks.py: a tiny VLM (--model) trained one step on a
 fixed batch whose rows 0-3 have an image each and rows 4-7 none, so that with two ranks (contiguous shares) rank 1
 trains text rows only while rank 0's rows feed the vision tower.
 

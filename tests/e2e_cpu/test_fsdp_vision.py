@@ -1,4 +1,5 @@
-"""The fsdp backend on the tiny Qwen2.5-VL with the hf engine: rows generated from images train with the images
+"""The fsdp backend on the tiny Qwen2.5-VL and the tiny Qwen3-VL (deepstack features, interleaved mrope) with the
+hf engine: rows generated from images train with the images
 in the forward, the trainer's log-probs equal the engine's (before and after a weight push), and a policy step
 moves them. One gloo rank (tests/e2e_cpu/fsdp_vision_worker.py)."""
 
@@ -23,12 +24,12 @@ def _max_abs_diff(a, b) -> float:
     return max(abs(x - y) for ra, rb in pairs for x, y in zip(ra, rb))
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def run(request, tmp_path_factory):
     from tools.make_tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("fsdp_vision")
-    vlm = make_tiny_model(str(root / "vlm"), arch="qwen2_5_vl", size="tiny", seed=0)
+    vlm = make_tiny_model(str(root / "vlm"), arch=request.param, size="tiny", seed=0)
     return run_ranks(WORKER, 1, str(root / "w1"), ["--model", vlm], timeout_s=300)
 
 

@@ -1,4 +1,5 @@
-"""Two fsdp ranks of a vision-language model where one rank's rows have no image: the rank without images still
+"""Two fsdp ranks of a vision-language model (the tiny Qwen2.5-VL; the tiny Qwen3-VL, whose deepstack mergers join
+too) where one rank's rows have no image: the rank without images still
 runs the vision tower's collectives (on a stand-in image counted zero times), so the step neither hangs nor
 changes: the same metrics and log-probs as one rank training the same batch
 (tests/e2e_cpu/fsdp_vision_ranks_worker.py)."""
@@ -22,10 +23,11 @@ def _max_abs_diff(a, b) -> float:
 
 
 @pytest.mark.timeout(600)
-def test_a_rank_without_images_trains_as_one_rank_would(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_rank_without_images_trains_as_one_rank_would(arch, tmp_path):
     from tools.make_tiny_model import make_tiny_model
 
-    vlm = make_tiny_model(str(tmp_path / "vlm"), arch="qwen2_5_vl", size="tiny", seed=0)
+    vlm = make_tiny_model(str(tmp_path / "vlm"), arch=arch, size="tiny", seed=0)
     one = run_ranks(WORKER, 1, str(tmp_path / "w1"), ["--model", vlm], timeout_s=240)
     two = run_ranks(WORKER, 2, str(tmp_path / "w2"), ["--model", vlm], timeout_s=240)
     assert _max_abs_diff(one["lp_before"], two["lp_before"]) < 1e-5

@@ -1,6 +1,7 @@
 """The fsdp trainer places a multi-turn rollout's observation images (new images inside the response region, loss
 mask 0) and tells them from image tokens the policy sampled: its log-probs equal the hf engine's, which generated
-each turn from input_ids holding every image so far plus image_data for all of them. One gloo rank
+each turn from input_ids holding every image so far plus image_data for all of them. On the tiny Qwen2.5-VL and the
+tiny Qwen3-VL (whose deepstack features go to every image's tokens, observation images included). One gloo rank
 (tests/e2e_cpu/fsdp_vision_turns_worker.py)."""
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ WORKER = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "fsdp_vision_turns_worker.p
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def run(request, tmp_path_factory):
     from tools.make_tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("fsdp_vision_turns")
-    vlm = make_tiny_model(str(root / "vlm"), arch="qwen2_5_vl", size="tiny", seed=0)
+    vlm = make_tiny_model(str(root / "vlm"), arch=request.param, size="tiny", seed=0)
     return run_ranks(WORKER, 1, str(root / "w1"), ["--model", vlm], timeout_s=300)
 
 

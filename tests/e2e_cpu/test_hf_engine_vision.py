@@ -1,4 +1,4 @@
-"""The hf engine serving the tiny Qwen2.5-VL over HTTP: `image_data` in /generate as SGLang takes it, log-probs
+"""The hf engine serving the tiny Qwen2.5-VL and the tiny Qwen3-VL over HTTP: `image_data` in /generate as SGLang takes it, log-probs
 equal to transformers' own forward of the same sequence with the same image, and the 400s of bad requests."""
 
 import os
@@ -20,11 +20,12 @@ TOL = 1e-5
 QUESTION = "which colour fills the image?"
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vlm(request, tmp_path_factory):
     from tools.make_tiny_model import make_tiny_model
 
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "vlm"), arch="qwen2_5_vl", size="tiny", seed=0)
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / request.param), arch=request.param, size="tiny",
+                           seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The Megatron backend's vision-language pieces that need no megatron-core: 3-D (mrope) position ids against
 transformers' Qwen2.5-VL `get_rope_index`, and the Qwen2.5-VL converter's names (language model through the Qwen2
-mapping, the vision tower under its HF names)."""
+mapping, the vision tower under its HF names); other vision-language models (Qwen3-VL) refused at validation."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from slime.backends.megatron_utils.converters import ConverterConfig, converter_for_hf_config
 from slime.backends.megatron_utils.converters.qwen2_5_vl import split_vision_language
 from slime.backends.megatron_utils.vision_language import mrope_position_ids
+from slime.utils.errors import SlimeArgumentError
 
 IMAGE = 9
 
@@ -149,3 +150,19 @@ def test_an_observation_image_in_the_response_takes_features():
         wrong = torch.tensor([[1, 4, 4], [1, 4, 4]])
         micro_batch_inputs(make_micro_batch([row], [7]), [{"pixel_values": torch.zeros(32, 6),
                                                           "image_grid_thw": wrong}], [0], spec)
+
+
+def test_a_vision_language_model_without_a_megatron_tower_is_refused_before_ray_starts(tmp_path):
+    """A Qwen3-VL --hf-checkpoint with --train-backend megatron: refused by argument validation (naming the model
+    type and the fix), before the MODEL_ARGS cross-check would ask for flags that could not help; fsdp takes it."""
+    from tests.args import make_args
+    from tools.make_tiny_model import make_tiny_model
+
+    folder = make_tiny_model(str(tmp_path / "qwen3_vl"), arch="qwen3_vl", size="tiny", seed=0)
+    with pytest.raises(SlimeArgumentError) as e:
+        make_args("--train-backend", "megatron", "--num-layers", "4", "--hidden-size", "128",
+                  "--num-attention-heads", "4", hf_checkpoint=folder)
+    message = str(e.value)
+    assert "'qwen3_vl'" in message and "Qwen3VLForConditionalGeneration" in message
+    assert "use --train-backend fsdp" in message and folder in message
+    assert make_args("--train-backend", "fsdp", hf_checkpoint=folder).hf_checkpoint == folder

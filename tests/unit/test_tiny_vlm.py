@@ -1,5 +1,5 @@
-"""tools/make_tiny_model.py --arch qwen2_5_vl: a real Qwen2.5-VL model folder whose processor loads offline and
-whose vision tower changes what the text model sees."""
+"""tools/make_tiny_model.py --arch qwen2_5_vl / qwen3_vl: a real Qwen2.5-VL / Qwen3-VL model folder whose processor
+loads offline and whose vision tower changes what the text model sees."""
 
 from __future__ import annotations
 
@@ -13,9 +13,19 @@ from slime.utils.processing_utils import build_processor_kwargs, load_processor
 from tools.make_tiny_model import make_tiny_model
 
 
+# arch: (processor class, architecture, ViT patch size)
+ARCHS = {"qwen2_5_vl": ("TinyQwen2_5_VLProcessor", "Qwen2_5_VLForConditionalGeneration", 14),
+         "qwen3_vl": ("TinyQwen3VLProcessor", "Qwen3VLForConditionalGeneration", 16)}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def arch(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "vlm"), arch="qwen2_5_vl", size="tiny", seed=0)
+def vlm(arch, tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / arch), arch=arch, size="tiny", seed=0)
 
 
 def _messages(image):
@@ -23,11 +33,12 @@ def _messages(image):
                                          {"type": "text", "text": "which colour fills the image?"}]}]
 
 
-def test_processor_loads_offline_and_expands_the_image(vlm, monkeypatch):
+def test_processor_loads_offline_and_expands_the_image(arch, vlm, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from transformers import AutoProcessor
 
-    assert type(AutoProcessor.from_pretrained(vlm, trust_remote_code=True)).__name__ == "TinyQwen2_5_VLProcessor"
+    processor_class, _, patch = ARCHS[arch]
+    assert type(AutoProcessor.from_pretrained(vlm, trust_remote_code=True)).__name__ == processor_class
     processor = load_processor(vlm, trust_remote_code=True)
     image = Image.new("RGB", (100, 60), (255, 0, 0))
     text = processor.apply_chat_template(_messages(image), tokenize=False, add_generation_prompt=True)
@@ -39,20 +50,25 @@ def test_processor_loads_offline_and_expands_the_image(vlm, monkeypatch):
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     # one pad per 2x2 merged patch; the image is resized to at most 4 merged patches
     assert ids.count(pad) == int(grid.prod()) // 4 and 1 <= ids.count(pad) <= 4
-    assert out["pixel_values"].shape == (int(grid.prod()), 3 * 2 * 14 * 14)
+    assert out["pixel_values"].shape == (int(grid.prod()), 3 * 2 * patch * patch)
     assert "<unk>" not in processor.tokenizer.convert_ids_to_tokens(ids)
     bare = processor(text=text, images=[image])  # no return_tensors: media as tensors, as a real checkpoint's
     assert isinstance(bare["pixel_values"], torch.Tensor) and torch.equal(bare["pixel_values"], out["pixel_values"])
     assert isinstance(bare["image_grid_thw"], torch.Tensor) and bare["input_ids"][0] == ids
 
 
-def test_config_is_qwen2_5_vl_and_the_image_reaches_the_logits(vlm):
+def test_config_is_the_arch_and_the_image_reaches_the_logits(arch, vlm):
     from transformers import AutoModelForImageTextToText
 
     with open(f"{vlm}/config.json") as f:
         config = json.load(f)
-    assert config["model_type"] == "qwen2_5_vl" and config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert config["model_type"] == arch and config["architectures"] == [ARCHS[arch][1]]
     assert sum(config["text_config"]["rope_parameters"]["mrope_section"]) * 2 == 128 // 4  # head_dim / 2
+    assert config["vision_config"]["patch_size"] == ARCHS[arch][2]
+    if arch == "qwen3_vl":
+        # interleaved mrope; every ViT block feeds a deepstack merger into the first text layers; q/k norm
+        assert config["text_config"]["rope_parameters"]["mrope_interleaved"] is True
+        assert config["vision_config"]["deepstack_visual_indexes"] == [0, 1]
     processor = load_processor(vlm, trust_remote_code=True)
     model = AutoModelForImageTextToText.from_pretrained(vlm).eval()
     last = []
@@ -67,3 +83,17 @@ def test_config_is_qwen2_5_vl_and_the_image_reaches_the_logits(vlm):
         assert torch.isfinite(logits).all()
         last.append(logits[0, -1])
     assert (last[0] - last[1]).abs().max() > 1e-4  # the colour changes the next-token distribution
+    if arch == "qwen3_vl":
+        names = {n for n, _ in model.named_parameters()}
+        assert "model.language_model.layers.0.self_attn.q_norm.weight" in names
+        assert "model.visual.deepstack_merger_list.1.linear_fc2.weight" in names
+
+
+def test_the_same_seed_writes_the_same_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    a, b, c = (make_tiny_model(str(tmp_path / name), arch="qwen3_vl", size="tiny", seed=seed)
+               for name, seed in [("a", 0), ("b", 0), ("c", 1)])
+    wa, wb, wc = (load_file(f"{path}/model.safetensors") for path in (a, b, c))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(not torch.equal(wa[k], wc[k]) for k in wa)

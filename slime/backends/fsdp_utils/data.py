@@ -114,7 +114,9 @@ def _idle_vision_hook(model: torch.nn.Module):
     """A forward hook for the input embedding (which runs inside the model's forward, after FSDP gathered the root's
     shards, where the model would run its vision tower): the tower on the smallest image it takes (one
     merge-size square of patches), its features added to the embeddings times zero, so the logits do not change and
-    the backward reaches (and reduces) every vision parameter as a peer's does."""
+    the backward reaches (and reduces) every vision parameter as a peer's does. Qwen3-VL's tower also returns the
+    deepstack features (its deepstack mergers' outputs, which a real image adds to the first text layers): they
+    count zero times too, else those mergers would have no gradient on this rank and the reduction would differ."""
     vision = model.config.vision_config
     merge = vision.spatial_merge_size
     width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
@@ -124,7 +126,9 @@ def _idle_vision_hook(model: torch.nn.Module):
         grid = torch.tensor([[1, merge, merge]], device=output.device)
         features = model.get_image_features(pixel_values=pixels, image_grid_thw=grid)
         pooled = getattr(features, "pooler_output", features)
-        tensors = pooled if isinstance(pooled, (list, tuple)) else [pooled]
+        tensors = list(pooled) if isinstance(pooled, (list, tuple)) else [pooled]
+        for per_layer in getattr(features, "deepstack_features", None) or []:
+            tensors += list(per_layer) if isinstance(per_layer, (list, tuple)) else [per_layer]
         return output + 0.0 * sum(t.sum() for t in tensors).to(output.dtype)
 
     return hook

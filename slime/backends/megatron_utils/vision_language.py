@@ -52,9 +52,10 @@ class VisionSpec:
     vision_end_token_id: int
 
 
-def vision_spec(args: argparse.Namespace) -> VisionSpec | None:
-    """The vision tower of --hf-checkpoint (None for a text model, or without an HF folder)."""
-    path = args.hf_checkpoint
+def check_vision_tower(path: str | None) -> str | None:
+    """The model_type of --hf-checkpoint when it is a vision-language model whose tower this backend builds (None
+    for a text model, or without an HF folder); a SlimeArgumentError naming the type and the fix for any other
+    vision-language model (Qwen3-VL among them). Run at argument validation, before Ray starts, and again here."""
     config_file = os.path.join(path, "config.json") if path else None
     if not config_file or not os.path.isfile(config_file):
         return None
@@ -64,10 +65,21 @@ def vision_spec(args: argparse.Namespace) -> VisionSpec | None:
         return None
     model_type = raw.get("model_type")
     if model_type not in VISION_TOWERS:
+        arch = ", ".join(raw.get("architectures") or []) or "no architectures in config.json"
         raise SlimeArgumentError(
-            f"--hf-checkpoint {path}: a vision-language model of type {model_type!r}; the Megatron backend has the "
-            f"vision tower of {sorted(VISION_TOWERS)} only; use --train-backend fsdp for this model"
+            f"--hf-checkpoint {path}: a vision-language model of type {model_type!r} ({arch}); --train-backend "
+            f"megatron builds the vision-language models {sorted(VISION_TOWERS)} only; use --train-backend fsdp "
+            "for this model (docs/vlm.md)"
         )
+    return model_type
+
+
+def vision_spec(args: argparse.Namespace) -> VisionSpec | None:
+    """The vision tower of --hf-checkpoint (None for a text model, or without an HF folder)."""
+    path = args.hf_checkpoint
+    model_type = check_vision_tower(path)
+    if model_type is None:
+        return None
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
