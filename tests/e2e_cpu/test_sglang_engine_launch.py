@@ -157,9 +157,17 @@ def test_engine_lifecycle_behind_the_sglang_command(tmp_path, monkeypatch, tiny_
 
 @pytest.mark.timeout(240)
 def engine_pids() -> list[int]:
-    """Engine server processes (hf engine or the stand-in SGLang launcher) below this test process."""
-    return [p.pid for p in psutil.Process().children(recursive=True)
-            if any(s in " ".join(p.cmdline()) for s in ("slime.backends.hf_engine", "bin/sglang"))]
+    """Engine server processes (hf engine or the stand-in SGLang launcher) below this test process; a child that
+    exits while we look (or is a zombie not yet reaped by its parent) is not an engine."""
+    pids = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmdline = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if any(s in cmdline for s in ("slime.backends.hf_engine", "bin/sglang")):
+            pids.append(p.pid)
+    return pids
 
 
 def test_multi_node_engine_gets_one_actor_per_node(tmp_path, monkeypatch, tiny_model_dir):
