@@ -28,8 +28,15 @@ def test_auto_draws_a_fresh_random_key_and_logs_only_its_start(caplog):
         a = make_args("--engine-api-key", "auto").engine_api_key
     b = make_args("--engine-api-key", "auto").engine_api_key
     assert a != "auto" and b != "auto" and a != b
-    assert len(a) >= 40 and all(c.isalnum() or c in "-_" for c in a)
+    assert len(a) >= 40 and all(c in "0123456789abcdef" for c in a)  # never a leading '-' (read as a flag)
     assert a[:4] in caplog.text and a not in caplog.text
+
+
+def test_a_key_starting_with_a_dash_is_refused():
+    """The router's and SGLang's command lines pass it as `--api-key KEY`: argparse would take '-x...' for a flag
+    (CI saw a drawn `auto` key do this once, before keys were hex)."""
+    with pytest.raises(SlimeArgumentError, match="--engine-api-key.*starting with '-'"):
+        make_args("--engine-api-key=-s3cret")
 
 
 @pytest.mark.parametrize("bad", ["", " ", "two words", "key\n"])

@@ -107,16 +107,21 @@ def validate_sglang(args: argparse.Namespace) -> None:
 
 
 def _resolve_engine_api_key(args: argparse.Namespace) -> None:
-    """`--engine-api-key auto` becomes a random key for this job (43 URL-safe characters), resolved once here so
-    every process of the job gets the same one in its args; only its first characters are ever logged."""
+    """`--engine-api-key auto` becomes a random key for this job (64 hex characters), resolved once here so
+    every process of the job gets the same one in its args; only its first characters are ever logged. A key
+    travels on the router's and SGLang's command lines as `--api-key KEY`, where one starting with '-' would be
+    read as a flag: refused (and never drawn)."""
     key = args.engine_api_key
     if key is None:
         return
     if not key.strip() or key != key.strip() or any(c.isspace() for c in key):
         fail(f"--engine-api-key {key!r}: a key must be non-empty and hold no whitespace (it travels in an HTTP "
              "header); pass another key, 'auto' for a random one, or drop the flag for no authentication.")
+    if key.startswith("-"):
+        fail(f"--engine-api-key {key[:4]}...: a key starting with '-' would be read as a flag on the router's and "
+             "SGLang's command lines (`--api-key KEY`); pass one that starts with a letter or digit, or 'auto'.")
     if key == ENGINE_API_KEY_AUTO:
-        args.engine_api_key = secrets.token_urlsafe(32)
+        args.engine_api_key = secrets.token_hex(32)
         logger.info("--engine-api-key auto: generated this job's engine key (%s...); plugins read it as "
                     "args.engine_api_key", args.engine_api_key[:4])
 
