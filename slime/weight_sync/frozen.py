@@ -38,11 +38,14 @@ class FrozenPushes:
         self.frozen = frozenset(frozen)
         self.engines_release = engines_release
         self._version: str | None = None  # rank 0: the weight version of the last push that completed
+        self._any_frozen: bool | None = None  # whether any training rank holds a frozen parameter (asked once)
 
     def left_out(self, route: Any, engines: Sequence[Any]) -> frozenset[str]:
         """Collective (every training rank, before the push gathers anything): the names this push leaves out.
         `route` (rank 0's, begun for `engines`; None elsewhere) says whether it needs every tensor."""
         if self.engines_release:
+            return frozenset()
+        if not self._anywhere():  # a run without frozen parameters: no engine calls, no broadcast per push
             return frozenset()
         # every rank joins the broadcast, also one that holds no frozen parameter (a pipeline stage without any)
         decision = [True]
@@ -53,6 +56,17 @@ class FrozenPushes:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(decision, src=0)
         return frozenset() if decision[0] else self.frozen
+
+    def _anywhere(self) -> bool:
+        """Collective on the first call: whether some rank has frozen parameters (a pipeline stage may have none
+        while another has them, so every rank must take the same branch in `left_out`)."""
+        if self._any_frozen is None:
+            held = [bool(self.frozen)]
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                held = [None] * dist.get_world_size()
+                dist.all_gather_object(held, bool(self.frozen))
+            self._any_frozen = any(held)
+        return self._any_frozen
 
     def pushed(self, weight_version: int | str) -> None:
         """The push of `weight_version` completed: the engines hold every frozen tensor."""

@@ -22,6 +22,19 @@ def test_engines_that_release_their_weights_get_every_tensor():
     assert pushes.left_out(EnginePush(), []) == frozenset()
 
 
+def test_a_run_without_frozen_parameters_asks_the_engines_nothing(monkeypatch):
+    import slime.weight_sync.frozen as frozen
+
+    asked = []
+    monkeypatch.setattr(frozen, "engine_weight_versions", lambda engines: asked.append(engines) or ["1"])
+    assert FrozenPushes(set(), engines_release=False).left_out(EnginePush(), ["engine"]) == frozenset()
+    assert asked == []  # no per-push version call when nothing is frozen
+    pushes = FrozenPushes({"visual.w"}, engines_release=False)
+    assert pushes.left_out(EnginePush(), ["engine"]) == frozenset()  # first push: everything
+    pushes.pushed(1)
+    assert pushes.left_out(EnginePush(), ["engine"]) == {"visual.w"} and len(asked) == 2
+
+
 def test_routes_say_whether_they_need_every_tensor(tmp_path):
     from slime.weight_sync.push import DiskPush
 
