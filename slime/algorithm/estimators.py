@@ -92,9 +92,15 @@ class Estimator:
 
 # ---- advantages ----------------------------------------------------------------------------------------
 def needs_reference_model(args) -> bool:
-    """A KL term (in the loss, --use-kl-loss, or in the rewards, --kl-coef) needs a frozen reference model: the
-    trainers build one and the `--dry-run` planner counts its memory."""
+    """A KL term (in the loss, --use-kl-loss, or in the rewards, --kl-coef) needs a frozen reference model."""
     return bool(args.use_kl_loss or args.kl_coef)
+
+
+def holds_reference_copy(args) -> bool:
+    """Whether the trainers hold the reference model as a second copy of the weights (the `--dry-run` planner
+    counts its memory). With LoRA the reference is the policy's own frozen base, its adapters switched off for the
+    reference pass: no copy."""
+    return needs_reference_model(args) and not getattr(args, "lora_rank", 0)
 
 
 def token_reward_kl(args, inputs: AdvantageInputs) -> Tensors:

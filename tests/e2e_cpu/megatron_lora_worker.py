@@ -76,6 +76,9 @@ def main() -> None:
         result["start"] = actor.init(args, "actor", with_ref=True)
         if not cli.load:
             result["lp_before"] = actor.compute_log_probs(batch.tokens, batch.response_lengths)
+            with actor.adapters_off():  # the KL term's reference pass
+                result["lp_base"] = actor.compute_log_probs(batch.tokens, batch.response_lengths)
+            result["lp_adapters_back"] = actor.compute_log_probs(batch.tokens, batch.response_lengths)
             before = {n: t.detach().clone() for n, t in actor.weight_tensors().items()}
             result["metrics"] = actor.train(0, batch)
             after = actor.weight_tensors()

@@ -110,6 +110,10 @@ def test_loaded_adapter_log_probs_equal_fsdp_lora_and_tp1_equals_tp2(runs, adapt
     assert max_abs_diff(tp2["lp_before"], tp1["lp_before"]) < 1e-5
     for key in ("train/kl_loss", "train/entropy_loss", "train/grad_norm"):
         assert tp2["metrics"][key] == pytest.approx(tp1["metrics"][key], rel=1e-5, abs=1e-7), key
+    base_lp = log_probs(base, tp1["batch"])
+    for name in ("tp1", "tp2", "pp2"):  # the reference pass (adapters off) is the base model; adapters back on after
+        assert max_abs_diff(runs[name]["lp_base"], base_lp) < 1e-5, name
+        assert runs[name]["lp_adapters_back"] == runs[name]["lp_before"], name
     for name in ("pp2", "dp2"):  # pipeline stages; data parallel with the distributed optimizer
         other = runs[name]
         assert max_abs_diff(other["lp_before"], tp1["lp_before"]) < 1e-5, name

@@ -9,7 +9,8 @@ by the benchmark's own `run_mode` (its memory per phase and per trainer move). T
   the base. SGLang is started with `--enable-lora` and `--enable-weights-cpu-backup`: a release pauses its weights
   into host memory and a resume brings the base back, then the adapter push loads the new adapter;
 - full weights (`test_full_weight_push_of_the_same_job`, row 24: one device call does not hold both runs): the same
-  job without LoRA, one rollout, for the push seconds and bytes of the full model.
+  job without LoRA (the same KL term, so a reference model of its own), one rollout, for the step, the push seconds
+  and bytes of the full model.
 
 Printed: step seconds, memory per phase (the benchmark's tables), push seconds (`perf/update_weights_time`, the
 push after each step) and bytes (from the shapes: `adapter_bytes`) of the adapter against the full weights, the
@@ -39,8 +40,9 @@ pytestmark = [
     pytest.mark.skipif(not sglang_startable(), reason="needs sglang importable, or SLIME_SGLANG_LAUNCHER"),
 ]
 BENCH_DIR = os.path.join(REPO_ROOT, "benchmarks")
+KL = ("--use-kl-loss", "--kl-loss-coef", "0.001")
 LORA = ("--lora-rank", "16", "--lora-alpha", "32", "--target-modules", "all-linear", "--transformer-impl", "local",
-        "--lr", "2e-4", "--use-kl-loss", "--kl-loss-coef", "0.001")
+        "--lr", "2e-4", *KL)
 
 
 def job_args(steps: int) -> argparse.Namespace:
@@ -131,7 +133,7 @@ def test_full_weight_push_of_the_same_job(job, tmp_path):
     from colocate_memory import report, run_mode
 
     model_dir, data = job
-    full = run_mode(job_args(1), "sglang", "handoff", model_dir, data, str(tmp_path))
+    full = run_mode(job_args(1), "sglang", "handoff", model_dir, data, str(tmp_path), extra_flags=KL)
     print(report("full weights, sglang, handoff", full), flush=True)
     assert full["rc"] == 0, full["error"]
     push_s = scalars(str(tmp_path), "perf/update_weights_time")

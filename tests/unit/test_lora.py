@@ -135,6 +135,19 @@ def test_only_adapter_parameters_train(base_model, tiny_model_dir):
     assert held == {id(p) for n, p in model.named_parameters() if n in trainable}
 
 
+def test_adapters_off_computes_the_base_and_turns_them_back_on(base_model):
+    """The KL term's reference pass with LoRA: the policy with its adapters off is the base model, exactly."""
+    model, _ = _lora_model(base_model)
+    _trained(model)
+    x = _tokens(model)
+    with torch.no_grad():
+        adapted = model(x).logits
+        assert not torch.equal(adapted, base_model(x).logits)
+        with lora.adapters_off(model):
+            assert torch.equal(model(x).logits, base_model(x).logits)
+        assert torch.equal(model(x).logits, adapted)
+
+
 def test_target_and_exclude_modules(base_model):
     _, names = _lora_model(base_model, exclude="down_proj,o_proj")
     assert not any(n.endswith(("down_proj", "o_proj")) for n in names) and any(n.endswith("up_proj") for n in names)

@@ -139,6 +139,12 @@ def test_megatron_lora_memory_plan_of_qwen3_4b_closed_form(files):
     assert state_bytes_per_param(args, with_ref=True) == 2 + 2  # the frozen base and its reference copy
     plan = format_plan(args)
     assert "LoRA adapters" in plan and "the base is frozen: none" in plan, plan
+    # a KL term's reference is the base with the adapters off: no second copy of the weights
+    kl = ("--use-kl-loss", "--kl-loss-coef", "0.01")
+    with_kl = format_plan(parse_args(base(*common, *kl, "--lora-rank", "16", "--lora-alpha", "32",
+                                         "--target-modules", "all-linear")))
+    assert "reference model" not in with_kl and "reference is the frozen base (adapters off)" in with_kl, with_kl
+    assert "reference model" in format_plan(parse_args(base(*common, *kl)))
 
 
 def test_fsdp_lora_memory_plan_counts_the_models_adapter(tiny_model_dir, toy_data_path):

@@ -85,7 +85,8 @@ class FSDPTrainRayActor(PolicyTrainer):
         adapter = saved if saved and os.path.isdir(saved) else args.lora_adapter_path
         self.model = self._build_model(ckpt.path if ckpt else ref_folder, trainable=True, adapter=adapter)
         self.ref_model = None
-        if with_ref:
+        self.base_is_reference = with_ref and bool(args.lora_rank)  # the reference pass: adapters off, no copy
+        if with_ref and not self.base_is_reference:
             self.ref_model = self._build_model(ref_folder, trainable=False)
         self.teacher_model = None
         if args.use_opd and args.opd_type == "megatron":  # slime's trainer-held teacher, here an fsdp model
@@ -161,7 +162,7 @@ class FSDPTrainRayActor(PolicyTrainer):
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         model = auto.from_pretrained(path, dtype=torch.float32)
         model.requires_grad_(trainable)
-        if trainable and self.args.lora_rank:  # the reference (and teacher) stay the plain base model
+        if trainable and self.args.lora_rank:  # the teacher stays a plain model
             self._apply_lora(model, adapter)
         elif trainable:  # --only-train-params-name-list / --freeze-params-name-list, before FSDP wraps it
             freeze.apply_freeze(self.args, model.named_parameters())
@@ -243,6 +244,9 @@ class FSDPTrainRayActor(PolicyTrainer):
         ref_state = self.ref_model.state_dict()
         for name, tensor in self.model.state_dict().items():
             ref_state[name].copy_(tensor)
+
+    def adapters_off(self):
+        return lora.adapters_off(self.model)
 
     def _idle_vision(self, model: torch.nn.Module) -> bool:
         """Whether `model`'s micro-batches without images run its vision tower on a stand-in image: with several

@@ -13,6 +13,7 @@ tied to the input embeddings (an engine merging the adapter would change the emb
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -44,11 +45,28 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)
         self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
 
+    lora_off = False  # set by `adapters_off`
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora_off:
+            return F.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(x)) * self.scaling
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, r={self.rank}, alpha={self.alpha}"
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """`model` computes its frozen base alone (the KL term's reference pass), adapters back on after."""
+    adapted = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in adapted:
+        m.lora_off = True
+    try:
+        yield
+    finally:
+        for m in adapted:
+            m.lora_off = False
 
 
 def target_names(model: nn.Module, target_modules: str, exclude_modules: str | None = None) -> list[str]:

@@ -47,7 +47,7 @@ from slime.backends.training.batching import (
 )
 from slime.backends.training.policy import PolicyTrainer
 from slime.backends.training.record import RolloutRecord
-from slime.utils.lora_adapter import ADAPTER_DIR, is_adapter_name
+from slime.utils.lora_adapter import ADAPTER_DIR
 from slime.utils.types import TrainBatch
 from slime.weight_sync import push as weight_push
 from slime.weight_sync.adapter import push_adapter
@@ -95,7 +95,8 @@ class MegatronTrainRayActor(PolicyTrainer):
         if args.lora_rank:
             self._start_adapter(ckpt)
         self.ref_model = None
-        if with_ref:
+        self.base_is_reference = with_ref and bool(args.lora_rank)  # the reference pass: adapters off, no copy
+        if with_ref and not self.base_is_reference:
             self.ref_model = build_model(args, wrap=False)
             if ckpt is None:
                 self.copy_actor_to_ref()  # the policy was just loaded from the reference weights: no second read
@@ -339,8 +340,11 @@ class MegatronTrainRayActor(PolicyTrainer):
     @torch.no_grad()
     def copy_actor_to_ref(self) -> None:
         """--ref-update-interval: the reference model takes the actor's weights (the same layout)."""
-        for ref, chunk in zip(self.ref_model, self.model):  # with LoRA the reference stays the base model
-            ref.load_state_dict({n: t for n, t in unwrap(chunk).state_dict().items() if not is_adapter_name(n)})
+        for ref, chunk in zip(self.ref_model, self.model):
+            ref.load_state_dict(unwrap(chunk).state_dict())
+
+    def adapters_off(self):
+        return lora.adapters_off([unwrap(chunk) for chunk in self.model])
 
     @torch.no_grad()
     def compute_log_probs(self, tokens: list[list[int]], response_lengths: list[int]) -> list[list[float]]:

@@ -30,6 +30,7 @@ at every TP / PP layout.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import zlib
@@ -91,10 +92,14 @@ def hf_target_names(linears: list[str]) -> list[str]:
 class _ColumnLoRA:
     """Mixed in before a ColumnParallelLinear class: adds the adapter to the (ungathered) output shard."""
 
+    lora_off = False  # set by `adapters_off` (on every rank alike: the row-parallel adapter's reduction is skipped too)
+
     def forward(self, input_, *args, **kwargs):
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
         output, bias = super().forward(input_, *args, **kwargs)
+        if self.lora_off:
+            return output, bias
         # h is replicated over the TP ranks; its gradient sums each rank's B-shard part
         h = copy_to_tensor_model_parallel_region(F.linear(input_, self.lora_A.weight), group=self.tp_group)
         return output + F.linear(h, self.lora_B.weight) * self.lora_scaling, bias
@@ -108,10 +113,14 @@ class _ColumnLoRA:
 class _RowLoRA:
     """Mixed in before a RowParallelLinear class: adds the adapter after the base layer's reduction."""
 
+    lora_off = False
+
     def forward(self, input_, *args, **kwargs):
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
         output, bias = super().forward(input_, *args, **kwargs)
+        if self.lora_off:
+            return output, bias
         h = reduce_from_tensor_model_parallel_region(F.linear(input_, self.lora_A.weight), group=self.tp_group)
         return output + F.linear(h, self.lora_B.weight) * self.lora_scaling, bias
 
@@ -188,6 +197,19 @@ def _add_adapter(module: nn.Module, name: str, args: Any, gated: bool) -> None:
     module.lora_scaling = args.lora_alpha / rank
     module.lora_gated = gated
     module.__class__ = _lora_class(type(module), mixin)
+
+
+@contextlib.contextmanager
+def adapters_off(chunks: list[nn.Module]):
+    """The model chunks compute their frozen base alone (the KL term's reference pass), adapters back on after."""
+    adapted = [m for chunk in chunks for m in chunk.modules() if isinstance(m, (_ColumnLoRA, _RowLoRA))]
+    for m in adapted:
+        m.lora_off = True
+    try:
+        yield
+    finally:
+        for m in adapted:
+            m.lora_off = False
 
 
 def global_module_name(gpt: nn.Module, local: str) -> str:

@@ -22,6 +22,8 @@ A backend subclasses it and supplies the mechanics: `data_parallel()`, `plan(tok
 `after_weights_loaded()`), and, with pipeline stages, `last_stage()` / `from_last_stage(obj)`. It sets `self.args`,
 `self.device`, `self.model`, `self.ref_model` (None without a KL term), `self.teacher_model` (--use-opd --opd-type
 megatron: the teacher loaded from --opd-teacher-load; else None) in `init`, then calls `init_policy_hooks()`.
+With LoRA the reference is the policy's own frozen base: the backend sets `self.base_is_reference` instead of
+building `ref_model`, and supplies `adapters_off()`, under which the reference pass runs the policy model.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class PolicyTrainer(TrainRayActor):
     device: torch.device
     model: Any
     ref_model: Any = None
+    base_is_reference: bool = False  # LoRA with a KL term: the reference pass is the policy with its adapters off
     teacher_model: Any = None
     old_actor: OldActor | None = None
     rollout_data_postprocess: Any = None
@@ -89,6 +92,10 @@ class PolicyTrainer(TrainRayActor):
         raise NotImplementedError
 
     def copy_actor_to_ref(self) -> None:
+        raise NotImplementedError
+
+    def adapters_off(self):
+        """LoRA (`base_is_reference`): a context under which the policy model computes its frozen base alone."""
         raise NotImplementedError
 
     def push_weights(self, engines: list[Any], weight_version: int) -> None:
@@ -183,21 +190,25 @@ class PolicyTrainer(TrainRayActor):
         record.loss_masks = {r: torch.as_tensor(batch.loss_masks[r], dtype=torch.float32, device=self.device)
                              for r in record.rows}
         record.rollout_log_probs = rollout_log_probs(args, batch, record.rows, self.device)
-        require_ref(args, self.ref_model is not None)
+        has_ref = self.ref_model is not None or self.base_is_reference
+        require_ref(args, has_ref)
         # One optimizer step and no reference model: the policy that generated the log-probs of the loss is still
         # the trained one, so the training forward's own log-probs (detached) are the old ones (one forward fewer).
         # Not with --keep-old-actor, whose old policy is another set of weights, nor with --use-opd, whose
         # advantages need the student's log-probs first (slime's rule). Nor with --use-rollout-entropy, which asks for
         # the old policy's entropies before training (slime skips them when it reuses the forward).
-        record.reuse_training_forward = (len(steps) == 1 and self.ref_model is None and not args.use_rollout_logprobs
+        record.reuse_training_forward = (len(steps) == 1 and not has_ref and not args.use_rollout_logprobs
                                          and self.old_actor is None and not args.use_opd
                                          and not args.use_rollout_entropy)
         forward_only = None
-        if (not (args.use_rollout_logprobs or record.reuse_training_forward) or self.ref_model is not None
+        if (not (args.use_rollout_logprobs or record.reuse_training_forward) or has_ref
                 or self.teacher_model is not None):
             forward_only = self.log_prob_plan(record)
         if self.ref_model is not None:
             record.ref_log_probs = self._log_prob_pass(record, self.ref_model, forward_only, "ref_")
+        elif self.base_is_reference:
+            with self.adapters_off():
+                record.ref_log_probs = self._log_prob_pass(record, self.model, forward_only, "ref_")
         if self.teacher_model is not None:
             record.teacher_log_probs = self._log_prob_pass(record, self.teacher_model, forward_only, "teacher_")
         elif args.use_opd and args.compute_advantages_and_returns:

@@ -27,7 +27,7 @@ from slime.config.plan.memory import (
     training_memory,
     training_parallel,
 )
-from slime.algorithm.estimators import needs_reference_model
+from slime.algorithm.estimators import holds_reference_copy, needs_reference_model
 from slime.config.plan.model_size import ModelShape, ModelShapeError, count_params, load_model_shape
 from slime.config.plan.prompts import measure_prompts
 from slime.utils.backend_specs import engine_spec, train_spec
@@ -227,7 +227,8 @@ class _Builder:
                                           (a.offload_rollout, "engines release weights + KV cache while training"))
                   if flag]
         offload = "; ".join(handed) if handed else "none: training state and engines stay resident"
-        algo = a.advantage_estimator + ("; frozen reference model for the KL term"
+        algo = a.advantage_estimator + (("; the KL term's reference is the frozen base (adapters off)"
+                                         if getattr(a, "lora_rank", 0) else "; frozen reference model for the KL term")
                                         if needs_reference_model(self.train_args) else "")
         rows = [("mode", mode), ("devices", devices), ("training", train), ("rollout", rollout),
                 ("placement", placement), ("offload", offload), ("algorithm", algo)]
@@ -398,7 +399,7 @@ class _Builder:
             return Section(title, ["none (--debug-rollout-only)"]), None
         if self.shape is None:
             return Section(title, [f"skipped: {self.shape_error}"]), None
-        est = training_memory(a, self.shape, self.tokens, self.micro_batches, needs_reference_model(a))
+        est = training_memory(a, self.shape, self.tokens, self.micro_batches, holds_reference_copy(a))
         lines = table(["item", "size", "how"], [[i.name, fmt_bytes(i.bytes), i.how] for i in est.items])
         lines.append(f"total: {fmt_bytes(est.total)}" + self._limit_text())
         if self.tokens is None:
@@ -424,7 +425,7 @@ class _Builder:
         micro = self.micro_batches
         if "micro_batch_size" in changes and micro is not None:
             micro = self.samples_per_rank // changes["micro_batch_size"]
-        return training_memory(args, self.shape, tokens, micro, needs_reference_model(args)).total
+        return training_memory(args, self.shape, tokens, micro, holds_reference_copy(args)).total
 
     def _training_fixes(self, est: Estimate) -> list[str]:
         a, s = self.train_args, self.shape
@@ -485,7 +486,7 @@ class _Builder:
         """Weights + gradients + optimizer (+ reference) of the whole model, perfectly sharded: a lower bound on
         the training GPUs, whatever the parallel layout."""
         total = count_params(self.shape).total
-        per = state_bytes_per_param(self.train_args, needs_reference_model(self.train_args))
+        per = state_bytes_per_param(self.train_args, holds_reference_copy(self.train_args))
         need = math.ceil(total * per / self.gpu_bytes)
         if need <= len(self.layout.actor):
             return None
