@@ -214,3 +214,17 @@ def test_images_need_a_vision_language_checkpoint(tmp_path):
     args = _args(str(tmp_path))
     with pytest.raises(ValueError, match="has no multimodal processor"):
         render_observation(args, [{"type": "image", "image": PROMPT_IMAGE}])
+
+
+@pytest.mark.timeout(300)
+def test_the_train_plugin_runs_its_turns_with_images(vlm, engine):
+    """tests/e2e_cpu/plugins/image_tool_loop.py (the docs' train.py command): three one-token turns, a crop of the
+    prompt's image after each of the first two, the row's images and pixels in order."""
+    from tests.e2e_cpu.plugins.image_tool_loop import generate
+
+    params = {"temperature": 1.0, "max_new_tokens": 2, "sampling_seed": 3}
+    sample = run_sync(generate(_args(vlm, engine), _sample(), params))
+    assert sample.metadata == {"turns": 3, "tool_calls": 2} and sum(sample.loss_mask) == 3
+    images = sample.multimodal_inputs["images"]
+    assert images[0] is PROMPT_IMAGE and [im.size for im in images[1:]] == [(28, 84), (28, 84)]
+    assert sample.multimodal_train_inputs["image_grid_thw"].shape[0] == 3
