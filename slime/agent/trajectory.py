@@ -249,10 +249,10 @@ class TrajectoryManager:
         images = (base_sample.multimodal_inputs or {}).get("images")
         if images:
             raise ValueError(
-                f"session {sid}: sample {base_sample.index} has {len(images)} image(s) (--multimodal-keys), but an agent "
-                "session's rows are text only (the agent CLI gets a text prompt and the adapters refuse image blocks), "
-                "so its images would be dropped; drop --multimodal-keys for agent rollouts, or train with images "
-                "through a custom generate built on slime.rollout.multi_turn (docs/vlm.md)")
+                f"session {sid}: sample {base_sample.index} has {len(images)} image(s) (--multimodal-keys), but an "
+                "agent session's rows are text only (the agent CLI gets a text prompt and the adapters refuse image "
+                "blocks), so its images would be dropped; drop --multimodal-keys for agent rollouts, or train with "
+                "images through a custom generate built on slime.rollout.multi_turn (docs/vlm.md)")
         root = self._trees.pop(sid, None)
         self._turns.pop(sid, None)
         if root is None:

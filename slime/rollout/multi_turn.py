@@ -37,9 +37,8 @@ import inspect
 import json
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any
-
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -149,7 +148,8 @@ def render_tool_message(
 def tool_contents(content) -> list:
     """A tool result as a list of message contents: a string is one message, a list of content-part dicts is one
     message (a vision-language chat's), any other list holds one content (string or part list) per message."""
-    if isinstance(content, str) or (isinstance(content, list) and content and all(isinstance(p, dict) for p in content)):
+    one_part_list = isinstance(content, list) and content and all(isinstance(p, dict) for p in content)
+    if isinstance(content, str) or one_part_list:
         return [content]
     return list(content)
 
@@ -207,8 +207,8 @@ def _part_image(part: dict):
     return open_image(image).convert("RGB")
 
 
-def render_observation(args, content, last_token: int | None = None, role: str = "tool", tools: list[dict] | None = None,
-                       **chat_template_kwargs) -> Observation:
+def render_observation(args, content, last_token: int | None = None, role: str = "tool",
+                       tools: list[dict] | None = None, **chat_template_kwargs) -> Observation:
     """A tool result (see `tool_contents`; parts may hold images) rendered as `render_tool_message` does, with its
     images' placeholders expanded by --hf-checkpoint's processor: the same tokens the trainer will see for them.
 

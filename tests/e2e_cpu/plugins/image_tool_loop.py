@@ -20,6 +20,7 @@ async def generate(args, sample, sampling_params, evaluation=False):
 
     def call_tool(call):
         width = max(28, first.width // (2 + len(sample_images(sample)) % 2))
-        return [{"type": "text", "text": "look again"}, {"type": "image", "image": first.crop((0, 0, width, first.height))}]
+        crop = first.crop((0, 0, width, first.height))
+        return [{"type": "text", "text": "look again"}, {"type": "image", "image": crop}]
 
     return await tool_loop(args, sample, params, call_tool=call_tool, parse_call=lambda text: "look")
