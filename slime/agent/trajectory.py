@@ -242,7 +242,17 @@ class TrajectoryManager:
         extra_metadata: dict[str, Any] | None = None,
         max_sample_tokens: int = 0,
     ) -> list[Sample]:
-        """The session's rows (each with the full `reward`); the session is forgotten, so a second call gives []."""
+        """The session's rows (each with the full `reward`); the session is forgotten, so a second call gives [].
+
+        A `base_sample` with images is refused: the rows hold the session's tokens only (the agent was given a text
+        prompt), so the sample's images would be dropped from training without a word."""
+        images = (base_sample.multimodal_inputs or {}).get("images")
+        if images:
+            raise ValueError(
+                f"session {sid}: sample {base_sample.index} has {len(images)} image(s) (--multimodal-keys), but an "
+                "agent session's rows are text only (the agent CLI gets a text prompt and the adapters refuse image "
+                "blocks), so its images would be dropped; drop --multimodal-keys for agent rollouts, or train with "
+                "images through a custom generate built on slime.rollout.multi_turn (docs/vlm.md)")
         root = self._trees.pop(sid, None)
         self._turns.pop(sid, None)
         if root is None:

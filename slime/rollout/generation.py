@@ -38,6 +38,7 @@ import httpx
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.router import RouterClient, url_of
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks, current_rollout_id
+from slime.utils.backend_specs import engine_spec
 from slime.utils.http_utils import HTTPRequestError, post
 from slime.utils.hooks import hooks_of, sample_hook
 from slime.utils.misc import SingletonMeta
@@ -295,13 +296,19 @@ def image_prompt_text(args, sample: Sample) -> str:
     return prompt
 
 
-def image_prompt_ids(args, sample: Sample) -> list[int]:
+def processed_image_prompt(args, sample: Sample) -> tuple[list[int], dict]:
     """A prompt with images through --hf-checkpoint's processor: its ids with each image placeholder expanded to
-    the image's tokens; the processed images are kept for training in `sample.multimodal_train_inputs`."""
+    the image's tokens, and the processed images (`pixel_values`, `image_grid_thw`). Changes nothing."""
     processor = _image_processor(args, sample)
     out = processor(text=image_prompt_text(args, sample), **build_processor_kwargs({"images": sample_images(sample)}))
-    sample.multimodal_train_inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
-    return list(out["input_ids"][0])
+    return list(out["input_ids"][0]), {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+def image_prompt_ids(args, sample: Sample) -> list[int]:
+    """`processed_image_prompt`'s ids; the processed images are kept for training in
+    `sample.multimodal_train_inputs`."""
+    ids, sample.multimodal_train_inputs = processed_image_prompt(args, sample)
+    return ids
 
 
 def request_prompt_text(args, sample: Sample) -> str | None:
@@ -312,6 +319,26 @@ def request_prompt_text(args, sample: Sample) -> str | None:
     if not sample_images(sample) or sample.response_length > 0:
         return None
     return image_prompt_text(args, sample)
+
+
+def image_request(args, sample: Sample) -> tuple[list[str], str | None]:
+    """What a sample's next /generate carries besides its ids: its images as PNG data URLs (`image_data`; [] for a
+    text sample) and the prompt text sent instead of the ids (`request_prompt_text`).
+
+    A sample with images that already has a response (a partial rollout resumed, or a multi-turn rollout's later
+    turn, whose response may hold observation images) goes as ids holding every image's expanded tokens; an engine
+    that expands the images' placeholders in decoded ids itself (SGLang) would expand them a second time, so it is
+    refused here, naming the engine."""
+    images = sample_images(sample)
+    if not images:
+        return [], None
+    engine = engine_spec(args)
+    if sample.response_length > 0 and not engine.takes_expanded_image_ids:
+        raise ValueError(
+            f"sample {sample.index} has images and a response: its next request sends input_ids holding the images' "
+            f"expanded tokens with image_data, which the {engine.name} engine expands a second time; multi-turn "
+            "rollouts and resumed samples with images need --rollout-backend hf (docs/vlm.md)")
+    return [encode_image_for_rollout_engine(image) for image in images], request_prompt_text(args, sample)
 
 
 def init_response(args, sample: Sample) -> None:
@@ -438,9 +465,9 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
         return sample
     params["max_new_tokens"] = max_new
 
-    images = [encode_image_for_rollout_engine(image) for image in sample_images(sample)]
-    text, tokens, logprobs, status, weight_version = await post_generate(
-        args, sample.tokens, params, images, request_prompt_text(args, sample))
+    images, prompt_text = image_request(args, sample)
+    text, tokens, logprobs, status, weight_version = await post_generate(args, sample.tokens, params, images,
+                                                                         prompt_text)
 
     append_model_tokens(sample, tokens, logprobs, text, weight_version)
     sample.status = status

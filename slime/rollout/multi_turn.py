@@ -11,6 +11,15 @@ and log-prob 0.0, so `loss_mask` and `rollout_log_probs` stay one entry per resp
 change the sample's `tokens`, `loss_mask` and `rollout_log_probs` lists in place, so a plugin holding one of
 them sees every append.
 
+Images: a sample whose prompt has images (`--multimodal-keys`) keeps them in every turn's request (its first turn
+is sent as the single-turn rollout sends it, the prompt text with one placeholder per image; later turns as its ids,
+the images' tokens expanded, with every image so far in `image_data`, which only the `hf` engine takes). A tool
+result may itself carry images, as a list of content parts (`{"type": "text", "text": ...}`,
+`{"type": "image", "image": <PIL image, data URI, base64 or path>}`): `render_observation` expands them with
+--hf-checkpoint's processor and `append_observation` appends the tokens (loss mask 0) and adds the images to
+`sample.multimodal_inputs["images"]` and their processed pixels to `sample.multimodal_train_inputs`, so the
+trainer sees every image of the row in order.
+
 Budgets: `sampling_params["max_new_tokens"]` (--rollout-max-response-len) bounds each turn;
 `--rollout-max-context-len` bounds prompt + all turns + tool results (a turn gets at most what is left, and
 a tool result that does not fit ends the trajectory as TRUNCATED rather than overflowing); `--max-turns`
@@ -28,16 +37,24 @@ import inspect
 import json
 import re
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from slime.rollout.generation import (
     _aborted,
     append_model_tokens,
+    get_processor,
     get_tokenizer,
+    image_request,
     init_response,
     post_generate,
+    processed_image_prompt,
     prompt_ids,
+    sample_images,
 )
+from slime.utils.processing_utils import build_processor_kwargs, open_image
 from slime.utils.types import Sample
 
 # The dummy conversation `render_tool_message` renders the tool message after. The assistant message
@@ -54,7 +71,12 @@ def context_left(args, sample: Sample) -> int | None:
     limit = args.rollout_max_context_len
     if not limit:
         return None
-    used = len(sample.tokens) if sample.tokens else len(prompt_ids(args, sample.prompt))
+    if sample.tokens:
+        used = len(sample.tokens)
+    elif sample_images(sample):  # the prompt's image placeholders count as their images' tokens
+        used = len(processed_image_prompt(args, sample)[0])
+    else:
+        used = len(prompt_ids(args, sample.prompt))
     return int(limit) - used
 
 
@@ -111,24 +133,123 @@ def render_tool_message(
     empty think block to it). The leading token is dropped when it equals `last_token` (pass
     `sample.tokens[-1]`): the model already generated its end-of-turn / stop token.
 
-    `content`: one tool result, or a list for several consecutive tool messages. Tokenising the text alone
+    `content`: one tool result, or a list for several consecutive tool messages (text only: a result with images
+    goes through `render_observation`). Tokenising the text alone
     equals tokenising it in context because it starts at the template's special token after the content.
     """
-    contents = [content] if isinstance(content, str) else list(content)
+    contents = tool_contents(content)
+    if any(not isinstance(c, str) for c in contents):
+        raise TypeError("render_tool_message renders text tool results; a result with content parts (images) "
+                        "goes through render_observation(args, content, ...), which expands its images")
+    text = _text_after_assistant(tokenizer, contents, role, tools, chat_template_kwargs)
+    return _drop_repeated(list(tokenizer(text, add_special_tokens=False)["input_ids"]), last_token)
+
+
+def tool_contents(content) -> list:
+    """A tool result as a list of message contents: a string is one message, a list of content-part dicts is one
+    message (a vision-language chat's), any other list holds one content (string or part list) per message."""
+    one_part_list = isinstance(content, list) and content and all(isinstance(p, dict) for p in content)
+    if isinstance(content, str) or one_part_list:
+        return [content]
+    return list(content)
+
+
+def _text_after_assistant(renderer, contents: list, role: str, tools, chat_template_kwargs: dict) -> str:
+    """The text that follows an assistant's content when `contents` come after it as `role` messages, up to the
+    next assistant header (see render_tool_message). `renderer`: a tokenizer or a processor (its chat template)."""
     assistant = {"role": "assistant", "content": _ASSISTANT_MARK, "reasoning_content": "x"}
     messages = [_USER, assistant] + [{"role": role, "content": c} for c in contents]
-    text = tokenizer.apply_chat_template(
+    text = renderer.apply_chat_template(
         messages, tools=tools, tokenize=False, add_generation_prompt=True, **chat_template_kwargs
     )
     at = text.rfind(_ASSISTANT_MARK)
     if at < 0:
         raise ValueError(
-            f"render_tool_message: the chat template of {type(tokenizer).__name__}"
-            f"({getattr(tokenizer, 'name_or_path', '?')}) does not render assistant content verbatim"
+            f"render_tool_message: the chat template of {type(renderer).__name__}"
+            f"({getattr(renderer, 'name_or_path', '?')}) does not render assistant content verbatim"
         )
-    ids = list(tokenizer(text[at + len(_ASSISTANT_MARK) :], add_special_tokens=False)["input_ids"])
-    if last_token is not None and ids and ids[0] == last_token:
-        ids = ids[1:]
+    return text[at + len(_ASSISTANT_MARK) :]
+
+
+def _drop_repeated(ids: list[int], last_token: int | None) -> list[int]:
+    return ids[1:] if last_token is not None and ids and ids[0] == last_token else ids
+
+
+# --- observations with images ----------------------------------------------------------------------------
+
+
+@dataclass
+class Observation:
+    """Environment tokens to append after a model turn: `ids` (each image's tokens expanded), the `images` in the
+    order of their runs in `ids`, and the processor's outputs for them (`pixel_values`, `image_grid_thw`; None
+    without images)."""
+
+    ids: list[int]
+    images: list = field(default_factory=list)
+    train_inputs: dict | None = None
+
+
+def _is_image_part(part) -> bool:
+    """Whether a content part is rendered as an image by a vision-language chat template."""
+    return isinstance(part, dict) and (part.get("type") in ("image", "image_url") or "image" in part
+                                       or "image_url" in part)
+
+
+def _part_image(part: dict):
+    """The image of an image part: `image`, or OpenAI's `image_url` (`{"url": ...}` or the URL)."""
+    image = part.get("image")
+    if image is None:
+        url = part.get("image_url")
+        image = url.get("url") if isinstance(url, dict) else url
+    if image is None:
+        raise ValueError(f"a tool result's image part {sorted(part)} holds no image: give it as "
+                         '{"type": "image", "image": <PIL image, data URI, base64 or path>}')
+    return open_image(image).convert("RGB")
+
+
+def render_observation(args, content, last_token: int | None = None, role: str = "tool",
+                       tools: list[dict] | None = None, **chat_template_kwargs) -> Observation:
+    """A tool result (see `tool_contents`; parts may hold images) rendered as `render_tool_message` does, with its
+    images' placeholders expanded by --hf-checkpoint's processor: the same tokens the trainer will see for them.
+
+    A text result gives `render_tool_message`'s ids. Images must come from a vision-language --hf-checkpoint (its
+    processor and chat template render them); each is converted to RGB, as the engine receives it."""
+    contents = tool_contents(content)
+    images = [_part_image(p) for c in contents if not isinstance(c, str) for p in c if _is_image_part(p)]
+    if not images:
+        texts = [c if isinstance(c, str) else "".join(str(p.get("text", "")) for p in c) for c in contents]
+        return Observation(render_tool_message(get_tokenizer(args), texts, last_token, role, tools,
+                                               **chat_template_kwargs))
+    processor = get_processor(args)
+    if processor is None:
+        raise ValueError(f"a tool result holds {len(images)} image(s) but --hf-checkpoint {args.hf_checkpoint} has no "
+                         "multimodal processor to expand them; serve a vision-language model or return text")
+    text = _text_after_assistant(processor, contents, role, tools, chat_template_kwargs)
+    out = processor(text=text, **build_processor_kwargs({"images": images}))
+    train_inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+    return Observation(_drop_repeated(list(out["input_ids"][0]), last_token), images, train_inputs)
+
+
+def merge_train_inputs(first: dict | None, second: dict | None) -> dict | None:
+    """Processed images of one row: `second`'s tensors after `first`'s, key by key (images along dim 0)."""
+    if not first or not second:
+        return dict(first or second) if (first or second) else None
+    if set(first) != set(second):
+        raise ValueError(f"processed images with keys {sorted(first)} and {sorted(second)} cannot be joined in one "
+                         "row: the prompt's and the observation's images must come from the same processor")
+    return {k: torch.cat([first[k], second[k]], dim=0) for k in first}
+
+
+def append_observation(sample: Sample, tokenizer, observation: Observation) -> list[int]:
+    """Append an observation's tokens (loss mask 0, log-prob 0.0, as `append_tool_tokens`), its images after the
+    sample's (`multimodal_inputs["images"]`, sent to the engine from the next turn on) and their processed pixels
+    after the sample's (`multimodal_train_inputs`, for the trainer). The image lists are replaced, not changed in
+    place: a group's samples may share the prompt's."""
+    ids = append_tool_tokens(sample, tokenizer, observation.ids)
+    if observation.images:
+        sample.multimodal_inputs = {**(sample.multimodal_inputs or {}),
+                                    "images": sample_images(sample) + list(observation.images)}
+        sample.multimodal_train_inputs = merge_train_inputs(sample.multimodal_train_inputs, observation.train_inputs)
     return ids
 
 
@@ -166,7 +287,9 @@ async def generate_turn(args, sample: Sample, sampling_params: dict, stop: str |
         return ""
     params["max_new_tokens"] = max_new
 
-    text, tokens, logprobs, status, weight_version = await post_generate(args, sample.tokens, params)
+    images, prompt_text = image_request(args, sample)
+    text, tokens, logprobs, status, weight_version = await post_generate(args, sample.tokens, params, images,
+                                                                         prompt_text)
     append_model_tokens(sample, tokens, logprobs, text, weight_version)
     sample.status = status
     return text
@@ -204,8 +327,9 @@ async def tool_loop(
     answers without a call, a turn does not finish with a stop (length / abort), or a budget runs out.
 
     `parse_call(text)` returns None when the turn holds no tool call, else whatever `call_tool` takes;
-    `call_tool(call)` (sync or async) returns the tool's text (or a list: several tool messages). The tool
-    result goes through `render_tool_message` with --apply-chat-template-kwargs.
+    `call_tool(call)` (sync or async) returns the tool's text, a list of content parts (text and images: one
+    message), or a list of those (several tool messages). The tool result goes through `render_observation` (text:
+    `render_tool_message`) with --apply-chat-template-kwargs, its images into the sample (`append_observation`).
 
     Final status: that of the last turn (COMPLETED, TRUNCATED, ABORTED), except TRUNCATED when the model
     still asked for a tool after its last allowed turn or the tool result did not fit the context budget (the
@@ -229,12 +353,12 @@ async def tool_loop(
         result = call_tool(call)
         if inspect.isawaitable(result):
             result = await result
-        ids = render_tool_message(tokenizer, result, last_token=sample.tokens[-1], **template_kwargs)
+        observation = render_observation(args, result, last_token=sample.tokens[-1], **template_kwargs)
         left = context_left(args, sample)
-        if left is not None and len(ids) >= left:  # no room for the result and one more model token
+        if left is not None and len(observation.ids) >= left:  # no room for the result and one more model token
             sample.status = Sample.Status.TRUNCATED
             break
-        append_tool_tokens(sample, tokenizer, ids)
+        append_observation(sample, tokenizer, observation)
         tool_calls += 1
     sample.metadata = dict(sample.metadata or {})
     sample.metadata["turns"] = turns

@@ -1,13 +1,19 @@
 """The adapters' wire translation: a reply echoed back by a client translates to exactly the message the trajectory
-stored for it (else every turn would fork), and Anthropic's mid-list system messages are folded into user ones."""
+stored for it (else every turn would fork), Anthropic's mid-list system messages are folded into user ones, and a
+request holding an image is refused (the adapters serve text only)."""
 
 from __future__ import annotations
 
 import json
+import tempfile
 
-from slime.agent.adapters import anthropic, openai
-from slime.agent.adapters.common import flatten_content, sampling_params, Session
+import httpx
+
+from slime.agent.adapters import AnthropicAdapter, OpenAIAdapter, anthropic, openai
+from slime.agent.adapters.common import first_image_block, flatten_content, sampling_params, Session
+from slime.agent.aiohttp_threaded import run_app_in_thread
 from slime.agent.parsing import ParsedModelOutput
+from tools.make_tiny_model import build_tokenizer
 
 CALL = ParsedModelOutput(reasoning="think", text="", tool_uses=[{"name": "bash", "input": {"b": 1, "a": "x"}},
                                                                  {"name": "ls", "input": {}}])
@@ -62,3 +68,49 @@ def test_sampling_params_and_content_flattening():
     assert sampling_params(Session({"max_new_tokens": 5}), {"max_tokens": 70}, ("max_tokens",), ())[
         "max_new_tokens"] == 5
     assert flatten_content([{"type": "text", "text": "a"}, {"type": "image"}, "b"]) == "a\n[image omitted]\nb"
+
+
+def test_image_blocks_are_found_where_clients_put_them():
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    claude = {"system": [{"type": "text", "text": "s"}], "messages": [
+        {"role": "user", "content": "read the screenshot"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "text", "text": "here"}, image]}]}]}
+    assert first_image_block(claude) == ("messages[1].content[0].content[1]", "image")
+    codex = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                       {"type": "image_url", "image_url": {"url": "data:,"}}]}]}
+    assert first_image_block(codex) == ("messages[0].content[1]", "image_url")
+    assert first_image_block({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}) is None
+
+
+def test_adapters_refuse_a_request_with_an_image_instead_of_dropping_it():
+    """A chat request holding an image is answered 400 naming the block, before any engine is called (the engine
+    URL here points nowhere); a text request reaches the engine (and gets the adapter's 502 for the dead URL)."""
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = build_tokenizer(folder)
+        cases = [
+            (OpenAIAdapter, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "what is shown ?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}], "max_tokens": 4},
+             "messages[0].content[1] is an 'image_url' block"),
+            (AnthropicAdapter, "/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t", "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}]},
+             "messages[0].content[0].content[0] is an 'image' block"),
+        ]
+        for adapter_class, route, body, named in cases:
+            adapter = adapter_class(tokenizer=tokenizer, sglang_url="http://127.0.0.1:9")
+            handle = run_app_in_thread(adapter.app, host="127.0.0.1")
+            try:
+                url = f"http://127.0.0.1:{handle.port}{route}"
+                refused = httpx.post(url, json=body, headers={"Authorization": "Bearer s1"}, trust_env=False)
+                assert refused.status_code == 400, refused.text
+                message = refused.json()["error"]["message"]
+                assert named in message and "slime.rollout.multi_turn" in message
+                text_only = {**body, "messages": [{"role": "user", "content": "what comes after one ?"}]}
+                reached = httpx.post(url, json=text_only, headers={"Authorization": "Bearer s1"}, trust_env=False,
+                                     timeout=30)
+                assert reached.status_code == 502 and "engine" in reached.json()["error"]["message"]
+                assert adapter.manager.turn_count("s1") == 0
+            finally:
+                handle.stop()

@@ -130,3 +130,13 @@ def test_a_parser_name_without_sglang_parsers_names_what_to_install():
         parsed = parse_model_output("a</think>b", tools_schema=None, tool_parser_name=None,
                                     reasoning_parser_name="qwen3")
         assert (parsed.reasoning, parsed.text) == ("a", "b")
+
+
+def test_a_sample_with_images_is_refused_instead_of_its_images_dropped():
+    manager = TrajectoryManager()
+    manager.record_turn("s", turn=_turn([1, 2], [3, 4]), prompt_messages=[{"role": "user", "content": "u"}],
+                        response_message=_asst("a"))
+    with_images = Sample(index=7, prompt="p", multimodal_inputs={"images": ["img"]})
+    with pytest.raises(ValueError, match="sample 7 has 1 image.*--multimodal-keys.*slime.rollout.multi_turn"):
+        manager.get_trajectory("s", base_sample=with_images)
+    assert len(manager.get_trajectory("s", base_sample=Sample(index=7, prompt="p"))) == 1

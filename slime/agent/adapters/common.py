@@ -11,6 +11,11 @@ A subclass supplies `_register_routes`, `_session_id`, `_translate`, `_build_rep
 `_preprocess_body`) plus `log_prefix`, `max_token_keys` (body keys that cap `max_new_tokens`, first found wins)
 and `stop_keys`.
 
+Images: a request holding an image block (`image`, `image_url`, `input_image`, also inside a tool result) is
+answered 400 naming the block, as a vendor API answers for a model that takes no images: the turn is rendered with
+the tokenizer's chat template and recorded as tokens only, so an image could reach neither the engine nor the
+trainer (`flatten_content`'s "[image omitted]" is what a direct caller of it gets).
+
 Simplifications: the whole turn is generated before the reply is sent (a streamed reply is the finished turn cut
 into SSE events); a failed engine call answers 502 with the engine's error. Each `/generate` carries the session
 id as `X-SMG-Routing-Key` (routing_headers).
@@ -77,6 +82,32 @@ def flatten_content(c: Any) -> str:
         elif "text" in block:
             parts.append(str(block.get("text") or ""))
     return "\n".join(p for p in parts if p)
+
+
+IMAGE_BLOCK_TYPES = ("image", "image_url", "input_image")
+
+
+def first_image_block(body: dict) -> tuple[str, str] | None:
+    """(where, type) of the first image content block in a request's `system` / `messages` (tool results'
+    content included), e.g. ("messages[3].content[0].content[1]", "image"); None without one."""
+
+    def walk(value: Any, where: str) -> tuple[str, str] | None:
+        if isinstance(value, list):
+            return next((hit for i, v in enumerate(value) if (hit := walk(v, f"{where}[{i}]"))), None)
+        if not isinstance(value, dict):
+            return None
+        if value.get("type") in IMAGE_BLOCK_TYPES:
+            return where, str(value["type"])
+        return walk(value.get("content"), f"{where}.content")
+
+    return walk(body.get("system"), "system") or walk(body.get("messages"), "messages")
+
+
+def image_refusal(where: str, kind: str) -> str:
+    return (f"{where} is an {kind!r} block: slime.agent's adapters serve text-only chats (a request is rendered "
+            "with the served tokenizer's chat template and a session's rows are recorded as tokens without images), "
+            "so the image would reach neither the engine nor the trainer; give the agent text-only inputs, or train "
+            "with images through a custom generate built on slime.rollout.multi_turn (docs/vlm.md)")
 
 
 def tool_call_dict(name: str, arguments: dict | None) -> dict:
@@ -291,6 +322,11 @@ class BaseAdapter:
         sid = self._session_id(request, body)
         if sid in self.closed:
             return web.Response(status=503, text=f"session {sid!r} is closed")
+        image = first_image_block(body)
+        if image is not None:  # refused like a vendor API refuses images for a model that does not take them
+            self.logger.warning("[%s] sid=%s: %s", self.log_prefix, sid, image_refusal(*image))
+            return web.json_response({"error": {"type": "invalid_request_error", "message": image_refusal(*image)}},
+                                     status=400)
         refused = self._over_turn_cap(sid)
         if refused is not None:
             return refused
