@@ -452,7 +452,8 @@ ROWS: tuple[Row, ...] = (
     Row(22, "LoRA colocated, Megatron + SGLang (4B)", "LoRA",
         f"{FAST_SGLANG} {PYTEST} tests/gpu/test_lora_colocate_gpu.py -k adapter", timeout_s=600, estimate_s=360,
         part="lora",
-        must_show="the short 4B job (4 × 8 × 128 tokens) with LoRA r = 16 on all linear layers, Megatron + SGLang "
+        must_show="the short 4B job (4 × 8 × 128 tokens) with LoRA r = 16 on all linear layers and a KL term (its "
+        "reference: the base, adapters off), Megatron + SGLang "
         "colocated with the handoff (SGLang started with `--enable-lora --enable-weights-cpu-backup`), 3 rollouts: "
         "|Δ log-prob| < 0.05 after every adapter push, the KL to the base > 0, the adapter push < 2% of the full "
         "weights' bytes; step seconds, memory per phase, the adapter's push seconds (row 24: the full weights')",
@@ -474,8 +475,9 @@ ROWS: tuple[Row, ...] = (
     Row(24, "full-weight push of row 22's job", "LoRA",
         f"{FAST_SGLANG} {PYTEST} tests/gpu/test_lora_colocate_gpu.py -k full_weight", timeout_s=600, estimate_s=250,
         part="lora2",
-        must_show="row 22's job without LoRA, one rollout, colocated with the handoff: it trains, and its step, "
-        "push seconds and bytes are the full-weight side of row 22's adapter push",
+        must_show="row 22's job without LoRA (the same KL term, so with a reference model of its own), one rollout, "
+        "colocated with the handoff: it trains, and its step, push seconds and bytes are the full-weight side of row "
+        "22's adapter push",
         figures=grab(full_push=r"\[full push\] (.+)$")),
 )
 PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."9", then perf, perf2, x2
