@@ -13,6 +13,13 @@ tokens and chat template. Their images are resized to 1..4 merged patches (at mo
 video processor (that one needs torchvision); everything is deterministic from --seed. Each text arch has a
 matching `scripts/models/tiny-<arch>.sh` with its Megatron flags (for --size tiny).
 
+`--size qwen2.5-vl-3b` (with `--arch qwen2_5_vl`) is Qwen2.5-VL-3B-Instruct's published shape, random init, for runs
+at the real size on a GPU machine: 3.75B parameters in bf16 (7.5 GB), initialised on `--device` (`cuda` there: a
+CPU init of that size takes minutes); the same tokenizer and processor as the tiny VLM (the config's vocabulary,
+151936, exceeds the tokenizer's; the vision tokens' ids are the tokenizer's). Its Megatron flags:
+scripts/models/qwen2.5-vl-3b.sh. `--layers N` keeps the widths with N text layers and N vision blocks (a quick
+check of the shape on CPU).
+
 `build_tokenizer(out, chat_template=...)` can instead write a tokenizer with a Qwen3, GLM-4 or Llama-3 style
 chat template (CHAT_TEMPLATES; their special tokens are appended to the vocabulary) for tests of
 chat-template-dependent code; the default is unchanged.
@@ -22,6 +29,7 @@ Simplifications: the tokenizer is word-level over a small fixed English vocabula
 BPE tokenizer and cannot round-trip arbitrary text.
 
     python tools/make_tiny_model.py --out models/tiny-qwen3 --size tiny --seed 0
+    python tools/make_tiny_model.py --out models/qwen2.5-vl-3b-random --arch qwen2_5_vl --size qwen2.5-vl-3b --device cuda
 """
 
 from __future__ import annotations
@@ -146,6 +154,18 @@ SIZES = {
     # name: (hidden, layers, heads, kv_heads, head_dim, intermediate); "tiny" ~1M, "small" ~20M parameters
     "tiny": (128, 4, 4, 2, 32, 512),
     "small": (384, 8, 6, 2, 64, 1536),
+    "qwen2.5-vl-3b": (2048, 36, 16, 2, 128, 11008),  # the text model of PUBLISHED["qwen2.5-vl-3b"]
+}
+# Sizes that are a real checkpoint's published shape (random init, bf16): what differs from the tiny sizes besides
+# SIZES. Qwen2.5-VL-3B-Instruct: the Hub's config.json (huggingface.co/Qwen/Qwen2.5-VL-3B-Instruct, transformers
+# 4.49 layout); its vision_config names hidden_size 1280, out_hidden_size 2048, patch 14 and tokens_per_second 2,
+# the rest (depth 32, 16 heads, intermediate 3420, 2x2 merge, temporal patch 2, window 112, full attention in
+# blocks 7/15/23/31) are transformers' Qwen2_5_VLVisionConfig defaults, which the checkpoint relies on.
+PUBLISHED = {
+    "qwen2.5-vl-3b": dict(arch="qwen2_5_vl", vocab_size=151936, tie_word_embeddings=True,
+                          max_position_embeddings=128000,
+                          vision=dict(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420,
+                                      fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2)),
 }
 # MoE / MLA sizes of the non-dense archs: (experts, top-k, expert ffn, shared-expert ffn) and
 # (q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
@@ -205,19 +225,21 @@ def build_tokenizer(out: str, chat_template: str = "default"):
     return fast
 
 
-def build_config(arch: str, size: str, vocab_size: int, tokenizer):
-    hidden, layers, heads, kv_heads, head_dim, inter = SIZES[size]
+def build_config(arch: str, size: str, vocab_size: int, tokenizer, layers: int | None = None):
+    """The arch's transformers config at `size` (`layers`: that many text layers, and vision blocks, instead)."""
+    hidden, size_layers, heads, kv_heads, head_dim, inter = SIZES[size]
+    published = PUBLISHED.get(size, {})
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=inter,
-        num_hidden_layers=layers,
+        num_hidden_layers=layers or size_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=2048,
+        max_position_embeddings=published.get("max_position_embeddings", 2048),
         rms_norm_eps=1e-6,
         rope_theta=1_000_000.0,
-        tie_word_embeddings=False,
+        tie_word_embeddings=published.get("tie_word_embeddings", False),
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         bos_token_id=None,
@@ -265,28 +287,34 @@ def build_config(arch: str, size: str, vocab_size: int, tokenizer):
                                 n_shared_experts=shared_ffn // moe_ffn, first_k_dense_replace=1, n_group=1,
                                 topk_group=1, routed_scaling_factor=1.0, **common)  # fmt: skip
     if arch == "qwen2_5_vl":
-        return _qwen2_5_vl_config(common, head_dim, tokenizer)
+        return _qwen2_5_vl_config(common, head_dim, tokenizer, published.get("vision"), layers)
     if arch == "qwen3_vl":
         return _qwen3_vl_config(common, head_dim, tokenizer)
     raise ValueError(f"--arch {arch}: supported architectures are {', '.join(ARCHS + VISION_ARCHS)}")
 
 
-def _qwen2_5_vl_config(common: dict, head_dim: int, tokenizer):
-    """Qwen2.5-VL: a Qwen2 text model with multimodal RoPE (mrope sections summing to head_dim / 2) and a
-    windowed-attention ViT whose last block attends globally."""
+def _qwen2_5_vl_config(common: dict, head_dim: int, tokenizer, published_vision: dict | None = None,
+                       layers: int | None = None):
+    """Qwen2.5-VL: a Qwen2 text model with multimodal RoPE (mrope sections summing to head_dim / 2: [16, 24, 24] at
+    head_dim 128, as published) and a windowed-attention ViT whose blocks in `fullatt_block_indexes` attend
+    globally (the tiny one's last block; with `layers`, those below it, else the last)."""
     from transformers import Qwen2_5_VLConfig
 
     depth, v_hidden, v_heads, v_inter = VISION
+    vision = dict(depth=depth, hidden_size=v_hidden, num_heads=v_heads, intermediate_size=v_inter,
+                  fullatt_block_indexes=[depth - 1])
+    vision.update(published_vision or {})
+    if layers:
+        vision["depth"] = layers
+        vision["fullatt_block_indexes"] = [i for i in vision["fullatt_block_indexes"] if i < layers] or [layers - 1]
     half = head_dim // 2
     temporal = half // 4
     sections = [temporal, (half - temporal) // 2, half - temporal - (half - temporal) // 2]
     text = {k: v for k, v in common.items() if k not in ("rope_theta", "tie_word_embeddings")}
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": common["rope_theta"], "mrope_section": sections}
-    vision = dict(depth=depth, hidden_size=v_hidden, num_heads=v_heads, intermediate_size=v_inter,
-                  out_hidden_size=common["hidden_size"], patch_size=PATCH_SIZE["qwen2_5_vl"], spatial_merge_size=2,
-                  temporal_patch_size=2,
-                  window_size=112, fullatt_block_indexes=[depth - 1], initializer_range=0.02)
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+    vision.update(out_hidden_size=common["hidden_size"], patch_size=PATCH_SIZE["qwen2_5_vl"], spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=112, initializer_range=0.02)
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=common["tie_word_embeddings"],
                             **_vision_token_ids(tokenizer))
 
 
@@ -348,22 +376,38 @@ def build_processor(out: str, arch: str = "qwen2_5_vl") -> None:
         json.dump({**config, "auto_map": auto}, f, indent=2)
 
 
-def make_tiny_model(out: str, arch: str = "qwen3", size: str = "tiny", seed: int = 0) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
-
+def write_config(out: str, arch: str = "qwen3", size: str = "tiny", layers: int | None = None):
+    """The folder without weights: tokenizer, processor (vision archs) and config.json; returns the config."""
     if size not in SIZES:
         raise ValueError(f"--size {size}: choose one of {sorted(SIZES)}")
+    if size in PUBLISHED and arch != PUBLISHED[size]["arch"]:
+        raise ValueError(f"--size {size} is the published shape of a {PUBLISHED[size]['arch']} model; pass "
+                         f"--arch {PUBLISHED[size]['arch']} (not {arch})")
+    if layers is not None and layers < 1:
+        raise ValueError(f"--layers {layers}: give at least 1")
     os.makedirs(out, exist_ok=True)
     vision = arch in VISION_ARCHS
     tokenizer = build_tokenizer(out, chat_template=arch if vision else "default")
     if vision:
         build_processor(out, arch)
-    vocab_size = ((len(tokenizer) + 63) // 64) * 64
-    config = build_config(arch, size, vocab_size, tokenizer)
+    vocab_size = PUBLISHED.get(size, {}).get("vocab_size") or ((len(tokenizer) + 63) // 64) * 64
+    config = build_config(arch, size, vocab_size, tokenizer, layers)
+    config.save_pretrained(out)
+    return config
+
+
+def make_tiny_model(out: str, arch: str = "qwen3", size: str = "tiny", seed: int = 0, layers: int | None = None,
+                    device: str = "cpu") -> str:
+    """The whole folder (write_config's and random weights). A published size is initialised and written in bf16
+    (its checkpoint's dtype), the tiny ones in fp32; `device` is where the weights are initialised."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
+
+    config = write_config(out, arch, size, layers)
     torch.manual_seed(seed)
-    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    model = auto.from_config(config, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if arch in VISION_ARCHS else AutoModelForCausalLM
+    with torch.device(device):
+        model = auto.from_config(config, dtype=torch.bfloat16 if size in PUBLISHED else torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     text_config = config.get_text_config()
     GenerationConfig(
@@ -371,7 +415,8 @@ def make_tiny_model(out: str, arch: str = "qwen3", size: str = "tiny", seed: int
     ).save_pretrained(out)
     n_params = sum(p.numel() for p in model.parameters())
     with open(os.path.join(out, "tiny_model_info.json"), "w") as f:
-        json.dump({"arch": arch, "size": size, "seed": seed, "num_parameters": n_params}, f, indent=2)
+        json.dump({"arch": arch, "size": size, "seed": seed, "num_parameters": n_params,
+                   **({"layers": layers} if layers else {})}, f, indent=2)
     return out
 
 
@@ -381,8 +426,11 @@ def main() -> None:
     parser.add_argument("--arch", default="qwen3", choices=ARCHS + VISION_ARCHS)
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="this many text layers and vision blocks instead of the size's (the widths stay)")
+    parser.add_argument("--device", default="cpu", help="where to initialise the weights (cuda for a published size)")
     args = parser.parse_args()
-    make_tiny_model(args.out, args.arch, args.size, args.seed)
+    make_tiny_model(args.out, args.arch, args.size, args.seed, args.layers, args.device)
     with open(os.path.join(args.out, "tiny_model_info.json")) as f:
         print(f"wrote {args.out}: {json.load(f)}")
 
