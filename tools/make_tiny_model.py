@@ -172,11 +172,12 @@ PUBLISHED = {
 MOE = (4, 2, 64, 64)
 MLA = (64, 32, 16, 8, 16)
 ARCHS = ["qwen3", "qwen2", "llama", "qwen3_moe", "glm4", "glm4_moe", "deepseek_v3"]
-# vision-language archs (their Megatron script: scripts/models/tiny-qwen2.5-vl.sh, the language model only)
+# vision-language archs (their Megatron scripts: scripts/models/tiny-qwen2.5-vl.sh, tiny-qwen3-vl.sh, the language
+# model only)
 VISION_ARCHS = ["qwen2_5_vl", "qwen3_vl"]
 # archs the Megatron backend does not build (it refuses them before Ray starts): no scripts/models/*.sh of theirs;
 # they run on the fsdp trainer and the hf engine
-NO_MEGATRON_ARCHS = ["qwen3_vl"]
+NO_MEGATRON_ARCHS: list[str] = []
 # tiny vision tower: (depth, hidden, heads, intermediate); 2x2 merge as the real ones
 VISION = (2, 32, 2, 64)
 # each arch's ViT patch size: images are resized to between 1 and 4 merged patches (2 x patch pixels square), so

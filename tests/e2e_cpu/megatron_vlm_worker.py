@@ -1,20 +1,25 @@
 """One rank of the Megatron vision-language model for tests/e2e_cpu/test_megatron_vision_language.py.
 
-Without CUDA it installs the test-only CPU shim (fp32). It builds the Megatron model of the tiny Qwen2.5-VL at
---out (language model on megatron-core at --tp, the HF vision tower), loads the HF checkpoint, and runs the rows of
+Without CUDA it installs the test-only CPU shim (fp32). It builds the Megatron model of the tiny Qwen2.5-VL or
+Qwen3-VL at --model (language model on megatron-core at --tp, the HF vision tower; MODEL_ARGS from the tiny script of
+its model type), loads the HF checkpoint, and runs the rows of
 <out>/rows.pt ({"ids", "pixel_values", "image_grid_thw"} each, the images None for a text row). Rank 0 writes
 <out>/logits.pt with the logits over the real vocabulary, per row:
   "full": the images placed, 3-D (mrope) positions;
   "no_features": the same positions, the image tokens left with their own embeddings;
   "rope_1d": the images placed, positions 0, 1, 2, ... on all three axes (plain 1-D RoPE);
-  "batched": the "full" logits of all rows run as one right-padded batch, each row cut to its length.
+  "batched": the "full" logits of all rows run as one right-padded batch, each row cut to its length;
+  "no_deepstack" (Qwen3-VL): "full" with the deepstack mergers' last linear zeroed (no deepstack features);
+  "text_row_tower_grads": after a backward of the text row's logits, how many tower parameters got a gradient
+  (of how many) and its largest magnitude.
 With --actor it drives `MegatronTrainRayActor` instead (no Ray) on the same rows as one TrainBatch (the last
 --response-tokens of each row its response, `multimodal_train_inputs` its images), micro-batches of 2 rows
 (--qkv-format given by --extra), and rank 0 writes <out>/result.json: the response log-probs of
 `log_probs_of_rows`, then the metrics of one training step (rewards 1, 0, 0, ...) and the largest change of a
 vision-tower and of a language-model weight. With --engine (one rank) it then starts an `hf` engine on the
 checkpoint, pushes the trained weights into it (by broadcast over gloo) and adds the names pushed and the engine's
-response log-probs of the rows (images as image_data) before and after the push, and the trainer's after the step;
+response log-probs of the rows (images as image_data) before and after the push, and the trainer's after the step
+(and the HF folder `save_hf_weights` writes then, "hf_saved");
 then one more step and push, adding the names and bytes each push announced (tests/e2e_cpu/push_recording.py) and
 both sides' log-probs after the second push.
 transformers' logits are computed by the test in its own process (not under the shim).
@@ -40,6 +45,18 @@ from tests.e2e_cpu.push_recording import Recording  # noqa: E402
 from tests.e2e_cpu.ranks import worker_parser, write_prompt_file, write_result  # noqa: E402
 
 
+# model type of the tiny VLM -> its scripts/models/*.sh
+SCRIPTS = {"qwen2_5_vl": "tiny-qwen2.5-vl", "qwen3_vl": "tiny-qwen3-vl"}
+VISION_NAMES = ("visual.", "model.visual.")  # the pushed tower: Qwen2.5-VL's Hub names, Qwen3-VL's
+
+
+def script_of(model: str) -> str:
+    import json
+
+    with open(os.path.join(model, "config.json")) as f:
+        return SCRIPTS[json.load(f)["model_type"]]
+
+
 def main() -> None:
     p = worker_parser()
     p.add_argument("--tp", type=int, default=1)
@@ -61,7 +78,7 @@ def main() -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cli.port}", rank=cli.rank,
                             world_size=cli.world_size)
-    argv = [*model_args("tiny-qwen2.5-vl"), "--train-backend", "megatron", "--hf-checkpoint", cli.model,
+    argv = [*model_args(script_of(cli.model)), "--train-backend", "megatron", "--hf-checkpoint", cli.model,
             "--prompt-data", write_prompt_file(cli), "--rollout-batch-size", "1", "--n-samples-per-prompt", "1",
             "--global-batch-size", "1", "--num-rollout", "1", "--actor-num-gpus-per-node", str(cli.world_size),
             "--rollout-num-gpus", "1", "--tensor-model-parallel-size", str(cli.tp), "--qkv-format", "bshd"]
@@ -85,11 +102,15 @@ def main() -> None:
         return {"pixel_values": torch.cat([r["pixel_values"] for r in found]),
                 "image_grid_thw": torch.cat([r["image_grid_thw"] for r in found])}
 
+    def positions_of(row):
+        ids = row["ids"].unsqueeze(0)
+        return mrope_position_ids(ids, images_of([row]).get("image_grid_thw"), ids == image_token, merge)
+
     out = {"full": [], "no_features": [], "rope_1d": []}
     for row in rows:
         ids = row["ids"].unsqueeze(0)
         images = images_of([row])
-        positions = mrope_position_ids(ids, images.get("image_grid_thw"), ids == image_token, merge)
+        positions = positions_of(row)
         flat = torch.arange(ids.shape[1]).expand(3, 1, -1)
         out["full"].append(logits(ids, positions, images)[0])
         out["no_features"].append(logits(ids, positions, {})[0])
@@ -102,6 +123,23 @@ def main() -> None:
     positions = mrope_position_ids(batch, images.get("image_grid_thw"), batch == image_token, merge)
     batched = logits(batch, positions, images)
     out["batched"] = [batched[i, :n] for i, n in enumerate(lengths)]
+    mergers = getattr(model.visual, "deepstack_merger_list", None)
+    if mergers is not None:  # Qwen3-VL: the same rows with every deepstack feature zero (their last linear zeroed)
+        saved = {k: v.detach().clone() for k, v in mergers.state_dict().items()}
+        with torch.no_grad():
+            for merger in mergers:
+                merger.linear_fc2.weight.zero_()
+                merger.linear_fc2.bias.zero_()
+        out["no_deepstack"] = [logits(row["ids"].unsqueeze(0), positions_of(row), images_of([row]))[0]
+                               for row in rows]
+        mergers.load_state_dict(saved)
+    # a text-only forward with gradients: every tower parameter gets a (zero) gradient, as with images
+    text = next(r for r in rows if r["pixel_values"] is None)["ids"].unsqueeze(0)
+    model.requires_grad_(True)
+    model(text, torch.arange(text.shape[1]).expand(3, 1, -1), None).float().sum().backward()
+    tower = [p.grad for p in model.visual.parameters()]
+    out["text_row_tower_grads"] = {"parameters": len(tower), "with_grad": sum(g is not None for g in tower),
+                                   "largest": max(float(g.abs().max()) for g in tower if g is not None)}
     if cli.rank == 0:
         torch.save(out, os.path.join(cli.out, "logits.pt"))
     write_result(cli, {"rows": len(rows)})
@@ -117,7 +155,7 @@ def run_actor(cli) -> None:
 
     rows = torch.load(os.path.join(cli.out, "rows.pt"))
     n, r = len(rows), cli.response_tokens
-    argv = [*model_args("tiny-qwen2.5-vl"), "--train-backend", "megatron", "--hf-checkpoint", cli.model,
+    argv = [*model_args(script_of(cli.model)), "--train-backend", "megatron", "--hf-checkpoint", cli.model,
             "--prompt-data", write_prompt_file(cli), "--rollout-batch-size", str(n), "--n-samples-per-prompt", "1",
             "--global-batch-size", str(n), "--micro-batch-size", "2", "--num-rollout", "1",
             "--actor-num-gpus-per-node", str(cli.world_size), "--rollout-num-gpus", "1",
@@ -149,7 +187,7 @@ def run_actor(cli) -> None:
             engine = start_engine(cli.model)
             result["engine_lp_before_push"] = engine_log_probs(engine, rows, r)
             result["pushed_names"] = [name for name, _ in weights.iter_hf_weights(actor.model, args, actor.hf_config)]
-            result["pushed_visual"] = sum(n.startswith("visual.") for n in result["pushed_names"])
+            result["pushed_visual"] = sum(n.startswith(VISION_NAMES) for n in result["pushed_names"])
             result["pushed_language"] = len(result["pushed_names"]) - result["pushed_visual"]
             recording = Recording(engine)
             recording.begin_push()
@@ -158,6 +196,8 @@ def run_actor(cli) -> None:
             result["engine_weight_version"] = engine.get_weight_version()
             lp = actor.log_probs_of_rows(actor.model, batch, actor.plan(batch.tokens, list(range(n)), log_probs=True))
             result["lp_after"] = [lp[i].float().cpu().tolist() for i in range(n)]
+            result["hf_saved"] = os.path.join(cli.out, "hf_after_step")  # --save-hf's writer, after the same step
+            weights.save_hf_weights(actor.model, args, actor.hf_config, result["hf_saved"])
             # a second step and push: a frozen tower stays out of it (slime/weight_sync/frozen.py)
             actor.train(1, batch)
             recording.begin_push()

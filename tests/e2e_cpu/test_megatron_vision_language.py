@@ -1,6 +1,7 @@
-"""The Megatron vision-language model (language model on megatron-core, HF vision tower) of the tiny Qwen2.5-VL
-against transformers' forward of the same rows, in fp32, on one rank and at TP2 over gloo through the test-only
-CPU shim (tests/e2e_cpu/megatron_vlm_worker.py).
+"""The Megatron vision-language model (language model on megatron-core, HF vision tower) of the tiny Qwen2.5-VL and
+the tiny Qwen3-VL (interleaved multimodal RoPE, deepstack features, q/k norm) against transformers' forward of the
+same rows, in fp32, on one rank and at TP2 over gloo through the test-only CPU shim
+(tests/e2e_cpu/megatron_vlm_worker.py). Every test runs for both (`-k qwen3_vl` runs one).
 
 Rows: one image, two images of different shapes with text between them, text only, and a one-token image; each a
 chat prompt from the model's processor plus response tokens. The logits must equal transformers' (1e-5), run row by row and as
@@ -40,15 +41,28 @@ def _row(processor, content: list, response: str) -> dict:
             "image_data": [encode_image_for_rollout_engine(image) for image in images]}
 
 
-@pytest.fixture(scope="module")
-def vlm_rows(tmp_path_factory):
+# the tiny VLMs: a merged patch (2x2 ViT patches) is 28 pixels square for Qwen2.5-VL, 32 for Qwen3-VL
+MERGED_PATCH = {"qwen2_5_vl": 28, "qwen3_vl": 32}
+# the names the push sends: Qwen2.5-VL's Hub files spell them model.*, visual.*; Qwen3-VL's model.language_model.*,
+# model.visual.*
+PUSHED = {"qwen2_5_vl": (("model.layers.", "model.embed_tokens.", "model.norm.", "visual.", "lm_head."), "visual."),
+          "qwen3_vl": (("model.language_model.", "model.visual.", "lm_head."), "model.visual.")}
+
+
+# how many of the logits runs (tp1, tp2) each model makes
+COMPARED_LAYOUTS = {"qwen2_5_vl": 2, "qwen3_vl": 1}
+
+
+@pytest.fixture(scope="module", params=list(MERGED_PATCH))
+def vlm_rows(request, tmp_path_factory):
     from slime.utils.processing_utils import load_processor
 
-    model_dir = make_tiny_model(str(tmp_path_factory.mktemp("vlm") / "tiny-qwen2_5_vl"), arch="qwen2_5_vl",
-                                size="tiny", seed=0)
+    arch = request.param
+    model_dir = make_tiny_model(str(tmp_path_factory.mktemp("vlm") / f"tiny-{arch}"), arch=arch, size="tiny", seed=0)
     processor = load_processor(model_dir, trust_remote_code=True)
-    red, blue = Image.new("RGB", (56, 56), (220, 10, 10)), Image.new("RGB", (28, 56), (10, 10, 230))
-    green = Image.new("RGB", (28, 28), (10, 200, 10))
+    u = MERGED_PATCH[arch]
+    red, blue = Image.new("RGB", (2 * u, 2 * u), (220, 10, 10)), Image.new("RGB", (u, 2 * u), (10, 10, 230))
+    green = Image.new("RGB", (u, u), (10, 200, 10))
     rows = [
         _row(processor, [{"type": "image", "image": red}, {"type": "text", "text": "which colour fills the image?"}],
              "red is the answer"),
@@ -60,7 +74,7 @@ def vlm_rows(tmp_path_factory):
     image_token = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     # grids (1,4,4); (1,4,2) + (1,4,4); none; (1,2,2), in tokens after the 2x2 merge
     assert [int((r["ids"] == image_token).sum()) for r in rows] == [4, 6, 0, 1]
-    return model_dir, rows, image_token
+    return model_dir, rows, image_token, arch
 
 
 def hf_logits(model_dir: str, rows: list[dict], image_token: int) -> list[torch.Tensor]:
@@ -81,10 +95,11 @@ def hf_logits(model_dir: str, rows: list[dict], image_token: int) -> list[torch.
 
 @pytest.fixture(scope="module")
 def compared(vlm_rows, tmp_path_factory):
-    model_dir, rows, image_token = vlm_rows
+    model_dir, rows, image_token, arch = vlm_rows
     reference = hf_logits(model_dir, rows, image_token)
     runs = {}
-    for name, world, extra in [("tp1", 1, []), ("tp2", 2, ["--tp", "2"])]:
+    # Qwen3-VL at TP2: against transformers through the actor's right-padded TP2 run below (bshd_tp2)
+    for name, world, extra in [("tp1", 1, []), ("tp2", 2, ["--tp", "2"])][:COMPARED_LAYOUTS[arch]]:
         out = tmp_path_factory.mktemp(name)
         torch.save(rows, out / "rows.pt")
         run_ranks(WORKER, world, str(out), ["--model", model_dir, *extra], timeout_s=300)
@@ -97,20 +112,20 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2"])
 @pytest.mark.parametrize("kind", ["full", "batched"])
-def test_logits_equal_transformers(compared, layout, kind):
+def test_logits_equal_transformers(compared, kind):
     reference, runs, _, _ = compared
-    diffs = [max_diff(ours, hf) for ours, hf in zip(runs[layout][kind], reference)]
-    assert max(diffs) <= TOLERANCE, diffs
+    for layout in runs:
+        diffs = [max_diff(ours, hf) for ours, hf in zip(runs[layout][kind], reference)]
+        assert max(diffs) <= TOLERANCE, (layout, diffs)
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2"])
-def test_the_comparison_sees_the_image_features_and_the_3d_positions(compared, layout):
+def test_the_comparison_sees_the_image_features_and_the_3d_positions(compared):
     """Without the features placed, or with 1-D positions, the image rows' logits after the first image token are
     far from transformers' (so the parity above depends on both); the text row has no images and agrees."""
     reference, runs, rows, image_token = compared
-    for i, row in enumerate(rows):
+    for layout, i in ((layout, i) for layout in runs for i in range(len(rows))):
+        row = rows[i]
         image_at = torch.nonzero(row["ids"] == image_token).flatten()
         if not len(image_at):
             assert max_diff(runs[layout]["no_features"][i], reference[i]) <= TOLERANCE
@@ -127,6 +142,31 @@ def test_the_comparison_sees_the_image_features_and_the_3d_positions(compared, l
             assert max_diff(runs[layout]["rope_1d"][i], reference[i]) <= TOLERANCE
 
 
+def test_a_text_only_forward_gives_every_tower_parameter_a_zero_gradient(compared):
+    """A micro-batch without images runs no tower but counts its parameters zero times, so each gets a gradient
+    (zeros) as in a micro-batch with images (megatron-core's DDP with --overlap-grad-reduce waits for all)."""
+    _, runs, _, _ = compared
+    for layout in runs:
+        grads = runs[layout]["text_row_tower_grads"]
+        assert grads["with_grad"] == grads["parameters"] > 0 and grads["largest"] == 0.0, (layout, grads)
+
+
+def test_qwen3_vl_parity_needs_the_deepstack_features(vlm_rows, compared):
+    """Qwen3-VL: with every deepstack feature zero the image rows' logits from the first image token on are far from
+    transformers' (so the parity above depends on the features added to the first layers); the text row agrees."""
+    if vlm_rows[3] != "qwen3_vl":
+        pytest.skip("Qwen2.5-VL has no deepstack features")
+    reference, runs, rows, image_token = compared
+    for i, row in enumerate(rows):
+        image_at = torch.nonzero(row["ids"] == image_token).flatten()
+        if not len(image_at):
+            assert max_diff(runs["tp1"]["no_deepstack"][i], reference[i]) <= TOLERANCE
+            continue
+        before, after = slice(0, int(image_at[0])), slice(int(image_at[0]), None)
+        assert max_diff(runs["tp1"]["no_deepstack"][i][before], reference[i][before]) <= TOLERANCE
+        assert max_diff(runs["tp1"]["no_deepstack"][i][after], reference[i][after]) > 1e-3
+
+
 RESPONSE = 3  # the last tokens of each row are its response in the actor's TrainBatch
 
 
@@ -138,7 +178,7 @@ def hf_response_log_probs(logits: torch.Tensor, ids: torch.Tensor, response: int
 
 @pytest.fixture(scope="module")
 def actor_runs(vlm_rows, compared, tmp_path_factory):
-    model_dir, rows, _ = vlm_rows
+    model_dir, rows, _, _ = vlm_rows
     runs = {}
     # packed micro-batches (the default --qkv-format thd) on one rank; right-padded ones at TP2; packed at PP2 (the
     # tower on the first stage, the 3-D positions on both)
@@ -185,17 +225,17 @@ def test_a_training_step_is_the_same_at_tp2_and_pp2(actor_runs, layout):
 
 
 @pytest.mark.parametrize("layout", ["thd", "frozen_tower"])
-def test_weight_push_reaches_the_hf_engine_by_checkpoint_names(actor_runs, layout):
-    """The push sends the Hub's spelling (`model.layers.*`, `visual.*`, `lm_head.*`), which the engine renames as
-    transformers does on load; after it the engine's log-probs of the rows (images sent as image_data) equal the
+def test_weight_push_reaches_the_hf_engine_by_checkpoint_names(vlm_rows, actor_runs, layout):
+    """The push sends the Hub's spelling (Qwen2.5-VL: `model.layers.*`, `visual.*`, `lm_head.*`, which the engine
+    renames as transformers does on load; Qwen3-VL: `model.language_model.*`, `model.visual.*`, `lm_head.*`); after it the engine's log-probs of the rows (images sent as image_data) equal the
     trainer's. Before the push they do not (the step moved the weights), so the parity needs the pushed weights.
     The run's first push sends the vision tower whether it trains or not (the engines start in line with the
     trainer); a frozen one is left out of the second (slime/weight_sync/frozen.py), and the log-probs still agree."""
     run = actor_runs[layout]
+    names, tower_prefix = PUSHED[vlm_rows[3]]
     assert run["engine_weight_version"] == "1"
     assert run["pushed_visual"] > 0 and run["pushed_language"] > 0, run
-    assert all(n.startswith(("model.layers.", "model.embed_tokens.", "model.norm.", "visual.", "lm_head."))
-               for n in run["pushed_names"]), run["pushed_names"]
+    assert all(n.startswith(names) for n in run["pushed_names"]), run["pushed_names"]
     after = [max(abs(a - b) for a, b in zip(e, t)) for e, t in zip(run["engine_lp_after_push"], run["lp_after"])]
     before = [max(abs(a - b) for a, b in zip(e, t)) for e, t in zip(run["engine_lp_before_push"], run["lp_after"])]
     assert max(after) <= TOLERANCE, after
@@ -204,10 +244,26 @@ def test_weight_push_reaches_the_hf_engine_by_checkpoint_names(actor_runs, layou
     assert (run["vision_change"] > 0) == (layout == "thd"), run["vision_change"]
     first, second = run["pushes"]
     assert sorted(first["names"]) == sorted(run["pushed_names"])
-    tower = {n for n in first["names"] if n.startswith("visual.")}
+    tower = {n for n in first["names"] if n.startswith(tower_prefix)}
     kept = set(first["names"]) - tower if layout == "frozen_tower" else set(first["names"])
     assert tower and sorted(second["names"]) == sorted(kept)
     assert (second["bytes"] < first["bytes"]) == (layout == "frozen_tower"), (first["bytes"], second["bytes"])
     after2 = [max(abs(a - b) for a, b in zip(e, t)) for e, t in zip(run["engine_lp_after_push2"], run["lp_after2"])]
     assert max(after2) <= TOLERANCE, after2
 
+
+
+def test_hf_export_loads_in_transformers_with_the_trained_weights(vlm_rows, actor_runs):
+    """The HF folder the trainer writes (--save-hf's writer) after the step loads into transformers' model class with
+    no missing or unexpected keys, and its response log-probs of the rows equal the trainer's."""
+    from transformers import AutoModelForImageTextToText
+
+    _, rows, image_token, _ = vlm_rows
+    run = actor_runs["thd"]
+    _, info = AutoModelForImageTextToText.from_pretrained(run["hf_saved"], dtype=torch.float32,
+                                                          output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    saved = [hf_response_log_probs(logits, row["ids"], RESPONSE)
+             for logits, row in zip(hf_logits(run["hf_saved"], rows, image_token), rows)]
+    diffs = [max(abs(a - b) for a, b in zip(s, t)) for s, t in zip(saved, run["lp_after"])]
+    assert max(diffs) <= TOLERANCE, diffs

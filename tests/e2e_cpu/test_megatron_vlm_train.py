@@ -1,5 +1,5 @@
-"""train.py on the visual toy task (docs/vlm.md) with the Megatron trainer: the tiny Qwen2.5-VL (language model on
-megatron-core through the test-only CPU shim, installed in the run's processes by
+"""train.py on the visual toy task (docs/vlm.md) with the Megatron trainer: the tiny Qwen2.5-VL and the tiny
+Qwen3-VL (language model on megatron-core through the test-only CPU shim, installed in the run's processes by
 tests/e2e_cpu/plugins/megatron_shim/sitecustomize.py; the HF vision tower) through real Ray, sglang-router and one
 hf engine given image_data. Each rollout after the first is sampled with the weights the trainer pushed after the
 previous step (the engine takes the push's Hub names), and the trainer's log-probs of the sampled tokens equal the
@@ -24,14 +24,16 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, re
 
 SHIM_SITE = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "plugins", "megatron_shim")
 ROLLOUTS = 3
+SCRIPTS = {"qwen2_5_vl": "tiny-qwen2.5-vl", "qwen3_vl": "tiny-qwen3-vl"}  # the tiny VLM -> its MODEL_ARGS
 
 
 @pytest.mark.timeout(600)
-def test_megatron_trains_the_tiny_vlm_through_train_py(tmp_path):
+@pytest.mark.parametrize("arch", list(SCRIPTS))
+def test_megatron_trains_the_tiny_vlm_through_train_py(tmp_path, arch):
     from tools.make_tiny_model import make_tiny_model
     from tools.make_toy_data import write_toy_data
 
-    model = make_tiny_model(str(tmp_path / "vlm"), arch="qwen2_5_vl", size="tiny", seed=0)
+    model = make_tiny_model(str(tmp_path / "vlm"), arch=arch, size="tiny", seed=0)
     data = write_toy_data(str(tmp_path / "colour.jsonl"), 64, seed=0, task="colour")
     tb = tmp_path / "tb"
     env = dict(os.environ, SLIME_TRAIN_NUM_THREADS="1", SLIME_ENGINE_NUM_THREADS="1", OMP_NUM_THREADS="1",
@@ -39,7 +41,7 @@ def test_megatron_trains_the_tiny_vlm_through_train_py(tmp_path):
     before = run_processes()
     out = subprocess.run(
         [sys.executable, os.path.join(REPO_ROOT, "train.py"), "--train-backend", "megatron",
-         *model_args("tiny-qwen2.5-vl"), "--rollout-backend", "hf",
+         *model_args(SCRIPTS[arch]), "--rollout-backend", "hf",
          "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
          "--hf-checkpoint", model, "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
          "--multimodal-keys", '{"image": "images"}', "--apply-chat-template", "--rm-type", "toy",

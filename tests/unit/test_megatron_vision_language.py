@@ -1,6 +1,8 @@
 """The Megatron backend's vision-language pieces that need no megatron-core: 3-D (mrope) position ids against
-transformers' Qwen2.5-VL `get_rope_index`, and the Qwen2.5-VL converter's names (language model through the Qwen2
-mapping, the vision tower under its HF names); other vision-language models (Qwen3-VL) refused at validation."""
+transformers' Qwen2.5-VL / Qwen3-VL `get_rope_index`, Qwen3-VL's interleaved multimodal RoPE angles against
+transformers', the Qwen2.5-VL / Qwen3-VL converters' names (language model through the Qwen2 / Qwen3 mapping, the
+vision tower under its HF names), Qwen3-VL's deepstack layout checks, and other vision-language models refused at
+validation."""
 
 from __future__ import annotations
 
@@ -153,16 +155,143 @@ def test_an_observation_image_in_the_response_takes_features():
 
 
 def test_a_vision_language_model_without_a_megatron_tower_is_refused_before_ray_starts(tmp_path):
-    """A Qwen3-VL --hf-checkpoint with --train-backend megatron: refused by argument validation (naming the model
-    type and the fix), before the MODEL_ARGS cross-check would ask for flags that could not help; fsdp takes it."""
-    from tests.args import make_args
-    from tools.make_tiny_model import make_tiny_model
+    """A vision-language --hf-checkpoint whose tower this backend does not build (here a LLaVA config) with
+    --train-backend megatron: refused by argument validation (naming the model type, the types built and the fix),
+    before the MODEL_ARGS cross-check would ask for flags that could not help."""
+    import json
 
-    folder = make_tiny_model(str(tmp_path / "qwen3_vl"), arch="qwen3_vl", size="tiny", seed=0)
+    from tests.args import make_args
+
+    folder = tmp_path / "llava"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llava",
+                                                    "architectures": ["LlavaForConditionalGeneration"],
+                                                    "vision_config": {"model_type": "clip_vision_model"}}))
     with pytest.raises(SlimeArgumentError) as e:
         make_args("--train-backend", "megatron", "--num-layers", "4", "--hidden-size", "128",
-                  "--num-attention-heads", "4", hf_checkpoint=folder)
+                  "--num-attention-heads", "4", hf_checkpoint=str(folder))
     message = str(e.value)
-    assert "'qwen3_vl'" in message and "Qwen3VLForConditionalGeneration" in message
-    assert "use --train-backend fsdp" in message and folder in message
-    assert make_args("--train-backend", "fsdp", hf_checkpoint=folder).hf_checkpoint == folder
+    assert "'llava'" in message and "LlavaForConditionalGeneration" in message
+    assert "['qwen2_5_vl', 'qwen3_vl']" in message and "use --train-backend fsdp" in message
+    assert str(folder) in message
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_vl(tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("q3vl") / "qwen3_vl"), arch="qwen3_vl", size="tiny", seed=0)
+
+
+def test_qwen3_vl_is_taken_by_the_megatron_backend_with_its_script(tiny_qwen3_vl):
+    from tests.args import make_args
+    from tests.conftest import model_args
+
+    args = make_args("--train-backend", "megatron", *model_args("tiny-qwen3-vl"), hf_checkpoint=tiny_qwen3_vl)
+    assert args.mrope_section == [6, 5, 5] and args.qk_layernorm
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--pipeline-model-parallel-size", "4"], "--decoder-first-pipeline-num-layers >= 2"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "--decoder-first-pipeline-num-layers >= 2"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+     "--recompute-granularity full"),
+], ids=["pp4", "vpp1", "full_recompute"])
+def test_qwen3_vl_deepstack_layers_off_the_first_stage_or_recomputed_whole_are_refused(tiny_qwen3_vl, flags, needle):
+    """The tiny Qwen3-VL adds deepstack features to its first 2 layers: a first pipeline chunk of 1 layer, or
+    layers recomputed whole, are refused at validation, naming the flag; PP 2 (2 layers a stage) is taken."""
+    from tests.args import make_args
+    from tests.conftest import model_args
+
+    base = ["--train-backend", "megatron", *model_args("tiny-qwen3-vl"), "--actor-num-gpus-per-node", "4"]
+    with pytest.raises(SlimeArgumentError, match="deepstack") as e:
+        make_args(*base, *flags, hf_checkpoint=tiny_qwen3_vl)
+    assert needle in str(e.value)
+    assert make_args(*base, "--pipeline-model-parallel-size", "2",
+                     hf_checkpoint=tiny_qwen3_vl).pipeline_model_parallel_size == 2
+
+
+def test_interleaved_mrope_angles_equal_transformers_qwen3_vl():
+    """Qwen3-VL's text rotary embedding (transformers) takes the height / width positions at every third
+    frequency; our angles give the same cos / sin for 3-D positions whose axes all differ."""
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from slime.backends.megatron_utils.vision_language import interleaved_mrope_freqs
+
+    section = [6, 5, 5]
+    config = Qwen3VLTextConfig(hidden_size=128, num_attention_heads=4, head_dim=32,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": section,
+                                                "mrope_interleaved": True})
+    rotary = Qwen3VLTextRotaryEmbedding(config)
+    torch.manual_seed(0)
+    positions = torch.randint(0, 50, (3, 2, 7))
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)  # [B, L, 32]
+    angles = interleaved_mrope_freqs(positions, rotary.inv_freq, section)  # [L, B, 1, 32]
+    assert angles.shape == (7, 2, 1, 32)
+    ours = angles[:, :, 0].transpose(0, 1)
+    assert torch.allclose(ours.cos(), cos, atol=1e-6) and torch.allclose(ours.sin(), sin, atol=1e-6)
+    # the blocked layout (Qwen2.5-VL's) differs on the same positions
+    blocked = torch.cat([positions[i % 3, ..., None].float() * f for i, f in
+                         enumerate(rotary.inv_freq.split(section))], dim=-1)
+    assert not torch.allclose(torch.cat([blocked, blocked], -1).cos(), cos, atol=1e-3)
+
+
+def test_qwen3_vl_positions_equal_transformers_get_rope_index(tiny_qwen3_vl):
+    from transformers import AutoConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    config = AutoConfig.from_pretrained(tiny_qwen3_vl)
+    model = Qwen3VLModel(config)
+    token, start, end = config.image_token_id, config.vision_start_token_id, config.vision_end_token_id
+    image = lambda grid: [start] + [token] * (grid[0] * grid[1] * grid[2] // 4) + [end]  # noqa: E731
+    row = [1, 2, *image((1, 4, 4)), 3, *image((1, 2, 6)), 4, 5]
+    grids = torch.tensor([[1, 4, 4], [1, 2, 6]])
+    ids = torch.tensor([row])
+    theirs = model.get_rope_index(ids, mm_token_type_ids=(ids == token).int(), image_grid_thw=grids)[0]
+    assert torch.equal(mrope_position_ids(ids, grids, ids == token, 2), theirs)
+
+
+def _qwen3_vl_checkpoint() -> tuple[dict, dict]:
+    hidden, heads, groups, inter, vocab = 8, 2, 1, 16, 12
+    head = hidden // heads
+    torch.manual_seed(0)
+    lm, vis = "model.language_model.", "model.visual."
+    sd = {f"{lm}embed_tokens.weight": torch.randn(vocab, hidden), f"{lm}norm.weight": torch.randn(hidden),
+          "lm_head.weight": torch.randn(vocab, hidden), f"{vis}patch_embed.proj.weight": torch.randn(4, 3, 2, 2, 2),
+          f"{vis}deepstack_merger_list.0.linear_fc1.weight": torch.randn(8, 8)}
+    p = f"{lm}layers.0."
+    q, kv = heads * head, groups * head
+    for name, shape in [("self_attn.q_proj.weight", (q, hidden)), ("self_attn.k_proj.weight", (kv, hidden)),
+                        ("self_attn.v_proj.weight", (kv, hidden)), ("self_attn.q_norm.weight", (head,)),
+                        ("self_attn.k_norm.weight", (head,)), ("self_attn.o_proj.weight", (hidden, hidden)),
+                        ("input_layernorm.weight", (hidden,)), ("post_attention_layernorm.weight", (hidden,)),
+                        ("mlp.gate_proj.weight", (inter, hidden)), ("mlp.up_proj.weight", (inter, hidden)),
+                        ("mlp.down_proj.weight", (hidden, inter))]:
+        sd[p + name] = torch.randn(shape)
+    cfg = ConverterConfig(num_layers=1, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+                          head_dim=head, vocab_size=vocab, padded_vocab_size=16)
+    return sd, cfg
+
+
+@pytest.mark.parametrize("spelling", ["checkpoint", "qwen2_5_vl_style"])
+def test_qwen3_vl_converter_loads_and_exports_the_checkpoint_names(spelling):
+    """The Hub's Qwen3-VL files name the parts `model.language_model.*` / `model.visual.*`: loaded (q/k norms
+    included; also the `model.*` / `visual.*` spelling) and exported back under exactly those names."""
+    hf, cfg = _qwen3_vl_checkpoint()
+    source = hf
+    if spelling == "qwen2_5_vl_style":
+        language, vision = split_vision_language(hf)
+        source = {**language, **vision}
+    conv = converter_for_hf_config({"model_type": "qwen3_vl"})
+    mg = conv.hf_to_megatron(source, cfg, spec="local")
+    assert torch.equal(mg["visual.deepstack_merger_list.0.linear_fc1.weight"],
+                       hf["model.visual.deepstack_merger_list.0.linear_fc1.weight"])
+    assert torch.equal(mg["decoder.layers.0.self_attention.q_layernorm.weight"],
+                       hf["model.language_model.layers.0.self_attn.q_norm.weight"])
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" not in mg
+    exported = conv.state_dict_to_hf({"module." + k if k.startswith("visual.") else k: v for k, v in mg.items()},
+                                     cfg)
+    assert set(exported) == set(hf)
+    assert all(torch.equal(exported[k], hf[k]) for k in hf)

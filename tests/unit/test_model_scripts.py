@@ -18,7 +18,7 @@ SCRIPTS = sorted(glob.glob(os.path.join(REPO, "scripts", "models", "*.sh")))
 TINY_ARCH = {  # tiny script -> tools/make_tiny_model.py --arch
     "tiny-qwen3": "qwen3", "tiny-qwen2": "qwen2", "tiny-llama": "llama", "tiny-qwen3-moe": "qwen3_moe",
     "tiny-glm4": "glm4", "tiny-glm4-moe": "glm4_moe", "tiny-deepseek-v3": "deepseek_v3",
-    "tiny-qwen2.5-vl": "qwen2_5_vl",
+    "tiny-qwen2.5-vl": "qwen2_5_vl", "tiny-qwen3-vl": "qwen3_vl",
 }  # fmt: skip
 REQUIRED_MODELS = ["glm4-9B", "glm-z1-9B", "glm4.5-106B-A12B", "glm4.5-355B-A32B", "glm4.6-355B-A32B",
                    "glm4.7-355B-A32B", "qwen3-0.6B", "qwen3-4B", "qwen3-8B", "qwen3-30B-A3B", "deepseek-v3", "deepseek-v3.1", "deepseek-r1",

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slime.backends.megatron_utils.args import pipeline_layer_split
 from slime.backends.training.batching import MicroBatch
 from slime.utils.errors import SlimeArgumentError
 from slime.utils.image_tokens import image_token_counts, stray_image_tokens
@@ -36,8 +37,17 @@ def _qwen2_5_vl_tower():
     return Qwen2_5_VisionTransformerPretrainedModel
 
 
+def _qwen3_vl_tower():
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    return Qwen3VLVisionModel
+
+
 # HF model_type -> the class of its vision tower (a transformers module built from the config's vision_config)
-VISION_TOWERS = {"qwen2_5_vl": _qwen2_5_vl_tower}
+VISION_TOWERS = {"qwen2_5_vl": _qwen2_5_vl_tower, "qwen3_vl": _qwen3_vl_tower}
+# model types whose text model takes the multimodal RoPE axes interleaved over the frequencies (transformers'
+# Qwen3-VL always does; Qwen2.5-VL takes them in blocks, as megatron-core's MultimodalRotaryEmbedding does)
+INTERLEAVED_MROPE = {"qwen3_vl"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,8 @@ class VisionSpec:
     spatial_merge_size: int
     vision_start_token_id: int
     vision_end_token_id: int
+    deepstack_layers: int = 0  # decoder layers 0..n-1 take the tower's deepstack features (Qwen3-VL)
+    mrope_interleaved: bool = False  # INTERLEAVED_MROPE
 
 
 def check_vision_tower(path: str | None) -> str | None:
@@ -74,6 +86,43 @@ def check_vision_tower(path: str | None) -> str | None:
     return model_type
 
 
+def _raw_config(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def deepstack_layer_count(raw: dict) -> int:
+    """How many decoder layers take deepstack features: one per `deepstack_visual_indexes` block of the tower."""
+    return len((raw.get("vision_config") or {}).get("deepstack_visual_indexes") or [])
+
+
+def check_deepstack_layout(args: argparse.Namespace) -> None:
+    """A SlimeArgumentError, naming the flag, for a layout where --hf-checkpoint's deepstack layers cannot take
+    their features: they must all sit in the first pipeline stage's first chunk (beside the vision tower), and
+    are not recomputed whole (the features are added by a hook on each of those layers' outputs, which a
+    recomputation in the backward pass would run without them)."""
+    if check_vision_tower(args.hf_checkpoint) is None:
+        return
+    count = deepstack_layer_count(_raw_config(args.hf_checkpoint))
+    if not count:
+        return
+    if args.recompute_granularity == "full":
+        raise SlimeArgumentError(
+            f"--recompute-granularity full with --hf-checkpoint {args.hf_checkpoint}: its first {count} decoder "
+            "layers add the vision tower's deepstack features to their outputs, which recomputing those layers "
+            "whole would leave out; use --recompute-granularity selective or drop it"
+        )
+    first = args.num_layers_per_virtual_pipeline_stage or pipeline_layer_split(args)[0]
+    if first < count:
+        raise SlimeArgumentError(
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} puts {first} decoder layer(s) in "
+            f"the first pipeline stage (chunk), but --hf-checkpoint {args.hf_checkpoint} adds deepstack features "
+            f"to its first {count} layers, which must all run on the first stage with the vision tower; set "
+            f"--decoder-first-pipeline-num-layers >= {count} (or a smaller --pipeline-model-parallel-size / a "
+            "larger --num-layers-per-virtual-pipeline-stage)"
+        )
+
+
 def vision_spec(args: argparse.Namespace) -> VisionSpec | None:
     """The vision tower of --hf-checkpoint (None for a text model, or without an HF folder)."""
     path = args.hf_checkpoint
@@ -89,8 +138,28 @@ def vision_spec(args: argparse.Namespace) -> VisionSpec | None:
             "sequence's embeddings, which --sequence-parallel / --context-parallel-size > 1 split across ranks "
             "first; drop those flags"
         )
+    check_deepstack_layout(args)
     return VisionSpec(model_type, config.vision_config, config.image_token_id, config.vision_config.spatial_merge_size,
-                      config.vision_start_token_id, config.vision_end_token_id)
+                      config.vision_start_token_id, config.vision_end_token_id,
+                      deepstack_layers=deepstack_layer_count(_raw_config(path)),
+                      mrope_interleaved=model_type in INTERLEAVED_MROPE)
+
+
+def interleaved_mrope_freqs(position_ids: torch.Tensor, inv_freq: torch.Tensor,
+                            mrope_section: list[int]) -> torch.Tensor:
+    """[L, B, 1, 2 * F] rotary angles of `[3, B, L]` position ids for rotate-half RoPE with the multimodal axes
+    interleaved over the F frequencies (Qwen3-VL): frequency j takes the height position when j % 3 == 1 and
+    j < 3 * mrope_section[1], the width position when j % 3 == 2 and j < 3 * mrope_section[2], else the temporal
+    one; the F angles are repeated for the two halves, as megatron-core's rotary embeddings lay them out."""
+    if sum(mrope_section) != inv_freq.numel():
+        raise ValueError(f"mrope_section {mrope_section} sums to {sum(mrope_section)}, the rotary embedding has "
+                         f"{inv_freq.numel()} frequencies")
+    freqs = position_ids.to(inv_freq.device, torch.float32)[..., None] * inv_freq.float()  # [3, B, L, F]
+    axis = torch.zeros(inv_freq.numel(), dtype=torch.long, device=inv_freq.device)
+    for dim in (1, 2):
+        axis[dim: 3 * mrope_section[dim]: 3] = dim
+    chosen = freqs.gather(0, axis.expand(1, *freqs.shape[1:3], -1)).squeeze(0)  # [B, L, F]
+    return torch.cat([chosen, chosen], dim=-1).transpose(0, 1).unsqueeze(2).contiguous()
 
 
 def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, image_mask: torch.Tensor,

@@ -37,7 +37,7 @@ from slime.backends.megatron_utils.args import (
 from slime.backends.megatron_utils.arguments import validate_allgather_cp
 from slime.backends.megatron_utils.config_check import is_hf_folder, load_hf_config
 from slime.backends.megatron_utils.plugins import check_spec
-from slime.backends.megatron_utils.vision_language import check_vision_tower
+from slime.backends.megatron_utils.vision_language import check_deepstack_layout, check_vision_tower
 from slime.config.arg_groups._common import fail
 from slime.utils.backend_specs import train_spec
 from slime.utils.errors import SlimeArgumentError
@@ -415,6 +415,7 @@ def validate_megatron(args: argparse.Namespace) -> None:
         return
     if not args.debug_rollout_only:
         check_vision_tower(args.hf_checkpoint)  # before the MODEL_ARGS cross-check, which would ask for flags in vain
+        check_deepstack_layout(args)
     resolve_training_options(args)
     check_spec(args)  # a --spec that does not load fails here, before Ray starts
     if args.ckpt_format != "torch_dist":

@@ -18,10 +18,12 @@ from slime.backends.megatron_utils.converters.llama import LlamaConverter
 from slime.backends.megatron_utils.converters.qwen import QwenConverter
 from slime.backends.megatron_utils.converters.qwen2_5_vl import Qwen2_5VLConverter
 from slime.backends.megatron_utils.converters.qwen3_moe import Qwen3MoeConverter
+from slime.backends.megatron_utils.converters.qwen3_vl import Qwen3VLConverter
 
 FAMILIES: tuple[type[GPTConverter], ...] = (
     QwenConverter,
     Qwen2_5VLConverter,
+    Qwen3VLConverter,
     LlamaConverter,
     Qwen3MoeConverter,
     Glm4Converter,
