@@ -479,6 +479,17 @@ ROWS: tuple[Row, ...] = (
         "colocated with the handoff: it trains, and its step, push seconds and bytes are the full-weight side of row "
         "22's adapter push",
         figures=grab(full_push=r"\[full push\] (.+)$")),
+    Row(25, "images through real SGLang at Qwen2.5-VL-3B's shape (Megatron)", "VLM",
+        f"{PYTEST} tests/gpu/test_vlm_3b_sglang_gpu.py", timeout_s=600, estimate_s=420, part="vlm2",
+        must_show="row 23's train.py job with a random-init model of Qwen2.5-VL-3B-Instruct's published shape (3.75B "
+        "parameters in bf16, written on the GPU; the tiny VLM's tokenizer and processor), Megatron + SGLang "
+        "colocated with the handoff, 3 rollouts of 4 prompts × 4 samples with images: versions 1-3, |Δ log-prob| < "
+        "0.05; the step times (not run yet; the estimate: model written ~40 s, SGLang's start 2-3 min, Megatron's "
+        "build and load ~1 min, 3 rollouts)",
+        figures=grab(model_written=r"\[vlm 3b\] model written in (.+)$",
+                     logprob_diff=r"\[vlm 3b megatron \+ sglang\].*?\|Δ log-prob\| (\[[^\]]*\])",
+                     step_s=r"\[vlm 3b megatron \+ sglang\].*; step s (\[[^\]]*\])",
+                     train_py_s=r"\[vlm 3b\] train.py took ([\d.]+) s")),
 )
 PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."9", then perf, perf2, x2
 

@@ -57,10 +57,11 @@ def test_image_contract_against_real_sglang(tiny_vlm_dir, tmp_path):
     assert count.get("passed", 0) == 4 and not count.get("skipped"), said[-4000:]  # every image test ran
 
 
-def vlm_train_cmd(model_dir: str, data_path: str, out: str) -> list[str]:
-    """train.py on the colour task with images: Megatron + SGLang colocated, GRPO, NUM_ROLLOUT rollouts."""
+def vlm_train_cmd(model_dir: str, data_path: str, out: str, script: str = "tiny-qwen2.5-vl") -> list[str]:
+    """train.py on the colour task with images: Megatron + SGLang colocated, GRPO, NUM_ROLLOUT rollouts; `script`:
+    the model's scripts/models/*.sh."""
     return [
-        sys.executable, os.path.join(REPO_ROOT, "train.py"), *model_args("tiny-qwen2.5-vl"),
+        sys.executable, os.path.join(REPO_ROOT, "train.py"), *model_args(script),
         "--train-backend", "megatron", "--rollout-backend", "sglang", "--colocate",
         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--bf16",
         "--hf-checkpoint", model_dir, "--prompt-data", data_path, "--input-key", "prompt", "--label-key", "label",
@@ -83,9 +84,14 @@ def test_train_py_megatron_vlm_with_real_sglang(tiny_vlm_dir, tmp_path):
     out = str(tmp_path)
     data = write_toy_data(os.path.join(out, "colour.jsonl"), 400, seed=0, task="colour")
     run_train(vlm_train_cmd(tiny_vlm_dir, data, out), out)
+    check_vlm_run(out, "vlm megatron + sglang")
 
+
+def check_vlm_run(out: str, name: str) -> None:
+    """Every rollout of `vlm_train_cmd`'s run carried images (its debug dumps under `out`); `check_pushes`: versions
+    1..NUM_ROLLOUT, the engine's log-probs within 0.05 of the trainer's, printed with the step times under `name`."""
     for k in range(NUM_ROLLOUT):
         dump = torch.load(os.path.join(out, f"rollout_{k}.pt"), weights_only=False)
         with_images = sum(1 for s in dump["samples"] if (s["multimodal_inputs"] or {}).get("images"))
         assert with_images == len(dump["samples"]) > 0, f"rollout {k}: {with_images} of {len(dump['samples'])}"
-    check_pushes(os.path.join(out, "tb"), "vlm megatron + sglang", NUM_ROLLOUT)
+    check_pushes(os.path.join(out, "tb"), name, NUM_ROLLOUT)

@@ -370,3 +370,34 @@ def test_speed_rows_fail_on_a_regression():
     slow_step = REPORT.replace("| 1 | 40.00 | 3.20 | 8.0% |", "| 1 | 48.00 | 3.84 | 8.0% |")
     assert rows[1].check(slow_step) == ["the step took 45.00 s (> 43.0 s: a speed regression)"]
     assert rows[1].check(REPORT) == []
+
+
+def test_vlm_3b_gpu_test_command_line_plans_for_the_gpu(tmp_path, monkeypatch, capsys):
+    """Row 25's train.py command (tests/gpu/test_vlm_3b_sglang_gpu.py: row 23's at the Qwen2.5-VL-3B shape, a
+    smaller batch) parses and plans for the GPU with the 3B config, and its figures read from its test's lines."""
+    monkeypatch.setenv("SLIME_SGLANG_LAUNCHER", "sglang serve")
+    from slime.config.arguments import parse_args
+    from tests.gpu.sglang_runs import flag_value
+    from tests.gpu.test_vlm_3b_sglang_gpu import BATCH
+    from tests.gpu.test_vlm_sglang_gpu import vlm_train_cmd
+    from tools.make_tiny_model import write_config
+    from tools.make_toy_data import write_toy_data
+
+    model = str(tmp_path / "qwen2.5-vl-3b")  # config, tokenizer and processor without weights: all a plan reads
+    write_config(model, arch="qwen2_5_vl", size="qwen2.5-vl-3b")
+    data = write_toy_data(str(tmp_path / "colour.jsonl"), num_samples=8, seed=0, task="colour")
+    cmd = vlm_train_cmd(model, data, str(tmp_path), script="qwen2.5-vl-3b")
+    for flag, value in BATCH.items():
+        cmd = flag_value(cmd, flag, value)
+    args = parse_args([*cmd[2:], "--dry-run", "--dry-run-cuda"])
+    assert (args.num_layers, args.hidden_size, args.vocab_size) == (36, 2048, 151936)
+    assert not args.untie_embeddings_and_output_weights and args.colocate and args.multimodal_keys
+    assert (args.rollout_batch_size * args.n_samples_per_prompt, args.global_batch_size) == (16, 16)
+
+    row = {r.id: r for r in registry.ROWS}[25]
+    said = ("[vlm 3b] model written in 41.2 s (7.51 GB)\n[vlm 3b] train.py took 250.3 s (start-up included)\n"
+            "[vlm 3b megatron + sglang] weight version per rollout [1.0, 2.0, 3.0]; engine/trainer |Δ log-prob| "
+            "['1.10e-02', '1.20e-02', '1.30e-02']; raw reward [0.0, 0.0, 0.0]; step s [20.1, 12.3, 12.2]\n")
+    assert row.figures(said) == {"model written": "41.2 s (7.51 GB)", "train py s": "250.3",
+                                 "logprob diff": "['1.10e-02', '1.20e-02', '1.30e-02']",
+                                 "step s": "[20.1, 12.3, 12.2]"}
