@@ -11,6 +11,7 @@ import torch
 
 from slime.backends.megatron_utils.config_check import find_mismatches, load_hf_config
 from slime.config.arguments import parse_args
+from slime.utils.errors import SlimeArgumentError
 from tests.conftest import model_args
 from tests.unit.test_model_scripts import argv_for
 
@@ -65,15 +66,22 @@ def test_parameter_count_is_the_published_one(folder):
     assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
     assert abs(n - PUBLISHED_PARAMETERS) < 0.005e9, n
     assert 0.66e9 < tower < 0.68e9, tower  # 32 blocks of width 1280 and the 2x2 merger into 2048
+    # the --dry-run planner's count: the text model by formula (tied output, QKV bias) + the tower, exactly
+    from slime.config.plan.model_size import count_params, load_model_shape
+
+    counts = count_params(load_model_shape(folder))
+    assert (counts.total, counts.vision, counts.output) == (n, tower, 0)
 
 
 def test_megatron_script_matches_the_config(folder, files):
     args = parse_args(argv_for(folder, model_args("qwen2.5-vl-3b"), ranks=1) + ["--rollout-num-gpus", "1"])
     assert find_mismatches(args, load_hf_config(folder)) == []
-    # the config check reads the text config, where transformers keeps no tie_word_embeddings for a
-    # vision-language model (it is the top-level field): compare it here
-    with open(f"{folder}/config.json") as f:
-        assert args.untie_embeddings_and_output_weights is not json.load(f)["tie_word_embeddings"]
+    # transformers keeps a vision-language model's tie_word_embeddings at the top level, not in its text config:
+    # the check reads it there, so the untied flag is a mismatch
+    assert load_hf_config(folder)["tie_word_embeddings"] is True
+    with pytest.raises(SlimeArgumentError, match="tie_word_embeddings"):
+        parse_args(argv_for(folder, model_args("qwen2.5-vl-3b"), ranks=1)
+                   + ["--rollout-num-gpus", "1", "--untie-embeddings-and-output-weights"])
     assert args.position_embedding_type == "mrope" and args.mrope_section == [16, 24, 24]
 
 

@@ -34,8 +34,14 @@ def load_hf_config(path: str) -> dict:
     file = path if path.endswith(".json") else os.path.join(path, "config.json")
     with open(file) as f:
         cfg = json.load(f)
-    # multimodal / nested layouts keep the language model's config under text_config
-    return cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
+    # multimodal / nested layouts keep the language model's config under text_config, and whether the output layer
+    # is tied to the embeddings at the top level (transformers' vision-language configs)
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        return cfg
+    if "tie_word_embeddings" in cfg and "tie_word_embeddings" not in text:
+        return {**text, "tie_word_embeddings": cfg["tie_word_embeddings"]}
+    return text
 
 
 def _rope(cfg: dict) -> dict:

@@ -11,7 +11,7 @@ runs the tower, and puts the image features into the decoder's input embeddings 
 image, left to right, row by row, as transformers does. The decoder rotates by multimodal RoPE
 (`--position-embedding-type mrope`): 3-D (temporal, height, width) position ids from `mrope_position_ids`.
 
-Simplifications: Qwen2.5-VL only (`VISION_TOWERS`); images, no video; no sequence or context parallelism with
+Simplifications: Qwen2.5-VL and Qwen3-VL (dense) only (`VISION_TOWERS`); images, no video; no sequence or context parallelism with
 images (the embedding would be split across ranks before the features are placed); the tower is replicated on
 every tensor-parallel rank (each computes it whole).
 """

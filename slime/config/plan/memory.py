@@ -211,13 +211,16 @@ def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches
             dense += shape.hidden_size  # final norm
             if not shape.tie_word_embeddings or par.pp > 1:  # tied: the last stage keeps its own copy
                 dense += embedding_params(shape, vocab)
-        per_gpu = dense / par.tp + expert / (par.ep * par.etp)
+        vision = shape.vision_params if first else 0  # the HF vision tower: whole on every TP rank of stage 0
+        per_gpu = dense / par.tp + expert / (par.ep * par.etp) + vision
         est = Estimate()
         if expert:
             shard = (f"(non-expert {fmt_count(dense)} ÷ TP {par.tp} + experts {fmt_count(expert)} ÷ EP {par.ep} "
                      f"× ETP {par.etp})")
         else:
             shard = f"({fmt_count(dense)} ÷ TP {par.tp})"
+        if vision:
+            shard = f"{shard[:-1]} + vision tower {fmt_count(vision)}, not split)"
         est.items.append(Item("weights", per_gpu * wb, f"{fmt_count(per_gpu)} params {shard} × {wb} B"))
         if args.lora_rank:
             _megatron_lora_items(est, args, shape, par, n_layers, (wb, gb, ob, opt_what), dist_opt)

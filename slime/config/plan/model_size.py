@@ -6,15 +6,23 @@ layer unless tied, per layer the norms, attention (GQA with optional QKV bias an
 multi-latent attention) and the MLP (SwiGLU: gate, up, down) or MoE block (router, routed experts, shared
 experts), and the final norm. Assumptions: every MLP is gated (three matrices); DeepSeek's multi-token
 prediction layers (`num_nextn_predict_layers`) are not counted, as transformers does not load them; nor are
-buffers such as DeepSeek's router `e_score_correction_bias`.
+buffers such as DeepSeek's router `e_score_correction_bias`. A vision-language checkpoint's vision tower is counted
+by transformers itself (built on the meta device), not by formula.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
+import os
+import re
 from dataclasses import dataclass
 
 from slime.backends.megatron_utils.config_check import load_hf_config
 from slime.backends.megatron_utils.converters.base import ConverterConfig
+
+logger = logging.getLogger(__name__)
 
 
 class ModelShapeError(ValueError):
@@ -48,6 +56,7 @@ class ModelShape:
     v_head_dim: int | None = None
     torch_dtype: str | None = None
     quant_method: str | None = None
+    vision_params: int = 0  # a vision-language checkpoint's vision tower (vision_tower_params)
 
     @property
     def mla(self) -> bool:
@@ -91,7 +100,7 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
         moe_intermediate_size=moe_inter,
         shared_expert_intermediate_size=shared,
         shared_expert_gate=bool(experts) and model_type == "qwen2_moe",
-        qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias")),
+        qkv_bias=model_type.startswith("qwen2") or bool(cfg.get("attention_bias")),  # qwen2, -moe, -vl, 2.5-vl
         qk_norm=model_type.startswith("qwen3") or bool(cfg.get("use_qk_norm")),
         norms_per_layer=4 if model_type == "glm4" else 2,
         q_lora_rank=base.q_lora_rank,
@@ -105,7 +114,39 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
 
 
 def load_model_shape(hf_checkpoint: str) -> ModelShape:
-    return shape_from_hf_config(load_hf_config(hf_checkpoint))
+    shape = shape_from_hf_config(load_hf_config(hf_checkpoint))
+    raw = load_raw_config(hf_checkpoint)
+    if isinstance(raw.get("vision_config"), dict):
+        shape = dataclasses.replace(shape, vision_params=vision_tower_params(raw))
+    return shape
+
+
+def load_raw_config(path: str) -> dict:
+    with open(path if path.endswith(".json") else os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def vision_tower_params(raw: dict) -> int:
+    """Parameters of a vision-language config's vision tower: transformers builds the whole model on the meta
+    device (no memory, no weights) and the parameters under its vision module (`visual`, `vision_tower`, ...)
+    are counted. A config transformers cannot build counts 0, with a warning: the estimate then leaves it out."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    try:
+        config = AutoConfig.for_model(**raw)
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(config)
+    except (ValueError, KeyError, TypeError, ImportError) as e:
+        logger.warning("config.json (model_type %r) has a vision_config, but transformers could not build the model "
+                       "to count its vision tower (%s); the estimates leave the tower out", raw.get("model_type"), e)
+        return 0
+    return sum(p.numel() for name, p in model.named_parameters() if VISION_MODULE.search(name))
+
+
+# a vision tower's parameter names in transformers' vision-language models (Qwen2.5-VL / Qwen3-VL: `visual`; LLaVA
+# and others: `vision_tower`, `multi_modal_projector`)
+VISION_MODULE = re.compile(r"(^|\.)(visual|vision_tower|vision_model|multi_modal_projector)\.")
 
 
 # ---- parameter counts --------------------------------------------------------------------------------------
@@ -164,6 +205,7 @@ class ParamCount:
     layers_dense: int  # non-expert parameters of all decoder layers
     layers_expert: int  # routed experts of all decoder layers
     active: int  # parameters one token passes through (top-k of the routed experts)
+    vision: int = 0  # a vision-language model's vision tower
 
 
 def count_params(s: ModelShape) -> ParamCount:
@@ -174,10 +216,10 @@ def count_params(s: ModelShape) -> ParamCount:
         expert += e
     emb = embedding_params(s)
     out = 0 if s.tie_word_embeddings else emb
-    total = emb + out + dense + expert + s.hidden_size  # + final norm
+    total = emb + out + dense + expert + s.hidden_size + s.vision_params  # + final norm, + vision tower
     inactive = 0
     if s.num_experts:
         per_expert = mlp_params(s.hidden_size, s.moe_intermediate_size)
         inactive = s.num_moe_layers * (s.num_experts - min(s.experts_per_token, s.num_experts)) * per_expert
     return ParamCount(total=total, embedding=emb, output=out, layers_dense=dense, layers_expert=expert,
-                      active=total - inactive)
+                      active=total - inactive, vision=s.vision_params)

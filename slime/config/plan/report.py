@@ -384,6 +384,8 @@ class _Builder:
         params += f", layers {fmt_count(counts.layers_dense + counts.layers_expert)}"
         if s.num_experts:
             params += f" of which routed experts {fmt_count(counts.layers_expert)}"
+        if counts.vision:
+            params += f", vision tower {fmt_count(counts.vision)}"
         rows.append(("parameters", params))
         if s.num_experts:
             rows.append(("active per token", fmt_count(counts.active)))
