@@ -9,8 +9,10 @@ SGLang's LoRA loader and PEFT read. A save's iteration folder keeps its adapter 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -23,6 +25,20 @@ PEFT_PREFIX = "base_model.model."
 ADAPTER_NAME = "slime_lora"  # the engines hold the trainer's adapter under it; rollout requests name it (lora_path)
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@contextlib.contextmanager
+def adapters_switched_off(layers: Iterable[Any]):
+    """The adapted `layers` compute their frozen base alone while the context runs (each reads its `lora_off`),
+    then add their adapters again: the KL term's reference pass on either trainer."""
+    layers = list(layers)
+    for layer in layers:
+        layer.lora_off = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_off = False
 
 
 def module_names(text: str | None) -> list[str]:

@@ -13,7 +13,6 @@ tied to the input embeddings (an engine merging the adapter would change the emb
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -25,8 +24,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from slime.utils.lora_adapter import (ADAPTER_DIR, ALL_LINEAR, PEFT_PREFIX, is_adapter_name, module_names,
-                                      write_adapter_folder)
+from slime.utils.lora_adapter import (ADAPTER_DIR, ALL_LINEAR, PEFT_PREFIX, adapters_switched_off,
+                                      is_adapter_name, module_names, write_adapter_folder)
 
 
 class LoRALinear(nn.Module):
@@ -56,17 +55,9 @@ class LoRALinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, r={self.rank}, alpha={self.alpha}"
 
 
-@contextlib.contextmanager
 def adapters_off(model: nn.Module):
-    """`model` computes its frozen base alone (the KL term's reference pass), adapters back on after."""
-    adapted = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    for m in adapted:
-        m.lora_off = True
-    try:
-        yield
-    finally:
-        for m in adapted:
-            m.lora_off = False
+    """Context: `model` computes its frozen base alone (the KL term's reference pass), adapters back on after."""
+    return adapters_switched_off(m for m in model.modules() if isinstance(m, LoRALinear))
 
 
 def target_names(model: nn.Module, target_modules: str, exclude_modules: str | None = None) -> list[str]:

@@ -30,7 +30,6 @@ at every TP / PP layout.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 import zlib
@@ -40,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slime.utils.lora_adapter import ALL_LINEAR, module_names
+from slime.utils.lora_adapter import ALL_LINEAR, adapters_switched_off, module_names
 
 # Megatron linear -> the HF modules it computes (in HF order)
 HF_MODULES = {
@@ -199,17 +198,11 @@ def _add_adapter(module: nn.Module, name: str, args: Any, gated: bool) -> None:
     module.__class__ = _lora_class(type(module), mixin)
 
 
-@contextlib.contextmanager
 def adapters_off(chunks: list[nn.Module]):
-    """The model chunks compute their frozen base alone (the KL term's reference pass), adapters back on after."""
-    adapted = [m for chunk in chunks for m in chunk.modules() if isinstance(m, (_ColumnLoRA, _RowLoRA))]
-    for m in adapted:
-        m.lora_off = True
-    try:
-        yield
-    finally:
-        for m in adapted:
-            m.lora_off = False
+    """Context: the model chunks compute their frozen base alone (the KL term's reference pass), adapters back on
+    after."""
+    return adapters_switched_off(m for chunk in chunks for m in chunk.modules()
+                                 if isinstance(m, (_ColumnLoRA, _RowLoRA)))
 
 
 def global_module_name(gpt: nn.Module, local: str) -> str:
