@@ -82,11 +82,13 @@ def module_of(name: str) -> tuple[str, str]:
     raise ValueError(f"{name}: not a LoRA adapter tensor (names end with {' or '.join(ADAPTER_SUFFIXES)})")
 
 
-def adapter_config(args: Any, modules: list[str]) -> dict:
-    """PEFT's adapter_config.json fields for this run's adapter (what SGLang's LoRA loader reads)."""
+def adapter_config(args: Any, modules: list[str], target_modules: list[str] | None = None) -> dict:
+    """PEFT's adapter_config.json fields for this run's adapter (what SGLang's LoRA loader reads). `target_modules`:
+    PEFT's list when the last parts of the module names are not enough (fsdp_utils.lora.peft_target_modules);
+    by default those last parts."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.lora_rank, "lora_alpha": args.lora_alpha,
             "lora_dropout": args.lora_dropout, "bias": "none", "base_model_name_or_path": args.hf_checkpoint,
-            "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules})}
+            "target_modules": target_modules or sorted({m.rsplit(".", 1)[-1] for m in modules})}
 
 
 def peft_names(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

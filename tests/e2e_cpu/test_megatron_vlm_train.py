@@ -3,7 +3,8 @@ Qwen3-VL (language model on megatron-core through the test-only CPU shim, instal
 tests/e2e_cpu/plugins/megatron_shim/sitecustomize.py; the HF vision tower) through real Ray, sglang-router and one
 hf engine given image_data. Each rollout after the first is sampled with the weights the trainer pushed after the
 previous step (the engine takes the push's Hub names), and the trainer's log-probs of the sampled tokens equal the
-engine's (the images and the pushed weights reached both); every process is reaped."""
+engine's (the images and the pushed weights reached both); every process is reaped. The same for
+Qwen2.5-VL with LoRA (docs/lora.md "Vision-language models"): the pushes are adapters, which the engine merges."""
 
 from __future__ import annotations
 
@@ -27,9 +28,15 @@ ROLLOUTS = 3
 SCRIPTS = {"qwen2_5_vl": "tiny-qwen2.5-vl", "qwen3_vl": "tiny-qwen3-vl"}  # the tiny VLM -> its MODEL_ARGS
 
 
+# LoRA on the decoder's linears (the vision tower frozen, without adapters): each push is an adapter named as the
+# Qwen2.5-VL checkpoint names its modules (model.layers.*), which the hf engine maps to transformers' names
+LORA = ["--lora-rank", "8", "--lora-alpha", "16", "--target-modules", "all-linear", "--transformer-impl", "local"]
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("arch", list(SCRIPTS))
-def test_megatron_trains_the_tiny_vlm_through_train_py(tmp_path, arch):
+@pytest.mark.parametrize("arch, extra", [pytest.param(arch, [], id=arch) for arch in SCRIPTS]
+                         + [pytest.param("qwen2_5_vl", LORA, id="qwen2_5_vl-lora")])
+def test_megatron_trains_the_tiny_vlm_through_train_py(tmp_path, arch, extra):
     from tools.make_tiny_model import make_tiny_model
     from tools.make_toy_data import write_toy_data
 
@@ -49,7 +56,7 @@ def test_megatron_trains_the_tiny_vlm_through_train_py(tmp_path, arch):
          "--rollout-max-response-len", "3", "--num-rollout", str(ROLLOUTS), "--lr", "1e-3",
          "--micro-batch-size", "8", "--advantage-estimator", "grpo", "--entropy-coef", "0.01", "--seed", "7",
          "--use-tensorboard", "--tensorboard-dir", str(tb),
-         "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt")],
+         "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt"), *extra],
         capture_output=True, text=True, env=env, timeout=560, cwd=str(tmp_path),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]

@@ -268,3 +268,82 @@ def test_engine_refuses_a_bad_adapter_and_changes_nothing(base_model):
         assert torch.equal(p, q), n
     assert module_of("base_model.model.model.layers.0.mlp.up_proj.lora_B.weight") == ("model.layers.0.mlp.up_proj",
                                                                                        "B")
+
+
+# ---- a vision-language model (the tiny Qwen2.5-VL) --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    from transformers import AutoModelForImageTextToText
+
+    from tools.make_tiny_model import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path_factory.mktemp("vlm") / "vlm"), arch="qwen2_5_vl", size="tiny", seed=0)
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _peft_selects(model, target_modules: list[str]) -> list[str]:
+    """The modules PEFT's LoRA matches for a list `target_modules` (peft.tuners.tuners_utils.check_target_module_
+    exists: the full name listed, or a name ending with '.' + an entry)."""
+    return [name for name, _ in model.named_modules() if name and
+            (name in target_modules or any(name.endswith("." + t) for t in target_modules))]
+
+
+def test_vlm_all_linear_adapts_the_tower_and_the_peft_config_names_exactly_those(vlm):
+    """fsdp's all-linear on a VLM: every linear but the LM head, the vision tower's and merger's too; the PEFT
+    config's target_modules select exactly the adapted modules (bare last parts would also select the decoder
+    layers `layers.0` / `layers.2` through the merger's `mlp.0` / `mlp.2`, and the patch embedding's `proj`)."""
+    names = lora.target_names(vlm, "all-linear")
+    tower = lora.outside_decoder(vlm, names)
+    assert len(names) == 40 and len(tower) == 12 and all(n.startswith("model.visual.") for n in tower)
+    targets = lora.peft_target_modules(vlm, names)
+    assert sorted(_peft_selects(vlm, targets)) == sorted(names)
+    bare = sorted({n.rsplit(".", 1)[-1] for n in names})
+    assert "model.language_model.layers.0" in _peft_selects(vlm, bare)
+    attention = lora.target_names(vlm, "q_proj,k_proj,v_proj,o_proj")  # names the tower does not use
+    assert lora.outside_decoder(vlm, attention) == []
+    assert lora.peft_target_modules(vlm, attention) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+
+
+def test_vlm_tower_adapters_refused_unless_the_hf_engine_serves_them(vlm):
+    names = lora.target_names(vlm, "all-linear")
+    tower = lora.outside_decoder(vlm, names)
+    lora.check_engine_adapts(names, tower, make_args(*LORA, "--rollout-backend", "hf"))
+    sglang = make_args(*LORA, "--rollout-backend", "sglang")
+    with pytest.raises(ValueError, match="12 modules of the vision tower.*--target-modules k_proj,o_proj,q_proj,"
+                                         "v_proj.*--train-backend megatron.*--rollout-backend hf"):
+        lora.check_engine_adapts(names, tower, sglang)
+    attention = lora.target_names(vlm, "q_proj,k_proj,v_proj,o_proj")
+    lora.check_engine_adapts(attention, lora.outside_decoder(vlm, attention), sglang)
+
+
+def test_engine_merges_an_adapter_named_as_the_checkpoint(vlm):
+    """The Megatron trainer names a Qwen2.5-VL adapter as the checkpoint does (`model.layers.*`); the hf engine
+    maps it to transformers' `model.language_model.layers.*` as it maps a full push, and merges a tower adapter
+    (fsdp's names) the same way as any linear."""
+    from slime.backends.hf_engine.checkpoint_names import checkpoint_name_mapper
+
+    torch.manual_seed(0)
+    hidden = vlm.config.get_text_config().hidden_size
+    a, b = torch.randn(4, hidden), torch.randn(hidden, 4)
+    config = {"r": 4, "lora_alpha": 8}
+    merged = []
+    for module in ("model.layers.1.self_attn.o_proj", "model.language_model.layers.1.self_attn.o_proj"):
+        model = copy.deepcopy(vlm)
+        adapter = MergedAdapter(model, None, checkpoint_name_mapper(model, {n for n, _ in model.named_parameters()}))
+        adapter.load("a", [(f"{lora_adapter.PEFT_PREFIX}{module}.lora_A.weight", a),
+                           (f"{module}.lora_B.weight", b)], config, "test")
+        merged.append(model.get_submodule("model.language_model.layers.1.self_attn.o_proj").weight.detach().clone())
+    base = vlm.get_submodule("model.language_model.layers.1.self_attn.o_proj").weight
+    assert torch.allclose(merged[0], base + 2 * b @ a, atol=1e-6) and torch.equal(merged[0], merged[1])
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.o_proj is no module"):
+        MergedAdapter(copy.deepcopy(vlm)).load("a", [("model.layers.1.self_attn.o_proj.lora_A.weight", a),
+                                                     ("model.layers.1.self_attn.o_proj.lora_B.weight", b)],
+                                               config, "test")  # without the mapping (what main did)
+    model = copy.deepcopy(vlm)
+    qkv = model.get_submodule("model.visual.blocks.0.attn.qkv")
+    adapter = MergedAdapter(model, None, checkpoint_name_mapper(model, {n for n, _ in model.named_parameters()}))
+    ta, tb = torch.randn(4, qkv.in_features), torch.randn(qkv.out_features, 4)
+    adapter.load("a", [("model.visual.blocks.0.attn.qkv.lora_A.weight", ta),
+                       ("model.visual.blocks.0.attn.qkv.lora_B.weight", tb)], config, "test")
+    want = vlm.get_submodule("model.visual.blocks.0.attn.qkv").weight + 2 * tb @ ta
+    assert torch.allclose(qkv.weight, want, atol=1e-6)

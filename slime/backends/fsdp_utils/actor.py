@@ -172,9 +172,12 @@ class FSDPTrainRayActor(PolicyTrainer):
         """LoRA layers on the target modules (docs/lora.md), the base frozen; the adapter from the PEFT folder
         `source` (B = 0 without one)."""
         args = self.args
+        names = lora.target_names(model, args.target_modules, args.exclude_modules)
+        lora.check_engine_adapts(names, lora.outside_decoder(model, names), args)
+        targets = lora.peft_target_modules(model, names)
         self.lora_modules = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.target_modules,
                                             args.exclude_modules)
-        self.lora_config = adapter_config(args, self.lora_modules)
+        self.lora_config = adapter_config(args, self.lora_modules, targets)
         if source:
             lora.load_adapter_folder(model, source)
         adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from slime.utils.backend_specs import engine_spec
 from slime.utils.lora_adapter import (ADAPTER_DIR, ALL_LINEAR, PEFT_PREFIX, adapters_switched_off,
                                       is_adapter_name, module_names, write_adapter_folder)
 
@@ -87,6 +88,46 @@ def target_names(model: nn.Module, target_modules: str, exclude_modules: str | N
         raise ValueError(f"--target-modules {target_modules} minus --exclude-modules {exclude_modules} leaves no "
                          "linear layer to adapt; exclude fewer")
     return chosen
+
+
+def peft_target_modules(model: nn.Module, names: list[str]) -> list[str]:
+    """PEFT's `target_modules` for the adapted modules `names`: the last part of each name, which PEFT matches
+    against the end of every module name, except where that part also ends a module left out (a vision-language
+    model: the merger's `mlp.0` / `mlp.2` against the decoder layers `layers.0` / `layers.2`, the tower's `attn.proj`
+    against its patch embedding's `proj`): those adapted modules are listed by their full name, which PEFT matches
+    exactly. Call before `apply_lora` (its LoRA layers add modules of their own)."""
+    chosen = set(names)
+    others = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name and name not in chosen}
+    short = {name.rsplit(".", 1)[-1] for name in names}
+    return sorted(s for s in short if s not in others) + sorted(n for n in names if n.rsplit(".", 1)[-1] in others)
+
+
+def outside_decoder(model: nn.Module, names: list[str]) -> list[str]:
+    """The adapted modules that are not in the model's language model (`get_decoder()`): a vision-language model's
+    vision tower and merger; none for a text model."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model:
+        return []
+    inside = {name for name, m in model.named_modules() if m is decoder}
+    return [n for n in names if not any(n.startswith(prefix + ".") for prefix in inside)]
+
+
+def check_engine_adapts(names: list[str], tower: list[str], args) -> None:
+    """Adapters on a vision tower (`tower`: the adapted modules outside the language model) are served only by the
+    hf engine, which merges any linear layer's adapter; SGLang applies LoRA to the language model alone (its
+    Qwen-VL models skip the tower), so it would serve another policy than the trainer's. ValueError naming the fix."""
+    engine = engine_spec(args).name
+    if not tower or engine == "hf":
+        return
+    tower_short = {n.rsplit(".", 1)[-1] for n in tower}
+    decoder_only = sorted({n.rsplit(".", 1)[-1] for n in names if n not in tower} - tower_short)
+    raise ValueError(
+        f"--lora-rank {args.lora_rank} --target-modules {args.target_modules} (--exclude-modules "
+        f"{args.exclude_modules}) puts adapters on {len(tower)} modules of the vision tower (e.g. {tower[:3]}) and "
+        f"--rollout-backend {engine} does not apply them (SGLang's LoRA covers the language model "
+        "only); the engine would serve another policy than the trainer's. Pass --target-modules "
+        f"{','.join(decoder_only) or '<decoder modules>'} (names this model's tower does not use), "
+        "--train-backend megatron (adapters on the decoder only) or --rollout-backend hf")
 
 
 def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: str,

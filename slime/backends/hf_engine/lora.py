@@ -44,8 +44,12 @@ class MergedAdapter:
     """The adapter merged into `model`'s linear weights, and the base copies that undo it (device copies, or with
     `weights` in base_backup mode its host copy of the whole base)."""
 
-    def __init__(self, model: torch.nn.Module, weights: WeightMemory | None = None):
+    def __init__(self, model: torch.nn.Module, weights: WeightMemory | None = None,
+                 model_name: Callable[[str], str] | None = None):
         self.model = model
+        # a parameter name as a checkpoint spells it -> the model's (checkpoint_names.py); the Megatron trainer names
+        # a Qwen2.5-VL adapter as the checkpoint does (model.layers.*), transformers keeps it in model.language_model
+        self.model_name = model_name or (lambda name: name)
         self.weights = weights if weights is not None and weights.mode == "base_backup" else None
         self.base: dict[str, torch.Tensor] = {}  # module name -> its base weight (a device copy; none with weights)
         self.merged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module -> the merged (A, B), on the host
@@ -62,6 +66,7 @@ class MergedAdapter:
         halves: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in named:
             module, half = module_of(name)
+            module = self.model_name(module + ".weight").removesuffix(".weight")
             halves.setdefault(module, {})[half] = tensor
         out = {}
         for module, h in halves.items():

@@ -95,7 +95,8 @@ class EngineState:
         self.params.update(dict(model.named_buffers(remove_duplicate=False)))
         self.model_name = checkpoint_name_mapper(model, set(self.params))  # Hub spelling -> in-memory name
         self.weight_checker = WeightChecker(self.params)  # POST /weights_checker (--check-weight-update-equal)
-        self.adapter = MergedAdapter(model, self.weights)  # a LoRA adapter merged into the weights (lora.py)
+        # a LoRA adapter merged into the weights (lora.py), its module names read as a push's
+        self.adapter = MergedAdapter(model, self.weights, self.model_name)
         self.processor = load_processor_for(model_path, model)  # None for a text-only model (vision.py)
 
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]], source: str) -> int:
