@@ -347,14 +347,14 @@ def _qwen3_vl_config(common: dict, head_dim: int, tokenizer):
                          **_vision_token_ids(tokenizer))
 
 
-# the processor class written into each vision arch's folder (tools/tiny_vlm/<module>.py)
-PROCESSORS = {"qwen2_5_vl": ("processing_tiny_qwen2_5_vl", "TinyQwen2_5_VLProcessor"),
-              "qwen3_vl": ("processing_tiny_qwen3_vl", "TinyQwen3VLProcessor")}
+# the processor class of each vision arch, in tools/tiny_vlm/processing_tiny_vl.py (copied into its folder)
+PROCESSOR_MODULE = "processing_tiny_vl"
+PROCESSORS = {"qwen2_5_vl": "TinyQwen2_5_VLProcessor", "qwen3_vl": "TinyQwen3VLProcessor"}
 
 
 def build_processor(out: str, arch: str = "qwen2_5_vl") -> None:
     """The arch's image processor config (preprocessor_config.json: Qwen2-VL's image processor with its patch size)
-    and the folder's processor class (tools/tiny_vlm/processing_tiny_<arch>.py, named in processor_config.json's
+    and the folder's processor class (tools/tiny_vlm/processing_tiny_vl.py, its class named in processor_config.json's
     auto_map: the stock Qwen2.5-VL / Qwen3-VL processors cannot be built without torchvision, which their video
     processors need)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -364,9 +364,9 @@ def build_processor(out: str, arch: str = "qwen2_5_vl") -> None:
     norm = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if arch == "qwen3_vl" else {}
     Qwen2VLImageProcessorPil(min_pixels=side * side, max_pixels=4 * side * side, patch_size=PATCH_SIZE[arch],
                              merge_size=2, temporal_patch_size=2, **norm).save_pretrained(out)
-    module, cls = PROCESSORS[arch]
-    shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_vlm", module + ".py"), out)
-    auto = {"AutoProcessor": f"{module}.{cls}"}
+    cls = PROCESSORS[arch]
+    shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_vlm", PROCESSOR_MODULE + ".py"), out)
+    auto = {"AutoProcessor": f"{PROCESSOR_MODULE}.{cls}"}
     with open(os.path.join(out, "processor_config.json"), "w") as f:
         json.dump({"processor_class": cls, "auto_map": auto}, f, indent=2)
     # AutoProcessor reads auto_map from the image processor config too

@@ -31,9 +31,17 @@ def is_hf_folder(path: str | None) -> bool:
 
 
 def load_hf_config(path: str) -> dict:
-    file = path if path.endswith(".json") else os.path.join(path, "config.json")
-    with open(file) as f:
-        cfg = json.load(f)
+    return language_config(read_config_json(path))
+
+
+def read_config_json(path: str) -> dict:
+    """config.json of an HF folder (or the .json file itself), as written."""
+    with open(path if path.endswith(".json") else os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def language_config(cfg: dict) -> dict:
+    """The language model's fields of a config.json mapping."""
     # multimodal / nested layouts keep the language model's config under text_config, and whether the output layer
     # is tied to the embeddings at the top level (transformers' vision-language configs)
     text = cfg.get("text_config")

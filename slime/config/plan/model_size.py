@@ -13,13 +13,11 @@ by transformers itself (built on the meta device), not by formula.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import re
 from dataclasses import dataclass
 
-from slime.backends.megatron_utils.config_check import load_hf_config
+from slime.backends.megatron_utils.config_check import language_config, read_config_json
 from slime.backends.megatron_utils.converters.base import ConverterConfig
 
 logger = logging.getLogger(__name__)
@@ -114,16 +112,11 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
 
 
 def load_model_shape(hf_checkpoint: str) -> ModelShape:
-    shape = shape_from_hf_config(load_hf_config(hf_checkpoint))
-    raw = load_raw_config(hf_checkpoint)
+    raw = read_config_json(hf_checkpoint)
+    shape = shape_from_hf_config(language_config(raw))
     if isinstance(raw.get("vision_config"), dict):
         shape = dataclasses.replace(shape, vision_params=vision_tower_params(raw))
     return shape
-
-
-def load_raw_config(path: str) -> dict:
-    with open(path if path.endswith(".json") else os.path.join(path, "config.json")) as f:
-        return json.load(f)
 
 
 def vision_tower_params(raw: dict) -> int:

@@ -1,27 +1,31 @@
-"""The processor of the tiny Qwen3-VL written by tools/make_tiny_model.py (copied into the model folder and loaded
-by `AutoProcessor.from_pretrained(folder, trust_remote_code=True)` through its `auto_map`).
+"""The processors of the tiny vision-language models written by tools/make_tiny_model.py (this file is copied into
+each model folder and loaded by `AutoProcessor.from_pretrained(folder, trust_remote_code=True)` through the
+folder's `auto_map`, which names the arch's class: TinyQwen2_5_VLProcessor or TinyQwen3VLProcessor).
 
-It is transformers' Qwen3VLProcessor with no video processor: transformers builds Qwen3-VL's video processor only
-with torchvision installed, and the processor's constructor refuses a missing one even for image-only use. Images go
-through the PIL Qwen2-VL image processor saved in the folder (preprocessor_config.json, patch 16 as Qwen3-VL's);
-`<|image_pad|>` expansion, tokenizing and outputs are the parent's, except that `pixel_values` and
-`image_grid_thw` are torch tensors even when no `return_tensors` is asked for, as a real checkpoint's (torchvision)
-image processor returns them.
+Each is transformers' processor of its arch (Qwen2_5_VLProcessor, Qwen3VLProcessor) with no video processor:
+transformers builds their video processors only with torchvision installed, and the processors' constructors refuse
+a missing one even for image-only use. Images go through the PIL Qwen2-VL image processor saved in the folder
+(preprocessor_config.json, with the arch's patch size); `<|image_pad|>` expansion, tokenizing and outputs are the
+parent's, except that `pixel_values` and `image_grid_thw` are torch tensors even when no `return_tensors` is asked
+for, as the real checkpoints' (torchvision) image processors return them: plugins such as slime's multi-turn VLM
+rollout call `processor(text=..., images=...)` bare and keep only tensor outputs.
 """
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3VLProcessor
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2_5_VLProcessor, Qwen3VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 
-class TinyQwen3VLProcessor(Qwen3VLProcessor):
+class TinyProcessorMixin:
+    """Mixed in before the arch's processor class: no video processor, tensor outputs, built from the folder."""
+
     def check_argument_for_proper_class(self, argument_name, argument):
         if argument_name == "video_processor" and argument is None:
             return None
         if argument_name == "tokenizer":
             # the parent resolves every tokenizer backend transformers names, MistralCommonBackend included, which
-            # fails to import where mistral-common's pydantic-extra-types is missing
+            # fails to import where mistral-common's pydantic-extra-types is missing (SGLang's site on the H200)
             if not isinstance(argument, PreTrainedTokenizerBase):
                 raise TypeError(f"Received a {type(argument).__name__} for argument tokenizer, but a tokenizer was "
                                 "expected.")
@@ -42,3 +46,11 @@ class TinyQwen3VLProcessor(Qwen3VLProcessor):
         images = Qwen2VLImageProcessorPil.from_pretrained(pretrained_model_name_or_path)
         return cls(image_processor=images, tokenizer=tokenizer, video_processor=None,
                    chat_template=tokenizer.chat_template)
+
+
+class TinyQwen2_5_VLProcessor(TinyProcessorMixin, Qwen2_5_VLProcessor):
+    pass
+
+
+class TinyQwen3VLProcessor(TinyProcessorMixin, Qwen3VLProcessor):
+    pass
