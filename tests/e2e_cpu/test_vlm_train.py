@@ -20,6 +20,19 @@ from tests.conftest import REPO_ROOT
 from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
 
 
+def colour_train_cmd(model: str, data: str, tmp_path, num_rollout: int, *extra: str) -> list[str]:
+    """train.py on the colour task: fsdp + one hf engine, 4 prompts x 4 samples, 3-token responses, the rollouts
+    dumped to tmp_path/dump and TensorBoard scalars in tmp_path/tb."""
+    return [sys.executable, os.path.join(REPO_ROOT, "train.py"), "--train-backend", "fsdp", "--rollout-backend", "hf",
+            "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+            "--hf-checkpoint", model, "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
+            "--multimodal-keys", '{"image": "images"}', "--apply-chat-template", "--rm-type", "toy",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+            "--rollout-max-response-len", "3", "--num-rollout", str(num_rollout), "--lr", "1e-3",
+            "--micro-batch-size", "8", "--save-debug-rollout-data", str(tmp_path / "dump" / "rollout_{rollout_id}.pt"),
+            "--use-tensorboard", "--tensorboard-dir", str(tmp_path / "tb"), *extra]  # fmt: skip
+
+
 @pytest.mark.timeout(600)
 def test_two_rollouts_with_images(tmp_path):
     from tools.make_tiny_model import make_tiny_model
@@ -33,17 +46,10 @@ def test_two_rollouts_with_images(tmp_path):
                PYTHONPATH=REPO_ROOT)
     before = run_processes()
     out = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "train.py"), "--train-backend", "fsdp", "--rollout-backend", "hf",
-         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
-         "--hf-checkpoint", model, "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
-         "--multimodal-keys", '{"image": "images"}', "--apply-chat-template", "--rm-type", "toy",
-         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
-         "--rollout-max-response-len", "3", "--num-rollout", "2", "--lr", "1e-3", "--micro-batch-size", "8",
-         "--eval-prompt-data", "colour", eval_data, "--eval-interval", "2", "--n-samples-per-eval-prompt", "2",
-         "--save-debug-rollout-data", str(tmp_path / "dump" / "rollout_{rollout_id}.pt"),
-         "--use-tensorboard", "--tensorboard-dir", str(tb)],
+        colour_train_cmd(model, data, tmp_path, 2, "--eval-prompt-data", "colour", eval_data, "--eval-interval", "2",
+                         "--n-samples-per-eval-prompt", "2"),
         capture_output=True, text=True, env=env, timeout=560, cwd=str(tmp_path),
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     rewards = read_scalars(str(tb), "rollout/raw_reward")
     assert sorted(rewards) == [0, 1] and all(0.0 <= v <= 1.0 for v in rewards.values()), rewards

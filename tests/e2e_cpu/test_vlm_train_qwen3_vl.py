@@ -11,7 +11,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from slime.utils.processing_utils import load_processor, open_image
 from slime.utils.tracking import read_scalars
 from tests.conftest import REPO_ROOT
 from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
+from tests.e2e_cpu.test_vlm_train import colour_train_cmd
 
 NUM_ROLLOUT = 3
 QUESTION = "which colour fills the image?"
@@ -54,22 +54,13 @@ def test_three_rollouts_with_images_on_qwen3_vl(tmp_path):
     env = dict(os.environ, SLIME_TRAIN_NUM_THREADS="1", SLIME_ENGINE_NUM_THREADS="1", OMP_NUM_THREADS="1",
                PYTHONPATH=REPO_ROOT)
     before = run_processes()
+    # the random policy rarely names a colour, so GRPO's advantages are mostly 0: the entropy term gives every step a
+    # gradient
     out = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "train.py"), "--train-backend", "fsdp", "--rollout-backend", "hf",
-         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
-         "--hf-checkpoint", model, "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
-         "--multimodal-keys", '{"image": "images"}', "--apply-chat-template", "--rm-type", "toy",
-         "--rollout-max-prompt-len", str(max_prompt_len),
-         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
-         "--rollout-max-response-len", "3", "--num-rollout", str(NUM_ROLLOUT), "--lr", "1e-3",
-         "--micro-batch-size", "8", "--advantage-estimator", "grpo",
-         # the random policy rarely names a colour, so GRPO's advantages are mostly 0: the entropy term gives
-         # every step a gradient
-         "--entropy-coef", "0.01",
-         "--save-debug-rollout-data", str(tmp_path / "dump" / "rollout_{rollout_id}.pt"),
-         "--use-tensorboard", "--tensorboard-dir", str(tb)],
+        colour_train_cmd(model, data, tmp_path, NUM_ROLLOUT, "--rollout-max-prompt-len", str(max_prompt_len),
+                         "--advantage-estimator", "grpo", "--entropy-coef", "0.01"),
         capture_output=True, text=True, env=env, timeout=360, cwd=str(tmp_path),
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     assert wait_for_no_new_processes(before) == {}
     steps = list(range(NUM_ROLLOUT))
