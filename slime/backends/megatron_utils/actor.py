@@ -24,7 +24,6 @@ training log-probs agree; no offloading between rollout and training.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
@@ -132,10 +131,7 @@ class MegatronTrainRayActor(PolicyTrainer):
 
     @staticmethod
     def _hf_config(path: str | None) -> dict | None:
-        if not config_check.is_hf_folder(path):
-            return None
-        with open(os.path.join(path, "config.json")) as f:
-            return json.load(f)
+        return config_check.read_config_json(path) if config_check.is_hf_folder(path) else None
 
     @staticmethod
     def _ref_source(args):

@@ -19,13 +19,12 @@ every tensor-parallel rank (each computes it whole).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from dataclasses import dataclass
 
 import torch
 
 from slime.backends.megatron_utils.args import pipeline_layer_split
+from slime.backends.megatron_utils.config_check import is_hf_folder, read_config_json
 from slime.backends.training.batching import MicroBatch
 from slime.utils.errors import SlimeArgumentError
 from slime.utils.image_tokens import image_token_counts, stray_image_tokens
@@ -68,11 +67,9 @@ def check_vision_tower(path: str | None) -> str | None:
     """The model_type of --hf-checkpoint when it is a vision-language model whose tower this backend builds (None
     for a text model, or without an HF folder); a SlimeArgumentError naming the type and the fix for any other
     vision-language model (Qwen3-VL among them). Run at argument validation, before Ray starts, and again here."""
-    config_file = os.path.join(path, "config.json") if path else None
-    if not config_file or not os.path.isfile(config_file):
+    if not is_hf_folder(path):
         return None
-    with open(config_file) as f:
-        raw = json.load(f)
+    raw = read_config_json(path)
     if "vision_config" not in raw:
         return None
     model_type = raw.get("model_type")
@@ -84,11 +81,6 @@ def check_vision_tower(path: str | None) -> str | None:
             "for this model (docs/vlm.md)"
         )
     return model_type
-
-
-def _raw_config(path: str) -> dict:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
 
 
 def deepstack_layer_count(raw: dict) -> int:
@@ -103,7 +95,7 @@ def check_deepstack_layout(args: argparse.Namespace) -> None:
     recomputation in the backward pass would run without them)."""
     if check_vision_tower(args.hf_checkpoint) is None:
         return
-    count = deepstack_layer_count(_raw_config(args.hf_checkpoint))
+    count = deepstack_layer_count(read_config_json(args.hf_checkpoint))
     if not count:
         return
     if args.recompute_granularity == "full":
@@ -141,7 +133,7 @@ def vision_spec(args: argparse.Namespace) -> VisionSpec | None:
     check_deepstack_layout(args)
     return VisionSpec(model_type, config.vision_config, config.image_token_id, config.vision_config.spatial_merge_size,
                       config.vision_start_token_id, config.vision_end_token_id,
-                      deepstack_layers=deepstack_layer_count(_raw_config(path)),
+                      deepstack_layers=deepstack_layer_count(read_config_json(path)),
                       mrope_interleaved=model_type in INTERLEAVED_MROPE)
 
 
