@@ -11,7 +11,8 @@ read the run's TensorBoard the same way that test does:
   same weights and non-zero once the policy changed (positive or negative: the default estimator is the
   log-ratio). The other checks cannot see a run whose optimizer updates a detached copy of the parameters (the
   engine then serves, and the trainer computes with, the unchanged weights);
-- `sglang_server`: one SGLang server started here (not through train.py), reaped on every exit path.
+- `sglang_server`: one SGLang server started here (not through train.py), reaped on every exit path;
+- `kept_log`: where a row's log file goes so that it comes back from the GPU machine even when the row is stopped.
 """
 
 from __future__ import annotations
@@ -119,6 +120,14 @@ def sglang_server(model_dir: str, log_path: str, *flags: str, timeout_s: float =
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def kept_log(tmp_path, name: str) -> str:
+    """`$ROW_OUT/name` under tools/gpu_acceptance.py (its files come back with the row's, also from a row stopped
+    at its timeout), else `tmp_path/name`."""
+    folder = os.environ.get("ROW_OUT") or str(tmp_path)
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, name)
 
 
 def _tail(path: str, chars: int = 4000) -> str:

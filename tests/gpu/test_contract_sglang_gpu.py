@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT
-from tests.gpu.sglang_runs import sglang_server
+from tests.gpu.sglang_runs import kept_log, sglang_server
 from tests.gpu.test_sglang_train import sglang_startable
 
 pytestmark = [
@@ -33,14 +33,18 @@ SERVER_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch"
 
 def run_contract(url: str, tmp_path, tag: str, *paths: str) -> tuple[int, str, str, list[tuple[str, str]]]:
     """The contract suite's `paths` in their own pytest process against the server at `url`: (its exit status, its
-    output, its summary line, (outcome, test) of each test), and a line `[tag] summary; not passed: ...`."""
+    output, its summary line, (outcome, test) of each test), and a line `[tag] summary; not passed: ...`. Its output
+    is written as it runs to `kept_log` (`<tag>.log`), so a run stopped from outside still says how far it got."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", *paths, "-rA", "-p", "no:cacheprovider", "--engine-url", url,
-         "--engine-same-host", "--weight-sync-backend", "gloo", "--logprob-tol", "0.05",
-         "--basetemp", str(tmp_path / "contract")],
-        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)
-    said = done.stdout + done.stderr
+    log_path = kept_log(tmp_path, re.sub(r"\W+", "-", tag) + ".log")
+    with open(log_path, "w") as log:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", *paths, "-rA", "-p", "no:cacheprovider", "--engine-url", url,
+             "--engine-same-host", "--weight-sync-backend", "gloo", "--logprob-tol", "0.05",
+             "--basetemp", str(tmp_path / "contract")],
+            stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO_ROOT, timeout=600)
+    with open(log_path, errors="replace") as log:
+        said = log.read()
     summary = (re.findall(r"^=+ (.+ in [\d.]+s.*?) =+$", said, re.M) or ["(no pytest summary)"])[-1]
     outcomes = re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b.*?::(\w+)", said, re.M)
     print(f"\n[{tag}] {summary}; not passed: {[f'{o} {t}' for o, t in outcomes if o != 'PASSED'] or 'none'}")
@@ -49,7 +53,7 @@ def run_contract(url: str, tmp_path, tag: str, *paths: str) -> tuple[int, str, s
 
 @pytest.mark.timeout(900)
 def test_contract_suite_against_real_sglang(tiny_model_dir, tmp_path):
-    with sglang_server(tiny_model_dir, str(tmp_path / "sglang.log"), *SERVER_FLAGS) as url:
+    with sglang_server(tiny_model_dir, kept_log(tmp_path, "sglang-contract.log"), *SERVER_FLAGS) as url:
         rc, said, _, outcomes = run_contract(url, tmp_path, "contract vs sglang", "tests/contract")
     assert rc == 0, said[-6000:]
     assert ("PASSED", "test_update_weights_from_distributed") in outcomes, said[-4000:]

@@ -138,7 +138,9 @@ def test_full_weight_push_of_the_same_job(job, tmp_path):
     assert full["rc"] == 0, full["error"]
     push_s = scalars(str(tmp_path), "perf/update_weights_time")
     steps = scalars(str(tmp_path), "perf/step_time")
+    diffs = scalars(str(tmp_path), "train/train_rollout_logprob_abs_diff")
     print(f"[full push] step s {[round(v, 2) for _, v in sorted(steps.items())]}; push s "
-          f"{[round(v, 3) for _, v in sorted(push_s.items())]}; push bytes {checkpoint_bytes(model_dir) / 1e9:.2f} GB",
-          flush=True)
+          f"{[round(v, 3) for _, v in sorted(push_s.items())]}; push bytes {checkpoint_bytes(model_dir) / 1e9:.2f} GB; "
+          f"engine/trainer |Δ log-prob| {[f'{diffs[k]:.2e}' for k in sorted(diffs)]}", flush=True)
     assert sorted(push_s) == [0], push_s
+    assert sorted(diffs) == [0] and diffs[0] < 0.05, diffs  # row 22's base gap, without adapters

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from tests.gpu.sglang_runs import sglang_server
+from tests.gpu.sglang_runs import kept_log, sglang_server
 from tests.gpu.test_contract_sglang_gpu import SERVER_FLAGS, run_contract
 from tests.gpu.test_sglang_train import sglang_startable
 
@@ -24,7 +24,8 @@ LORA_FLAGS = ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", 
 
 @pytest.mark.timeout(900)
 def test_lora_contract_against_real_sglang(tiny_model_dir, tmp_path):
-    with sglang_server(tiny_model_dir, str(tmp_path / "sglang.log"), *SERVER_FLAGS, *LORA_FLAGS) as url:
+    log = kept_log(tmp_path, "sglang-lora-contract.log")
+    with sglang_server(tiny_model_dir, log, *SERVER_FLAGS, *LORA_FLAGS) as url:
         rc, said, summary, _ = run_contract(url, tmp_path, "lora contract vs sglang", "tests/contract/test_lora_api.py")
     assert rc == 0, said[-6000:]
     count = {what: int(n) for n, what in re.findall(r"(\d+) (passed|skipped)", summary)}

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from tests.gpu.sglang_runs import NO_CUDA_GRAPH, check_policy_moved, check_pushes, flag_value, sglang_server
+from tests.gpu.sglang_runs import NO_CUDA_GRAPH, check_policy_moved, check_pushes, flag_value, kept_log, sglang_server
 from tests.gpu.test_sglang_train import run_train, sglang_startable, train_cmd
 
 pytestmark = [
@@ -56,7 +56,7 @@ def _call(url: str, method: str, path: str, body, headers: dict) -> httpx.Respon
 def test_sglang_with_a_key_refuses_slimes_calls_without_it(tiny_model_dir, tmp_path):
     # triton attention and pytorch sampling, as the other GPU tests start SGLang: the devpack's sgl_kernel has no
     # FA3 build, the default backend on Hopper.
-    with sglang_server(tiny_model_dir, str(tmp_path / "sglang.log"), "--api-key", KEY, "--enable-memory-saver",
+    with sglang_server(tiny_model_dir, kept_log(tmp_path, "sglang-auth.log"), "--api-key", KEY, "--enable-memory-saver",
                        "--mem-fraction-static", "0.2", "--disable-cuda-graph", "--attention-backend", "triton",
                        "--sampling-backend", "pytorch") as url:
         good = {"Authorization": f"Bearer {KEY}"}

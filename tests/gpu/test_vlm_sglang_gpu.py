@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT, model_args
-from tests.gpu.sglang_runs import NO_CUDA_GRAPH, check_pushes, sglang_server
+from tests.gpu.sglang_runs import NO_CUDA_GRAPH, check_pushes, kept_log, sglang_server
 from tests.gpu.test_contract_sglang_gpu import SERVER_FLAGS, run_contract
 from tests.gpu.test_sglang_train import SGLANG_FLAGS, run_train, sglang_startable
 
@@ -47,7 +47,8 @@ def tiny_vlm_dir(tmp_path_factory) -> str:
 
 @pytest.mark.timeout(900)
 def test_image_contract_against_real_sglang(tiny_vlm_dir, tmp_path):
-    with sglang_server(tiny_vlm_dir, str(tmp_path / "sglang.log"), *SERVER_FLAGS, *VLM_SERVER_FLAGS) as url:
+    log = kept_log(tmp_path, "sglang-image-contract.log")
+    with sglang_server(tiny_vlm_dir, log, *SERVER_FLAGS, *VLM_SERVER_FLAGS) as url:
         rc, said, summary, _ = run_contract(url, tmp_path, "image contract vs sglang", "-s",
                                             "tests/contract/test_image_api.py")
     push = re.findall(r"^\[vision push\] (.+)$", said, re.M)

@@ -401,3 +401,21 @@ def test_vlm_3b_gpu_test_command_line_plans_for_the_gpu(tmp_path, monkeypatch, c
     assert row.figures(said) == {"model written": "41.2 s (7.51 GB)", "train py s": "250.3",
                                  "logprob diff": "['1.10e-02', '1.20e-02', '1.30e-02']",
                                  "step s": "[20.1, 12.3, 12.2]"}
+
+
+def test_contract_run_keeps_its_log_under_row_out(tmp_path, monkeypatch):
+    """A GPU row's contract run writes its output to `$ROW_OUT/<tag>.log` as it runs (row 23 was stopped with the
+    output only in memory, and nothing came back), and returns what the file holds."""
+    from tests.gpu.sglang_runs import kept_log
+    from tests.gpu.test_contract_sglang_gpu import run_contract
+
+    row_out = tmp_path / "row23"
+    monkeypatch.setenv("ROW_OUT", str(row_out))
+    assert kept_log(tmp_path / "t", "sglang.log") == str(row_out / "sglang.log")
+    rc, said, summary, outcomes = run_contract("http://127.0.0.1:9", tmp_path, "image contract vs sglang",
+                                               "tests/contract/test_image_api.py", "-k", "no_test_has_this_name")
+    kept = (row_out / "image-contract-vs-sglang.log").read_text()
+    assert rc == 5 and outcomes == [] and "deselected" in summary, said  # pytest's "no tests ran"
+    assert kept == said
+    monkeypatch.delenv("ROW_OUT")
+    assert kept_log(tmp_path / "t", "sglang.log") == str(tmp_path / "t" / "sglang.log")
