@@ -100,9 +100,9 @@ def sglang_server(model_dir: str, log_path: str, *flags: str, timeout_s: float =
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"SGLang exited with {proc.returncode} before answering: {_tail(log_path)}")
+                raise RuntimeError(f"SGLang exited with {proc.returncode} before answering: {log_tail(log_path)}")
             if time.time() - start > timeout_s:
-                raise TimeoutError(f"SGLang did not answer /health_generate in {timeout_s:.0f} s: {_tail(log_path)}")
+                raise TimeoutError(f"SGLang did not answer /health_generate in {timeout_s:.0f} s: {log_tail(log_path)}")
             try:
                 if httpx.get(f"{url}/health_generate", timeout=30, trust_env=False).status_code == 200:
                     break
@@ -130,6 +130,6 @@ def kept_log(tmp_path, name: str) -> str:
     return os.path.join(folder, name)
 
 
-def _tail(path: str, chars: int = 4000) -> str:
+def log_tail(path: str, chars: int = 4000) -> str:
     with open(path, errors="replace") as f:
         return f.read()[-chars:]

@@ -2,7 +2,9 @@
 SGLang 0.5.16, the way slime's rollout sends images (`text` with one placeholder per image + `image_data` as PNG
 data URLs; docs/vlm.md).
 
-- `test_image_contract_against_real_sglang`: tests/contract/test_image_api.py against a server started here as
+- `test_image_contract_against_real_sglang`: first one timed text and image request (`probe_image_request`: on a
+  failure it says which SGLang process stalled and prints SGLang's log), then
+  tests/contract/test_image_api.py against a server started here as
   tests/gpu/test_contract_sglang_gpu.py starts one, plus what a VLM needs: `--trust-remote-code` (the tiny model's
   processor class is a file in its folder) and `--mm-attention-backend sdpa` (on an H200 SGLang picks fa3 for the
   vision tower, whose kernels, sglang-kernel's `flash_ops`, the H200 install leaves out). The server's prompt for
@@ -20,12 +22,13 @@ import importlib.util
 import os
 import re
 import sys
+import time
 
 import pytest
 import torch
 
 from tests.conftest import REPO_ROOT, model_args
-from tests.gpu.sglang_runs import NO_CUDA_GRAPH, check_pushes, kept_log, sglang_server
+from tests.gpu.sglang_runs import NO_CUDA_GRAPH, check_pushes, kept_log, log_tail, sglang_server
 from tests.gpu.test_contract_sglang_gpu import SERVER_FLAGS, run_contract
 from tests.gpu.test_sglang_train import SGLANG_FLAGS, run_train, sglang_startable
 
@@ -45,12 +48,61 @@ def tiny_vlm_dir(tmp_path_factory) -> str:
                            size="tiny", seed=0)
 
 
+def probe_image_request(url: str, model_dir: str, log_path: str, timeout_s: float = 150.0) -> None:
+    """One text-only and one image `/generate` (the contract's shape), each timed, before the contract run. On a
+    failure or timeout: whether `/model_info` still answers (no: SGLang's tokenizer process, which runs the image
+    processor inside its event loop, is blocked; yes: the request is stuck in the scheduler or was dropped), whether
+    a text request still answers after a failed image one (no: the scheduler is stuck, e.g. in the vision tower's
+    first forward; yes: only the image request was lost) and SGLang's log tail; the test fails here with that,
+    instead of the contract run's 120 s timeouts per request."""
+    import httpx
+    from PIL import Image
+
+    from slime.utils.processing_utils import encode_image_for_rollout_engine, load_processor
+
+    processor = load_processor(model_dir, trust_remote_code=True)
+    content = [{"type": "image", "image": "x"}, {"type": "text", "text": "which colour fills the image?"}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    sampling = {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+    image = encode_image_for_rollout_engine(Image.new("RGB", (56, 84), (255, 0, 0)))
+    for name, body in [("text", {"text": "<|im_start|>user one two<|im_end|>", "sampling_params": sampling}),
+                       ("image", {"text": text, "image_data": [image], "sampling_params": sampling})]:
+        start = time.time()
+        try:
+            resp = httpx.post(f"{url}/generate", json=body, timeout=timeout_s, trust_env=False)
+            said = f"{resp.status_code} {resp.text[:500]}"
+            ok = resp.status_code == 200
+        except httpx.HTTPError as e:
+            said, ok = f"{type(e).__name__}: {e}", False
+        print(f"[vlm probe] {name} request: {said[:200]} after {time.time() - start:.1f} s")
+        if not ok:
+            try:
+                alive = f"/model_info {httpx.get(f'{url}/model_info', timeout=10, trust_env=False).status_code}"
+            except httpx.TimeoutException:
+                alive = "/model_info timed out (the tokenizer process's event loop is blocked)"
+            except httpx.HTTPError as e:
+                alive = f"/model_info {type(e).__name__} (SGLang is gone)"
+            if name == "image" and alive.startswith("/model_info 200"):
+                start = time.time()
+                try:
+                    code = httpx.post(f"{url}/generate", json=body | {"text": "one two", "image_data": None},
+                                      timeout=30, trust_env=False).status_code
+                    alive += f"; a text request after it: {code} in {time.time() - start:.1f} s"
+                except httpx.HTTPError as e:
+                    alive += f"; a text request after it: {type(e).__name__} (the scheduler is stuck)"
+            pytest.fail(f"the {name} probe failed ({said[:500]}); {alive}; SGLang's log:\n{log_tail(log_path, 8000)}")
+
+
 @pytest.mark.timeout(900)
 def test_image_contract_against_real_sglang(tiny_vlm_dir, tmp_path):
     log = kept_log(tmp_path, "sglang-image-contract.log")
     with sglang_server(tiny_vlm_dir, log, *SERVER_FLAGS, *VLM_SERVER_FLAGS) as url:
+        probe_image_request(url, tiny_vlm_dir, log)
         rc, said, summary, _ = run_contract(url, tmp_path, "image contract vs sglang", "-s",
                                             "tests/contract/test_image_api.py")
+        if rc != 0:
+            print(f"[image contract vs sglang] SGLang's log tail:\n{log_tail(log, 6000)}")
     push = re.findall(r"^\[vision push\] (.+)$", said, re.M)
     print(f"[image contract vs sglang] vision push: {push[-1] if push else 'not reached'}")
     assert rc == 0, said[-6000:]
