@@ -1,7 +1,9 @@
 """The engine under test for the HTTP contract suite (tests/contract/test_engine_api.py).
 
-Without options a real `hf` engine server is started for the session (through `HFEngine`, on the tiny
-random-init model) and reaped at the end. To check another server of the same API, e.g. a real SGLang
+Without options a real `hf` engine server is started for each test file (through `HFEngine`, on the tiny
+random-init model) and reaped when that file is done: an engine kept for the whole session would outlive the
+contract files and be counted by later tests that check no server of theirs is left (tests/e2e_cpu, e.g. under
+`pytest -n 2 --dist loadfile`, which runs these files early in a worker). To check another server of the same API, e.g. a real SGLang
 server started by hand:
 
     python -m pytest tests/contract --engine-url http://127.0.0.1:30000 \
@@ -70,7 +72,7 @@ class EngineUnderTest:
     weight_sync_backend: str
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engine(request, tmp_path_factory) -> EngineUnderTest:
     config = request.config
     url = _option(config, "--engine-url")
@@ -104,10 +106,10 @@ def pytest_generate_tests(metafunc):
     once for --engine-url."""
     if "vision_arch" in metafunc.fixturenames:
         archs = ["external"] if _option(metafunc.config, "engine_url") else VISION_ARCHS
-        metafunc.parametrize("vision_arch", archs, scope="session")
+        metafunc.parametrize("vision_arch", archs, scope="module")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vision_engine(request, vision_arch, tmp_path_factory) -> EngineUnderTest:
     """The engine of the image tests (test_image_api.py): `--engine-url`'s server when it serves a vision-language
     model (its /model_info `has_image_understanding`; skipped otherwise), else an `hf` engine started on the tiny
