@@ -1,8 +1,12 @@
 """Find processes a run may leave behind: engine servers, routers, Ray daemons, training workers.
 
-Only processes started from this test session count: importing this module puts a random tag into the
-environment, which every child process (train.py runs, Ray daemons and workers, engine servers, routers)
-inherits. Other sessions running on the same machine carry another tag, or none, and are ignored.
+Only processes started from this test session count: importing this module puts a tag into the environment,
+which every child process (train.py runs, Ray daemons and workers, engine servers, routers) inherits. Other
+sessions running on the same machine carry another tag, or none, and are ignored. The tag names the pytest-xdist
+worker (PYTEST_XDIST_WORKER; "main" without xdist) and the process that made it, plus a random part: a tag found
+in the environment is kept only when this process made it (the module imported twice), never when it was
+inherited, so workers of one `pytest -n` run, or a pytest session started from inside another one, never share a
+tag and never count each other's processes.
 """
 
 from __future__ import annotations
@@ -14,7 +18,19 @@ import uuid
 import psutil
 
 TAG_VAR = "SLIME_TEST_SESSION_TAG"
-os.environ.setdefault(TAG_VAR, uuid.uuid4().hex)
+
+
+def _own_tag() -> str:
+    """This process's tag: `<xdist worker>:<pid>:<random>`, the one already in the environment when this process
+    set it, otherwise a new one (an inherited tag belongs to the parent's session)."""
+    tag = os.environ.get(TAG_VAR, "")
+    parts = tag.split(":")
+    if len(parts) == 3 and parts[1] == str(os.getpid()):
+        return tag
+    return f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}:{os.getpid()}:{uuid.uuid4().hex}"
+
+
+os.environ[TAG_VAR] = _own_tag()
 MARKERS = ("slime.backends.hf_engine", "sglang_router", "raylet", "gcs_server", "ray::", "train.py")
 
 
