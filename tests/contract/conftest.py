@@ -3,8 +3,8 @@
 Without options a real `hf` engine server is started for each test file (through `HFEngine`, on the tiny
 random-init model) and reaped when that file is done: an engine kept for the whole session would outlive the
 contract files and be counted by later tests that check no server of theirs is left (tests/e2e_cpu, e.g. under
-`pytest -n 2 --dist loadfile`, which runs these files early in a worker). To check another server of the same API, e.g. a real SGLang
-server started by hand:
+`pytest -n 2 --dist loadfile`, which runs these files early in a worker). To check another server of the same
+API, e.g. a real SGLang server started by hand:
 
     python -m pytest tests/contract --engine-url http://127.0.0.1:30000 \
         [--engine-model-path /models/Qwen3-4B] [--trainer-address 10.0.0.5] [--logprob-tol 0.05] \
