@@ -15,6 +15,7 @@ import subprocess
 import pytest
 
 from slime.utils.tracking import read_scalars
+from tests.e2e_cpu.rewards import ALTERNATING
 from tests.e2e_cpu.test_train_async import _left_over, _marked_env
 from tests.e2e_cpu.test_train_e2e import _train_cmd
 from tests.e2e_cpu.together import result_of, run_together
@@ -129,10 +130,9 @@ def look(args, rollout_id, rollout_data):
 
 def _opsm_run(tmp_path, tiny_model_dir, toy_data_path):
     tmp_path.mkdir()
-    (tmp_path / "alt.py").write_text("async def alt(args, sample):\n    return float(sample.index % 2)\n")
     (tmp_path / "look.py").write_text(ENTROPY_HOOK)
     cmd = _train_cmd(tiny_model_dir, toy_data_path, "--rollout-num-gpus", "1", "--global-batch-size", "16",
-                     "--custom-rm-path", f"{tmp_path}/alt.py:alt", "--use-tensorboard", "--tensorboard-dir",
+                     "--custom-rm-path", ALTERNATING, "--use-tensorboard", "--tensorboard-dir",
                      str(tmp_path / "tb"), "--actor-num-gpus-per-node", "1", "--num-rollout", "1",
                      "--use-opsm", "--opsm-delta", "-1e9",
                      "--use-rollout-entropy", "--rollout-data-postprocess-path", f"{tmp_path}/look.py:look")

@@ -22,6 +22,7 @@ from slime.ray.launcher import Run
 from slime.utils import lora_adapter
 from tests.args import make_args
 from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
+from tests.e2e_cpu.rewards import ALTERNATING
 
 RANK = 8
 
@@ -51,7 +52,7 @@ def _adapter_bytes(model_dir: str) -> tuple[int, int]:
 def _args(model_dir, data_path, *extra):
     return parse_args([
         "--hf-checkpoint", model_dir, "--prompt-data", data_path, "--input-key", "prompt",
-        "--label-key", "label", "--apply-chat-template", "--rm-type", "random",  # random 0/1: non-zero advantages
+        "--label-key", "label", "--apply-chat-template", "--custom-rm-path", ALTERNATING,  # non-zero advantages
         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
         "--rollout-max-response-len", "4", "--lr", "1e-2", "--micro-batch-size", "16",

@@ -23,6 +23,7 @@ import pytest
 from slime.utils.tracking import read_scalars
 from tests.conftest import model_args
 from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
+from tests.e2e_cpu.rewards import ALTERNATING
 from tests.e2e_cpu.test_colocate_handoff import START, STEP
 from tests.e2e_cpu.test_train_e2e import _env, _train_cmd
 
@@ -37,7 +38,7 @@ def _run(tiny_model_dir, toy_data_path, tmp_path, *backend, shim: bool = False):
     tb = tmp_path / "tb"
     logs = tmp_path / "engine_logs"
     cmd = _train_cmd(tiny_model_dir, toy_data_path, *backend, "--actor-num-gpus-per-node", "1", "--colocate",
-                     "--global-batch-size", "16", "--num-rollout", str(N_ROLLOUT), "--rm-type", "random",
+                     "--global-batch-size", "16", "--num-rollout", str(N_ROLLOUT), "--custom-rm-path", ALTERNATING,
                      "--seed", "7", "--lr", "2e-2", "--use-kl-loss", "--kl-loss-coef", "0.01",
                      "--kl-loss-type", "low_var_kl", *LORA, "--use-tensorboard", "--tensorboard-dir", str(tb))
     env = dict(_env(), SLIME_ENGINE_LOG_DIR=str(logs), SLIME_ENGINE_RELEASE_MEMORY_ON_CPU="1")

@@ -9,6 +9,7 @@ import ray
 from slime.ray.launcher import Run
 from slime.config.arguments import parse_args
 from tests.e2e_cpu.leaks import run_processes, wait_for_no_new_processes
+from tests.e2e_cpu.rewards import ALTERNATING
 
 
 def _engine_log_probs(url: str, tokens: list[int], response_length: int) -> tuple[list[float], str]:
@@ -23,16 +24,12 @@ def _engine_log_probs(url: str, tokens: list[int], response_length: int) -> tupl
 
 
 @pytest.mark.timeout(400)
-def test_pushed_weights_reach_the_engine(tiny_model_dir, toy_data_path, tmp_path, monkeypatch):
+def test_pushed_weights_reach_the_engine(tiny_model_dir, toy_data_path, monkeypatch):
     monkeypatch.setenv("SLIME_TRAIN_NUM_THREADS", "1")
     monkeypatch.setenv("SLIME_ENGINE_NUM_THREADS", "1")
-    # rewards 0/1 alternating within each group: non-zero advantages, so the step changes the weights. (--rm-type
-    # random gave every sample of every group one reward with probability (1/8)^4 = 1/4096; the advantages were
-    # then all 0 and the step a no-op)
-    (tmp_path / "alt.py").write_text("async def alt(args, sample):\n    return float(sample.index % 2)\n")
     args = parse_args([
         "--hf-checkpoint", tiny_model_dir, "--prompt-data", toy_data_path, "--input-key", "prompt",
-        "--label-key", "label", "--apply-chat-template", "--custom-rm-path", f"{tmp_path}/alt.py:alt",
+        "--label-key", "label", "--apply-chat-template", "--custom-rm-path", ALTERNATING,
         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
         "--rollout-max-response-len", "4", "--lr", "1e-2", "--micro-batch-size", "16", "--num-rollout", "1",
