@@ -476,8 +476,8 @@ ROWS: tuple[Row, ...] = (
         f"{FAST_SGLANG} {PYTEST} tests/gpu/test_lora_colocate_gpu.py -k full_weight", timeout_s=600, estimate_s=275,
         part="lora2",
         must_show="row 22's job without LoRA (the same KL term, so with a reference model of its own), one rollout, "
-        "colocated with the handoff: it trains, |Δ log-prob| < 0.05 (the gap row 22 has without its adapters), and its "
-        "step, push seconds and bytes are the full-weight side of row 22's adapter push",
+        "colocated with the handoff: it trains, |Δ log-prob| < 0.05 (the gap row 22 has without its adapters), "
+        "and its step, push seconds and bytes are the full-weight side of row 22's adapter push",
         figures=grab(full_push=r"\[full push\] (.+)$")),
     Row(25, "images through real SGLang at Qwen2.5-VL-3B's shape (Megatron)", "VLM",
         f"{PYTEST} tests/gpu/test_vlm_3b_sglang_gpu.py", timeout_s=600, estimate_s=420, part="vlm2",
