@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import httpx
 import pytest
@@ -24,6 +25,10 @@ def _app() -> web.Application:
     return app
 
 
+def _access_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "aiohttp.access"]
+
+
 def test_serves_logs_only_failures_and_stops(caplog):
     handle = run_app_in_thread(_app(), host="127.0.0.1", runner_kwargs={"access_log_class": FilteredAccessLogger})
     try:
@@ -31,7 +36,11 @@ def test_serves_logs_only_failures_and_stops(caplog):
         with caplog.at_level(logging.INFO, logger="aiohttp.access"):
             assert httpx.get(url + "/ok", trust_env=False).json() == {"ok": True}
             assert httpx.get(url + "/bad", trust_env=False).status_code == 500
-        logged = [r.getMessage() for r in caplog.records if r.name == "aiohttp.access"]
+            # aiohttp logs a request after its response is sent, in the server's thread: wait for /bad's line
+            deadline = time.monotonic() + 10
+            while not _access_lines(caplog) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        logged = _access_lines(caplog)
         assert len(logged) == 1 and "/bad" in logged[0]
         with pytest.raises(RuntimeError, match=f"could not serve on 127.0.0.1:{handle.port}"):
             run_app_in_thread(_app(), host="127.0.0.1", port=handle.port)
