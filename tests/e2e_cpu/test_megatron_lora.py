@@ -47,6 +47,11 @@ RANK, ALPHA = 4, 8  # as the worker's flags
 KL_ABS_TOL = 2e-6
 
 
+def abs_tol(key: str) -> float:
+    """The absolute tolerance of metric `key` between two layouts (KL_ABS_TOL for kl_loss, else 1e-7)."""
+    return KL_ABS_TOL if key == "train/kl_loss" else 1e-7
+
+
 def max_abs_diff(a, b) -> float:
     assert [len(r) for r in a] == [len(r) for r in b]
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
@@ -117,8 +122,7 @@ def test_loaded_adapter_log_probs_equal_fsdp_lora_and_tp1_equals_tp2(runs, adapt
     assert max_abs_diff(tp1["lp_before"], fsdp_lp) < 1e-5
     assert max_abs_diff(tp2["lp_before"], tp1["lp_before"]) < 1e-5
     for key in ("train/kl_loss", "train/entropy_loss", "train/grad_norm"):
-        tol = KL_ABS_TOL if key == "train/kl_loss" else 1e-7
-        assert tp2["metrics"][key] == pytest.approx(tp1["metrics"][key], rel=1e-5, abs=tol), key
+        assert tp2["metrics"][key] == pytest.approx(tp1["metrics"][key], rel=1e-5, abs=abs_tol(key)), key
     base_lp = log_probs(base, tp1["batch"])
     for name in ("tp1", "tp2", "pp2"):  # the reference pass (adapters off) is the base model; adapters back on after
         assert max_abs_diff(runs[name]["lp_base"], base_lp) < 1e-5, name
@@ -175,8 +179,7 @@ def test_resume_gives_the_next_steps_metrics(runs):
         r = runs[name]
         assert r["start"] == 1, name
         for key in ("train/kl_loss", "train/entropy_loss", "train/grad_norm", "train/loss"):
-            tol = KL_ABS_TOL if key == "train/kl_loss" else 1e-7  # resume_tp2 vs TP1: see KL_ABS_TOL
-            assert r["next_metrics"][key] == pytest.approx(went_on[key], rel=1e-5, abs=tol), (name, key)
+            assert r["next_metrics"][key] == pytest.approx(went_on[key], rel=1e-5, abs=abs_tol(key)), (name, key)
 
 
 def test_fsdp_adapter_with_separate_q_k_v_a_is_refused(adapter, tmp_path):
