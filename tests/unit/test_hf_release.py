@@ -263,3 +263,48 @@ def test_server_flags_choose_the_release_mode(tiny_model_dir):
                             lora_base_cpu_backup=lora_base)
         assert state.weights.mode == mode
         assert (state.adapter.weights is not None) == (mode == "base_backup")
+
+
+def test_a_fused_parameter_is_loaded_once_every_part_of_it_is(tmp_path):
+    """A MoE's per-expert checkpoint keys are parts of one fused parameter (checkpoint_names.py): after a resume it
+    counts as loaded only once every part has been written since, and a part written before the release does not
+    count."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slime.backends.hf_engine.scheduler import Scheduler
+    from slime.backends.hf_engine.server import EngineState
+    from tools.make_tiny_model import make_tiny_model
+
+    path0 = make_tiny_model(str(tmp_path / "seed0"), arch="qwen3_moe", size="tiny", seed=0)
+    path1 = make_tiny_model(str(tmp_path / "seed1"), arch="qwen3_moe", size="tiny", seed=1)
+    model = AutoModelForCausalLM.from_pretrained(path0, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path0)
+    state = EngineState(model, tokenizer, Scheduler(model, tokenizer), model_path=path0, device="cpu",
+                        dtype="float32", frees_memory=True)
+    assert state.weights.mode == "free"
+    with safe_open(f"{path1}/model.safetensors", "pt") as f:
+        push = [(k, f.get_tensor(k)) for k in f.keys()]  # noqa: SIM118 (safe_open is not a dict)
+    missing, fused = "model.layers.2.mlp.experts.3.up_proj.weight", "model.layers.2.mlp.experts.gate_up_proj"
+    parts = state.slice_names[fused]
+    assert missing in parts and len(parts) == 8  # 4 experts' gate and up
+    want = AutoModelForCausalLM.from_pretrained(path1, dtype=torch.float32).state_dict()
+
+    state.weights.release()
+    state.weights.resume()
+    state.load_named_tensors([(k, t) for k, t in push if k != missing], "push")
+    assert not state.weights.complete and state.weights.unloaded == [fused] and fused in state.unavailable()
+
+    state.weights.release()  # the parts written before this release do not count after the resume
+    state.weights.resume()
+    state.load_named_tensors([(k, t) for k, t in push if k not in parts or k == missing], "push")
+    assert state.weights.unloaded == [fused]
+    state.load_named_tensors([(k, t) for k, t in push if k in parts and k != missing], "push")
+    assert state.weights.complete and state.unavailable() is None
+    assert all(torch.equal(t, want[n]) for n, t in model.state_dict().items())
+
+    state.weights.release()
+    state.weights.resume()
+    state.load_named_tensors([(k, t) for k, t in push if k not in parts] + [(fused, want[fused])], "push")
+    assert state.weights.complete  # the fused parameter by its own name is loaded whole
+    assert all(torch.equal(t, want[n]) for n, t in model.state_dict().items())

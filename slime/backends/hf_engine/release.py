@@ -8,7 +8,8 @@ copy instead and copies it back. `WeightMemory` does the same for a torch module
   stay (the engine's name table, modules sharing a tied parameter, the weight loaders keep their references);
   nothing holds the old storages any more and the allocator takes them back. `resume()` gives every storage fresh,
   uninitialised memory of its size on its device and points the parameters back into it. Until every parameter
-  has been written again (`mark_loaded`), `unloaded` names the ones that have not.
+  has been written again (`mark_loaded`; a parameter loaded in pieces, `mark_part_loaded`, once every piece has
+  been), `unloaded` names the ones that have not.
 - `cpu_backup`: the same, but the bytes are first copied into host buffers and copied back on resume. The host
   buffers are fixed-size chunks (pinned when the device is CUDA), allocated on the first release and reused.
 - `base_backup`: for a LoRA engine whose base is frozen: the host copy is taken once (`snapshot`, at the first
@@ -94,6 +95,7 @@ class WeightMemory:
         self.host_copies = 0  # copies taken to the host (base_backup: one per base)
         self.released = False
         self._unloaded: dict[int, str] = {}  # id(Parameter) -> name, while resumed uninitialised
+        self._parts: dict[int, set[str]] = {}  # id(Parameter) -> its parts written since the resume (mark_part_loaded)
 
     @property
     def nbytes(self) -> int:
@@ -150,6 +152,7 @@ class WeightMemory:
                 self._copy_from_host()
             else:
                 self._unloaded = {id(v.param): v.name for s in self._storages for v in s.views}
+                self._parts = {}
         self.released = False
         return 0 if self.mode == "keep" else self.nbytes
 
@@ -157,6 +160,18 @@ class WeightMemory:
         """These tensors (the module's own parameter objects; others are ignored) hold loaded values now."""
         for t in tensors:
             self._unloaded.pop(id(t), None)
+            self._parts.pop(id(t), None)
+
+    def mark_part_loaded(self, param, part: str, parts) -> None:
+        """`part` of the parameter `param` (a piece of it, named, of the pieces `parts` that make it up) holds loaded
+        values now; the parameter is loaded once every one of `parts` has been written since the resume."""
+        key = id(param)
+        if key not in self._unloaded:
+            return
+        done = self._parts.setdefault(key, set())
+        done.add(part)
+        if done >= set(parts):
+            self.mark_loaded([param])
 
     # ---- base_backup ----
     def snapshot(self) -> None:

@@ -9,7 +9,8 @@ Weight updates (`/update_weights_from_tensor`, `/update_weights_from_disk`,
 inside `Scheduler.exclusive()`, i.e. between two forward steps, never during one. Names are the model's
 own parameter names (`model.named_parameters()`, which for dense transformers models are the HF
 checkpoint names), or the checkpoint's keys, renamed as transformers renames them on load (checkpoint_names.py:
-a Qwen2.5-VL's `model.layers.*` / `visual.*` as well as its in-memory `model.language_model.*` / `model.visual.*`).
+a Qwen2.5-VL's `model.layers.*` / `visual.*` as well as its in-memory `model.language_model.*` / `model.visual.*`),
+and a MoE's per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` copied into its part of the fused experts.
 
 The distributed path follows SGLang: `/init_weights_update_group` joins the trainer's process group
 (the trainer is rank 0; this server, one TP rank, is `rank_offset`) from a worker thread while the HTTP
@@ -47,7 +48,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from slime.backends.hf_engine.auth import API_KEY_ENV, APIKeyMiddleware
-from slime.backends.hf_engine.checkpoint_names import checkpoint_name_mapper
+from slime.backends.hf_engine.checkpoint_names import Slice, checkpoint_name_mapper, checkpoint_slices
 from slime.backends.hf_engine.lora import MergedAdapter, add_lora_routes
 from slime.backends.hf_engine.release import WeightMemory
 from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
@@ -94,40 +95,60 @@ class EngineState:
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.params.update(dict(model.named_buffers(remove_duplicate=False)))
         self.model_name = checkpoint_name_mapper(model, set(self.params))  # Hub spelling -> in-memory name
+        # checkpoint keys that are parts of a parameter the model holds fused (MoE experts): key -> its place
+        self.slices = checkpoint_slices(model, self.params)
+        self.slice_names: dict[str, frozenset[str]] = {}  # a fused parameter -> every key that is a part of it
+        for key, part in self.slices.items():
+            self.slice_names[part.param] = self.slice_names.get(part.param, frozenset()) | {key}
         self.weight_checker = WeightChecker(self.params)  # POST /weights_checker (--check-weight-update-equal)
         # a LoRA adapter merged into the weights (lora.py), its module names read as a push's
         self.adapter = MergedAdapter(model, self.weights, self.model_name)
         self.processor = load_processor_for(model_path, model)  # None for a text-only model (vision.py)
 
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]], source: str) -> int:
-        """Copy tensors into the model by name (dtype/device cast); all-or-nothing on bad names/shapes."""
+        """Copy tensors into the model by name (dtype/device cast); all-or-nothing on bad names/shapes. A checkpoint
+        key that is a part of a fused parameter (`self.slices`) is copied into that part."""
         with self.memory_lock:
             if self.weights.freed:
                 raise ValueError(f"{source}: the weights are released (their memory is freed); POST "
                                  "/resume_memory_occupation with {\"tags\": [\"weights\"]} before loading them")
-            named = [(self.model_name(n), t) for n, t in named]
-            unknown = [n for n, _ in named if n not in self.params]
+            targets = [(n, *self._target(n), t) for n, t in named]  # (pushed name, parameter, its slice or None, t)
+            unknown = [p for _, p, _, _ in targets if p not in self.params]
             if unknown:
                 valid = sorted(self.params)[:5]
                 more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
                 raise ValueError(f"{source}: unknown parameter name(s) {unknown[:5]}{more}; names must be the "
                                  f"model's parameter names (e.g. {valid}) or its checkpoint's keys")
-            bad = [f"{n}: got {tuple(t.shape)}, model has {tuple(self.params[n].shape)}"
-                   for n, t in named if tuple(t.shape) != tuple(self.params[n].shape)]
+            bad = []
+            for n, p, s, t in targets:  # a part of a fused parameter has that part's shape
+                want = tuple(self.params[p].shape) if s is None else s.size
+                if tuple(t.shape) != want:
+                    bad.append(f"{p if s is None else n}: got {tuple(t.shape)}, model has {want}")
             if bad:
                 raise ValueError(f"{source}: shape mismatch for {bad[:5]}")
             with self.scheduler.exclusive(), torch.no_grad():
-                for name, tensor in named:
-                    self.params[name].copy_(tensor)
+                for _, p, s, t in targets:  # a slice's view is taken anew: a release/resume swaps param.data
+                    (self.params[p] if s is None else s.of(self.params[p])).copy_(t)
                 self.adapter.forget_base()  # loaded weights are the new base; a merged adapter went with the old
-            self._note_loaded([self.params[name] for name, _ in named])
+            self._note_loaded([self.params[p] for _, p, s, _ in targets if s is None],
+                              [(self.params[p], n, self.slice_names[p]) for n, p, s, _ in targets if s is not None])
         return len(named)
 
-    def _note_loaded(self, tensors: list[torch.Tensor]) -> None:
-        """After weights came back uninitialised, generation waits until every parameter has been loaded."""
+    def _target(self, name: str) -> tuple[str, Slice | None]:
+        """The parameter a pushed name writes, and the part of it when the name is a checkpoint key that a conversion
+        maps into a part of a fused parameter (else None: the whole parameter)."""
+        if name not in self.params and name in self.slices:
+            return self.slices[name].param, self.slices[name]
+        return self.model_name(name), None
+
+    def _note_loaded(self, tensors: list[torch.Tensor], parts: list[tuple] = ()) -> None:
+        """After weights came back uninitialised, generation waits until every parameter has been loaded (`parts`:
+        (parameter, the key written, every key that is a part of it) for the parts of fused parameters written)."""
         if self.weights.complete:
             return
         self.weights.mark_loaded(tensors)
+        for param, key, keys in parts:
+            self.weights.mark_part_loaded(param, key, keys)
         if self.weights.complete and "weights" not in self.released:
             logger.info("every parameter has been loaded since the weights were resumed: generating again")
             self.scheduler.resume("released")
