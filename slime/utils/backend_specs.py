@@ -38,9 +38,6 @@ class TrainBackendSpec:
     expects_cuda: bool
     # Trains LoRA adapters on a frozen base (--lora-rank > 0; docs/lora.md).
     trains_lora: bool = False
-    # Pushes a vision-language model under its checkpoint's names (`model.layers.*`, `visual.*`) rather than
-    # transformers' in-memory ones (`model.language_model.*`, `model.visual.*`).
-    pushes_checkpoint_vlm_names: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,17 +69,13 @@ class EngineSpec:
     # Takes input_ids that hold the images' expanded tokens with image_data (what a continued sample with images,
     # e.g. a partial rollout resumed, is sent as); SGLang expands placeholders in the decoded ids itself.
     takes_expanded_image_ids: bool = False
-    # Loads a vision-language model's push under transformers' in-memory names (`model.language_model.*`, what the
-    # fsdp trainer pushes), not only the checkpoint's (`model.layers.*`, `visual.*`: what Megatron pushes); SGLang's
-    # Qwen2.5-VL loader skips names it does not know without an error.
-    takes_transformers_vlm_names: bool = False
 
 
 TRAIN_BACKEND_SPECS: dict[str, TrainBackendSpec] = {
     "megatron": TrainBackendSpec(
         name="megatron", model_from_megatron_flags=True, megatron_parallelism=True, checkpoint_format="torch_dist",
         has_critic=False, memory_model="megatron", bf16_by_default_on_gpu=True, expects_cuda=True,
-        trains_lora=True, pushes_checkpoint_vlm_names=True,
+        trains_lora=True,
     ),
     "fsdp": TrainBackendSpec(
         name="fsdp", model_from_megatron_flags=False, megatron_parallelism=False, checkpoint_format="hf",
@@ -100,7 +93,7 @@ ENGINE_SPECS: dict[str, EngineSpec] = {
         name="hf", launched=True, needs_cuda=False, tensor_parallel=False, spans_nodes=False,
         takes_sglang_server_args=False, kv_cache="slots",
         unsupported_sampling=(("min_new_tokens", 0), ("repetition_penalty", 1.0)), serves_lora=True,
-        takes_images=True, takes_expanded_image_ids=True, takes_transformers_vlm_names=True,
+        takes_images=True, takes_expanded_image_ids=True,
     ),
 }  # fmt: skip
 

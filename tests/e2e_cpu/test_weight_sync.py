@@ -1,4 +1,6 @@
-"""Weights really arrive: after a push, the engine's log-probs of a fixed sequence equal the trainer's."""
+"""Weights really arrive: after a push, the engine's log-probs of a fixed sequence equal the trainer's. A MoE model
+too: the fsdp trainer splits its fused experts into the checkpoint's per-expert tensors and the engine writes them back
+into its fused ones."""
 
 from __future__ import annotations
 
@@ -24,11 +26,15 @@ def _engine_log_probs(url: str, tokens: list[int], response_length: int) -> tupl
 
 
 @pytest.mark.timeout(400)
-def test_pushed_weights_reach_the_engine(tiny_model_dir, toy_data_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_pushed_weights_reach_the_engine(tiny_model_dir, toy_data_path, monkeypatch, tmp_path, arch):
+    from tools.make_tiny_model import make_tiny_model
+
+    model_dir = tiny_model_dir if arch == "qwen3" else make_tiny_model(str(tmp_path / arch), arch=arch, size="tiny")
     monkeypatch.setenv("SLIME_TRAIN_NUM_THREADS", "1")
     monkeypatch.setenv("SLIME_ENGINE_NUM_THREADS", "1")
     args = parse_args([
-        "--hf-checkpoint", tiny_model_dir, "--prompt-data", toy_data_path, "--input-key", "prompt",
+        "--hf-checkpoint", model_dir, "--prompt-data", toy_data_path, "--input-key", "prompt",
         "--label-key", "label", "--apply-chat-template", "--custom-rm-path", ALTERNATING,
         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",

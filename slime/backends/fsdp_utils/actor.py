@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from slime.backends.fsdp_utils import checkpoint, lora, weight_sync
+from slime.backends.fsdp_utils.checkpoint_format import CheckpointFormat
 from slime.backends.fsdp_utils.data import (
     extract_response_log_probs,
     forward_logits,
@@ -285,8 +286,9 @@ class FSDPTrainRayActor(PolicyTrainer):
             return
         if self._frozen is None:  # the freezing flags were applied when the model was built; nothing changes them
             self._frozen = weight_sync.frozen_pushes(self.model, self.args.offload_rollout)
+            self._names = CheckpointFormat(self.model)
         weight_sync.update_weights(self.model, engines, weight_version, self.args.update_weight_buffer_size,
-                                   self.engine_push, self._frozen)
+                                   self.engine_push, self._frozen, self._names)
 
     def weight_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's shards of the policy's state (the local tensors of FSDP's sharded DTensors)."""

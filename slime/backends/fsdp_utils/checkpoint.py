@@ -1,7 +1,8 @@
 """Checkpoints of the fsdp backend.
 
 Layout (slime's, slime/utils/checkpoint_layout.py, with HF weights instead of Megatron's torch_dist): each
-iteration folder is an HF folder (`from_pretrained`: config.json, model.safetensors, tokenizer files) with
+iteration folder is an HF folder (`from_pretrained`: config.json, model.safetensors under the names and layout of
+the checkpoint the model was loaded from (checkpoint_format.py), tokenizer files) with
 `optimizer/` (torch.distributed.checkpoint of the AdamW state, sharded) and `trainer_state.json` (rollout id,
 optimizer step count, world size); the latest marker is written last.
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from slime.backends.fsdp_utils.checkpoint_format import checkpoint_state
 from slime.utils import checkpoint_layout as layout
 from slime.utils.checkpoint_layout import LATEST_FILE, is_hf_folder, iteration_dir
 
@@ -152,6 +154,7 @@ def write_hf_folder(model: torch.nn.Module, state: dict[str, torch.Tensor], path
     if tied and "lm_head.weight" in state:
         # from_pretrained re-ties it; safetensors refuses two names for one storage.
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    state = checkpoint_state(model, state)  # the names and layout of the folder it was loaded from
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
     config.save_pretrained(path)

@@ -2,7 +2,8 @@
 
 Every rank walks the model's state dict (HF parameter names: FSDP2 keeps the module's names) and joins the
 all-gather of each sharded tensor (`DTensor.full_tensor`, on the training device); rank 0 casts the full tensors
-to the engines' dtype (bf16 on CUDA, unchanged on CPU) and sends them, bucket by bucket, through its route
+to the engines' dtype (bf16 on CUDA, unchanged on CPU), names them as the model's checkpoint does
+(checkpoint_format.py: what SGLang loads) and sends them, bucket by bucket, through its route
 (slime/weight_sync/push.py `weight_route`, `push_weights`). Memory beyond the sharded model: one bucket
 (`--update-weight-buffer-size`) and the tensor being gathered on rank 0, one tensor on the others; nothing goes
 through host memory on CUDA. Parameters that do not train (`--freeze-params-name-list`, e.g. a frozen vision
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from slime.backends.fsdp_utils.checkpoint_format import CheckpointFormat
 from slime.utils.lora_adapter import is_adapter_name
 from slime.weight_sync.frozen import FrozenPushes, frozen_parameter_names
 from slime.weight_sync.adapter import push_adapter
@@ -55,14 +57,15 @@ def frozen_pushes(model: torch.nn.Module, engines_release: bool) -> FrozenPushes
 
 def update_weights(
     model: torch.nn.Module, engines: Sequence[Any], weight_version: int | str, buffer_size: int,
-    engine_push: Callable[[Sequence[Any]], EnginePush | DiskPush], frozen: FrozenPushes,
+    engine_push: Callable[[Sequence[Any]], EnginePush | DiskPush], frozen: FrozenPushes, names: CheckpointFormat,
 ) -> int:
-    """Collective: every rank gathers, rank 0 pushes (through `engine_push(engines)`), then a barrier. `frozen`
-    says which tensors this push may leave out (slime/weight_sync/frozen.py). Returns buckets sent (0 off
-    rank 0)."""
+    """Collective: every rank gathers, rank 0 pushes (through `engine_push(engines)`) under the checkpoint's
+    names (`names`), then a barrier. `frozen` says which tensors this push may leave out
+    (slime/weight_sync/frozen.py). Returns buckets sent (0 off rank 0)."""
     route = engine_push(engines) if dist.get_rank() == 0 and engines else None
     try:
-        sent = push_weights(full_state(model, frozen.left_out(route, engines)), route, weight_version, buffer_size)
+        state = names.convert(full_state(model, frozen.left_out(route, engines)))
+        sent = push_weights(state, route, weight_version, buffer_size)
         frozen.pushed(weight_version)
         return sent
     finally:

@@ -156,12 +156,6 @@ def validate_data(args: argparse.Namespace) -> None:
                    f"--partial-rollout resumes a sample with images as input_ids holding the images' expanded "
                    f"tokens, which the {engine.name} engine expands a second time",
                    "drop --partial-rollout with images, or use --rollout-backend hf")
-        if not train_spec(args).pushes_checkpoint_vlm_names and not engine.takes_transformers_vlm_names:
-            refuse("multimodal_keys", json.dumps(args.multimodal_keys),
-                   f"the {args.train_backend} trainer pushes a vision-language model under transformers' in-memory "
-                   f"names (model.language_model.*), which the {engine.name} engine's loader skips without an error "
-                   "(the engine would keep serving the initial weights)",
-                   "use --train-backend megatron (it pushes the checkpoint's names) or --rollout-backend hf")
         if train_spec(args).megatron_parallelism and (args.sequence_parallel or args.context_parallel_size > 1):
             refuse("multimodal_keys", json.dumps(args.multimodal_keys),
                    "the Megatron vision-language model places the image features into the whole sequence's "
