@@ -24,7 +24,8 @@ setup(
         # examples/search-r1/retrieval_server.py (BM25 ranking).
         "examples": ["rank_bm25==0.2.2"],
         # megatron-core runs in the CPU tests through tests/megatron_cpu_shim.py.
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "megatron-core>=0.16.1", "matplotlib==3.11.2",
-                 "rank_bm25==0.2.2"],
+        # pytest-xdist: README's test command runs two workers (-n 2 --dist loadfile).
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "pytest-xdist==3.8.0", "megatron-core>=0.16.1",
+                 "matplotlib==3.11.2", "rank_bm25==0.2.2"],
     },
 )

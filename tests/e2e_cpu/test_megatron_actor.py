@@ -118,7 +118,8 @@ def run_layouts(root, tiny_model_dir: str) -> dict:
     moe = make_tiny_model(str(root / "tiny-qwen3-moe"), arch="qwen3_moe", size="tiny", seed=0)
     moe_flags = ["--model", moe, "--arch", "qwen3_moe"]
     out.update(together(("loaded", 1, model + ["--load", str(root / "tp2" / "ckpt")]), ("moe_one", 1, moe_flags)))
-    ep2 = ["--dynamic", "--extra=--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"]
+    # ep2 also pushes to an engine: the checkpoint's per-expert names, which the hf engine writes into its fused experts
+    ep2 = ["--dynamic", "--engine", "--extra=--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"]
     out["moe_ep2"] = run("moe_ep2", 2, moe_flags + ep2)
     out["root"] = str(root)
     return out
@@ -257,10 +258,11 @@ def test_conversion_tool_names_a_missing_flag(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", ["pp2", "dp2"])
+@pytest.mark.parametrize("layout", ["pp2", "dp2", "moe_ep2"])
 def test_weight_push_reaches_the_engine(runs, layout):
     """pp2: colocated (handles to the buffers), from two pipeline stages; dp2: a separate engine, by
-    broadcast over a process group formed with it."""
+    broadcast over a process group formed with it; moe_ep2: a MoE's experts from two expert-parallel ranks, pushed
+    as the checkpoint's per-expert tensors into the engine's fused ones."""
     r = runs[layout]
     assert r["engine_weight_version"] == "1"
     assert max_abs_diff(r["engine_lp_after_push"], r["lp_after"]) < 1e-4
