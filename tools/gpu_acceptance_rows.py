@@ -363,7 +363,7 @@ ROWS: tuple[Row, ...] = (
         figures=grab(teacher_up=r"\[teacher\] SGLang up in (.+)$",
                      teacher_logprobs=r"teacher log-probs vs a transformers fp32 forward of the teacher: (.+)$")),
     Row(7, "--check-weight-update-equal vs SGLang", "weight sync",
-        f"{PYTEST} tests/gpu/test_sglang_weight_check_gpu.py", timeout_s=600, estimate_s=280, part="7",
+        f"{PYTEST} tests/gpu/test_sglang_weight_check_gpu.py -k 'not moe'", timeout_s=600, estimate_s=280, part="7",
         must_show="SGLang's `/weights_checker` finds every tensor equal to its snapshot after the first push, from "
         "Megatron and from FSDP; then the usual versions and |Δ log-prob| < 0.05",
         figures=grab(megatron_logprob_diff=r"\[weights checker, megatron\].*?\|Δ log-prob\| (\[[^\]]*\])",
@@ -461,7 +461,7 @@ ROWS: tuple[Row, ...] = (
                      step_s=r"\[lora colocate\] step s (\[[^\]]*\])",
                      push_s=r"\[lora colocate\] push s adapter (\[[^\]]*\])",
                      push_bytes=r"\[lora colocate\] .*push bytes (.+)$")),
-    Row(23, "images through real SGLang (Megatron)", "VLM", f"{PYTEST} tests/gpu/test_vlm_sglang_gpu.py",
+    Row(23, "images through real SGLang (Megatron)", "VLM", f"{PYTEST} tests/gpu/test_vlm_sglang_gpu.py -k 'not fsdp'",
         timeout_s=600, estimate_s=330, part="vlm",
         must_show="tests/contract/test_image_api.py passes against SGLang serving the tiny Qwen2.5-VL (text with "
         "one placeholder per image + PNG data URLs: its prompt tokens are the trained ids, log-probs within 0.05 of "
@@ -490,6 +490,15 @@ ROWS: tuple[Row, ...] = (
                      logprob_diff=r"\[vlm 3b megatron \+ sglang\].*?\|Δ log-prob\| (\[[^\]]*\])",
                      step_s=r"\[vlm 3b megatron \+ sglang\].*; step s (\[[^\]]*\])",
                      train_py_s=r"\[vlm 3b\] train.py took ([\d.]+) s")),
+    Row(26, "fsdp pushes the checkpoint's names: a VLM and a MoE vs SGLang", "weight sync",
+        f"{PYTEST} tests/gpu/test_vlm_sglang_gpu.py tests/gpu/test_sglang_weight_check_gpu.py -k 'fsdp_vlm or moe'",
+        timeout_s=600, estimate_s=330, part="fsdp-names",
+        must_show="the fsdp trainer, colocated with SGLang and `--check-weight-update-equal`: SGLang's "
+        "`/weights_checker` finds every tensor restored by the first push for the tiny Qwen2.5-VL (images, "
+        "`model.layers.*` / `visual.*` pushed) and the tiny Qwen3-MoE (experts held fused, pushed per expert); then "
+        "versions 1-3 and |Δ log-prob| < 0.05 (not run yet)",
+        figures=grab(vlm_logprob_diff=r"\[vlm fsdp \+ sglang\].*?\|Δ log-prob\| (\[[^\]]*\])",
+                     moe_logprob_diff=r"\[weights checker, fsdp, qwen3_moe\].*?\|Δ log-prob\| (\[[^\]]*\])")),
 )
 PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."9", then perf, perf2, x2
 

@@ -4,7 +4,8 @@ SGLang 0.5.16 serves `POST /weights_checker` (sglang/srt/utils/weight_checker.py
 parameter and buffer to the host, `reset_tensors` overwrites them with random values, `compare` fails naming each
 tensor that is not bit-equal to its snapshot). With the flag, `train.py` snapshots and resets the engine once it is
 up, so the trainer's first push must restore every tensor SGLang holds, converted losslessly (Megatron: its
-layout back to HF names, fused QKV and gate/up split; FSDP: the HF names as held); the run fails otherwise. The
+layout back to HF names, fused QKV and gate/up split; FSDP: the checkpoint's names, a MoE's fused experts split per
+expert); the run fails otherwise. The
 job is tests/gpu/test_sglang_train.py's (colocated with the memory handoff: the snapshot is taken before the
 engine first releases its memory, the compare after the push that follows its resume), three rollouts; the checks
 after the compare are that test's (versions, engine/trainer log-probs) and the policy's move away from the start.
@@ -30,17 +31,23 @@ pytestmark = [
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("backend", ["megatron", "fsdp"])
-def test_first_push_restores_every_sglang_tensor(backend, tiny_model_dir, toy_data_path, tmp_path):
+@pytest.mark.parametrize("backend, arch", [("megatron", "qwen3"), ("fsdp", "qwen3"), ("fsdp", "qwen3_moe")])
+def test_first_push_restores_every_sglang_tensor(backend, arch, tiny_model_dir, toy_data_path, tmp_path):
+    """qwen3_moe: the fsdp trainer holds the experts fused (transformers 5) and pushes them split into the
+    checkpoint's per-expert tensors, the only names SGLang's Qwen3-MoE loader takes (checkpoint_format.py)."""
     if backend == "megatron" and importlib.util.find_spec("megatron") is None:
         pytest.skip("needs megatron-core")
+    from tools.make_tiny_model import make_tiny_model
+
     out = str(tmp_path)
     tb = os.path.join(out, "tb")
-    cmd = flag_value(train_cmd(backend, tiny_model_dir, toy_data_path, tb), "--num-rollout", str(NUM_ROLLOUT))
+    model = tiny_model_dir if arch == "qwen3" else make_tiny_model(os.path.join(out, arch), arch=arch, size="tiny")
+    cmd = flag_value(train_cmd(backend, model, toy_data_path, tb), "--num-rollout", str(NUM_ROLLOUT))
     done, _ = run_train([*cmd, *NO_CUDA_GRAPH, "--check-weight-update-equal"], out)
     log = done.stdout + done.stderr
     assert "engine weights snapshotted and reset" in log, log[-3000:]
     assert "every engine holds exactly the pushed weights" in log, log[-3000:]
-    print(f"\n[weights checker, {backend}] SGLang's /weights_checker compare passed after the first push")
-    check_pushes(tb, f"weights checker, {backend}", NUM_ROLLOUT)
-    check_policy_moved(tb, f"weights checker, {backend}")
+    name = backend if arch == "qwen3" else f"{backend}, {arch}"
+    print(f"\n[weights checker, {name}] SGLang's /weights_checker compare passed after the first push")
+    check_pushes(tb, f"weights checker, {name}", NUM_ROLLOUT)
+    check_policy_moved(tb, f"weights checker, {name}")
