@@ -23,6 +23,7 @@ import threading
 import time
 import traceback
 
+import psutil
 import pytest
 import torch
 
@@ -129,9 +130,8 @@ class _ForkedRank:
 
 def _alive(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:  # gone before the open, or between the open and the read (ESRCH)
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 

@@ -64,14 +64,6 @@ def run_tool(tmp_path, *args: str, timeout: float = 120) -> subprocess.Completed
                           text=True, env=env, cwd=str(tmp_path), timeout=timeout)
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.fixture
 def demo(tmp_path):
     pids = tmp_path / "pids"
@@ -106,7 +98,7 @@ def test_runner_statuses_figures_reports_and_no_process_left(demo):
     assert "[demo] value 7" in (out / rows[6]["log"]).read_text()  # pytest ran with -s
 
     pids = [int(p) for p in (demo / "pids").read_text().split()]
-    assert len(pids) == 2 and not any(alive(p) for p in pids), pids  # the setsid child too
+    assert len(pids) == 2 and not any(tool.alive(p) for p in pids), pids  # the setsid child too
     assert took < 60
 
     md = (out / "acceptance.md").read_text()
