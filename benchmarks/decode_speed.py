@@ -1,7 +1,8 @@
 """The hf engine's decode speed against the memory-bandwidth bound (GPU), next to a real SGLang server's.
 
     python benchmarks/decode_speed.py [--shape qwen3-0.6b] [--batch 64,256] [--prompt-len 64] [--new-tokens 256]
-                                      [--bandwidth-tb-s 4.3] [--kv-cache dynamic,slots] [--sglang triton,flashinfer]
+                                      [--bandwidth-tb-s 4.3] [--kv-cache dynamic,slots] [--norms op,fused]
+                                      [--sglang triton,flashinfer]
 
 A random-init model of the shape (benchmarks/weight_sync.py's helper, bf16 on the GPU) served by the engine's
 scheduler in this process (no HTTP), once per `--kv-cache` mode (`dynamic`: a transformers DynamicCache;
@@ -11,7 +12,9 @@ scheduler; the second round is measured (the first captures the CUDA graphs of e
 forward steps are timed apart (every step ends in a host sync, so wall time per step is device time plus the
 host's share). The bound of one decode step is the bytes it must read, the weights once plus every live
 row's KV cache (2 x layers x KV heads x head dim x 2 bytes per token of context), over `--bandwidth-tb-s`
-(device copy bandwidth measured on the H200); efficiency = bound / measured.
+(device copy bandwidth measured on the H200); efficiency = bound / measured. `--norms`: each KV cache mode with
+transformers' RMSNorm modules as they are (`op`: about eight kernels each) and then each as one `F.rms_norm`
+kernel (`fused`: what the engine serves with on CUDA, slime/backends/hf_engine/fused_norms.py).
 
 `--sglang BACKENDS` adds one row per batch for a real SGLang server per attention backend, on the same model
 folder (bf16, pytorch sampler, CUDA graphs up to the largest batch, radix cache off so nothing is reused), started
@@ -188,7 +191,7 @@ def bench_sglang(url: str, name: str, vocab: int, batch: int, prompt_len: int, n
     timed(8)  # warm-up
     prefill, wall = timed(1), timed(new_tokens)
     step = (wall - prefill) / (new_tokens - 1)
-    return {"kv cache": f"sglang {name}", "batch": batch, "wall s": wall, "prefill s": prefill,
+    return {"kv cache": f"sglang {name}", "norms": "sglang", "batch": batch, "wall s": wall, "prefill s": prefill,
             "decode steps": new_tokens - 1, "ms / decode step": 1e3 * step, "bound ms / step": 1e3 * bound_s,
             "efficiency": bound_s / step, "decode tok/s": batch / step}
 
@@ -201,6 +204,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--bandwidth-tb-s", type=float, default=4.3)
     p.add_argument("--kv-cache", default="dynamic,slots", help="scheduler KV cache modes to compare ('' for none)")
+    p.add_argument("--norms", default="op,fused", help="RMSNorm forms to compare: op (transformers' modules), "
+                   "fused (F.rms_norm, the engine's default on CUDA); op runs first, fusing is not undone")
     p.add_argument("--sglang", default="", help="attention backends of a real SGLang server to add rows for, "
                    "e.g. triton,flashinfer")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -213,6 +218,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from weight_sync import make_model_dir
+
+    from slime.backends.hf_engine.fused_norms import fuse_rms_norms
 
     header = []
 
@@ -232,10 +239,15 @@ def main() -> None:
         model.eval()
         print(f"{args.shape}, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens per request, bf16, "
               f"{torch.cuda.get_device_name()}, bound at {args.bandwidth_tb_s} TB/s")
-        for mode in filter(None, args.kv_cache.split(",")):
-            bench(model, tokenizer, mode, 8, args.prompt_len, 8, bandwidth)  # warm-up (kernels)
-            for b in batches:
-                print_row(bench(model, tokenizer, mode, b, args.prompt_len, args.new_tokens, bandwidth, args.profile))
+        norms = [n for n in ("op", "fused") if n in args.norms.split(",")]
+        for form in norms:
+            if form == "fused":
+                fuse_rms_norms(model)
+            for mode in filter(None, args.kv_cache.split(",")):
+                bench(model, tokenizer, mode, 8, args.prompt_len, 8, bandwidth)  # warm-up (kernels)
+                for b in batches:
+                    row = bench(model, tokenizer, mode, b, args.prompt_len, args.new_tokens, bandwidth, args.profile)
+                    print_row({"kv cache": row.pop("kv cache"), "norms": form, **row})
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         per_token, vocab = kv_bytes_per_token(model.config), model.config.vocab_size
         del model

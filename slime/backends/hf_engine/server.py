@@ -49,6 +49,7 @@ from starlette.concurrency import run_in_threadpool
 
 from slime.backends.hf_engine.auth import API_KEY_ENV, APIKeyMiddleware
 from slime.backends.hf_engine.checkpoint_names import Slice, checkpoint_name_mapper, checkpoint_slices
+from slime.backends.hf_engine.fused_norms import fuse_rms_norms
 from slime.backends.hf_engine.lora import MergedAdapter, add_lora_routes
 from slime.backends.hf_engine.release import WeightMemory
 from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
@@ -168,8 +169,9 @@ class EngineState:
         return None
 
 
-def load_model(model_path: str, dtype: str, device: str):
-    """A causal LM, or an image-text-to-text model (vision tower + LM) when config.json has a vision_config."""
+def load_model(model_path: str, dtype: str, device: str, fuse_norms: bool = True):
+    """A causal LM, or an image-text-to-text model (vision tower + LM) when config.json has a vision_config. On
+    CUDA its RMSNorms run as one fused kernel each unless `fuse_norms` is off (fused_norms.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     if dtype not in DTYPES:
@@ -178,6 +180,8 @@ def load_model(model_path: str, dtype: str, device: str):
     vision = getattr(AutoConfig.from_pretrained(model_path), "vision_config", None) is not None
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     model = auto.from_pretrained(model_path, dtype=DTYPES[dtype]).to(device).eval()
+    if fuse_norms and device.startswith("cuda"):
+        fuse_rms_norms(model)
     return model, tokenizer
 
 
@@ -790,6 +794,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "'dynamic': a transformers DynamicCache per batch (default on CPU)")
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="with --kv-cache slots on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
+    p.add_argument("--disable-fused-rms-norm", action="store_true",
+                   help="on CUDA, run transformers' RMSNorm modules op by op (default: each as one fused kernel, "
+                        "F.rms_norm, where it computes the same; fused_norms.py)")
     p.add_argument("--disable-shared-prefill", action="store_true",
                    help="prefill every request's prompt itself (default: identical prompts of one prefill, a GRPO "
                         "group's samples, go through the model once)")
@@ -839,7 +846,7 @@ def main(argv=None) -> None:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     t0 = time.time()
-    model, tokenizer = load_model(args.model_path, args.dtype, args.device)
+    model, tokenizer = load_model(args.model_path, args.dtype, args.device, not args.disable_fused_rms_norm)
     with torch.no_grad():  # warm up kernels so the first request is not the slow one
         model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=args.device))
     if is_vision_model(model):
