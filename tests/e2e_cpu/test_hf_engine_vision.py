@@ -185,3 +185,41 @@ def test_vision_models_take_the_dynamic_cache(vlm, tiny_model_dir):
     for path, expected in [(vlm, "dynamic"), (tiny_model_dir, "slots")]:
         model, tokenizer = load_model(path, "float32", "cpu")
         assert Scheduler(model, tokenizer, kv_cache="slots", cuda_graphs=False).kv_cache == expected, path
+
+
+@pytest.mark.timeout(120)
+def test_a_groups_image_prompt_is_prefilled_once_with_the_same_results(vlm, processor, reference):
+    """A GRPO group's samples (one prompt, one image) share one prefill: one vision-tower and prompt forward per
+    distinct prompt and images, and every sample's tokens and log-probs are those of its own prefill."""
+    from transformers import AutoTokenizer
+
+    from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
+    from slime.backends.hf_engine.vision import image_inputs, vision_markers
+
+    tokenizer = AutoTokenizer.from_pretrained(vlm)
+    text = prompt_text(processor)
+    red, green = (encode_image_for_rollout_engine(image(c)) for c in [(255, 0, 0), (0, 255, 0)])
+
+    def requests():
+        out = []
+        for k, img in enumerate([red, red, red, green, red]):  # a late sample of the red group still shares
+            ids, vision = image_inputs(processor, [img], vision_markers(reference), text=text)
+            params = SamplingParams.from_dict({**SAMPLING, "temperature": 1.0, "sampling_seed": 50 + k})
+            out.append(Request(rid=f"r{k}", input_ids=ids, params=params, return_logprob=True, vision=vision))
+        return out
+
+    results = {}
+    for shared in (True, False):
+        sched = Scheduler(reference, tokenizer, shared_prefill=shared)
+        reqs = requests()
+        for r in reqs:
+            sched.submit(r)
+        sched.run_until_idle()
+        results[shared] = (reqs, sched.stats)
+    (shared_reqs, shared_stats), (alone_reqs, alone_stats) = results[True], results[False]
+    assert shared_stats["num_prefill_rows"] == 2 and shared_stats["num_shared_prefill_rows"] == 3
+    assert alone_stats["num_prefill_rows"] == 5 and alone_stats["num_shared_prefill_rows"] == 0
+    assert len({tuple(r.output_ids) for r in shared_reqs}) > 2  # each sample draws from its own generator
+    for a, b in zip(shared_reqs, alone_reqs):
+        assert a.output_ids == b.output_ids
+        assert max_diff(a.output_logprobs, b.output_logprobs) < TOL

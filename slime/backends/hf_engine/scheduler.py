@@ -31,7 +31,8 @@ With `kv_cache="slots"` the running batch is kept in a preallocated `SlotCache` 
 
 Requests of one prefill with the same prompt (a GRPO group's n samples) are prefilled once (`shared_prefill`, on
 by default): one row per distinct prompt goes through the model, and its KV cache and last logits are copied to
-each request of it, which then samples with its own generator.
+each request of it, which then samples with its own generator. Requests with images share it too when their ids,
+images (the processed pixels) and sampled image tokens are the same; other prompts with images go one per forward.
 
 Simplified, compared with SGLang: no prefix (radix) cache beyond identical prompts in one prefill, no paged KV
 memory, no chunked prefill; a prefill pauses the running batch for one forward. Prompts that ask for prompt
@@ -43,6 +44,7 @@ window (only possible with tokens that decode to nothing) is missed.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -617,14 +619,17 @@ class Scheduler:
     @torch.no_grad()
     def _prefill(self, new: list[Request]) -> None:
         ready = []
+        with_images: dict[object, list[Request]] = {}  # identical requests with images share a prefill
         for r in new:
             if r.params.max_new_tokens == 0 and not r.needs_input_logprobs:
                 r.finish_reason = {"type": "length", "length": 0}
                 self._notify(r)
             elif r.vision is not None:
-                self._prefill_group([r])  # images: a prefill of its own (see _prefill_group)
+                with_images.setdefault(self._image_prompt_key(r), []).append(r)
             else:
                 ready.append(r)
+        for group in with_images.values():
+            self._prefill_group(group)  # images: a prefill of their own (see _prefill_group)
         # Prompt log-probs need logits at every position: keep those rows apart so the rest stay cheap,
         # and split them so one forward's [rows, length, vocab] logits stay under MAX_FULL_LOGITS.
         full, group, longest = [], [], 0
@@ -638,6 +643,17 @@ class Scheduler:
         for g in full + [group, [r for r in ready if not r.needs_input_logprobs]]:
             if g:
                 self._prefill_group(g)
+
+    def _image_prompt_key(self, r: Request) -> object:
+        """What makes two requests with images one prefill: the same ids, images and sampled image tokens (a GRPO
+        group's samples); with shared prefill off, or prompt log-probs asked for, each request alone."""
+        if not self.shared_prefill or r.needs_input_logprobs:
+            return r.rid, id(r)
+        v = r.vision
+        pixels = v["pixel_values"].detach().cpu().contiguous()
+        digest = hashlib.blake2b(pixels.view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
+        return (tuple(r.input_ids), tuple(v["image_grid_thw"].flatten().tolist()), tuple(v.get("stray") or ()),
+                str(pixels.dtype), tuple(pixels.shape), digest)
 
     def _prefill_group(self, group: list[Request]) -> None:
         dev = self.device
@@ -663,7 +679,8 @@ class Scheduler:
         image_token = getattr(self.model.config, "image_token_id", None)
         vision = group[0].vision
         if vision is not None:
-            # One request alone (its image embeddings and 3-D RoPE positions are its own). Every token after the
+            # One prompt alone (its image embeddings and 3-D RoPE positions are its own; identical requests, a
+            # GRPO group's samples, share its one row, copied below as text prompts are). Every token after the
             # prompt has equal temporal/row/column positions, one past the prompt's largest, so from the first
             # decode step on the row is an ordinary one: `pos` (its 1-D positions) continues from there.
             # Image tokens the policy sampled in earlier turns (`stray`) are ordinary tokens: a stand-in id keeps
