@@ -42,6 +42,7 @@ from slime.utils.backend_specs import engine_spec
 from slime.utils.http_utils import HTTPRequestError, post
 from slime.utils.hooks import hooks_of, sample_hook
 from slime.utils.misc import SingletonMeta
+from slime.utils.image_tokens import collapse_image_runs
 from slime.utils.processing_utils import (
     build_processor_kwargs,
     encode_image_for_rollout_engine,
@@ -116,6 +117,15 @@ def _load_processor(path: str):
 def get_processor(args):
     """--hf-checkpoint's multimodal processor (None for a text-only model), loaded once per process."""
     return _load_processor(args.hf_checkpoint)
+
+
+@functools.lru_cache(maxsize=4)
+def _vision_markers(path: str) -> tuple[int, int]:
+    """A vision-language model's vision start and end token ids (they bound each image's run of image tokens)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    return config.vision_start_token_id, config.vision_end_token_id
 
 
 def sample_images(sample: Sample) -> list:
@@ -311,34 +321,43 @@ def image_prompt_ids(args, sample: Sample) -> list[int]:
     return ids
 
 
-def request_prompt_text(args, sample: Sample) -> str | None:
-    """The text a /generate request sends instead of the sample's ids: the prompt of a sample with images that has
-    no response yet (generate_payload says why). A sample with images continued after a response (a partial
-    rollout resumed) is sent as ids, which the hf engine takes; --partial-rollout with images is refused for
-    engines that do not (their spec's `takes_expanded_image_ids`)."""
-    if not sample_images(sample) or sample.response_length > 0:
-        return None
-    return image_prompt_text(args, sample)
+def short_image_ids(args, sample: Sample) -> list[int] | None:
+    """`sample.tokens` with each of its images' runs of image tokens cut to one (`collapse_image_runs`), or None when
+    its image tokens are not one marked run per image of `sample_images(sample)`."""
+    image_token = _image_processor(args, sample).image_token_id
+    return collapse_image_runs(sample.tokens, image_token, *_vision_markers(args.hf_checkpoint),
+                               len(sample_images(sample)))
 
 
-def image_request(args, sample: Sample) -> tuple[list[str], str | None]:
+def image_request(args, sample: Sample) -> tuple[list[str], str | list[int] | None]:
     """What a sample's next /generate carries besides its ids: its images as PNG data URLs (`image_data`; [] for a
-    text sample) and the prompt text sent instead of the ids (`request_prompt_text`).
+    text sample) and the prompt sent instead of the sample's ids (None: the ids themselves).
 
-    A sample with images that already has a response (a partial rollout resumed, or a multi-turn rollout's later
-    turn, whose response may hold observation images) goes as ids holding every image's expanded tokens; an engine
-    that expands the images' placeholders in decoded ids itself (SGLang) would expand them a second time, so it is
-    refused here, naming the engine."""
+    A sample with images and no response yet goes as its prompt's text, one placeholder per image (slime's request).
+    A sample with images and a response (a partial rollout resumed, a multi-turn rollout's later turn, whose response
+    may hold observation images) goes as its ids with each image's run of image tokens cut to one
+    (`collapse_image_runs`): SGLang 0.5.16 keeps such ids as sent and expands the k-th image token to image k's
+    tokens (its `SGLANG_MM_AVOID_RETOKENIZE`, on by default), which gives back exactly the sample's ids; ids holding
+    the expanded runs it would expand a second time. When the policy sampled image tokens itself, the short form
+    cannot tell them from the images': the ids go expanded to an engine that takes them (the hf engine), and the
+    request is refused for the others, naming the engine."""
     images = sample_images(sample)
     if not images:
         return [], None
+    data = [encode_image_for_rollout_engine(image) for image in images]
+    if sample.response_length == 0:
+        return data, image_prompt_text(args, sample)
+    short = short_image_ids(args, sample)
+    if short is not None:
+        return data, short
     engine = engine_spec(args)
-    if sample.response_length > 0 and not engine.takes_expanded_image_ids:
-        raise ValueError(
-            f"sample {sample.index} has images and a response: its next request sends input_ids holding the images' "
-            f"expanded tokens with image_data, which the {engine.name} engine expands a second time; multi-turn "
-            "rollouts and resumed samples with images need --rollout-backend hf (docs/vlm.md)")
-    return [encode_image_for_rollout_engine(image) for image in images], request_prompt_text(args, sample)
+    if engine.takes_expanded_image_ids:
+        return data, None
+    raise ValueError(
+        f"sample {sample.index} has images and a response holding image tokens (id "
+        f"{_image_processor(args, sample).image_token_id}) the policy sampled: "
+        f"its ids cannot be sent with each image as one image token, and the {engine.name} engine would expand the "
+        "images' runs of the full ids a second time; such rollouts need --rollout-backend hf (docs/vlm.md)")
 
 
 def init_response(args, sample: Sample) -> None:
@@ -379,15 +398,17 @@ def set_engine_adapter(name: str | None) -> None:
 
 
 def generate_payload(input_ids: list[int], params: dict, image_data: list[str] | None = None,
-                     text: str | None = None) -> dict:
+                     prompt: str | list[int] | None = None) -> dict:
     """The body of a rollout's `/generate`: the prompt, sampling params, log-probs on, the images (data URIs) if
     any, and with LoRA the adapter the engines hold (`lora_path`: SGLang serves a request with the adapter it names,
     the base model without one).
 
-    The prompt is `input_ids`, or `text` when given: a prompt with images goes as text with one placeholder per
-    image, which the server expands with its own processor (SGLang decodes `input_ids` to text and runs the
-    processor on that, so ids holding the images' expanded tokens would be expanded a second time)."""
-    payload = {"text": text} if text is not None else {"input_ids": list(input_ids)}
+    The prompt is `input_ids`, or `prompt` when given (`image_request`): text with one placeholder per image, or ids
+    with each image's run of image tokens cut to one; the server expands the images itself."""
+    if prompt is None:
+        payload = {"input_ids": list(input_ids)}
+    else:
+        payload = {"text": prompt} if isinstance(prompt, str) else {"input_ids": list(prompt)}
     payload.update({"sampling_params": params, "return_logprob": True})
     if image_data:
         payload["image_data"] = list(image_data)
@@ -397,12 +418,12 @@ def generate_payload(input_ids: list[int], params: dict, image_data: list[str] |
 
 
 async def post_generate(args, input_ids: list[int], params: dict, image_data: list[str] | None = None,
-                        text: str | None = None):
-    """POST `{router}/generate` for these token ids (or `text`, whose tokens the server makes: they must be
-    `input_ids`; and images, as data URIs: `image_data`) -> (text, new tokens, their log-probs, status, weight
-    version). Retried (60 times under --use-fault-tolerance, else 3) with backoff."""
+                        prompt: str | list[int] | None = None):
+    """POST `{router}/generate` for these token ids (or `prompt`, text or short ids from which the server makes
+    them: they must be `input_ids`; and images, as data URIs: `image_data`) -> (text, new tokens, their log-probs,
+    status, weight version). Retried (60 times under --use-fault-tolerance, else 3) with backoff."""
     url = f"{router_url(args)}/generate"
-    payload = generate_payload(input_ids, params, image_data, text)
+    payload = generate_payload(input_ids, params, image_data, prompt)
     fault_tolerant = args.use_fault_tolerance
     retries = 60 if fault_tolerant else 3
     try:
@@ -414,14 +435,15 @@ async def post_generate(args, input_ids: list[int], params: dict, image_data: li
             "" if fault_tolerant else "; --use-fault-tolerance retries 60 times and restarts engines that die"
         )
         raise HTTPRequestError(url, f"{e}; {hint}", e.status_code, e.response_text) from e
-    if text is not None:
+    if prompt is not None:
         check_prompt_tokens(url, answer, len(input_ids))
     return _parse_generate_answer(url, answer)
 
 
 def check_prompt_tokens(url: str, answer, expected: int) -> None:
-    """A prompt sent as text was tokenized by the server: its token count (`meta_info.prompt_tokens`) must be the
-    count of the ids the sample trains on, else the response's log-probs were computed after another prompt."""
+    """A prompt whose images the server expanded (sent as text, or as ids with one image token per image): its
+    token count (`meta_info.prompt_tokens`) must be the count of the ids the sample trains on, else the response's
+    log-probs were computed after another prompt."""
     meta = answer.get("meta_info") if isinstance(answer, dict) else None
     got = meta.get("prompt_tokens") if isinstance(meta, dict) else None
     if got is not None and got != expected:
@@ -465,9 +487,8 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
         return sample
     params["max_new_tokens"] = max_new
 
-    images, prompt_text = image_request(args, sample)
-    text, tokens, logprobs, status, weight_version = await post_generate(args, sample.tokens, params, images,
-                                                                         prompt_text)
+    images, prompt = image_request(args, sample)
+    text, tokens, logprobs, status, weight_version = await post_generate(args, sample.tokens, params, images, prompt)
 
     append_model_tokens(sample, tokens, logprobs, text, weight_version)
     sample.status = status

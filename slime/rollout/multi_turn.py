@@ -287,9 +287,8 @@ async def generate_turn(args, sample: Sample, sampling_params: dict, stop: str |
         return ""
     params["max_new_tokens"] = max_new
 
-    images, prompt_text = image_request(args, sample)
-    text, tokens, logprobs, status, weight_version = await post_generate(args, sample.tokens, params, images,
-                                                                         prompt_text)
+    images, prompt = image_request(args, sample)
+    text, tokens, logprobs, status, weight_version = await post_generate(args, sample.tokens, params, images, prompt)
     append_model_tokens(sample, tokens, logprobs, text, weight_version)
     sample.status = status
     return text

@@ -14,10 +14,10 @@ advantages (slime/algorithm/opd.py). Any SGLang-API server serves as the teacher
 CPU (`python -m slime.backends.hf_engine --model-path TEACHER --port N`); it needs the student's tokenizer.
 
 A sample with images (`Sample.multimodal_inputs`, read by the data source with `--multimodal-keys`) is scored with
-them: its ids (each image's tokens expanded, as it was trained) go with the images as PNG data URLs in
-`image_data`, slime's request. The `hf` engine takes expanded ids with `image_data`; SGLang 0.5.16 expands the image
-tokens of `input_ids` again (docs/vlm.md), so a teacher for samples with images is an `hf` engine here. Images an
-environment adds inside the response (multi-turn observations) are not sent: only the prompt's.
+them: its images go as PNG data URLs in `image_data`, and its ids with each image's run of image tokens cut to one
+image token, which the server expands back to the trained ids (SGLang 0.5.16 keeps such ids as sent and expands
+image k's token to its count; ids holding the expanded runs it would expand a second time: docs/vlm.md). Where the
+policy sampled image tokens itself the ids go expanded, which only the `hf` engine tells apart.
 
 Checked here where slime indexes blindly: the answer holds one log-prob per input token and names the tokens it
 was sent, as SGLang names them: SGLang reports an input id of its `vocab_size - 1` or more as 0 (with the sent
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slime.rollout.generation import sample_images
+from slime.rollout.generation import sample_images, short_image_ids
 from slime.utils.http_utils import post
 from slime.utils.processing_utils import encode_image_for_rollout_engine
 from slime.utils.types import Sample
@@ -40,14 +40,16 @@ __all__ = ["post_process_rewards", "reward_func"]
 
 def teacher_payload(args: Any, sample: Sample) -> dict[str, Any]:
     """The teacher's `/generate` request for one sample: score `sample.tokens`, generate nothing (slime's); the
-    sample's images, if any, go along as `image_data`."""
+    sample's images, if any, go along as `image_data`, and its ids with each image's run of image tokens cut to one
+    where they allow it (`short_image_ids`: what SGLang expands back to the sample's ids; the hf engine takes both)."""
+    images = sample_images(sample)
+    short = short_image_ids(args, sample) if images else None
     payload = {
-        "input_ids": list(sample.tokens),
+        "input_ids": list(sample.tokens if short is None else short),
         "sampling_params": {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False},
         "return_logprob": True,
         "logprob_start_len": 0,
     }
-    images = sample_images(sample)
     if images:
         payload["image_data"] = [encode_image_for_rollout_engine(image) for image in images]
     return payload

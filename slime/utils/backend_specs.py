@@ -66,8 +66,9 @@ class EngineSpec:
     serves_lora: bool = False
     # Is sent the rows' images (--multimodal-keys) as /generate's image_data by the rollout, and serves them.
     takes_images: bool = False
-    # Takes input_ids that hold the images' expanded tokens with image_data (what a continued sample with images,
-    # e.g. a partial rollout resumed, is sent as); SGLang expands placeholders in the decoded ids itself.
+    # Takes input_ids that hold the images' expanded tokens with image_data: a continued sample with images goes as
+    # ids with one image token per image, which every engine expands; when the policy sampled image tokens itself
+    # the ids must go expanded, and SGLang would expand them a second time (generation.image_request).
     takes_expanded_image_ids: bool = False
 
 

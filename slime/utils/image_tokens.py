@@ -64,6 +64,25 @@ def stray_image_tokens(ids: list[int], image_token: int, counts: list[int], visi
     return stray
 
 
+def collapse_image_runs(ids: list[int], image_token: int, vision_start: int, vision_end: int,
+                        num_images: int) -> list[int] | None:
+    """`ids` with each image's run of image tokens cut to one image token: the form an engine expands itself
+    (SGLang keeps the other ids as sent and expands the k-th image token to image k's count; the hf engine too).
+    None when the image tokens are not exactly one run per image between the vision start and end tokens (the
+    policy sampled image tokens): such ids cannot be sent in the short form."""
+    runs = token_runs(ids, image_token)
+    if len(runs) != num_images:
+        return None
+    if not all(start > 0 and ids[start - 1] == vision_start and start + n < len(ids) and ids[start + n] == vision_end
+               for start, n in runs):
+        return None
+    out, prev = [], 0
+    for start, n in runs:
+        out.extend(ids[prev:start + 1])
+        prev = start + n
+    return out + ids[prev:]
+
+
 def image_token_counts(image_grid_thw: torch.Tensor, merge_size: int) -> list[int]:
     """Each image's number of image tokens: its patches (t * h * w of `image_grid_thw`) over merge_size**2."""
     return [int(g.prod()) // (merge_size * merge_size) for g in image_grid_thw]

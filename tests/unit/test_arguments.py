@@ -520,8 +520,6 @@ def test_rm_type_check_logic(monkeypatch):
     (["--enable-mtp-training"], "--enable-mtp-training: not supported here: multi-token-prediction layers"),
     (["--multimodal-keys", '{"image": "img"}', "--rollout-external-engine-addrs", "10.0.0.1:30000"],
      "--multimodal-keys {\"image\": \"img\"}: not supported here yet: the external engines are not sent the images"),
-    (["--multimodal-keys", '{"image": "i"}', "--train-backend", "megatron", "--rollout-backend", "sglang",
-      "--partial-rollout"], "--partial-rollout resumes a sample with images as input_ids holding the images' expanded"),
     (["--multimodal-keys", '{"image": "i"}', "--train-backend", "megatron", "--rollout-backend", "hf",
       "--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"],
      "--sequence-parallel / --context-parallel-size > 1 split across ranks first"),
@@ -543,6 +541,7 @@ def test_unsupported_slime_flags_are_refused_with_the_reason(files, extra, messa
 @pytest.mark.parametrize("backend, engine, extra", [
     ("fsdp", "hf", []), ("megatron", "hf", []), ("megatron", "sglang", []),
     ("fsdp", "sglang", []),  # both trainers push the checkpoint's names, which SGLang loads
+    ("megatron", "sglang", ["--partial-rollout"]),  # resumed as ids with one image token per image
     ("megatron", "hf", ["--partial-rollout"]),  # the hf engine takes a resumed sample's expanded image ids
 ])  # fmt: skip
 def test_multimodal_keys_are_taken(files, monkeypatch, backend, engine, extra):

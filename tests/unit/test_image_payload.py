@@ -1,7 +1,9 @@
 """The /generate request of a sample with images (slime/rollout/generation.py): the prompt goes as text with one
-placeholder per image plus `image_data` as PNG data URLs, the shape SGLang 0.5.16 expands with its own processor
-(it decodes `input_ids` to text and runs the processor on that, so ids holding the expanded image tokens would be
-expanded twice). What the server makes of that text must be the ids the sample trains on."""
+placeholder per image plus `image_data` as PNG data URLs, the shape SGLang 0.5.16 expands with its own processor; a
+sample continued after a response goes as its ids with each image's run of image tokens cut to one, which SGLang
+0.5.16 keeps as sent and expands image by image (`SGLANG_MM_AVOID_RETOKENIZE`, read in its
+multimodal/processors/base_processor.py), as the hf engine does. What the server makes of either must be the ids
+the sample trains on."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from slime.rollout.generation import (
     check_prompt_tokens,
     generate_payload,
     image_prompt_ids,
-    request_prompt_text,
+    image_request,
 )
 from slime.utils.processing_utils import build_processor_kwargs, encode_image_for_rollout_engine, load_processor
 from slime.utils.types import Sample
@@ -46,10 +48,13 @@ def test_data_url_is_png_of_the_rgb_pixels():
 
 def test_payload_sends_text_instead_of_ids_with_the_images():
     urls = ["data:image/png;base64,AAAA", "data:image/png;base64,BBBB"]
-    body = generate_payload([1, 2, 3], {"max_new_tokens": 2}, urls, text=f"a {PLACEHOLDER} b {PLACEHOLDER}")
+    body = generate_payload([1, 2, 3], {"max_new_tokens": 2}, urls, prompt=f"a {PLACEHOLDER} b {PLACEHOLDER}")
     assert body == {"text": f"a {PLACEHOLDER} b {PLACEHOLDER}", "sampling_params": {"max_new_tokens": 2},
                     "return_logprob": True, "image_data": urls}
-    # without text: the ids (a continued sample with images, or a text sample without image_data)
+    # short ids instead of the sample's (a continued sample with images)
+    assert generate_payload([1, 2, 2, 3], {}, urls, prompt=[1, 2, 3]) == {
+        "input_ids": [1, 2, 3], "sampling_params": {}, "return_logprob": True, "image_data": urls}
+    # no prompt: the ids
     assert generate_payload([1, 2], {}, urls) == {"input_ids": [1, 2], "sampling_params": {},
                                                   "return_logprob": True, "image_data": urls}
     assert "image_data" not in generate_payload([1, 2], {}, [])
@@ -59,7 +64,8 @@ def test_request_text_has_one_placeholder_per_image_and_makes_the_trained_ids(vl
     args = make_args(hf_checkpoint=vlm)
     images = [Image.new("RGB", (56, 56), (255, 0, 0)), Image.new("RGB", (28, 84), (0, 0, 255))]
     sample = image_sample(images)
-    text = request_prompt_text(args, sample)
+    data, text = image_request(args, sample)
+    assert len(data) == 2 and all(d.startswith("data:image/png;base64,") for d in data)
     assert text.count(PLACEHOLDER) == 2 and text.count("<|image_pad|>") == 2
     ids = image_prompt_ids(args, sample)
     processor = load_processor(vlm, trust_remote_code=True)
@@ -68,13 +74,59 @@ def test_request_text_has_one_placeholder_per_image_and_makes_the_trained_ids(vl
     assert ids.count(processor.image_token_id) == 4 + 3  # 2x2 and 1x3 merged patches: expanded here, not in text
 
 
-def test_no_text_for_a_text_sample_or_a_continued_one(vlm):
+def sglang_expand(ids: list[int], counts: list[int], image_token: int) -> list[int]:
+    """What SGLang 0.5.16 makes of `input_ids` with images (base_processor.py `_expand_input_ids`, with its default
+    SGLANG_MM_AVOID_RETOKENIZE): the ids as sent, the k-th image token repeated image k's count of times."""
+    assert ids.count(image_token) == len(counts)
+    out, k = [], 0
+    for t in ids:
+        if t == image_token:
+            out += [t] * counts[k]
+            k += 1
+        else:
+            out.append(t)
+    return out
+
+
+def continued_sample(args, images, response):
+    sample = image_sample(images)
+    sample.tokens = image_prompt_ids(args, sample) + list(response)
+    sample.response_length = len(response)
+    return sample
+
+
+@pytest.mark.parametrize("backend", ["sglang", "hf"])
+def test_a_continued_sample_goes_as_short_ids_that_expand_to_its_own(vlm, backend):
+    from slime.backends.hf_engine.vision import image_inputs
+
+    args = make_args(hf_checkpoint=vlm, rollout_backend=backend)
+    processor = load_processor(vlm, trust_remote_code=True)
+    pad = processor.image_token_id
+    images = [Image.new("RGB", (56, 56), (255, 0, 0)), Image.new("RGB", (28, 84), (0, 0, 255))]
+    sample = continued_sample(args, images, [5, 6, 7])
+    data, short = image_request(args, sample)
+    assert len(data) == 2 and short.count(pad) == 2 and len(short) == len(sample.tokens) - (4 + 3) + 2
+    assert sglang_expand(short, [4, 3], pad) == sample.tokens
+    markers = (processor.tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+               processor.tokenizer.convert_tokens_to_ids("<|vision_end|>"))
+    ids, vision = image_inputs(processor, data, markers, input_ids=short)  # the hf engine's reading of it
+    assert ids == sample.tokens and vision["stray"] == []
+
+
+def test_sampled_image_tokens_go_expanded_to_the_hf_engine_and_are_refused_for_sglang(vlm):
+    pad = load_processor(vlm, trust_remote_code=True).image_token_id
+    images = [Image.new("RGB", (56, 56), (0, 255, 0))]
+    hf = make_args(hf_checkpoint=vlm, rollout_backend="hf")
+    data, prompt = image_request(hf, continued_sample(hf, images, [5, pad, 7]))  # the policy sampled an image token
+    assert len(data) == 1 and prompt is None  # the expanded ids, which the hf engine tells apart
+    sglang = make_args(hf_checkpoint=vlm, rollout_backend="sglang")
+    with pytest.raises(ValueError, match="a response holding image tokens .* the policy sampled.*--rollout-backend hf"):
+        image_request(sglang, continued_sample(sglang, images, [5, pad, 7]))
+
+
+def test_no_request_changes_for_a_text_sample(vlm):
     args = make_args(hf_checkpoint=vlm)
-    assert request_prompt_text(args, Sample(index=0, prompt="what comes after one ?")) is None
-    continued = image_sample([Image.new("RGB", (56, 56), (0, 255, 0))])
-    continued.tokens = image_prompt_ids(args, continued) + [5]
-    continued.response_length = 1
-    assert request_prompt_text(args, continued) is None
+    assert image_request(args, Sample(index=0, prompt="what comes after one ?")) == ([], None)
 
 
 def test_prompt_token_count_of_the_server_must_match():

@@ -3,12 +3,13 @@ serving the tiny Qwen2.5-VL (as tests/unit/test_multi_turn.py does for text).
 
 `tool_loop` runs a prompt with one image for three model turns; each tool result carries a new image (of another
 size, so another token count). Checked: every turn's request carries every image so far (the first as the prompt
-text with one placeholder, as the single-turn rollout sends it; later turns as the ids with the images' tokens
-expanded); the final sample's ids are the processor's expansion of the prompt followed by the turns, each
+text with one placeholder, as the single-turn rollout sends it; later turns as the ids with each image's run of
+tokens cut to one, which the engine expands back to the sample's ids); the final sample's ids are the processor's expansion of the prompt followed by the turns, each
 observation image a marked run at loss mask 0 inside the response; `multimodal_train_inputs` holds the prompt's and
 the observations' processed images in order; and the trainer's forward (`slime.backends.fsdp_utils.data`, with its
 checks of the rows' image runs) on that sample gives the rollout's log-probs at every model token. Also: text tool
-results through the same path, the refusals (SGLang after the first turn, images on a text-only model).
+results through the same path, the refusals (SGLang with image tokens the policy sampled, images on a text-only
+model).
 """
 
 from __future__ import annotations
@@ -82,9 +83,9 @@ def test_tool_loop_keeps_every_image_in_every_turn(vlm, engine, processor, monke
     requests = []
     real_post = multi_turn.post_generate
 
-    async def recording_post(args, input_ids, params, image_data=None, text=None):
-        requests.append({"ids": list(input_ids), "image_data": list(image_data or []), "text": text})
-        return await real_post(args, input_ids, params, image_data, text)
+    async def recording_post(args, input_ids, params, image_data=None, prompt=None):
+        requests.append({"ids": list(input_ids), "image_data": list(image_data or []), "prompt": prompt})
+        return await real_post(args, input_ids, params, image_data, prompt)
 
     monkeypatch.setattr(multi_turn, "post_generate", recording_post)
     calls = []
@@ -110,10 +111,14 @@ def test_tool_loop_keeps_every_image_in_every_turn(vlm, engine, processor, monke
         assert request["image_data"] == [encode_image_for_rollout_engine(im) for im in images[: k + 1]]
     prompt_ids, prompt_images = processed_image_prompt(args, _sample())
     first = requests[0]
-    assert first["text"] is not None and first["text"].count("<|image_pad|>") == 1 and first["ids"] == prompt_ids
+    assert first["prompt"].count("<|image_pad|>") == 1 and first["ids"] == prompt_ids
+    pad = processor.image_token_id
     for k in (1, 2):
-        assert requests[k]["text"] is None and requests[k]["ids"] == sample.tokens[: len(requests[k]["ids"])]
+        assert requests[k]["ids"] == sample.tokens[: len(requests[k]["ids"])]
         assert len(requests[k]["ids"]) > len(requests[k - 1]["ids"])
+        short = requests[k]["prompt"]  # one image token per image so far; the engine expands them
+        assert short.count(pad) == k + 1 and [t for t in short if t != pad] == [
+            t for t in requests[k]["ids"] if t != pad]
 
     # ids, masks, log-probs: prompt (expanded) + turn + observation + turn + observation + turn
     assert sample.tokens[: len(prompt_ids)] == prompt_ids
@@ -195,16 +200,22 @@ def test_an_observation_image_expands_like_the_processor(vlm, processor):
     assert [im.tobytes() for im in obs.images] == [image.tobytes()]
 
 
-def test_an_engine_that_expands_ids_again_is_refused_after_the_first_turn(vlm):
+def test_later_turns_go_to_sglang_as_one_image_token_per_image_unless_the_policy_sampled_one(vlm, processor):
     args = _args(vlm, rollout_backend="sglang")
     sample = _sample(index=3)
     images, text = image_request(args, sample)  # the first turn goes as text: SGLang takes it
     assert len(images) == 1 and text.count("<|image_pad|>") == 1
-    sample.tokens = processed_image_prompt(args, sample)[0] + [5]
+    prompt = processed_image_prompt(args, sample)[0]
+    pad = processor.image_token_id
+    sample.tokens = prompt + [5]
     sample.response_length, sample.loss_mask, sample.rollout_log_probs = 1, [1], [-1.0]
-    with pytest.raises(ValueError, match="sample 3 has images and a response.*sglang.*--rollout-backend hf"):
+    short = image_request(args, sample)[1]
+    assert short.count(pad) == 1 and len(short) == len(sample.tokens) - prompt.count(pad) + 1
+    sample.tokens = prompt + [pad]  # the policy sampled the image token: the short form cannot tell it apart
+    with pytest.raises(ValueError, match="sample 3 has images and a response holding image tokens.*sglang.*"
+                                         "--rollout-backend hf"):
         image_request(args, sample)
-    assert image_request(_args(vlm, rollout_backend="hf"), sample)[1] is None
+    assert image_request(_args(vlm, rollout_backend="hf"), sample)[1] is None  # the hf engine takes the full ids
 
 
 def test_images_need_a_vision_language_checkpoint(tmp_path):

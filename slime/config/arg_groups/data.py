@@ -151,11 +151,6 @@ def validate_data(args: argparse.Namespace) -> None:
             refuse("multimodal_keys", json.dumps(args.multimodal_keys),
                    f"the {engine.name} engines are not sent the images here (the image_data path is built for the "
                    "engines this run launches)", "use --rollout-backend sglang or hf (docs/vlm.md)")
-        if args.partial_rollout and not engine.takes_expanded_image_ids:
-            refuse("multimodal_keys", json.dumps(args.multimodal_keys),
-                   f"--partial-rollout resumes a sample with images as input_ids holding the images' expanded "
-                   f"tokens, which the {engine.name} engine expands a second time",
-                   "drop --partial-rollout with images, or use --rollout-backend hf")
         if train_spec(args).megatron_parallelism and (args.sequence_parallel or args.context_parallel_size > 1):
             refuse("multimodal_keys", json.dumps(args.multimodal_keys),
                    "the Megatron vision-language model places the image features into the whole sequence's "
