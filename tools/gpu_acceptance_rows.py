@@ -468,7 +468,8 @@ ROWS: tuple[Row, ...] = (
         timeout_s=600, estimate_s=330, part="vlm",
         must_show="tests/contract/test_image_api.py passes against SGLang serving the tiny Qwen2.5-VL (text with "
         "one placeholder per image + PNG data URLs: its prompt tokens are the trained ids, log-probs within 0.05 of "
-        "a transformers fp32 forward, a push to the vision tower reaching an image seen before it); train.py on the "
+        "a transformers fp32 forward, a continued sample sent as ids with one image token per image expanded back to its "
+        "own ids (not run yet), a push to the vision tower reaching an image seen before it); train.py on the "
         "colour task, Megatron + SGLang colocated, 3 rollouts with images: versions 1-3, |Δ log-prob| < 0.05; "
         "the step times",
         figures=grab(contract=r"\[image contract vs sglang\] (.+?); not passed",

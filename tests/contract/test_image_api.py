@@ -8,7 +8,8 @@ runs against that server when it serves a vision-language model (tests/gpu/test_
 the tiny Qwen2.5-VL for it). Checked: the server's prompt is the one the trainer trains on (its token count equals
 the local processor's expansion) and its log-probs are a transformers fp32 forward's of the same sequence and
 image (to --logprob-tol; a prompt's are compared where the next token is not an image placeholder:
-`text_target_logprobs`); a batch mixing prompts with and without images answers each as alone; a weight push to
+`text_target_logprobs`); a continued sample sent as ids with one image token per image expands back to its own
+ids; a batch mixing prompts with and without images answers each as alone; a weight push to
 the vision tower reaches image requests at once, also for an image the server has seen before the push (SGLang
 caches vision-tower outputs by image unless SGLANG_VLM_CACHE_SIZE_MB=0, which slime's servers get), leaves
 text-only requests alone, and the restore brings the log-probs back.
@@ -122,6 +123,31 @@ def test_scoring_a_prompt_with_an_image_matches_transformers(vision_engine, proc
     assert len(engine) == len(ids) - 1
     if reference is not None:
         ref = reference_logprobs(reference, processor, ids, [img])
+        assert max_diff(*(text_target_logprobs(lps, ids, processor.image_token_id) for lps in (engine, ref))) \
+            <= vision_engine.logprob_tol
+
+
+def test_a_continued_sample_goes_as_one_image_token_per_image(vision_engine, processor, reference):
+    """A sample continued after a response (slime's partial rollouts, later multi-turn turns, OPD teachers) goes as
+    its ids with each image's run of image tokens cut to one (slime/rollout/generation.py `image_request`): the server
+    expands them back to exactly the sample's ids, and scores the response as transformers does."""
+    from slime.utils.image_tokens import collapse_image_runs
+
+    images = [image((255, 0, 0)), image((0, 0, 255), size=(28, 28))]
+    data = [encode_image_for_rollout_engine(img) for img in images]
+    text = prompt_text(processor, n_images=2)
+    first = generate(vision_engine, text=text, image_data=data, sampling_params=SAMPLING, return_logprob=True)
+    ids = expanded_ids(processor, text, images) + first["output_ids"]  # the sample after one turn
+    tok = processor.tokenizer.convert_tokens_to_ids
+    short = collapse_image_runs(ids, processor.image_token_id, tok("<|vision_start|>"), tok("<|vision_end|>"), 2)
+    assert short is not None and short.count(processor.image_token_id) == 2 and len(short) < len(ids)
+    out = generate(vision_engine, input_ids=short, image_data=data, return_logprob=True, logprob_start_len=0,
+                   sampling_params={"max_new_tokens": 0, "temperature": 1.0})
+    assert out["meta_info"]["prompt_tokens"] == len(ids), (out["meta_info"]["prompt_tokens"], len(ids))
+    engine = [lp for lp, *_ in out["meta_info"]["input_token_logprobs"][1:]]
+    assert len(engine) == len(ids) - 1
+    if reference is not None:
+        ref = reference_logprobs(reference, processor, ids, images)
         assert max_diff(*(text_target_logprobs(lps, ids, processor.image_token_id) for lps in (engine, ref))) \
             <= vision_engine.logprob_tol
 

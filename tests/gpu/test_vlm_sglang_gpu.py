@@ -121,7 +121,7 @@ def test_image_contract_against_real_sglang(tiny_vlm_dir, tmp_path):
     print(f"[image contract vs sglang] vision push: {push[-1] if push else 'not reached'}")
     assert rc == 0, said[-6000:]
     count = {what: int(n) for n, what in re.findall(r"(\d+) (passed|skipped|failed)", summary)}
-    assert count.get("passed", 0) == 4 and not count.get("skipped"), said[-4000:]  # every image test ran
+    assert count.get("passed", 0) == 5 and not count.get("skipped"), said[-4000:]  # every image test ran
 
 
 def vlm_train_cmd(model_dir: str, data_path: str, out: str, script: str = "tiny-qwen2.5-vl",
