@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slime.utils.image_tokens import image_token_counts, own_embeddings_at, stray_image_tokens, token_runs
+from slime.utils.image_tokens import (collapse_image_runs, image_token_counts, own_embeddings_at, stray_image_tokens,
+                                      token_runs)
 
 I, S, E = 9, 7, 8  # image token, vision start, vision end
 
@@ -66,3 +67,17 @@ def test_own_embeddings_put_back_at_stray_positions():
     w = model.embed.weight
     assert torch.equal(out[0, 1], w[I]) and torch.equal(out[0, 3], w[0]) and torch.equal(out[0, 2], w[2])
     assert torch.equal(model.embed(ids)[0, 1], w[0])  # the hook is gone afterwards
+
+
+def test_collapse_cuts_each_images_run_to_one_token():
+    ids = [1, S, I, I, E, S, I, E, 5, S, I, I, I, E, 4]  # two adjacent images, then an observation image
+    assert collapse_image_runs(ids, I, S, E, 3) == [1, S, I, E, S, I, E, 5, S, I, E, 4]
+    assert collapse_image_runs([S, I, I, E], I, S, E, 1) == [S, I, E]
+    assert collapse_image_runs([1, 2, 3], I, S, E, 0) == [1, 2, 3]
+
+
+def test_collapse_refuses_ids_with_sampled_image_tokens():
+    assert collapse_image_runs([1, S, I, I, E, 5, I, 6], I, S, E, 1) is None  # an unmarked run: more runs than images
+    assert collapse_image_runs([1, I, I, E, 5], I, S, E, 1) is None  # no start marker
+    assert collapse_image_runs([1, S, I, I], I, S, E, 1) is None  # no end marker (the sequence ends in the run)
+    assert collapse_image_runs([1, S, I, I, E], I, S, E, 2) is None  # fewer runs than images
