@@ -83,6 +83,22 @@ def collapse_image_runs(ids: list[int], image_token: int, vision_start: int, vis
     return out + ids[prev:]
 
 
+def expand_image_tokens(ids: list[int], image_token: int, counts: list[int]) -> list[int]:
+    """The inverse of `collapse_image_runs`: the k-th image token of `ids` repeated `counts[k]` times, every other id as
+    it is (what SGLang 0.5.16 does with `input_ids` and images: `_expand_input_ids` in its
+    multimodal/processors/base_processor.py, under `SGLANG_MM_AVOID_RETOKENIZE`, on by default)."""
+    if ids.count(image_token) != len(counts):
+        raise ValueError(f"{ids.count(image_token)} image token(s) (id {image_token}) for {len(counts)} image(s)")
+    out, k = [], 0
+    for t in ids:
+        if t == image_token:
+            out += [t] * counts[k]
+            k += 1
+        else:
+            out.append(t)
+    return out
+
+
 def image_token_counts(image_grid_thw: torch.Tensor, merge_size: int) -> list[int]:
     """Each image's number of image tokens: its patches (t * h * w of `image_grid_thw`) over merge_size**2."""
     return [int(g.prod()) // (merge_size * merge_size) for g in image_grid_thw]

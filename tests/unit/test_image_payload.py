@@ -19,6 +19,7 @@ from slime.rollout.generation import (
     image_prompt_ids,
     image_request,
 )
+from slime.utils.image_tokens import expand_image_tokens
 from slime.utils.processing_utils import build_processor_kwargs, encode_image_for_rollout_engine, load_processor
 from slime.utils.types import Sample
 from tests.args import make_args
@@ -74,20 +75,6 @@ def test_request_text_has_one_placeholder_per_image_and_makes_the_trained_ids(vl
     assert ids.count(processor.image_token_id) == 4 + 3  # 2x2 and 1x3 merged patches: expanded here, not in text
 
 
-def sglang_expand(ids: list[int], counts: list[int], image_token: int) -> list[int]:
-    """What SGLang 0.5.16 makes of `input_ids` with images (base_processor.py `_expand_input_ids`, with its default
-    SGLANG_MM_AVOID_RETOKENIZE): the ids as sent, the k-th image token repeated image k's count of times."""
-    assert ids.count(image_token) == len(counts)
-    out, k = [], 0
-    for t in ids:
-        if t == image_token:
-            out += [t] * counts[k]
-            k += 1
-        else:
-            out.append(t)
-    return out
-
-
 def continued_sample(args, images, response):
     sample = image_sample(images)
     sample.tokens = image_prompt_ids(args, sample) + list(response)
@@ -106,7 +93,7 @@ def test_a_continued_sample_goes_as_short_ids_that_expand_to_its_own(vlm, backen
     sample = continued_sample(args, images, [5, 6, 7])
     data, short = image_request(args, sample)
     assert len(data) == 2 and short.count(pad) == 2 and len(short) == len(sample.tokens) - (4 + 3) + 2
-    assert sglang_expand(short, [4, 3], pad) == sample.tokens
+    assert expand_image_tokens(short, pad, [4, 3]) == sample.tokens  # SGLang 0.5.16's expansion of such ids
     markers = (processor.tokenizer.convert_tokens_to_ids("<|vision_start|>"),
                processor.tokenizer.convert_tokens_to_ids("<|vision_end|>"))
     ids, vision = image_inputs(processor, data, markers, input_ids=short)  # the hf engine's reading of it

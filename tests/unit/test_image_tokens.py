@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slime.utils.image_tokens import (collapse_image_runs, image_token_counts, own_embeddings_at, stray_image_tokens,
-                                      token_runs)
+from slime.utils.image_tokens import (collapse_image_runs, expand_image_tokens, image_token_counts,
+                                      own_embeddings_at, stray_image_tokens, token_runs)
 
 I, S, E = 9, 7, 8  # image token, vision start, vision end
 
@@ -74,6 +74,9 @@ def test_collapse_cuts_each_images_run_to_one_token():
     assert collapse_image_runs(ids, I, S, E, 3) == [1, S, I, E, S, I, E, 5, S, I, E, 4]
     assert collapse_image_runs([S, I, I, E], I, S, E, 1) == [S, I, E]
     assert collapse_image_runs([1, 2, 3], I, S, E, 0) == [1, 2, 3]
+    assert expand_image_tokens([1, S, I, E, S, I, E, 5, S, I, E, 4], I, [2, 1, 3]) == ids  # and back
+    with pytest.raises(ValueError, match="2 image token"):
+        expand_image_tokens([S, I, E, S, I, E], I, [2])
 
 
 def test_collapse_refuses_ids_with_sampled_image_tokens():

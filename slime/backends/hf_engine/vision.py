@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from slime.utils.image_tokens import image_token_counts, stray_image_tokens, token_runs
+from slime.utils.image_tokens import expand_image_tokens, image_token_counts, stray_image_tokens, token_runs
 from slime.utils.processing_utils import build_processor_kwargs, load_processor, open_image
 
 
@@ -89,13 +89,7 @@ def image_inputs(processor, items: list, markers: tuple[int, int], *, text: str 
     runs = [n for _, n in token_runs(input_ids, pad)]
     stray: list[int] = []
     if runs == [1] * len(images) and runs != per_image:
-        ids, k = [], 0
-        for t in input_ids:
-            if t == pad:
-                ids += [pad] * per_image[k]
-                k += 1
-            else:
-                ids.append(t)
+        ids = expand_image_tokens(input_ids, pad, per_image)
     else:
         ids = list(input_ids)
         try:
