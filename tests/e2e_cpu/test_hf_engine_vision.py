@@ -178,13 +178,51 @@ def test_text_only_model_refuses_image_data(tiny_model_dir):
     assert parse_generate({"input_ids": [1, 2, 3]}, state)[0][0].vision is None
 
 
-def test_vision_models_take_the_dynamic_cache(vlm, tiny_model_dir):
-    from slime.backends.hf_engine.scheduler import Scheduler
-    from slime.backends.hf_engine.server import load_model
+@pytest.mark.timeout(120)
+def test_slot_cache_serves_image_rows_as_transformers(vlm, processor, reference):
+    """Image rows in the slot cache (each continues from its 3-D RoPE positions, not its count of cached tokens:
+    `SlotCache.offsets`), next to a text row, give the dynamic cache's tokens and transformers' log-probs."""
+    from transformers import AutoTokenizer
 
-    for path, expected in [(vlm, "dynamic"), (tiny_model_dir, "slots")]:
-        model, tokenizer = load_model(path, "float32", "cpu")
-        assert Scheduler(model, tokenizer, kv_cache="slots", cuda_graphs=False).kv_cache == expected, path
+    from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
+    from slime.backends.hf_engine.vision import image_inputs, vision_markers
+
+    tokenizer = AutoTokenizer.from_pretrained(vlm)
+    text = prompt_text(processor)
+    # a square image's tokens span fewer 3-D positions than their count (a 2x2 grid: 2 per axis), so its row's next
+    # position is not its length; a 1 x 3 one's span equals its count
+    images = [image((255, 0, 0), size=(56, 56)), image((0, 0, 255), size=(28, 84))]
+    plain = processor.tokenizer("<|im_start|>user what comes after one ?<|im_end|><|im_start|>assistant")["input_ids"]
+
+    def requests():
+        out = []
+        for k, img in enumerate(images):
+            ids, vision = image_inputs(processor, [encode_image_for_rollout_engine(img)], vision_markers(reference),
+                                       text=text)
+            params = SamplingParams.from_dict({**SAMPLING, "temperature": 1.0, "sampling_seed": 70 + k})
+            out.append(Request(rid=f"i{k}", input_ids=ids, params=params, return_logprob=True, vision=vision))
+        params = SamplingParams.from_dict({**SAMPLING, "temperature": 1.0, "sampling_seed": 79})
+        return out + [Request(rid="t", input_ids=list(plain), params=params, return_logprob=True)]
+
+    runs = {}
+    for kv_cache in ("dynamic", "slots"):
+        sched = Scheduler(reference, tokenizer, kv_cache=kv_cache, cuda_graphs=False)
+        assert sched.kv_cache == kv_cache
+        reqs = requests()
+        for r in reqs:
+            sched.submit(r)
+        sched.run_until_idle()
+        runs[kv_cache] = reqs
+    for d, s in zip(runs["dynamic"], runs["slots"]):
+        assert s.output_ids == d.output_ids
+        assert max_diff(s.output_logprobs, d.output_logprobs) < TOL
+    # against transformers' own forward of the sequence (rows where the policy sampled an image token are left out:
+    # this reference would take it for an image's)
+    compared = [(r, img) for r, img in zip(runs["slots"], images) if processor.image_token_id not in r.output_ids]
+    assert compared
+    for r, img in compared:
+        ref = reference_logprobs(reference, processor, r.input_ids + r.output_ids, img)[len(r.input_ids) - 1:]
+        assert max_diff(r.output_logprobs, ref) < TOL
 
 
 @pytest.mark.timeout(120)

@@ -349,7 +349,7 @@ class _SlotBatch(_Rows):
 
     def merge(self, other: _Batch) -> None:
         lengths = [len(r.input_ids) for r in other.reqs]
-        self.slots.write_prefill(len(self.reqs), other.kv(), lengths, other.next_tokens)
+        self.slots.write_prefill(len(self.reqs), other.kv(), lengths, other.next_tokens, other.next_pos)
         self.reqs = self.reqs + other.reqs
         self.lens = self.lens + lengths
         self.refresh_params()
@@ -404,7 +404,10 @@ class Scheduler:
         if kv_cache == "slots":
             ok, why = supports_slots(model)
             if ok:
-                self._slots = SlotCache(model, max_running_requests, cuda_graphs)
+                # decode CUDA graphs with image rows have not run on a GPU yet: a vision-language model's slots decode
+                # eagerly until they have
+                vision = getattr(model.config, "vision_config", None) is not None
+                self._slots = SlotCache(model, max_running_requests, cuda_graphs and not vision)
             else:
                 logger.warning("kv cache 'slots' cannot serve this model (%s); using the dynamic cache", why)
         self.kv_cache = "slots" if self._slots is not None else "dynamic"

@@ -36,10 +36,6 @@ ATTENTION_NAME = "slime_slot_decode"
 
 def supports_slots(model) -> tuple[bool, str]:
     """(True, "") when the slot cache can serve `model`, else (False, why)."""
-    if getattr(model.config, "vision_config", None) is not None:
-        # a row with an image continues from 3-D RoPE positions that differ from its count of cached tokens, and
-        # the slots take a row's position to be that count
-        return False, "vision-language model (image rows' positions are not their cache lengths)"
     config = model.config.get_text_config()
     if getattr(config, "is_encoder_decoder", False):
         return False, "encoder-decoder model"
@@ -122,8 +118,10 @@ class SlotCache:
         self.values: list[torch.Tensor] = []
         self.slots = 0
         self.columns = 0
-        # static inputs: token fed at this step, number of cached tokens (= its position and write column)
-        self.tokens = self.lens = self.row_index = None
+        # static inputs: token fed at this step, number of cached tokens (= its write column), and what its position
+        # is past that count (0 for text; a row with images continues from its 3-D RoPE positions, whose largest is
+        # not its count of tokens)
+        self.tokens = self.lens = self.offsets = self.row_index = None
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         # One side stream for every capture's warm-up: a new stream per capture would cycle through torch's pool of
@@ -156,19 +154,21 @@ class SlotCache:
             values.append(nv)
         tokens = torch.zeros(new_rows, dtype=torch.long, device=self.device)
         lens = torch.zeros(new_rows, dtype=torch.long, device=self.device)
+        offsets = torch.zeros(new_rows, dtype=torch.long, device=self.device)
         if self.allocated:
             tokens[: self.slots] = self.tokens
             lens[: self.slots] = self.lens
+            offsets[: self.slots] = self.offsets
             self.stats["reallocations"] += 1
         self.drop_graphs()
-        self.keys, self.values, self.tokens, self.lens = keys, values, tokens, lens
+        self.keys, self.values, self.tokens, self.lens, self.offsets = keys, values, tokens, lens, offsets
         self.row_index = torch.arange(new_rows, device=self.device)
         self.slots, self.columns = new_rows, new_columns
 
     def free(self) -> None:
         self.drop_graphs()
         self.keys, self.values = [], []
-        self.tokens = self.lens = self.row_index = None
+        self.tokens = self.lens = self.offsets = self.row_index = None
         self.slots = self.columns = 0
 
     def drop_graphs(self) -> None:
@@ -177,8 +177,9 @@ class SlotCache:
 
     # ---- rows ----
     def write_prefill(self, first_row: int, kv: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int],
-                      tokens: torch.Tensor) -> None:
-        """Store a left-padded prefill's KV (rows [n, KVH, P, D]) into slots first_row .. first_row + n - 1."""
+                      tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store a left-padded prefill's KV (rows [n, KVH, P, D]) into slots first_row .. first_row + n - 1;
+        `positions`: each row's position of `tokens` (its length, unless the row has images)."""
         n, padded = len(lengths), kv[0][0].shape[2]
         self.ensure(first_row + n, padded + 1, kv)
         lens = torch.tensor(lengths, dtype=torch.long, device=self.device)
@@ -190,6 +191,7 @@ class SlotCache:
             self.keys[i][rows, :, :padded] = k.gather(2, source.expand(-1, k.shape[1], -1, k.shape[3]))
             self.values[i][rows, :, :padded] = v.gather(2, source.expand(-1, v.shape[1], -1, v.shape[3]))
         self.lens[rows] = lens
+        self.offsets[rows] = positions.to(self.device) - lens
         self.tokens[rows] = tokens
 
     def keep_rows(self, keep: list[int], live_columns: int) -> None:
@@ -203,11 +205,13 @@ class SlotCache:
                 k[dst, :, :c] = k[src, :, :c]
                 v[dst, :, :c] = v[src, :, :c]
             self.lens[dst] = self.lens[src]
+            self.offsets[dst] = self.offsets[src]
             self.tokens[dst] = self.tokens[src]
 
     # ---- one decode step ----
     def decode(self, rows: int, longest: int) -> torch.Tensor:
-        """Feed `tokens[:rows]` at positions `lens[:rows]`; returns the logits [rows, vocab] and advances lens.
+        """Feed `tokens[:rows]` at positions `lens[:rows] + offsets[:rows]` (cache columns `lens[:rows]`); returns the
+        logits [rows, vocab] and advances lens.
 
         `longest`: the largest len among the rows (host-side, to pick the column bucket without a sync).
         """
@@ -225,7 +229,8 @@ class SlotCache:
     def _forward(self, rows: int, columns: int) -> torch.Tensor:
         mask = torch.arange(columns, device=self.device) <= self.lens[:rows].unsqueeze(1)
         with self._decode_attention():
-            out = self.model(input_ids=self.tokens[:rows].unsqueeze(1), position_ids=self.lens[:rows].unsqueeze(1),
+            positions = (self.lens[:rows] + self.offsets[:rows]).unsqueeze(1)
+            out = self.model(input_ids=self.tokens[:rows].unsqueeze(1), position_ids=positions,
                              attention_mask=mask[:, None, None, :], past_key_values=_SlotView(self, rows, columns),
                              use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
