@@ -286,8 +286,8 @@ def test_a_fused_parameter_is_loaded_once_every_part_of_it_is(tmp_path):
     with safe_open(f"{path1}/model.safetensors", "pt") as f:
         push = [(k, f.get_tensor(k)) for k in f.keys()]  # noqa: SIM118 (safe_open is not a dict)
     missing, fused = "model.layers.2.mlp.experts.3.up_proj.weight", "model.layers.2.mlp.experts.gate_up_proj"
-    parts = state.slice_names[fused]
-    assert missing in parts and len(parts) == 8  # 4 experts' gate and up
+    parts = {key for key, part in state.slices.items() if part.param == fused}
+    assert missing in parts and len(parts) == state.slice_counts[fused] == 8  # 4 experts' gate and up
     want = AutoModelForCausalLM.from_pretrained(path1, dtype=torch.float32).state_dict()
 
     state.weights.release()

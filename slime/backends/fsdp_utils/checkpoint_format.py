@@ -34,14 +34,13 @@ class CheckpointFormat:
         self.model = model
         meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in model.state_dict().items()}
         together = set(checkpoint_state(model, dict(meta)))
-        alone: set[str] = set()
-        for name, tensor in meta.items():
-            alone.update(checkpoint_state(model, {name: tensor}))
-        if alone != together:
-            differ = sorted(alone ^ together)
+        alone = {name: set(checkpoint_state(model, {name: tensor})) for name, tensor in meta.items()}
+        made = set().union(*alone.values())
+        if made != together:
+            differ = sorted(made ^ together)
             raise ValueError(f"{type(model).__name__}: its checkpoint names cannot be made one tensor at a time "
                              f"(e.g. {differ[:3]}); the fsdp trainer cannot push it in its checkpoint's spelling")
-        self.identity = all(checkpoint_state(model, {name: tensor}).keys() == {name} for name, tensor in meta.items())
+        self.identity = all(names == {name} for name, names in alone.items())
 
     def convert(self, named: Iterable[Named]) -> Iterator[Named]:
         """Each in-memory tensor as the checkpoint's tensor(s): renamed, a fused tensor split into views."""

@@ -162,15 +162,15 @@ class WeightMemory:
             self._unloaded.pop(id(t), None)
             self._parts.pop(id(t), None)
 
-    def mark_part_loaded(self, param, part: str, parts) -> None:
-        """`part` of the parameter `param` (a piece of it, named, of the pieces `parts` that make it up) holds loaded
-        values now; the parameter is loaded once every one of `parts` has been written since the resume."""
+    def mark_part_loaded(self, param, part: str, count: int) -> None:
+        """`part` of the parameter `param` (a named piece of it, one of the `count` pieces that make it up) holds
+        loaded values now; the parameter is loaded once all `count` have been written since the resume."""
         key = id(param)
         if key not in self._unloaded:
             return
         done = self._parts.setdefault(key, set())
         done.add(part)
-        if done >= set(parts):
+        if len(done) >= count:
             self.mark_loaded([param])
 
     # ---- base_backup ----

@@ -40,6 +40,7 @@ import pickle
 import threading
 import time
 import uuid
+from collections import Counter
 
 import torch
 from fastapi import FastAPI
@@ -98,9 +99,7 @@ class EngineState:
         self.model_name = checkpoint_name_mapper(model, set(self.params))  # Hub spelling -> in-memory name
         # checkpoint keys that are parts of a parameter the model holds fused (MoE experts): key -> its place
         self.slices = checkpoint_slices(model, self.params)
-        self.slice_names: dict[str, frozenset[str]] = {}  # a fused parameter -> every key that is a part of it
-        for key, part in self.slices.items():
-            self.slice_names[part.param] = self.slice_names.get(part.param, frozenset()) | {key}
+        self.slice_counts = Counter(part.param for part in self.slices.values())  # a fused parameter -> its parts
         self.weight_checker = WeightChecker(self.params)  # POST /weights_checker (--check-weight-update-equal)
         # a LoRA adapter merged into the weights (lora.py), its module names read as a push's
         self.adapter = MergedAdapter(model, self.weights, self.model_name)
@@ -132,7 +131,7 @@ class EngineState:
                     (self.params[p] if s is None else s.of(self.params[p])).copy_(t)
                 self.adapter.forget_base()  # loaded weights are the new base; a merged adapter went with the old
             self._note_loaded([self.params[p] for _, p, s, _ in targets if s is None],
-                              [(self.params[p], n, self.slice_names[p]) for n, p, s, _ in targets if s is not None])
+                              [(self.params[p], n, self.slice_counts[p]) for n, p, s, _ in targets if s is not None])
         return len(named)
 
     def _target(self, name: str) -> tuple[str, Slice | None]:
@@ -144,12 +143,12 @@ class EngineState:
 
     def _note_loaded(self, tensors: list[torch.Tensor], parts: list[tuple] = ()) -> None:
         """After weights came back uninitialised, generation waits until every parameter has been loaded (`parts`:
-        (parameter, the key written, every key that is a part of it) for the parts of fused parameters written)."""
+        (parameter, the key written, how many keys are parts of it) for the parts of fused parameters written)."""
         if self.weights.complete:
             return
         self.weights.mark_loaded(tensors)
-        for param, key, keys in parts:
-            self.weights.mark_part_loaded(param, key, keys)
+        for param, key, count in parts:
+            self.weights.mark_part_loaded(param, key, count)
         if self.weights.complete and "weights" not in self.released:
             logger.info("every parameter has been loaded since the weights were resumed: generating again")
             self.scheduler.resume("released")
