@@ -51,6 +51,7 @@ Simplifications and choices:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -63,7 +64,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from slime.observability.rollout_metrics import top_p_kept_vocab_metrics
 from slime.ray.engine_health import EngineHealthMonitor
 from slime.rollout.base_types import call_rollout_fn, lifecycle_of
-from slime.rollout.generation import set_engine_adapter
+from slime.rollout.generation import complete_generate_body, set_engine_adapter
 from slime.rollout.router import RouterClient, RouterProcess, url_of
 from slime.rollout.sample_hooks import set_current_rollout_id
 from slime.rollout.train_data import (
@@ -76,7 +77,13 @@ from slime.rollout.train_data import (
 )
 from slime.utils.eval_config import eval_datasets
 from slime.utils.hooks import hooks_of, sample_hook
-from slime.utils.http_utils import bearer_headers, probe_get, set_engine_api_key, trust_engine_url
+from slime.utils.http_utils import (
+    bearer_headers,
+    probe_get,
+    set_engine_api_key,
+    set_generate_rewrite,
+    trust_engine_url,
+)
 from slime.utils.lora_adapter import request_adapter
 from slime.utils.metrics import (
     compute_eval_metrics,
@@ -129,8 +136,10 @@ class RolloutManager:
             self.generate_rollout = self.hooks.rollout_function
             self.data_source = self._make_data_source()
             set_engine_api_key(args.engine_api_key)
+            set_generate_rewrite(functools.partial(complete_generate_body, args))  # plugins' own requests
             if args.use_opd and args.opd_type == "sglang" and args.rm_url:
-                trust_engine_url(args.rm_url)  # the teacher server: an SGLang-API engine started for this job
+                # the teacher server: an SGLang-API engine started for this job, serving another model
+                trust_engine_url(args.rm_url, serves_policy=False)
             if not args.debug_train_only:
                 self._start_router()
                 self._start_engines()

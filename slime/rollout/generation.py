@@ -397,6 +397,44 @@ def set_engine_adapter(name: str | None) -> None:
     _engine_adapter = name
 
 
+def complete_generate_body(args, payload: dict) -> dict:
+    """A `/generate` body a plugin built itself, as the policy's engines need it (`post` applies this to bodies for
+    the policy's router and engines; the RolloutManager sets it up): the LoRA adapter the engines hold named when
+    the body names none, and for an engine that expands each image token of `input_ids` to an image's tokens
+    (SGLang), ids holding the images' expanded runs (as slime's geo3k_vlm_multi_turn plugin sends them) cut to one
+    image token per image. A new dict when something changes, `payload` itself otherwise; our own requests
+    (`generate_payload`) need no change."""
+    out = payload
+    if _engine_adapter is not None and "lora_path" not in payload:
+        out = {**out, "lora_path": _engine_adapter}
+    if not engine_spec(args).takes_expanded_image_ids:
+        short = _short_plugin_ids(args, out)
+        if short is not None:
+            out = {**out, "input_ids": short}
+    return out
+
+
+def _short_plugin_ids(args, payload: dict) -> list[int] | None:
+    images, ids = payload.get("image_data"), payload.get("input_ids")
+    if not images or not isinstance(ids, list) or not ids or not isinstance(ids[0], int):
+        return None  # no images, text, or a batch (left as sent)
+    processor = get_processor(args)
+    if processor is None or getattr(processor, "image_token_id", None) is None:
+        return None
+    num_images, image_token = 1 if isinstance(images, str) else len(images), processor.image_token_id
+    if ids.count(image_token) <= num_images:
+        return None  # one image token per image already (or fewer: the engine answers that itself)
+    short = collapse_image_runs(ids, image_token, *_vision_markers(args.hf_checkpoint), num_images)
+    if short is None:
+        raise ValueError(
+            f"a /generate with {num_images} image(s) has input_ids holding {ids.count(image_token)} image tokens "
+            f"(id {image_token}) that are not one run per image between the vision start and end tokens: the "
+            f"{engine_spec(args).name} engine expands each image token of input_ids to an image's tokens, so it cannot "
+            "take these ids; send one image token per image (slime.utils.image_tokens.collapse_image_runs) or use "
+            "--rollout-backend hf (docs/vlm.md)")
+    return short
+
+
 def generate_payload(input_ids: list[int], params: dict, image_data: list[str] | None = None,
                      prompt: str | list[int] | None = None) -> dict:
     """The body of a rollout's `/generate`: the prompt, sampling params, log-probs on, the images (data URIs) if

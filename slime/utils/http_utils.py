@@ -8,6 +8,10 @@ RolloutManager calls them for the job's router, engines and OPD teacher) make `p
 `Authorization: Bearer <key>` to those origins (scheme, host and port) only, so plugins that call the engines
 through these helpers need no change, and a reward server or any other URL never sees the key.
 
+Requests a plugin builds itself: `set_generate_rewrite(fn)` (the RolloutManager's) makes `post` send `fn(payload)`
+for a JSON object posted to the policy's router or engines at `/generate`, so slime's plugins work unchanged where
+our engines need more than slime's request (the LoRA adapter's name; images with one image token each for SGLang).
+
 Simplifications: retries cover transport errors (connection refused/reset, timeouts) and 5xx answers;
 a 4xx answer is the caller's fault and fails at once. Backoff is exponential, capped at 5 s.
 
@@ -23,7 +27,7 @@ import asyncio
 import json
 import logging
 import weakref
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -32,7 +36,7 @@ import httpx
 from slime.utils.async_utils import run_sync
 
 __all__ = ["HTTPRequestError", "bearer_headers", "close_client", "engine_auth_headers", "get", "get_client", "post",
-           "probe_get", "run_sync", "set_engine_api_key", "trust_engine_url"]
+           "probe_get", "run_sync", "set_engine_api_key", "set_generate_rewrite", "trust_engine_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,8 @@ _TIMEOUT = aiohttp.ClientTimeout(total=None, connect=30.0)
 
 _engine_api_key: str | None = None
 _engine_origins: set[tuple[str, str, int | None]] = set()
+_policy_origins: set[tuple[str, str, int | None]] = set()  # the policy's router and engines (not an OPD teacher)
+_generate_rewrite: Callable[[dict], dict] | None = None
 
 _probe_client: httpx.Client | None = None
 
@@ -76,9 +82,29 @@ def set_engine_api_key(api_key: str | None) -> None:
     _engine_api_key = api_key or None
 
 
-def trust_engine_url(url: str) -> None:
-    """Send the engine key to `url`'s origin (scheme, host, port) from now on: an engine or router of this job."""
+def trust_engine_url(url: str, *, serves_policy: bool = True) -> None:
+    """Send the engine key to `url`'s origin (scheme, host, port) from now on: an engine or router of this job;
+    `serves_policy` False for one serving another model (the OPD teacher), whose requests `set_generate_rewrite`
+    leaves alone."""
     _engine_origins.add(_origin(url))
+    if serves_policy:
+        _policy_origins.add(_origin(url))
+
+
+def set_generate_rewrite(rewrite: Callable[[dict], dict] | None) -> None:
+    """`post` sends `rewrite(payload)` for a JSON object posted to `/generate` of the policy's router or engines
+    (`trust_engine_url`; None: as given).
+    `rewrite` returns a new object (the caller's is left as it was) or raises ValueError for a request the engines
+    cannot serve."""
+    global _generate_rewrite
+    _generate_rewrite = rewrite
+
+
+def _rewritten(url: str, payload: Any) -> Any:
+    if _generate_rewrite is None or not isinstance(payload, dict) or _origin(url) not in _policy_origins:
+        return payload
+    path = urlsplit(url if "://" in url else f"http://{url}").path
+    return _generate_rewrite(payload) if path.rstrip("/") == "/generate" else payload
 
 
 def engine_auth_headers(url: str) -> dict[str, str]:
@@ -128,7 +154,7 @@ async def post(
     and `max_retries=N` (attempts in all) is `retries=N - 1`; the default retries fewer times than slime's."""
     if max_retries is not None:
         retries = max_retries - 1
-    return await _request("POST", url, payload, retries, backoff, timeout, headers)
+    return await _request("POST", url, _rewritten(url, payload), retries, backoff, timeout, headers)
 
 
 async def get(url: str, retries: int = 3, headers: dict[str, str] | None = None, *, backoff: float = 0.5,

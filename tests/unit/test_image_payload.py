@@ -15,9 +15,11 @@ from PIL import Image
 
 from slime.rollout.generation import (
     check_prompt_tokens,
+    complete_generate_body,
     generate_payload,
     image_prompt_ids,
     image_request,
+    set_engine_adapter,
 )
 from slime.utils.image_tokens import expand_image_tokens
 from slime.utils.processing_utils import build_processor_kwargs, encode_image_for_rollout_engine, load_processor
@@ -122,3 +124,48 @@ def test_prompt_token_count_of_the_server_must_match():
     with pytest.raises(ValueError, match="the server made 15 prompt tokens of the prompt with images, "
                                          "--hf-checkpoint's processor made 12"):
         check_prompt_tokens("http://r/generate", {"meta_info": {"prompt_tokens": 15}}, 12)
+
+
+def test_a_plugins_expanded_ids_go_short_to_sglang_and_as_sent_to_the_hf_engine(vlm):
+    """slime's geo3k_vlm_multi_turn plugin posts its sample's ids (images expanded) with image_data itself."""
+    pad = load_processor(vlm, trust_remote_code=True).image_token_id
+    images = [Image.new("RGB", (56, 56), (255, 0, 0)), Image.new("RGB", (28, 84), (0, 0, 255))]
+    sglang = make_args(hf_checkpoint=vlm, rollout_backend="sglang")
+    ids = continued_sample(sglang, images, [5, 6, 7]).tokens
+    data = [encode_image_for_rollout_engine(image) for image in images]
+    body = {"input_ids": ids, "image_data": data, "sampling_params": {}, "return_logprob": True}
+    sent = complete_generate_body(sglang, body)
+    assert sent["input_ids"].count(pad) == 2 and expand_image_tokens(sent["input_ids"], pad, [4, 3]) == ids
+    assert {k: v for k, v in sent.items() if k != "input_ids"} == {k: v for k, v in body.items() if k != "input_ids"}
+    assert body["input_ids"] == ids  # the plugin's body as it was
+    assert complete_generate_body(sglang, sent) is sent  # short ids (our own requests) go as they are
+    hf = make_args(hf_checkpoint=vlm, rollout_backend="hf")
+    assert complete_generate_body(hf, body) is body  # the hf engine takes the expanded ids (and tells stray ones)
+    one = {"input_ids": continued_sample(sglang, images[:1], [5, 6]).tokens, "image_data": data[0]}  # a single image
+    assert complete_generate_body(sglang, one)["input_ids"].count(pad) == 1
+    text = {"input_ids": [1, 2, 3], "sampling_params": {}}
+    assert complete_generate_body(sglang, text) is text
+
+
+def test_a_plugins_ids_with_sampled_image_tokens_are_refused_for_sglang(vlm):
+    pad = load_processor(vlm, trust_remote_code=True).image_token_id
+    images = [Image.new("RGB", (56, 56), (0, 255, 0))]
+    sglang = make_args(hf_checkpoint=vlm, rollout_backend="sglang")
+    body = {"input_ids": continued_sample(sglang, images, [5, pad, 7]).tokens,
+            "image_data": [encode_image_for_rollout_engine(images[0])]}
+    with pytest.raises(ValueError, match="5 image tokens .* not one run per image.*sglang.*--rollout-backend hf"):
+        complete_generate_body(sglang, body)
+
+
+def test_a_plugins_request_names_the_adapter_the_engines_hold():
+    args = make_args(rollout_backend="sglang")
+    body = {"input_ids": [1, 2], "sampling_params": {}}
+    assert complete_generate_body(args, body) is body  # no adapter loaded yet
+    set_engine_adapter("slime_lora")
+    try:
+        assert complete_generate_body(args, body) == {**body, "lora_path": "slime_lora"}
+        named = {**body, "lora_path": None}  # a plugin that asks for the base model on purpose
+        assert complete_generate_body(args, named) is named
+        assert generate_payload([1, 2], {})["lora_path"] == "slime_lora"
+    finally:
+        set_engine_adapter(None)
