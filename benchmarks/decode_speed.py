@@ -2,19 +2,22 @@
 
     python benchmarks/decode_speed.py [--shape qwen3-0.6b] [--batch 64,256] [--prompt-len 64] [--new-tokens 256]
                                       [--bandwidth-tb-s 4.3] [--kv-cache dynamic,slots] [--norms op,fused]
-                                      [--sglang triton,flashinfer]
+                                      [--overlap off,on] [--sglang triton,flashinfer]
 
 A random-init model of the shape (benchmarks/weight_sync.py's helper, bf16 on the GPU) served by the engine's
 scheduler in this process (no HTTP), once per `--kv-cache` mode (`dynamic`: a transformers DynamicCache;
 `slots`: the preallocated slot cache with CUDA-graph decode, slime/backends/hf_engine/slots.py): `--batch` requests of `--prompt-len` random tokens arrive together, each
 generates exactly `--new-tokens` tokens (EOS ignored) at temperature 1 with log-probs, twice on the same
-scheduler; the second round is measured (the first captures the CUDA graphs of each shape bucket). Prefill and decode
-forward steps are timed apart (every step ends in a host sync, so wall time per step is device time plus the
-host's share). The bound of one decode step is the bytes it must read, the weights once plus every live
+scheduler; the second round is measured (the first captures the CUDA graphs of each shape bucket). Prefill forward
+steps are timed apart (synchronised); the decode time is the round's wall time less the prefills', per token after
+the first (`--new-tokens` - 1 steps; the overlap schedule takes one more forward step, for rows already finished):
+device time plus the host's share, which the overlap schedule hides behind the next step. The bound of one decode step is the bytes it must read, the weights once plus every live
 row's KV cache (2 x layers x KV heads x head dim x 2 bytes per token of context), over `--bandwidth-tb-s`
 (device copy bandwidth measured on the H200); efficiency = bound / measured. `--norms`: each KV cache mode with
 transformers' RMSNorm modules as they are (`op`: about eight kernels each) and then each as one `F.rms_norm`
-kernel (`fused`: what the engine serves with on CUDA, slime/backends/hf_engine/fused_norms.py).
+kernel (`fused`: what the engine serves with on CUDA, slime/backends/hf_engine/fused_norms.py). `--overlap`: the
+slot cache's rows with the plain schedule (`off`, the server's `--disable-overlap-schedule`) and the overlap schedule
+(`on`, its default on CUDA: the next decode step is launched before the host reads this one's tokens).
 
 `--sglang BACKENDS` adds one row per batch for a real SGLang server per attention backend, on the same model
 folder (bf16, pytorch sampler, CUDA graphs up to the largest batch, radix cache off so nothing is reused), started
@@ -49,38 +52,42 @@ def kv_bytes_per_token(config) -> int:
 
 
 def bench(model, tokenizer, kv_cache: str, batch: int, prompt_len: int, new_tokens: int, bandwidth: float,
-          profile: int = 0) -> dict:
+          profile: int = 0, overlap: bool = False) -> dict:
     import torch
 
     from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
 
-    sched = Scheduler(model, tokenizer, max_running_requests=batch, random_seed=0, kv_cache=kv_cache)
-    timings = {"prefill": [], "decode": []}
+    sched = Scheduler(model, tokenizer, max_running_requests=batch, random_seed=0, kv_cache=kv_cache, overlap=overlap)
+    prefills, decode_steps = [], [0]
+    prefill, decode = sched._prefill, sched._decode
 
-    def timed(kind, fn):
-        def wrapper(*a, **kw):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            out = fn(*a, **kw)
-            torch.cuda.synchronize()
-            timings[kind].append(time.perf_counter() - start)
-            return out
-        return wrapper
+    def timed_prefill(*a, **kw):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = prefill(*a, **kw)
+        torch.cuda.synchronize()
+        prefills.append(time.perf_counter() - start)
+        return out
 
-    sched._prefill = timed("prefill", sched._prefill)
-    sched._decode = timed("decode", sched._decode)
+    def counted_decode(*a, **kw):  # no sync here: the overlap schedule's steps run ahead of the host
+        decode_steps[0] += 1
+        return decode(*a, **kw)
+
+    sched._prefill, sched._decode = timed_prefill, counted_decode
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(batch)
     for _ in range(2):  # the first round warms up (CUDA graph captures, allocator); the second is measured
-        timings["prefill"].clear()
-        timings["decode"].clear()
+        prefills.clear()
+        decode_steps[0] = 0
         reqs = [Request(rid=str(i), input_ids=torch.randint(1, vocab - 1, (prompt_len,), generator=gen).tolist(),
                         params=SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True),
                         return_logprob=True) for i in range(batch)]
         for r in reqs:
             sched.submit(r)
+        torch.cuda.synchronize()
         start = time.perf_counter()
         sched.run_until_idle()
+        torch.cuda.synchronize()
         wall = time.perf_counter() - start
     assert all(len(r.output_ids) == new_tokens for r in reqs), "a request stopped early"
     if profile:
@@ -89,12 +96,11 @@ def bench(model, tokenizer, kv_cache: str, batch: int, prompt_len: int, new_toke
     per_token = kv_bytes_per_token(model.config)
     # decode step k (k = 1 .. new_tokens - 1) feeds token k of every row, attending to prompt + k tokens
     bounds = [(weight_bytes + batch * (prompt_len + k) * per_token) / bandwidth for k in range(1, new_tokens)]
-    decode = timings["decode"]
-    return {"kv cache": kv_cache, "batch": batch, "wall s": wall, "prefill s": sum(timings["prefill"]),
-            "decode steps": len(decode),
-            "ms / decode step": 1e3 * statistics.fmean(decode), "bound ms / step": 1e3 * statistics.fmean(bounds),
-            "efficiency": statistics.fmean(bounds) / statistics.fmean(decode),
-            "decode tok/s": batch * len(decode) / sum(decode)}
+    steps, decode_s = decode_steps[0], wall - sum(prefills)
+    return {"kv cache": kv_cache, "batch": batch, "wall s": wall, "prefill s": sum(prefills), "decode steps": steps,
+            "ms / decode step": 1e3 * decode_s / (new_tokens - 1), "bound ms / step": 1e3 * statistics.fmean(bounds),
+            "efficiency": statistics.fmean(bounds) / (decode_s / (new_tokens - 1)),
+            "decode tok/s": batch * (new_tokens - 1) / decode_s}
 
 
 def profile_round(sched, vocab: int, batch: int, prompt_len: int, top: int, label: str) -> None:
@@ -191,7 +197,7 @@ def bench_sglang(url: str, name: str, vocab: int, batch: int, prompt_len: int, n
     timed(8)  # warm-up
     prefill, wall = timed(1), timed(new_tokens)
     step = (wall - prefill) / (new_tokens - 1)
-    return {"kv cache": f"sglang {name}", "norms": "sglang", "batch": batch, "wall s": wall, "prefill s": prefill,
+    return {"kv cache": f"sglang {name}", "norms": "sglang", "overlap": "sglang", "batch": batch, "wall s": wall, "prefill s": prefill,
             "decode steps": new_tokens - 1, "ms / decode step": 1e3 * step, "bound ms / step": 1e3 * bound_s,
             "efficiency": bound_s / step, "decode tok/s": batch / step}
 
@@ -206,6 +212,8 @@ def main() -> None:
     p.add_argument("--kv-cache", default="dynamic,slots", help="scheduler KV cache modes to compare ('' for none)")
     p.add_argument("--norms", default="op,fused", help="RMSNorm forms to compare: op (transformers' modules), "
                    "fused (F.rms_norm, the engine's default on CUDA); op runs first, fusing is not undone")
+    p.add_argument("--overlap", default="off,on", help="schedules of the slots rows to compare: off (plain), on "
+                   "(the overlap schedule, the engine's default on CUDA)")
     p.add_argument("--sglang", default="", help="attention backends of a real SGLang server to add rows for, "
                    "e.g. triton,flashinfer")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -245,9 +253,12 @@ def main() -> None:
                 fuse_rms_norms(model)
             for mode in filter(None, args.kv_cache.split(",")):
                 bench(model, tokenizer, mode, 8, args.prompt_len, 8, bandwidth)  # warm-up (kernels)
-                for b in batches:
-                    row = bench(model, tokenizer, mode, b, args.prompt_len, args.new_tokens, bandwidth, args.profile)
-                    print_row({"kv cache": row.pop("kv cache"), "norms": form, **row})
+                schedules = [o for o in ("off", "on") if o in args.overlap.split(",")] if mode == "slots" else ["off"]
+                for overlap in schedules:
+                    for b in batches:
+                        row = bench(model, tokenizer, mode, b, args.prompt_len, args.new_tokens, bandwidth,
+                                    args.profile, overlap=overlap == "on")
+                        print_row({"kv cache": row.pop("kv cache"), "norms": form, "overlap": overlap, **row})
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         per_token, vocab = kv_bytes_per_token(model.config), model.config.vocab_size
         del model

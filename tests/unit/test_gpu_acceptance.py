@@ -334,12 +334,13 @@ GRPO_REPORT = textwrap.dedent("""\
     """)
 
 DECODE_REPORT = textwrap.dedent("""\
-    | kv cache | norms | batch | wall s | prefill s | decode steps | ms / decode step | bound ms / step | efficiency | decode tok/s |
-    | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
-    | slots | op | 64 | 1.90 | 0.04 | 255 | 9.50 | 0.60 | 6.3% | 6,736 |
-    | slots | fused | 64 | 1.82 | 0.04 | 255 | 6.98 | 0.60 | 8.7% | 9,172 |
-    | slots | fused | 256 | 3.01 | 0.11 | 255 | 11.33 | 1.59 | 14.0% | 22,592 |
-    | sglang triton | sglang | 64 | 0.73 | 0.08 | 255 | 2.54 | 0.60 | 23.8% | 25,174 |
+    | kv cache | norms | overlap | batch | wall s | prefill s | decode steps | ms / decode step | bound ms / step | efficiency | decode tok/s |
+    | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+    | slots | op | off | 64 | 1.90 | 0.04 | 255 | 9.50 | 0.60 | 6.3% | 6,736 |
+    | slots | fused | off | 64 | 1.82 | 0.04 | 255 | 9.20 | 0.60 | 6.5% | 6,800 |
+    | slots | fused | on | 64 | 1.82 | 0.04 | 256 | 6.98 | 0.60 | 8.7% | 9,172 |
+    | slots | fused | on | 256 | 3.01 | 0.11 | 256 | 11.33 | 1.59 | 14.0% | 22,592 |
+    | sglang triton | sglang | sglang | 64 | 0.73 | 0.08 | 255 | 2.54 | 0.60 | 23.8% | 25,174 |
     """)
 
 
@@ -356,11 +357,12 @@ def test_speed_rows_fail_on_a_regression():
     assert rows[16].check(megatron) == []
     assert rows[16].check(megatron.replace("| 2.81x |", "| 0.83x |")) == ["TRL / slime-megatron step 0.83x (< 1.0x)"]
     assert rows[17].check(DECODE_REPORT) == []
-    assert rows[17].check(DECODE_REPORT.replace("| 255 | 11.33 |", "| 255 | 14.20 |")) == [
+    assert rows[17].check(DECODE_REPORT.replace("| 256 | 11.33 |", "| 256 | 14.20 |")) == [
         "hf engine decode 14.20 ms/step at batch 256 (> 13.0 ms: a speed regression)"]
-    assert rows[17].check(DECODE_REPORT.replace("| slots | fused | 64 |", "| paged | fused | 64 |")) == [
-        "no slots row at batch 64 in decode_speed.py's table"]  # the op row (9.50 ms) is not the one checked
-    assert rows[17].figures(DECODE_REPORT)["slots (op) batch 64 ms/step"] == "9.50"
+    assert rows[17].check(DECODE_REPORT.replace("| slots | fused | on | 64 |", "| paged | fused | on | 64 |")) == [
+        "no slots row at batch 64 in decode_speed.py's table"]  # the op and plain rows (9.50, 9.20 ms) are not checked
+    assert rows[17].figures(DECODE_REPORT)["slots (op, overlap off) batch 64 ms/step"] == "9.50"
+    assert rows[17].figures(DECODE_REPORT)["sglang triton (sglang, overlap sglang) batch 64 ms/step"] == "2.54"
     slow_step = REPORT.replace("| 1 | 40.00 | 3.20 | 8.0% |", "| 1 | 48.00 | 3.84 | 8.0% |")
     assert rows[1].check(slow_step) == ["the step took 45.00 s (> 43.0 s: a speed regression)"]
     assert rows[1].check(REPORT) == []

@@ -317,6 +317,19 @@ def test_sample_tokens_follows_truncated_distribution():
     assert greedy.tolist() == [0, 0]
 
 
+def test_a_rows_sample_does_not_depend_on_its_batch_mates_top_p_or_top_k():
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(1))
+    u = torch.rand(64, generator=torch.Generator().manual_seed(2))
+    ones = torch.ones(64)
+    alone, _ = sample_tokens(logits, ones, ones, torch.full((64,), -1), u)  # no row truncates
+    mixed_p, mixed_k = ones.clone(), torch.full((64,), -1)
+    mixed_p[::2], mixed_k[1::4] = 0.5, 20  # every other row top-p, every fourth top-k
+    mixed, _ = sample_tokens(logits, ones, mixed_p, mixed_k, u)
+    plain = (mixed_p >= 1) & (mixed_k <= 0)
+    assert plain.sum() == 16 and torch.equal(mixed[plain], alone[plain])
+    assert not torch.equal(mixed[~plain], alone[~plain])  # the truncated rows do draw otherwise
+
+
 def test_sampling_params_validation():
     assert SamplingParams.from_dict({"stop": "x", "top_k": 0, "unknown": 1}).stop == ["x"]
     assert SamplingParams.from_dict({"top_k": 0}).top_k == -1
@@ -347,3 +360,79 @@ def test_slot_cache_serves_every_tiny_architecture(tmp_path, arch):
     for d, s in zip(outputs["dynamic"], outputs["slots"]):
         assert d.output_ids == s.output_ids
         assert max(abs(x - y) for x, y in zip(d.output_logprobs, s.output_logprobs)) < TOL
+
+
+def overlap_workload(model_and_tokenizer, overlap):
+    """Sampled and greedy rows, top-p, stop tokens and strings, different lengths, a context limit, a scoring
+    request and newcomers during decoding, stepped by hand; returns the requests and the scheduler."""
+    model, tok = model_and_tokenizer
+    sched = Scheduler(model, tok, kv_cache="slots", overlap=overlap, max_context_len=40)
+    first = [make_request(0, PROMPTS[0], max_new_tokens=9, sampling_seed=1),
+             make_request(1, PROMPTS[1], temperature=0.0, max_new_tokens=30),
+             make_request(2, PROMPTS[2], max_new_tokens=3, top_p=0.9, sampling_seed=2),
+             make_request(3, PROMPTS[3], max_new_tokens=60, sampling_seed=3),  # stopped by max_context_len
+             make_request(4, PROMPTS[0], max_new_tokens=12, stop_token_ids=[62, 137, 92], ignore_eos=False,
+                          sampling_seed=4),
+             make_request(5, PROMPTS[1], max_new_tokens=14, stop=["a", "e"], sampling_seed=5)]
+    later = [make_request(6, PROMPTS[2], max_new_tokens=5, sampling_seed=6),
+             make_request(7, PROMPTS[3], max_new_tokens=0, logprob_start_len=0),
+             make_request(8, PROMPTS[1], temperature=0.0, max_new_tokens=7)]
+    for r in first:
+        sched.submit(r)
+    steps = 0
+    while sched._has_work():
+        with sched.step_lock:
+            sched.step()
+        steps += 1
+        if steps == 4:
+            for r in later:
+                sched.submit(r)
+    return first + later, sched
+
+
+def test_overlap_schedule_gives_the_plain_schedules_tokens(model_and_tokenizer):
+    plain, _ = overlap_workload(model_and_tokenizer, overlap=False)
+    overlapped, sched = overlap_workload(model_and_tokenizer, overlap=True)
+    assert sched.overlap and sched._in_flight is None and sched._batch is None
+    for a, b in zip(plain, overlapped):
+        assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason, a.rid
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=TOL)
+        assert a.input_logprobs == b.input_logprobs or max(
+            abs(x - y) for x, y in zip(a.input_logprobs[1:], b.input_logprobs[1:])) < TOL
+    reasons = {r.finish_reason["type"] for r in plain}
+    assert reasons == {"length", "stop"} and any(r.finish_reason.get("matched") in ("a", "e") for r in plain)
+    assert plain[3].finish_reason == {"type": "length", "length": 40 - len(PROMPTS[3])}
+    assert sched.stats["num_generated_tokens"] == sum(len(r.output_ids) for r in overlapped)
+
+
+def test_overlap_schedule_reads_a_step_after_launching_the_next(model_and_tokenizer):
+    sched = Scheduler(*model_and_tokenizer, kv_cache="slots", overlap=True)
+    r = make_request(0, PROMPTS[0], max_new_tokens=20)
+    sched.submit(r)
+    for _ in range(3):  # a prefill (its token read at once), then two decode steps
+        with sched.step_lock:
+            sched.step()
+    assert len(r.output_ids) == 2 and sched._in_flight is not None and sched._in_flight.reqs == [r]
+    with sched.exclusive():  # a weight update: the step in flight is read first, so none crosses it
+        assert len(r.output_ids) == 3 and sched._in_flight is None
+    sched.pause()
+    assert sched._in_flight is None
+    sched.resume()
+    sched.run_until_idle()
+    assert len(r.output_ids) == 20 and r.finish_reason == {"type": "length", "length": 20}
+
+
+def test_overlap_schedule_abort_drops_the_step_in_flight(model_and_tokenizer):
+    sched = Scheduler(*model_and_tokenizer, kv_cache="slots", overlap=True)
+    victim, other = make_request(0, PROMPTS[0], max_new_tokens=50), make_request(1, PROMPTS[1], max_new_tokens=8)
+    for r in (victim, other):
+        sched.submit(r)
+    for _ in range(4):
+        with sched.step_lock:
+            sched.step()
+    sched.abort(rid="r0")
+    n = len(victim.output_ids)
+    sched.run_until_idle()
+    assert victim.finish_reason["type"] == "abort" and len(victim.output_ids) == n
+    assert len(victim.output_logprobs) == n and other.finish_reason == {"type": "length", "length": 8}
+    assert sched._in_flight is None and sched._batch is None

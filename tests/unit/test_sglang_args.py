@@ -495,3 +495,5 @@ def test_hf_engine_takes_the_sglang_cuda_graph_flag():
     # no prefix reuse in SGLang: no prompt shared between the hf engine's requests either
     assert "--disable-shared-prefill" in command({"disable_radix_cache": True})
     assert "--disable-shared-prefill" not in command({})
+    assert "--disable-overlap-schedule" in command({"disable_overlap_schedule": True})
+    assert "--disable-overlap-schedule" not in command({})

@@ -80,6 +80,7 @@ class HFEngine(ServerEngine):
                 "--num-threads", os.environ.get("SLIME_ENGINE_NUM_THREADS", "1"),
                 *(["--disable-cuda-graph"] if _flag_on(sglang_args, "disable_cuda_graph") else []),
                 *(["--disable-shared-prefill"] if _flag_on(sglang_args, "disable_radix_cache") else []),
+                *(["--disable-overlap-schedule"] if _flag_on(sglang_args, "disable_overlap_schedule") else []),
                 *(["--enable-deterministic-inference"] if _flag_on(sglang_args, "enable_deterministic_inference")
                   else []),
                 *(["--enable-weights-cpu-backup"] if _flag_on(sglang_args, "enable_weights_cpu_backup") else []),

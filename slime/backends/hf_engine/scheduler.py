@@ -29,6 +29,14 @@ come from when requests arrive.
 With `kv_cache="slots"` the running batch is kept in a preallocated `SlotCache` (slots.py) instead of a
 `DynamicCache`, and on CUDA its decode steps are replayed as CUDA graphs; prefill is the same either way.
 
+Overlap schedule (`overlap`, on by default with slots on CUDA; the server's `--disable-overlap-schedule`, SGLang's
+flag): a decode step's sampled tokens stay on the device as the next step's input, and the step after it is
+launched before the host reads them, so the host's work on step t (copying its tokens back, stop checks, finished
+rows) runs while the GPU computes step t+1. A row that finished at step t has been decoded once more by then; that
+token is dropped and its draws were from a stream nothing reads again, so every request's tokens and log-probs are
+those of the plain schedule. A step still in flight is settled before a prefill, a pause or `exclusive()`, so
+weights never change under it.
+
 Requests of one prefill with the same prompt (a GRPO group's n samples) are prefilled once (`shared_prefill`, on
 by default): one row per distinct prompt goes through the model, and its KV cache and last logits are copied to
 each request of it, which then samples with its own generator. Requests with images share it too when their ids,
@@ -232,6 +240,10 @@ def sample_tokens(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tenso
             cdf = sorted_p.cumsum(dim=-1)
             pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).clamp_(max=vocab - 1)
             sampled = order.gather(-1, pick).squeeze(-1)
+            # a row without top-p / top-k draws as it would in a batch where none has them (the sorted order maps
+            # a draw to another token): its tokens do not depend on its batch-mates' settings
+            untruncated = (top_ps >= 1) & (top_ks <= 0)
+            sampled = torch.where(untruncated, _inverse_cdf(probs, uniforms), sampled)
         else:
             sampled = _inverse_cdf(probs, uniforms)
         tokens = torch.where(greedy, tokens, sampled)
@@ -366,6 +378,31 @@ class _SlotBatch(_Rows):
         return logits
 
 
+@dataclass
+class _InFlight:
+    """A decode step of the overlap schedule: its rows and its sampled tokens and log-probs on their way to the
+    host (copies into pinned memory, queued behind the step; `read` waits for them)."""
+
+    reqs: list[Request]
+    tokens: torch.Tensor
+    logps: torch.Tensor
+    copied: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, reqs: list[Request], tokens: torch.Tensor, logps: torch.Tensor) -> _InFlight:
+        if tokens.device.type != "cuda":
+            return cls(reqs, tokens, logps, None)
+        tokens, logps = tokens.to("cpu", non_blocking=True), logps.to("cpu", non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(reqs, tokens, logps, copied)
+
+    def read(self) -> tuple[list[int], list[float]]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.tokens.tolist(), self.logps.tolist()
+
+
 class Scheduler:
     """Batches requests onto one model. Thread-safe `submit` / `abort` / `pause`; one worker thread.
 
@@ -376,7 +413,8 @@ class Scheduler:
     def __init__(self, model, tokenizer, *, max_running_requests: int = 64, random_seed: int = 0,
                  stop_token_ids: set[int] | None = None, max_context_len: int | None = None,
                  max_prefill_tokens: int = 16384, stop_window_tokens: int = 8, kv_cache: str = "dynamic",
-                 cuda_graphs: bool = True, shared_prefill: bool = True, deterministic: bool = False):
+                 cuda_graphs: bool = True, shared_prefill: bool = True, deterministic: bool = False,
+                 overlap: bool | None = None):
         self.model = model
         # `deterministic`: batch invariance by serving one request at a time (each prefilled and decoded alone, so its
         # tokens and log-probs do not depend on the requests beside it: batch shape and padding change the float
@@ -410,6 +448,9 @@ class Scheduler:
             else:
                 logger.warning("kv cache 'slots' cannot serve this model (%s); using the dynamic cache", why)
         self.kv_cache = "slots" if self._slots is not None else "dynamic"
+        # overlap schedule (module docstring): with the slot cache only; None: on CUDA
+        self.overlap = self._slots is not None and (self.device.type == "cuda" if overlap is None else overlap)
+        self._in_flight: _InFlight | None = None  # the overlap schedule's decode step not yet read by the host
         self.step_lock = threading.Lock()
         self._cv = threading.Condition()
         self._waiting: deque[Request] = deque()
@@ -474,7 +515,7 @@ class Scheduler:
         with self._cv:
             self._paused_by.add(reason)
         with self.step_lock:
-            pass
+            self._settle()
 
     def resume(self, reason: str = "user") -> None:
         with self._cv:
@@ -492,6 +533,7 @@ class Scheduler:
             self._exclusive_waiters += 1
         try:
             with self.step_lock:
+                self._settle()
                 yield
         finally:
             with self._cv:
@@ -585,6 +627,7 @@ class Scheduler:
         """One iteration: finish aborted rows; then one prefill of newcomers or one decode step."""
         self._drop_aborted()
         if self._paused_by:
+            self._settle()
             return
         with self._cv:
             room = self.max_running_requests - (len(self._batch.reqs) if self._batch else 0)
@@ -600,6 +643,7 @@ class Scheduler:
                 longest = longest_next
             self._in_prefill = new
         if new:
+            self._settle()
             self._prefill(new)
             self._in_prefill = []
         elif self._batch is not None:
@@ -740,12 +784,34 @@ class Scheduler:
         self.stats["num_forward_steps"] += 1
         if self._slots is not None:
             self.stats["num_cuda_graphs"] = self._slots.stats["graphs_captured"]
-        self._sample_and_advance(b, logits.float())
+        tokens, logps = self._sample(b, logits.float())
+        if not self.overlap:
+            self._advance(b, b.reqs, tokens.tolist(), logps.tolist())
+        else:
+            # this step's tokens are the next step's input already (on the device); read the previous step's now
+            previous, self._in_flight = self._in_flight, _InFlight.start(list(b.reqs), tokens, logps)
+            if previous is not None:
+                self._advance(b, previous.reqs, *previous.read())
         if not b.reqs:
+            self._batch = self._in_flight = None  # the step in flight has only finished rows
+
+    @torch.no_grad()
+    def _settle(self) -> None:
+        """Read the overlap schedule's step in flight, if any (holds step_lock)."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None or self._batch is None:
+            return
+        self._advance(self._batch, flight.reqs, *flight.read())
+        if not self._batch.reqs:
             self._batch = None
 
     def _sample_and_advance(self, b: _Batch, logits: torch.Tensor) -> None:
         """Sample one token per row of `b`, record it, finish rows that are done, drop them from `b`."""
+        tokens, logps = self._sample(b, logits)
+        self._advance(b, b.reqs, tokens.tolist(), logps.tolist())
+
+    def _sample(self, b: _Batch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row of `b` (each row's pending token from now on) and its log-prob, on the device."""
         uniforms = None
         if b.sampling_rows:
             draws = [0.0] * len(b.reqs)
@@ -754,11 +820,18 @@ class Scheduler:
             uniforms = torch.tensor(draws, dtype=torch.float32, device=logits.device)
         tokens, logps = sample_tokens(logits, b.temps, b.top_ps, b.top_ks, uniforms, b.truncate)
         b.next_tokens = tokens
-        finished = False
-        for r, tok, lp in zip(b.reqs, tokens.tolist(), logps.tolist()):
+        return tokens, logps
+
+    def _advance(self, b: _Batch, reqs: list[Request], tokens: list[int], logps: list[float]) -> None:
+        """Record the token sampled for each of `reqs` (the rows of `b` when the step was taken; rows finished
+        since, by an earlier step or an abort, are skipped), then drop the finished rows from `b`."""
+        done = []
+        for r, tok, lp in zip(reqs, tokens, logps):
+            if r.finished:
+                continue
             if r.params.max_new_tokens == 0:  # a scoring request: prefill only
                 r.finish_reason = {"type": "length", "length": 0}
-                finished = True
+                done.append(r)
                 continue
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
@@ -766,9 +839,8 @@ class Scheduler:
             reason = self._finish_reason(r, tok)
             if reason is not None:
                 r.finish_reason = reason
-                finished = True
-        if finished:
-            done = [r for r in b.reqs if r.finished]
+                done.append(r)
+        if done:
             keep = [i for i, r in enumerate(b.reqs) if not r.finished]
             if keep:
                 b.select(keep)
@@ -802,11 +874,11 @@ class Scheduler:
         if keep:
             b.select(keep)
         else:
-            self._batch = None
+            self._batch = self._in_flight = None
 
     def _fail_all(self, message: str) -> None:
         reqs = (self._batch.reqs if self._batch else []) + self._in_prefill
-        self._batch = None
+        self._batch = self._in_flight = None
         self._in_prefill = []
         for r in reqs:
             if not r.finished:

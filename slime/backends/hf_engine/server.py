@@ -796,6 +796,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--disable-fused-rms-norm", action="store_true",
                    help="on CUDA, run transformers' RMSNorm modules op by op (default: each as one fused kernel, "
                         "F.rms_norm, where it computes the same; fused_norms.py)")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read each decode step's tokens before launching the next (SGLang's flag; default with "
+                        "--kv-cache slots on CUDA: the next step is launched first, so the host's work overlaps it)")
     p.add_argument("--disable-shared-prefill", action="store_true",
                    help="prefill every request's prompt itself (default: identical prompts of one prefill, a GRPO "
                         "group's samples, go through the model once)")
@@ -856,7 +859,8 @@ def main(argv=None) -> None:
                           max_prefill_tokens=args.max_prefill_tokens,
                           kv_cache=args.kv_cache or ("slots" if args.device.startswith("cuda") else "dynamic"),
                           cuda_graphs=not args.disable_cuda_graph, shared_prefill=not args.disable_shared_prefill,
-                          deterministic=args.enable_deterministic_inference)
+                          deterministic=args.enable_deterministic_inference,
+                          overlap=False if args.disable_overlap_schedule else None)
     state = EngineState(model, tokenizer, scheduler, model_path=args.model_path, device=args.device,
                         dtype=args.dtype, weight_version=args.weight_version, weight_dirs=args.weight_dirs,
                         frees_memory=args.device != "cpu" or args.release_memory_on_cpu,
