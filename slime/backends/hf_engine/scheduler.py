@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from slime.backends.hf_engine.slots import SlotCache, supports_slots
+from slime.backends.hf_engine.slots import SlotCache, supports_slots, to_device
 from slime.backends.hf_engine.vision import is_vision_model, vision_positions
 from slime.utils.image_tokens import own_embeddings_at, stand_in_id
 
@@ -276,9 +276,9 @@ class _Rows:
 
     def refresh_params(self):
         dev = self.device
-        self.temps = torch.tensor([r.params.temperature for r in self.reqs], dtype=torch.float32, device=dev)
-        self.top_ps = torch.tensor([r.params.top_p for r in self.reqs], dtype=torch.float32, device=dev)
-        self.top_ks = torch.tensor([r.params.top_k for r in self.reqs], dtype=torch.long, device=dev)
+        self.temps = to_device([r.params.temperature for r in self.reqs], torch.float32, dev)
+        self.top_ps = to_device([r.params.top_p for r in self.reqs], torch.float32, dev)
+        self.top_ks = to_device([r.params.top_k for r in self.reqs], torch.long, dev)
         self.sampling_rows = [i for i, r in enumerate(self.reqs) if r.params.temperature > GREEDY_EPS]
         self.truncate = any(r.params.top_p < 1 or r.params.top_k > 0 for r in self.reqs)
 
@@ -817,7 +817,7 @@ class Scheduler:
             draws = [0.0] * len(b.reqs)
             for i in b.sampling_rows:
                 draws[i] = b.reqs[i].next_uniform()
-            uniforms = torch.tensor(draws, dtype=torch.float32, device=logits.device)
+            uniforms = to_device(draws, torch.float32, logits.device)
         tokens, logps = sample_tokens(logits, b.temps, b.top_ps, b.top_ks, uniforms, b.truncate)
         b.next_tokens = tokens
         return tokens, logps

@@ -69,6 +69,15 @@ def _register_attention() -> None:
     AttentionInterface.register(ATTENTION_NAME, decode_attention)
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device` without waiting for the device: on CUDA through pinned memory and
+    an asynchronous copy (a copy from pageable memory waits until every queued kernel has run, which would stall the
+    overlap schedule's host work behind the step in flight)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def bucket_rows(n: int) -> int:
     for size in ROW_BUCKETS:
         if size >= n:
@@ -198,8 +207,8 @@ class SlotCache:
         """Row j becomes old row keep[j] (keep is increasing); only the first `live_columns` columns move."""
         moves = [(j, src) for j, src in enumerate(keep) if src != j]
         if moves:
-            dst = torch.tensor([j for j, _ in moves], dtype=torch.long, device=self.device)
-            src = torch.tensor([s for _, s in moves], dtype=torch.long, device=self.device)
+            dst = to_device([j for j, _ in moves], torch.long, self.device)
+            src = to_device([s for _, s in moves], torch.long, self.device)
             c = min(live_columns, self.columns)
             for k, v in zip(self.keys, self.values):
                 k[dst, :, :c] = k[src, :, :c]
