@@ -424,12 +424,14 @@ ROWS: tuple[Row, ...] = (
         "10.47 → 2.86 s; the ceiling comes from its first run)",
         kind="command", figures=grpo_figures("slime-megatron"), check=grpo_check("slime-megatron", None, 1.0)),
     Row(17, "decode speed, hf engine vs SGLang", "performance",
-        "python benchmarks/decode_speed.py --kv-cache slots --sglang triton", timeout_s=600, estimate_s=280,
+        f"{PYTEST} tests/gpu/test_hf_engine_slots.py && python benchmarks/decode_speed.py --kv-cache slots "
+        "--sglang triton", timeout_s=600, estimate_s=300,
         part="perf2", must_show="the `hf` engine's decode against the bandwidth bound and SGLang's, with "
         "transformers' RMSNorm modules (`op`) and as the engine serves since 2026-12-05 (`fused`: one F.rms_norm "
         "kernel each), with the plain and the overlap schedule (`off` / `on`, the default on CUDA); neither run on "
         "the GPU yet: fused with overlap ≤ 8.0 / 13.0 ms per step at batch 64 / 256 (the op, plain figures "
-        "6.98 / 11.33 ms +15%)",
+        "6.98 / 11.33 ms +15%); first, the slot cache with CUDA graphs and the overlap schedule gives the dynamic "
+        "cache's and the plain schedule's tokens (tests/gpu/test_hf_engine_slots.py)",
         kind="command", figures=decode_figures, check=decode_check({64: 8.0, 256: 13.0})),
     Row(18, "SFT on both trainers", "SFT / OPD", f"{PYTEST} tests/gpu/test_sft_opd_gpu.py -k sft_loss_halves",
         timeout_s=400, estimate_s=115, part="2", must_show="SFT on the Megatron and the fsdp trainer (the loss halves)",

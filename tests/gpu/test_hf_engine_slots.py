@@ -1,5 +1,6 @@
-"""The hf engine's slot KV cache with CUDA-graph decode gives the dynamic cache's tokens and log-probs, also
-after in-place weight updates and after the model moved off and back onto the GPU (skipped without CUDA)."""
+"""The hf engine's slot KV cache with CUDA-graph decode and the overlap schedule (its defaults on CUDA) gives the
+dynamic cache's tokens and log-probs, and the plain schedule's, also after in-place weight updates and after the
+model moved off and back onto the GPU (skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -58,8 +59,10 @@ def test_slots_with_cuda_graphs_match_the_dynamic_cache(model_and_tokenizer):
     model, tok = model_and_tokenizer
     dynamic = Scheduler(model, tok, kv_cache="dynamic", max_running_requests=5)
     slots = Scheduler(model, tok, kv_cache="slots", max_running_requests=5)
-    assert slots.kv_cache == "slots"
+    plain = Scheduler(model, tok, kv_cache="slots", max_running_requests=5, overlap=False)
+    assert slots.kv_cache == "slots" and slots.overlap and not plain.overlap
     assert_same(serve(dynamic, requests()), serve(slots, requests()))
+    assert_same(serve(plain, requests()), serve(slots, requests()))
     assert slots.stats["num_cuda_graphs"] >= 2
     # full forward of prompt + output reproduces the engine's log-probs
     r = serve(slots, requests(3))[1]
