@@ -436,3 +436,44 @@ def test_overlap_schedule_abort_drops_the_step_in_flight(model_and_tokenizer):
     assert victim.finish_reason["type"] == "abort" and len(victim.output_ids) == n
     assert len(victim.output_logprobs) == n and other.finish_reason == {"type": "length", "length": 8}
     assert sched._in_flight is None and sched._batch is None
+
+
+@pytest.mark.timeout(120)
+def test_overlap_schedule_serves_a_threaded_engine_through_pauses_and_weight_updates(model_and_tokenizer):
+    """The worker thread with the overlap schedule while another thread submits, pauses, resumes and changes the
+    weights in `exclusive()`: every request finishes with its own length and the log-probs of a full forward under
+    the weights it was decoded with (the weights are changed back, so one forward checks them all)."""
+    model = model_and_tokenizer[0]
+    sched = Scheduler(*model_and_tokenizer, kv_cache="slots", overlap=True)
+    done = []
+    reqs = [make_request(i, PROMPTS[i % 4], max_new_tokens=5 + 7 * (i % 5), temperature=0.0) for i in range(16)]
+    for r in reqs:
+        r.on_finish = done.append
+    sched.start()
+    try:
+        for i, r in enumerate(reqs):
+            sched.submit(r)
+            time.sleep(0.005)
+            if i == 5:
+                sched.pause()
+                assert sched._in_flight is None  # nothing left in flight while paused
+                sched.resume()
+            if i == 10:
+                with sched.exclusive():
+                    assert sched._in_flight is None
+                    with torch.no_grad():  # a weight update and its undo, between two steps
+                        for p in model.parameters():
+                            p.mul_(2.0)
+                        for p in model.parameters():
+                            p.div_(2.0)
+        deadline = time.time() + 60
+        while len(done) < len(reqs) and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        sched.stop()
+    assert len(done) == len(reqs)
+    for r in reqs:
+        assert r.finish_reason == {"type": "length", "length": r.params.max_new_tokens}
+        assert len(r.output_ids) == len(r.output_logprobs) == r.params.max_new_tokens
+        ref = reference_logprobs(model, r.input_ids + r.output_ids)[len(r.input_ids) - 1:]
+        assert max(abs(a - b) for a, b in zip(ref, r.output_logprobs)) < TOL, r.rid
