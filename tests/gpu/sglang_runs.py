@@ -83,14 +83,18 @@ def check_policy_moved(tb: str, name: str) -> None:
         "steps updated a copy of the parameters, not the parameters the model and the push read)")
 
 
+SERVER_GROUPS: dict[str, int] = {}  # URL of a running `sglang_server` -> its process group (for `dump_stacks`)
+
+
 @contextlib.contextmanager
 def sglang_server(model_dir: str, log_path: str, *flags: str, timeout_s: float = 300.0) -> Iterator[str]:
     """A real SGLang server of `model_dir` on this host (the launcher of `SLIME_SGLANG_LAUNCHER`, else
     `python3 -m sglang.launch_server`) with slime's server environment; yields its URL once `/health_generate`
-    answers, and stops it (its whole process group: scheduler and detokenizer too) on the way out."""
+    answers, and stops it (its whole process group: scheduler and detokenizer too) on the way out. Its processes
+    run with Python's fault handler on (a fatal signal prints every thread's stack to the log: `dump_stacks`)."""
     launcher = os.environ.get("SLIME_SGLANG_LAUNCHER", "python3 -m sglang.launch_server")
     port = free_port()
-    env = {**SERVER_ENV_DEFAULTS, **os.environ}
+    env = {**SERVER_ENV_DEFAULTS, **os.environ, "PYTHONFAULTHANDLER": "1"}
     cmd = [*shlex.split(launcher), "--model-path", model_dir, "--host", "127.0.0.1", "--port", str(port), *flags]
     url, start = f"http://127.0.0.1:{port}", time.time()
     with open(log_path, "w") as log:
@@ -110,8 +114,10 @@ def sglang_server(model_dir: str, log_path: str, *flags: str, timeout_s: float =
                 pass
             time.sleep(1)
         print(f"\n[sglang] up in {time.time() - start:.1f} s at {url}")
+        SERVER_GROUPS[url] = proc.pid
         yield url
     finally:
+        SERVER_GROUPS.pop(url, None)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -120,6 +126,18 @@ def sglang_server(model_dir: str, log_path: str, *flags: str, timeout_s: float =
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def dump_stacks(url: str, wait_s: float = 5.0) -> None:
+    """Stop the server of `sglang_server` at `url` with SIGABRT, so that each of its processes (tokenizer manager,
+    scheduler, detokenizer) prints every thread's Python stack to its log (PYTHONFAULTHANDLER): where a stalled
+    server is stuck. The server is gone afterwards."""
+    group = SERVER_GROUPS.get(url)
+    if group is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGABRT)
+    time.sleep(wait_s)
 
 
 def kept_log(tmp_path, name: str) -> str:

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT, model_args
-from tests.gpu.sglang_runs import NO_CUDA_GRAPH, check_pushes, kept_log, log_tail, sglang_server
+from tests.gpu.sglang_runs import NO_CUDA_GRAPH, check_pushes, dump_stacks, kept_log, log_tail, sglang_server
 from tests.gpu.test_contract_sglang_gpu import SERVER_FLAGS, run_contract
 from tests.gpu.test_sglang_train import SGLANG_FLAGS, run_train, sglang_startable
 
@@ -93,6 +93,7 @@ def probe_image_request(url: str, model_dir: str, log_path: str, timeout_s: floa
                     alive += f"; a text request after it: {code} in {time.time() - start:.1f} s"
                 except httpx.HTTPError as e:
                     alive += f"; a text request after it: {type(e).__name__} (the scheduler is stuck)"
+            dump_stacks(url)  # every SGLang process's threads' stacks into its log (the whole log comes back)
             return f"the {name} probe failed ({said[:500]}); {alive}; SGLang's log:\n{log_tail(log_path, 8000)}"
     return None
 

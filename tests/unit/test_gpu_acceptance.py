@@ -415,3 +415,29 @@ def test_contract_run_keeps_its_log_under_row_out(tmp_path, monkeypatch):
     assert kept == said
     monkeypatch.delenv("ROW_OUT")
     assert kept_log(tmp_path / "t", "sglang.log") == str(tmp_path / "t" / "sglang.log")
+
+
+def test_dump_stacks_writes_every_threads_stack_of_a_stalled_server_to_its_log(tmp_path):
+    """tests/gpu/sglang_runs.py `dump_stacks`: SIGABRT to the server's process group, whose processes run with
+    PYTHONFAULTHANDLER=1 (as `sglang_server` starts them), puts each thread's Python stack in the log."""
+    from tests.gpu.sglang_runs import SERVER_GROUPS, dump_stacks
+
+    log = tmp_path / "server.log"
+    stalled = "import threading, time\ndef stuck_in_vision_forward():\n    time.sleep(60)\n" \
+              "threading.Thread(target=stuck_in_vision_forward).start()\nprint('up', flush=True)\ntime.sleep(60)\n"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", stalled], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONFAULTHANDLER": "1"}, start_new_session=True)
+    try:
+        while "up" not in log.read_text():
+            time.sleep(0.05)
+        SERVER_GROUPS["http://stalled"] = proc.pid
+        dump_stacks("http://stalled", wait_s=0.5)
+        assert proc.wait(10) != 0
+    finally:
+        SERVER_GROUPS.pop("http://stalled", None)
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "Fatal Python error: Aborted" in text and "stuck_in_vision_forward" in text
+    dump_stacks("http://not-running")  # no such server: nothing to do
