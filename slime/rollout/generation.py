@@ -407,14 +407,15 @@ def complete_generate_body(args, payload: dict) -> dict:
     out = payload
     if _engine_adapter is not None and "lora_path" not in payload:
         out = {**out, "lora_path": _engine_adapter}
-    if not engine_spec(args).takes_expanded_image_ids:
-        short = _short_plugin_ids(args, out)
+    engine = engine_spec(args)
+    if not engine.takes_expanded_image_ids:
+        short = _short_plugin_ids(args, out, engine.name)
         if short is not None:
             out = {**out, "input_ids": short}
     return out
 
 
-def _short_plugin_ids(args, payload: dict) -> list[int] | None:
+def _short_plugin_ids(args, payload: dict, engine: str) -> list[int] | None:
     images, ids = payload.get("image_data"), payload.get("input_ids")
     if not images or not isinstance(ids, list) or not ids or not isinstance(ids[0], int):
         return None  # no images, text, or a batch (left as sent)
@@ -422,14 +423,15 @@ def _short_plugin_ids(args, payload: dict) -> list[int] | None:
     if processor is None or getattr(processor, "image_token_id", None) is None:
         return None
     num_images, image_token = 1 if isinstance(images, str) else len(images), processor.image_token_id
-    if ids.count(image_token) <= num_images:
+    count = ids.count(image_token)
+    if count <= num_images:
         return None  # one image token per image already (or fewer: the engine answers that itself)
     short = collapse_image_runs(ids, image_token, *_vision_markers(args.hf_checkpoint), num_images)
     if short is None:
         raise ValueError(
-            f"a /generate with {num_images} image(s) has input_ids holding {ids.count(image_token)} image tokens "
+            f"a /generate with {num_images} image(s) has input_ids holding {count} image tokens "
             f"(id {image_token}) that are not one run per image between the vision start and end tokens: the "
-            f"{engine_spec(args).name} engine expands each image token of input_ids to an image's tokens, so it cannot "
+            f"{engine} engine expands each image token of input_ids to an image's tokens, so it cannot "
             "take these ids; send one image token per image (slime.utils.image_tokens.collapse_image_runs) or use "
             "--rollout-backend hf (docs/vlm.md)")
     return short

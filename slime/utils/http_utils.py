@@ -70,8 +70,15 @@ def bearer_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def _split(url: str):
+    return urlsplit(url if "://" in url else f"http://{url}")
+
+
 def _origin(url: str) -> tuple[str, str, int | None]:
-    parts = urlsplit(url if "://" in url else f"http://{url}")
+    return _origin_of(_split(url))
+
+
+def _origin_of(parts) -> tuple[str, str, int | None]:
     port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
     return parts.scheme.lower(), (parts.hostname or "").lower(), port
 
@@ -86,9 +93,10 @@ def trust_engine_url(url: str, *, serves_policy: bool = True) -> None:
     """Send the engine key to `url`'s origin (scheme, host, port) from now on: an engine or router of this job;
     `serves_policy` False for one serving another model (the OPD teacher), whose requests `set_generate_rewrite`
     leaves alone."""
-    _engine_origins.add(_origin(url))
+    origin = _origin(url)
+    _engine_origins.add(origin)
     if serves_policy:
-        _policy_origins.add(_origin(url))
+        _policy_origins.add(origin)
 
 
 def set_generate_rewrite(rewrite: Callable[[dict], dict] | None) -> None:
@@ -101,10 +109,12 @@ def set_generate_rewrite(rewrite: Callable[[dict], dict] | None) -> None:
 
 
 def _rewritten(url: str, payload: Any) -> Any:
-    if _generate_rewrite is None or not isinstance(payload, dict) or _origin(url) not in _policy_origins:
+    if _generate_rewrite is None or not isinstance(payload, dict):
         return payload
-    path = urlsplit(url if "://" in url else f"http://{url}").path
-    return _generate_rewrite(payload) if path.rstrip("/") == "/generate" else payload
+    parts = _split(url)
+    if _origin_of(parts) not in _policy_origins or parts.path.rstrip("/") != "/generate":
+        return payload
+    return _generate_rewrite(payload)
 
 
 def engine_auth_headers(url: str) -> dict[str, str]:

@@ -212,14 +212,15 @@ def default_stop_token_ids(model, tokenizer) -> set[int]:
 
 
 def sample_tokens(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor,
-                  uniforms: torch.Tensor | None, truncate: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  uniforms: torch.Tensor | None, truncate: bool | None = None,
+                  all_truncate: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; returns (tokens, log-probs of the chosen tokens), both [B].
 
     logits [B, V] fp32; temps [B] (<= GREEDY_EPS: greedy); top_ps [B]; top_ks [B] (<= 0: off);
     uniforms [B] in [0, 1), one draw per row from the row's own generator (ignored for greedy rows;
     None when every row is greedy). Sampling is inverse-CDF on the (truncated, renormalised) distribution.
-    `truncate`: whether any row uses top-p / top-k (computed here when None; the scheduler passes it
-    to avoid device syncs).
+    `truncate` / `all_truncate`: whether any / every row uses top-p or top-k (computed here when None; the scheduler
+    passes them to avoid device syncs).
     """
     greedy = temps <= GREEDY_EPS
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1)
@@ -243,7 +244,10 @@ def sample_tokens(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tenso
             # a row without top-p / top-k draws as it would in a batch where none has them (the sorted order maps
             # a draw to another token): its tokens do not depend on its batch-mates' settings
             untruncated = (top_ps >= 1) & (top_ks <= 0)
-            sampled = torch.where(untruncated, _inverse_cdf(probs, uniforms), sampled)
+            if all_truncate is None:
+                all_truncate = not bool(untruncated.any())
+            if not all_truncate:
+                sampled = torch.where(untruncated, _inverse_cdf(probs, uniforms), sampled)
         else:
             sampled = _inverse_cdf(probs, uniforms)
         tokens = torch.where(greedy, tokens, sampled)
@@ -280,7 +284,8 @@ class _Rows:
         self.top_ps = to_device([r.params.top_p for r in self.reqs], torch.float32, dev)
         self.top_ks = to_device([r.params.top_k for r in self.reqs], torch.long, dev)
         self.sampling_rows = [i for i, r in enumerate(self.reqs) if r.params.temperature > GREEDY_EPS]
-        self.truncate = any(r.params.top_p < 1 or r.params.top_k > 0 for r in self.reqs)
+        truncating = [r.params.top_p < 1 or r.params.top_k > 0 for r in self.reqs]
+        self.truncate, self.all_truncate = any(truncating), all(truncating)
 
 
 class _Batch(_Rows):
@@ -818,7 +823,7 @@ class Scheduler:
             for i in b.sampling_rows:
                 draws[i] = b.reqs[i].next_uniform()
             uniforms = to_device(draws, torch.float32, logits.device)
-        tokens, logps = sample_tokens(logits, b.temps, b.top_ps, b.top_ks, uniforms, b.truncate)
+        tokens, logps = sample_tokens(logits, b.temps, b.top_ps, b.top_ks, uniforms, b.truncate, b.all_truncate)
         b.next_tokens = tokens
         return tokens, logps
 
