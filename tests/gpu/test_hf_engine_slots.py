@@ -85,3 +85,39 @@ def test_slots_with_cuda_graphs_match_the_dynamic_cache(model_and_tokenizer):
         model.to("cuda")
     assert_same(serve(dynamic, requests()), serve(slots, requests()))
     assert slots.free_idle_kv_cache()
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_image_rows_decode_in_cuda_graphs_as_in_the_dynamic_cache(arch, tmp_path):
+    """A vision-language model's decode steps are captured as CUDA graphs too (rows with images continue from their
+    3-D RoPE positions through `SlotCache.offsets`, a static input) and give the dynamic cache's tokens."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from slime.backends.hf_engine.vision import image_inputs, vision_markers
+    from slime.utils.processing_utils import encode_image_for_rollout_engine, load_processor
+    from tools.make_tiny_model import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path / arch), arch=arch, size="tiny", seed=0)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    tokenizer, processor = AutoTokenizer.from_pretrained(path), load_processor(path, trust_remote_code=True)
+    messages = [{"role": "user", "content": [{"type": "image", "image": "x"}, {"type": "text", "text": "colour?"}]}]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    images = [Image.new("RGB", (56, 56), (255, 0, 0)), Image.new("RGB", (28, 84), (0, 0, 255))]
+    plain = tokenizer("<|im_start|>user what comes after one ?<|im_end|><|im_start|>assistant")["input_ids"]
+
+    def image_requests() -> list[Request]:
+        out = []
+        for k in range(6):
+            ids, vision = image_inputs(processor, [encode_image_for_rollout_engine(images[k % 2])],
+                                       vision_markers(model), text=text)
+            params = SamplingParams(temperature=0.0 if k % 3 == 0 else 1.0, sampling_seed=70 + k,
+                                    max_new_tokens=20 + 17 * k, ignore_eos=True)
+            out.append(Request(rid=f"i{k}", input_ids=ids, params=params, return_logprob=True, vision=vision))
+        params = SamplingParams(temperature=1.0, sampling_seed=79, max_new_tokens=140, ignore_eos=True)
+        return out + [Request(rid="t", input_ids=list(plain), params=params, return_logprob=True)]
+
+    dynamic = Scheduler(model, tokenizer, kv_cache="dynamic", max_running_requests=5)
+    slots = Scheduler(model, tokenizer, kv_cache="slots", max_running_requests=5)
+    assert_same(serve(dynamic, image_requests()), serve(slots, image_requests()))
+    assert slots.stats["num_cuda_graphs"] >= 2

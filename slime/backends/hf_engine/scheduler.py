@@ -65,7 +65,7 @@ import torch
 from transformers import DynamicCache
 
 from slime.backends.hf_engine.slots import SlotCache, supports_slots, to_device
-from slime.backends.hf_engine.vision import is_vision_model, vision_positions
+from slime.backends.hf_engine.vision import vision_positions
 from slime.utils.image_tokens import own_embeddings_at, stand_in_id
 
 logger = logging.getLogger(__name__)
@@ -447,9 +447,7 @@ class Scheduler:
         if kv_cache == "slots":
             ok, why = supports_slots(model)
             if ok:
-                # decode CUDA graphs with image rows have not run on a GPU yet: a vision-language model's slots decode
-                # eagerly until they have
-                self._slots = SlotCache(model, max_running_requests, cuda_graphs and not is_vision_model(model))
+                self._slots = SlotCache(model, max_running_requests, cuda_graphs)
             else:
                 logger.warning("kv cache 'slots' cannot serve this model (%s); using the dynamic cache", why)
         self.kv_cache = "slots" if self._slots is not None else "dynamic"
