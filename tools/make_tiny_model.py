@@ -135,6 +135,7 @@ QWEN2_5_VL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VISION_INNER_TOKENS = ["<|image_pad|>", "<|video_pad|>", "<|vision_end|>"]  # decoded with no space before them
 # words of the toy visual tasks, in the vision tokenizer only (the text models' vocabulary stays as it was)
 VISION_WORDS = "image picture fills fill shown shows colours colors".split()
 CHAT_TEMPLATES = {
@@ -212,6 +213,10 @@ def build_tokenizer(out: str, chat_template: str = "default"):
         [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
     )
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    if chat_template in ("qwen2_5_vl", "qwen3_vl"):
+        # decoded as a real Qwen tokenizer decodes an image's tokens: `<|vision_start|><|image_pad|>...<|vision_end|>`
+        # with no space inside, which SGLang's Qwen-VL processor matches to find the images of ids it is sent
+        tok.decoder = decoders.Sequence([tok.decoder] + [decoders.Replace(" " + t, t) for t in VISION_INNER_TOKENS])
     tok.add_special_tokens(special)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,

@@ -57,6 +57,31 @@ def test_processor_loads_offline_and_expands_the_image(arch, vlm, monkeypatch):
     assert isinstance(bare["image_grid_thw"], torch.Tensor) and bare["input_ids"][0] == ids
 
 
+def test_ids_decode_with_each_image_whole_as_sglang_finds_them(arch, vlm):
+    """A continued sample goes to SGLang as ids with one image token per image; SGLang 0.5.16's Qwen-VL processor
+    decodes them and finds the images with the regex `<|vision_start|>(?:<|image_pad|>)+<|vision_end|>`
+    (multimodal/processors/qwen_vl.py), so the tokenizer must decode an image's tokens with no space inside, as
+    a real Qwen tokenizer does (with one in between, SGLang found no image and answered 21 prompt tokens for 22)."""
+    import re
+
+    from slime.utils.image_tokens import collapse_image_runs
+
+    processor = load_processor(vlm, trust_remote_code=True)
+    images = [Image.new("RGB", (56, 84), (255, 0, 0)), Image.new("RGB", (28, 28), (0, 0, 255))]
+    messages = [{"role": "user", "content": [{"type": "image", "image": "x"}, {"type": "image", "image": "y"},
+                                             {"type": "text", "text": "which colour fills the image?"}]}]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = processor(text=text, **build_processor_kwargs({"images": images}))["input_ids"][0] + [5, 7]
+    tok = processor.tokenizer.convert_tokens_to_ids
+    short = collapse_image_runs(ids, processor.image_token_id, tok("<|vision_start|>"), tok("<|vision_end|>"), 2)
+    sglang_image = r"<\|vision_start\|>(?:<\|image_pad\|>)+<\|vision_end\|>"
+    for sent in (short, ids):
+        decoded = processor.tokenizer.decode(sent)
+        assert len(re.findall(sglang_image, decoded)) == 2, decoded
+        assert processor.tokenizer(decoded)["input_ids"] == sent
+    assert processor.tokenizer.decode(tok(["red", "fills", "the", "image"])) == "red fills the image"
+
+
 def test_config_is_the_arch_and_the_image_reaches_the_logits(arch, vlm):
     from transformers import AutoModelForImageTextToText
 
