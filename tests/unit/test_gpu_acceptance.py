@@ -267,6 +267,22 @@ def plan_inputs(tmp_path) -> tuple[str, str]:
     return model, write_toy_data(str(tmp_path / "toy.jsonl"), num_samples=20, seed=0)
 
 
+def test_vlm_row_figures_are_what_the_test_printed_not_its_failure_listing():
+    """Row 23's figures come from the lines the test printed, not from pytest's listing of the test's source when it
+    failed (the 2026-12-05 run showed `{push[-1] if push else 'not reached'}")` as the vision push)."""
+    row = next(r for r in registry.ROWS if r.id == 23)
+    out = textwrap.dedent("""\
+        [image contract vs sglang] 1 failed, 4 passed in 16.05s; not passed: ['FAILED test_a']
+        [image contract vs sglang] vision push: image prompt max |Δ log-prob| 0.370, text prompt 0.00e+00
+        [vlm megatron + sglang] weight version per rollout [1.0, 2.0, 3.0]; engine/trainer |Δ log-prob| ['1.03e-03']; raw reward [0.0]; step s [15.09, 2.79, 2.7]
+        >       print(f"[image contract vs sglang] vision push: {push[-1] if push else 'not reached'}")
+        E       print(f"[image contract vs sglang] {said}; not passed: {x}")
+        """)
+    assert row.figures(out) == {"contract": "1 failed, 4 passed in 16.05s",
+                                "vision push": "image prompt max |Δ log-prob| 0.370, text prompt 0.00e+00",
+                                "logprob diff": "['1.03e-03']", "step s": "[15.09, 2.79, 2.7]"}
+
+
 def test_new_gpu_tests_command_lines_pass_validation(plan_inputs, tmp_path, monkeypatch):
     """The flags each new GPU test adds combine (the real parser; `--dry-run-cuda` plans the GPU run here)."""
     tiny_model_dir, toy_data_path = plan_inputs
@@ -336,11 +352,11 @@ GRPO_REPORT = textwrap.dedent("""\
 DECODE_REPORT = textwrap.dedent("""\
     | kv cache | norms | overlap | batch | wall s | prefill s | decode steps | ms / decode step | bound ms / step | efficiency | decode tok/s |
     | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
-    | slots | op | off | 64 | 1.90 | 0.04 | 255 | 9.50 | 0.60 | 6.3% | 6,736 |
-    | slots | fused | off | 64 | 1.82 | 0.04 | 255 | 9.20 | 0.60 | 6.5% | 6,800 |
-    | slots | fused | on | 64 | 1.82 | 0.04 | 256 | 6.98 | 0.60 | 8.7% | 9,172 |
-    | slots | fused | on | 256 | 3.01 | 0.11 | 256 | 11.33 | 1.59 | 14.0% | 22,592 |
-    | sglang triton | sglang | sglang | 64 | 0.73 | 0.08 | 255 | 2.54 | 0.60 | 23.8% | 25,174 |
+    | slots | op | off | 64 | 1.74 | 0.03 | 255 | 6.71 | 0.60 | 9.0% | 9,531.92 |
+    | slots | fused | off | 64 | 1.33 | 0.03 | 255 | 5.08 | 0.60 | 11.9% | 12,603.93 |
+    | slots | fused | on | 64 | 1.24 | 0.03 | 256 | 4.76 | 0.60 | 12.7% | 13,432.55 |
+    | slots | fused | on | 256 | 2.32 | 0.08 | 256 | 8.80 | 1.59 | 18.1% | 29,103.39 |
+    | sglang triton | sglang | sglang | 64 | 0.83 | 0.08 | 255 | 2.92 | 0.60 | 20.7% | 21,885.18 |
     """)
 
 
@@ -357,12 +373,12 @@ def test_speed_rows_fail_on_a_regression():
     assert rows[16].check(megatron) == []
     assert rows[16].check(megatron.replace("| 2.81x |", "| 0.83x |")) == ["TRL / slime-megatron step 0.83x (< 1.0x)"]
     assert rows[17].check(DECODE_REPORT) == []
-    assert rows[17].check(DECODE_REPORT.replace("| 256 | 11.33 |", "| 256 | 14.20 |")) == [
-        "hf engine decode 14.20 ms/step at batch 256 (> 13.0 ms: a speed regression)"]
+    assert rows[17].check(DECODE_REPORT.replace("| 256 | 2.32 | 0.08 | 256 | 8.80 |", "| 256 | 2.32 | 0.08 | 256 | 10.20 |")) == [
+        "hf engine decode 10.20 ms/step at batch 256 (> 10.1 ms: a speed regression)"]
     assert rows[17].check(DECODE_REPORT.replace("| slots | fused | on | 64 |", "| paged | fused | on | 64 |")) == [
-        "no slots row at batch 64 in decode_speed.py's table"]  # the op and plain rows (9.50, 9.20 ms) are not checked
-    assert rows[17].figures(DECODE_REPORT)["slots (op, overlap off) batch 64 ms/step"] == "9.50"
-    assert rows[17].figures(DECODE_REPORT)["sglang triton (sglang, overlap sglang) batch 64 ms/step"] == "2.54"
+        "no slots row at batch 64 in decode_speed.py's table"]  # the op and plain rows (6.71, 5.08 ms) are not checked
+    assert rows[17].figures(DECODE_REPORT)["slots (op, overlap off) batch 64 ms/step"] == "6.71"
+    assert rows[17].figures(DECODE_REPORT)["sglang triton (sglang, overlap sglang) batch 64 ms/step"] == "2.92"
     slow_step = REPORT.replace("| 1 | 40.00 | 3.20 | 8.0% |", "| 1 | 48.00 | 3.84 | 8.0% |")
     assert rows[1].check(slow_step) == ["the step took 45.00 s (> 43.0 s: a speed regression)"]
     assert rows[1].check(REPORT) == []
