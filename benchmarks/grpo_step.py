@@ -13,7 +13,9 @@ batch `--micro-batch-size`), AdamW lr 1e-6 without weight decay, grad clip 1, cl
 no reference model.
 
 - slime: `train.py`, colocated on the one GPU (fsdp trainer + the `hf` engine; a CUDA-IPC weight push after
-  every step). Its numbers are the per-rollout `perf/*` scalars of its TensorBoard directory.
+  every step; `--colocate` hands the GPU over between the two sides every step). Its numbers are the per-rollout
+  `perf/*` scalars of its TensorBoard directory; "handoff s" is that hand-over (`perf/handoff_time`), part of the
+  step beside the rollout, training and weight sync.
   `slime-megatron`: the Megatron trainer + the `hf` engine. `slime-sglang`: the Megatron trainer + a real SGLang
   server behind sglang-router (what slime users run; `update_weights_from_tensor` over CUDA IPC after every
   step). SGLang is started by `SLIME_SGLANG_LAUNCHER` when it is set (docs/sglang_backend.md), with
@@ -216,7 +218,7 @@ def run_slime(args, model_dir: str, data: str, workdir: str, name: str = "slime"
 
     return {"step": per_step("perf/step_time"), "rollout": per_step("perf/rollout_time"),
             "train": per_step("perf/train_time"), "sync": per_step("perf/update_weights_time"),
-            "reward": per_step("rollout/raw_reward"), "peak_gb": mem.peak_gb}
+            "handoff": per_step("perf/handoff_time"), "reward": per_step("rollout/raw_reward"), "peak_gb": mem.peak_gb}
 
 
 def run_trl(args, model_dir: str, data: str, workdir: str) -> dict:
@@ -325,7 +327,8 @@ def report(args, results: dict[str, dict]) -> str:
             "step s": _mean(r["step"]), "rollout s": _mean(r["rollout"]),
             "rollout tok/s": rollout_tokens / _mean(r["rollout"]), "train s": _mean(r["train"]),
             "train tok/s": train_tokens / _mean(r["train"]),
-            "weight sync s": _mean(r["sync"]) if r["sync"] else float("nan"), "peak GB": r["peak_gb"],
+            "weight sync s": _mean(r["sync"]) if r["sync"] else float("nan"),
+            "handoff s": _mean(r["handoff"]) if r.get("handoff") else float("nan"), "peak GB": r["peak_gb"],
         }
     cols = list(next(iter(rows.values())))
     lines = [f"{samples} samples x {args.response_len} tokens per step ({args.prompts} prompts x "
