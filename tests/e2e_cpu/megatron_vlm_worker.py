@@ -15,7 +15,8 @@ its model type), loads the HF checkpoint, and runs the rows of
 With --actor it drives `MegatronTrainRayActor` instead (no Ray) on the same rows as one TrainBatch (the last
 --response-tokens of each row its response, `multimodal_train_inputs` its images), micro-batches of 2 rows
 (--qkv-format given by --extra), and rank 0 writes <out>/result.json: the response log-probs of
-`log_probs_of_rows`, then the metrics of one training step (rewards 1, 0, 0, ...) and the largest change of a
+`log_probs_of_rows`, then the metrics of one training step (REWARDS: every row with images gets a gradient) and the
+tower's gradient of it, and the largest change of a
 vision-tower and of a language-model weight. With --engine (one rank) it then starts an `hf` engine on the
 checkpoint, pushes the trained weights into it (by broadcast over gloo) and adds the names pushed and the engine's
 response log-probs of the rows (images as image_data) before and after the push, and the trainer's after the step
@@ -48,6 +49,7 @@ from tests.e2e_cpu.ranks import worker_parser, write_prompt_file, write_result  
 # model type of the tiny VLM -> its scripts/models/*.sh
 SCRIPTS = {"qwen2_5_vl": "tiny-qwen2.5-vl", "qwen3_vl": "tiny-qwen3-vl"}
 VISION_NAMES = ("visual.", "model.visual.")  # the pushed tower: Qwen2.5-VL's Hub names, Qwen3-VL's
+REWARDS = [1.0, -1.0, 0.5, -0.5]
 
 
 def script_of(model: str) -> str:
@@ -162,7 +164,7 @@ def run_actor(cli) -> None:
             "--tensor-model-parallel-size", str(cli.tp), "--lr", "1e-2", "--seed", "1234", *cli.extra.split()]
     args = parse_args(argv)
     batch = TrainBatch(tokens=[row["ids"].tolist() for row in rows], response_lengths=[r] * n,
-                       loss_masks=[[1] * r] * n, rewards=[1.0] + [0.0] * (n - 1), raw_rewards=[1.0] + [0.0] * (n - 1),
+                       loss_masks=[[1] * r] * n, rewards=REWARDS[:n], raw_rewards=REWARDS[:n],
                        truncated=[False] * n, group_indices=[0] * n,
                        multimodal_train_inputs=[{"pixel_values": row["pixel_values"],
                                                  "image_grid_thw": row["image_grid_thw"]}
@@ -183,6 +185,10 @@ def run_actor(cli) -> None:
         # the tower lives on the first pipeline stage (rank 0, which reports)
         result["vision_change"] = max((v for k, v in changed.items() if k.startswith("visual.")), default=0.0)
         result["language_change"] = max(v for k, v in changed.items() if not k.startswith("visual."))
+        result["sequence_parallel"] = model.config.sequence_parallel
+        # the step's gradient of the tower (DDP keeps it in main_grad until the next step zeroes it)
+        result["vision_grad"] = sum(float(p.main_grad.abs().sum()) for k, p in model.named_parameters()
+                                    if k.startswith("visual.") and getattr(p, "main_grad", None) is not None)
         if cli.engine:
             engine = start_engine(cli.model)
             result["engine_lp_before_push"] = engine_log_probs(engine, rows, r)

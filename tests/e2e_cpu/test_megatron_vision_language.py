@@ -180,11 +180,13 @@ def hf_response_log_probs(logits: torch.Tensor, ids: torch.Tensor, response: int
 def actor_runs(vlm_rows, compared, tmp_path_factory):
     model_dir, rows, _, _ = vlm_rows
     runs = {}
-    # packed micro-batches (the default --qkv-format thd) on one rank; right-padded ones at TP2; packed at PP2 (the
+    # packed micro-batches (the default --qkv-format thd) on one rank; right-padded ones at TP2; packed at TP2 with
+    # sequence parallelism (each rank places the image features of its part of the sequence); packed at PP2 (the
     # tower on the first stage, the 3-D positions on both)
     # thd and frozen_tower also push the trained weights into an `hf` engine (by broadcast over gloo)
     for name, world, extra in [("thd", 1, ["--engine"]),
                                ("bshd_tp2", 2, ["--tp", "2", "--extra=--qkv-format bshd"]),
+                               ("thd_tp2_sp", 2, ["--tp", "2", "--extra=--sequence-parallel"]),
                                ("thd_pp2", 2, ["--extra=--pipeline-model-parallel-size 2"]),
                                ("frozen_tower", 1, ["--engine", "--extra=--freeze-params-name-list ^visual\\."])]:
         out = tmp_path_factory.mktemp(f"actor_{name}")
@@ -194,7 +196,7 @@ def actor_runs(vlm_rows, compared, tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("layout", ["thd", "bshd_tp2", "thd_pp2"])
+@pytest.mark.parametrize("layout", ["thd", "bshd_tp2", "thd_tp2_sp", "thd_pp2"])
 def test_actor_log_probs_of_a_batch_with_images_equal_transformers(compared, vlm_rows, actor_runs, layout):
     reference, _, rows, _ = compared
     want = [hf_response_log_probs(logits, row["ids"], RESPONSE) for logits, row in zip(reference, rows)]
@@ -203,7 +205,7 @@ def test_actor_log_probs_of_a_batch_with_images_equal_transformers(compared, vlm
     assert max(diffs) <= TOLERANCE, diffs
 
 
-@pytest.mark.parametrize("layout", ["thd", "bshd_tp2", "thd_pp2"])
+@pytest.mark.parametrize("layout", ["thd", "bshd_tp2", "thd_tp2_sp", "thd_pp2"])
 def test_actor_trains_the_vision_tower_and_the_language_model(actor_runs, layout):
     run = actor_runs[layout]
     assert all(v == v and abs(v) != float("inf") for v in run["metrics"].values()), run["metrics"]
@@ -215,13 +217,18 @@ def test_freeze_params_name_list_freezes_the_vision_tower(actor_runs):
     assert run["vision_change"] == 0.0 and run["language_change"] > 0, run
 
 
-@pytest.mark.parametrize("layout", ["bshd_tp2", "thd_pp2"])
+@pytest.mark.parametrize("layout", ["bshd_tp2", "thd_tp2_sp", "thd_pp2"])
 def test_a_training_step_is_the_same_at_tp2_and_pp2(actor_runs, layout):
-    """The vision tower is replicated on the TP ranks (its gradients must count once in the norm) and lives on the
-    first pipeline stage only: the step's loss and grad norm are those of one rank."""
+    """The vision tower is replicated on the TP ranks (its gradients must count once in the norm; with sequence
+    parallelism each rank's is its part's, summed over the ranks) and lives on the first pipeline stage only: the
+    step's loss and grad norm are those of one rank."""
     one, two = actor_runs["thd"]["metrics"], actor_runs[layout]["metrics"]
     for name in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm"):
         assert two[name] == pytest.approx(one[name], rel=1e-5, abs=1e-6), name
+    # the tower's share of the grad norm is small: its gradient itself (sequence parallelism: rank 0 places only
+    # the image tokens of its half, so without the sum over the ranks it had about 70% of it)
+    assert actor_runs[layout]["vision_grad"] == pytest.approx(actor_runs["thd"]["vision_grad"], rel=1e-5)
+    assert actor_runs[layout]["sequence_parallel"] == (layout == "thd_tp2_sp")
 
 
 @pytest.mark.parametrize("layout", ["thd", "frozen_tower"])

@@ -2,7 +2,7 @@
 (tests/e2e_cpu/test_megatron_actor.py) over NCCL, in fp32, against one GPU: TP2, PP2 (+ a colocated
 CUDA-IPC push from two stages), DP2 with the distributed optimizer (+ a push by NCCL broadcast to an `hf`
 engine on the other GPU), dynamic micro-batches, a TP2 checkpoint loaded at TP1, and a tiny Qwen3-MoE
-at EP2 against EP1. Sequence parallel needs TransformerEngine, which the GPU machine does not have."""
+at EP2 against EP1. Sequence parallelism is tested on the CPU shim (tests/e2e_cpu/test_megatron_vision_language.py)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ gate_proj + up_proj) and a fused linear gets one adapter: A shared, B covering a
 is, exactly, one adapter per HF module with that A repeated and B's rows of the module. So a fused module is adapted
 whole or not at all: naming only some of its HF modules is refused. Not built: the LM head (vocab-parallel), MoE
 experts, multi-latent attention, TransformerEngine's layers (their fused layer norm hides the linear's input: pass
---transformer-impl local) and sequence parallelism (which needs TransformerEngine here).
+--transformer-impl local) and sequence parallelism.
 
 A is initialised from the run's --seed and the module's global name, drawn whole and then split: the same adapter
 at every TP / PP layout.

@@ -28,6 +28,7 @@ from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import lora, packed_rope, plugins
 from slime.backends.megatron_utils.sandwich_norm import add_sandwich_norms
 from slime.backends.megatron_utils.sdpa_attention import with_sdpa_attention
+from slime.backends.megatron_utils.sequence_parallel_norm import with_sequence_parallel_norms
 from slime.backends.megatron_utils.vision_language import VisionSpec, vision_spec
 from slime.backends.megatron_utils.vision_language_model import vision_language_model_class
 from slime.backends.training import freeze
@@ -65,14 +66,17 @@ def initialize_parallel(args: argparse.Namespace) -> None:
             "--actor-num-nodes × --actor-num-gpus-per-node a multiple of it"
         )
     if not uses_te(args):
-        for flag, on in (("--multi-latent-attention", args.multi_latent_attention),
-                         ("--sequence-parallel", args.sequence_parallel)):
-            if on:
-                raise SlimeArgumentError(
-                    f"{flag} needs TransformerEngine (megatron-core's local layers support neither MLA attention "
-                    "nor sequence-parallel norms), which is not installed here; install transformer-engine"
-                    + ("" if flag == "--multi-latent-attention" else " or drop --sequence-parallel")
-                )
+        if args.multi_latent_attention:
+            raise SlimeArgumentError(
+                "--multi-latent-attention needs TransformerEngine (megatron-core's local layers have no MLA "
+                "attention), which is not installed here; install transformer-engine"
+            )
+        if args.sequence_parallel and args.num_experts:
+            raise SlimeArgumentError(
+                f"--sequence-parallel with --num-experts {args.num_experts} on megatron-core's local layers (no "
+                "TransformerEngine installed here) has not been run; install transformer-engine or drop "
+                "--sequence-parallel (dense models take it on the local layers)"
+            )
     if cp > 1 and (uses_te(args) or args.qkv_format != "thd"):  # validation refuses these too
         raise SlimeArgumentError(
             f"--context-parallel-size {cp}: context parallelism here runs packed micro-batches through slime's own "
@@ -106,7 +110,8 @@ def _patch_moe_without_te() -> None:
 
 def _layer_spec(args: argparse.Namespace, config, vp_stage: int | None):
     """The built-in spec: megatron-core's GPT decoder block (TE or local layers; SDPA attention without TE) with
-    GLM-4's sandwich norms when asked for."""
+    GLM-4's sandwich norms when asked for; local norms that take sequence parallelism with it
+    (sequence_parallel_norm.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     te = uses_te(args)
@@ -114,7 +119,8 @@ def _layer_spec(args: argparse.Namespace, config, vp_stage: int | None):
                                       vp_stage=vp_stage)
     if not te:
         spec = with_sdpa_attention(spec)
-    return add_sandwich_norms(spec, config, args, te)
+    spec = add_sandwich_norms(spec, config, args, te)
+    return with_sequence_parallel_norms(spec) if config.sequence_parallel and not te else spec
 
 
 def transformer_config(args: argparse.Namespace):

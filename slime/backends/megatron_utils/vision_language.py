@@ -11,9 +11,14 @@ runs the tower, and puts the image features into the decoder's input embeddings 
 image, left to right, row by row, as transformers does. The decoder rotates by multimodal RoPE
 (`--position-embedding-type mrope`): 3-D (temporal, height, width) position ids from `mrope_position_ids`.
 
-Simplifications: Qwen2.5-VL and Qwen3-VL (dense) only (`VISION_TOWERS`); images, no video; no sequence or context parallelism with
-images (the embedding would be split across ranks before the features are placed); the tower is replicated on
-every tensor-parallel rank (each computes it whole).
+With --sequence-parallel the embeddings (and the decoder layers' outputs the deepstack features are added to) hold
+this tensor-parallel rank's part of the sequence: each rank places the features of the image tokens in its part,
+and the tower's gradients, each rank's from its part, are summed over the tensor-parallel group as megatron-core
+sums its layer norms' (the parameters are marked `sequence_parallel`).
+
+Simplifications: Qwen2.5-VL and Qwen3-VL (dense) only (`VISION_TOWERS`); images, no video; no context parallelism
+with images (the sequence is split across ranks before the model sees it); the tower is replicated on every
+tensor-parallel rank (each computes it whole).
 """
 
 from __future__ import annotations
@@ -124,11 +129,11 @@ def vision_spec(args: argparse.Namespace) -> VisionSpec | None:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    if args.sequence_parallel or args.context_parallel_size > 1:
+    if args.context_parallel_size > 1:
         raise SlimeArgumentError(
-            f"--hf-checkpoint {path} is a vision-language model: its image features are placed into the whole "
-            "sequence's embeddings, which --sequence-parallel / --context-parallel-size > 1 split across ranks "
-            "first; drop those flags"
+            f"--hf-checkpoint {path} is a vision-language model: its image features are placed into the embeddings "
+            "of the whole sequence, which --context-parallel-size > 1 splits across ranks before the model sees it; "
+            "drop --context-parallel-size (--sequence-parallel is supported)"
         )
     check_deepstack_layout(args)
     return VisionSpec(model_type, config.vision_config, config.image_token_id, config.vision_config.spatial_merge_size,

@@ -22,6 +22,16 @@ def place_at(hidden: torch.Tensor, mask: torch.Tensor, features: torch.Tensor, a
     return placed.transpose(0, 1).contiguous()
 
 
+def place_in_part(hidden: torch.Tensor, mask: torch.Tensor, features: torch.Tensor, add: bool,
+                  start: int) -> torch.Tensor:
+    """`place_at` for `[s', b, h]` hidden states holding sequence positions start .. start + s' - 1 of the `[b, s]`
+    `mask` (sequence parallelism: this rank's part): the features of the mask's True tokens in that part."""
+    part = slice(start, start + hidden.shape[0])
+    order = (torch.cumsum(mask.flatten(), 0) - 1).view_as(mask)  # each True token's index in `features`
+    mine = mask[:, part]
+    return place_at(hidden, mine, features[order[:, part][mine].to(features.device)], add)
+
+
 @functools.cache
 def vision_language_model_class() -> type:
     """`VisionLanguageModel`, defined on first use: it subclasses megatron-core's GPTModel, and slime's modules import
@@ -59,6 +69,8 @@ def vision_language_model_class() -> type:
             self._deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
             if self.pre_process:
                 self.visual = VISION_TOWERS[vision.model_type]()._from_config(vision.vision_config)
+                for p in self.visual.parameters():  # each rank's gradient is its part's: summed over TP
+                    setattr(p, "sequence_parallel", self.config.sequence_parallel)
                 layers = self.decoder.layers
                 if vision.deepstack_layers > len(layers):  # argument validation refuses this layout first
                     raise ValueError(f"{vision.deepstack_layers} deepstack layers, the first pipeline chunk holds "
@@ -103,7 +115,16 @@ def vision_language_model_class() -> type:
                 return output
             mask, features = self._deepstack
             hidden, context = output
-            return place_at(hidden, mask, features[k], add=True), context
+            return self._place(hidden, mask, features[k], add=True), context
+
+        def _place(self, hidden: torch.Tensor, mask: torch.Tensor, features: torch.Tensor, add: bool) -> torch.Tensor:
+            """place_at, or with --sequence-parallel place_in_part for this rank's part of the sequence."""
+            if not self.config.sequence_parallel:
+                return place_at(hidden, mask, features, add)
+            from megatron.core import parallel_state
+
+            return place_in_part(hidden, mask, features, add,
+                                 parallel_state.get_tensor_model_parallel_rank() * hidden.shape[0])
 
         def image_features(self, pixel_values: torch.Tensor,
                            image_grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -125,7 +146,8 @@ def vision_language_model_class() -> type:
                 raise ValueError(f"{slots} image token(s) in the micro-batch but {features.shape[0]} image feature(s) "
                                  f"from image_grid_thw {image_grid_thw.tolist()}; the rows' token ids and their "
                                  "multimodal_train_inputs do not belong together")
-            embeddings = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
-            return place_at(embeddings, image_mask, features, add=False), (image_mask, deepstack) if deepstack else None
+            embeddings = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]; [s / tp, b, h] with SP
+            placed = self._place(embeddings, image_mask, features, add=False)
+            return placed, (image_mask, deepstack) if deepstack else None
 
     return VisionLanguageModel

@@ -151,11 +151,11 @@ def validate_data(args: argparse.Namespace) -> None:
             refuse("multimodal_keys", json.dumps(args.multimodal_keys),
                    f"the {engine.name} engines are not sent the images here (the image_data path is built for the "
                    "engines this run launches)", "use --rollout-backend sglang or hf (docs/vlm.md)")
-        if train_spec(args).megatron_parallelism and (args.sequence_parallel or args.context_parallel_size > 1):
+        if train_spec(args).megatron_parallelism and args.context_parallel_size > 1:
             refuse("multimodal_keys", json.dumps(args.multimodal_keys),
-                   "the Megatron vision-language model places the image features into the whole sequence's "
-                   "embeddings, which --sequence-parallel / --context-parallel-size > 1 split across ranks first",
-                   "drop --sequence-parallel and --context-parallel-size with images")
+                   "the Megatron vision-language model places the image features into the embeddings of the whole "
+                   "sequence, which --context-parallel-size > 1 splits across ranks before the model sees it",
+                   "drop --context-parallel-size with images (--sequence-parallel is supported)")
         if args.advantage_estimator in ESTIMATORS and estimator_of(args).needs_critic:
             refuse("multimodal_keys", json.dumps(args.multimodal_keys),
                    f"--advantage-estimator {args.advantage_estimator} trains a critic, a text-only value model",
