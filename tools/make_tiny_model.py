@@ -205,7 +205,8 @@ def build_tokenizer(out: str, chat_template: str = "default"):
     template, extra_special, eos = CHAT_TEMPLATES[chat_template]
     special = SPECIAL_TOKENS + extra_special
     vocab = build_vocab() + extra_special
-    if chat_template in ("qwen2_5_vl", "qwen3_vl"):
+    vision = chat_template in VISION_ARCHS
+    if vision:
         vocab += [w for w in VISION_WORDS if w not in vocab]
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
@@ -213,7 +214,7 @@ def build_tokenizer(out: str, chat_template: str = "default"):
         [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
     )
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
-    if chat_template in ("qwen2_5_vl", "qwen3_vl"):
+    if vision:
         # decoded as a real Qwen tokenizer decodes an image's tokens: `<|vision_start|><|image_pad|>...<|vision_end|>`
         # with no space inside, which SGLang's Qwen-VL processor matches to find the images of ids it is sent
         tok.decoder = decoders.Sequence([tok.decoder] + [decoders.Replace(" " + t, t) for t in VISION_INNER_TOKENS])
