@@ -170,11 +170,11 @@ def test_train_py_fsdp_vlm_with_real_sglang(tiny_vlm_dir, tmp_path):
     check_vlm_run(out, "vlm fsdp + sglang")
 
 
-def check_vlm_run(out: str, name: str) -> None:
+def check_vlm_run(out: str, name: str, tol: float = 0.05) -> None:
     """Every rollout of `vlm_train_cmd`'s run carried images (its debug dumps under `out`); `check_pushes`: versions
-    1..NUM_ROLLOUT, the engine's log-probs within 0.05 of the trainer's, printed with the step times under `name`."""
+    1..NUM_ROLLOUT, the engine's log-probs within `tol` of the trainer's, printed with the step times under `name`."""
     for k in range(NUM_ROLLOUT):
         dump = torch.load(os.path.join(out, f"rollout_{k}.pt"), weights_only=False)
         with_images = sum(1 for s in dump["samples"] if (s["multimodal_inputs"] or {}).get("images"))
         assert with_images == len(dump["samples"]) > 0, f"rollout {k}: {with_images} of {len(dump['samples'])}"
-    check_pushes(os.path.join(out, "tb"), name, NUM_ROLLOUT)
+    check_pushes(os.path.join(out, "tb"), name, NUM_ROLLOUT, tol)
