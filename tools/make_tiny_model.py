@@ -268,9 +268,10 @@ def build_config(arch: str, size: str, vocab_size: int, tokenizer, layers: int |
     if arch == "qwen3_moe":
         from transformers import Qwen3MoeConfig
 
-        # layer 0 dense, the rest MoE: exercises both MLP kinds
+        # every layer MoE, as Qwen3-MoE releases are (and as SGLang builds them: it reads no mlp_only_layers);
+        # dense layers beside MoE ones come with glm4_moe / deepseek_v3 (first_k_dense_replace)
         return Qwen3MoeConfig(head_dim=head_dim, num_experts=experts, num_experts_per_tok=topk,
-                              moe_intermediate_size=moe_ffn, decoder_sparse_step=1, mlp_only_layers=[0],
+                              moe_intermediate_size=moe_ffn, decoder_sparse_step=1, mlp_only_layers=[],
                               norm_topk_prob=True, **common)  # fmt: skip
     if arch == "glm4":
         from transformers import Glm4Config

@@ -1,4 +1,4 @@
-# Architecture of the tiny Qwen3-MoE (layer 0 dense, layers 1-3 MoE) written by `tools/make_tiny_model.py --arch qwen3_moe --size tiny`, in Megatron-LM's
+# Architecture of the tiny Qwen3-MoE (every layer MoE, as Qwen3-MoE releases are) written by `tools/make_tiny_model.py --arch qwen3_moe --size tiny`, in Megatron-LM's
 # flag names (tests cross-check it against a freshly made model's config.json). Source it, pass ${MODEL_ARGS[@]}.
 MODEL_ARGS=(
    --swiglu
@@ -20,5 +20,4 @@ MODEL_ARGS=(
    --num-experts 4
    --moe-ffn-hidden-size 64
    --moe-router-topk 2
-   --moe-layer-freq "[0,1,1,1]"
 )

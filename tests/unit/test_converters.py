@@ -108,6 +108,16 @@ def test_tp2_shard_gather_round_trip(tiny, arch):
     assert shards[1]["decoder.final_layernorm.weight"].shape == mg["decoder.final_layernorm.weight"].shape
 
 
+def test_qwen3_moe_dense_layers_from_config():
+    """Qwen3-MoE's dense layers come from `mlp_only_layers` and `decoder_sparse_step` (the tiny Qwen3-MoE is all
+    sparse, as the releases are, so the mixed layout is checked on the config alone)."""
+    base = {"num_attention_heads": 4, "num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 128, "num_experts": 4}
+    layers = lambda **kw: ConverterConfig.from_hf_config({**base, **kw}).moe_layers  # noqa: E731
+    assert layers() == [True] * 6
+    assert layers(mlp_only_layers=[0]) == [False] + [True] * 5
+    assert layers(decoder_sparse_step=2, mlp_only_layers=[3]) == [False, True, False, False, False, True]
+
+
 def test_tp_shards_hold_whole_query_groups_and_gate_up_halves(tiny):
     cfg_json, hf = load(tiny["qwen3"])
     cfg = ConverterConfig.from_hf_config(cfg_json)  # 4 heads, 2 groups, head dim 32

@@ -497,3 +497,23 @@ def test_hf_engine_takes_the_sglang_cuda_graph_flag():
     assert "--disable-shared-prefill" not in command({})
     assert "--disable-overlap-schedule" in command({"disable_overlap_schedule": True})
     assert "--disable-overlap-schedule" not in command({})
+
+
+def test_a_qwen3_moe_with_dense_layers_is_refused_before_sglang_starts(tmp_path):
+    """SGLang 0.5.16 builds every Qwen3-MoE layer as MoE (slime/backends/sglang_utils/model_support.py): a
+    checkpoint with dense layers would run with uninitialised experts, so --rollout-backend sglang refuses it at
+    parse time; the hf engine serves it; an all-sparse Qwen3-MoE (the releases' layout) passes."""
+    from slime.config.arg_groups.rollout import check_hf_checkpoint
+
+    def args_for(backend: str, **layout):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", **layout}))
+        args = make_args("--rollout-backend", backend, hf_checkpoint=str(tmp_path))
+        args.debug_train_only = False  # a run that starts engines (validated as train-only: no data files needed)
+        return args
+
+    with pytest.raises(SlimeArgumentError, match=r"mlp_only_layers \[0\], decoder_sparse_step 1.*--rollout-backend hf"):
+        check_hf_checkpoint(args_for("sglang", mlp_only_layers=[0], decoder_sparse_step=1))
+    with pytest.raises(SlimeArgumentError, match=r"mlp_only_layers \[\], decoder_sparse_step 2"):
+        check_hf_checkpoint(args_for("sglang", mlp_only_layers=[], decoder_sparse_step=2))
+    check_hf_checkpoint(args_for("hf", mlp_only_layers=[0], decoder_sparse_step=1))
+    check_hf_checkpoint(args_for("sglang", mlp_only_layers=[], decoder_sparse_step=1))

@@ -6,8 +6,9 @@ import argparse
 import logging
 import os
 
-from slime.backends.megatron_utils.config_check import is_hf_folder, load_hf_config
+from slime.backends.megatron_utils.config_check import is_hf_folder, load_hf_config, read_config_json
 from slime.backends.megatron_utils.converters import REGISTRY as CONVERTERS
+from slime.backends.sglang_utils.model_support import sglang_layout_problem
 from slime.config.arg_groups._common import fail, require_positive
 from slime.utils.backend_specs import default_rollout_backend, engine_spec
 from slime.utils.misc import load_hook
@@ -358,6 +359,10 @@ def check_hf_checkpoint(args: argparse.Namespace) -> None:
     is read."""
     if not args.debug_train_only:
         _check_hf_checkpoint(args.hf_checkpoint)
+        if engine_spec(args).takes_sglang_server_args:
+            problem = sglang_layout_problem(read_config_json(args.hf_checkpoint))
+            if problem:
+                fail(f"--hf-checkpoint {args.hf_checkpoint} with --rollout-backend {args.rollout_backend}: {problem}.")
 
 
 def _check_hf_checkpoint(path: str | None) -> None:
