@@ -153,11 +153,12 @@ def model_args(shape: str) -> list[str]:
 def backend_flags(args, backend: str) -> list[str]:
     """fsdp: the HF model in fp32 under bf16 autocast. megatron: bf16 parameters with fp32 master weights
     (distributed optimizer), packed micro-batches of at most --max-tokens-per-gpu tokens."""
+    kernel = ["--log-probs-kernel", getattr(args, "log_probs_kernel", "torch")]
     if backend == "fsdp":
-        return ["--train-backend", "fsdp", "--micro-batch-size", str(args.micro_batch_size)]
+        return ["--train-backend", "fsdp", "--micro-batch-size", str(args.micro_batch_size), *kernel]
     tokens = getattr(args, "max_tokens_per_gpu", None) or args.micro_batch_size * (args.prompt_len + args.response_len)
     return ["--train-backend", "megatron", *model_args(args.shape), "--bf16", "--use-distributed-optimizer",
-            "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(tokens)]
+            "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(tokens), *kernel]
 
 
 # system -> (training backend, rollout backend)
@@ -361,6 +362,8 @@ def main() -> None:
                    help="Megatron systems: token budget per micro-batch (default: --micro-batch-size samples' tokens)")
     p.add_argument("--systems", default="slime,trl", help="of slime (fsdp), slime-megatron, slime-sglang, trl")
     p.add_argument("--sglang-attention-backend", default="triton", help="slime-sglang: SGLang's attention backend")
+    p.add_argument("--log-probs-kernel", default="torch", choices=["torch", "triton"],
+                   help="the slime systems' --log-probs-kernel")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)

@@ -2,6 +2,7 @@
 
     python benchmarks/megatron_train.py [--shape qwen3-4b] [--seq-len 4096] [--min-len 4096] [--samples 16]
                                         [--max-tokens-per-gpu 8192] [--layouts thd,bshd] [--steps 3] [--push N]
+    python benchmarks/megatron_train.py --layouts thd,thd:triton     # --log-probs-kernel torch against triton
 
 A random-init model of a published Qwen3 shape (benchmarks/weight_sync.py's helper) is written as an HF folder
 and loaded by `MegatronTrainRayActor` (driven directly, no Ray: one rank, bf16 parameters, fp32 master weights
@@ -55,7 +56,8 @@ def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Names
         "--prompt-data", data, "--rollout-batch-size", str(cli.samples), "--n-samples-per-prompt", "1",
         "--global-batch-size", str(cli.samples), "--num-rollout", str(cli.steps + 1),
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(cli.max_tokens_per_gpu),
-        "--qkv-format", layout, "--use-distributed-optimizer", "--use-rollout-logprobs",
+        "--qkv-format", layout.split(":")[0], "--log-probs-kernel", (layout.split(":") + ["torch"])[1],
+        "--use-distributed-optimizer", "--use-rollout-logprobs",
         "--lr", "1e-6", "--clip-grad", "1.0", "--advantage-estimator", "grpo", "--seed", "1",
         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--colocate",
     ])  # fmt: skip
@@ -194,7 +196,8 @@ def main() -> None:
     p.add_argument("--min-len", type=int, default=None, help="shortest sequence (default: --seq-len)")
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--max-tokens-per-gpu", type=int, default=8192)
-    p.add_argument("--layouts", default="thd,bshd")
+    p.add_argument("--layouts", default="thd,bshd",
+                   help="qkv formats, comma-separated; one suffixed :triton runs with --log-probs-kernel triton")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=790.0)
     p.add_argument("--push", type=int, default=0, help="also time N colocated weight pushes to an hf engine")

@@ -513,6 +513,16 @@ ROWS: tuple[Row, ...] = (
         "then versions 1-3 and |Δ log-prob| < 0.05",
         figures=grab(vlm_logprob_diff=r"\[vlm fsdp \+ sglang\].*?\|Δ log-prob\| (\[[^\]]*\])",
                      moe_logprob_diff=r"\[weights checker, fsdp, qwen3_moe\].*?\|Δ log-prob\| (\[[^\]]*\])")),
+    Row(27, "fused log-prob kernel (--log-probs-kernel triton)", "performance",
+        f"{PYTEST} tests/gpu/test_log_probs_triton_gpu.py && python benchmarks/megatron_train.py --shape qwen3-0.6b "
+        "--seq-len 320 --samples 256 --max-tokens-per-gpu 20480 --layouts thd,thd:triton --steps 2",
+        timeout_s=600, estimate_s=200, part="perf3",
+        must_show="the Triton kernels give the torch form's log-probs, entropy and gradient at the trainer's shape "
+        "(15,360 response rows of a 20,480-token micro-batch, bf16, 151,936 words), with both forms' forward + "
+        "backward milliseconds; then the Megatron train step of GRPO's batch (256 × 320 tokens) with each form "
+        "(the torch form: 1.70 s on an H100 on 2026-12-05; not yet run)",
+        kind="command", figures=grab(kernel=r"\[log-probs kernel\] (.+)$", torch_step=r"^\| thd \| (.+)$",
+                                     triton_step=r"^\| thd:triton \| (.+)$")),
 )
 PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."9", then perf, perf2, x2
 

@@ -211,7 +211,8 @@ class FSDPTrainRayActor(PolicyTrainer):
             images = micro_batch_images(batch.multimodal_train_inputs, rows, self.device, batch.loss_masks)
             lp, ent = forward_response_log_probs(model, self._micro_batch(batch, rows), self.args.rollout_temperature,
                                                  with_entropy=entropy is not None, images=images,
-                                                 idle_vision=self._idle_vision(model))
+                                                 idle_vision=self._idle_vision(model),
+                                                 kernel=self.args.log_probs_kernel)
             for i, r in enumerate(rows):
                 out[r] = lp[i, : batch.response_lengths[r]]
                 if entropy is not None:
@@ -230,7 +231,7 @@ class FSDPTrainRayActor(PolicyTrainer):
             logits, offset = forward_logits(self.model, mb, all_positions=custom, images=images,
                                             idle_vision=self._idle_vision(self.model))
             log_probs, entropy = extract_response_log_probs(logits, mb, args.rollout_temperature, offset,
-                                                            with_entropy=True)
+                                                            with_entropy=True, kernel=args.log_probs_kernel)
             return record.micro_batch_loss(args, rows, mb, log_probs, entropy, denominator,
                                            mb.slime_logits(logits) if custom else None)
 
@@ -276,7 +277,8 @@ class FSDPTrainRayActor(PolicyTrainer):
         result: list[list[float]] = []
         for rows in plan_micro_batches(self.args, tokens, range(len(tokens)), self.device, log_probs=True):
             mb = make_micro_batch([tokens[r] for r in rows], [response_lengths[r] for r in rows], device=self.device)
-            lp, _ = forward_response_log_probs(self.model, mb, self.args.rollout_temperature)
+            lp, _ = forward_response_log_probs(self.model, mb, self.args.rollout_temperature,
+                                               kernel=self.args.log_probs_kernel)
             result.extend(unpad_per_token(lp, mb.response_lengths))
         return result
 

@@ -26,12 +26,13 @@ def extract_response_log_probs(
     temperature: float,
     logits_offset: int = 0,
     with_entropy: bool = False,
+    kernel: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature) at each response token, as [B, R] fp32 (0 past each response).
 
     `logits` [B, K, V] hold positions [logits_offset, logits_offset + K) of the padded sequence (a model
     run with `logits_to_keep` returns only the last K). With `with_entropy`, also the per-token entropy
-    of the same temperature-scaled distribution."""
+    of the same temperature-scaled distribution. `kernel`: --log-probs-kernel (slime/algorithm/log_probs.py)."""
     if temperature <= 0:
         raise ValueError(f"--rollout-temperature {temperature}: must be > 0")
     _, kept, vocab = logits.shape
@@ -48,7 +49,8 @@ def extract_response_log_probs(
         )
     targets = torch.where(valid, mb.input_ids.gather(1, torch.where(valid, starts + t, torch.zeros_like(t))), 0)
     selected = logits.gather(1, predicting.unsqueeze(-1).expand(-1, -1, vocab))
-    log_probs, entropy = log_probs_and_entropy(selected, targets, temperature=temperature, with_entropy=with_entropy)
+    log_probs, entropy = log_probs_and_entropy(selected, targets, temperature=temperature, with_entropy=with_entropy,
+                                               kernel=kernel)
     return log_probs * valid, (entropy * valid if with_entropy else None)
 
 
@@ -171,11 +173,11 @@ def _stray_image_tokens(model: torch.nn.Module, mb: MicroBatch, row_grids: list,
 
 def forward_response_log_probs(
     model: torch.nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False,
-    images: dict | None = None, idle_vision: bool = False,
+    images: dict | None = None, idle_vision: bool = False, kernel: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the model on a micro-batch and return [B, R] response log-probs (and entropies)."""
     logits, offset = forward_logits(model, mb, images=images, idle_vision=idle_vision)
-    return extract_response_log_probs(logits, mb, temperature, offset, with_entropy)
+    return extract_response_log_probs(logits, mb, temperature, offset, with_entropy, kernel)
 
 
 # ---- critic values --------------------------------------------------------------------------------------

@@ -267,7 +267,7 @@ class MegatronTrainRayActor(PolicyTrainer):
 
         def loss_fn(mb, logits):
             lp, ent = response_log_probs(logits, mb, self.args.rollout_temperature, self.args.vocab_size,
-                                         with_entropy=with_entropy)
+                                         with_entropy=with_entropy, kernel=self.args.log_probs_kernel)
             return torch.zeros((), device=logits.device), ({"log_probs": lp, "entropy": ent} if with_entropy
                                                            else {"log_probs": lp})
 
@@ -302,7 +302,7 @@ class MegatronTrainRayActor(PolicyTrainer):
 
         def loss_fn(mb, logits):
             log_probs, entropy = response_log_probs(logits, mb, args.rollout_temperature, args.vocab_size,
-                                                     with_entropy=True)
+                                                     with_entropy=True, kernel=args.log_probs_kernel)
             loss, shares = record.micro_batch_loss(args, rows_of[id(mb)], mb, log_probs, entropy, denominator,
                                                    mb.slime_logits(logits) if custom else None)
             if args.check_for_nan_in_loss_and_grad and not torch.isfinite(loss):

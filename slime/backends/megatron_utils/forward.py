@@ -28,14 +28,16 @@ from slime.observability.context_parallel import tensor_parallel_group
 
 
 def response_log_probs(
-    logits: torch.Tensor, mb: MicroBatch, temperature: float, vocab_size: int, with_entropy: bool = False
+    logits: torch.Tensor, mb: MicroBatch, temperature: float, vocab_size: int, with_entropy: bool = False,
+    kernel: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`[B, L, V/tp]` logits of a padded micro-batch (or `[1, T, V/tp]` of a packed one) -> `[B, R]` fp32
-    response log-probs (0 past each response), and entropies, of softmax(logits / temperature)."""
+    response log-probs (0 past each response), and entropies, of softmax(logits / temperature). `kernel`:
+    --log-probs-kernel (slime/algorithm/log_probs.py)."""
     if temperature <= 0:
         raise ValueError(f"--rollout-temperature {temperature}: must be > 0")
     if mb.cu_seqlens is not None and cp_group_size_rank()[0] > 1:
-        return _response_log_probs_cp(logits, mb, temperature, vocab_size, with_entropy)
+        return _response_log_probs_cp(logits, mb, temperature, vocab_size, with_entropy, kernel)
     device = logits.device
     t = torch.arange(mb.max_response_len, device=device).unsqueeze(0)
     starts = torch.as_tensor(mb.response_starts, device=device).unsqueeze(1)
@@ -48,7 +50,7 @@ def response_log_probs(
     flat = rows[valid] * logits.shape[1] + predicting[valid]
     lp_flat, ent_flat = log_probs_and_entropy(logits.reshape(-1, logits.shape[-1]), targets, temperature=temperature,
                                               with_entropy=with_entropy, rows=flat, vocab_size=vocab_size,
-                                              group=tensor_parallel_group())
+                                              group=tensor_parallel_group(), kernel=kernel)
     log_probs = torch.zeros(valid.shape, dtype=torch.float32, device=device)
     log_probs = log_probs.masked_scatter(valid, lp_flat)
     entropy = None
@@ -58,7 +60,7 @@ def response_log_probs(
 
 
 def _response_log_probs_cp(logits: torch.Tensor, mb: MicroBatch, temperature: float, vocab_size: int,
-                           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           with_entropy: bool, kernel: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`response_log_probs` of a packed micro-batch under context parallelism: `logits` are this CP rank's
     `[1, T_pad / cp, V/tp]` (cp_layout.py); the log-prob (and entropy) of every position's next token is computed
     for the rank's tokens, gathered over the CP group and read at the response positions of the whole row."""
@@ -69,7 +71,8 @@ def _response_log_probs_cp(logits: torch.Tensor, mb: MicroBatch, temperature: fl
     # the token after each of this rank's positions (the last position of the row predicts nothing real)
     targets = ids[(layout.local_index + 1).clamp(max=ids.shape[0] - 1)]
     lp, ent = log_probs_and_entropy(logits.reshape(-1, logits.shape[-1]), targets, temperature=temperature,
-                                    with_entropy=with_entropy, vocab_size=vocab_size, group=tensor_parallel_group())
+                                    with_entropy=with_entropy, vocab_size=vocab_size, group=tensor_parallel_group(),
+                                    kernel=kernel)
     local = torch.stack([lp, ent], dim=1) if with_entropy else lp.unsqueeze(1)
     # every rank computes the same loss from these, so each keeps its own rows of the gradient (no sum)
     row = gather_cp(local, group, sum_grad=False)[layout.gather_order][original]  # [T, 1 or 2]

@@ -11,6 +11,7 @@ import logging
 import os
 
 from slime.algorithm.estimators import ESTIMATORS, estimator_of
+from slime.algorithm.log_probs import KERNELS
 from slime.config.arg_groups._common import fail
 from slime.utils.backend_specs import TRAIN_BACKEND_SPECS, train_spec
 
@@ -115,6 +116,13 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
         help="Average the loss over all tokens of the step instead of per sample first.",
     )
     g.add_argument(
+        "--log-probs-kernel", choices=KERNELS, default="torch",
+        help="How the trainers compute log-probs and entropy over the vocabulary: torch (chunked torch operations, "
+        "the default) or triton (two fused Triton kernels, one read of the logits forward, one read and one write "
+        "backward; needs CUDA and triton; the top-p replay's keep mask still goes through torch). Not in slime; "
+        "not yet measured on a GPU (benchmarks/README.md).",
+    )
+    g.add_argument(
         "--num-critic-only-steps", type=int, default=0, help="Initial rollouts that train only the PPO critic."
     )
     g.add_argument(
@@ -157,6 +165,15 @@ def add_opd_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_algorithm(args: argparse.Namespace) -> None:
+    if args.log_probs_kernel == "triton":
+        from slime.algorithm import log_probs_triton
+
+        if log_probs_triton.triton is None:
+            fail("--log-probs-kernel triton: triton is not installed (it comes with torch's CUDA builds); install it "
+                 "or use --log-probs-kernel torch.")
+        if not args.use_cuda:
+            fail("--log-probs-kernel triton runs on CUDA only and this run trains on the CPU; use --log-probs-kernel "
+                 "torch.")
     if args.get_mismatch_metrics and not args.custom_tis_function_path:
         fail("--get-mismatch-metrics runs --custom-tis-function-path, which is not set; add it (e.g. "
              "slime.algorithm.tis.vanilla_tis_function) or drop the flag.")

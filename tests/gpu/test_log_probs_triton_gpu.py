@@ -1,0 +1,52 @@
+"""`--log-probs-kernel triton` on a GPU (GPU acceptance row 27): at the Megatron trainer's shape (bf16 logits of
+Qwen3's 151,936 words, the response rows of a packed micro-batch of 20,480 tokens) the Triton kernels give the torch
+form's log-probs, entropy and gradient to fp32 / bf16 rounding, and their forward + backward time beside the torch
+form's is printed (`[log-probs kernel]`; the speed-up is what benchmarks/megatron_train.py --layouts thd,thd:triton
+then shows in a training step)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from slime.algorithm.log_probs import log_probs_and_entropy
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+TOKENS, VOCAB, PADDED = 20480, 151936, 152064  # a micro-batch; Qwen3's vocabulary, Megatron's padding to 128 × TP
+
+
+def run(kernel: str, logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor):
+    x = logits.detach().clone().requires_grad_()
+    lp, ent = log_probs_and_entropy(x, targets, temperature=0.8, with_entropy=True, rows=rows, vocab_size=VOCAB,
+                                    kernel=kernel)
+    (lp @ weights[0] + ent @ weights[1]).backward()
+    return lp.detach(), ent.detach(), x.grad
+
+
+def timed(kernel: str, *inputs) -> float:
+    run(kernel, *inputs)  # compile / warm up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(3):
+        run(kernel, *inputs)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / 3
+
+
+def test_triton_kernels_match_the_torch_form_at_the_trainers_shape():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (4 * torch.randn(TOKENS, PADDED, device="cuda", generator=g)).to(torch.bfloat16)
+    rows = torch.randperm(TOKENS, device="cuda", generator=g)[: TOKENS * 3 // 4].sort().values  # the responses
+    targets = torch.randint(0, VOCAB, (rows.numel(),), device="cuda", generator=g)
+    weights = torch.randn(2, rows.numel(), device="cuda", generator=g) / rows.numel()
+    ours, want = run("triton", logits, rows, targets, weights), run("torch", logits, rows, targets, weights)
+    for a, b, name, tol in zip(ours, want, ("log-probs", "entropy", "gradient"), (1e-4, 1e-4, 2**-7)):
+        err = (a.float() - b.float()).abs().max().item()
+        assert err <= tol * max(1.0, b.float().abs().max().item()), f"{name}: {err:.3g}"
+    fused, plain = timed("triton", logits, rows, targets, weights), timed("torch", logits, rows, targets, weights)
+    print(f"\n[log-probs kernel] {rows.numel()} rows x {VOCAB} words, bf16, forward + backward: torch "
+          f"{plain * 1e3:.1f} ms, triton {fused * 1e3:.1f} ms ({plain / fused:.2f}x)")
