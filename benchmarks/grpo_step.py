@@ -3,6 +3,7 @@
     python benchmarks/grpo_step.py [--shape qwen3-0.6b] [--prompts 32] [--prompt-len 64] [--response-len 256]
                                    [--steps 5] [--micro-batch-size 16] [--systems slime,trl]
                                    [--sglang-attention-backend triton] [--max-tokens-per-gpu N]
+                                   [--log-probs-kernel triton] [--resident --sglang-mem-fraction 0.15]
 
 Both sides get the same random-init model (published Qwen3 dimensions, benchmarks/weight_sync.py's helper,
 loaded in fp32 and trained with bf16 compute), the same prompts (`--prompts` strings of exactly
@@ -15,7 +16,8 @@ no reference model.
 - slime: `train.py`, colocated on the one GPU (fsdp trainer + the `hf` engine; a CUDA-IPC weight push after
   every step; `--colocate` hands the GPU over between the two sides every step). Its numbers are the per-rollout
   `perf/*` scalars of its TensorBoard directory; "handoff s" is that hand-over (`perf/handoff_time`), part of the
-  step beside the rollout, training and weight sync.
+  step beside the rollout, training and weight sync, printed by phase below the table. `--resident` keeps both
+  sides on the GPU instead (no handoff; `--sglang-mem-fraction` sizes SGLang's static memory beside the trainer).
   `slime-megatron`: the Megatron trainer + the `hf` engine. `slime-sglang`: the Megatron trainer + a real SGLang
   server behind sglang-router (what slime users run; `update_weights_from_tensor` over CUDA IPC after every
   step). SGLang is started by `SLIME_SGLANG_LAUNCHER` when it is set (docs/sglang_backend.md), with
@@ -185,6 +187,7 @@ def slime_command(args, model_dir: str, data: str, tb_dir: str, backend: str = "
         "--hf-checkpoint", model_dir, "--prompt-data", data, "--input-key", "prompt", "--label-key", "label",
         "--custom-rm-path", f"{here}:reward", "--custom-generate-function-path", f"{here}:generate",
         *backend_flags(args, backend), *rollout_flags(args, rollout), "--colocate",
+        *(["--no-offload-train", "--no-offload-rollout"] if getattr(args, "resident", False) else []),
         "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
         "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(SAMPLES_PER_PROMPT),
         "--global-batch-size", str(batch),
@@ -219,7 +222,12 @@ def run_slime(args, model_dir: str, data: str, workdir: str, name: str = "slime"
 
     return {"step": per_step("perf/step_time"), "rollout": per_step("perf/rollout_time"),
             "train": per_step("perf/train_time"), "sync": per_step("perf/update_weights_time"),
-            "handoff": per_step("perf/handoff_time"), "reward": per_step("rollout/raw_reward"), "peak_gb": mem.peak_gb}
+            "handoff": per_step("perf/handoff_time"), "reward": per_step("rollout/raw_reward"), "peak_gb": mem.peak_gb,
+            "handoff_parts": {part: per_step(f"perf/{part}_time") for part in HANDOFF_PARTS}}
+
+
+# the phases of the memory handoff (slime/ray/handoff.py), each `perf/<phase>_time`
+HANDOFF_PARTS = ("engine_release", "train_onload", "train_offload", "engine_resume")
 
 
 def run_trl(args, model_dir: str, data: str, workdir: str) -> dict:
@@ -346,6 +354,10 @@ def report(args, results: dict[str, dict]) -> str:
     for name, r in results.items():
         extra = f"; TRL grad_norm {', '.join(f'{g:.3g}' for g in r['grad_norm'])}" if "grad_norm" in r else ""
         lines.append(f"{name}: reward per step {', '.join(f'{v:.3f}' for v in r['reward'])}{extra}")
+        parts = {part: _mean(v) for part, v in (r.get("handoff_parts") or {}).items() if v}
+        if parts:
+            lines.append(f"{name}: handoff s per step, by phase: "
+                         + ", ".join(f"{part} {seconds:.2f}" for part, seconds in parts.items()))
     return "\n".join(lines)
 
 
@@ -364,6 +376,10 @@ def main() -> None:
     p.add_argument("--sglang-attention-backend", default="triton", help="slime-sglang: SGLang's attention backend")
     p.add_argument("--log-probs-kernel", default="torch", choices=["torch", "triton"],
                    help="the slime systems' --log-probs-kernel")
+    p.add_argument("--resident", action="store_true",
+                   help="the slime systems colocated without the memory handoff (--no-offload-train "
+                   "--no-offload-rollout): both sides stay on the GPU; lower --sglang-mem-fraction to fit")
+    p.add_argument("--sglang-mem-fraction", type=float, default=0.3, help="slime-sglang: SGLang's static memory")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
