@@ -1,7 +1,7 @@
 """The hf engine's decode speed against the memory-bandwidth bound (GPU), next to a real SGLang server's.
 
     python benchmarks/decode_speed.py [--shape qwen3-0.6b] [--batch 64,256] [--prompt-len 64] [--new-tokens 256]
-                                      [--bandwidth-tb-s 4.3] [--kv-cache dynamic,slots] [--norms op,fused]
+                                      [--bandwidth-tb-s B] [--kv-cache dynamic,slots] [--norms op,fused]
                                       [--overlap off,on] [--sglang triton,flashinfer]
 
 A random-init model of the shape (benchmarks/weight_sync.py's helper, bf16 on the GPU) served by the engine's
@@ -13,7 +13,8 @@ steps are timed apart (synchronised); the decode time is the round's wall time l
 the first (`--new-tokens` - 1 steps; the overlap schedule takes one more forward step, for rows already finished):
 device time plus the host's share, which the overlap schedule hides behind the next step. The bound of one decode step is the bytes it must read, the weights once plus every live
 row's KV cache (2 x layers x KV heads x head dim x 2 bytes per token of context), over `--bandwidth-tb-s`
-(device copy bandwidth measured on the H200); efficiency = bound / measured. `--norms`: each KV cache mode with
+(default: this GPU's device-to-device copy bandwidth, read + write, measured at the start: 4.3 TB/s on the H200);
+efficiency = bound / measured. `--norms`: each KV cache mode with
 transformers' RMSNorm modules as they are (`op`: about eight kernels each) and then each as one `F.rms_norm`
 kernel (`fused`: what the engine serves with on CUDA, slime/backends/hf_engine/fused_norms.py). `--overlap`: the
 slot cache's rows with the plain schedule (`off`, the server's `--disable-overlap-schedule`) and the overlap schedule
@@ -202,13 +203,34 @@ def bench_sglang(url: str, name: str, vocab: int, batch: int, prompt_len: int, n
             "efficiency": bound_s / step, "decode tok/s": batch / step}
 
 
+def copy_bandwidth() -> float:
+    """Bytes per second a device-to-device copy of 1 GiB moves (read + write), the best of 5."""
+    import torch
+
+    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (1 << 30) / min(seconds)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="qwen3-0.6b")
     p.add_argument("--batch", default="64,256")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--bandwidth-tb-s", type=float, default=4.3)
+    p.add_argument("--bandwidth-tb-s", type=float, default=None,
+                   help="the bound's memory bandwidth (default: measured here by a device copy)")
     p.add_argument("--kv-cache", default="dynamic,slots", help="scheduler KV cache modes to compare ('' for none)")
     p.add_argument("--norms", default="op,fused", help="RMSNorm forms to compare: op (transformers' modules), "
                    "fused (F.rms_norm, the engine's default on CUDA); op runs first, fusing is not undone")
@@ -240,6 +262,8 @@ def main() -> None:
                                 for k, v in row.items()) + " |", flush=True)
 
     batches = [int(b) for b in args.batch.split(",")]
+    if args.bandwidth_tb_s is None:
+        args.bandwidth_tb_s = round(copy_bandwidth() / 1e12, 2)
     bandwidth = args.bandwidth_tb_s * 1e12
     with tempfile.TemporaryDirectory() as root:
         path, model = make_model_dir(args.shape, root)
