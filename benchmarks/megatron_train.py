@@ -3,6 +3,7 @@
     python benchmarks/megatron_train.py [--shape qwen3-4b] [--seq-len 4096] [--min-len 4096] [--samples 16]
                                         [--max-tokens-per-gpu 8192] [--layouts thd,bshd] [--steps 3] [--push N]
     python benchmarks/megatron_train.py --layouts thd,thd:triton     # --log-probs-kernel torch against triton
+    python benchmarks/megatron_train.py --profile 30 --profile-syncs   # a profiled step, and where the host waits
 
 A random-init model of a published Qwen3 shape (benchmarks/weight_sync.py's helper) is written as an HF folder
 and loaded by `MegatronTrainRayActor` (driven directly, no Ray: one rank, bf16 parameters, fp32 master weights
@@ -139,7 +140,10 @@ def profile_step(cli, actor, batch, layout: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # the Python frames of each event need the verbose experimental config on recent torch (else `stack` is empty)
+    stacks = {"with_stack": True, "experimental_config": torch._C._profiler._ExperimentalConfig(verbose=True)}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 **(stacks if cli.profile_syncs else {})) as prof:
         wall = timed(lambda: actor.train(cli.steps + 1, batch))
     events = prof.key_averages()
     kernel_s = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e6
@@ -148,6 +152,25 @@ def profile_step(cli, actor, batch, layout: str) -> None:
           f"({kernel_s / wall:.0%} busy), kernel launches {launches}", file=sys.stderr)
     print(events.table(sort_by="self_device_time_total", row_limit=cli.profile), file=sys.stderr)
     print(events.table(sort_by="self_cpu_time_total", row_limit=cli.profile), file=sys.stderr)
+    if cli.profile_syncs:
+        print_sync_sites(prof, cli.profile)
+
+
+# the runtime's waits, and the operators that make the host wait for a value on the GPU (`.item()`, `.tolist()`,
+# `int(t)`, `nonzero`, `unique`, a boolean mask's select); the runtime events may carry no Python frames of their own
+HOST_WAITS = ("cudaStreamSynchronize", "cudaMemcpyAsync", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "aten::_local_scalar_dense", "aten::nonzero", "aten::_unique2", "aten::masked_select")
+
+
+def print_sync_sites(prof, limit: int) -> None:
+    """--profile-syncs: where the host waits for the GPU (a sync, a copy to or from pageable memory), grouped by the
+    Python frames that asked for it, most total time first."""
+    sites = [e for e in prof.key_averages(group_by_stack_n=6) if e.key in HOST_WAITS]
+    sites.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    print(f"\nhost waits by call site (top {limit}):", file=sys.stderr)
+    for e in sites[:limit]:
+        frames = " <- ".join(f for f in e.stack if "site-packages/torch" not in f)[:600]
+        print(f"{e.key} x{e.count}, {e.self_cpu_time_total / 1e3:.1f} ms: {frames}", file=sys.stderr)
 
 
 def time_push(cli, actor, model_dir: str) -> list[float]:
@@ -203,6 +226,8 @@ def main() -> None:
     p.add_argument("--push", type=int, default=0, help="also time N colocated weight pushes to an hf engine")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile one more train step; print the top N kernels and host operators")
+    p.add_argument("--profile-syncs", action="store_true",
+                   help="with --profile: also record Python stacks and print where the host waits for the GPU")
     p.add_argument("--model-dir", help="reuse this HF folder (made by an earlier run)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     cli = p.parse_args()
