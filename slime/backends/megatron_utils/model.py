@@ -25,7 +25,7 @@ import logging
 import torch
 
 from slime.backends.megatron_utils import args as mg_args
-from slime.backends.megatron_utils import lora, packed_rope, plugins
+from slime.backends.megatron_utils import grad_norm, lora, packed_rope, plugins
 from slime.backends.megatron_utils.sandwich_norm import add_sandwich_norms
 from slime.backends.megatron_utils.sdpa_attention import with_sdpa_attention
 from slime.backends.megatron_utils.sequence_parallel_norm import with_sequence_parallel_norms
@@ -206,10 +206,12 @@ def _wrap_ddp(args, config, model, index: int):
 
 
 def build_optimizer(args: argparse.Namespace, model: list[torch.nn.Module], total_steps: int):
-    """megatron-core's optimizer over the chunks, and an `OptimizerParamScheduler` over `total_steps`."""
+    """megatron-core's optimizer over the chunks, and an `OptimizerParamScheduler` over `total_steps`; its gradient
+    norm without a host wait per parameter (grad_norm.py)."""
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    grad_norm.install()
     optimizer = get_megatron_optimizer(mg_args.build_optimizer_config(args), model)
     scheduler = OptimizerParamScheduler(optimizer, **mg_args.lr_scheduler_kwargs(args, total_steps))
     return optimizer, scheduler
