@@ -101,6 +101,15 @@ def _fused(logits, rows, targets, temperature: float, real: int, start: int, wit
                                                 entropy_grad, group)
 
 
+def mark_outputs(ctx, entropy: torch.Tensor, with_entropy: bool, entropy_grad: bool) -> None:
+    """The autograd flags of a log-prob Function's outputs: the entropy a metric only without `entropy_grad`; an
+    output left out of the loss gets None in backward, so its gradient term is skipped (not multiplied by 0)."""
+    ctx.entropy_grad = with_entropy and entropy_grad
+    if with_entropy and not entropy_grad:
+        ctx.mark_non_differentiable(entropy)
+    ctx.set_materialize_grads(False)
+
+
 def _local_targets(targets: torch.Tensor, start: int, real: int, width: int, group
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(each target's column on this rank's slice, whether this rank owns it). A target on another rank's slice
@@ -127,10 +136,7 @@ class _LogProbs(torch.autograd.Function):
                                                         step, dtype)
             ctx.save_for_backward(logits, rows, local, owned, keep_mask, lse, lse, mean_x)
             ctx.temperature, ctx.real_columns, ctx.step = temperature, real_columns, step
-            ctx.entropy_grad = with_entropy and entropy_grad
-            if with_entropy and not entropy_grad:
-                ctx.mark_non_differentiable(entropy)
-            ctx.set_materialize_grads(False)
+            mark_outputs(ctx, entropy, with_entropy, entropy_grad)
             return log_probs, entropy
 
         # row 0: the max of x; with a keep mask, row 1: the max over the kept columns
@@ -166,10 +172,7 @@ class _LogProbs(torch.autograd.Function):
 
         ctx.save_for_backward(logits, rows, local, owned, keep_mask, lse, lse_lp, mean_x)
         ctx.temperature, ctx.real_columns, ctx.step = temperature, real_columns, step
-        ctx.entropy_grad = with_entropy and entropy_grad
-        if with_entropy and not entropy_grad:
-            ctx.mark_non_differentiable(entropy)
-        ctx.set_materialize_grads(False)  # an output left out of the loss gets None: its term is skipped
+        mark_outputs(ctx, entropy, with_entropy, entropy_grad)
         return log_probs, entropy
 
     @staticmethod

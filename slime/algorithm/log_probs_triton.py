@@ -22,6 +22,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from slime.algorithm.log_probs import mark_outputs
+
 try:
     import triton
     import triton.language as tl
@@ -46,14 +48,19 @@ def usable(logits: torch.Tensor) -> str | None:
 if triton is not None:
 
     @triton.jit
-    def _forward_kernel(logits, stride, rows, targets, owned, m_out, s_out, sx_out, xt_out, cols, inv_t,
-                        HAS_ROWS: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
-        i = tl.program_id(0)
+    def _row_of(rows, i, HAS_ROWS: tl.constexpr):
+        """The row of the logits program `i` reads: `rows[i]`, or `i` when every row is read."""
         if HAS_ROWS:
             row = tl.load(rows + i).to(tl.int64)
         else:
             row = i.to(tl.int64)
-        base = logits + row * stride
+        return row
+
+    @triton.jit
+    def _forward_kernel(logits, stride, rows, targets, owned, m_out, s_out, sx_out, xt_out, cols, inv_t,
+                        HAS_ROWS: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        base = logits + _row_of(rows, i, HAS_ROWS) * stride
         m = float("-inf")
         s = 0.0
         sx = 0.0
@@ -81,10 +88,7 @@ if triton is not None:
                          width, inv_t, HAS_ROWS: tl.constexpr, HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr,
                          BLOCK: tl.constexpr):
         i = tl.program_id(0)
-        if HAS_ROWS:
-            row = tl.load(rows + i).to(tl.int64)
-        else:
-            row = i.to(tl.int64)
+        row = _row_of(rows, i, HAS_ROWS)
         base = logits + row * stride
         out = grad + row * grad_stride
         lse_i = tl.load(lse + i)
@@ -139,10 +143,7 @@ class FusedLogProbs(torch.autograd.Function):
         entropy = lse - mean_x if with_entropy else torch.empty(0, dtype=torch.float32, device=dev)
         ctx.save_for_backward(logits, rows, local, owned_u8, lse, mean_x)
         ctx.temperature, ctx.cols = temperature, cols
-        ctx.entropy_grad = with_entropy and entropy_grad
-        if with_entropy and not entropy_grad:
-            ctx.mark_non_differentiable(entropy)
-        ctx.set_materialize_grads(False)  # an output left out of the loss gets None: its term is skipped
+        mark_outputs(ctx, entropy, with_entropy, entropy_grad)
         return log_probs, entropy
 
     @staticmethod
