@@ -27,6 +27,8 @@ zero gradient.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -46,7 +48,6 @@ def log_probs_and_entropy(
     keep_mask: torch.Tensor | None = None,
     entropy_grad: bool = True,
     chunk_rows: int | None = None,
-    kernel: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature)[target] and, with `with_entropy`, the entropy of the same distribution,
     in fp32 (fp64 for fp64 logits); differentiable in `logits`, the gradient in the logits' dtype.
@@ -56,11 +57,31 @@ def log_probs_and_entropy(
     real vocabulary (None: every column is real). `group`: the process group the vocabulary is split over (None:
     not split). `keep_mask` (bool, the logits' shape): the log-prob's distribution keeps only those columns and
     the target. `entropy_grad=False` returns the entropy as a metric only (no gradient). `chunk_rows`: rows per
-    chunk (default: about `CHUNK_ELEMENTS` logits). `kernel`: "torch" (this file's chunked form) or "triton"
-    (log_probs_triton.py: one read of the logits forward, one read and one write backward; `rows` distinct; with a
-    `keep_mask` the torch form runs)."""
-    if kernel not in KERNELS:
-        raise ValueError(f"--log-probs-kernel {kernel!r}: one of {list(KERNELS)}")
+    chunk (default: about `CHUNK_ELEMENTS` logits). `--log-probs-kernel triton` calls log_probs_triton.py's
+    `log_probs_and_entropy_triton` instead (the same arguments but `keep_mask` and `chunk_rows`)."""
+    v = vocab_view(logits, targets, rows, vocab_size, group, temperature, keep_mask)
+    step = chunk_rows if chunk_rows else max(1, CHUNK_ELEMENTS // max(v.real, 1))
+    log_probs, entropy = _LogProbs.apply(v.logits, v.rows, v.targets, v.keep_mask, float(temperature), v.real,
+                                         v.start, with_entropy, entropy_grad, step, group)
+    return log_probs.view(v.shape), (entropy.view(v.shape) if with_entropy else None)
+
+
+@dataclass
+class VocabView:
+    """A call's logits as `[T, V_local]` rows, its targets `[N]` (on the logits' device), the rows read (None:
+    all), the outputs' shape, the real columns of this rank's slice and the vocabulary id of its first column."""
+
+    logits: torch.Tensor
+    targets: torch.Tensor
+    rows: torch.Tensor | None
+    keep_mask: torch.Tensor | None
+    shape: torch.Size
+    real: int
+    start: int
+
+
+def vocab_view(logits, targets, rows, vocab_size, group, temperature: float, keep_mask=None) -> VocabView:
+    """`log_probs_and_entropy`'s arguments checked and laid out for either kernel."""
     if temperature <= 0:
         raise ValueError(f"temperature {temperature}: must be > 0")
     if rows is None:
@@ -77,28 +98,7 @@ def log_probs_and_entropy(
     local_vocab = logits.shape[-1]
     start = dist.get_rank(group) * local_vocab if group is not None else 0
     real = local_vocab if vocab_size is None else min(local_vocab, max(0, vocab_size - start))
-    if kernel == "triton" and keep_mask is None:
-        log_probs, entropy = _fused(logits, rows, targets, temperature, real, start, with_entropy, entropy_grad, group)
-        return log_probs.view(shape), (entropy.view(shape) if with_entropy else None)
-    step = chunk_rows if chunk_rows else max(1, CHUNK_ELEMENTS // max(real, 1))
-    log_probs, entropy = _LogProbs.apply(logits, rows, targets.to(logits.device).long(), keep_mask,
-                                         float(temperature), real, start, with_entropy, entropy_grad, step, group)
-    return log_probs.view(shape), (entropy.view(shape) if with_entropy else None)
-
-
-def _fused(logits, rows, targets, temperature: float, real: int, start: int, with_entropy: bool, entropy_grad: bool,
-           group):
-    from slime.algorithm import log_probs_triton
-
-    problem = log_probs_triton.usable(logits)
-    if problem:
-        raise ValueError(f"--log-probs-kernel triton: {problem}; use --log-probs-kernel torch")
-    if rows is not None and rows.unique().numel() != rows.numel():
-        raise ValueError("--log-probs-kernel triton: the rows read hold duplicates (each row's gradient is written "
-                         "once); use --log-probs-kernel torch")
-    local, owned = _local_targets(targets.to(logits.device).long(), start, real, logits.shape[-1], group)
-    return log_probs_triton.FusedLogProbs.apply(logits, rows, local, owned, float(temperature), real, with_entropy,
-                                                entropy_grad, group)
+    return VocabView(logits, targets.to(logits.device).long(), rows, keep_mask, shape, real, start)
 
 
 def mark_outputs(ctx, entropy: torch.Tensor, with_entropy: bool, entropy_grad: bool) -> None:
@@ -110,7 +110,7 @@ def mark_outputs(ctx, entropy: torch.Tensor, with_entropy: bool, entropy_grad: b
     ctx.set_materialize_grads(False)
 
 
-def _local_targets(targets: torch.Tensor, start: int, real: int, width: int, group
+def local_targets(targets: torch.Tensor, start: int, real: int, width: int, group
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(each target's column on this rank's slice, whether this rank owns it). A target on another rank's slice
     (or padding) reads a column of this slice, its value masked out by `owned`; with the whole vocabulary here,
@@ -129,7 +129,7 @@ class _LogProbs(torch.autograd.Function):
         n = logits.shape[0] if rows is None else rows.numel()
         dtype = torch.promote_types(logits.dtype, torch.float32)
         dev = logits.device
-        local, owned = _local_targets(targets, column_start, real_columns, logits.shape[-1], group)
+        local, owned = local_targets(targets, column_start, real_columns, logits.shape[-1], group)
         masked = keep_mask is not None
         if group is None and rows is None and not masked:
             log_probs, entropy, lse, mean_x = _one_rank(logits, local, owned, temperature, real_columns, with_entropy,

@@ -9,10 +9,12 @@ the Megatron trainer's GPU time on an H100 (benchmarks/README.md). Here, per row
               (m, s, sx) are combined after the kernel: M = max m, s = Σ s·exp(m - M), sx likewise;
     backward: one read of the row and one write of its gradient, the formula of log_probs.py's docstring.
 
-The same numbers as the torch form to fp32 rounding (the sums are accumulated in another order). A `keep_mask`
-(top-p replay) goes through the torch form (log_probs.py); fp64 logits, logits off CUDA, or no triton are an error
-naming the flag. `rows` must be distinct (each read row's gradient is written, not added). Needs CUDA logits, or
-`TRITON_INTERPRET=1` set before this module is imported (the CPU tests run the kernels that way, in numpy).
+The same numbers as the torch form to fp32 rounding (the sums are accumulated in another order). The entry point is
+`log_probs_and_entropy_triton`; the trainers take it or log_probs.py's `log_probs_and_entropy` through
+`vocab_kernel(--log-probs-kernel)`. It takes no `keep_mask` (the top-p replay's calls keep the torch form); fp64
+logits, logits off CUDA, or no triton are an error naming the flag. `rows` must be distinct (each read row's
+gradient is written, not added). Needs CUDA logits, or `TRITON_INTERPRET=1` set before this module is imported (the
+CPU tests run the kernels that way, in numpy).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from slime.algorithm.log_probs import mark_outputs
+from slime.algorithm.log_probs import KERNELS, local_targets, log_probs_and_entropy, mark_outputs, vocab_view
 
 try:
     import triton
@@ -32,6 +34,39 @@ except ImportError:  # the torch form serves; --log-probs-kernel triton is refus
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_BLOCK = 4096  # columns per step of a row's loop (fp32 registers per program)
+
+
+def log_probs_and_entropy_triton(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    rows: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+    group=None,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_probs.py's `log_probs_and_entropy` through the kernels below (no keep mask; `rows` distinct)."""
+    problem = usable(logits)
+    if problem:
+        raise ValueError(f"--log-probs-kernel triton: {problem}; use --log-probs-kernel torch")
+    v = vocab_view(logits, targets, rows, vocab_size, group, temperature)
+    if v.rows is not None and v.rows.unique().numel() != v.rows.numel():
+        raise ValueError("--log-probs-kernel triton: the rows read hold duplicates (each row's gradient is written "
+                         "once); use --log-probs-kernel torch")
+    local, owned = local_targets(v.targets, v.start, v.real, v.logits.shape[-1], group)
+    log_probs, entropy = FusedLogProbs.apply(v.logits, v.rows, local, owned, float(temperature), v.real, with_entropy,
+                                             entropy_grad, group)
+    return log_probs.view(v.shape), (entropy.view(v.shape) if with_entropy else None)
+
+
+def vocab_kernel(name: str):
+    """--log-probs-kernel `name`: log_probs.py's `log_probs_and_entropy` (torch) or `log_probs_and_entropy_triton`,
+    called the same way."""
+    if name not in KERNELS:
+        raise ValueError(f"--log-probs-kernel {name!r}: one of {list(KERNELS)}")
+    return log_probs_and_entropy_triton if name == "triton" else log_probs_and_entropy
 
 
 def usable(logits: torch.Tensor) -> str | None:

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from slime.algorithm.log_probs import log_probs_and_entropy
+from slime.algorithm.log_probs_triton import vocab_kernel
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -21,8 +21,7 @@ TOKENS, VOCAB, PADDED = 20480, 151936, 152064  # a micro-batch; Qwen3's vocabula
 
 def run(kernel: str, logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor):
     x = logits.detach().clone().requires_grad_()
-    lp, ent = log_probs_and_entropy(x, targets, temperature=0.8, with_entropy=True, rows=rows, vocab_size=VOCAB,
-                                    kernel=kernel)
+    lp, ent = vocab_kernel(kernel)(x, targets, temperature=0.8, with_entropy=True, rows=rows, vocab_size=VOCAB)
     (lp @ weights[0] + ent @ weights[1]).backward()
     return lp.detach(), ent.detach(), x.grad
 

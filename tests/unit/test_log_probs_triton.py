@@ -30,6 +30,7 @@ def _close(got, want, tol, name):
 def _single_rank(max_block: int) -> None:
     from slime.algorithm import log_probs_triton
     from slime.algorithm.log_probs import log_probs_and_entropy
+    from slime.algorithm.log_probs_triton import log_probs_and_entropy_triton
 
     assert log_probs_triton.INTERPRETED
     log_probs_triton.MAX_BLOCK = max_block  # 16: a row of 40 columns in 3 blocks (the online max rescales the sums)
@@ -37,8 +38,8 @@ def _single_rank(max_block: int) -> None:
     # (the interpreter's cast to bf16 truncates where a GPU's rounds to nearest, 2^-8)
     for dtype, tol, grad_tol in ((torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1e-5, 2**-7)):
         logits, rows, targets, weights = inputs(dtype)
-        ours = grads(lambda x: log_probs_and_entropy(x, targets, temperature=0.7, with_entropy=True, rows=rows,
-                                                     vocab_size=REAL, kernel="triton"), logits, weights)
+        ours = grads(lambda x: log_probs_and_entropy_triton(x, targets, temperature=0.7, with_entropy=True, rows=rows,
+                                                            vocab_size=REAL), logits, weights)
         want = grads(lambda x: reference(x, rows, targets, 0.7), logits.double(), weights)
         for a, b, name, t in zip(ours, want, ("log-probs", "entropy", "gradient"), (tol, tol, grad_tol)):
             _close(a, b, t, f"{dtype} rows {name}")
@@ -54,7 +55,7 @@ def _single_rank(max_block: int) -> None:
     every = torch.randint(0, V, (3, 4), generator=g)
     block = logits.view(3, 4, V)
     x = block.clone().requires_grad_()
-    lp, ent = log_probs_and_entropy(x, every, with_entropy=True, kernel="triton")
+    lp, ent = log_probs_and_entropy_triton(x, every, with_entropy=True)
     assert lp.shape == ent.shape == (3, 4)
     (lp.sum() + 0.5 * ent.sum()).backward()
     y = block.clone().double().requires_grad_()
@@ -66,13 +67,13 @@ def _single_rank(max_block: int) -> None:
     # the entropy out of the loss gets no gradient term; as a metric only it is not differentiable
     logits, rows, targets, _ = inputs(torch.float32)
     x = logits.clone().requires_grad_()
-    lp, ent = log_probs_and_entropy(x, targets, rows=rows, vocab_size=REAL, with_entropy=True, kernel="triton")
+    lp, ent = log_probs_and_entropy_triton(x, targets, rows=rows, vocab_size=REAL, with_entropy=True)
     lp.sum().backward()
     y = logits.clone().double().requires_grad_()
     reference(y, rows, targets, 1.0)[0].sum().backward()
     _close(x.grad.double(), y.grad, 1e-5, "log-probs alone: gradient")
-    _, metric = log_probs_and_entropy(logits.clone().requires_grad_(), targets, rows=rows, vocab_size=REAL,
-                                      with_entropy=True, entropy_grad=False, kernel="triton")
+    _, metric = log_probs_and_entropy_triton(logits.clone().requires_grad_(), targets, rows=rows, vocab_size=REAL,
+                                             with_entropy=True, entropy_grad=False)
     assert not metric.requires_grad
 
     # as the trainers call it: Megatron's rows of a packed micro-batch, fsdp's gathered response positions
@@ -93,9 +94,9 @@ def _single_rank(max_block: int) -> None:
         _close(kernel_out, torch_out, 1e-5, "fsdp extract_response_log_probs")
 
     with pytest.raises(ValueError, match="duplicates"):
-        log_probs_and_entropy(logits, targets[:2], rows=torch.tensor([1, 1]), kernel="triton")
+        log_probs_and_entropy_triton(logits, targets[:2], rows=torch.tensor([1, 1]))
     with pytest.raises(ValueError, match=r"--log-probs-kernel triton: the logits are torch.float64"):
-        log_probs_and_entropy(logits.double(), targets, rows=rows, kernel="triton")
+        log_probs_and_entropy_triton(logits.double(), targets, rows=rows)
 
 
 def _rank(rank: int, init: str, out: str) -> None:
@@ -106,16 +107,16 @@ def _rank(rank: int, init: str, out: str) -> None:
     logits, rows, targets, weights = inputs(torch.float32)
     local = V // 2
     part = logits[:, rank * local:(rank + 1) * local]
-    lp, ent, grad = grads(lambda x: log_probs_and_entropy_triton(x, targets, rows), part, weights)
+    lp, ent, grad = grads(lambda x: split_vocabulary_call(x, targets, rows), part, weights)
     torch.save({"lp": lp, "ent": ent, "grad": grad}, f"{out}.{rank}")
     dist.destroy_process_group()
 
 
-def log_probs_and_entropy_triton(x, targets, rows):
-    from slime.algorithm.log_probs import log_probs_and_entropy
+def split_vocabulary_call(x, targets, rows):
+    from slime.algorithm.log_probs_triton import log_probs_and_entropy_triton
 
-    return log_probs_and_entropy(x, targets, temperature=0.7, with_entropy=True, rows=rows, vocab_size=REAL,
-                                 group=dist.group.WORLD, kernel="triton")
+    return log_probs_and_entropy_triton(x, targets, temperature=0.7, with_entropy=True, rows=rows, vocab_size=REAL,
+                                        group=dist.group.WORLD)
 
 
 def _two_ranks(tmp: str) -> None:
@@ -154,13 +155,15 @@ def test_triton_kernel_refused_off_cuda_without_the_interpreter():
     logits, rows, targets, _ = inputs(torch.float32)
     with pytest.raises(ValueError, match="--log-probs-kernel triton: the logits are on cpu, not a CUDA device; use "
                                          "--log-probs-kernel torch"):
-        log_probs_and_entropy(logits, targets, rows=rows, kernel="triton")
+        log_probs_triton.vocab_kernel("triton")(logits, targets, rows=rows)
+    assert log_probs_triton.vocab_kernel("torch") is log_probs_and_entropy
     with pytest.raises(ValueError, match="--log-probs-kernel 'cuda'"):
-        log_probs_and_entropy(logits, targets, rows=rows, kernel="cuda")
+        log_probs_triton.vocab_kernel("cuda")
 
 
 def test_the_flag_is_refused_where_the_kernels_cannot_run(monkeypatch):
-    from slime.algorithm import log_probs_triton
+    import importlib.util
+
     from slime.config.arguments import SlimeArgumentError
     from tests.args import make_args
 
@@ -168,6 +171,7 @@ def test_the_flag_is_refused_where_the_kernels_cannot_run(monkeypatch):
     with pytest.raises(SlimeArgumentError, match="--log-probs-kernel triton runs on CUDA only"):
         make_args("--log-probs-kernel", "triton", use_cuda=False)
     assert make_args("--log-probs-kernel", "triton", use_cuda=True).log_probs_kernel == "triton"
-    monkeypatch.setattr(log_probs_triton, "triton", None)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find_spec(name, *a))
     with pytest.raises(SlimeArgumentError, match="--log-probs-kernel triton: triton is not installed"):
         make_args("--log-probs-kernel", "triton", use_cuda=True)

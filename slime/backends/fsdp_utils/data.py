@@ -13,7 +13,7 @@ import inspect
 
 import torch
 
-from slime.algorithm.log_probs import log_probs_and_entropy
+from slime.algorithm.log_probs_triton import vocab_kernel
 from slime.backends.training.batching import MicroBatch
 from slime.utils.image_tokens import (image_token_counts, own_embeddings_at, stand_in_id, stray_image_tokens,
                                       token_runs)
@@ -32,7 +32,8 @@ def extract_response_log_probs(
 
     `logits` [B, K, V] hold positions [logits_offset, logits_offset + K) of the padded sequence (a model
     run with `logits_to_keep` returns only the last K). With `with_entropy`, also the per-token entropy
-    of the same temperature-scaled distribution. `kernel`: --log-probs-kernel (slime/algorithm/log_probs.py)."""
+    of the same temperature-scaled distribution. `kernel`: --log-probs-kernel (slime/algorithm/log_probs_triton.py's
+    `vocab_kernel`)."""
     if temperature <= 0:
         raise ValueError(f"--rollout-temperature {temperature}: must be > 0")
     _, kept, vocab = logits.shape
@@ -49,8 +50,7 @@ def extract_response_log_probs(
         )
     targets = torch.where(valid, mb.input_ids.gather(1, torch.where(valid, starts + t, torch.zeros_like(t))), 0)
     selected = logits.gather(1, predicting.unsqueeze(-1).expand(-1, -1, vocab))
-    log_probs, entropy = log_probs_and_entropy(selected, targets, temperature=temperature, with_entropy=with_entropy,
-                                               kernel=kernel)
+    log_probs, entropy = vocab_kernel(kernel)(selected, targets, temperature=temperature, with_entropy=with_entropy)
     return log_probs * valid, (entropy * valid if with_entropy else None)
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from slime.algorithm.log_probs import log_probs_and_entropy
+from slime.algorithm.log_probs_triton import vocab_kernel
 from slime.backends.megatron_utils.cp_layout import (cp_group_size_rank, gather_cp, pad_row, padded_boundaries,
                                                      zigzag_layout)
 from slime.backends.training.batching import MicroBatch
@@ -33,7 +33,7 @@ def response_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`[B, L, V/tp]` logits of a padded micro-batch (or `[1, T, V/tp]` of a packed one) -> `[B, R]` fp32
     response log-probs (0 past each response), and entropies, of softmax(logits / temperature). `kernel`:
-    --log-probs-kernel (slime/algorithm/log_probs.py)."""
+    --log-probs-kernel (slime/algorithm/log_probs_triton.py's `vocab_kernel`)."""
     if temperature <= 0:
         raise ValueError(f"--rollout-temperature {temperature}: must be > 0")
     if mb.cu_seqlens is not None and cp_group_size_rank()[0] > 1:
@@ -48,9 +48,9 @@ def response_log_probs(
     targets = ids[rows[valid], predicting[valid] + 1]
     # the rows of the [B·L, V/tp] view that predict response tokens, read in place (no copy of the block)
     flat = rows[valid] * logits.shape[1] + predicting[valid]
-    lp_flat, ent_flat = log_probs_and_entropy(logits.reshape(-1, logits.shape[-1]), targets, temperature=temperature,
+    lp_flat, ent_flat = vocab_kernel(kernel)(logits.reshape(-1, logits.shape[-1]), targets, temperature=temperature,
                                               with_entropy=with_entropy, rows=flat, vocab_size=vocab_size,
-                                              group=tensor_parallel_group(), kernel=kernel)
+                                              group=tensor_parallel_group())
     log_probs = torch.zeros(valid.shape, dtype=torch.float32, device=device)
     log_probs = log_probs.masked_scatter(valid, lp_flat)
     entropy = None
@@ -70,9 +70,8 @@ def _response_log_probs_cp(logits: torch.Tensor, mb: MicroBatch, temperature: fl
     ids, original = pad_row(mb.input_ids[0].to(device), mb.cu_seqlens, layout.padded_cu)
     # the token after each of this rank's positions (the last position of the row predicts nothing real)
     targets = ids[(layout.local_index + 1).clamp(max=ids.shape[0] - 1)]
-    lp, ent = log_probs_and_entropy(logits.reshape(-1, logits.shape[-1]), targets, temperature=temperature,
-                                    with_entropy=with_entropy, vocab_size=vocab_size, group=tensor_parallel_group(),
-                                    kernel=kernel)
+    lp, ent = vocab_kernel(kernel)(logits.reshape(-1, logits.shape[-1]), targets, temperature=temperature,
+                                    with_entropy=with_entropy, vocab_size=vocab_size, group=tensor_parallel_group())
     local = torch.stack([lp, ent], dim=1) if with_entropy else lp.unsqueeze(1)
     # every rank computes the same loss from these, so each keeps its own rows of the gradient (no sum)
     row = gather_cp(local, group, sum_grad=False)[layout.gather_order][original]  # [T, 1 or 2]

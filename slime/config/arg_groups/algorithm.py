@@ -7,6 +7,7 @@ and mirrored, after validation, as slime's positive fields `grpo_std_normalizati
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 
@@ -166,9 +167,7 @@ def add_opd_arguments(parser: argparse.ArgumentParser) -> None:
 
 def validate_algorithm(args: argparse.Namespace) -> None:
     if args.log_probs_kernel == "triton":
-        from slime.algorithm import log_probs_triton
-
-        if log_probs_triton.triton is None:
+        if importlib.util.find_spec("triton") is None:
             fail("--log-probs-kernel triton: triton is not installed (it comes with torch's CUDA builds); install it "
                  "or use --log-probs-kernel torch.")
         if not args.use_cuda:
