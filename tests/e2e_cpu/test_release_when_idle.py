@@ -98,7 +98,10 @@ def test_release_waits_for_the_health_probe_in_flight(tiny_model_dir, toy_data_p
 def test_release_pauses_a_background_rollout_until_memory_is_back(tiny_model_dir, toy_data_path, ray_cluster):
     args = _args(tiny_model_dir, toy_data_path, "--rollout-num-gpus", "1", "--rollout-max-response-len", "128",
                  "--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
-                 "--over-sampling-batch-size", "4", "--async-buffer-size", "4")  # room to keep launching
+                 "--over-sampling-batch-size", "4", "--async-buffer-size", "100000")
+    # The worker stops launching once --async-buffer-size x --rollout-batch-size groups wait to be collected (rightly).
+    # It finishes ~14 groups/s here: with 4 rollouts (8 groups) a test process slowed by CI's load let the buffer fill
+    # before the release, and nothing was left to relaunch. 200,000 groups cannot fill within the test's 300 s.
     manager = ray.remote(num_cpus=0)(RolloutManager).remote(args, None)
     try:
         [url] = ray.get(manager.get_engine_urls.remote())
