@@ -246,3 +246,59 @@ def test_samples_carry_their_rollout_into_the_train_batch_and_its_steps():
     with pytest.raises(ValueError, match="TrainBatch.rollout_ids has 1 entries, tokens has 2"):
         TrainBatch(tokens=[[1, 2]] * 2, response_lengths=[1] * 2, loss_masks=[[1]] * 2, rewards=[0.0] * 2,
                    raw_rewards=[0.0] * 2, truncated=[False] * 2, group_indices=[0, 0], rollout_ids=[0])
+
+
+# ---- per-row values to the device in one copy -------------------------------------------------------------
+def test_predicting_positions_are_the_response_masks_ones_in_order():
+    import torch
+
+    from slime.backends.training.batching import make_micro_batch, make_packed_micro_batch
+
+    tokens, responses = [[5, 6, 7, 1], [8, 9], [1, 2, 3, 4, 5]], [2, 0, 3]
+    for mb in (make_micro_batch(tokens, responses), make_packed_micro_batch(tokens, responses, multiple=4)):
+        t = torch.arange(mb.max_response_len).unsqueeze(0)
+        valid = mb.response_mask.bool()
+        want_pos = (torch.as_tensor(mb.response_starts).unsqueeze(1) - 1 + t)[valid]
+        want_row = mb.row_of_sequence.unsqueeze(1).expand_as(valid)[valid]
+        rows, positions = mb.predicting_positions()
+        assert rows.tolist() == want_row.tolist() and positions.tolist() == want_pos.tolist()
+        # each position predicts its response token
+        assert mb.input_ids[rows, positions + 1].tolist() == [x for s, n in zip(tokens, responses) for x in s[len(s) - n:]]
+
+
+def test_rows_on_device_is_one_storage_split_per_row():
+    import torch
+
+    from slime.backends.training.batching import rows_on_device
+
+    rows = rows_on_device([[1, 0, 1], [], [0.5]], "cpu")
+    assert [r.tolist() for r in rows] == [[1.0, 0.0, 1.0], [], [0.5]] and rows[0].dtype == torch.float32
+    assert len({r.untyped_storage().data_ptr() for r in rows}) == 1  # one copy, not one per row
+    grads = [torch.tensor([1.0, 2.0], requires_grad=True), torch.tensor([3.0], requires_grad=True)]
+    sum(r.sum() * (i + 1) for i, r in enumerate(rows_on_device(grads, "cpu"))).backward()
+    assert grads[0].grad.tolist() == [1.0, 1.0] and grads[1].grad.tolist() == [2.0]  # autograd follows the views
+    assert rows_on_device([], "cpu") == []
+
+
+def test_pad_per_token_pads_tensors_where_they_are_and_lists_alike():
+    import torch
+
+    from slime.backends.training.batching import pad_per_token
+
+    want = [[1.0, 2.0, 0.0], [4.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    values = [[1, 2], [4], []]
+    assert pad_per_token(values, 3).tolist() == want
+    assert pad_per_token([torch.tensor(v, dtype=torch.bfloat16) for v in values], 3).tolist() == want
+    assert pad_per_token([torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0])], 2).tolist() == [[1, 2], [4, 0]]  # cut
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    pad_per_token([x], 3).sum().backward()
+    assert x.grad.tolist() == [1.0, 1.0]
+
+
+def test_slot_positions_point_past_a_responses_end_at_zero():
+    from slime.backends.training.batching import make_micro_batch
+
+    mb = make_micro_batch([[5, 6, 7, 1], [8, 9, 4]], [2, 1])  # rows right-padded to 4; responses start at 2 and 2
+    predicting, token = mb.slot_positions()
+    assert predicting.tolist() == [[1, 2], [1, 0]] and token.tolist() == [[2, 3], [2, 0]]
+    assert mb.slot_positions(logits_offset=1)[0].tolist() == [[0, 1], [0, 0]]

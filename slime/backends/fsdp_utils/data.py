@@ -14,7 +14,7 @@ import inspect
 import torch
 
 from slime.algorithm.log_probs_triton import vocab_kernel
-from slime.backends.training.batching import MicroBatch
+from slime.backends.training.batching import MicroBatch, to_device
 from slime.utils.image_tokens import (image_token_counts, own_embeddings_at, stand_in_id, stray_image_tokens,
                                       token_runs)
 
@@ -38,17 +38,15 @@ def extract_response_log_probs(
         raise ValueError(f"--rollout-temperature {temperature}: must be > 0")
     _, kept, vocab = logits.shape
     device = logits.device
-    t = torch.arange(mb.max_response_len, device=device).unsqueeze(0)
-    starts = torch.as_tensor(mb.response_starts, device=device).unsqueeze(1)
     valid = mb.response_mask.to(device).bool()
-    # Padded response slots point at an arbitrary valid position; they are masked out below.
-    predicting = torch.where(valid, starts - 1 + t - logits_offset, torch.zeros_like(t))
+    predicting, target_at = mb.slot_positions(logits_offset)  # on the host: checked and copied without a GPU sync
     if int(predicting.min()) < 0 or int(predicting.max()) >= kept:
         raise ValueError(
             f"logits cover positions [{logits_offset}, {logits_offset + kept}) but a response needs "
             f"[{logits_offset + int(predicting.min())}, {logits_offset + int(predicting.max()) + 1})"
         )
-    targets = torch.where(valid, mb.input_ids.gather(1, torch.where(valid, starts + t, torch.zeros_like(t))), 0)
+    predicting, target_at = to_device(torch.stack([predicting, target_at]), device)
+    targets = torch.where(valid, mb.input_ids.gather(1, target_at), 0)
     selected = logits.gather(1, predicting.unsqueeze(-1).expand(-1, -1, vocab))
     log_probs, entropy = vocab_kernel(kernel)(selected, targets, temperature=temperature, with_entropy=with_entropy)
     return log_probs * valid, (entropy * valid if with_entropy else None)
@@ -185,10 +183,8 @@ def extract_response_values(position_values: torch.Tensor, mb: MicroBatch) -> to
     """[B, L] per-position values -> [B, R]: V_t of response token t is read at the position that predicts
     it (the last token of the prefix before it), like the log-probs; 0 past each response."""
     device = position_values.device
-    t = torch.arange(mb.max_response_len, device=device).unsqueeze(0)
-    starts = torch.as_tensor(mb.response_starts, device=device).unsqueeze(1)
     valid = mb.response_mask.to(device).bool()
-    predicting = torch.where(valid, starts - 1 + t, torch.zeros_like(t))
+    predicting = to_device(mb.slot_positions()[0], device)
     return position_values.gather(1, predicting).float() * valid
 
 

@@ -23,7 +23,7 @@ import torch
 from slime.algorithm.log_probs_triton import vocab_kernel
 from slime.backends.megatron_utils.cp_layout import (cp_group_size_rank, gather_cp, pad_row, padded_boundaries,
                                                      zigzag_layout)
-from slime.backends.training.batching import MicroBatch
+from slime.backends.training.batching import MicroBatch, to_device
 from slime.observability.context_parallel import tensor_parallel_group
 
 
@@ -39,15 +39,12 @@ def response_log_probs(
     if mb.cu_seqlens is not None and cp_group_size_rank()[0] > 1:
         return _response_log_probs_cp(logits, mb, temperature, vocab_size, with_entropy, kernel)
     device = logits.device
-    t = torch.arange(mb.max_response_len, device=device).unsqueeze(0)
-    starts = torch.as_tensor(mb.response_starts, device=device).unsqueeze(1)
     valid = mb.response_mask.to(device).bool()
-    predicting = torch.where(valid, starts - 1 + t, torch.zeros_like(t))
-    rows = mb.row_of_sequence.to(device).unsqueeze(1).expand_as(predicting)
-    ids = mb.input_ids.to(device)
-    targets = ids[rows[valid], predicting[valid] + 1]
+    # built on the host and copied without a sync (a boolean index of a GPU tensor waits for the GPU)
+    rows, predicting = to_device(mb.predicting_positions(), device)
+    targets = mb.input_ids.to(device)[rows, predicting + 1]
     # the rows of the [B·L, V/tp] view that predict response tokens, read in place (no copy of the block)
-    flat = rows[valid] * logits.shape[1] + predicting[valid]
+    flat = rows * logits.shape[1] + predicting
     lp_flat, ent_flat = vocab_kernel(kernel)(logits.reshape(-1, logits.shape[-1]), targets, temperature=temperature,
                                               with_entropy=with_entropy, rows=flat, vocab_size=vocab_size,
                                               group=tensor_parallel_group())
@@ -75,10 +72,8 @@ def _response_log_probs_cp(logits: torch.Tensor, mb: MicroBatch, temperature: fl
     local = torch.stack([lp, ent], dim=1) if with_entropy else lp.unsqueeze(1)
     # every rank computes the same loss from these, so each keeps its own rows of the gradient (no sum)
     row = gather_cp(local, group, sum_grad=False)[layout.gather_order][original]  # [T, 1 or 2]
-    t = torch.arange(mb.max_response_len, device=device).unsqueeze(0)
-    starts = torch.as_tensor(mb.response_starts, device=device).unsqueeze(1)
     valid = mb.response_mask.to(device).bool()
-    predicting = (starts - 1 + t)[valid]
+    predicting = to_device(mb.predicting_positions()[1], device)  # packed: every sequence is in row 0
     log_probs = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_scatter(valid, row[predicting, 0])
     entropy = None
     if with_entropy:

@@ -217,6 +217,21 @@ class MicroBatch:
             return torch.arange(count)
         return torch.zeros(count, dtype=torch.long)
 
+    def slot_positions(self, logits_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, R] host long tensors: for each response slot, the position (in its row, less `logits_offset`) whose
+        logits predict its token, and the token's position; 0 at slots past a response (masked out by users)."""
+        valid = _response_mask(self.response_lengths).long()
+        t = torch.arange(self.max_response_len).unsqueeze(0)
+        starts = torch.as_tensor(self.response_starts, dtype=torch.long).unsqueeze(1)
+        return (starts - 1 + t - logits_offset) * valid, (starts + t) * valid
+
+    def predicting_positions(self) -> torch.Tensor:
+        """[2, N] host long tensor: the `input_ids` row and the position whose logits predict each response token,
+        sequence after sequence (row-major order of `response_mask`'s ones)."""
+        valid = _response_mask(self.response_lengths).bool()
+        rows = self.row_of_sequence.unsqueeze(1).expand_as(valid)
+        return torch.stack([rows[valid], self.slot_positions()[0][valid]])
+
     def sequences(self) -> list[torch.Tensor]:
         """Each sequence's tokens, prompt + response (views of `input_ids`; slime's `unconcat_tokens`)."""
         ends = [s + n for s, n in zip(self.response_starts, self.response_lengths)]
@@ -302,13 +317,58 @@ def make_packed_micro_batch(
     )
 
 
+def is_on(t: torch.Tensor, device) -> bool:
+    """Whether `t` is on `device` ("cuda" without an index: any GPU)."""
+    device = torch.device(device)
+    return t.device == device or (device.index is None and t.device.type == device.type)
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device`; from host to GPU through pinned memory without waiting for the GPU (a plain copy from pageable
+    memory waits for the stream to drain: one host sync per copy)."""
+    if is_on(t, device):
+        return t
+    if t.device.type == "cpu" and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def concat_on_device(values: Sequence[Sequence[float] | torch.Tensor], device, dtype=torch.float32
+                     ) -> tuple[torch.Tensor, list[int]]:
+    """Per-row values (host lists, or tensors on one device) concatenated where they are and moved in one copy
+    (`to_device`): (the flat `dtype` tensor on `device`, each row's length). Autograd follows tensors through."""
+    if values and all(torch.is_tensor(v) for v in values) and len({v.device for v in values}) == 1:
+        flat = torch.cat([v.reshape(-1).to(dtype) for v in values])
+        lengths = [v.numel() for v in values]
+    else:
+        host = [v.detach().reshape(-1).cpu().tolist() if torch.is_tensor(v) else v for v in values]
+        flat = torch.tensor([x for v in host for x in v], dtype=dtype)
+        lengths = [len(v) for v in host]
+    return to_device(flat, device), lengths
+
+
+def rows_on_device(values: Sequence[Sequence[float] | torch.Tensor], device, dtype=torch.float32
+                   ) -> list[torch.Tensor]:
+    """Per-row values as `dtype` tensors on `device`: views of one copy (`concat_on_device`). A copy per row syncs
+    with the GPU each time (hundreds per rollout)."""
+    flat, lengths = concat_on_device(values, device, dtype)
+    return list(flat.split(lengths))
+
+
 def pad_per_token(values: Sequence[Sequence[float] | torch.Tensor], width: int, device=None) -> torch.Tensor:
-    """Per-sample per-token lists -> [B, width] fp32, zero-padded on the right."""
+    """Per-sample per-token values -> [B, width] fp32, zero-padded (or cut) on the right, on `device` (None: where
+    tensor values are, else the host); tensors are padded where they are, never read back to the host."""
+    if values and all(torch.is_tensor(v) for v in values):
+        if device is None:
+            device = values[0].device
+        rows = rows_on_device(values, device)
+        out = torch.nn.utils.rnn.pad_sequence([r[:width] for r in rows], batch_first=True)
+        return torch.nn.functional.pad(out, (0, width - out.shape[1]))
     out = torch.zeros((len(values), width), dtype=torch.float32)
     for i, v in enumerate(values):
         v = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
         out[i, : v.numel()] = v[:width]
-    return out if device is None else out.to(device)
+    return out if device is None else to_device(out, device)
 
 
 def unpad_per_token(padded: torch.Tensor, lengths: Sequence[int]) -> list[list[float]]:

@@ -35,7 +35,7 @@ import torch
 
 from slime.algorithm.slime_formats import loss_hooks_set
 from slime.backends.training.actor import TrainRayActor
-from slime.backends.training.batching import rollout_mask_sums, rows_per_step, step_rows
+from slime.backends.training.batching import rollout_mask_sums, rows_on_device, rows_per_step, step_rows
 from slime.backends.training.old_actor import OldActor
 from slime.backends.training.optimizer_state import reset_optimizer_states
 from slime.backends.training.record import (
@@ -187,8 +187,8 @@ class PolicyTrainer(TrainRayActor):
         record.denominators = [loss_denominator(args, batch, rows)
                                for rows in step_rows(len(batch), args.global_batch_size, batch.rollout_ids)]
         record.mask_sums = rollout_mask_sums(batch.loss_masks, batch.rollout_of_rows())
-        record.loss_masks = {r: torch.as_tensor(batch.loss_masks[r], dtype=torch.float32, device=self.device)
-                             for r in record.rows}
+        record.loss_masks = dict(zip(record.rows, rows_on_device([batch.loss_masks[r] for r in record.rows],
+                                                                 self.device)))
         record.rollout_log_probs = rollout_log_probs(args, batch, record.rows, self.device)
         has_ref = self.ref_model is not None or self.base_is_reference
         require_ref(args, has_ref)

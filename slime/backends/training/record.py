@@ -24,7 +24,7 @@ from slime.algorithm.opd import missing_teacher_message, opd_advantages
 from slime.algorithm.returns import masked_moments, whiten_with_moments
 from slime.algorithm import slime_formats
 from slime.algorithm.slime_formats import LossHookInputs
-from slime.backends.training.batching import MicroBatch, pad_per_token
+from slime.backends.training.batching import MicroBatch, concat_on_device, is_on, pad_per_token, rows_on_device
 from slime.utils.types import TrainBatch
 
 PerRow = dict[int, torch.Tensor]
@@ -108,7 +108,7 @@ def rollout_log_probs(args: Any, batch: TrainBatch, rows: list[int], device) -> 
     """The engine's log-probs of `rows`, or None; errors when a flag needs them and the batch has none."""
     found = None
     if batch.rollout_log_probs is not None:
-        found = {r: torch.as_tensor(batch.rollout_log_probs[r], dtype=torch.float32, device=device) for r in rows}
+        found = dict(zip(rows, rows_on_device([batch.rollout_log_probs[r] for r in rows], device)))
     for flag, attr in (("--use-tis", "use_tis"), ("--use-rollout-logprobs", "use_rollout_logprobs")):
         if getattr(args, attr) and found is None:
             raise ValueError(f"{flag}: the train batch has no rollout log-probs (the rollout function must "
@@ -121,7 +121,7 @@ def batch_teacher_log_probs(args: Any, batch: TrainBatch, rows: list[int], devic
     plugins that fill them when there are none."""
     if batch.teacher_log_probs is None:
         raise ValueError(missing_teacher_message(args.opd_type))
-    return {r: torch.as_tensor(batch.teacher_log_probs[r], dtype=torch.float32, device=device) for r in rows}
+    return dict(zip(rows, rows_on_device([batch.teacher_log_probs[r] for r in rows], device)))
 
 
 def require_ref(args: Any, has_ref: bool) -> None:
@@ -136,8 +136,10 @@ def per_row_list(values: PerRow | None, rows: list[int], device=None, copy: bool
     the record holds a value for every row (e.g. no old log-probs off the last pipeline stage)."""
     if values is None or not all(r in values for r in rows):
         return None
-    return [values[r].detach().to(device if device is not None else values[r].device, torch.float32, copy=copy)
-            for r in rows]
+    tensors = [values[r].detach() for r in rows]
+    if device is not None and (copy or not all(is_on(t, device) for t in tensors)):
+        return rows_on_device(tensors, device)  # one copy for all rows (views of new storage)
+    return [t.to(torch.float32, copy=copy) for t in tensors]
 
 
 def slime_rollout_data(record: RolloutRecord, kl: list[torch.Tensor] | None = None,
@@ -187,10 +189,10 @@ def advantages_and_returns(args: Any, record: RolloutRecord, values, device, gro
         if teacher_log_probs is None:
             raise ValueError(missing_teacher_message(args.opd_type))
         adv_list, reverse_kls = opd_advantages(adv_list, old_log_probs, teacher_log_probs, args.opd_kl_coef)
-        record.opd_reverse_kl = {r: kl.to(device) for r, kl in zip(rows, reverse_kls)}
+        record.opd_reverse_kl = dict(zip(rows, rows_on_device(reverse_kls, device)))
     if args.normalize_advantages:
         adv_list = whiten(adv_list, inputs.loss_masks, device, group)
-    record.advantages = {r: a.to(device) for r, a in zip(rows, adv_list)}
+    record.advantages = dict(zip(rows, rows_on_device(adv_list, device)))
     record.returns = None if ret_list is None else dict(zip(rows, ret_list))
 
 
@@ -207,11 +209,10 @@ def whiten(advantages: list[torch.Tensor], masks: list[torch.Tensor], device, gr
 
 def logprob_abs_diff(old_lp: PerRow, rollout_lp: PerRow, masks: PerRow, device, group=None) -> float:
     """Mean |recomputed − rollout| log-prob over loss-masked response tokens of the whole batch."""
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for r, lp in old_lp.items():
-        mask = masks[r].to(device)
-        total[0] += ((lp - rollout_lp[r]).abs() * mask).sum().double()
-        total[1] += mask.sum().double()
+    rows = list(old_lp)
+    lp, rollout, mask = (concat_on_device([per_row[r] for r in rows], device, torch.float64)[0]
+                         for per_row in (old_lp, rollout_lp, masks))
+    total = torch.stack([((lp - rollout).abs() * mask).sum(), mask.sum()])
     dist.all_reduce(total, group=group)
     return float(total[0] / total[1].clamp_min(1.0))
 
@@ -219,10 +220,8 @@ def logprob_abs_diff(old_lp: PerRow, rollout_lp: PerRow, masks: PerRow, device, 
 def token_mean(values: PerRow, device, group=None) -> float:
     """Mean of per-token values over every response token of the batch (all data-parallel ranks' rows; not
     loss-masked: a rollout-side figure, such as the engine's entropy, covers every generated token)."""
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for value in values.values():
-        total[0] += value.to(device).sum().double()
-        total[1] += value.numel()
+    flat, _ = concat_on_device(list(values.values()), device, torch.float64)
+    total = torch.stack([flat.sum(), torch.full((), float(flat.numel()), dtype=torch.float64, device=device)])
     dist.all_reduce(total, group=group)
     return float(total[0] / total[1].clamp_min(1.0))
 
