@@ -93,8 +93,8 @@ def _pad_to_multiple(mb: MicroBatch, multiple: int) -> torch.Tensor:
 
 def packed_positions(cu_seqlens: list[int], device) -> torch.Tensor:
     """[1, T] position ids restarting at 0 for each packed sequence."""
-    return torch.cat([torch.arange(end - start, device=device)
-                      for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]).unsqueeze(0)
+    positions = torch.cat([torch.arange(end - start) for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])])
+    return to_device(positions, device).unsqueeze(0)  # built on the host: one copy, not a kernel per sequence
 
 
 def cp_local_inputs(cu_seqlens: list[int], input_ids: torch.Tensor, cp_size: int, cp_rank: int):
@@ -112,7 +112,7 @@ def packed_seq_params(cu_seqlens: list[int], device):
     rotary positions restart at each sequence's start."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+    cu = to_device(torch.tensor(cu_seqlens, dtype=torch.int32), device)
     longest = max(end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]))
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                            max_seqlen_kv=longest)

@@ -282,11 +282,11 @@ def make_micro_batch(
         input_ids[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.long)
         attention_mask[i, : len(t)] = 1
     return MicroBatch(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
+        input_ids=to_device(input_ids, device),
+        attention_mask=to_device(attention_mask, device),
         response_starts=[n - r for n, r in zip(lengths, response_lengths)],
         response_lengths=list(response_lengths),
-        response_mask=_response_mask(response_lengths).to(device),
+        response_mask=to_device(_response_mask(response_lengths), device),
     )
 
 
@@ -306,13 +306,13 @@ def make_packed_micro_batch(
     if extra:
         flat += [pad_token_id] * extra
         cu.append(len(flat))
-    input_ids = torch.as_tensor(flat, dtype=torch.long).unsqueeze(0)
+    input_ids = to_device(torch.as_tensor(flat, dtype=torch.long).unsqueeze(0), device)
     return MicroBatch(
-        input_ids=input_ids.to(device),
-        attention_mask=torch.ones_like(input_ids).to(device),
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
         response_starts=[end - r for end, r in zip(cu[1:], response_lengths)],
         response_lengths=list(response_lengths),
-        response_mask=_response_mask(response_lengths).to(device),
+        response_mask=to_device(_response_mask(response_lengths), device),
         cu_seqlens=cu,
     )
 
