@@ -336,7 +336,8 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 def concat_on_device(values: Sequence[Sequence[float] | torch.Tensor], device, dtype=torch.float32
                      ) -> tuple[torch.Tensor, list[int]]:
     """Per-row values (host lists, or tensors on one device) concatenated where they are and moved in one copy
-    (`to_device`): (the flat `dtype` tensor on `device`, each row's length). Autograd follows tensors through."""
+    (`to_device`): (the flat `dtype` tensor on `device`, each row's length). Autograd follows tensors of one device
+    through; tensors of several devices are read to the host first (detached)."""
     if values and all(torch.is_tensor(v) for v in values) and len({v.device for v in values}) == 1:
         flat = torch.cat([v.reshape(-1).to(dtype) for v in values])
         lengths = [v.numel() for v in values]
@@ -361,7 +362,8 @@ def pad_per_token(values: Sequence[Sequence[float] | torch.Tensor], width: int, 
     if values and all(torch.is_tensor(v) for v in values):
         if device is None:
             device = values[0].device
-        rows = rows_on_device(values, device)
+        on = all(is_on(v, device) for v in values)
+        rows = [v.reshape(-1).float() for v in values] if on else rows_on_device(values, device)
         out = torch.nn.utils.rnn.pad_sequence([r[:width] for r in rows], batch_first=True)
         return torch.nn.functional.pad(out, (0, width - out.shape[1]))
     out = torch.zeros((len(values), width), dtype=torch.float32)
