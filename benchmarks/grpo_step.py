@@ -54,7 +54,11 @@ ROOT = os.path.dirname(BENCH_DIR)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, BENCH_DIR)
 
+from slime.algorithm.log_probs import KERNELS  # noqa: E402
+
 SAMPLES_PER_PROMPT = 8
+# the phases of the memory handoff (slime/ray/handoff.py), each `perf/<phase>_time`
+HANDOFF_PARTS = ("engine_release", "train_onload", "train_offload", "engine_resume")
 
 
 # ---- the task: shared by both sides ---------------------------------------------------------------------
@@ -226,10 +230,6 @@ def run_slime(args, model_dir: str, data: str, workdir: str, name: str = "slime"
             "handoff_parts": {part: per_step(f"perf/{part}_time") for part in HANDOFF_PARTS}}
 
 
-# the phases of the memory handoff (slime/ray/handoff.py), each `perf/<phase>_time`
-HANDOFF_PARTS = ("engine_release", "train_onload", "train_offload", "engine_resume")
-
-
 def run_trl(args, model_dir: str, data: str, workdir: str) -> dict:
     out = os.path.join(workdir, "trl.json")
     log_path = os.path.join(workdir, "trl.log")
@@ -374,7 +374,7 @@ def main() -> None:
                    help="Megatron systems: token budget per micro-batch (default: --micro-batch-size samples' tokens)")
     p.add_argument("--systems", default="slime,trl", help="of slime (fsdp), slime-megatron, slime-sglang, trl")
     p.add_argument("--sglang-attention-backend", default="triton", help="slime-sglang: SGLang's attention backend")
-    p.add_argument("--log-probs-kernel", default="torch", choices=["torch", "triton"],
+    p.add_argument("--log-probs-kernel", default="torch", choices=KERNELS,
                    help="the slime systems' --log-probs-kernel")
     p.add_argument("--resident", action="store_true",
                    help="the slime systems colocated without the memory handoff (--no-offload-train "

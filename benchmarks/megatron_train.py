@@ -47,7 +47,11 @@ from tests.args import make_args  # noqa: E402
 
 
 def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Namespace:
+    """`layout`: a --qkv-format, optionally suffixed `:<--log-probs-kernel>` (torch when absent)."""
     from slime.config.arguments import parse_args
+
+    qkv_format, _, kernel = layout.partition(":")
+    kernel = kernel or "torch"
 
     data = os.path.join(workdir, "prompts.jsonl")
     with open(data, "w") as f:
@@ -57,7 +61,7 @@ def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Names
         "--prompt-data", data, "--rollout-batch-size", str(cli.samples), "--n-samples-per-prompt", "1",
         "--global-batch-size", str(cli.samples), "--num-rollout", str(cli.steps + 1),
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(cli.max_tokens_per_gpu),
-        "--qkv-format", layout.split(":")[0], "--log-probs-kernel", (layout.split(":") + ["torch"])[1],
+        "--qkv-format", qkv_format, "--log-probs-kernel", kernel,
         "--use-distributed-optimizer", "--use-rollout-logprobs",
         "--lr", "1e-6", "--clip-grad", "1.0", "--advantage-estimator", "grpo", "--seed", "1",
         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--colocate",
