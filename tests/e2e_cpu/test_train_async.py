@@ -140,6 +140,7 @@ def test_groups_past_the_lag_bound_are_dropped_at_training(tiny_model_dir, toy_d
 
 
 FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
+HELD_AT_PUSH = "tests.e2e_cpu.plugins.held_at_push.generate"
 
 
 def _policy_version(weight_versions) -> int | None:
@@ -196,15 +197,14 @@ def _assert_trained_within_lag(tmp_path, out, max_lag: int, partial: bool) -> No
 @pytest.mark.parametrize("partial,max_lag", [(False, 1), (True, 2)], ids=["abort-restart", "partial-rollout"])
 def test_fully_async_rollout_versions_at_pushes(tiny_model_dir, toy_data_path, tmp_path, partial, max_lag):
     # The aborts of push k are reported by collection k + 2, so the pushes after rollouts 0 .. n - 3 are the
-    # observed ones: 6 rollouts give 4 chances for a group to be in flight at a push (4 rollouts gave 2, and
-    # under CPU load both once found none). The later ones count most: responses grow as the policy trains
-    # (mean ~57 tokens at rollout 0, ~105 at rollout 3), so generation outlasts the training step more.
+    # observed ones. Groups must be in flight at those pushes: every 8th group's first attempt is held
+    # generating until a push aborts it (tests/e2e_cpu/plugins/held_at_push.py), so this does not depend on
+    # generation outlasting a training step (under CI's load it once did not at any push).
     n = 6
-    # Groups must be in flight at the pushes: long responses (up to 512 tokens) keep the 8 groups the worker
-    # relaunches after each collection generating through the training step. --async-buffer-size also lets
-    # the driver collect that many rollouts ahead, so it stays 1: with a large one every collection happened
-    # before the first push after training, and the aborts it caused were never reported.
+    # --async-buffer-size also lets the driver collect that many rollouts ahead, so it stays 1: with a large one
+    # every collection happened before the first push after training, and the aborts it caused were never reported.
     extra = ["--rollout-function-path", FULLY_ASYNC, "--rollout-max-response-len", "512",
+             "--custom-generate-function-path", HELD_AT_PUSH,
              "--over-sampling-batch-size", "8", "--async-buffer-size", "1"] + (["--partial-rollout"] if partial else [])
     # bounded staleness (--max-policy-version-lag) and --dump-details for the trained rows
     extra += ["--max-policy-version-lag", str(max_lag), "--dump-details", str(tmp_path / "details")]
