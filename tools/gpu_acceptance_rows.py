@@ -270,9 +270,10 @@ def grpo_figures(system: str) -> Callable[[str], Figures]:
 
 
 def decode_figures(out: str) -> Figures:
-    """ms per decode step per engine, RMSNorm form (`op` / `fused` for the hf engine), schedule (overlap `off` /
-    `on`) and batch."""
-    return {f"{c[0]} ({c[1]}, overlap {c[2]}) batch {c[3]} ms/step": c[7] for c in table(out, r"slots|sglang \w+")}
+    """ms per decode step per engine, RMSNorm and rotary forms (`op` / `fused` for the hf engine), schedule (overlap
+    `off` / `on`) and batch."""
+    return {f"{c[0]} (norms {c[1]}, rotary {c[2]}, overlap {c[3]}) batch {c[4]} ms/step": c[8]
+            for c in table(out, r"slots|sglang \w+")}
 
 
 # Speed ceilings: a row fails when a figure is worse than its last measured value by more than 15% (the same row's
@@ -297,11 +298,11 @@ def grpo_check(system: str, max_step_s: float | None, min_trl_ratio: float) -> C
 
 
 def decode_check(max_ms: dict[int, float]) -> Callable[[str], list[str]]:
-    """benchmarks/decode_speed.py: the `hf` engine's ms per decode step (slots, fused RMSNorm, overlap schedule: what
-    it serves with on CUDA) at each batch in `max_ms` no slower than its ceiling."""
+    """benchmarks/decode_speed.py: the `hf` engine's ms per decode step (slots, fused RMSNorm and rotary, overlap
+    schedule: what it serves with on CUDA) at each batch in `max_ms` no slower than its ceiling."""
 
     def check(out: str) -> list[str]:
-        ms = {int(c[3]): number(c[7]) for c in table(out, "slots") if c[1] == "fused" and c[2] == "on"}
+        ms = {int(c[4]): number(c[8]) for c in table(out, "slots") if c[1:4] == ["fused", "fused", "on"]}
         problems = []
         for batch, ceiling in max_ms.items():
             if batch not in ms:
@@ -425,14 +426,15 @@ ROWS: tuple[Row, ...] = (
         kind="command", figures=grpo_figures("slime-megatron"), check=grpo_check("slime-megatron", None, 1.0)),
     Row(17, "decode speed, hf engine vs SGLang", "performance",
         f"{PYTEST} tests/gpu/test_hf_engine_slots.py; tests=$?; python benchmarks/decode_speed.py --kv-cache slots "
-        "--sglang triton && exit $tests", timeout_s=600, estimate_s=320,
-        part="perf2", must_show="the `hf` engine's decode against the bandwidth bound and SGLang's, with "
-        "transformers' RMSNorm modules (`op`) and as the engine serves (`fused`: one F.rms_norm kernel each), with "
-        "the plain and the overlap schedule (`off` / `on`, the default on CUDA): fused with overlap ≤ 5.5 / 10.1 ms "
-        "per step at batch 64 / 256 (4.76 / 8.80 ms on an H100 on 2026-12-05, +15%; SGLang triton 2.92 / 5.91 in "
-        "the same run); first, the slot cache with CUDA graphs and the overlap schedule gives the dynamic "
-        "cache's and the plain schedule's tokens, and so do image rows of the tiny Qwen2.5-VL and Qwen3-VL in decode "
-        "graphs (tests/gpu/test_hf_engine_slots.py; its failure fails the row after the benchmark)",
+        "--norms fused --rotary op,fused --sglang triton && exit $tests", timeout_s=600, estimate_s=320,
+        part="perf2", must_show="the `hf` engine's decode against the bandwidth bound and SGLang's, its RMSNorms fused "
+        "(one F.rms_norm kernel each), its rotary embedding as transformers computes it (`op`) and as the engine "
+        "serves it (`fused`: one Triton kernel per tensor), with the plain and the overlap schedule (`off` / `on`, the "
+        "default on CUDA): fused with overlap ≤ 5.5 / 10.1 ms per step at batch 64 / 256 (4.76 / 8.80 ms on an H100 "
+        "on 2026-12-05 before the fused rotary, +15%; SGLang triton 2.92 / 5.91 in the same run); first, the slot "
+        "cache with CUDA graphs and the overlap schedule gives the dynamic cache's and the plain schedule's tokens, "
+        "so does the fused rotary, and so do image rows of the tiny Qwen2.5-VL and Qwen3-VL in decode graphs "
+        "(tests/gpu/test_hf_engine_slots.py; its failure fails the row after the benchmark)",
         kind="command", figures=decode_figures, check=decode_check({64: 5.5, 256: 10.1})),
     Row(18, "SFT on both trainers", "SFT / OPD", f"{PYTEST} tests/gpu/test_sft_opd_gpu.py -k sft_loss_halves",
         timeout_s=400, estimate_s=115, part="2", must_show="SFT on the Megatron and the fsdp trainer (the loss halves)",

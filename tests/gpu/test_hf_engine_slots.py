@@ -1,6 +1,6 @@
 """The hf engine's slot KV cache with CUDA-graph decode and the overlap schedule (its defaults on CUDA) gives the
-dynamic cache's tokens and log-probs, and the plain schedule's, also after in-place weight updates and after the
-model moved off and back onto the GPU (skipped without CUDA)."""
+dynamic cache's tokens and log-probs, and the plain schedule's, also after in-place weight updates, after the
+model moved off and back onto the GPU, and with the fused rotary embedding in the graphs (skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,23 @@ def test_slots_with_cuda_graphs_match_the_dynamic_cache(model_and_tokenizer):
         model.to("cuda")
     assert_same(serve(dynamic, requests()), serve(slots, requests()))
     assert slots.free_idle_kv_cache()
+
+
+def test_fused_rotary_in_cuda_graphs_gives_transformers_tokens(model_and_tokenizer):
+    """The engine's default on CUDA: the rotary embedding as one Triton kernel per tensor (fused_rotary.py),
+    captured in the decode graphs, against transformers' own rotation in the dynamic cache."""
+    from slime.backends.hf_engine.fused_rotary import fuse_rotary, restore_rotary
+
+    model, tok = model_and_tokenizer
+    want = serve(Scheduler(model, tok, kv_cache="dynamic", max_running_requests=5), requests())
+    assert fuse_rotary(model) == 1
+    try:
+        slots = Scheduler(model, tok, kv_cache="slots", max_running_requests=5)
+        got = serve(slots, requests())
+        assert slots.stats["num_cuda_graphs"] >= 2
+    finally:
+        restore_rotary(model)
+    assert_same(want, got)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])

@@ -350,13 +350,13 @@ GRPO_REPORT = textwrap.dedent("""\
     """)
 
 DECODE_REPORT = textwrap.dedent("""\
-    | kv cache | norms | overlap | batch | wall s | prefill s | decode steps | ms / decode step | bound ms / step | efficiency | decode tok/s |
-    | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
-    | slots | op | off | 64 | 1.74 | 0.03 | 255 | 6.71 | 0.60 | 9.0% | 9,531.92 |
-    | slots | fused | off | 64 | 1.33 | 0.03 | 255 | 5.08 | 0.60 | 11.9% | 12,603.93 |
-    | slots | fused | on | 64 | 1.24 | 0.03 | 256 | 4.76 | 0.60 | 12.7% | 13,432.55 |
-    | slots | fused | on | 256 | 2.32 | 0.08 | 256 | 8.80 | 1.59 | 18.1% | 29,103.39 |
-    | sglang triton | sglang | sglang | 64 | 0.83 | 0.08 | 255 | 2.92 | 0.60 | 20.7% | 21,885.18 |
+    | kv cache | norms | rotary | overlap | batch | wall s | prefill s | decode steps | ms / decode step | bound ms / step | efficiency | decode tok/s |
+    | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+    | slots | fused | op | off | 64 | 1.33 | 0.03 | 255 | 5.08 | 0.60 | 11.9% | 12,603.93 |
+    | slots | fused | op | on | 64 | 1.24 | 0.03 | 256 | 6.71 | 0.60 | 12.7% | 13,432.55 |
+    | slots | fused | fused | on | 64 | 1.24 | 0.03 | 256 | 4.76 | 0.60 | 12.7% | 13,432.55 |
+    | slots | fused | fused | on | 256 | 2.32 | 0.08 | 256 | 8.80 | 1.59 | 18.1% | 29,103.39 |
+    | sglang triton | sglang | sglang | sglang | 64 | 0.83 | 0.08 | 255 | 2.92 | 0.60 | 20.7% | 21,885.18 |
     """)
 
 
@@ -375,10 +375,10 @@ def test_speed_rows_fail_on_a_regression():
     assert rows[17].check(DECODE_REPORT) == []
     assert rows[17].check(DECODE_REPORT.replace("| 256 | 2.32 | 0.08 | 256 | 8.80 |", "| 256 | 2.32 | 0.08 | 256 | 10.20 |")) == [
         "hf engine decode 10.20 ms/step at batch 256 (> 10.1 ms: a speed regression)"]
-    assert rows[17].check(DECODE_REPORT.replace("| slots | fused | on | 64 |", "| paged | fused | on | 64 |")) == [
+    assert rows[17].check(DECODE_REPORT.replace("| slots | fused | fused | on | 64 |", "| paged | fused | fused | on | 64 |")) == [
         "no slots row at batch 64 in decode_speed.py's table"]  # the op and plain rows (6.71, 5.08 ms) are not checked
-    assert rows[17].figures(DECODE_REPORT)["slots (op, overlap off) batch 64 ms/step"] == "6.71"
-    assert rows[17].figures(DECODE_REPORT)["sglang triton (sglang, overlap sglang) batch 64 ms/step"] == "2.92"
+    assert rows[17].figures(DECODE_REPORT)["slots (norms fused, rotary op, overlap on) batch 64 ms/step"] == "6.71"
+    assert rows[17].figures(DECODE_REPORT)["sglang triton (norms sglang, rotary sglang, overlap sglang) batch 64 ms/step"] == "2.92"
     slow_step = REPORT.replace("| 1 | 40.00 | 3.20 | 8.0% |", "| 1 | 48.00 | 3.84 | 8.0% |")
     assert rows[1].check(slow_step) == ["the step took 45.00 s (> 43.0 s: a speed regression)"]
     assert rows[1].check(REPORT) == []
