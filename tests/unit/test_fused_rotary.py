@@ -116,8 +116,14 @@ def _left_to_transformers() -> None:
         fused_rotary._rotate = fused_rotary_rotate
     # GLM rotates interleaved pairs: the check on random inputs keeps its own function
     glm = modeling_glm.apply_rotary_pos_emb
-    assert not fused_rotary._agrees(glm, fused_rotary._fused(glm), 32, torch.device("cpu"), torch.float32)
-    assert fused_rotary._agrees(own, fused, 32, torch.device("cpu"), torch.bfloat16)
+    assert not fused_rotary._agrees(glm, fused_rotary._fused(glm), (4, 2, 32), torch.device("cpu"), torch.float32)
+    assert fused_rotary._agrees(own, fused, (6, 2, 32), torch.device("cpu"), torch.bfloat16)
+    # a kernel that fails (here: to launch) leaves transformers' form, with a warning
+    fused_rotary._rotate = lambda *a: (_ for _ in ()).throw(KeyError("no kernel"))
+    try:
+        assert not fused_rotary._agrees(own, fused, (6, 2, 32), torch.device("cpu"), torch.float32)
+    finally:
+        fused_rotary._rotate = fused_rotary_rotate
 
 
 def _run(code: str) -> None:

@@ -112,40 +112,49 @@ def _fused(own):
     return apply_rotary_pos_emb
 
 
-def _agrees(own, fused, head_dim: int, device, dtype) -> bool:
+def _agrees(own, fused, shape: tuple[int, int, int], device, dtype) -> bool:
     """The module's own function and the kernel give the same rotation of random inputs, within a few units in the
-    last place of `dtype` (q as transformers' attention makes it: a transposed view)."""
+    last place of `dtype`. `shape`: (query heads, key heads, head dim) of the model, so the kernel is compiled here
+    for the shapes it will serve; q and k as transformers' attention makes them (transposed views)."""
+    heads, kv_heads, head_dim = shape
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 3, 4, head_dim, generator=gen).to(device, dtype).transpose(1, 2)
-    k = torch.randn(2, 3, 2, head_dim, generator=gen).to(device, dtype).transpose(1, 2)
+    q = torch.randn(2, 3, heads, head_dim, generator=gen).to(device, dtype).transpose(1, 2)
+    k = torch.randn(2, 3, kv_heads, head_dim, generator=gen).to(device, dtype).transpose(1, 2)
     angles = torch.rand(2, 3, head_dim // 2, generator=gen) * 6.3
     angles = torch.cat([angles, angles], dim=-1)
     cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
     with torch.no_grad():
         try:
             want = own(q, k, cos, sin)
-            got = fused(q, k, cos, sin)
         except (RuntimeError, TypeError, ValueError):
+            return False  # not the rotation this kernel computes (another signature or layout)
+        try:
+            got = fused(q, k, cos, sin)
+        except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or run leaves transformers' form
+            logger.warning("fused rotary embedding: the kernel failed (%s: %s); transformers' form is kept",
+                           type(e).__name__, e)
             return False
     ulp = torch.finfo(dtype).eps
     return all(g.shape == w.shape and g.dtype == w.dtype
                and torch.allclose(g.float(), w.float(), rtol=4 * ulp, atol=4 * ulp) for g, w in zip(got, want))
 
 
-def _head_dim(model) -> int | None:
+def _attention_shape(model) -> tuple[int, int, int] | None:
+    """(query heads, key heads, head dim) of the model's language layers, or None."""
     config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim is None and getattr(config, "num_attention_heads", None):
-        head_dim = config.hidden_size // config.num_attention_heads
-    return int(head_dim) if head_dim else None
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return int(heads), int(getattr(config, "num_key_value_heads", None) or heads), int(head_dim)
 
 
 def fuse_rotary(model: torch.nn.Module) -> int:
     """Replace `apply_rotary_pos_emb` with the fused form in each modeling module of `model`'s layers where it
     computes the same; returns how many modules were changed."""
-    head_dim = _head_dim(model)
+    shape = _attention_shape(model)
     param = next(model.parameters(), None)
-    if triton is None or head_dim is None or param is None or param.dtype not in _DTYPES:
+    if triton is None or shape is None or param is None or param.dtype not in _DTYPES:
         return 0
     if not (param.is_cuda or INTERPRETED):
         return 0
@@ -157,7 +166,7 @@ def fuse_rotary(model: torch.nn.Module) -> int:
             continue
         own = getattr(own, "own", own)  # fused already (another model of this process)
         candidate = _fused(own)
-        if _agrees(own, candidate, head_dim, param.device, param.dtype):
+        if _agrees(own, candidate, shape, param.device, param.dtype):
             setattr(module, FUNCTION, candidate)
             fused += 1
         else:
