@@ -105,6 +105,9 @@ ENGINE_CLASSES = {
 }
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # what SGLang's release_memory_occupation frees with no tags
 ENGINE_QUERY_TIMEOUT_S = 30.0  # an engine actor's answer to log_size() / status() (error reports only)
+# the per-rollout request counts (a metric only): a busy engine on a loaded CPU machine may take over a second to
+# answer /server_info, and the rollout's metrics would then go without them
+COUNTS_TIMEOUT_S = 5.0
 
 
 class RolloutManager:
@@ -323,11 +326,11 @@ class RolloutManager:
 
     def _engine_request_counts(self) -> list[int] | None:
         """Finished requests per engine so far (`num_finished_requests` of GET /server_info), or None
-        when an engine does not report it (SGLang servers do not) or does not answer within a second."""
+        when an engine does not report it (SGLang servers do not) or does not answer within `COUNTS_TIMEOUT_S`."""
         counts = []
         for url in self.engine_urls if self._counts_reported else []:
             try:
-                info = probe_get(url + "/server_info", timeout=1.0,
+                info = probe_get(url + "/server_info", timeout=COUNTS_TIMEOUT_S,
                                  headers=bearer_headers(self.args.engine_api_key)).json()
                 counts.append(int(info["num_finished_requests"]))
             except (httpx.HTTPError, ValueError, TypeError):

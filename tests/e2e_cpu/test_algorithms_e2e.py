@@ -75,7 +75,7 @@ def module_runs(tiny_model_dir, toy_data_path, tmp_path_factory) -> dict:
     return run_together(run, [*RUNS, "opsm"])
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1500)  # the module fixture's runs count against the first test
 @pytest.mark.parametrize("estimator", list(RUNS))
 def test_first_step_invariants(estimator, module_runs):
     tmp_path = result_of(module_runs, estimator)
@@ -140,7 +140,7 @@ def _opsm_run(tmp_path, tiny_model_dir, toy_data_path):
     return tmp_path
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1500)  # the module fixture's runs count against the first test
 def test_opsm_and_rollout_entropy_in_the_trainer(module_runs):
     """--use-opsm and --use-rollout-entropy through train.py (one run).
 

@@ -62,7 +62,7 @@ def colocated_runs(tiny_model_dir, toy_data_path, tmp_path_factory) -> dict:
     return run_together(lambda key: _colocated_run(root, tiny_model_dir, toy_data_path, key), N_ROLLOUT)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1500)  # the module fixture's runs count against the first test
 @pytest.mark.parametrize("engine_memory", ["resident", "freed"])
 def test_colocated_run_hands_memory_over_in_slimes_order(colocated_runs, engine_memory):
     n = N_ROLLOUT[engine_memory]
@@ -82,7 +82,7 @@ def test_colocated_run_hands_memory_over_in_slimes_order(colocated_runs, engine_
     assert all(gb > 0 for gb in freed) if engine_memory == "freed" else all(gb == 0 for gb in freed), freed
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1500)  # the module fixture's runs count against the first test
 def test_colocated_engines_past_the_actors_devices_get_the_weights_by_broadcast(colocated_runs):
     """--colocate --rollout-num-gpus 2 with one training rank (slime's sizing: two bundles, the engines on both):
     engine 0 shares the rank's bundle and takes handles, engine 1 has its own and takes a gloo broadcast. Its

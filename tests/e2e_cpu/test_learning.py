@@ -38,6 +38,10 @@ REPLAY_ROLLOUTS = 5
 WINDOW = 10
 THRESHOLD = 0.06
 SEED = 1234  # the quick start's (--seed's default)
+# A run takes ~2-3 min beside another on CI's 2 cores; the first test of a module fixture is timed with the
+# fixture's runs (pytest-timeout counts setup): room for a machine several times slower.
+RUN_TIMEOUT_S = 900
+FIXTURE_TIMEOUT_S = 1500
 # Every metric of the sampled tokens and of training, and the engine's log-probs against the trainer's (without the
 # deterministic engine that one differs between runs in the 7th digit: the engine's batches form as requests arrive,
 # and a batch's shape changes the float arithmetic).
@@ -53,7 +57,7 @@ def quick_start(out: str, rollouts: int, model_dir: str, data: str, *extra: str)
     env = dict(os.environ, NUM_ROLLOUT=str(rollouts), MODEL_DIR=model_dir, DATA=data,
                PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
     done = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "run-tiny-cpu.sh"), "--tensorboard-dir", tb,
-                           *extra], capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)
+                           *extra], capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return tb
 
@@ -93,7 +97,7 @@ def replay_runs(tiny_model_dir, quick_start_data, tmp_path_factory) -> dict:
                                                       tiny_model_dir, quick_start_data, *DETERMINISTIC)), ("a", "b"))
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(FIXTURE_TIMEOUT_S)
 def test_quick_start_learns(learning_runs):
     learning_run = result_of(learning_runs, "main")
     reward = final_reward(learning_run)
@@ -102,7 +106,7 @@ def test_quick_start_learns(learning_runs):
     assert reward >= THRESHOLD, f"the quick start learned less than calibrated: {reward:.4f} < {THRESHOLD}"
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(FIXTURE_TIMEOUT_S)
 def test_same_seed_same_run(replay_runs):
     runs = [result_of(replay_runs, name) for name in ("a", "b")]
     for tag in COMPARED:

@@ -108,9 +108,9 @@ def test_release_pauses_a_background_rollout_until_memory_is_back(tiny_model_dir
         batch, _ = ray.get(manager.generate.remote(0))
         assert len(batch) == 4
         deadline = time.monotonic() + 30
-        while _loads([url]) == [0] and time.monotonic() < deadline:  # the worker keeps groups generating
+        while (load := _loads([url])) == [0] and time.monotonic() < deadline:  # the worker keeps groups generating
             time.sleep(0.01)
-        assert _loads([url]) != [0]
+        assert load != [0]
         ray.get(manager.offload.remote())  # colocated train.py: right after the rollout
         assert _released([url]) == [["cuda_graph", "kv_cache", "weights"]] and _loads([url]) == [0]
         ray.get(manager.onload_weights.remote())
@@ -120,9 +120,9 @@ def test_release_pauses_a_background_rollout_until_memory_is_back(tiny_model_dir
         assert _loads([url]) == [0]
         ray.get(manager.onload_kv.remote())
         deadline = time.monotonic() + 30
-        while _loads([url]) == [0] and time.monotonic() < deadline:  # now it generates again
+        while (load := _loads([url])) == [0] and time.monotonic() < deadline:  # now it generates again
             time.sleep(0.02)
-        assert _loads([url]) != [0]
+        assert load != [0]
         batch, _ = ray.get(manager.generate.remote(1))
         assert len(batch) == 4
     finally:

@@ -5,6 +5,7 @@ the engine-side abort is exercised by tests/e2e_cpu/test_train_async.py)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -142,6 +143,14 @@ def _engine_reset():
     ENGINE.update(version=1, abort=False, delay=0.01, calls=0)
 
 
+async def _until(condition, timeout_s: float = 30.0) -> None:
+    """Wait on the event loop until `condition()` holds (a loaded machine may take long; a fast one returns at once)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
 def test_worker_keeps_groups_in_flight_across_collections_and_caps_its_buffer():
     async def scenario():
         source = CountingDataSource(2)
@@ -149,9 +158,9 @@ def test_worker_keeps_groups_in_flight_across_collections_and_caps_its_buffer():
         first = await worker.collect(2, rollout_id=0)
         assert len(first) == 2 and all(len(g) == 2 for g in first)
         assert len(worker.in_flight) == 3  # refilled at once: generation carries on between rollouts
-        await asyncio.sleep(0.3)
+        await _until(lambda: len(worker.finished) >= 2)
         # buffer cap: async_buffer_size x rollout_batch_size = 2 finished groups; then launching stops
-        assert len(worker.finished) >= 2 and len(worker.in_flight) + len(worker.finished) <= 2 + 3
+        assert len(worker.in_flight) + len(worker.finished) <= 2 + 3
         handed = source.handed_out
         await asyncio.sleep(0.2)
         assert source.handed_out == handed  # nothing launched while the buffer is full
@@ -193,9 +202,9 @@ def test_stale_groups_are_regenerated_with_current_weights():
     async def scenario():
         worker = AsyncRolloutWorker(_args(max_policy_version_lag=1), CountingDataSource(2), weight_version=1)
         worker.top_up()
-        await asyncio.sleep(0.2)
+        await _until(lambda: len(worker.finished) >= 2)
         await worker.pause()
-        assert len(worker.finished) >= 2 and all(s.weight_versions == ["1"] for g in worker.finished for s in g)
+        assert all(s.weight_versions == ["1"] for g in worker.finished for s in g)
         ENGINE["version"] = 3
         await worker.resume(3)  # two pushes later: version-1 groups are now 2 behind > 1
         groups = await worker.collect(2, rollout_id=0)

@@ -19,8 +19,8 @@ from slime.rollout.sglang_rollout import generate as default_generate
 from slime.utils.types import Sample
 
 HELD_EVERY = 8
-HELD_MAX_TOKENS = 400  # at ~40 tokens/s on CPU: held ~10 s, several training steps of the e2e tests
-STEP_PAUSE_S = 0.01
+HELD_MAX_TOKENS = 400  # at ~30 tokens/s on an idle 2-core machine: held ~14 s, several training steps of the e2e tests
+STEP_PAUSE_S = 0.02  # a fixed share of each token's time that a loaded machine does not slow
 _held: set[int] = set()  # samples whose first attempt was held (the rollout manager's process)
 
 
