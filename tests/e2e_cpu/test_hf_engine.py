@@ -213,7 +213,7 @@ def test_update_weights_from_tensor_and_disk(engine, reference, tiny_model):
     # tokens and cache kept) for the update and then finishes under the new weights
     long = {"max_new_tokens": 300, "ignore_eos": True}
     with ThreadPoolExecutor(1) as pool:
-        for attempt in range(5):
+        for _attempt in range(5):
             start = engine.get_server_info()["num_generated_tokens"]
             running = pool.submit(generate, url, input_ids=SEQ, sampling_params=long)
             wait_for_info(engine, lambda i: i["num_generated_tokens"] > start, "the generation has begun")
