@@ -255,7 +255,9 @@ def test_pause_keeps_requests_waiting(model_and_tokenizer):
 def test_threaded_exclusive_holds_steps_and_abort_all(model_and_tokenizer):
     sched = Scheduler(*model_and_tokenizer)
     done = threading.Event()
-    r = make_request(0, PROMPTS[0], max_new_tokens=1500)
+    # far more tokens than the test's 60 s allow (max_context_len is None here: only max_new_tokens or an abort
+    # ends it, ignore_eos being on), so the request still runs when the abort comes however loaded the machine is
+    r = make_request(0, PROMPTS[0], max_new_tokens=10**6)
     r.on_finish = lambda _: done.set()
     sched.start()
     try:

@@ -9,6 +9,11 @@ raises (torch.OutOfMemoryError with CUDA's message), so the engine's own schedul
 requests, as it does on a GPU. MODE `raise`: the server keeps running (what our hf engine does after a CUDA OOM).
 MODE `die`: the step after the first failure SIGKILLs the server (what the kernel's OOM killer, or SGLang after
 its scheduler failed, does).
+
+$SLIME_TEST_ENGINE_FAULT = hold:PATH (tests/e2e_cpu/test_engine_idle.py): while the file PATH exists, every decode step
+decodes nothing (it sleeps HOLD_POLL_S and returns), so the running requests stay in the batch, running and not paused,
+for as long as the test keeps the file, whatever the machine's load; deleting the file lets them go on. Each held
+step returns between two polls, so pausing, aborting and `exclusive()` work as they do between real steps.
 """
 
 import os
@@ -18,15 +23,23 @@ _SPEC = os.environ.get("SLIME_TEST_ENGINE_FAULT")
 
 if _SPEC and "slime.backends.hf_engine" in sys.orig_argv:
     import signal
+    import time
 
     import torch
 
     from slime.backends.hf_engine import scheduler as _scheduler
 
-    _MODE, _AFTER = _SPEC.split(":")
-    _AFTER = int(_AFTER)
+    _MODE, _ARG = _SPEC.split(":", 1)
     _decode = _scheduler.Scheduler._decode
+    _AFTER = 0 if _MODE == "hold" else int(_ARG)
     _steps = {"decode": 0, "failed": 0}
+    HOLD_POLL_S = 0.02
+
+    def _held_decode(self):
+        if os.path.exists(_ARG):
+            time.sleep(HOLD_POLL_S)
+            return None
+        return _decode(self)
 
     def _faulty_decode(self):
         _steps["decode"] += 1
@@ -40,4 +53,4 @@ if _SPEC and "slime.backends.hf_engine" in sys.orig_argv:
             "20.19 GiB is free. Process 81234 has 60.02 GiB memory in use. Including non-PyTorch memory, this "
             "process has 59.53 GiB memory in use.")
 
-    _scheduler.Scheduler._decode = _faulty_decode
+    _scheduler.Scheduler._decode = _held_decode if _MODE == "hold" else _faulty_decode
