@@ -1,8 +1,10 @@
 """--use-fault-tolerance through train.py on CPU: an engine server is SIGKILLed while the run goes on.
 
-Two engines, one killed between rollouts: the run must finish every rollout with every prompt group trained
-once, the dead engine must be taken out, restarted and re-registered, and the rollout after the restart must be
-generated with the current weights by both engines (its samples carry the version pushed just before it).
+Two engines, one killed between rollouts (tests/e2e_cpu/plugins/kill_between_rollouts.py holds rollout 1's
+requests until the kill, so it lands after the push that follows rollout 0 and before rollout 1 sends anything):
+the run must finish every rollout with every prompt group trained once, the dead engine must be taken out,
+restarted and re-registered, and the rollout after the restart must be generated with the current weights by
+both engines (its samples carry the version pushed just before it).
 
 One engine, killed in the middle of a rollout (tests/e2e_cpu/plugins/engine_kill.py opens the window): nothing
 else can serve the rollout, so the engine is restarted at once and the trainer pushes the current weights to it
@@ -86,18 +88,24 @@ def _each_group_once(groups: dict, n: int, per_group: int) -> None:
 
 @pytest.mark.timeout(600)
 def test_killed_engine_is_replaced_and_nothing_is_lost(tiny_model_dir, toy_data_path, tmp_path):
-    n = 5
+    n, kill_rollout = 5, 1
     dump = tmp_path / "dump"
+    marker = tmp_path / "kill_now"
     cmd = _train_cmd(
         tiny_model_dir, toy_data_path,
         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2", "--global-batch-size", "16",
         "--num-rollout", str(n), "--rm-type", "toy", "--rollout-max-response-len", "32",
+        "--custom-generate-function-path", "tests.e2e_cpu.plugins.kill_between_rollouts.generate",
         "--use-fault-tolerance", "--rollout-health-check-interval", "0.5", "--rollout-health-check-timeout", "10",
         "--use-tensorboard", "--tensorboard-dir", str(tmp_path / "tb"),
         "--save-debug-rollout-data", str(dump / "rollout_{rollout_id}.pt"),
     )  # fmt: skip
-    out, killed = _run_and_kill(cmd, _env(), str(tmp_path), dump / "rollout_0.pt", servers_expected=2)
-    assert "pid" in killed, "the test never found two engine servers to kill one of"
+    env = dict(_env(), SLIME_KILL_MARKER=str(marker), SLIME_KILL_ROLLOUT=str(kill_rollout))
+    # the plugin creates the marker once the push after rollout 0 (version 2) has ended and holds rollout 1's
+    # requests until kill_now.done: the kill never meets a push (a broadcast to a server killed under it fails)
+    out, killed = _run_and_kill(cmd, env, str(tmp_path), marker, servers_expected=2,
+                                after_kill=(tmp_path / "kill_now.done").touch)
+    assert "pid" in killed, "the plugin never opened the kill window, or there were not two engine servers"
 
     versions, groups, _ = _groups_and_versions(dump)
     _each_group_once(groups, n, 4)
@@ -105,6 +113,9 @@ def test_killed_engine_is_replaced_and_nothing_is_lost(tiny_model_dir, toy_data_
     restarts = read_scalars(str(tmp_path / "tb"), "rollout/engine_restarts")
     assert max(restarts.values()) == 1.0, restarts
     first_after = min(k for k, v in restarts.items() if v == 1.0)
+    # taken out during rollout 1 (or by the probe before the push after it), restarted by that push's
+    # before_weight_update, counted in rollout 2's metrics: the kill point is fixed, so is this
+    assert first_after == kill_rollout + 1, restarts
     # the restarted engine got the push before this rollout: every sample carries that version
     assert versions[first_after] == {str(first_after + 1)}, versions
     assert "restarted at" in out

@@ -41,6 +41,19 @@ def _alive(pids) -> list[int]:
     return out
 
 
+def _titles(procs) -> list[str]:
+    """Each live process's title (argv[0]); one that ended meanwhile is left out."""
+    out = []
+    for p in procs:
+        try:
+            cmdline = p.cmdline()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        if cmdline:
+            out.append(cmdline[0])
+    return out
+
+
 def _wait_gone(pids, timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     while (alive := _alive(pids)) and time.monotonic() < deadline:
@@ -48,17 +61,22 @@ def _wait_gone(pids, timeout: float) -> list[int]:
     return alive
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)  # ray.init, up to 60 s for the agents' titles, up to 15 s for them to go
 def test_sigkilled_driver_leaves_no_ray_agents():
     env = dict(os.environ, PYTHONPATH=ROOT, RAY_ADDRESS="")
     driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True, env=env)
     ray_pids = []
     try:
         assert driver.stdout.readline().strip() == "up"
-        time.sleep(1.0)
-        procs = psutil.Process(driver.pid).children(recursive=True)
-        ray_pids = [p.pid for p in procs]
-        titles = " ".join(p.cmdline()[0] for p in procs if p.cmdline())
+        # the agents take their titles only after heavy imports (seconds on a loaded machine): wait for both
+        deadline = time.monotonic() + 60
+        while True:
+            procs = psutil.Process(driver.pid).children(recursive=True)
+            ray_pids = [p.pid for p in procs]
+            titles = " ".join(_titles(procs))
+            if ("ray::DashboardAgent" in titles and "ray::RuntimeEnvAgent" in titles) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert "ray::DashboardAgent" in titles and "ray::RuntimeEnvAgent" in titles, titles
     finally:
         driver.kill()
