@@ -19,7 +19,7 @@ from slime.rollout.sglang_rollout import generate as default_generate
 _state: dict = {"first_group": None}
 
 
-async def _wait_for(path: str, timeout_s: float = 300.0) -> None:
+async def wait_for(path: str, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(path):
         if time.monotonic() > deadline:
@@ -34,7 +34,7 @@ async def generate(args, sample, sampling_params):
     if _state["first_group"] is None:
         _state["first_group"] = sample.group_index
     if sample.group_index != _state["first_group"]:
-        await _wait_for(marker + ".done")
+        await wait_for(marker + ".done")
         return await default_generate(args, sample, sampling_params)
     sample = await default_generate(args, sample, sampling_params)
     open(marker, "a").close()

@@ -10,25 +10,16 @@ generates as the default `generate` does.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
 
 from slime.rollout.sample_hooks import current_rollout_id
 from slime.rollout.sglang_rollout import generate as default_generate
-
-
-async def _wait_for(path: str, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {timeout_s:.0f} s")
-        await asyncio.sleep(0.05)
+from tests.e2e_cpu.plugins.engine_kill import wait_for
 
 
 async def generate(args, sample, sampling_params):
     if current_rollout_id() == int(os.environ["SLIME_KILL_ROLLOUT"]):
         marker = os.environ["SLIME_KILL_MARKER"]
         open(marker, "a").close()  # the first call creates it; the others find it there
-        await _wait_for(marker + ".done")
+        await wait_for(marker + ".done")
     return await default_generate(args, sample, sampling_params)
