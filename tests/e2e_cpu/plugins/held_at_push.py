@@ -7,8 +7,10 @@ so a held group launched before a push is still generating at that push, however
 the tests about what happens to responses at a push no longer depend on generation outlasting a training step.
 A held sample that reaches HELD_MAX_TOKENS before any push finishes there (truncated).
 
-Later attempts (continued with --partial-rollout, or restarted from the prompt) and every other group generate
-as the default `generate` does.
+A held sample continued after the abort (--partial-rollout) generates at most CONTINUED_TOKENS more tokens, so its
+group finishes right after the push, before the next one: what a push did to it is collected and trained within
+a rollout or two, not regenerated as stale. A sample restarted from the prompt, and every other group, generate as
+the default `generate` does.
 """
 
 from __future__ import annotations
@@ -21,11 +23,17 @@ from slime.utils.types import Sample
 HELD_EVERY = 8
 HELD_MAX_TOKENS = 400  # at ~30 tokens/s on an idle 2-core machine: held ~14 s, several training steps of the e2e tests
 STEP_PAUSE_S = 0.02  # a fixed share of each token's time that a loaded machine does not slow
+CONTINUED_TOKENS = 8
 _held: set[int] = set()  # samples whose first attempt was held (the rollout manager's process)
 
 
 async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
-    if sample.group_index % HELD_EVERY or sample.index in _held:
+    if sample.group_index % HELD_EVERY:
+        return await default_generate(args, sample, sampling_params)
+    if sample.index in _held:
+        if sample.response_length:  # continued after the push that aborted it
+            limit = min(int(sampling_params["max_new_tokens"]), sample.response_length + CONTINUED_TOKENS)
+            return await default_generate(args, sample, dict(sampling_params, max_new_tokens=limit))
         return await default_generate(args, sample, sampling_params)
     _held.add(sample.index)
     while True:
