@@ -22,9 +22,9 @@ import pytest
 from slime.backends.hf_engine.engine import HFEngine
 from slime.backends.server_engine import EngineHTTPError, EngineNotIdleError
 from tests.args import make_args
+from tests.conftest import REPO_ROOT
+from tests.e2e_cpu.test_engine_death import FAULT_SITE
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FAULT_SITE = os.path.join(ROOT, "tests", "e2e_cpu", "plugins", "engine_fault")
 SEQ = [56, 62, 137, 92, 138, 20, 21, 22, 23, 24, 25]
 LONG = {"input_ids": SEQ, "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 0.0}}
 
@@ -53,7 +53,8 @@ def engine(tiny_model_dir, hold_file):
     eng = HFEngine(make_args(hf_checkpoint=tiny_model_dir, rollout_seed=1, sglang_server_concurrency=8), rank=0)
     try:
         with pytest.MonkeyPatch.context() as mp:  # the server's environment (ServerEngine.launch_env: os.environ)
-            mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (FAULT_SITE, ROOT, os.environ.get("PYTHONPATH")) if p))
+            path = (FAULT_SITE, REPO_ROOT, os.environ.get("PYTHONPATH"))
+            mp.setenv("PYTHONPATH", os.pathsep.join(p for p in path if p))
             mp.setenv("SLIME_TEST_ENGINE_FAULT", f"hold:{hold_file}")
             eng.init()
         yield eng

@@ -150,6 +150,12 @@ def _attention_shape(model) -> tuple[int, int, int] | None:
     return int(heads), int(getattr(config, "num_key_value_heads", None) or heads), int(head_dim)
 
 
+def _modeling_modules(model: torch.nn.Module) -> list:
+    """The Python modules that define `model`'s layers (where transformers keeps `apply_rotary_pos_emb`)."""
+    names = sorted({type(m).__module__ for m in model.modules()})
+    return [sys.modules[name] for name in names if name in sys.modules]
+
+
 def fuse_rotary(model: torch.nn.Module) -> int:
     """Replace `apply_rotary_pos_emb` with the fused form in each modeling module of `model`'s layers where it
     computes the same; returns how many modules were changed."""
@@ -160,8 +166,7 @@ def fuse_rotary(model: torch.nn.Module) -> int:
     if not (param.is_cuda or INTERPRETED):
         return 0
     fused = kept = 0
-    for name in sorted({type(m).__module__ for m in model.modules()}):
-        module = sys.modules.get(name)
+    for module in _modeling_modules(model):
         own = getattr(module, FUNCTION, None)
         if own is None or not callable(own):
             continue
@@ -178,8 +183,7 @@ def fuse_rotary(model: torch.nn.Module) -> int:
 
 def restore_rotary(model: torch.nn.Module) -> None:
     """Undo `fuse_rotary` in the modeling modules of `model`'s layers (a benchmark compares both forms)."""
-    for name in {type(m).__module__ for m in model.modules()}:
-        module = sys.modules.get(name)
+    for module in _modeling_modules(model):
         function = getattr(module, FUNCTION, None)
         if hasattr(function, "own"):
             setattr(module, FUNCTION, function.own)
