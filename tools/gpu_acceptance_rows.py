@@ -497,8 +497,8 @@ ROWS: tuple[Row, ...] = (
         "parameters in bf16, written on the GPU; the tiny VLM's tokenizer and processor), Megatron + SGLang "
         "colocated with the handoff (Adam on the CPU on a card under 100 GB), 3 rollouts of 4 prompts × 4 samples "
         "with images: versions 1-3, |Δ log-prob| below twice transformers' own bf16-vs-fp32 gap on rollout 0 (0.05 "
-        "at least); the step times (H100, 2026-12-05: gaps 7.2e-2 / 4.2e-2 / 6.0e-2 against a bf16 floor of "
-        "4.3e-2, steps 47.6 / 11.9 / 8.6 s; the measured bound not yet run)",
+        "at least); the step times (passed on an H100 on 2026-12-06: gaps 6.4e-2 / 4.3e-2 / 4.6e-2 under a bound "
+        "of 8.1e-2, steps 36.5 / 11.0 / 8.2 s)",
         figures=grab(model_written=r"\[vlm 3b\] model written in (.+)$",
                      bf16_floor=r"\[vlm 3b\] rollout 0 vs HF fp32: (.+)$",
                      logprob_diff=r"\[vlm 3b megatron \+ sglang\].*?\|Δ log-prob\| (\[[^\]]*\])",
@@ -509,18 +509,19 @@ ROWS: tuple[Row, ...] = (
         timeout_s=600, estimate_s=330, part="fsdp-names",
         must_show="the fsdp trainer, colocated with SGLang and `--check-weight-update-equal`: SGLang's "
         "`/weights_checker` finds every tensor restored by the first push for the tiny Qwen2.5-VL (images, "
-        "`model.layers.*` / `visual.*` pushed; passed on an H100 on 2026-12-05) and the small Qwen3-MoE (experts held "
-        "fused, pushed per expert; head_dim 64: SGLang asserts at start-up for the tiny one's 32; every layer MoE: "
-        "SGLang reads no mlp_only_layers, and a dense layer 0 left its experts NaN, both seen that day); "
-        "then versions 1-3 and |Δ log-prob| < 0.05",
+        "`model.layers.*` / `visual.*` pushed) and the small Qwen3-MoE (experts held fused, pushed per expert; "
+        "head_dim 64: SGLang asserts at start-up for the tiny one's 32; every layer MoE: SGLang reads no "
+        "mlp_only_layers, and a dense layer 0 left its experts NaN); then versions 1-3 and |Δ log-prob| < 0.05 "
+        "(both halves passed on an H100 on 2026-12-06)",
         figures=grab(vlm_logprob_diff=r"\[vlm fsdp \+ sglang\].*?\|Δ log-prob\| (\[[^\]]*\])",
                      moe_logprob_diff=r"\[weights checker, fsdp, qwen3_moe\].*?\|Δ log-prob\| (\[[^\]]*\])")),
     Row(27, "fused log-prob kernel (--log-probs-kernel triton)", "performance",
         f"{PYTEST} tests/gpu/test_log_probs_triton_gpu.py && python benchmarks/megatron_train.py --shape qwen3-0.6b "
         "--seq-len 320 --samples 256 --max-tokens-per-gpu 20480 --layouts thd,thd:triton --steps 2",
         timeout_s=600, estimate_s=200, part="perf3",
-        must_show="the Triton kernels give the torch form's log-probs, entropy and gradient at the trainer's shape "
-        "(15,360 response rows of a 20,480-token micro-batch, bf16, 151,936 words), with both forms' forward + "
+        must_show="the Triton kernels give the torch form's log-probs and entropy at the trainer's shape (15,360 "
+        "response rows of a 20,480-token micro-batch, bf16, 151,936 words), each form's gradient within half a bf16 "
+        "unit of fp64's plus 2^-14 of the size of its terms, with both forms' forward + "
         "backward milliseconds; then the Megatron train step of GRPO's batch (256 × 320 tokens) with each form "
         "(the torch form: 1.70 s on an H100 on 2026-12-05; not yet run)",
         kind="command", figures=grab(kernel=r"\[log-probs kernel\] (.+)$", torch_step=r"^\| thd \| (.+)$",
