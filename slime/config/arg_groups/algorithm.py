@@ -121,7 +121,8 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
         help="How the trainers compute log-probs and entropy over the vocabulary: torch (chunked torch operations, "
         "the default) or triton (two fused Triton kernels, one read of the logits forward, one read and one write "
         "backward; needs CUDA and triton; the top-p replay's keep mask still goes through torch). Not in slime; "
-        "not yet measured on a GPU (benchmarks/README.md).",
+        "on an H100 the Megatron train step of a 0.6B GRPO batch took 1.09 s with triton against 1.59 s "
+        "(docs/algorithms.md).",
     )
     g.add_argument(
         "--num-critic-only-steps", type=int, default=0, help="Initial rollouts that train only the PPO critic."
