@@ -60,6 +60,11 @@ def grab(**patterns: str) -> Callable[[str], Figures]:
     return read
 
 
+def merged(*readers: Callable[[str], Figures]) -> Callable[[str], Figures]:
+    """The figures of each reader, in order (a row whose command runs a test and then a benchmark)."""
+    return lambda out: {k: v for read in readers for k, v in read(out).items()}
+
+
 def table(text: str, first_cell: str) -> list[list[str]]:
     """Cells of the markdown table rows whose first cell matches `first_cell` (a regex, whole cell)."""
     rows = []
@@ -382,7 +387,8 @@ ROWS: tuple[Row, ...] = (
         figures=grab(teacher_up=r"\[teacher\] SGLang up in (.+)$",
                      teacher_logprobs=r"teacher log-probs vs a transformers fp32 forward of the teacher: (.+)$")),
     Row(7, "--check-weight-update-equal vs SGLang", "weight sync",
-        f"{PYTEST} tests/gpu/test_sglang_weight_check_gpu.py -k 'not moe'", timeout_s=600, estimate_s=280, part="7",
+        f"{PYTEST} tests/gpu/test_sglang_weight_check_gpu.py -k 'not moe and not triton'", timeout_s=600,
+        estimate_s=280, part="7",
         must_show="SGLang's `/weights_checker` finds every tensor equal to its snapshot after the first push, from "
         "Megatron and from FSDP; then the usual versions and |Δ log-prob| < 0.05",
         figures=grab(megatron_logprob_diff=r"\[weights checker, megatron\].*?\|Δ log-prob\| (\[[^\]]*\])",
@@ -542,6 +548,19 @@ ROWS: tuple[Row, ...] = (
         "Triton one ≥ 1.3x as fast (on an H100 on 2026-12-06: kernels 170.1 / 11.6 ms, steps 1.59 / 1.09 s)",
         kind="command", figures=grab(kernel=r"\[log-probs kernel\] (.+)$", torch_step=r"^\| thd \| (.+)$",
                                      triton_step=r"^\| thd:triton \| (.+)$"), check=kernel_step_check(1.3)),
+    Row(28, "the Triton log-prob kernel in whole jobs", "performance",
+        f"{PYTEST} tests/gpu/test_sglang_weight_check_gpu.py -k triton && python benchmarks/grpo_step.py --steps 4 "
+        "--systems slime-sglang,trl --max-tokens-per-gpu 20480 --log-probs-kernel triton", timeout_s=600,
+        estimate_s=420, part="perf4",
+        must_show="row 7's job (train.py, SGLang colocated, `--check-weight-update-equal`) on both trainers with "
+        "`--log-probs-kernel triton`: every SGLang tensor restored by the first push, versions 1-3, |Δ log-prob| < "
+        "0.05 (read beside row 7's torch-form figures); then GRPO's step against TRL's with the kernel (row 15's "
+        "batch at slime's token budget: 5.68 s, 2.47x TRL with the torch form on an H100 on 2026-12-05), TRL's step "
+        "≥ 2.4x as long; what the default's change (torch → triton on CUDA) waits for",
+        kind="command", check=grpo_check("slime-sglang", None, 2.4), figures=merged(
+            grab(megatron_logprob_diff=r"\[weights checker, megatron, triton\].*?\|Δ log-prob\| (\[[^\]]*\])",
+                 fsdp_logprob_diff=r"\[weights checker, fsdp, triton\].*?\|Δ log-prob\| (\[[^\]]*\])"),
+            grpo_figures("slime-sglang"))),
 )
 PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."9", then perf, perf2, x2
 

@@ -31,10 +31,15 @@ pytestmark = [
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("backend, arch", [("megatron", "qwen3"), ("fsdp", "qwen3"), ("fsdp", "qwen3_moe")])
-def test_first_push_restores_every_sglang_tensor(backend, arch, tiny_model_dir, toy_data_path, tmp_path):
+@pytest.mark.parametrize("backend, arch, kernel", [
+    ("megatron", "qwen3", "torch"), ("fsdp", "qwen3", "torch"), ("fsdp", "qwen3_moe", "torch"),
+    ("megatron", "qwen3", "triton"), ("fsdp", "qwen3", "triton"),
+])  # fmt: skip
+def test_first_push_restores_every_sglang_tensor(backend, arch, kernel, tiny_model_dir, toy_data_path, tmp_path):
     """qwen3_moe: the fsdp trainer holds the experts fused (transformers 5) and pushes them split into the
-    checkpoint's per-expert tensors, the only names SGLang's Qwen3-MoE loader takes (checkpoint_format.py)."""
+    checkpoint's per-expert tensors, the only names SGLang's Qwen3-MoE loader takes (checkpoint_format.py).
+    triton: the whole job with `--log-probs-kernel triton` (acceptance row 28), so the engine/trainer log-prob
+    agreement is read with the Triton kernels beside row 7's with the torch form."""
     if backend == "megatron" and importlib.util.find_spec("megatron") is None:
         pytest.skip("needs megatron-core")
     from tools.make_tiny_model import make_tiny_model
@@ -45,11 +50,11 @@ def test_first_push_restores_every_sglang_tensor(backend, arch, tiny_model_dir, 
     # it has only for head_dim 64 / 128 / 256 / 512, and asserts at start-up for the tiny size's 32 (seen on an H100)
     model = tiny_model_dir if arch == "qwen3" else make_tiny_model(os.path.join(out, arch), arch=arch, size="small")
     cmd = flag_value(train_cmd(backend, model, toy_data_path, tb), "--num-rollout", str(NUM_ROLLOUT))
-    done, _ = run_train([*cmd, *NO_CUDA_GRAPH, "--check-weight-update-equal"], out)
+    done, _ = run_train([*cmd, *NO_CUDA_GRAPH, "--check-weight-update-equal", "--log-probs-kernel", kernel], out)
     log = done.stdout + done.stderr
     assert "engine weights snapshotted and reset" in log, log[-3000:]
     assert "every engine holds exactly the pushed weights" in log, log[-3000:]
-    name = backend if arch == "qwen3" else f"{backend}, {arch}"
+    name = ", ".join([backend] + [arch] * (arch != "qwen3") + [kernel] * (kernel != "torch"))
     print(f"\n[weights checker, {name}] SGLang's /weights_checker compare passed after the first push")
     check_pushes(tb, f"weights checker, {name}", NUM_ROLLOUT)
     check_policy_moved(tb, f"weights checker, {name}")

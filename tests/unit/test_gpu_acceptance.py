@@ -396,6 +396,13 @@ def test_speed_rows_fail_on_a_regression():
         "regression)"]
     assert rows[27].check(KERNEL_STEP_REPORT.split("\n\n")[0]) == [
         "megatron_train.py printed no train step for ['thd:triton']"]  # the torch layout's table alone
+    triton_jobs = ("[weights checker, megatron, triton] weight version per rollout [1.0, 2.0, 3.0]; engine/trainer "
+                   "|Δ log-prob| ['1.1e-03', '9.0e-04', '8.0e-04']; raw reward [0.1]; step s [5.0]\n" + GRPO_REPORT)
+    assert rows[28].check(triton_jobs) == []
+    assert rows[28].figures(triton_jobs) == {
+        "megatron logprob diff": "['1.1e-03', '9.0e-04', '8.0e-04']", "slime-sglang step s": "4.34",
+        "slime-sglang train s": "2.69", "trl step s": "12.18", "TRL / slime step": "2.81x"}
+    assert rows[28].check(triton_jobs.replace("| 2.81x |", "| 2.17x |")) == ["TRL / slime-sglang step 2.17x (< 2.4x)"]
     slow_step = REPORT.replace("| 1 | 40.00 | 3.20 | 8.0% |", "| 1 | 48.00 | 3.84 | 8.0% |")
     assert rows[1].check(slow_step) == ["the step took 45.00 s (> 43.0 s: a speed regression)"]
     assert rows[1].check(REPORT) == []
