@@ -453,8 +453,8 @@ ROWS: tuple[Row, ...] = (
         "(one F.rms_norm kernel each), its rotary embedding as transformers computes it (`op`) and as the engine "
         "serves it (`fused`: one Triton kernel per tensor), with the plain and the overlap schedule (`off` / `on`, the "
         "default on CUDA): fused with overlap ≤ 4.7 / 9.0 ms per step at batch 64 / 256 (4.09 / 7.84 ms on an H100 "
-        "on 2026-12-06, +15%; transformers' rotary 4.74 / 8.61, SGLang triton 2.62 / 5.63 in the same run); first, the slot "
-        "cache with CUDA graphs and the overlap schedule gives the dynamic cache's and the plain schedule's tokens, "
+        "on 2026-12-06, +15%; transformers' rotary 4.74 / 8.61, SGLang triton 2.62 / 5.63 in the same run); first, "
+        "the slot cache with CUDA graphs and the overlap schedule gives the dynamic cache's and the plain schedule's tokens, "
         "so does the fused rotary, and so do image rows of the tiny Qwen2.5-VL and Qwen3-VL in decode graphs "
         "(tests/gpu/test_hf_engine_slots.py; its failure fails the row after the benchmark)",
         kind="command", figures=decode_figures, check=decode_check({64: 4.7, 256: 9.0})),

@@ -27,8 +27,8 @@ def run(kernel: str, logits: torch.Tensor, rows: torch.Tensor, targets: torch.Te
 
 
 def exact_gradient(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, t: float):
-    """In fp64, the gradient of Σ w0·log p(target) + w1·entropy over rows of `logits` at temperature `t`, and the size
-    of its terms (what its fp32 computation is rounded against): g = (w0·(onehot - p) - w1·p·(x - E[x])) / t."""
+    """In fp64, the gradient of Σ w0·log p(target) + w1·entropy over rows of `logits` at temperature `t`, and the
+    size of its terms (what its fp32 computation is rounded against): g = (w0·(onehot - p) - w1·p·(x - E[x])) / t."""
     x = logits.double() / t
     p = (x - x.logsumexp(-1, keepdim=True)).exp()
     mean = (p * x).sum(-1, keepdim=True)
