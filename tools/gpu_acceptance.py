@@ -223,11 +223,17 @@ def _torch_cuda(expression: str) -> str:
 
 
 def commit() -> str:
-    """$SLIME_COMMIT when set (the device's copy of the checkout may carry a .git of another commit: seen on the H200,
-    where git named the session's starting commit), else `git rev-parse HEAD` (with `+dirty` for local changes), else
-    the file `.commit` at the repository root."""
+    """$SLIME_COMMIT when set, else the file `.commit` at the repository root when there is one (written on purpose
+    for a copy of the checkout: the device's copy may carry a .git of another commit, which named the session's
+    starting commit on the H200 and on an H100 where a later tree ran), else `git rev-parse HEAD` (with `+dirty`
+    for local changes)."""
     if os.environ.get(COMMIT_ENV):
         return os.environ[COMMIT_ENV].strip()
+    with contextlib.suppress(OSError):
+        with open(os.path.join(ROOT, COMMIT_FILE)) as f:
+            written = f.read().strip()
+        if written:
+            return written
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, timeout=30)
         if head.returncode == 0:
@@ -236,9 +242,6 @@ def commit() -> str:
             return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.TimeoutExpired):
         pass
-    with contextlib.suppress(OSError):
-        with open(os.path.join(ROOT, COMMIT_FILE)) as f:
-            return f.read().strip() or "unknown"
     return "unknown"
 
 

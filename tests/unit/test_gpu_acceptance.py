@@ -163,6 +163,23 @@ def test_commit_without_git_comes_from_the_env_or_the_file(tmp_path, monkeypatch
     assert tool.commit() == "def456"
 
 
+def test_commit_file_wins_over_a_git_checkout(tmp_path, monkeypatch):
+    """The device's copy can carry a stale .git: the `.commit` written for the copy names what runs."""
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.txt").write_text("a")
+    subprocess.run([*git, "add", "a.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    monkeypatch.setattr(tool, "ROOT", str(tmp_path))
+    monkeypatch.delenv(tool.COMMIT_ENV, raising=False)
+    assert tool.commit() == head
+    (tmp_path / "a.txt").write_text("b")
+    assert tool.commit() == head + "+dirty"
+    (tmp_path / tool.COMMIT_FILE).write_text("abc123\n")
+    assert tool.commit() == "abc123"
+
+
 # ---- the real registry ----------------------------------------------------------------------------------------
 
 
