@@ -2,7 +2,8 @@
 
     python benchmarks/decode_speed.py [--shape qwen3-0.6b] [--batch 64,256] [--prompt-len 64] [--new-tokens 256]
                                       [--bandwidth-tb-s B] [--kv-cache dynamic,slots] [--norms op,fused]
-                                      [--rotary fused] [--overlap off,on] [--sglang triton,flashinfer]
+                                      [--rotary fused] [--projections fused] [--overlap off,on]
+                                      [--sglang triton,flashinfer]
 
 A random-init model of the shape (benchmarks/weight_sync.py's helper, bf16 on the GPU) served by the engine's
 scheduler in this process (no HTTP), once per `--kv-cache` mode (`dynamic`: a transformers DynamicCache;
@@ -18,7 +19,9 @@ efficiency = bound / measured. `--norms`: each KV cache mode with
 transformers' RMSNorm modules as they are (`op`: about eight kernels each) and then each as one `F.rms_norm`
 kernel (`fused`: what the engine serves with on CUDA, slime/backends/hf_engine/fused_norms.py). `--rotary`: the rotary
 embedding as transformers computes it (`op`, about ten kernels a layer) and as one Triton kernel for the query and
-one for the key (`fused`, the engine's default on CUDA, slime/backends/hf_engine/fused_rotary.py). `--overlap`: the
+one for the key (`fused`, the engine's default on CUDA, slime/backends/hf_engine/fused_rotary.py). `--projections`:
+the attention's q/k/v and the MLP's gate/up projections as separate products (`op`) and as one product per group
+(`fused`, the engine's default on CUDA, slime/backends/hf_engine/fused_projections.py). `--overlap`: the
 slot cache's rows with the plain schedule (`off`, the server's `--disable-overlap-schedule`) and the overlap schedule
 (`on`, its default on CUDA: the next decode step is launched before the host reads this one's tokens).
 
@@ -200,7 +203,8 @@ def bench_sglang(url: str, name: str, vocab: int, batch: int, prompt_len: int, n
     timed(8)  # warm-up
     prefill, wall = timed(1), timed(new_tokens)
     step = (wall - prefill) / (new_tokens - 1)
-    return {"kv cache": f"sglang {name}", "norms": "sglang", "rotary": "sglang", "overlap": "sglang", "batch": batch,
+    return {"kv cache": f"sglang {name}", "norms": "sglang", "rotary": "sglang", "projections": "sglang",
+            "overlap": "sglang", "batch": batch,
             "wall s": wall, "prefill s": prefill,
             "decode steps": new_tokens - 1, "ms / decode step": 1e3 * step, "bound ms / step": 1e3 * bound_s,
             "efficiency": bound_s / step, "decode tok/s": batch / step}
@@ -240,6 +244,9 @@ def main() -> None:
     p.add_argument("--rotary", default="fused", help="rotary embedding forms to compare, under each --norms form: op "
                    "(transformers' apply_rotary_pos_emb), fused (one Triton kernel per tensor, the engine's default on "
                    "CUDA)")
+    p.add_argument("--projections", default="fused", help="projection forms to compare, under each --rotary form: "
+                   "op (q/k/v and gate/up one product each as transformers runs them), fused (one product per group, "
+                   "the engine's default on CUDA)")
     p.add_argument("--overlap", default="off,on", help="schedules of the slots rows to compare: off (plain), on "
                    "(the overlap schedule, the engine's default on CUDA)")
     p.add_argument("--sglang", default="", help="attention backends of a real SGLang server to add rows for, "
@@ -256,6 +263,7 @@ def main() -> None:
     from weight_sync import make_model_dir
 
     from slime.backends.hf_engine.fused_norms import fuse_rms_norms
+    from slime.backends.hf_engine.fused_projections import join_projections, restore_projections
     from slime.backends.hf_engine.fused_rotary import fuse_rotary, restore_rotary
 
     header = []
@@ -280,6 +288,7 @@ def main() -> None:
               f"{torch.cuda.get_device_name()}, bound at {args.bandwidth_tb_s} TB/s")
         norms = [n for n in ("op", "fused") if n in args.norms.split(",")]
         rotary = [r for r in ("op", "fused") if r in args.rotary.split(",")]
+        projections = [f for f in ("op", "fused") if f in args.projections.split(",")]
         for form in norms:
             if form == "fused":
                 fuse_rms_norms(model)
@@ -288,16 +297,22 @@ def main() -> None:
                     sys.exit("--rotary fused: the model's rotary embedding could not be fused (see the log)")
                 if rotation == "op":
                     restore_rotary(model)
-                for mode in filter(None, args.kv_cache.split(",")):
-                    bench(model, tokenizer, mode, 8, args.prompt_len, 8, bandwidth)  # warm-up (kernels)
-                    overlaps = [o for o in ("off", "on") if o in args.overlap.split(",")]
-                    schedules = overlaps if mode == "slots" else ["off"]
-                    for overlap in schedules:
-                        for b in batches:
-                            row = bench(model, tokenizer, mode, b, args.prompt_len, args.new_tokens, bandwidth,
-                                        args.profile, overlap=overlap == "on")
-                            print_row({"kv cache": row.pop("kv cache"), "norms": form, "rotary": rotation,
-                                       "overlap": overlap, **row})
+                for joining in projections:
+                    if joining == "fused" and not join_projections(model):
+                        sys.exit("--projections fused: no projections could be joined (see the log)")
+                    if joining == "op":
+                        restore_projections(model)
+                    for mode in filter(None, args.kv_cache.split(",")):
+                        bench(model, tokenizer, mode, 8, args.prompt_len, 8, bandwidth)  # warm-up (kernels)
+                        overlaps = [o for o in ("off", "on") if o in args.overlap.split(",")]
+                        schedules = overlaps if mode == "slots" else ["off"]
+                        for overlap in schedules:
+                            for b in batches:
+                                row = bench(model, tokenizer, mode, b, args.prompt_len, args.new_tokens, bandwidth,
+                                            args.profile, overlap=overlap == "on")
+                                print_row({"kv cache": row.pop("kv cache"), "norms": form, "rotary": rotation,
+                                           "projections": joining, "overlap": overlap, **row})
+                    restore_projections(model)
             restore_rotary(model)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         per_token, vocab = kv_bytes_per_token(model.config), model.config.vocab_size

@@ -275,9 +275,9 @@ def grpo_figures(system: str) -> Callable[[str], Figures]:
 
 
 def decode_figures(out: str) -> Figures:
-    """ms per decode step per engine, RMSNorm and rotary forms (`op` / `fused` for the hf engine), schedule (overlap
-    `off` / `on`) and batch."""
-    return {f"{c[0]} (norms {c[1]}, rotary {c[2]}, overlap {c[3]}) batch {c[4]} ms/step": c[8]
+    """ms per decode step per engine, RMSNorm, rotary and projection forms (`op` / `fused` for the hf engine),
+    schedule (overlap `off` / `on`) and batch."""
+    return {f"{c[0]} (norms {c[1]}, rotary {c[2]}, projections {c[3]}, overlap {c[4]}) batch {c[5]} ms/step": c[9]
             for c in table(out, r"slots|sglang \w+")}
 
 
@@ -303,11 +303,12 @@ def grpo_check(system: str, max_step_s: float | None, min_trl_ratio: float) -> C
 
 
 def decode_check(max_ms: dict[int, float]) -> Callable[[str], list[str]]:
-    """benchmarks/decode_speed.py: the `hf` engine's ms per decode step (slots, fused RMSNorm and rotary, overlap
-    schedule: what it serves with on CUDA) at each batch in `max_ms` no slower than its ceiling."""
+    """benchmarks/decode_speed.py: the `hf` engine's ms per decode step (slots, fused RMSNorm and rotary, joined
+    projections, overlap schedule: what it serves with on CUDA) at each batch in `max_ms` no slower than its
+    ceiling."""
 
     def check(out: str) -> list[str]:
-        ms = {int(c[4]): number(c[8]) for c in table(out, "slots") if c[1:4] == ["fused", "fused", "on"]}
+        ms = {int(c[5]): number(c[9]) for c in table(out, "slots") if c[1:5] == ["fused", "fused", "fused", "on"]}
         problems = []
         for batch, ceiling in max_ms.items():
             if batch not in ms:
@@ -448,7 +449,7 @@ ROWS: tuple[Row, ...] = (
         kind="command", figures=grpo_figures("slime-megatron"), check=grpo_check("slime-megatron", None, 1.0)),
     Row(17, "decode speed, hf engine vs SGLang", "performance",
         f"{PYTEST} tests/gpu/test_hf_engine_slots.py; tests=$?; python benchmarks/decode_speed.py --kv-cache slots "
-        "--norms fused --rotary op,fused --sglang triton && exit $tests", timeout_s=600, estimate_s=320,
+        "--norms fused --rotary fused --projections op,fused --sglang triton && exit $tests", timeout_s=600, estimate_s=320,
         part="perf2", must_show="the `hf` engine's decode against the bandwidth bound and SGLang's, its RMSNorms fused "
         "(one F.rms_norm kernel each), its rotary embedding as transformers computes it (`op`) and as the engine "
         "serves it (`fused`: one Triton kernel per tensor), with the plain and the overlap schedule (`off` / `on`, the "

@@ -1,6 +1,7 @@
 """The hf engine's slot KV cache with CUDA-graph decode and the overlap schedule (its defaults on CUDA) gives the
 dynamic cache's tokens and log-probs, and the plain schedule's, also after in-place weight updates, after the
-model moved off and back onto the GPU, and with the fused rotary embedding in the graphs (skipped without CUDA)."""
+model moved off and back onto the GPU, and with the fused rotary embedding and the joined projections in the
+graphs (skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,41 @@ def test_fused_rotary_in_cuda_graphs_gives_transformers_tokens(model_and_tokeniz
     finally:
         restore_rotary(model)
     assert_same(want, got)
+
+
+def test_joined_projections_in_cuda_graphs_give_transformers_tokens(tmp_path):
+    """The engine's default on CUDA: q/k/v and gate/up as one product each (fused_projections.py), captured in the
+    decode graphs, against transformers' separate products in the dynamic cache; an in-place weight update (a push
+    copies into the joined storage) and a release/resume of the weights (release.py) keep them joined, and the
+    graphs read the new values."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slime.backends.hf_engine.fused_projections import ATTENTION, join_projections, joined
+    from slime.backends.hf_engine.release import WeightMemory
+    from tools.make_tiny_model import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path / "m"), size="tiny", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    twin = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    assert join_projections(twin) == 2 * len(twin.model.layers)
+    memory = WeightMemory(twin, "cpu_backup")
+    dynamic = Scheduler(model, tok, kv_cache="dynamic", max_running_requests=5)
+    slots = Scheduler(twin, tok, kv_cache="slots", max_running_requests=5)
+    assert_same(serve(dynamic, requests()), serve(slots, requests()))
+    assert slots.stats["num_cuda_graphs"] >= 2
+    with torch.no_grad():
+        for a, b in zip(model.parameters(), twin.parameters()):
+            a.mul_(1.05)
+            b.copy_(a)
+    assert_same(serve(dynamic, requests()), serve(slots, requests()))
+    with slots.exclusive():
+        memory.release()
+        memory.resume()
+        slots.drop_graphs()
+    attention = twin.model.layers[0].self_attn
+    assert joined([getattr(attention, n).weight for n in ATTENTION]) is not None
+    assert_same(serve(dynamic, requests()), serve(slots, requests()))
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])

@@ -367,13 +367,13 @@ GRPO_REPORT = textwrap.dedent("""\
     """)
 
 DECODE_REPORT = textwrap.dedent("""\
-    | kv cache | norms | rotary | overlap | batch | wall s | prefill s | decode steps | ms / decode step | bound ms / step | efficiency | decode tok/s |
-    | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
-    | slots | fused | op | off | 64 | 1.33 | 0.03 | 255 | 5.08 | 0.60 | 11.9% | 12,603.93 |
-    | slots | fused | op | on | 64 | 1.24 | 0.03 | 256 | 6.71 | 0.60 | 12.7% | 13,432.55 |
-    | slots | fused | fused | on | 64 | 1.07 | 0.02 | 256 | 4.09 | 0.87 | 21.2% | 15,654.53 |
-    | slots | fused | fused | on | 256 | 2.06 | 0.06 | 256 | 7.84 | 2.28 | 29.0% | 32,658.05 |
-    | sglang triton | sglang | sglang | sglang | 64 | 0.83 | 0.08 | 255 | 2.92 | 0.60 | 20.7% | 21,885.18 |
+    | kv cache | norms | rotary | projections | overlap | batch | wall s | prefill s | decode steps | ms / decode step | bound ms / step | efficiency | decode tok/s |
+    | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+    | slots | fused | fused | op | off | 64 | 1.33 | 0.03 | 255 | 5.08 | 0.60 | 11.9% | 12,603.93 |
+    | slots | fused | fused | op | on | 64 | 1.24 | 0.03 | 256 | 6.71 | 0.60 | 12.7% | 13,432.55 |
+    | slots | fused | fused | fused | on | 64 | 1.07 | 0.02 | 256 | 4.09 | 0.87 | 21.2% | 15,654.53 |
+    | slots | fused | fused | fused | on | 256 | 2.06 | 0.06 | 256 | 7.84 | 2.28 | 29.0% | 32,658.05 |
+    | sglang triton | sglang | sglang | sglang | sglang | 64 | 0.83 | 0.08 | 255 | 2.92 | 0.60 | 20.7% | 21,885.18 |
     """)
 
 KERNEL_STEP_REPORT = textwrap.dedent("""\
@@ -403,10 +403,10 @@ def test_speed_rows_fail_on_a_regression():
     assert rows[17].check(DECODE_REPORT) == []
     assert rows[17].check(DECODE_REPORT.replace("| 256 | 2.06 | 0.06 | 256 | 7.84 |", "| 256 | 2.06 | 0.06 | 256 | 9.20 |")) == [
         "hf engine decode 9.20 ms/step at batch 256 (> 9.0 ms: a speed regression)"]
-    assert rows[17].check(DECODE_REPORT.replace("| slots | fused | fused | on | 64 |", "| paged | fused | fused | on | 64 |")) == [
+    assert rows[17].check(DECODE_REPORT.replace("| slots | fused | fused | fused | on | 64 |", "| paged | fused | fused | fused | on | 64 |")) == [
         "no slots row at batch 64 in decode_speed.py's table"]  # the op and plain rows (6.71, 5.08 ms) are not checked
-    assert rows[17].figures(DECODE_REPORT)["slots (norms fused, rotary op, overlap on) batch 64 ms/step"] == "6.71"
-    assert rows[17].figures(DECODE_REPORT)["sglang triton (norms sglang, rotary sglang, overlap sglang) batch 64 ms/step"] == "2.92"
+    assert rows[17].figures(DECODE_REPORT)["slots (norms fused, rotary fused, projections op, overlap on) batch 64 ms/step"] == "6.71"
+    assert rows[17].figures(DECODE_REPORT)["sglang triton (norms sglang, rotary sglang, projections sglang, overlap sglang) batch 64 ms/step"] == "2.92"
     assert rows[27].check(KERNEL_STEP_REPORT) == []
     assert rows[27].check(KERNEL_STEP_REPORT.replace("| 1.09 | 75,395 |", "| 1.31 | 62,534 |")) == [
         "train step 1.31 s with the Triton kernels against 1.59 s with the torch form: less than 1.3x (a speed "

@@ -51,6 +51,7 @@ from starlette.concurrency import run_in_threadpool
 from slime.backends.hf_engine.auth import API_KEY_ENV, APIKeyMiddleware
 from slime.backends.hf_engine.checkpoint_names import Slice, checkpoint_name_mapper, checkpoint_slices
 from slime.backends.hf_engine.fused_norms import fuse_rms_norms
+from slime.backends.hf_engine.fused_projections import join_projections
 from slime.backends.hf_engine.fused_rotary import fuse_rotary
 from slime.backends.hf_engine.lora import MergedAdapter, add_lora_routes
 from slime.backends.hf_engine.release import WeightMemory
@@ -169,10 +170,12 @@ class EngineState:
         return None
 
 
-def load_model(model_path: str, dtype: str, device: str, fuse_norms: bool = True, fuse_rotary_emb: bool = True):
+def load_model(model_path: str, dtype: str, device: str, fuse_norms: bool = True, fuse_rotary_emb: bool = True,
+               join_proj: bool = True):
     """A causal LM, or an image-text-to-text model (vision tower + LM) when config.json has a vision_config. On
-    CUDA its RMSNorms run as one fused kernel each unless `fuse_norms` is off (fused_norms.py), and its rotary
-    embedding as one kernel per tensor unless `fuse_rotary_emb` is off (fused_rotary.py)."""
+    CUDA its RMSNorms run as one fused kernel each unless `fuse_norms` is off (fused_norms.py), its rotary
+    embedding as one kernel per tensor unless `fuse_rotary_emb` is off (fused_rotary.py), and its q/k/v and
+    gate/up projections as one product each unless `join_proj` is off (fused_projections.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     if dtype not in DTYPES:
@@ -185,6 +188,8 @@ def load_model(model_path: str, dtype: str, device: str, fuse_norms: bool = True
         fuse_rms_norms(model)
     if fuse_rotary_emb and device.startswith("cuda"):
         fuse_rotary(model)
+    if join_proj and device.startswith("cuda"):
+        join_projections(model)
     return model, tokenizer
 
 
@@ -803,6 +808,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--disable-fused-rotary", action="store_true",
                    help="on CUDA, run transformers' apply_rotary_pos_emb op by op (default: one Triton kernel for the "
                         "query and one for the key, where it computes the same; fused_rotary.py)")
+    p.add_argument("--disable-joined-projections", action="store_true",
+                   help="on CUDA, multiply by q_proj, k_proj, v_proj (and gate_proj, up_proj) one by one (default: "
+                        "one product for each group, its weights in one storage, where it computes the same; "
+                        "fused_projections.py)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each decode step's tokens before launching the next (SGLang's flag; default with "
                         "--kv-cache slots on CUDA: the next step is launched first, so the host's work overlaps it)")
@@ -856,7 +865,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.num_threads)
     t0 = time.time()
     model, tokenizer = load_model(args.model_path, args.dtype, args.device, not args.disable_fused_rms_norm,
-                                  not args.disable_fused_rotary)
+                                  not args.disable_fused_rotary, not args.disable_joined_projections)
     with torch.no_grad():  # warm up kernels so the first request is not the slow one
         model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=args.device))
     if is_vision_model(model):
