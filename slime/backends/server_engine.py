@@ -84,7 +84,6 @@ class ServerEngine:
     health_path = "/health"  # polled until it answers 200 (SGLang: /health_generate)
     health_probe_timeout_s = 5.0
     idle_timeout_s = 60.0  # wait_idle's default: how long requests left in the server may take to finish
-    idle_settle_s = 0.0  # how long GET /get_load must read zero (0: two polls in a row do; exact for the hf engine)
     tp_size = 1  # tensor-parallel ranks of the server (payloads per update_weights_from_tensor)
 
     def __init__(self, args, rank: int):
@@ -389,34 +388,41 @@ class ServerEngine:
         return loads
 
     def wait_idle(self, timeout: float | None = None) -> None:
-        """Return once the server serves no request: every data-parallel rank of GET /get_load reports `num_reqs`
-        0 on two polls in a row, the first `idle_settle_s` or more before the last. Memory is released only from
-        an idle engine (SGLang's scheduler asserts it and its server dies). Raises EngineNotIdleError with the
-        counts and the server's log when it is still busy after `timeout` seconds (default `idle_timeout_s`)."""
+        """Return once the server serves no request. Memory is released only from an idle engine (SGLang's
+        scheduler asserts `is_fully_idle()` and its server dies). `POST /flush_cache?timeout=T` asks the scheduler
+        itself: SGLang 0.5.16 answers 200 the moment it is fully idle (checked in its own loop, the condition the
+        release asserts) and 400 if it is not within T; an SGLang without deferred flushes answers 400 at once
+        while busy, so 400 is polled until `timeout` seconds (default `idle_timeout_s`) have passed. GET /get_load
+        cannot tell: SGLang publishes it as a snapshot (after each prefill, on idle turns and every 15th decode
+        step), so it reads 0 while a request prefilled alone runs. Raises EngineNotIdleError with the load, the
+        flush's answer and the server's log when it is still busy after `timeout`."""
         timeout = self.idle_timeout_s if timeout is None else timeout
-        poll = max(0.05, self.idle_settle_s / 5)
         deadline = time.monotonic() + timeout
-        zero_since: float | None = None
+        what = f"{self.name} rank {self.rank} POST {self.get_url()}/flush_cache"
         while True:
-            loads = self.get_load()
-            now = time.monotonic()
-            busy = [x for x in loads if x["num_reqs"]]
-            if busy:
-                zero_since = None
-            elif zero_since is None:
-                zero_since = now
-            elif now - zero_since >= self.idle_settle_s:
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                resp = self._http().post("/flush_cache", params={"timeout": round(left, 3)},
+                                         timeout=left + self.control_timeout_s)
+            except httpx.TransportError as e:
+                raise self._lost_server(what, e) from e
+            if resp.status_code == 200:
                 return
-            if busy and now > deadline:
-                counts = "; ".join(f"dp rank {x.get('dp_rank', 0)}: {x['num_reqs']} request(s), "
-                                   f"{x.get('num_waiting_reqs', 0)} of them waiting" for x in busy)
-                raise EngineNotIdleError(
-                    f"{self.name} rank {self.rank} ({self.get_url()}) still serves requests after {timeout:.0f} s "
-                    f"({counts}), so its memory cannot be released (SGLang's scheduler asserts it is idle and its "
-                    "server dies). Something left requests in it: a rollout function that returned with requests "
-                    "in flight (abort them first: POST /abort_request {\"abort_all\": true}), generation paused in "
-                    f"place, or a client that gave up on a request it sent. Log {self.log_path}:\n{self.log_tail()}")
-            time.sleep(poll)
+            if resp.status_code != 400:
+                raise EngineHTTPError(f"{what} -> HTTP {resp.status_code}: {_error_message(resp)}")
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        busy = [x for x in self.get_load() if x["num_reqs"]]
+        counts = "; ".join(f"dp rank {x.get('dp_rank', 0)}: {x['num_reqs']} request(s), "
+                           f"{x.get('num_waiting_reqs', 0)} of them waiting" for x in busy) or "GET /get_load reads 0"
+        raise EngineNotIdleError(
+            f"{self.name} rank {self.rank} ({self.get_url()}) still serves requests after {timeout:.0f} s ({counts}; "
+            f"/flush_cache: {resp.text.strip()[:200]!r}), so its memory cannot be released (SGLang's scheduler "
+            "asserts it is idle and its server dies). Something left requests in it: a rollout function that "
+            "returned with requests in flight (abort them first: POST /abort_request {\"abort_all\": true}), "
+            f"generation paused in place, or a client that gave up on a request it sent. Log {self.log_path}:\n"
+            f"{self.log_tail()}")
 
     def health_generate(self, timeout: float) -> bool:
         """True when the server generated one token within `timeout` seconds."""

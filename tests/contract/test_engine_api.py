@@ -520,8 +520,21 @@ def test_pause_aborts_requests_in_flight_by_default(engine):
     assert generate(engine, input_ids=PROMPT, sampling_params={"max_new_tokens": 2})["output_ids"]
 
 
-def test_flush_cache(engine):
+def test_flush_cache_answers_for_an_idle_scheduler_and_waits_with_a_timeout(engine):
+    """SGLang's /flush_cache: 200 when no request runs, 400 while one does; with `?timeout=T` the answer waits until
+    the scheduler is fully idle (SGLang 0.5.16's deferred flush; `ServerEngine.wait_idle` relies on it before a
+    release)."""
     assert control_ok(post(engine, "/flush_cache"))
+    long = {"input_ids": PROMPT, "sampling_params": {"temperature": 1.0, "max_new_tokens": 1900, "ignore_eos": True}}
+    t, result = in_thread(post, engine, "/generate", long, 300.0, None)
+    time.sleep(0.5)
+    busy = post(engine, "/flush_cache", expect=400)
+    assert t.is_alive(), "the request finished before the busy flush: the check above saw nothing"
+    assert "pending requests" in busy.text, busy.text
+    waited = httpx.post(engine.url + "/flush_cache", params={"timeout": 120}, timeout=180, trust_env=False)
+    assert waited.status_code == 200, waited.text
+    resp = joined(t, result, timeout=30.0)  # answered before (or as) the scheduler went idle
+    assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 1900
 
 
 # ---- router ---------------------------------------------------------------------------------------------

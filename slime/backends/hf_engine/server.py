@@ -427,9 +427,19 @@ def build_app(state: EngineState, api_key: str | None = None) -> FastAPI:
                 "new_version": state.weight_version}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
-        # SGLang answers in plain text; the hf engine keeps no prefix cache, so there is nothing to flush.
-        return PlainTextResponse("Cache flushed.\n")
+    async def flush_cache(timeout: float = 0.0):
+        """SGLang's answer: 200 once no request is running or waiting (the hf engine keeps no prefix cache, so
+        nothing else happens), else 400; `timeout` seconds: wait that long for the last requests to finish first
+        (SGLang 0.5.16's deferred flush). `ServerEngine.wait_idle` relies on it."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            running, waiting = sched.counts()
+            if not running and not waiting:
+                return PlainTextResponse("Cache flushed.\n")
+            if time.monotonic() >= deadline:
+                return PlainTextResponse(f"Cache not flushed because there are pending requests. #queue-req: "
+                                         f"{waiting}, #running-req: {running}\n", status_code=400)
+            await asyncio.sleep(0.01)
 
     @app.api_route("/weights_checker", methods=["GET", "POST"])
     async def weights_checker(http: HTTPRequest):

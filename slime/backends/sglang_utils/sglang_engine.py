@@ -111,10 +111,6 @@ class SGLangEngine(ServerEngine):
     health_path = "/health_generate"
     health_probe_timeout_s = 30.0  # the first generation of a big model can take a while
     startup_timeout_s = 1800.0  # loading and capturing CUDA graphs of large models takes minutes
-    # SGLang 0.5.16's /get_load reads a snapshot its scheduler publishes after each prefill, on each idle turn of its
-    # loop and only every 15th decode step: a request prefilled alone reads 0 until then. Zero for a second is
-    # an idle scheduler unless its decode steps take over 66 ms.
-    idle_settle_s = 1.0
     launcher: list[str] | None = None
 
     def __init__(self, args, rank: int, node_rank: int = 0, dist_init_addr: str | None = None):
