@@ -161,13 +161,15 @@ def test_triton_kernel_refused_off_cuda_without_the_interpreter():
         log_probs_triton.vocab_kernel("cuda")
 
 
-def test_the_flag_is_refused_where_the_kernels_cannot_run(monkeypatch):
+def test_the_flag_is_refused_where_the_kernels_cannot_run_and_auto_picks_where_they_can(monkeypatch):
     import importlib.util
 
     from slime.config.arguments import SlimeArgumentError
     from tests.args import make_args
 
-    assert make_args().log_probs_kernel == "torch"
+    assert make_args(use_cuda=False).log_probs_kernel == "torch"  # auto: the CPU keeps the torch form
+    assert make_args(use_cuda=True).log_probs_kernel == "triton"  # auto: CUDA with triton installed
+    assert make_args("--log-probs-kernel", "torch", use_cuda=True).log_probs_kernel == "torch"
     with pytest.raises(SlimeArgumentError, match="--log-probs-kernel triton runs on CUDA only"):
         make_args("--log-probs-kernel", "triton", use_cuda=False)
     assert make_args("--log-probs-kernel", "triton", use_cuda=True).log_probs_kernel == "triton"
@@ -175,3 +177,4 @@ def test_the_flag_is_refused_where_the_kernels_cannot_run(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find_spec(name, *a))
     with pytest.raises(SlimeArgumentError, match="--log-probs-kernel triton: triton is not installed"):
         make_args("--log-probs-kernel", "triton", use_cuda=True)
+    assert make_args(use_cuda=True).log_probs_kernel == "torch"  # auto without triton

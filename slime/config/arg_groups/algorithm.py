@@ -117,12 +117,12 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
         help="Average the loss over all tokens of the step instead of per sample first.",
     )
     g.add_argument(
-        "--log-probs-kernel", choices=KERNELS, default="torch",
-        help="How the trainers compute log-probs and entropy over the vocabulary: torch (chunked torch operations, "
-        "the default) or triton (two fused Triton kernels, one read of the logits forward, one read and one write "
-        "backward; needs CUDA and triton; the top-p replay's keep mask still goes through torch). Not in slime; "
-        "on an H100 the Megatron train step of a 0.6B GRPO batch took 1.09 s with triton against 1.59 s "
-        "(docs/algorithms.md).",
+        "--log-probs-kernel", choices=("auto", *KERNELS), default="auto",
+        help="How the trainers compute log-probs and entropy over the vocabulary: torch (chunked torch operations) "
+        "or triton (two fused Triton kernels, one read of the logits forward, one read and one write backward; needs "
+        "CUDA and triton; the top-p replay's keep mask still goes through torch). auto (the default): triton where "
+        "the run trains on CUDA and triton is installed, else torch. Not in slime; on an H100 the Megatron train "
+        "step of a 0.6B GRPO batch took 1.09 s with triton against 1.59 s (docs/algorithms.md).",
     )
     g.add_argument(
         "--num-critic-only-steps", type=int, default=0, help="Initial rollouts that train only the PPO critic."
@@ -167,7 +167,10 @@ def add_opd_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_algorithm(args: argparse.Namespace) -> None:
-    if args.log_probs_kernel == "triton":
+    if args.log_probs_kernel == "auto":
+        triton_runs = args.use_cuda and importlib.util.find_spec("triton") is not None
+        args.log_probs_kernel = "triton" if triton_runs else "torch"
+    elif args.log_probs_kernel == "triton":
         if importlib.util.find_spec("triton") is None:
             fail("--log-probs-kernel triton: triton is not installed (it comes with torch's CUDA builds); install it "
                  "or use --log-probs-kernel torch.")
