@@ -159,7 +159,7 @@ def model_args(shape: str) -> list[str]:
 def backend_flags(args, backend: str) -> list[str]:
     """fsdp: the HF model in fp32 under bf16 autocast. megatron: bf16 parameters with fp32 master weights
     (distributed optimizer), packed micro-batches of at most --max-tokens-per-gpu tokens."""
-    kernel = ["--log-probs-kernel", getattr(args, "log_probs_kernel", "torch")]
+    kernel = ["--log-probs-kernel", getattr(args, "log_probs_kernel", "auto")]
     if backend == "fsdp":
         return ["--train-backend", "fsdp", "--micro-batch-size", str(args.micro_batch_size), *kernel]
     tokens = getattr(args, "max_tokens_per_gpu", None) or args.micro_batch_size * (args.prompt_len + args.response_len)
@@ -374,8 +374,8 @@ def main() -> None:
                    help="Megatron systems: token budget per micro-batch (default: --micro-batch-size samples' tokens)")
     p.add_argument("--systems", default="slime,trl", help="of slime (fsdp), slime-megatron, slime-sglang, trl")
     p.add_argument("--sglang-attention-backend", default="triton", help="slime-sglang: SGLang's attention backend")
-    p.add_argument("--log-probs-kernel", default="torch", choices=KERNELS,
-                   help="the slime systems' --log-probs-kernel")
+    p.add_argument("--log-probs-kernel", default="auto", choices=("auto", *KERNELS),
+                   help="the slime systems' --log-probs-kernel (default: slime's, auto: triton on CUDA)")
     p.add_argument("--resident", action="store_true",
                    help="the slime systems colocated without the memory handoff (--no-offload-train "
                    "--no-offload-rollout): both sides stay on the GPU; lower --sglang-mem-fraction to fit")

@@ -359,11 +359,11 @@ def test_vlm_gpu_test_command_line_passes_validation(tmp_path, monkeypatch):
 
 
 GRPO_REPORT = textwrap.dedent("""\
-    | system | step s | rollout s | rollout tok/s | train s | train tok/s | weight sync s | peak GB |
-    | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
-    | slime-sglang | 4.34 | 1.57 | 41,716 | 2.69 | 30,441 | 0.06 | 82.27 |
-    | trl | 12.18 | 9.80 | 6,688 | 2.38 | 34,365 | - | 149.06 |
-    | TRL / slime-sglang (time), slime-sglang / TRL (tok/s, GB) | 2.81x | 6.24x | 6.24x | 0.89x | 0.89x | - | 0.55x |
+    | system | step s | rollout s | rollout tok/s | train s | train tok/s | weight sync s | handoff s | peak GB |
+    | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+    | slime-sglang | 3.38 | 1.69 | 38,687.51 | 1.13 | 72,657.49 | 0.04 | 0.49 | 58.58 |
+    | trl | 9.81 | 7.62 | 8,602.03 | 2.19 | 37,453.80 | - | - | 83.94 |
+    | TRL / slime-sglang (time), slime-sglang / TRL (tok/s, GB) | 2.90x | 4.50x | 4.50x | 1.94x | 1.94x | - | - | 0.70x |
     """)
 
 DECODE_REPORT = textwrap.dedent("""\
@@ -393,16 +393,16 @@ def test_speed_rows_fail_on_a_regression():
     fails naming the figure."""
     rows = {r.id: r for r in registry.ROWS}
     assert rows[15].check(GRPO_REPORT) == []
-    slower = GRPO_REPORT.replace("| slime-sglang | 4.34 |", "| slime-sglang | 5.61 |").replace("| 2.81x |", "| 2.17x |")
-    assert rows[15].check(slower) == ["slime-sglang step 5.61 s (> 5.0 s: a speed regression)",
-                                      "TRL / slime-sglang step 2.17x (< 2.4x)"]
+    slower = GRPO_REPORT.replace("| slime-sglang | 3.38 |", "| slime-sglang | 4.02 |").replace("| 2.90x |", "| 2.44x |")
+    assert rows[15].check(slower) == ["slime-sglang step 4.02 s (> 3.9 s: a speed regression)",
+                                      "TRL / slime-sglang step 2.44x (< 2.5x)"]
     assert rows[15].check("no table") == ["no slime-sglang row or TRL ratio in grpo_step.py's table"]
     megatron = GRPO_REPORT.replace("slime-sglang", "slime-megatron")
     assert rows[16].check(megatron) == []
-    assert rows[16].check(megatron.replace("| 2.81x |", "| 0.83x |")) == ["TRL / slime-megatron step 0.83x (< 1.0x)"]
+    assert rows[16].check(megatron.replace("| 2.90x |", "| 0.83x |")) == ["TRL / slime-megatron step 0.83x (< 1.0x)"]
     assert rows[17].check(DECODE_REPORT) == []
     assert rows[17].check(DECODE_REPORT.replace("| 256 | 2.06 | 0.06 | 256 | 7.84 |", "| 256 | 2.06 | 0.06 | 256 | 9.20 |")) == [
-        "hf engine decode 9.20 ms/step at batch 256 (> 9.0 ms: a speed regression)"]
+        "hf engine decode 9.20 ms/step at batch 256 (> 8.9 ms: a speed regression)"]
     assert rows[17].check(DECODE_REPORT.replace("| slots | fused | fused | fused | on | 64 |", "| paged | fused | fused | fused | on | 64 |")) == [
         "no slots row at batch 64 in decode_speed.py's table"]  # the op and plain rows (6.71, 5.08 ms) are not checked
     assert rows[17].figures(DECODE_REPORT)["slots (norms fused, rotary fused, projections op, overlap on) batch 64 ms/step"] == "6.71"
@@ -417,9 +417,9 @@ def test_speed_rows_fail_on_a_regression():
                    "|Δ log-prob| ['1.1e-03', '9.0e-04', '8.0e-04']; raw reward [0.1]; step s [5.0]\n" + GRPO_REPORT)
     assert rows[28].check(triton_jobs) == []
     assert rows[28].figures(triton_jobs) == {
-        "megatron logprob diff": "['1.1e-03', '9.0e-04', '8.0e-04']", "slime-sglang step s": "4.34",
-        "slime-sglang train s": "2.69", "trl step s": "12.18", "TRL / slime step": "2.81x"}
-    assert rows[28].check(triton_jobs.replace("| 2.81x |", "| 2.17x |")) == ["TRL / slime-sglang step 2.17x (< 2.4x)"]
+        "megatron logprob diff": "['1.1e-03', '9.0e-04', '8.0e-04']", "slime-sglang step s": "3.38",
+        "slime-sglang train s": "1.13", "trl step s": "9.81", "TRL / slime step": "2.90x"}
+    assert rows[28].check(triton_jobs.replace("| 2.90x |", "| 2.17x |")) == ["TRL / slime-sglang step 2.17x (< 2.5x)"]
     slow_step = REPORT.replace("| 1 | 40.00 | 3.20 | 8.0% |", "| 1 | 48.00 | 3.84 | 8.0% |")
     assert rows[1].check(slow_step) == ["the step took 45.00 s (> 43.0 s: a speed regression)"]
     assert rows[1].check(REPORT) == []
