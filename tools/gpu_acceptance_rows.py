@@ -278,7 +278,7 @@ def decode_figures(out: str) -> Figures:
     """ms per decode step per engine, RMSNorm, rotary and projection forms (`op` / `fused` for the hf engine),
     schedule (overlap `off` / `on`) and batch."""
     return {f"{c[0]} (norms {c[1]}, rotary {c[2]}, projections {c[3]}, overlap {c[4]}) batch {c[5]} ms/step": c[9]
-            for c in table(out, r"slots|sglang \w+")}
+            for c in table(out, r"slots(:\w+)?|sglang \w+")}
 
 
 # Speed ceilings: a row fails when a figure is worse than its last measured value by more than 15% (the same row's
@@ -319,6 +319,26 @@ def decode_check(max_ms: dict[int, float]) -> Callable[[str], list[str]]:
         return problems
 
     return check
+
+
+def decode_attention_check(out: str) -> list[str]:
+    """benchmarks/decode_speed.py --kv-cache slots,slots:triton: at each batch the slot cache with the Triton decode
+    attention no slower than with SDPA (fused norms, rotary and projections, overlap on), the condition for making
+    it the default."""
+    ms = {(c[0], int(c[5])): number(c[9]) for c in table(out, r"slots(:triton)?")
+          if c[1:5] == ["fused", "fused", "fused", "on"]}
+    batches = sorted({b for _, b in ms})
+    if not batches:
+        return ["no slots rows in decode_speed.py's table"]
+    problems = []
+    for b in batches:
+        sdpa, kernel = ms.get(("slots", b)), ms.get(("slots:triton", b))
+        if sdpa is None or kernel is None:
+            problems.append(f"batch {b}: no {'slots' if sdpa is None else 'slots:triton'} row")
+        elif not kernel <= sdpa:
+            problems.append(f"batch {b}: the Triton decode attention {kernel:.2f} ms/step, slower than SDPA's "
+                            f"{sdpa:.2f}")
+    return problems
 
 
 def kernel_step_check(min_speedup: float) -> Callable[[str], list[str]]:
@@ -566,6 +586,16 @@ ROWS: tuple[Row, ...] = (
             grab(megatron_logprob_diff=r"\[weights checker, megatron, triton\].*?\|Δ log-prob\| (\[[^\]]*\])",
                  fsdp_logprob_diff=r"\[weights checker, fsdp, triton\].*?\|Δ log-prob\| (\[[^\]]*\])"),
             grpo_figures("slime-sglang"))),
+    Row(29, "Triton decode attention in the hf engine (--decode-attention triton)", "performance",
+        f"{PYTEST} tests/gpu/test_hf_engine_slots.py -k triton_decode_attention; tests=$?; python "
+        "benchmarks/decode_speed.py --kv-cache slots,slots:triton --norms fused --rotary fused --projections fused "
+        "--overlap on --sglang triton && exit $tests", timeout_s=600, estimate_s=240, part="perf5",
+        must_show="the slot cache's decode attention as one Triton kernel per layer that reads only each row's live "
+        "columns (decode_attention.py; SDPA reads the whole column bucket under a mask: 24 us per layer and step at "
+        "batch 64 on an H100, the step's largest kernel): transformers' tokens under CUDA graphs (fp32, also after a "
+        "weight update), then ms per decode step at batch 64 / 256 with SDPA and with the kernel beside SGLang "
+        "triton's; the kernel no slower than SDPA at each batch (what making it the default waits for; not yet run)",
+        kind="command", figures=decode_figures, check=decode_attention_check),
 )
 PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."9", then perf, perf2, x2
 

@@ -105,6 +105,29 @@ def test_fused_rotary_in_cuda_graphs_gives_transformers_tokens(model_and_tokeniz
     assert_same(want, got)
 
 
+def test_triton_decode_attention_in_cuda_graphs_gives_transformers_tokens(model_and_tokenizer):
+    """`--decode-attention triton` (decode_attention.py): the kernel reading each row's live columns, captured in the
+    decode graphs, against transformers' attention in the dynamic cache (fp32: the kernel multiplies in IEEE fp32),
+    also after an in-place weight update."""
+    from slime.backends.hf_engine import slots as slots_module
+
+    model, tok = model_and_tokenizer
+    dynamic = Scheduler(model, tok, kv_cache="dynamic", max_running_requests=5)
+    slots = Scheduler(model, tok, kv_cache="slots", max_running_requests=5, decode_attention="triton")
+    calls = []
+    kernel = slots_module.triton_decode_attention
+    slots_module.triton_decode_attention = lambda *a: calls.append(1) or kernel(*a)
+    try:
+        assert_same(serve(dynamic, requests()), serve(slots, requests()))
+    finally:
+        slots_module.triton_decode_attention = kernel
+    assert calls and slots.stats["num_cuda_graphs"] >= 2  # captured: each graph called the kernel once per layer
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.02)
+    assert_same(serve(dynamic, requests()), serve(slots, requests()))
+
+
 def test_joined_projections_in_cuda_graphs_give_transformers_tokens(tmp_path):
     """The engine's default on CUDA: q/k/v and gate/up as one product each (fused_projections.py), captured in the
     decode graphs, against transformers' separate products in the dynamic cache; an in-place weight update (a push

@@ -420,6 +420,14 @@ def test_speed_rows_fail_on_a_regression():
         "megatron logprob diff": "['1.1e-03', '9.0e-04', '8.0e-04']", "slime-sglang step s": "3.38",
         "slime-sglang train s": "1.13", "trl step s": "9.81", "TRL / slime step": "2.90x"}
     assert rows[28].check(triton_jobs.replace("| 2.90x |", "| 2.17x |")) == ["TRL / slime-sglang step 2.17x (< 2.5x)"]
+    attention = DECODE_REPORT.replace("| slots | fused | fused | fused | on | 64 | 1.07 | 0.02 | 256 | 4.09 |",
+                                      "| slots | fused | fused | fused | on | 64 | 1.07 | 0.02 | 256 | 4.09 |\n"
+                                      "    | slots:triton | fused | fused | fused | on | 64 | 0.90 | 0.02 | 256 | 3.60 |")
+    assert rows[29].check(attention) == ["batch 256: no slots:triton row"]
+    assert rows[29].check(attention.replace("| 3.60 |", "| 4.20 |")) == [
+        "batch 64: the Triton decode attention 4.20 ms/step, slower than SDPA's 4.09", "batch 256: no slots:triton row"]
+    assert rows[29].figures(attention)["slots:triton (norms fused, rotary fused, projections fused, overlap on) batch 64 ms/step"] == "3.60"
+    assert rows[29].check("no table") == ["no slots rows in decode_speed.py's table"]
     slow_step = REPORT.replace("| 1 | 40.00 | 3.20 | 8.0% |", "| 1 | 48.00 | 3.84 | 8.0% |")
     assert rows[1].check(slow_step) == ["the step took 45.00 s (> 43.0 s: a speed regression)"]
     assert rows[1].check(REPORT) == []

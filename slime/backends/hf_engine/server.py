@@ -822,6 +822,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="on CUDA, multiply by q_proj, k_proj, v_proj (and gate_proj, up_proj) one by one (default: "
                         "one product for each group, its weights in one storage, where it computes the same; "
                         "fused_projections.py)")
+    p.add_argument("--decode-attention", choices=["sdpa", "triton"], default="sdpa",
+                   help="attention of the slot cache's decode steps: sdpa (SDPA over each row's whole column bucket "
+                        "under a mask) or triton (one Triton kernel per step and layer that reads only each row's "
+                        "live columns, decode_attention.py; not yet measured on a GPU)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each decode step's tokens before launching the next (SGLang's flag; default with "
                         "--kv-cache slots on CUDA: the next step is launched first, so the host's work overlaps it)")
@@ -887,7 +891,8 @@ def main(argv=None) -> None:
                           kv_cache=args.kv_cache or ("slots" if args.device.startswith("cuda") else "dynamic"),
                           cuda_graphs=not args.disable_cuda_graph, shared_prefill=not args.disable_shared_prefill,
                           deterministic=args.enable_deterministic_inference,
-                          overlap=False if args.disable_overlap_schedule else None)
+                          overlap=False if args.disable_overlap_schedule else None,
+                          decode_attention=args.decode_attention)
     state = EngineState(model, tokenizer, scheduler, model_path=args.model_path, device=args.device,
                         dtype=args.dtype, weight_version=args.weight_version, weight_dirs=args.weight_dirs,
                         frees_memory=args.device != "cpu" or args.release_memory_on_cpu,

@@ -29,9 +29,12 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from slime.backends.hf_engine.decode_attention import covered, triton_decode_attention
+
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 COLUMN_BUCKET = 128  # columns are rounded up to a multiple of this (also keeps SDPA's mask aligned)
 ATTENTION_NAME = "slime_slot_decode"
+ATTENTIONS = ("sdpa", "triton")  # --decode-attention: SDPA under the mask, or decode_attention.py's kernel
 
 
 def supports_slots(model) -> tuple[bool, str]:
@@ -63,10 +66,20 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out.reshape(b, h, q, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
+def decode_attention_triton(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """`decode_attention` through decode_attention.py's kernel where it covers the call (reading each row's live
+    columns only), else SDPA."""
+    if not covered(query, key, value, attention_mask):
+        return decode_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return triton_decode_attention(query, key, value, attention_mask, scale), None
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, decode_attention)
+    AttentionInterface.register(ATTENTION_NAME + "_triton", decode_attention_triton)
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -117,8 +130,11 @@ class _SlotView:
 class SlotCache:
     """Per-layer KV buffers [slots, KV heads, columns, head dim] plus the static inputs of a decode step."""
 
-    def __init__(self, model, max_rows: int, cuda_graphs: bool):
+    def __init__(self, model, max_rows: int, cuda_graphs: bool, attention: str = "sdpa"):
+        if attention not in ATTENTIONS:
+            raise ValueError(f"--decode-attention {attention!r}: one of {list(ATTENTIONS)}")
         _register_attention()
+        self.attention_name = ATTENTION_NAME + ("_triton" if attention == "triton" else "")
         self.model = model
         self.device = next(model.parameters()).device
         self.max_rows = max_rows
@@ -248,7 +264,7 @@ class SlotCache:
     def _decode_attention(self):
         config = self.model.config
         before = config._attn_implementation
-        config._attn_implementation = ATTENTION_NAME
+        config._attn_implementation = self.attention_name
         try:
             yield
         finally:

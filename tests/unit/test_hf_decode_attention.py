@@ -1,0 +1,143 @@
+"""The slot cache's Triton decode attention (slime/backends/hf_engine/decode_attention.py, `--decode-attention
+triton`) run by Triton's interpreter on CPU (`TRITON_INTERPRET=1`, set before the kernel is defined, so in a process
+of its own): the kernel against fp64 attention on the slot cache's shapes (grouped heads, prefix masks over a column
+bucket, strided views of a larger cache), a model's decode through the slot cache with it against SDPA, and the calls
+it leaves to SDPA. Its speed is a GPU matter (`benchmarks/decode_speed.py --kv-cache slots,slots:triton`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT
+
+pytest.importorskip("triton")
+
+
+def _reference(query, key, value, mask, scale):
+    """fp64 attention of each query head over its KV head's columns where the mask is true -> [B, 1, H, D]."""
+    b, h, _, d = query.shape
+    groups = h // key.shape[1]
+    k = key.double().repeat_interleave(groups, dim=1)
+    v = value.double().repeat_interleave(groups, dim=1)
+    s = (query.double() @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1) @ v).transpose(1, 2)
+
+
+def _case(rows, heads, kv_heads, dim, lens, columns, allocated, dtype, seed):
+    """query [rows, heads, 1, dim]; key / value views [rows, kv_heads, columns, dim] of a cache of `allocated`
+    columns and rows + 2 slots (as the slot cache hands them out); prefix masks of `lens` + 1 columns."""
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(rows, 1, heads, dim, generator=gen).to(dtype).transpose(1, 2)  # transformers' layout
+    cache_k = torch.randn(rows + 2, kv_heads, allocated, dim, generator=gen).to(dtype)
+    cache_v = torch.randn(rows + 2, kv_heads, allocated, dim, generator=gen).to(dtype)
+    key, value = cache_k[:rows, :, :columns], cache_v[:rows, :, :columns]
+    mask = (torch.arange(columns) <= torch.tensor(lens).unsqueeze(1))[:, None, None, :]
+    return query, key, value, mask
+
+
+def _kernel_against_fp64() -> None:
+    from slime.backends.hf_engine import decode_attention as da
+
+    assert da.INTERPRETED
+    cases = [  # (rows, heads, kv heads, dim, lens, columns, allocated, dtype)
+        (3, 16, 8, 128, [0, 70, 127], 128, 256, torch.float32),  # Qwen3-0.6B's heads; one row of one column
+        (2, 14, 2, 64, [200, 5], 256, 256, torch.float32),  # 7 query heads per KV head (padded to 16)
+        (4, 8, 8, 32, [1, 64, 63, 130], 192, 320, torch.float32),  # no grouping; blocks cut at 64
+        (3, 16, 8, 128, [10, 100, 255], 256, 384, torch.bfloat16),
+    ]
+    for i, (rows, heads, kv_heads, dim, lens, columns, allocated, dtype) in enumerate(cases):
+        query, key, value, mask = _case(rows, heads, kv_heads, dim, lens, columns, allocated, dtype, seed=i)
+        assert da.covered(query, key, value, mask)
+        scale = dim ** -0.5
+        got = da.triton_decode_attention(query, key, value, mask, scale)
+        want = _reference(query, key, value, mask, scale)
+        assert got.shape == (rows, 1, heads, dim) and got.dtype == dtype and got.is_contiguous()
+        tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps  # bf16: the rounded probabilities
+        err = (got.double() - want).abs().max().item()
+        assert err <= tol * max(1.0, want.abs().max().item()), (i, err)
+
+
+def _decode_matches_sdpa() -> None:
+    """A tiny Qwen3's decode through the slot cache, SDPA against the kernel: the same tokens, log-probs within
+    1e-4 (fp32), over merges, finishes and a column bucket's growth."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
+    from tools.make_tiny_model import make_tiny_model
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        path = make_tiny_model(os.path.join(root, "m"), size="tiny", seed=0)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(path)
+
+    def serve(attention: str) -> list[Request]:
+        sched = Scheduler(model, tok, kv_cache="slots", max_running_requests=4, cuda_graphs=False,
+                          decode_attention=attention)
+        gen = torch.Generator().manual_seed(0)
+        reqs = []
+        for i in range(6):  # the last one's prompt and tokens pass a column bucket (128)
+            prompt = torch.randint(3, 150, (int(torch.randint(20, 30, (1,), generator=gen)),), generator=gen).tolist()
+            params = SamplingParams(temperature=0.0 if i % 2 else 1.0, sampling_seed=100 + i,
+                                    max_new_tokens=110 if i == 5 else 10 + 8 * i, ignore_eos=True)
+            reqs.append(Request(rid=str(i), input_ids=prompt, params=params, return_logprob=True))
+        for r in reqs:
+            sched.submit(r)
+        sched.run_until_idle()
+        return reqs
+
+    from slime.backends.hf_engine import slots
+
+    calls = []
+    kernel_call = slots.triton_decode_attention
+    slots.triton_decode_attention = lambda *a: calls.append(1) or kernel_call(*a)
+    sdpa = serve("sdpa")
+    assert not calls
+    kernel = serve("triton")
+    assert len(calls) > 100  # every layer of every decode step went through the kernel
+    for a, b in zip(sdpa, kernel):
+        assert a.output_ids == b.output_ids, a.rid
+        assert max(abs(p - q) for p, q in zip(a.output_logprobs, b.output_logprobs)) < 1e-4, a.rid
+
+
+def _left_to_sdpa() -> None:
+    from slime.backends.hf_engine import decode_attention as da
+
+    query, key, value, mask = _case(2, 16, 8, 128, [3, 9], 128, 128, torch.float32, seed=0)
+    assert da.covered(query, key, value, mask)
+    assert not da.covered(query.expand(2, 16, 2, 128), key, value, mask)  # two query positions
+    assert not da.covered(query, key, value, mask.float())  # an additive mask
+    assert not da.covered(query, key, value, mask[:, :, :, :64])  # a mask of other columns
+    assert not da.covered(query[..., :96], key[..., :96], value[..., :96], mask)  # head dim not a power of two
+    assert not da.covered(query.double(), key.double(), value.double(), mask)
+
+
+def _run(code: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+
+
+@pytest.mark.parametrize("case", ["_kernel_against_fp64", "_decode_matches_sdpa", "_left_to_sdpa"])
+def test_decode_attention_in_the_interpreter(case):
+    _run(f"from tests.unit.test_hf_decode_attention import {case}; {case}()")
+
+
+def test_off_cuda_without_the_interpreter_sdpa_serves():
+    from slime.backends.hf_engine import decode_attention as da
+    from slime.backends.hf_engine.slots import SlotCache
+
+    if da.INTERPRETED:
+        pytest.skip("this process runs Triton's interpreter")
+    query, key, value, mask = _case(2, 16, 8, 128, [3, 9], 128, 128, torch.float32, seed=0)
+    assert not da.covered(query, key, value, mask)
+    with pytest.raises(ValueError, match="--decode-attention 'flash'"):
+        SlotCache(torch.nn.Linear(2, 2), 4, False, "flash")
