@@ -360,6 +360,7 @@ def test_multi_node_engine():
     follower = SGLangEngine(args, rank=0, node_rank=1, dist_init_addr=addr)
     assert follower.server_args("127.0.0.1", 1)["node_rank"] == 1
     assert follower.flush_cache() is None  # control calls go to node rank 0 only
+    follower.wait_idle(timeout=0.1)  # node rank 0 waits for the engine: no server of its own is asked
     with pytest.raises(ValueError, match="dist_init_addr"):
         SGLangEngine(args, rank=0, node_rank=1).get_dist_init_addr()
     with pytest.raises(ValueError, match="spans 2 node"):

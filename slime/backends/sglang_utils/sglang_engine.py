@@ -247,6 +247,11 @@ class SGLangEngine(ServerEngine):
                                                           "abort_all_requests": False})
         return out
 
+    def wait_idle(self, timeout: float | None = None) -> None:
+        if self.node_rank != 0:
+            return  # node rank 0's scheduler answers for the engine (its /flush_cache waits for every node)
+        super().wait_idle(timeout)
+
     def health_generate(self, timeout: float) -> bool:
         if self.node_rank != 0:
             return self.process is not None and self.process.poll() is None
