@@ -13,9 +13,8 @@ and writes the output straight into transformers' [B, 1, H, D] layout. The slot 
 Numerics: everything in fp32 after the loads. 16-bit queries, keys and values multiply on TF32 tensor cores (exact
 products of bf16 / fp16 inputs; the probabilities keep TF32's 10 bits, more than flash attention's rounding to the
 values' dtype), so bf16 outputs differ from SDPA's by about a unit in the last place; fp32 inputs multiply in IEEE
-fp32 (no TF32). Anything the kernel does not cover (more than one query position,
-another mask shape, a head dimension that is not a power of two of 16 or more, tensors off CUDA unless Triton's
-interpreter runs) goes to SDPA.
+fp32 (no TF32). Anything the kernel does not cover (more than one query position, another mask shape, a head
+dimension that is not a power of two from 16 to 256, tensors off CUDA unless Triton's interpreter runs) goes to SDPA.
 """
 
 from __future__ import annotations
