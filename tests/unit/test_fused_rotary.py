@@ -6,14 +6,10 @@ The kernel's speed is a GPU matter (`benchmarks/decode_speed.py --rotary op,fuse
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
+from tests.interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -126,16 +122,9 @@ def _left_to_transformers() -> None:
         fused_rotary._rotate = fused_rotary_rotate
 
 
-def _run(code: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-
-
 @pytest.mark.parametrize("case", ["_kernel_against_fp64", "_models_with_and_without", "_left_to_transformers"])
 def test_fused_rotary_in_the_interpreter(case):
-    _run(f"from tests.unit.test_fused_rotary import {case}; {case}()")
+    run_interpreted(f"from tests.unit.test_fused_rotary import {case}; {case}()")
 
 
 def test_nothing_is_fused_off_cuda_without_the_interpreter():

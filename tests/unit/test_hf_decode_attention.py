@@ -7,13 +7,12 @@ it leaves to SDPA. Its speed is a GPU matter (`benchmarks/decode_speed.py --kv-c
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+import tempfile
 
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
+from tests.interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -71,8 +70,6 @@ def _decode_matches_sdpa() -> None:
     from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
     from tools.make_tiny_model import make_tiny_model
 
-    import tempfile
-
     with tempfile.TemporaryDirectory() as root:
         path = make_tiny_model(os.path.join(root, "m"), size="tiny", seed=0)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -119,16 +116,9 @@ def _left_to_sdpa() -> None:
     assert not da.covered(query.double(), key.double(), value.double(), mask)
 
 
-def _run(code: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-
-
 @pytest.mark.parametrize("case", ["_kernel_against_fp64", "_decode_matches_sdpa", "_left_to_sdpa"])
 def test_decode_attention_in_the_interpreter(case):
-    _run(f"from tests.unit.test_hf_decode_attention import {case}; {case}()")
+    run_interpreted(f"from tests.unit.test_hf_decode_attention import {case}; {case}()")
 
 
 def test_off_cuda_without_the_interpreter_sdpa_serves():

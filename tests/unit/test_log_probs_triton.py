@@ -7,16 +7,12 @@ vocabulary split over two ranks of a real gloo group. The kernels' speed is a GP
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.conftest import REPO_ROOT
+from tests.interpreted import run_interpreted
 from tests.unit.test_log_probs import REAL, V, grads, inputs, reference
 
 pytest.importorskip("triton")
@@ -130,20 +126,13 @@ def _two_ranks(tmp: str) -> None:
     _close(torch.cat([got[0]["grad"], got[1]["grad"]], dim=1), want[2], 1e-5, "split: gradient")
 
 
-def _run(code: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-
-
 @pytest.mark.parametrize("max_block", [16, 4096])
 def test_triton_kernels_equal_plain_autograd(max_block):
-    _run(f"from tests.unit.test_log_probs_triton import _single_rank; _single_rank({max_block})")
+    run_interpreted(f"from tests.unit.test_log_probs_triton import _single_rank; _single_rank({max_block})")
 
 
 def test_triton_kernels_with_the_vocabulary_split_over_two_ranks(tmp_path):
-    _run(f"from tests.unit.test_log_probs_triton import _two_ranks; _two_ranks({str(tmp_path)!r})")
+    run_interpreted(f"from tests.unit.test_log_probs_triton import _two_ranks; _two_ranks({str(tmp_path)!r})")
 
 
 def test_triton_kernel_refused_off_cuda_without_the_interpreter():
