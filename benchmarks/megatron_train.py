@@ -3,6 +3,7 @@
     python benchmarks/megatron_train.py [--shape qwen3-4b] [--seq-len 4096] [--min-len 4096] [--samples 16]
                                         [--max-tokens-per-gpu 8192] [--layouts thd,bshd] [--steps 3] [--push N]
     python benchmarks/megatron_train.py --layouts thd,thd:triton     # --log-probs-kernel torch against triton
+    python benchmarks/megatron_train.py --layouts thd:triton,thd:triton+rope   # and --rope-kernel triton
     python benchmarks/megatron_train.py --profile 30 --profile-syncs   # a profiled step, and where the host waits
 
 A random-init model of a published Qwen3 shape (benchmarks/weight_sync.py's helper) is written as an HF folder
@@ -47,11 +48,16 @@ from tests.args import make_args  # noqa: E402
 
 
 def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Namespace:
-    """`layout`: a --qkv-format, optionally suffixed `:<--log-probs-kernel>` (torch when absent)."""
+    """`layout`: a --qkv-format, optionally suffixed `:<--log-probs-kernel>` (torch when absent), then `+rope` for
+    `--rope-kernel triton` (e.g. thd:triton+rope)."""
     from slime.config.arguments import parse_args
 
     qkv_format, _, kernel = layout.partition(":")
+    kernel, _, extra = kernel.partition("+")
+    if extra not in ("", "rope"):
+        raise SystemExit(f"--layouts {layout}: the part after '+' can only be 'rope' (--rope-kernel triton)")
     kernel = kernel or "torch"
+    rope = "triton" if extra == "rope" else "torch"
 
     data = os.path.join(workdir, "prompts.jsonl")
     with open(data, "w") as f:
@@ -61,7 +67,7 @@ def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Names
         "--prompt-data", data, "--rollout-batch-size", str(cli.samples), "--n-samples-per-prompt", "1",
         "--global-batch-size", str(cli.samples), "--num-rollout", str(cli.steps + 1),
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(cli.max_tokens_per_gpu),
-        "--qkv-format", qkv_format, "--log-probs-kernel", kernel,
+        "--qkv-format", qkv_format, "--log-probs-kernel", kernel, "--rope-kernel", rope,
         "--use-distributed-optimizer", "--use-rollout-logprobs",
         "--lr", "1e-6", "--clip-grad", "1.0", "--advantage-estimator", "grpo", "--seed", "1",
         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--colocate",
@@ -224,7 +230,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--max-tokens-per-gpu", type=int, default=8192)
     p.add_argument("--layouts", default="thd,bshd",
-                   help="qkv formats, comma-separated; one suffixed :triton runs with --log-probs-kernel triton")
+                   help="qkv formats, comma-separated; one suffixed :triton runs with --log-probs-kernel triton, "
+                   "one suffixed +rope (thd:triton+rope) with --rope-kernel triton too")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=790.0)
     p.add_argument("--push", type=int, default=0, help="also time N colocated weight pushes to an hf engine")

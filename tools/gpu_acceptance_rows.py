@@ -341,17 +341,19 @@ def decode_attention_check(out: str) -> list[str]:
     return problems
 
 
-def kernel_step_check(min_speedup: float) -> Callable[[str], list[str]]:
-    """benchmarks/megatron_train.py --layouts thd,thd:triton: the train step with the Triton log-prob kernels at
-    least `min_speedup` times as fast as with the torch form (train s, the table's sixth column)."""
+def kernel_step_check(min_speedup: float, fast: str = "thd:triton", slow: str = "thd",
+                      what: str = "the Triton kernels", against: str = "the torch form") -> Callable[[str], list[str]]:
+    """benchmarks/megatron_train.py --layouts `slow`,`fast`: the train step of layout `fast` at least `min_speedup`
+    times as fast as `slow`'s (train s, the table's sixth column); by default the Triton log-prob kernels against
+    the torch form."""
 
     def check(out: str) -> list[str]:
-        step = {c[0]: number(c[5]) for c in table(out, "thd(:triton)?")}
-        if set(step) != {"thd", "thd:triton"}:
-            return [f"megatron_train.py printed no train step for {sorted({'thd', 'thd:triton'} - set(step))}"]
-        if not step["thd"] >= min_speedup * step["thd:triton"]:
-            return [f"train step {step['thd:triton']:.2f} s with the Triton kernels against {step['thd']:.2f} s with "
-                    f"the torch form: less than {min_speedup}x (a speed regression)"]
+        step = {c[0]: number(c[5]) for c in table(out, "|".join(re.escape(x) for x in (fast, slow)))}
+        if set(step) != {fast, slow}:
+            return [f"megatron_train.py printed no train step for {sorted({fast, slow} - set(step))}"]
+        if not step[slow] >= min_speedup * step[fast]:
+            return [f"train step {step[fast]:.2f} s with {what} against {step[slow]:.2f} s with {against}: less than "
+                    f"{min_speedup}x (a speed regression)"]
         return []
 
     return check
@@ -596,6 +598,20 @@ ROWS: tuple[Row, ...] = (
         "weight update), then ms per decode step at batch 64 / 256 with SDPA and with the kernel beside SGLang "
         "triton's; the kernel no slower than SDPA at each batch (what making it the default waits for; not yet run)",
         kind="command", figures=decode_figures, check=decode_attention_check),
+
+    Row(30, "Triton rotary embedding in the Megatron trainer (--rope-kernel triton)", "performance",
+        f"{PYTEST} tests/gpu/test_fused_rope_gpu.py && python benchmarks/megatron_train.py --shape qwen3-0.6b "
+        "--seq-len 320 --samples 256 --max-tokens-per-gpu 20480 --layouts thd:triton,thd:triton+rope --steps 2",
+        timeout_s=600, estimate_s=120, part="perf5",
+        must_show="the packed rotary embedding as one Triton kernel forward and one backward (fused_rope.py) gives "
+        "megatron-core's rotation and gradient on the GPU (fp32 to 1e-5, bf16 within two units in the last place), "
+        "then the Megatron train step of GRPO's batch (256 × 320 tokens, the Triton log-prob kernels on both sides) "
+        "with it no slower than without (what making it the default, or what --apply-rope-fusion means without "
+        "TransformerEngine, waits for; not yet run)",
+        kind="command", figures=grab(rope_step=r"^\| thd:triton\+rope \| (.+)$",
+                                     torch_rope_step=r"^\| thd:triton \| (.+)$"),
+        check=kernel_step_check(1.0, "thd:triton+rope", "thd:triton", "the Triton rotary embedding",
+                                "megatron-core's")),
 )
 PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."9", then perf, perf2, x2
 

@@ -413,6 +413,13 @@ def test_speed_rows_fail_on_a_regression():
         "regression)"]
     assert rows[27].check(KERNEL_STEP_REPORT.split("\n\n")[0]) == [
         "megatron_train.py printed no train step for ['thd:triton']"]  # the torch layout's table alone
+    rope = KERNEL_STEP_REPORT.replace("| thd | 81920 | 0.60", "| thd:triton+rope | 81920 | 0.39").replace(
+        "| 1.59 | 51,581 |", "| 1.02 | 80,300 |")
+    assert rows[30].check(rope) == []
+    assert rows[30].check(rope.replace("| 1.02 | 80,300 |", "| 1.15 | 71,200 |")) == [
+        "train step 1.15 s with the Triton rotary embedding against 1.09 s with megatron-core's: less than 1.0x (a "
+        "speed regression)"]
+    assert rows[30].check(KERNEL_STEP_REPORT) == ["megatron_train.py printed no train step for ['thd:triton+rope']"]
     triton_jobs = ("[weights checker, megatron, triton] weight version per rollout [1.0, 2.0, 3.0]; engine/trainer "
                    "|Δ log-prob| ['1.1e-03', '9.0e-04', '8.0e-04']; raw reward [0.1]; step s [5.0]\n" + GRPO_REPORT)
     assert rows[28].check(triton_jobs) == []

@@ -140,7 +140,7 @@ def build_model(args: argparse.Namespace, wrap: bool = True) -> list[torch.nn.Mo
     if config.num_moe_experts:
         _patch_moe_without_te()
     if args.qkv_format == "thd":
-        packed_rope.install()
+        packed_rope.install(args.rope_kernel)
     provider = hooks_of(args).custom_model_provider
     spec = plugins.load_spec(args)
     vision = vision_spec(args)

@@ -24,6 +24,7 @@ import logging
 import torch
 
 from slime.backends.megatron_utils.cp_layout import zigzag_layout
+from slime.backends.megatron_utils.fused_rope import KERNELS, covered, fused_rope
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 _KNOWN = {"t", "cu_seqlens", "freqs", "rotary_interleaved", "mla_rotary_interleaved", "multi_latent_attention",
           "mscale", "cp_group"}
 _REQUIRED = {"t", "cu_seqlens", "freqs", "cp_group"}
+_kernel = "torch"  # --rope-kernel: the rotation's form (install's `kernel`; fused_rope.py for triton)
 
 
 def token_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -41,10 +43,16 @@ def token_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.arange(total, device=cu.device) - starts
 
 
-def install() -> bool:
-    """Patch megatron-core's THD rotary function; False (and megatron-core's own) when its signature differs."""
+def install(kernel: str = "torch") -> bool:
+    """Patch megatron-core's THD rotary function; False (and megatron-core's own) when its signature differs.
+    `kernel` (--rope-kernel): torch rotates through megatron-core's `_apply_rotary_pos_emb_bshd`, triton through
+    fused_rope.py where it covers the call."""
     from megatron.core.models.common.embeddings import rope_utils
 
+    global _kernel
+    if kernel not in KERNELS:
+        raise ValueError(f"--rope-kernel {kernel!r}: one of {list(KERNELS)}")
+    _kernel = kernel
     original = rope_utils._apply_rotary_pos_emb_thd
     if getattr(original, "_slime_packed_rope", False):
         return True
@@ -68,11 +76,16 @@ def install() -> bool:
             # this CP rank's zigzag chunks of the padded row `cu_seqlens` describes (cp_layout.py)
             layout = zigzag_layout(tuple(a["cu_seqlens"].tolist()), cp_group.size(), cp_group.rank(), str(t.device))
             whole_pack = freqs.size(0) == layout.padded_cu[-1]
-            token_freqs = freqs[layout.local_index if whole_pack else layout.local_positions]
+            rows = layout.local_index if whole_pack else layout.local_positions
         elif freqs.size(0) == total:  # frequencies of the whole pack: each token at its offset in the pack
-            token_freqs = freqs
+            rows = None
         else:
-            token_freqs = freqs[token_positions(a["cu_seqlens"], total)]
+            rows = token_positions(a["cu_seqlens"], total)
+        if _kernel == "triton" and covered(t, freqs, a["rotary_interleaved"], mla):
+            if rows is None:
+                rows = torch.arange(total, device=t.device)
+            return fused_rope(t, freqs, rows, a["mscale"])
+        token_freqs = freqs if rows is None else freqs[rows]
         # (t, freqs, rotary_interleaved, MLA pairing, mscale): the same positions in 0.16 and 0.19
         return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), token_freqs, a["rotary_interleaved"], mla,
                                                      a["mscale"]).squeeze(1)

@@ -125,6 +125,13 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
         "step of a 0.6B GRPO batch took 1.09 s with triton against 1.59 s (docs/algorithms.md).",
     )
     g.add_argument(
+        "--rope-kernel", choices=KERNELS, default="torch",
+        help="How the Megatron trainer rotates packed (--qkv-format thd) queries and keys: torch (megatron-core's "
+        "rotation, about a dozen element-wise kernels each way) or triton (one Triton kernel forward and one "
+        "backward; needs CUDA and triton; interleaved and MLA rotations keep megatron-core's). Not in slime; "
+        "opt-in until measured on a GPU (docs/megatron_backend.md).",
+    )
+    g.add_argument(
         "--num-critic-only-steps", type=int, default=0, help="Initial rollouts that train only the PPO critic."
     )
     g.add_argument(
@@ -166,17 +173,21 @@ def add_opd_arguments(parser: argparse.ArgumentParser) -> None:
                    "(default: its latest).")
 
 
+def _check_triton_runs(args: argparse.Namespace, flag: str) -> None:
+    if importlib.util.find_spec("triton") is None:
+        fail(f"{flag} triton: triton is not installed (it comes with torch's CUDA builds); install it or use {flag} "
+             "torch.")
+    if not args.use_cuda:
+        fail(f"{flag} triton runs on CUDA only and this run trains on the CPU; use {flag} torch.")
+
+
 def validate_algorithm(args: argparse.Namespace) -> None:
     if args.log_probs_kernel == "auto":
         triton_runs = args.use_cuda and importlib.util.find_spec("triton") is not None
         args.log_probs_kernel = "triton" if triton_runs else "torch"
-    elif args.log_probs_kernel == "triton":
-        if importlib.util.find_spec("triton") is None:
-            fail("--log-probs-kernel triton: triton is not installed (it comes with torch's CUDA builds); install it "
-                 "or use --log-probs-kernel torch.")
-        if not args.use_cuda:
-            fail("--log-probs-kernel triton runs on CUDA only and this run trains on the CPU; use --log-probs-kernel "
-                 "torch.")
+    for flag in ("--log-probs-kernel", "--rope-kernel"):
+        if getattr(args, flag[2:].replace("-", "_")) == "triton":
+            _check_triton_runs(args, flag)
     if args.get_mismatch_metrics and not args.custom_tis_function_path:
         fail("--get-mismatch-metrics runs --custom-tis-function-path, which is not set; add it (e.g. "
              "slime.algorithm.tis.vanilla_tis_function) or drop the flag.")
