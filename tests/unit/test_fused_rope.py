@@ -115,6 +115,9 @@ def test_the_flag_is_refused_where_the_kernel_cannot_run_and_off_cuda_nothing_is
     assert make_args().rope_kernel == "torch"
     with pytest.raises(SlimeArgumentError, match="--rope-kernel triton runs on CUDA only"):
         make_args("--rope-kernel", "triton", use_cuda=False)
-    assert make_args("--rope-kernel", "triton", use_cuda=True).rope_kernel == "triton"
+    assert make_args("--rope-kernel", "triton", "--train-backend", "megatron", use_cuda=True).rope_kernel == "triton"
+    for other in (["--train-backend", "fsdp"], ["--train-backend", "megatron", "--qkv-format", "bshd"]):
+        with pytest.raises(SlimeArgumentError, match="--rope-kernel triton rotates the Megatron trainer's packed"):
+            make_args("--rope-kernel", "triton", *other, use_cuda=True)
     if not fused_rope.INTERPRETED:
         assert not fused_rope.covered(torch.randn(3, 2, 16), _table(4, 16), False, False)

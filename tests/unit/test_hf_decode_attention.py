@@ -131,3 +131,14 @@ def test_off_cuda_without_the_interpreter_sdpa_serves():
     assert not da.covered(query, key, value, mask)
     with pytest.raises(ValueError, match="--decode-attention 'flash'"):
         SlotCache(torch.nn.Linear(2, 2), 4, False, "flash")
+
+
+def test_the_engine_refuses_the_kernel_where_it_would_not_run(capsys):
+    from slime.backends.hf_engine.server import parse_args
+
+    for flags in (["--device", "cpu"], ["--device", "cuda", "--kv-cache", "dynamic"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--model-path", "m", "--decode-attention", "triton", *flags])
+        assert "--decode-attention triton is the slot cache's attention on CUDA" in capsys.readouterr().err
+    assert parse_args(["--model-path", "m", "--decode-attention", "triton", "--device", "cuda"]).decode_attention == \
+        "triton"

@@ -856,7 +856,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="require 'Authorization: Bearer <key>' on every endpoint but /health* and /metrics* (SGLang's "
                         f"flag); default: ${API_KEY_ENV}, which keeps the key out of `ps`; unset: no authentication")
     p.add_argument("--log-level", default="info")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.decode_attention == "triton":
+        cache = args.kv_cache or ("slots" if args.device.startswith("cuda") else "dynamic")
+        if not args.device.startswith("cuda") or cache != "slots":
+            p.error(f"--decode-attention triton is the slot cache's attention on CUDA; this engine runs on "
+                    f"--device {args.device} with --kv-cache {cache}: use --device cuda --kv-cache slots, or drop it")
+    return args
 
 
 # Idle keep-alive connections stay open this long. uvicorn's default (5 s) is shorter than the gap between

@@ -185,9 +185,14 @@ def validate_algorithm(args: argparse.Namespace) -> None:
     if args.log_probs_kernel == "auto":
         triton_runs = args.use_cuda and importlib.util.find_spec("triton") is not None
         args.log_probs_kernel = "triton" if triton_runs else "torch"
-    for flag in ("--log-probs-kernel", "--rope-kernel"):
-        if getattr(args, flag[2:].replace("-", "_")) == "triton":
-            _check_triton_runs(args, flag)
+    if args.log_probs_kernel == "triton":
+        _check_triton_runs(args, "--log-probs-kernel")
+    if args.rope_kernel == "triton":
+        _check_triton_runs(args, "--rope-kernel")
+        if args.train_backend != "megatron" or args.qkv_format != "thd":
+            fail(f"--rope-kernel triton rotates the Megatron trainer's packed micro-batches only, and this run trains "
+                 f"with --train-backend {args.train_backend} --qkv-format {args.qkv_format}; use --train-backend "
+                 "megatron --qkv-format thd, or drop the flag.")
     if args.get_mismatch_metrics and not args.custom_tis_function_path:
         fail("--get-mismatch-metrics runs --custom-tis-function-path, which is not set; add it (e.g. "
              "slime.algorithm.tis.vanilla_tis_function) or drop the flag.")
