@@ -189,7 +189,7 @@ def validate_algorithm(args: argparse.Namespace) -> None:
         _check_triton_runs(args, "--log-probs-kernel")
     if args.rope_kernel == "triton":
         _check_triton_runs(args, "--rope-kernel")
-        if args.train_backend != "megatron" or args.qkv_format != "thd":
+        if not train_spec(args).model_from_megatron_flags or args.qkv_format != "thd":
             fail(f"--rope-kernel triton rotates the Megatron trainer's packed micro-batches only, and this run trains "
                  f"with --train-backend {args.train_backend} --qkv-format {args.qkv_format}; use --train-backend "
                  "megatron --qkv-format thd, or drop the flag.")
