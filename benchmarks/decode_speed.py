@@ -1,14 +1,15 @@
 """The hf engine's decode speed against the memory-bandwidth bound (GPU), next to a real SGLang server's.
 
     python benchmarks/decode_speed.py [--shape qwen3-0.6b] [--batch 64,256] [--prompt-len 64] [--new-tokens 256]
-                                      [--bandwidth-tb-s B] [--kv-cache dynamic,slots,slots:triton] [--norms op,fused]
+                                      [--bandwidth-tb-s B] [--kv-cache dynamic,slots,slots:sdpa] [--norms op,fused]
                                       [--rotary fused] [--projections fused] [--overlap off,on]
                                       [--sglang triton,flashinfer]
 
 A random-init model of the shape (benchmarks/weight_sync.py's helper, bf16 on the GPU) served by the engine's
 scheduler in this process (no HTTP), once per `--kv-cache` mode (`dynamic`: a transformers DynamicCache;
-`slots`: the preallocated slot cache with CUDA-graph decode, slime/backends/hf_engine/slots.py; `slots:triton`: the
-same with the decode attention kernel of slime/backends/hf_engine/decode_attention.py): `--batch` requests of `--prompt-len` random tokens arrive together, each
+`slots`: the preallocated slot cache with CUDA-graph decode, slime/backends/hf_engine/slots.py, and its default
+decode attention, the kernel of slime/backends/hf_engine/decode_attention.py on CUDA; `slots:sdpa` / `slots:triton`:
+the same with that attention named): `--batch` requests of `--prompt-len` random tokens arrive together, each
 generates exactly `--new-tokens` tokens (EOS ignored) at temperature 1 with log-probs, twice on the same
 scheduler; the second round is measured (the first captures the CUDA graphs of each shape bucket). Prefill forward
 steps are timed apart (synchronised); the decode time is the round's wall time less the prefills', per token after
@@ -64,9 +65,9 @@ def bench(model, tokenizer, kv_cache: str, batch: int, prompt_len: int, new_toke
 
     from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
 
-    cache, _, attention = kv_cache.partition(":")  # slots:triton: the slot cache with --decode-attention triton
+    cache, _, attention = kv_cache.partition(":")  # slots:sdpa: the slot cache with --decode-attention sdpa
     sched = Scheduler(model, tokenizer, max_running_requests=batch, random_seed=0, kv_cache=cache, overlap=overlap,
-                      decode_attention=attention or "sdpa")
+                      decode_attention=attention or "auto")
     prefills, decode_steps = [], [0]
     prefill, decode = sched._prefill, sched._decode
 
@@ -242,7 +243,8 @@ def main() -> None:
     p.add_argument("--bandwidth-tb-s", type=float, default=None,
                    help="the bound's memory bandwidth (default: measured here by a device copy)")
     p.add_argument("--kv-cache", default="dynamic,slots", help="scheduler KV cache modes to compare ('' for none); "
-                   "slots:triton is the slot cache with the hf engine's --decode-attention triton")
+                   "slots:sdpa / slots:triton: the slot cache with the hf engine's --decode-attention sdpa / triton (plain slots: "
+                   "its default, auto)")
     p.add_argument("--norms", default="op,fused", help="RMSNorm forms to compare: op (transformers' modules), "
                    "fused (F.rms_norm, the engine's default on CUDA); op runs first, fusing is not undone")
     p.add_argument("--rotary", default="fused", help="rotary embedding forms to compare, under each --norms form: op "

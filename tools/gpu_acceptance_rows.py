@@ -322,19 +322,19 @@ def decode_check(max_ms: dict[int, float]) -> Callable[[str], list[str]]:
 
 
 def decode_attention_check(out: str) -> list[str]:
-    """benchmarks/decode_speed.py --kv-cache slots,slots:triton: at each batch the slot cache with the Triton decode
-    attention no slower than with SDPA (fused norms, rotary and projections, overlap on), the condition for making
-    it the default."""
-    ms = {(c[0], int(c[5])): number(c[9]) for c in table(out, r"slots(:triton)?")
+    """benchmarks/decode_speed.py --kv-cache slots:sdpa,slots:triton: at each batch the slot cache with the Triton
+    decode attention no slower than with SDPA (fused norms, rotary and projections, overlap on), the condition of
+    its being the default."""
+    ms = {(c[0], int(c[5])): number(c[9]) for c in table(out, r"slots:(sdpa|triton)")
           if c[1:5] == ["fused", "fused", "fused", "on"]}
     batches = sorted({b for _, b in ms})
     if not batches:
         return ["no slots rows in decode_speed.py's table"]
     problems = []
     for b in batches:
-        sdpa, kernel = ms.get(("slots", b)), ms.get(("slots:triton", b))
+        sdpa, kernel = ms.get(("slots:sdpa", b)), ms.get(("slots:triton", b))
         if sdpa is None or kernel is None:
-            problems.append(f"batch {b}: no {'slots' if sdpa is None else 'slots:triton'} row")
+            problems.append(f"batch {b}: no {'slots:sdpa' if sdpa is None else 'slots:triton'} row")
         elif not kernel <= sdpa:
             problems.append(f"batch {b}: the Triton decode attention {kernel:.2f} ms/step, slower than SDPA's "
                             f"{sdpa:.2f}")
@@ -459,11 +459,14 @@ ROWS: tuple[Row, ...] = (
         must_show="the shared prefill of a GRPO group on the GPU; Megatron's chunked log-probs' bytes per logit on "
         "CUDA", kind="command", figures=prefill_figures),
     Row(15, "GRPO step vs TRL (Megatron + SGLang)", "performance",
-        "python benchmarks/grpo_step.py --steps 4 --systems slime-sglang,trl", timeout_s=600, estimate_s=230,
-        part="perf", must_show="slime's default step (the Triton log-prob kernel on CUDA, the handoff's idle wait "
-        "asking SGLang's scheduler): step ≤ 3.9 s and TRL's ≥ 2.5x as long (3.38 s, 2.90x TRL's 9.81 s, with "
-        "`--log-probs-kernel triton` on an H100 on 2026-12-06, before the default was auto; +15% of slack, TRL's "
-        "step varies by machine: 14.0 s on 2026-12-05)",
+        "python benchmarks/grpo_step.py --steps 4 --systems slime-sglang,trl --max-tokens-per-gpu 20480",
+        timeout_s=600, estimate_s=250,
+        part="perf", must_show="slime's default step (the Triton log-prob and rotary kernels on CUDA, the handoff's "
+        "idle wait asking SGLang's scheduler) with micro-batches of 20480 tokens (slime's --max-tokens-per-gpu; TRL "
+        "keeps 16 samples, its peak memory already 84 GB of 80): step ≤ 3.9 s and TRL's ≥ 2.5x as long (3.73 s, "
+        "2.90x TRL's 10.84 s on an H100 on 2026-12-06 before the rotary kernel was the default; without the flag, "
+        "micro-batches of 16 samples as TRL's, 5.24 s, train 2.76 s; TRL's step varies by machine: 14.0 s on "
+        "2026-12-05)",
         kind="command", figures=grpo_figures("slime-sglang"), check=grpo_check("slime-sglang", 3.9, 2.5)),
     Row(16, "GRPO step vs TRL (Megatron + hf)", "performance",
         "python benchmarks/grpo_step.py --steps 4 --systems slime-megatron,trl", timeout_s=600, estimate_s=220,
@@ -477,13 +480,14 @@ ROWS: tuple[Row, ...] = (
         part="perf2", must_show="the `hf` engine's decode against the bandwidth bound and SGLang's, its RMSNorms fused "
         "(one F.rms_norm kernel each) and its rotary embedding fused (one Triton kernel per tensor), its q/k/v and "
         "gate/up projections as transformers runs them (`op`) and joined (`fused`: one product per group), with the "
-        "plain and the overlap schedule (`off` / `on`, the default on CUDA): fused with overlap ≤ 4.6 / 8.9 ms per "
-        "step at batch 64 / 256 (4.02 / 7.75 ms on an H100 on 2026-12-06, +15%; op 4.10 / 7.86, SGLang triton "
-        "2.62 / 4.68 in the same run); first, the slot cache with CUDA graphs and the overlap schedule gives the "
+        "plain and the overlap schedule (`off` / `on`, the default on CUDA), the decode attention the slot cache's "
+        "default (the Triton kernel on CUDA): fused with overlap ≤ 4.4 / 7.6 ms per step at batch 64 / 256 (3.80 / "
+        "6.62 ms in row 29 on an H100 on 2026-12-06, +15%; SGLang triton 2.61 / 5.66 in the same run; with SDPA's "
+        "attention, the default before, fused 4.02 / 7.75 and op 4.10 / 7.86 ms); first, the slot cache with CUDA graphs and the overlap schedule gives the "
         "dynamic cache's tokens and the plain schedule's, so do the fused rotary and the joined projections (also "
         "after a weight update and a release/resume), and so do image rows of the tiny Qwen2.5-VL and Qwen3-VL in "
         "decode graphs (tests/gpu/test_hf_engine_slots.py; its failure fails the row after the benchmark)",
-        kind="command", figures=decode_figures, check=decode_check({64: 4.6, 256: 8.9})),
+        kind="command", figures=decode_figures, check=decode_check({64: 4.4, 256: 7.6})),
     Row(18, "SFT on both trainers", "SFT / OPD", f"{PYTEST} tests/gpu/test_sft_opd_gpu.py -k sft_loss_halves",
         timeout_s=400, estimate_s=115, part="2", must_show="SFT on the Megatron and the fsdp trainer (the loss halves)",
         figures=grab(sft_fsdp_loss=r"\[sft fsdp\] loss: (.+)$")),
@@ -590,13 +594,14 @@ ROWS: tuple[Row, ...] = (
             grpo_figures("slime-sglang"))),
     Row(29, "Triton decode attention in the hf engine (--decode-attention triton)", "performance",
         f"{PYTEST} tests/gpu/test_hf_engine_slots.py -k triton_decode_attention; tests=$?; python "
-        "benchmarks/decode_speed.py --kv-cache slots,slots:triton --norms fused --rotary fused --projections fused "
+        "benchmarks/decode_speed.py --kv-cache slots:sdpa,slots:triton --norms fused --rotary fused --projections fused "
         "--overlap on --sglang triton && exit $tests", timeout_s=600, estimate_s=240, part="perf5",
         must_show="the slot cache's decode attention as one Triton kernel per layer that reads only each row's live "
         "columns (decode_attention.py; SDPA reads the whole column bucket under a mask: 24 us per layer and step at "
         "batch 64 on an H100, the step's largest kernel): transformers' tokens under CUDA graphs (fp32, also after a "
         "weight update), then ms per decode step at batch 64 / 256 with SDPA and with the kernel beside SGLang "
-        "triton's; the kernel no slower than SDPA at each batch (what making it the default waits for; not yet run)",
+        "triton's; the kernel no slower than SDPA at each batch, the condition of its being the default (on an H100 "
+        "on 2026-12-06: 3.80 / 6.62 ms against SDPA's 4.07 / 8.02)",
         kind="command", figures=decode_figures, check=decode_attention_check),
 
     Row(30, "Triton rotary embedding in the Megatron trainer (--rope-kernel triton)", "performance",
@@ -606,8 +611,8 @@ ROWS: tuple[Row, ...] = (
         must_show="the packed rotary embedding as one Triton kernel forward and one backward (fused_rope.py) gives "
         "megatron-core's rotation and gradient on the GPU (fp32 to 1e-5, bf16 within two units in the last place), "
         "then the Megatron train step of GRPO's batch (256 × 320 tokens, the Triton log-prob kernels on both sides) "
-        "with it no slower than without (what making it the default, or what --apply-rope-fusion means without "
-        "TransformerEngine, waits for; not yet run)",
+        "with it no slower than without, the condition of its being the default (--rope-kernel auto, what rope "
+        "fusion means without TransformerEngine; on an H100 on 2026-12-06: 0.98 s against 1.15 s)",
         kind="command", figures=grab(rope_step=r"^\| thd:triton\+rope \| (.+)$",
                                      torch_rope_step=r"^\| thd:triton \| (.+)$"),
         check=kernel_step_check(1.0, "thd:triton+rope", "thd:triton", "the Triton rotary embedding",

@@ -112,7 +112,13 @@ def test_the_flag_is_refused_where_the_kernel_cannot_run_and_off_cuda_nothing_is
     from slime.config.arguments import SlimeArgumentError
     from tests.args import make_args
 
-    assert make_args().rope_kernel == "torch"
+    assert make_args().rope_kernel == "torch"  # auto, off CUDA
+    # auto: the kernel where the Megatron trainer packs on CUDA with rope fusion on (and triton, here installed)
+    megatron = ("--train-backend", "megatron")
+    assert make_args(*megatron, use_cuda=True).rope_kernel == "triton"
+    assert make_args(*megatron, "--no-rope-fusion", use_cuda=True).rope_kernel == "torch"
+    assert make_args(*megatron, "--qkv-format", "bshd", use_cuda=True).rope_kernel == "torch"
+    assert make_args("--train-backend", "fsdp", use_cuda=True).rope_kernel == "torch"
     with pytest.raises(SlimeArgumentError, match="--rope-kernel triton runs on CUDA only"):
         make_args("--rope-kernel", "triton", use_cuda=False)
     assert make_args("--rope-kernel", "triton", "--train-backend", "megatron", use_cuda=True).rope_kernel == "triton"

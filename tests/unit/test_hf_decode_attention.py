@@ -131,6 +131,8 @@ def test_off_cuda_without_the_interpreter_sdpa_serves():
     assert not da.covered(query, key, value, mask)
     with pytest.raises(ValueError, match="--decode-attention 'flash'"):
         SlotCache(torch.nn.Linear(2, 2), 4, False, "flash")
+    # the default (auto) takes the kernel on CUDA only: a CPU slot cache attends with SDPA
+    assert SlotCache(torch.nn.Linear(2, 2), 4, False).attention == "sdpa"
 
 
 def test_the_engine_refuses_the_kernel_where_it_would_not_run(capsys):
@@ -142,3 +144,4 @@ def test_the_engine_refuses_the_kernel_where_it_would_not_run(capsys):
         assert "--decode-attention triton is the slot cache's attention on CUDA" in capsys.readouterr().err
     assert parse_args(["--model-path", "m", "--decode-attention", "triton", "--device", "cuda"]).decode_attention == \
         "triton"
+    assert parse_args(["--model-path", "m", "--device", "cpu"]).decode_attention == "auto"  # auto is never refused

@@ -1,5 +1,5 @@
 """Decode attention of the slot cache as one Triton kernel that reads only each row's live columns
-(`--decode-attention triton`; default `sdpa`).
+(`--decode-attention triton`; the default `auto` takes it wherever the slot cache runs on CUDA and triton imports).
 
 The slot cache (slots.py) attends with SDPA over the whole column bucket of every row, under a boolean mask: each
 decode step reads keys and values of every allocated column, live or not, and copies the query into SDPA's layout
@@ -72,6 +72,11 @@ if triton is not None:
         result = acc / l_i[:, None]
         tl.store(out + row * so_b + heads[:, None] * so_h + d[None, :], result.to(out.dtype.element_ty),
                  mask=live_g[:, None])
+
+
+def kernel_available() -> bool:
+    """Whether triton imports (it comes with torch's CUDA builds)."""
+    return triton is not None
 
 
 def covered(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> bool:

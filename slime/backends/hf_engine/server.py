@@ -822,10 +822,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="on CUDA, multiply by q_proj, k_proj, v_proj (and gate_proj, up_proj) one by one (default: "
                         "one product for each group, its weights in one storage, where it computes the same; "
                         "fused_projections.py)")
-    p.add_argument("--decode-attention", choices=["sdpa", "triton"], default="sdpa",
+    p.add_argument("--decode-attention", choices=["auto", "sdpa", "triton"], default="auto",
                    help="attention of the slot cache's decode steps: sdpa (SDPA over each row's whole column bucket "
                         "under a mask) or triton (one Triton kernel per step and layer that reads only each row's "
-                        "live columns, decode_attention.py; not yet measured on a GPU)")
+                        "live columns, decode_attention.py); auto (default): triton where the slot cache runs on "
+                        "CUDA and triton imports, else sdpa")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each decode step's tokens before launching the next (SGLang's flag; default with "
                         "--kv-cache slots on CUDA: the next step is launched first, so the host's work overlaps it)")

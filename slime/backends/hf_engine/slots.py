@@ -29,12 +29,12 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from slime.backends.hf_engine.decode_attention import covered, triton_decode_attention
+from slime.backends.hf_engine.decode_attention import covered, kernel_available, triton_decode_attention
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 COLUMN_BUCKET = 128  # columns are rounded up to a multiple of this (also keeps SDPA's mask aligned)
 ATTENTION_NAME = "slime_slot_decode"
-ATTENTIONS = ("sdpa", "triton")  # --decode-attention: SDPA under the mask, or decode_attention.py's kernel
+ATTENTIONS = ("auto", "sdpa", "triton")  # --decode-attention: SDPA under the mask, or decode_attention.py's kernel
 
 
 def supports_slots(model) -> tuple[bool, str]:
@@ -134,9 +134,12 @@ class SlotCache:
         if attention not in ATTENTIONS:
             raise ValueError(f"--decode-attention {attention!r}: one of {list(ATTENTIONS)}")
         _register_attention()
-        self.attention_name = ATTENTION_NAME + ("_triton" if attention == "triton" else "")
         self.model = model
         self.device = next(model.parameters()).device
+        if attention == "auto":  # the kernel where it runs: measured faster than SDPA on an H100 (row 29)
+            attention = "triton" if self.device.type == "cuda" and kernel_available() else "sdpa"
+        self.attention = attention
+        self.attention_name = ATTENTION_NAME + ("_triton" if attention == "triton" else "")
         self.max_rows = max_rows
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.keys: list[torch.Tensor] = []
