@@ -7,7 +7,7 @@ with a pinned host tensor and back: autograd then drops the parameter's gradient
 DDP had hooked the add into `main_grad`, so no gradient reached the optimizer again and the colocated Megatron
 student stopped learning (on-policy distillation's KL stayed flat). Checked here with the real `Offloader`: the
 parameters leave the GPU, and after the round trip one optimizer step fills every `main_grad` and equals, bit for
-bit, the step of a twin chunk that never moved. One rank (nccl), in a child process (megatron-core's groups are
+bit, the step of a twin chunk that never moved (its optimizer's onload deferred, as the trainer's). One rank (nccl), in a child process (megatron-core's groups are
 per process).
 """
 
@@ -61,7 +61,7 @@ def _round_trip(out) -> None:
     mover.offload(state)
     freed = before - torch.cuda.memory_allocated(device)
     parked = all(p.is_cuda and p.untyped_storage().nbytes() == 0 for p in loose["moved"])
-    mover.onload(state)
+    mover.onload(state, defer_optimizer=True)  # as the Megatron trainer: the optimizer's copies in flight
     same_weights = all(torch.equal(a, b) for a, b in zip(loose["moved"], loose["twin"]))
 
     result = {"params": len(loose["moved"]), "weight_bytes": weight_bytes, "freed": freed, "parked": parked,
@@ -73,6 +73,8 @@ def _round_trip(out) -> None:
         g = torch.Generator(device=device).manual_seed(1)
         loss = sum((p.float() * torch.randn(p.shape, device=device, generator=g)).sum() for p in loose[name])
         loss.backward()
+        if name == "moved":
+            mover.optimizer_ready()
         result[f"{name}_with_main_grad"] = sum(bool(p.main_grad.abs().sum() > 0) for p in loose[name])
         result[f"{name}_grad_norm"] = float(optimizers[name].step()[1])
     result["same_weights_after_step"] = all(torch.equal(a, b) for a, b in zip(loose["moved"], loose["twin"]))

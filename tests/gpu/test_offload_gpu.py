@@ -79,3 +79,43 @@ def test_offload_in_two_moves_frees_the_device_and_comes_back_exact():
     _step(twin, twin_opt, 2)
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
+
+
+def test_deferred_optimizer_onload_is_ready_before_the_step():
+    """`onload(defer_optimizer=True)` (the Megatron trainer's): the weights are back at once, the optimizer's
+    tensors are allocated at once and filled on a side stream while a forward and backward run; after
+    `optimizer_ready()` the step equals the step of a copy that never moved, and an offload right after a deferred
+    onload (no step between) still carries the state's values."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(16)]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model, opt, 0)
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    state = TrainState(weights=[model], optimizers=[opt])
+    mover = Offloader(device)
+
+    for round_ in range(2):
+        moved = mover.offload(state)
+        back = mover.onload(state, defer_optimizer=True)
+        assert back >= moved * 0.99 and not mover.offloaded  # allocated at once, so counted at once
+        assert all(t.is_cuda for s in opt.state.values() for k, t in s.items() if k != "step")
+        if round_ == 0:  # straight back out: the offload waits for the copies in flight
+            mover.offload(state)
+            mover.onload(state, defer_optimizer=True)
+        g = torch.Generator(device="cuda").manual_seed(10 + round_)
+        x = torch.randn(64, 2048, device="cuda", generator=g)
+        model(x).square().mean().backward()  # beside the copies
+        mover.optimizer_ready()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        twin(x).square().mean().backward()
+        twin_opt.step()
+        twin_opt.zero_grad(set_to_none=True)
+        for a, b in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(a, b), round_
+        for a, b in zip(opt.state.values(), twin_opt.state.values()):
+            assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    mover.optimizer_ready()  # nothing in flight: a no-op

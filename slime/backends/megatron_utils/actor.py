@@ -61,6 +61,7 @@ def _ps():
 
 
 class MegatronTrainRayActor(PolicyTrainer):
+    defers_optimizer_onload = True  # the first step's forward and backward run beside the optimizer's onload
     # ---- setup ------------------------------------------------------------------------------------------
     def init(self, args: Any, role: str, with_ref: bool, num_rollout: int | None = None) -> int:
         if role != "actor":
@@ -315,9 +316,11 @@ class MegatronTrainRayActor(PolicyTrainer):
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         if self.hooks.before_train_step is not None:
+            self.optimizer_ready()  # the hook may read the optimizer
             self.hooks.before_train_step(args, record.rollout_id, step_id, self.model, self.optimizer, self.scheduler)
         outputs = run_pipeline(self.model, mbs, loss_fn, forward_only=False,
                                model_inputs=self._model_inputs(mbs, micro_batches, batch.multimodal_train_inputs))
+        self.optimizer_ready()
         update_ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.global_step += 1
@@ -391,6 +394,7 @@ class MegatronTrainRayActor(PolicyTrainer):
         if not self.args.save:
             raise ValueError("save() called without --save; pass --save DIR to write checkpoints")
         optimizer = None if self.args.no_save_optim else self.optimizer
+        self.optimizer_ready()
         state = {"global_step": self.global_step, "scheduler": self.scheduler.state_dict(),
                  "megatron_args": self.args.megatron_args}
         path = checkpoint.save(self.args.save, rollout_id, self.model, optimizer, state)

@@ -29,6 +29,9 @@ class TrainRayActor:
     _push: EnginePush | DiskPush | None = None  # rank 0's route to the engines, see engine_push
     _offloader: Offloader | None = None  # --offload-train
     _frozen: FrozenPushes | None = None  # which tensors pushes leave out, made on the first push
+    # onload leaves the optimizer's copies in flight (offload.py); the trainer calls optimizer_ready() before it
+    # reads the optimizer
+    defers_optimizer_onload = False
 
     def __init__(self, world_size: int, rank: int, master_addr: str | None, master_port: int | None):
         self.world_size = world_size
@@ -108,8 +111,14 @@ class TrainRayActor:
         push reads (a push while the engines hold their memory: fault tolerance's mid-rollout push)."""
         if self._offloader is None:
             return {"moved_gb": 0.0, **memory_gb(_device())}
-        moved = self._offloader.onload(self.train_state(), weights_only=weights_only)
+        moved = self._offloader.onload(self.train_state(), weights_only=weights_only,
+                                       defer_optimizer=self.defers_optimizer_onload)
         return {"moved_gb": moved / 1e9, **memory_gb(_device())}
+
+    def optimizer_ready(self) -> None:
+        """Before the optimizer is read: wait (on the GPU) for the copies a deferred onload left in flight."""
+        if self._offloader is not None:
+            self._offloader.optimizer_ready()
 
     def peak_gpu_memory_gb(self) -> float | None:
         """Peak GPU memory (GiB) torch allocated on this rank since the previous call (None without CUDA)."""

@@ -154,6 +154,8 @@ class PolicyTrainer(TrainRayActor):
             self._save_train_data(record)
             return self.from_last_stage(extra)
 
+        if args.reset_optimizer_states or args.use_stateless_adam:
+            self.optimizer_ready()  # the resets below write the optimizer's state
         if args.reset_optimizer_states:  # the rollout starts from a fresh optimizer history
             reset_optimizer_states(self.train_state().optimizers)
         totals: dict[str, float] = defaultdict(float)
