@@ -128,6 +128,30 @@ def test_triton_decode_attention_in_cuda_graphs_gives_transformers_tokens(model_
     assert_same(serve(dynamic, requests()), serve(slots, requests()))
 
 
+def test_fused_kv_write_in_cuda_graphs_gives_transformers_tokens(model_and_tokenizer):
+    """`--enable-fused-kv-write`: the Triton decode attention stores each step's keys and values itself (no indexed
+    writes), captured in the decode graphs, against transformers' attention in the dynamic cache, also after an
+    in-place weight update."""
+    from slime.backends.hf_engine import slots as slots_module
+
+    model, tok = model_and_tokenizer
+    dynamic = Scheduler(model, tok, kv_cache="dynamic", max_running_requests=5)
+    slots = Scheduler(model, tok, kv_cache="slots", max_running_requests=5, decode_attention="triton",
+                      fused_kv_write=True)
+    writes = []
+    kernel = slots_module.triton_decode_attention
+    slots_module.triton_decode_attention = lambda *a: writes.append(a[5] is not None) or kernel(*a)
+    try:
+        assert_same(serve(dynamic, requests()), serve(slots, requests()))
+    finally:
+        slots_module.triton_decode_attention = kernel
+    assert writes and all(writes) and slots.stats["num_cuda_graphs"] >= 2
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.02)
+    assert_same(serve(dynamic, requests()), serve(slots, requests()))
+
+
 def test_joined_projections_in_cuda_graphs_give_transformers_tokens(tmp_path):
     """The engine's default on CUDA: q/k/v and gate/up as one product each (fused_projections.py), captured in the
     decode graphs, against transformers' separate products in the dynamic cache; an in-place weight update (a push

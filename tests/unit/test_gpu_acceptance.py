@@ -437,6 +437,11 @@ def test_speed_rows_fail_on_a_regression():
         "batch 64: the Triton decode attention 4.20 ms/step, slower than SDPA's 4.09", "batch 256: no slots:triton row"]
     assert rows[29].figures(attention)["slots:triton (norms fused, rotary fused, projections fused, overlap on) batch 64 ms/step"] == "3.60"
     assert rows[29].check("no table") == ["no slots rows in decode_speed.py's table"]
+    fused = attention.replace("| 256 | 3.60 |", "| 256 | 3.60 |\n"
+                              "    | slots:triton+kv | fused | fused | fused | on | 64 | 0.90 | 0.02 | 256 | 3.70 |")
+    assert rows[29].check(fused) == [
+        "batch 64: the KV writes fused into the Triton decode attention 3.70 ms/step, slower than apart 3.60",
+        "batch 256: no slots:triton row"]
     slow_step = REPORT.replace("| 1 | 40.00 | 3.20 | 8.0% |", "| 1 | 48.00 | 3.84 | 8.0% |")
     assert rows[1].check(slow_step) == ["the step took 45.00 s (> 43.0 s: a speed regression)"]
     assert rows[1].check(REPORT) == []

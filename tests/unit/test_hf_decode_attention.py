@@ -62,6 +62,35 @@ def _kernel_against_fp64() -> None:
         assert err <= tol * max(1.0, want.abs().max().item()), (i, err)
 
 
+def _kernel_writes_the_new_kv() -> None:
+    """With `write` the kernel stores each row's new key / value at its column of the cache (the column the mask's
+    prefix ends at; columns of other rows and slots untouched) and attends as if the indexed writes had come first."""
+    from slime.backends.hf_engine import decode_attention as da
+
+    for i, (dtype, lens) in enumerate([(torch.float32, [0, 70, 127]), (torch.bfloat16, [5, 127, 64])]):
+        query, key, value, mask = _case(3, 16, 8, 128, lens, 128, 256, dtype, seed=10 + i)
+        gen = torch.Generator().manual_seed(20 + i)
+        new_k = torch.randn(3, 1, 8, 128, generator=gen).to(dtype).transpose(1, 2)  # [B, KVH, 1, D], strided
+        new_v = torch.randn(3, 1, 8, 128, generator=gen).to(dtype).transpose(1, 2)
+        columns = torch.tensor(lens)
+        assert da.covers_write(key, new_k, new_v, columns)
+        cache_k, cache_v = key._base.clone(), value._base.clone()
+        written_k, written_v = cache_k[:3, :, :128], cache_v[:3, :, :128]
+        rows = torch.arange(3)
+        written_k[rows, :, columns] = new_k[:, :, 0]
+        written_v[rows, :, columns] = new_v[:, :, 0]
+        scale = 128 ** -0.5
+        got = da.triton_decode_attention(query, key, value, mask, scale, (new_k, new_v, columns))
+        assert torch.equal(key._base, cache_k) and torch.equal(value._base, cache_v)  # stored, nothing else moved
+        want = _reference(query, written_k, written_v, mask, scale)
+        tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+        err = (got.double() - want).abs().max().item()
+        assert err <= tol * max(1.0, want.abs().max().item()), (i, err)
+    assert not da.covers_write(key, new_k[:, :, :, :64], new_v, columns)  # another head dim
+    assert not da.covers_write(key, new_k.float(), new_v, columns)  # another dtype than the cache
+    assert not da.covers_write(key, new_k, new_v, columns.float())
+
+
 def _decode_matches_sdpa() -> None:
     """A tiny Qwen3's decode through the slot cache, SDPA against the kernel: the same tokens, log-probs within
     1e-4 (fp32), over merges, finishes and a column bucket's growth."""
@@ -75,9 +104,9 @@ def _decode_matches_sdpa() -> None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(path)
 
-    def serve(attention: str) -> list[Request]:
+    def serve(attention: str, fused_kv_write: bool = False) -> list[Request]:
         sched = Scheduler(model, tok, kv_cache="slots", max_running_requests=4, cuda_graphs=False,
-                          decode_attention=attention)
+                          decode_attention=attention, fused_kv_write=fused_kv_write)
         gen = torch.Generator().manual_seed(0)
         reqs = []
         for i in range(6):  # the last one's prompt and tokens pass a column bucket (128)
@@ -99,9 +128,14 @@ def _decode_matches_sdpa() -> None:
     assert not calls
     kernel = serve("triton")
     assert len(calls) > 100  # every layer of every decode step went through the kernel
-    for a, b in zip(sdpa, kernel):
-        assert a.output_ids == b.output_ids, a.rid
+    writes = []
+    slots.triton_decode_attention = lambda *a: writes.append(a[5] is not None) or kernel_call(*a)
+    fused = serve("triton", fused_kv_write=True)  # --enable-fused-kv-write: the kernel stores each step's KV
+    assert len(writes) > 100 and all(writes)
+    for a, b, c in zip(sdpa, kernel, fused):
+        assert a.output_ids == b.output_ids == c.output_ids, a.rid
         assert max(abs(p - q) for p, q in zip(a.output_logprobs, b.output_logprobs)) < 1e-4, a.rid
+        assert max(abs(p - q) for p, q in zip(b.output_logprobs, c.output_logprobs)) < 1e-4, a.rid
 
 
 def _left_to_sdpa() -> None:
@@ -116,7 +150,8 @@ def _left_to_sdpa() -> None:
     assert not da.covered(query.double(), key.double(), value.double(), mask)
 
 
-@pytest.mark.parametrize("case", ["_kernel_against_fp64", "_decode_matches_sdpa", "_left_to_sdpa"])
+@pytest.mark.parametrize("case", ["_kernel_against_fp64", "_kernel_writes_the_new_kv", "_decode_matches_sdpa",
+                                  "_left_to_sdpa"])
 def test_decode_attention_in_the_interpreter(case):
     run_interpreted(f"from tests.unit.test_hf_decode_attention import {case}; {case}()")
 
@@ -133,6 +168,8 @@ def test_off_cuda_without_the_interpreter_sdpa_serves():
         SlotCache(torch.nn.Linear(2, 2), 4, False, "flash")
     # the default (auto) takes the kernel on CUDA only: a CPU slot cache attends with SDPA
     assert SlotCache(torch.nn.Linear(2, 2), 4, False).attention == "sdpa"
+    with pytest.raises(ValueError, match="--enable-fused-kv-write: the KV writes go into the Triton decode attention"):
+        SlotCache(torch.nn.Linear(2, 2), 4, False, "sdpa", fused_kv_write=True)
 
 
 def test_the_engine_refuses_the_kernel_where_it_would_not_run(capsys):
@@ -141,7 +178,12 @@ def test_the_engine_refuses_the_kernel_where_it_would_not_run(capsys):
     for flags in (["--device", "cpu"], ["--device", "cuda", "--kv-cache", "dynamic"]):
         with pytest.raises(SystemExit):
             parse_args(["--model-path", "m", "--decode-attention", "triton", *flags])
-        assert "--decode-attention triton is the slot cache's attention on CUDA" in capsys.readouterr().err
+        assert "--decode-attention triton is for the slot cache on CUDA" in capsys.readouterr().err
     assert parse_args(["--model-path", "m", "--decode-attention", "triton", "--device", "cuda"]).decode_attention == \
         "triton"
     assert parse_args(["--model-path", "m", "--device", "cpu"]).decode_attention == "auto"  # auto is never refused
+    for flags in (["--device", "cpu"], ["--device", "cuda", "--decode-attention", "sdpa"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--model-path", "m", "--enable-fused-kv-write", *flags])
+        assert "--enable-fused-kv-write" in capsys.readouterr().err
+    assert parse_args(["--model-path", "m", "--enable-fused-kv-write", "--device", "cuda"]).enable_fused_kv_write

@@ -36,12 +36,14 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 if triton is not None:
 
     @triton.jit
-    def _decode_kernel(q, k, v, mask, out, columns, scale,
-                       sq_b, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sm_b, so_b, so_h,
+    def _decode_kernel(q, k, v, mask, out, columns, scale, nk, nv, write_col,
+                       sq_b, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sm_b, so_b, so_h, snk_b, snk_h, snv_b, snv_h,
                        GROUPS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       PRECISION: tl.constexpr, WRITE: tl.constexpr):
         """One program per (row, KV head): out[row, 0, head] = softmax(q k^T * scale, masked) v for the GROUPS query
-        heads of this KV head."""
+        heads of this KV head. WRITE: the step's new key and value (nk, nv) are first stored at the row's column
+        write_col[row] of k and v, and attended from registers (the loop skips that column: a program's own store
+        is not guaranteed visible to its loads)."""
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         g = tl.arange(0, G_PAD)
@@ -50,12 +52,23 @@ if triton is not None:
         live_g = g < GROUPS
         qv = tl.load(q + row * sq_b + heads[:, None] * sq_h + d[None, :], mask=live_g[:, None],
                      other=0.0).to(tl.float32)
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32)
+        if WRITE:
+            col = tl.load(write_col + row)
+            kn = tl.load(nk + row * snk_b + kv_head * snk_h + d)
+            vn = tl.load(nv + row * snv_b + kv_head * snv_h + d)
+            tl.store(k + row * sk_b + kv_head * sk_h + col * sk_l + d, kn)
+            tl.store(v + row * sv_b + kv_head * sv_h + col * sv_l + d, vn)
+            m_i = tl.sum(qv * kn.to(tl.float32)[None, :], axis=1) * scale  # the new column's score: its weight is 1
+            l_i = tl.full([G_PAD], 1.0, tl.float32)
+            acc = tl.zeros([G_PAD, D], tl.float32) + vn.to(tl.float32)[None, :]
+        else:
+            col = -1
+            m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([G_PAD], tl.float32)
+            acc = tl.zeros([G_PAD, D], tl.float32)
         for start in range(0, columns, BLOCK):
             n = start + tl.arange(0, BLOCK)
-            keep = tl.load(mask + row * sm_b + n, mask=n < columns, other=0) != 0
+            keep = (tl.load(mask + row * sm_b + n, mask=n < columns, other=0) != 0) & (n != col)
             if tl.sum(keep.to(tl.int32), axis=0) > 0:  # a block the mask leaves empty is not read
                 kb = tl.load(k + row * sk_b + kv_head * sk_h + n[:, None] * sk_l + d[None, :], mask=keep[:, None],
                              other=0.0).to(tl.float32)
@@ -94,17 +107,32 @@ def covered(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -
     return all(t.stride(-1) == 1 for t in (query, key, value, mask))
 
 
+def covers_write(key: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, columns: torch.Tensor) -> bool:
+    """Whether the kernel can also store the step's new key / value ([B, KVH, 1, D] each, in the cache's dtype,
+    last dimension contiguous) at each row's column `columns` ([B] integers) of the cache `key` is a view of."""
+    b, kv_heads, _, d = key.shape
+    shape = (b, kv_heads, 1, d)
+    return (new_key.shape == shape and new_value.shape == shape and new_key.dtype == new_value.dtype == key.dtype
+            and new_key.stride(-1) == 1 and new_value.stride(-1) == 1 and columns.shape == (b,)
+            and not columns.is_floating_point() and columns.device == key.device)
+
+
 def triton_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                            scale: float) -> torch.Tensor:
-    """query [B, H, 1, D], key / value [B, KVH, L, D], mask [B, 1, 1, L] bool (`covered`) -> [B, 1, H, D]."""
+                            scale: float, write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                            ) -> torch.Tensor:
+    """query [B, H, 1, D], key / value [B, KVH, L, D], mask [B, 1, 1, L] bool (`covered`) -> [B, 1, H, D].
+    `write` (new key, new value, columns; `covers_write`): the kernel first stores them into key / value, each row's
+    at its column (which the mask must keep), as the slot cache's indexed writes would."""
     b, h, _, d = query.shape
     kv_heads, columns = key.shape[1], key.shape[2]
     groups = h // kv_heads
     out = torch.empty((b, 1, h, d), dtype=query.dtype, device=query.device)
+    nk, nv, write_col = write if write is not None else (key, value, mask)  # unread without WRITE
     _decode_kernel[(b, kv_heads)](
-        query, key, value, mask, out, columns, float(scale),
+        query, key, value, mask, out, columns, float(scale), nk, nv, write_col,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), mask.stride(0), out.stride(0), out.stride(2),
+        nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1),
         GROUPS=groups, G_PAD=max(16, triton.next_power_of_2(groups)), D=d, BLOCK=BLOCK_N,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", WRITE=write is not None)
     return out

@@ -827,6 +827,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "under a mask) or triton (one Triton kernel per step and layer that reads only each row's "
                         "live columns, decode_attention.py); auto (default): triton where the slot cache runs on "
                         "CUDA and triton imports, else sdpa")
+    p.add_argument("--enable-fused-kv-write", action="store_true",
+                   help="with the Triton decode attention: each decode step's new keys and values are stored into "
+                        "the slot cache by that kernel (one launch a layer) instead of two indexed writes; not yet "
+                        "measured on a GPU")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each decode step's tokens before launching the next (SGLang's flag; default with "
                         "--kv-cache slots on CUDA: the next step is launched first, so the host's work overlaps it)")
@@ -858,11 +862,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"flag); default: ${API_KEY_ENV}, which keeps the key out of `ps`; unset: no authentication")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
-    if args.decode_attention == "triton":
-        cache = args.kv_cache or ("slots" if args.device.startswith("cuda") else "dynamic")
+    cache = args.kv_cache or ("slots" if args.device.startswith("cuda") else "dynamic")
+    if args.decode_attention == "triton" or args.enable_fused_kv_write:
+        flag = "--decode-attention triton" if args.decode_attention == "triton" else "--enable-fused-kv-write"
         if not args.device.startswith("cuda") or cache != "slots":
-            p.error(f"--decode-attention triton is the slot cache's attention on CUDA; this engine runs on "
-                    f"--device {args.device} with --kv-cache {cache}: use --device cuda --kv-cache slots, or drop it")
+            p.error(f"{flag} is for the slot cache on CUDA; this engine runs on --device {args.device} with "
+                    f"--kv-cache {cache}: use --device cuda --kv-cache slots, or drop it")
+    if args.enable_fused_kv_write and args.decode_attention == "sdpa":
+        p.error("--enable-fused-kv-write stores the KV in the Triton decode attention, and --decode-attention sdpa "
+                "turns that off; drop one of them")
     return args
 
 
@@ -899,7 +907,7 @@ def main(argv=None) -> None:
                           cuda_graphs=not args.disable_cuda_graph, shared_prefill=not args.disable_shared_prefill,
                           deterministic=args.enable_deterministic_inference,
                           overlap=False if args.disable_overlap_schedule else None,
-                          decode_attention=args.decode_attention)
+                          decode_attention=args.decode_attention, fused_kv_write=args.enable_fused_kv_write)
     state = EngineState(model, tokenizer, scheduler, model_path=args.model_path, device=args.device,
                         dtype=args.dtype, weight_version=args.weight_version, weight_dirs=args.weight_dirs,
                         frees_memory=args.device != "cpu" or args.release_memory_on_cpu,

@@ -29,7 +29,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from slime.backends.hf_engine.decode_attention import covered, kernel_available, triton_decode_attention
+from slime.backends.hf_engine.decode_attention import covered, covers_write, kernel_available, triton_decode_attention
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 COLUMN_BUCKET = 128  # columns are rounded up to a multiple of this (also keeps SDPA's mask aligned)
@@ -66,13 +66,20 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out.reshape(b, h, q, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
+_writing_view: _SlotView | None = None  # the decode step in progress whose KV writes the attention does (fused)
+
+
 def decode_attention_triton(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """`decode_attention` through decode_attention.py's kernel where it covers the call (reading each row's live
-    columns only), else SDPA."""
-    if not covered(query, key, value, attention_mask):
+    columns only), else SDPA. With --enable-fused-kv-write the step's new key / value, which `_SlotView.update`
+    left unwritten, are stored by the kernel (or by the indexed writes, before SDPA, where it does not cover)."""
+    write = _writing_view.take_write(module) if _writing_view is not None else None
+    if not covered(query, key, value, attention_mask) or (write is not None and not covers_write(key, *write)):
+        if write is not None:
+            _writing_view.write(key, value, *write)
         return decode_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return triton_decode_attention(query, key, value, attention_mask, scale), None
+    return triton_decode_attention(query, key, value, attention_mask, scale, write), None
 
 
 def _register_attention() -> None:
@@ -116,12 +123,32 @@ class _SlotView:
         self.cache, self.rows, self.columns = cache, rows, columns
         self.row_index = cache.row_index[:rows]
         self.write_columns = cache.lens[:rows]
+        self._unwritten: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (layer, key, value) left to attention
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k, v = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        k[self.row_index, :, self.write_columns] = key_states[:, :, 0]
-        v[self.row_index, :, self.write_columns] = value_states[:, :, 0]
+        if self._unwritten is not None:
+            raise RuntimeError(f"layer {self._unwritten[0]}'s new key / value were not written by its attention")
+        if self.cache.fused_kv_write:  # the attention function stores them (decode_attention_triton)
+            self._unwritten = (layer_idx, key_states, value_states)
+        else:
+            self.write(k, v, key_states, value_states, self.write_columns)
         return k[: self.rows, :, : self.columns], v[: self.rows, :, : self.columns]
+
+    def write(self, k, v, key_states, value_states, columns) -> None:
+        """Each row's new key / value into column `columns[row]` of the layer's cache `k` / `v` (or views of it)."""
+        k[self.row_index, :, columns] = key_states[:, :, 0]
+        v[self.row_index, :, columns] = value_states[:, :, 0]
+
+    def take_write(self, module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The (new key, new value, columns) `update` left for this attention call to write, or None."""
+        if self._unwritten is None:
+            return None
+        layer, key_states, value_states = self._unwritten
+        if getattr(module, "layer_idx", layer) != layer:
+            raise RuntimeError(f"attention of layer {module.layer_idx} called with layer {layer}'s KV unwritten")
+        self._unwritten = None
+        return key_states, value_states, self.write_columns
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # only asked when position ids are missing
         raise RuntimeError("slot decode passes position ids; the sequence length is per row")
@@ -130,7 +157,8 @@ class _SlotView:
 class SlotCache:
     """Per-layer KV buffers [slots, KV heads, columns, head dim] plus the static inputs of a decode step."""
 
-    def __init__(self, model, max_rows: int, cuda_graphs: bool, attention: str = "sdpa"):
+    def __init__(self, model, max_rows: int, cuda_graphs: bool, attention: str = "sdpa",
+                 fused_kv_write: bool = False):
         if attention not in ATTENTIONS:
             raise ValueError(f"--decode-attention {attention!r}: one of {list(ATTENTIONS)}")
         _register_attention()
@@ -140,6 +168,10 @@ class SlotCache:
             attention = "triton" if self.device.type == "cuda" and kernel_available() else "sdpa"
         self.attention = attention
         self.attention_name = ATTENTION_NAME + ("_triton" if attention == "triton" else "")
+        if fused_kv_write and attention != "triton":
+            raise ValueError(f"--enable-fused-kv-write: the KV writes go into the Triton decode attention, and this "
+                             f"slot cache attends with {attention}; use --decode-attention triton on CUDA")
+        self.fused_kv_write = fused_kv_write  # each decode step's KV written by the attention kernel
         self.max_rows = max_rows
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.keys: list[torch.Tensor] = []
@@ -256,22 +288,28 @@ class SlotCache:
 
     def _forward(self, rows: int, columns: int) -> torch.Tensor:
         mask = torch.arange(columns, device=self.device) <= self.lens[:rows].unsqueeze(1)
-        with self._decode_attention():
+        view = _SlotView(self, rows, columns)
+        with self._decode_attention(view):
             positions = (self.lens[:rows] + self.offsets[:rows]).unsqueeze(1)
             out = self.model(input_ids=self.tokens[:rows].unsqueeze(1), position_ids=positions,
-                             attention_mask=mask[:, None, None, :], past_key_values=_SlotView(self, rows, columns),
+                             attention_mask=mask[:, None, None, :], past_key_values=view,
                              use_cache=True, logits_to_keep=1)
+        if view._unwritten is not None:
+            raise RuntimeError(f"layer {view._unwritten[0]}'s new key / value were not written by its attention")
         return out.logits[:, -1]
 
     @contextlib.contextmanager
-    def _decode_attention(self):
+    def _decode_attention(self, view: _SlotView):
+        global _writing_view
         config = self.model.config
         before = config._attn_implementation
         config._attn_implementation = self.attention_name
+        _writing_view = view if self.fused_kv_write else None
         try:
             yield
         finally:
             config._attn_implementation = before
+            _writing_view = None
 
     def _replay(self, rows: int, columns: int) -> torch.Tensor:
         entry = self._graphs.get((rows, columns))
