@@ -127,8 +127,7 @@ class _SlotView:
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k, v = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        if self._unwritten is not None:
-            raise RuntimeError(f"layer {self._unwritten[0]}'s new key / value were not written by its attention")
+        self.check_written()
         if self.cache.fused_kv_write:  # the attention function stores them (decode_attention_triton)
             self._unwritten = (layer_idx, key_states, value_states)
         else:
@@ -139,6 +138,11 @@ class _SlotView:
         """Each row's new key / value into column `columns[row]` of the layer's cache `k` / `v` (or views of it)."""
         k[self.row_index, :, columns] = key_states[:, :, 0]
         v[self.row_index, :, columns] = value_states[:, :, 0]
+
+    def check_written(self) -> None:
+        """Raise when a layer's new key / value, left to its attention (--enable-fused-kv-write), were not taken."""
+        if self._unwritten is not None:
+            raise RuntimeError(f"layer {self._unwritten[0]}'s new key / value were not written by its attention")
 
     def take_write(self, module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The (new key, new value, columns) `update` left for this attention call to write, or None."""
@@ -294,8 +298,7 @@ class SlotCache:
             out = self.model(input_ids=self.tokens[:rows].unsqueeze(1), position_ids=positions,
                              attention_mask=mask[:, None, None, :], past_key_values=view,
                              use_cache=True, logits_to_keep=1)
-        if view._unwritten is not None:
-            raise RuntimeError(f"layer {view._unwritten[0]}'s new key / value were not written by its attention")
+        view.check_written()
         return out.logits[:, -1]
 
     @contextlib.contextmanager

@@ -1,5 +1,5 @@
 """Rotary embedding of packed (THD) micro-batches as one Triton kernel forward and one backward (`--rope-kernel
-triton`; default `torch`).
+triton`; the default `auto` takes it where the Megatron trainer packs on CUDA with rope fusion on).
 
 packed_rope.py rotates all tokens of a packed micro-batch in one call of megatron-core's `_apply_rotary_pos_emb_bshd`
 (the per-token frequencies gathered first); that call is still a dozen element-wise kernels for the query and a

@@ -175,6 +175,11 @@ def add_opd_arguments(parser: argparse.ArgumentParser) -> None:
                    "(default: its latest).")
 
 
+def _triton_runs(args: argparse.Namespace) -> bool:
+    """Whether Triton kernels can run in this job's trainers: on CUDA, with triton installed."""
+    return bool(args.use_cuda) and importlib.util.find_spec("triton") is not None
+
+
 def _check_triton_runs(args: argparse.Namespace, flag: str) -> None:
     if importlib.util.find_spec("triton") is None:
         fail(f"{flag} triton: triton is not installed (it comes with torch's CUDA builds); install it or use {flag} "
@@ -185,15 +190,13 @@ def _check_triton_runs(args: argparse.Namespace, flag: str) -> None:
 
 def validate_algorithm(args: argparse.Namespace) -> None:
     if args.log_probs_kernel == "auto":
-        triton_runs = args.use_cuda and importlib.util.find_spec("triton") is not None
-        args.log_probs_kernel = "triton" if triton_runs else "torch"
+        args.log_probs_kernel = "triton" if _triton_runs(args) else "torch"
     if args.log_probs_kernel == "triton":
         _check_triton_runs(args, "--log-probs-kernel")
     packs_in_megatron = train_spec(args).model_from_megatron_flags and args.qkv_format == "thd"
     if args.rope_kernel == "auto":
         fused = getattr(args, "apply_rope_fusion", True)  # what Megatron's rope fusion means without TransformerEngine
-        triton_runs = args.use_cuda and importlib.util.find_spec("triton") is not None
-        args.rope_kernel = "triton" if packs_in_megatron and fused and triton_runs else "torch"
+        args.rope_kernel = "triton" if packs_in_megatron and fused and _triton_runs(args) else "torch"
     if args.rope_kernel == "triton":
         _check_triton_runs(args, "--rope-kernel")
         if not packs_in_megatron:
