@@ -66,11 +66,11 @@ def bench(model, tokenizer, kv_cache: str, batch: int, prompt_len: int, new_toke
     from slime.backends.hf_engine.scheduler import Request, SamplingParams, Scheduler
 
     cache, _, attention = kv_cache.partition(":")  # slots:sdpa: the slot cache with --decode-attention sdpa
-    attention, _, extra = attention.partition("+")  # slots:triton+kv: and --enable-fused-kv-write
-    if extra not in ("", "kv"):
-        raise SystemExit(f"--kv-cache {kv_cache}: the part after '+' can only be 'kv' (--enable-fused-kv-write)")
+    attention, apart, extra = attention.partition("-")  # slots:triton-kv: and --disable-fused-kv-write
+    if apart and extra != "kv":
+        raise SystemExit(f"--kv-cache {kv_cache}: the part after '-' can only be 'kv' (--disable-fused-kv-write)")
     sched = Scheduler(model, tokenizer, max_running_requests=batch, random_seed=0, kv_cache=cache, overlap=overlap,
-                      decode_attention=attention or "auto", fused_kv_write=extra == "kv")
+                      decode_attention=attention or "auto", fused_kv_write=False if apart else None)
     prefills, decode_steps = [], [0]
     prefill, decode = sched._prefill, sched._decode
 
@@ -247,7 +247,7 @@ def main() -> None:
                    help="the bound's memory bandwidth (default: measured here by a device copy)")
     p.add_argument("--kv-cache", default="dynamic,slots", help="scheduler KV cache modes to compare ('' for none); "
                    "slots:sdpa / slots:triton: the slot cache with the hf engine's --decode-attention sdpa / triton (plain slots: "
-                   "its default, auto); slots:triton+kv adds --enable-fused-kv-write")
+                   "its default, auto); slots:triton-kv adds --disable-fused-kv-write")
     p.add_argument("--norms", default="op,fused", help="RMSNorm forms to compare: op (transformers' modules), "
                    "fused (F.rms_norm, the engine's default on CUDA); op runs first, fusing is not undone")
     p.add_argument("--rotary", default="fused", help="rotary embedding forms to compare, under each --norms form: op "

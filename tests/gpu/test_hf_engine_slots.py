@@ -106,22 +106,23 @@ def test_fused_rotary_in_cuda_graphs_gives_transformers_tokens(model_and_tokeniz
 
 
 def test_triton_decode_attention_in_cuda_graphs_gives_transformers_tokens(model_and_tokenizer):
-    """`--decode-attention triton` (decode_attention.py): the kernel reading each row's live columns, captured in the
-    decode graphs, against transformers' attention in the dynamic cache (fp32: the kernel multiplies in IEEE fp32),
-    also after an in-place weight update."""
+    """`--decode-attention triton --disable-fused-kv-write` (decode_attention.py): the kernel reading each row's live
+    columns, the step's KV written apart before it, captured in the decode graphs, against transformers' attention in
+    the dynamic cache (fp32: the kernel multiplies in IEEE fp32), also after an in-place weight update."""
     from slime.backends.hf_engine import slots as slots_module
 
     model, tok = model_and_tokenizer
     dynamic = Scheduler(model, tok, kv_cache="dynamic", max_running_requests=5)
-    slots = Scheduler(model, tok, kv_cache="slots", max_running_requests=5, decode_attention="triton")
+    slots = Scheduler(model, tok, kv_cache="slots", max_running_requests=5, decode_attention="triton",
+                      fused_kv_write=False)
     calls = []
     kernel = slots_module.triton_decode_attention
-    slots_module.triton_decode_attention = lambda *a: calls.append(1) or kernel(*a)
+    slots_module.triton_decode_attention = lambda *a: calls.append(a[5] is None) or kernel(*a)
     try:
         assert_same(serve(dynamic, requests()), serve(slots, requests()))
     finally:
         slots_module.triton_decode_attention = kernel
-    assert calls and slots.stats["num_cuda_graphs"] >= 2  # captured: each graph called the kernel once per layer
+    assert calls and all(calls) and slots.stats["num_cuda_graphs"] >= 2  # each graph: the kernel once per layer
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.02)
@@ -129,15 +130,15 @@ def test_triton_decode_attention_in_cuda_graphs_gives_transformers_tokens(model_
 
 
 def test_fused_kv_write_in_cuda_graphs_gives_transformers_tokens(model_and_tokenizer):
-    """`--enable-fused-kv-write`: the Triton decode attention stores each step's keys and values itself (no indexed
-    writes), captured in the decode graphs, against transformers' attention in the dynamic cache, also after an
-    in-place weight update."""
+    """The default on CUDA (the Triton decode attention with the KV writes fused into it): the kernel stores each
+    step's keys and values itself (no indexed writes), captured in the decode graphs, against transformers' attention
+    in the dynamic cache, also after an in-place weight update."""
     from slime.backends.hf_engine import slots as slots_module
 
     model, tok = model_and_tokenizer
     dynamic = Scheduler(model, tok, kv_cache="dynamic", max_running_requests=5)
-    slots = Scheduler(model, tok, kv_cache="slots", max_running_requests=5, decode_attention="triton",
-                      fused_kv_write=True)
+    slots = Scheduler(model, tok, kv_cache="slots", max_running_requests=5)
+    assert slots._slots.attention == "triton" and slots._slots.fused_kv_write
     writes = []
     kernel = slots_module.triton_decode_attention
     slots_module.triton_decode_attention = lambda *a: writes.append(a[5] is not None) or kernel(*a)

@@ -400,9 +400,11 @@ def test_speed_rows_fail_on_a_regression():
     megatron = GRPO_REPORT.replace("slime-sglang", "slime-megatron")
     assert rows[16].check(megatron) == []
     assert rows[16].check(megatron.replace("| 2.90x |", "| 0.83x |")) == ["TRL / slime-megatron step 0.83x (< 1.0x)"]
-    assert rows[17].check(DECODE_REPORT) == []
-    assert rows[17].check(DECODE_REPORT.replace("| 256 | 2.06 | 0.06 | 256 | 6.84 |", "| 256 | 2.06 | 0.06 | 256 | 9.20 |")) == [
-        "hf engine decode 9.20 ms/step at batch 256 (> 7.6 ms: a speed regression)"]
+    assert rows[17].check(DECODE_REPORT) == ["hf engine decode 4.09 ms/step at batch 64 (> 3.9 ms: a speed regression)"]
+    today = DECODE_REPORT.replace("| 1.07 | 0.02 | 256 | 4.09 |", "| 0.89 | 0.03 | 256 | 3.38 |")
+    assert rows[17].check(today) == []
+    assert rows[17].check(today.replace("| 256 | 2.06 | 0.06 | 256 | 6.84 |", "| 256 | 2.06 | 0.06 | 256 | 9.20 |")) == [
+        "hf engine decode 9.20 ms/step at batch 256 (> 7.3 ms: a speed regression)"]
     assert rows[17].check(DECODE_REPORT.replace("| slots | fused | fused | fused | on | 64 |", "| paged | fused | fused | fused | on | 64 |")) == [
         "no slots row at batch 64 in decode_speed.py's table"]  # the op and plain rows (6.71, 5.08 ms) are not checked
     assert rows[17].figures(DECODE_REPORT)["slots (norms fused, rotary fused, projections op, overlap on) batch 64 ms/step"] == "6.71"
@@ -429,19 +431,20 @@ def test_speed_rows_fail_on_a_regression():
     assert rows[28].check(triton_jobs.replace("| 2.90x |", "| 2.17x |")) == ["TRL / slime-sglang step 2.17x (< 2.5x)"]
     attention = DECODE_REPORT.replace("| slots | fused | fused | fused | on | 64 | 1.07 | 0.02 | 256 | 4.09 |",
                                       "| slots:sdpa | fused | fused | fused | on | 64 | 1.07 | 0.02 | 256 | 4.09 |\n"
-                                      "    | slots:triton | fused | fused | fused | on | 64 | 0.90 | 0.02 | 256 | 3.60 |"
+                                      "    | slots:triton-kv | fused | fused | fused | on | 64 | 0.90 | 0.02 | 256 | 3.60 |"
                                       ).replace("| slots | fused | fused | fused | on | 256 |",
                                                 "| slots:sdpa | fused | fused | fused | on | 256 |")
-    assert rows[29].check(attention) == ["batch 256: no slots:triton row"]
-    assert rows[29].check(attention.replace("| 3.60 |", "| 4.20 |")) == [
-        "batch 64: the Triton decode attention 4.20 ms/step, slower than SDPA's 4.09", "batch 256: no slots:triton row"]
-    assert rows[29].figures(attention)["slots:triton (norms fused, rotary fused, projections fused, overlap on) batch 64 ms/step"] == "3.60"
+    no_256 = ["batch 256: no slots:triton-kv row", "batch 256: no slots:triton row"]
+    assert rows[29].check(attention) == ["batch 64: no slots:triton row", *no_256]
+    assert rows[29].figures(attention)["slots:triton-kv (norms fused, rotary fused, projections fused, overlap on) batch 64 ms/step"] == "3.60"
     assert rows[29].check("no table") == ["no slots rows in decode_speed.py's table"]
     fused = attention.replace("| 256 | 3.60 |", "| 256 | 3.60 |\n"
-                              "    | slots:triton+kv | fused | fused | fused | on | 64 | 0.90 | 0.02 | 256 | 3.70 |")
-    assert rows[29].check(fused) == [
-        "batch 64: the KV writes fused into the Triton decode attention 3.70 ms/step, slower than apart 3.60",
-        "batch 256: no slots:triton row"]
+                              "    | slots:triton | fused | fused | fused | on | 64 | 0.90 | 0.02 | 256 | 3.40 |")
+    assert rows[29].check(fused) == no_256
+    assert rows[29].check(fused.replace("| 3.60 |", "| 4.20 |")) == [
+        "batch 64: the Triton decode attention 4.20 ms/step, slower than SDPA's 4.09", *no_256]
+    assert rows[29].check(fused.replace("| 3.40 |", "| 3.70 |")) == [
+        "batch 64: the KV writes fused into the Triton decode attention 3.70 ms/step, slower than apart 3.60", *no_256]
     slow_step = REPORT.replace("| 1 | 40.00 | 3.20 | 8.0% |", "| 1 | 48.00 | 3.84 | 8.0% |")
     assert rows[1].check(slow_step) == ["the step took 45.00 s (> 43.0 s: a speed regression)"]
     assert rows[1].check(REPORT) == []

@@ -104,7 +104,7 @@ def _decode_matches_sdpa() -> None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(path)
 
-    def serve(attention: str, fused_kv_write: bool = False) -> list[Request]:
+    def serve(attention: str, fused_kv_write: bool | None = None) -> list[Request]:
         sched = Scheduler(model, tok, kv_cache="slots", max_running_requests=4, cuda_graphs=False,
                           decode_attention=attention, fused_kv_write=fused_kv_write)
         gen = torch.Generator().manual_seed(0)
@@ -126,11 +126,11 @@ def _decode_matches_sdpa() -> None:
     slots.triton_decode_attention = lambda *a: calls.append(1) or kernel_call(*a)
     sdpa = serve("sdpa")
     assert not calls
-    kernel = serve("triton")
+    kernel = serve("triton", fused_kv_write=False)  # --disable-fused-kv-write: the step's KV written apart
     assert len(calls) > 100  # every layer of every decode step went through the kernel
     writes = []
     slots.triton_decode_attention = lambda *a: writes.append(a[5] is not None) or kernel_call(*a)
-    fused = serve("triton", fused_kv_write=True)  # --enable-fused-kv-write: the kernel stores each step's KV
+    fused = serve("triton")  # the default with the kernel: it stores each step's KV
     assert len(writes) > 100 and all(writes)
     for a, b, c in zip(sdpa, kernel, fused):
         assert a.output_ids == b.output_ids == c.output_ids, a.rid
@@ -166,9 +166,10 @@ def test_off_cuda_without_the_interpreter_sdpa_serves():
     assert not da.covered(query, key, value, mask)
     with pytest.raises(ValueError, match="--decode-attention 'flash'"):
         SlotCache(torch.nn.Linear(2, 2), 4, False, "flash")
-    # the default (auto) takes the kernel on CUDA only: a CPU slot cache attends with SDPA
-    assert SlotCache(torch.nn.Linear(2, 2), 4, False).attention == "sdpa"
-    with pytest.raises(ValueError, match="--enable-fused-kv-write: the KV writes go into the Triton decode attention"):
+    # the default (auto) takes the kernel on CUDA only: a CPU slot cache attends with SDPA, and writes its KV apart
+    cpu = SlotCache(torch.nn.Linear(2, 2), 4, False)
+    assert cpu.attention == "sdpa" and not cpu.fused_kv_write
+    with pytest.raises(ValueError, match="fused KV writes go into the Triton decode attention"):
         SlotCache(torch.nn.Linear(2, 2), 4, False, "sdpa", fused_kv_write=True)
 
 
@@ -182,8 +183,6 @@ def test_the_engine_refuses_the_kernel_where_it_would_not_run(capsys):
     assert parse_args(["--model-path", "m", "--decode-attention", "triton", "--device", "cuda"]).decode_attention == \
         "triton"
     assert parse_args(["--model-path", "m", "--device", "cpu"]).decode_attention == "auto"  # auto is never refused
-    for flags in (["--device", "cpu"], ["--device", "cuda", "--decode-attention", "sdpa"]):
-        with pytest.raises(SystemExit):
-            parse_args(["--model-path", "m", "--enable-fused-kv-write", *flags])
-        assert "--enable-fused-kv-write" in capsys.readouterr().err
-    assert parse_args(["--model-path", "m", "--enable-fused-kv-write", "--device", "cuda"]).enable_fused_kv_write
+    # the fused KV writes are the kernel's default; turning them off is never refused (nothing to write apart on CPU)
+    assert parse_args(["--model-path", "m", "--device", "cpu", "--disable-fused-kv-write"]).disable_fused_kv_write
+    assert not parse_args(["--model-path", "m", "--device", "cuda"]).disable_fused_kv_write

@@ -419,7 +419,7 @@ class Scheduler:
                  stop_token_ids: set[int] | None = None, max_context_len: int | None = None,
                  max_prefill_tokens: int = 16384, stop_window_tokens: int = 8, kv_cache: str = "dynamic",
                  cuda_graphs: bool = True, shared_prefill: bool = True, deterministic: bool = False,
-                 overlap: bool | None = None, decode_attention: str = "auto", fused_kv_write: bool = False):
+                 overlap: bool | None = None, decode_attention: str = "auto", fused_kv_write: bool | None = None):
         self.model = model
         # `deterministic`: batch invariance by serving one request at a time (each prefilled and decoded alone, so its
         # tokens and log-probs do not depend on the requests beside it: batch shape and padding change the float

