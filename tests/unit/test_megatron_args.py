@@ -200,6 +200,9 @@ def test_optimizer_ddp_and_schedule_kwargs(files):
     assert margs.ddp_config_kwargs(fp32)["grad_reduce_in_fp32"]
     bf16 = parse_args(base("--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16"))
     assert not margs.ddp_config_kwargs(bf16)["grad_reduce_in_fp32"]  # --grad-reduce-in-bf16 wins, as in Megatron-LM
+    # Megatron-LM's rule: --bf16 accumulates and reduces gradients in fp32 unless --grad-reduce-in-bf16
+    assert margs.ddp_config_kwargs(parse_args(base("--bf16")))["grad_reduce_in_fp32"]
+    assert not margs.ddp_config_kwargs(parse_args(base("--bf16", "--grad-reduce-in-bf16")))["grad_reduce_in_fp32"]
 
 
 def test_transformer_impl_local_never_builds_te_layers(files, monkeypatch):

@@ -116,7 +116,7 @@ def test_initial_a_depends_on_seed_and_module_only():
 # ---- the --dry-run memory plan -------------------------------------------------------------------------------
 def test_megatron_lora_memory_plan_of_qwen3_4b_closed_form(files):
     """Qwen3-4B (h 2560, q 4096, kv 1024, ffn 9728, 36 layers), r = 16 on all linear layers, TP 2, DP 4: the base
-    keeps its weights only; each rank's adapter shard has bf16 gradients and 12 B of optimizer state ÷ DP."""
+    keeps its weights only; each rank's adapter shard has fp32 gradient buffers and 12 B of optimizer state ÷ DP."""
     write_config(files / "model", QWEN3_4B)
     common = (*model_args("qwen3-4B"), "--dry-run", "--dry-run-cuda", "--actor-num-gpus-per-node", "8",
               "--rollout-num-gpus", "8", "--rollout-backend", "hf", "--tensor-model-parallel-size", "2", "--bf16",
@@ -132,7 +132,7 @@ def test_megatron_lora_memory_plan_of_qwen3_4b_closed_form(files):
     adapter = 36 * per_layer
     assert est.get("weights") == full.get("weights")  # the base, unchanged
     assert est.get("LoRA adapters") == adapter * 2
-    assert est.get("gradients") == adapter * 2  # none for the base
+    assert est.get("gradients") == adapter * 4  # fp32 buffers (--bf16); none for the base
     assert est.get("optimizer") == adapter * 12 / 4
     assert est.get("activations") == full.get("activations")
     assert full.get("gradients") / est.get("gradients") > 100  # 2.01 B base params per rank against 17.3 M

@@ -209,9 +209,14 @@ def _add_parallel(parser) -> None:
     g.add_argument("--use-distributed-optimizer", action="store_true", help="Shard optimizer state over DP.")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="Gradient buffers (main_grad) in fp32: accumulated over micro-batches and reduced over "
+                        "data-parallel ranks in fp32. On with --bf16 unless --grad-reduce-in-bf16 (Megatron-LM's "
+                        "rule).")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
-                   help="Reduce gradients over data-parallel ranks in bf16 (megatron-core DDP: not in fp32).")
+                   help="With --bf16: gradient buffers in bf16, accumulated and reduced in bf16 (megatron-core DDP: "
+                        "not in fp32); saves 2 B per parameter between steps, but the optimizer step then makes fp32 "
+                        "copies of them (4 B per parameter at its peak).")
     g.add_argument("--use-precision-aware-optimizer", action="store_true")
     g.add_argument("--initial-loss-scale", type=float, default=2**32, help="fp16 dynamic loss scale start.")
     g.add_argument("--min-loss-scale", type=float, default=1.0)
@@ -319,6 +324,10 @@ def derive_megatron(args: argparse.Namespace) -> None:
         args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
     if args.num_experts and args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.bf16 and not args.grad_reduce_in_bf16:
+        # Megatron-LM: bf16 training accumulates and all-reduces gradients in fp32 (fp32 main_grad buffers), which
+        # the optimizer step also reads without copying them
+        args.accumulate_allreduce_grads_in_fp32 = True
     if args.tensor_model_parallel_size == 1 and args.sequence_parallel:
         # Megatron-LM turns it off silently; we say so.
         logger.warning("--sequence-parallel has no effect with --tensor-model-parallel-size 1; turning it off.")

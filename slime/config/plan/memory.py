@@ -4,7 +4,9 @@ Rough by design (the report says so); every item carries the formula it was comp
 
 Training, megatron (the largest pipeline stage is reported):
 - weights: params of the stage ÷ TP (routed experts ÷ EP × ETP) × 2 B (bf16/fp16) or 4 B (fp32);
-- gradients: same count × 4 B with --accumulate-allreduce-grads-in-fp32 or fp32 training, else 2 B;
+- gradients: same count × 4 B with --accumulate-allreduce-grads-in-fp32 (on with --bf16 unless
+  --grad-reduce-in-bf16) or fp32 training; 16-bit buffers: 2 B, plus the 4 B fp32 copies the optimizer step makes of
+  them (megatron-core's `.float()` of each main_grad shard), counted as 6 B;
 - optimizer: Adam fp32 m and v + fp32 master weights = 12 B/param in bf16/fp16 (8 B in fp32; SGD 8 / 4 B),
   ÷ DP×CP (experts: ÷ expert-DP) with --use-distributed-optimizer;
 - LoRA (--lora-rank): the base has no gradients or optimizer state; the stage's adapters (plan/lora_size.py) have
@@ -156,7 +158,7 @@ def megatron_bytes_per_param(args) -> tuple[int, int, int, str]:
     """(weights, gradients, optimizer) bytes per parameter of the megatron backend, and what the optimizer holds."""
     mixed = bool(args.bf16 or args.fp16)
     wb = 2 if mixed else 4
-    gb = 4 if (args.accumulate_allreduce_grads_in_fp32 or not mixed) else 2
+    gb = 4 if (args.accumulate_allreduce_grads_in_fp32 or not mixed) else 6  # 16-bit buffers + the step's fp32 copies
     if args.optimizer == "adam":
         ob, what = (12, "fp32 master + Adam m, v") if mixed else (8, "Adam m, v")
     else:
@@ -225,7 +227,8 @@ def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches
         if args.lora_rank:
             _megatron_lora_items(est, args, shape, par, n_layers, (wb, gb, ob, opt_what), dist_opt)
         else:
-            est.items.append(Item("gradients", per_gpu * gb, f"{fmt_count(per_gpu)} × {gb} B"))
+            copies = " (16-bit buffers 2 B + the optimizer step's fp32 copies 4 B)" if gb == 6 else ""
+            est.items.append(Item("gradients", per_gpu * gb, f"{fmt_count(per_gpu)} × {gb} B{copies}"))
             if dist_opt:
                 opt = dense / par.tp / (par.dp * par.cp) + expert / (par.ep * par.etp) / par.expert_dp
                 how = f"{ob} B ({opt_what}) × params ÷ DP×CP {par.dp * par.cp}" + (
