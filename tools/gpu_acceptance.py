@@ -14,11 +14,11 @@ before the next row starts. A failing row never stops the others. After every ro
 `DIR/acceptance.md` are rewritten (rows not reached yet are `not run`), so a run cut short still leaves its table;
 the table is printed at the end. Exit status 1 if a row failed or timed out.
 
-A row's status: `pass`, `fail`, `timeout`, or `skip` (fewer GPUs than it needs; every selected test skipped, with
-pytest's reasons; too little of `--budget` left). A pytest row passes when pytest exits 0 with at least one test
-passed and none skipped (a skipped test did not show what the row must show); a benchmark row when it exits 0;
-then the row's own checks on its output must hold. Figures are read from the output (the lines the tests print,
-the benchmarks' tables).
+A row's status: `pass`, `fail`, `timeout`, or `skip` (fewer GPUs than it needs, or cards with less memory; every
+selected test skipped, with pytest's reasons; too little of `--budget` left). A pytest row passes when pytest exits 0
+with at least one test passed and none skipped (a skipped test did not show what the row must show); a benchmark row
+when it exits 0; then the row's own checks on its output must hold. Figures are read from the output (the lines the
+tests print, the benchmarks' tables).
 
 Simplified: the estimates are guesses from the runs in docs/ and benchmarks/README.md (cold start included: SGLang
 ~40 s without CUDA graphs, 1-3 min with them); the seconds each row took are in acceptance.json, to replace them.
@@ -202,6 +202,17 @@ def visible_gpus() -> int:
     return count
 
 
+def gpu_memory_gb() -> float | None:
+    """The smallest visible card's memory in GB (2^30 B, nvidia-smi's memory.total); None when unknown."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    mib = [float(v) for v in out if v.replace(".", "", 1).isdigit()]
+    return min(mib) / 1024 if mib else None
+
+
 def gpu_name() -> str:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
@@ -293,10 +304,16 @@ def judge(row: Row, rc: int, out: str) -> tuple[str, str]:
     return ("fail", "; ".join(problems)) if problems else ("pass", "")
 
 
-def run_row(row: Row, out_dir: str, gpus: int, time_left: float | None, env: dict, grace_s: float) -> Result:
+def run_row(row: Row, out_dir: str, gpus: int, time_left: float | None, env: dict, grace_s: float,
+            gpu_gb: float | None = None) -> Result:
+    """Run one row; `gpu_gb`: each card's memory (None: unknown, no row is skipped for it)."""
     result = Result(row, log=f"row{row.id:02d}.log")
     if row.gpus > gpus:
         result.status, result.reason = "skip", f"needs {row.gpus} GPU{'s' if row.gpus > 1 else ''}, {gpus} visible"
+        return result
+    if gpu_gb is not None and gpu_gb < row.gpu_gb:
+        result.status = "skip"
+        result.reason = f"needs cards of ≥ {row.gpu_gb} GB, these have {gpu_gb:.0f} GB (--gpu-gb to assume otherwise)"
         return result
     timeout = row.timeout_s
     if time_left is not None:
@@ -402,6 +419,7 @@ def markdown_rows(rows: tuple[Row, ...] = ROWS) -> str:
     lines = ["| # | part | issue | command | must show | est. s |", "| ---: | --- | --- | --- | --- | ---: |"]
     for r in rows:
         gpus = f" ({r.gpus} GPUs)" if r.gpus > 1 else ""
+        gpus += f" (≥ {r.gpu_gb} GB)" if r.gpu_gb else ""
         lines.append(f"| {r.id} | {r.part}{gpus} | {r.area} | `{cell(r.command)}` | {cell(r.must_show)} | "
                      f"{r.estimate_s} |")
     return "\n".join(lines)
@@ -420,9 +438,9 @@ def list_rows(rows: tuple[Row, ...] = ROWS) -> str:
     lines = []
     for part in sorted({r.part for r in rows}):  # "1".."9", then perf, perf2, x2
         in_part = [r for r in rows if r.part == part]
-        gpus = max(r.gpus for r in in_part)
+        gpus, gb = max(r.gpus for r in in_part), max(r.gpu_gb for r in in_part)
         lines.append(f"part {part}: {sum(r.estimate_s for r in in_part)} s estimated"
-                     + (f" (needs {gpus} GPUs)" if gpus > 1 else ""))
+                     + (f" (needs {gpus} GPUs)" if gpus > 1 else "") + (f" (cards of ≥ {gb} GB)" if gb else ""))
         for r in in_part:
             lines.append(f"  {r.id:>2}  {r.name:<48} ~{r.estimate_s:>4} s  (timeout {r.timeout_s} s)")
     return "\n".join(lines)
@@ -465,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
                    "stop it), and a row is skipped when less than half its estimate is left (e.g. 540 in a 10-minute "
                    "device call)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs to assume (default: nvidia-smi's count)")
+    p.add_argument("--gpu-gb", type=float, default=None,
+                   help="each card's memory in GB to assume (default: nvidia-smi's): rows needing more are skipped")
     p.add_argument("--kill-grace", type=float, default=20.0,
                    help="seconds a timed-out row gets after SIGINT to tear down, and a finished row's leftover "
                    "processes to exit by themselves, before they are terminated")
@@ -481,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
     gpus = visible_gpus() if args.gpus is None else args.gpus
+    gpu_gb = gpu_memory_gb() if args.gpu_gb is None else args.gpu_gb
     meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "commit": commit(), "gpu": gpu_name(),
             "gpus_visible": gpus, "versions": versions(),
             "selection": f"--rows {args.rows}" if args.rows else f"--part {args.part}" if args.part else "all rows"}
@@ -497,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             left = None if args.budget is None else args.budget - (time.monotonic() - start)
             print(f"[row {row.id}] {row.name}: {row.command}", flush=True)
             results[i].reason = "interrupted while running"  # kept only if run_row does not return
-            results[i] = run_row(row, out_dir, gpus, left, env, args.kill_grace)
+            results[i] = run_row(row, out_dir, gpus, left, env, args.kill_grace, gpu_gb)
             r = results[i]
             print(f"[row {row.id}] {r.status} in {r.seconds:.0f} s {r.reason}".rstrip(), flush=True)
             if r.status in ("fail", "timeout") and r.log:

@@ -37,6 +37,7 @@ class Row:
     must_show: str
     kind: str = "pytest"  # "pytest": pytest's outcome rules; "command": its exit status
     gpus: int = 1
+    gpu_gb: int = 0  # memory each card needs (GB of 2^30 B, as nvidia-smi's total); 0: any card
     figures: Callable[[str], Figures] = field(default=lambda out: {}, compare=False)
     check: Callable[[str], list[str]] = field(default=lambda out: [], compare=False)
 
@@ -366,6 +367,10 @@ def kernel_step_check(min_speedup: float, fast: str = "thd:triton", slow: str = 
 
 # ---- the rows --------------------------------------------------------------------------------------------------
 
+# The 4B job's trainer with Adam on the GPU (fp32 gradient buffers, fp32 master weights and moments: 67.4 GB) and its
+# activations does not fit an 80 GB H100: row 1 ran out of memory there on 2026-12-06 (in its first optimizer step)
+FOUR_B_GB = 100
+
 ROWS: tuple[Row, ...] = (
     Row(1, "4B handoff, SGLang", "handoff",
         "python benchmarks/colocate_memory.py --rollouts sglang --modes handoff --steps 3 --keep-logs \"$ROW_OUT\"",
@@ -374,7 +379,8 @@ ROWS: tuple[Row, ...] = (
         "handoff; handoff ≤ 10% of the step; ≥ 90% of each side's GB (above what a bare CUDA process holds) freed "
         "while the other works; the trainer's memory flat (the benchmark's verdict, else it exits 1); per-phase "
         "memory; step ≤ 43 s (37.6 s measured on 2026-12-04, +15%)",
-        kind="command", figures=handoff_figures("sglang, handoff"), check=handoff_check("sglang, handoff", 3, 43.0)),
+        kind="command", figures=handoff_figures("sglang, handoff"), check=handoff_check("sglang, handoff", 3, 43.0),
+        gpu_gb=FOUR_B_GB),
     Row(2, "4B resident refused by --dry-run", "handoff",
         f"{PYTEST} tests/gpu/test_colocate_plan_gpu.py", timeout_s=300, estimate_s=30, part="1",
         must_show="the same job without the handoff is refused by the plan on the GPU node (exit ≠ 0, the fix "
@@ -433,12 +439,13 @@ ROWS: tuple[Row, ...] = (
         must_show="10 push / offload cycles of the 4B job, short (4 × 8 × 128 tokens): the trainer's memory after "
         "each of its moves does not grow from the second step to the last (the benchmark's PASS lines, ≤ 1 GB); "
         "≥ 90% freed each side",
-        kind="command", figures=flat_figures("sglang, handoff"), check=flat_check("sglang, handoff")),
+        kind="command", figures=flat_figures("sglang, handoff"), check=flat_check("sglang, handoff"),
+        gpu_gb=FOUR_B_GB),
     Row(10, "4B handoff, hf engine", "handoff",
         "python benchmarks/colocate_memory.py --rollouts hf --modes handoff --steps 3 --keep-logs \"$ROW_OUT\"",
         timeout_s=600, estimate_s=400, part="6",
         must_show="row 1 with the built-in `hf` engine; step ≤ 60 s (50.3-53.3 s measured, +15%)", kind="command",
-        figures=handoff_figures("hf, handoff"), check=handoff_check("hf, handoff", 3, 60.0)),
+        figures=handoff_figures("hf, handoff"), check=handoff_check("hf, handoff", 3, 60.0), gpu_gb=FOUR_B_GB),
     Row(11, "4B resident, hf engine", "handoff",
         "python benchmarks/colocate_memory.py --rollouts hf --modes resident --steps 3 --keep-logs \"$ROW_OUT\"",
         timeout_s=600, estimate_s=45, part="7",
@@ -501,7 +508,8 @@ ROWS: tuple[Row, ...] = (
         "--response-len 128 --keep-logs \"$ROW_OUT\"", timeout_s=600, estimate_s=420, part="9",
         must_show="row 9 with the built-in `hf` engine: the trainer's memory after each of its moves does not grow "
         "from the second step to the last (≤ 1 GB); ≥ 90% freed each side",
-        kind="command", figures=flat_figures("hf, handoff"), check=flat_check("hf, handoff")),
+        kind="command", figures=flat_figures("hf, handoff"), check=flat_check("hf, handoff"),
+        gpu_gb=FOUR_B_GB),
     Row(20, "--engine-api-key vs SGLang", "auth", f"{PYTEST} tests/gpu/test_sglang_auth_gpu.py", timeout_s=600,
         estimate_s=200, part="7",
         must_show="SGLang started with `--api-key` answers 401 on every endpoint slime calls without the key (none, a "

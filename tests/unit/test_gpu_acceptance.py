@@ -2,7 +2,8 @@
 
 The runner runs as users run it (`python tools/gpu_acceptance.py ...`, a subprocess) over a small registry of rows
 written here: one that passes with a figure, one that exits 1, one whose output fails its check, one that runs past
-its timeout leaving children behind (one in a session of its own), one needing two GPUs, and pytest rows whose
+its timeout leaving children behind (one in a session of its own), one needing two GPUs, one needing a card of
+100 GB, and pytest rows whose
 test skips / passes beside a skip. The real registry (tools/gpu_acceptance_rows.py) must be what
 docs/gpu_acceptance.md lists, fit its parts, name files and benchmark options that exist, and its new GPU tests'
 command lines must pass the real argument validation (flags that combine), checked here without a GPU.
@@ -47,6 +48,8 @@ ROWS = (
     Row(5, "needs two GPUs", "demo", "echo never", timeout_s=30, estimate_s=1, part="b", must_show="-",
         kind="command", gpus=2),
     Row(6, "every test skips", "demo", PYTEST, timeout_s=60, estimate_s=2, part="b", must_show="-"),
+    Row(7, "needs a big card", "demo", "echo big", timeout_s=30, estimate_s=1, part="b", must_show="-",
+        kind="command", gpu_gb=100),
 )
 '''
 TESTS_FILE = '''
@@ -77,14 +80,14 @@ def demo(tmp_path):
 def test_runner_statuses_figures_reports_and_no_process_left(demo):
     out = demo / "out"
     start = time.monotonic()
-    done = run_tool(demo, "--out", str(out), "--gpus", "1", "--kill-grace", "1")
+    done = run_tool(demo, "--out", str(out), "--gpus", "1", "--gpu-gb", "79.2", "--kill-grace", "1")
     took = time.monotonic() - start
     assert done.returncode == 1, done.stdout + done.stderr  # rows failed
 
     report = json.loads((out / "acceptance.json").read_text())
     rows = {r["id"]: r for r in report["rows"]}
     assert {i: rows[i]["status"] for i in rows} == {1: "pass", 2: "fail", 3: "fail", 4: "timeout", 5: "skip",
-                                                    6: "skip"}
+                                                    6: "skip", 7: "skip"}
     assert rows[1]["figures"] == {"loss": "0.25"}
     assert (out / "row01" / "where").read_text().strip() == str(out / "row01")  # $ROW_OUT is the row's folder
     assert rows[2]["reason"] == "exited 1"
@@ -92,6 +95,7 @@ def test_runner_statuses_figures_reports_and_no_process_left(demo):
     assert rows[4]["reason"] == "killed after 2 s" and rows[4]["seconds"] < 20, rows[4]
     assert rows[5]["reason"] == "needs 2 GPUs, 1 visible" and rows[5]["seconds"] == 0
     assert rows[6]["reason"] == "no device here"  # pytest's skip reason
+    assert rows[7]["reason"] == "needs cards of ≥ 100 GB, these have 79 GB (--gpu-gb to assume otherwise)"
     for i in (1, 2, 3, 4, 6):
         assert (out / rows[i]["log"]).is_file()
     assert "boom" in (out / rows[2]["log"]).read_text()
@@ -121,6 +125,9 @@ def test_part_selection_rows_order_and_list(demo):
 
     listed = run_tool(demo, "--list")
     assert listed.returncode == 0 and "part a: 3 s estimated" in listed.stdout
+    assert "part b: 5 s estimated (needs 2 GPUs) (cards of ≥ 100 GB)" in listed.stdout
+    done = run_tool(demo, "--out", str(out), "--gpus", "1", "--gpu-gb", "139.8", "--rows", "7")
+    assert done.returncode == 0 and json.loads((out / "acceptance.json").read_text())["rows"][0]["status"] == "pass"
     assert re.search(r"^\s+4\s+runs past its timeout\s+~\s+1 s", listed.stdout, re.M), listed.stdout
     assert not (demo / "gpu_acceptance_out").exists()  # --list runs nothing
     bad = run_tool(demo, "--part", "z")
