@@ -398,7 +398,11 @@ def main() -> None:
         sys.exit(f"--micro-batch-size {args.micro_batch_size} must divide {args.prompts} x {SAMPLES_PER_PROMPT}")
     with tempfile.TemporaryDirectory() as workdir:
         model_dir, data = job_inputs(args, workdir)
-        results = {name: runners[name](args, model_dir, data, workdir) for name in args.systems.split(",")}
+        systems, results = args.systems.split(","), {}
+        for name in systems:
+            results[name] = runners[name](args, model_dir, data, workdir)
+            if len(results) < len(systems):  # now, so that a run cut short (a device call's limit) keeps its figures
+                print(report(args, {name: results[name]}), flush=True)
     print(report(args, results))
 
 
