@@ -212,6 +212,34 @@ def test_megatron_and_engine_memory_of_qwen3_4b_closed_form(files):
     assert "colocated, pushing weights" in plan
 
 
+def test_fixed_micro_batches_far_below_the_gpu_get_a_token_budget_hint(files):
+    """Micro-batches of a few samples on a GPU with room: the plan names the --max-tokens-per-gpu that its own
+    estimate fits in 80% of the GPU (the largest doubling of the micro-batch), and says nothing when the run already
+    packs by tokens, plans for CPU, or shares the training phase with resident engines."""
+    write_config(files / "model", QWEN3_4B)
+    flags = (*model_args("qwen3-4B"), "--dry-run", "--dry-run-cuda", "--dry-run-gpu-gb", "141", "--bf16",
+             "--use-distributed-optimizer", "--rollout-max-context-len", "1024", "--global-batch-size", "256",
+             "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1")
+    args = parse_args(base(*flags, "--micro-batch-size", "2"))
+    plan = format_plan(args)
+    hinted = re.search(r"hint: micro-batches of --micro-batch-size 2 \(2048 tokens\) leave room: "
+                       r"--use-dynamic-batch-size --max-tokens-per-gpu (\d+) packs up to (\d+) full-length", plan)
+    assert hinted, plan
+    budget = int(hinted.group(1))
+    assert budget % 1024 == 0 and int(hinted.group(2)) == budget // 1024 and budget >= 4 * 1024
+    shape = load_model_shape("model")
+
+    def total(tokens: int) -> float:
+        packed = parse_args(base(*flags, "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(tokens)))
+        return training_memory(packed, shape, tokens, None, with_ref=False).total
+
+    assert total(budget) <= 0.8 * 141 * GiB < total(2 * budget)  # the largest doubling the estimate fits
+    for other in (base(*flags, "--use-dynamic-batch-size", "--max-tokens-per-gpu", "2048"),
+                  base(*flags, "--micro-batch-size", "2", "--colocate", "--no-offload-rollout"),
+                  [f for f in base(*flags, "--micro-batch-size", "2") if f != "--dry-run-cuda"]):
+        assert "hint: micro-batches" not in format_plan(parse_args(other))
+
+
 def test_colocated_plan_follows_the_offload_flags(files):
     write_config(files / "model", QWEN3_4B)
     common = (*model_args("qwen3-4B"), "--dry-run", "--dry-run-cuda", "--actor-num-gpus-per-node", "8", "--colocate",

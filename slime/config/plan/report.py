@@ -413,7 +413,30 @@ class _Builder:
         if self.gpu_bytes and est.total > self.gpu_bytes:
             self.warnings.append(f"estimated training memory {fmt_bytes(est.total)} > {fmt_bytes(self.gpu_bytes)} per "
                                  f"GPU: {'; '.join(self._training_fixes(est)) or 'use more or larger GPUs'}")
+        hint = self._token_budget_hint(est)
+        if hint:
+            lines.append(hint)
         return Section(title, lines), est
+
+    def _token_budget_hint(self, est: Estimate) -> str | None:
+        """Fixed micro-batches far below what the GPU holds: the token budget that would fit (by this estimate, at
+        most 80% of the GPU), when the training phase has the GPU to itself and that budget packs ≥ 2x the tokens."""
+        a, length = self.train_args, self.length.tokens
+        colocated_engines = self.layout.colocated and not a.offload_rollout
+        if a.use_dynamic_batch_size or not self.gpu_bytes or not length or colocated_engines or self.tokens is None:
+            return None
+        room, best, per = 0.8 * self.gpu_bytes, None, 2 * a.micro_batch_size
+        while per <= self.samples_per_rank:
+            after = self._estimate_with(use_dynamic_batch_size=True, max_tokens_per_gpu=per * length)
+            if after > room:
+                break
+            best, per = (per * length, after), per * 2
+        if best is None or est.total > room:
+            return None
+        return (f"hint: micro-batches of --micro-batch-size {a.micro_batch_size} ({int(self.tokens)} tokens) leave "
+                f"room: --use-dynamic-batch-size --max-tokens-per-gpu {best[0]} packs up to {best[0] // length} "
+                f"full-length samples each (→ {fmt_bytes(best[1])}); fewer, larger micro-batches usually train faster "
+                "(GRPO's 0.6B step on an H100: train 2.76 s at 16 samples each, 1.20 s at 20480 tokens)")
 
     def _limit_text(self) -> str:
         if self.gpu_bytes is None:
