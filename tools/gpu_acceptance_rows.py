@@ -495,7 +495,8 @@ ROWS: tuple[Row, ...] = (
         "plain and the overlap schedule (`off` / `on`, the default on CUDA), the decode attention the slot cache's "
         "default (the Triton kernel on CUDA, the step's KV stored by it): fused with overlap ≤ 3.9 / 7.3 ms per step "
         "at batch 64 / 256 (3.38 / 6.30 ms in row 29 on an H100 on 2026-12-06, +15%; SGLang triton 2.59 / 5.61 in "
-        "the same run; with SDPA's attention, the default before, fused 4.02 / 7.75 and op 4.10 / 7.86 ms); first, the slot cache with CUDA graphs and the overlap schedule gives the "
+        "the same run; with SDPA's attention, the default before, fused 4.02 / 7.75 and op 4.10 / 7.86 ms); first, "
+        "the slot cache with CUDA graphs and the overlap schedule gives the "
         "dynamic cache's tokens and the plain schedule's, so do the fused rotary and the joined projections (also "
         "after a weight update and a release/resume), and so do image rows of the tiny Qwen2.5-VL and Qwen3-VL in "
         "decode graphs (tests/gpu/test_hf_engine_slots.py; its failure fails the row after the benchmark)",

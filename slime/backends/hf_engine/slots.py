@@ -72,7 +72,8 @@ _writing_view: _SlotView | None = None  # the decode step in progress whose KV w
 def decode_attention_triton(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """`decode_attention` through decode_attention.py's kernel where it covers the call (reading each row's live
     columns only), else SDPA. With the KV writes fused (the default with this attention; --disable-fused-kv-write) the
-    step's new key / value, which `_SlotView.update` left unwritten, are stored by the kernel (or by the indexed writes, before SDPA, where it does not cover)."""
+    step's new key / value, which `_SlotView.update` left unwritten, are stored by the kernel (or by the indexed
+    writes, before SDPA, where it does not cover)."""
     write = _writing_view.take_write(module) if _writing_view is not None else None
     if not covered(query, key, value, attention_mask) or (write is not None and not covers_write(key, *write)):
         if write is not None:
