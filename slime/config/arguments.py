@@ -507,6 +507,7 @@ def parse_model_flags(
     args.megatron_args = split.megatron_args
     args.train_backend = "megatron"
     args.use_cuda = _cuda_available()
+    args.rope_kernel = "torch"  # the tools build a model to convert its checkpoint and train nothing (train.py: auto)
     validate_megatron(args)
     check_model_args(args)
     return tool, args

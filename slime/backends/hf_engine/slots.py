@@ -162,7 +162,7 @@ class _SlotView:
 class SlotCache:
     """Per-layer KV buffers [slots, KV heads, columns, head dim] plus the static inputs of a decode step."""
 
-    def __init__(self, model, max_rows: int, cuda_graphs: bool, attention: str = "sdpa",
+    def __init__(self, model, max_rows: int, cuda_graphs: bool, attention: str = "auto",
                  fused_kv_write: bool | None = None):
         if attention not in ATTENTIONS:
             raise ValueError(f"--decode-attention {attention!r}: one of {list(ATTENTIONS)}")

@@ -140,9 +140,7 @@ def build_model(args: argparse.Namespace, wrap: bool = True) -> list[torch.nn.Mo
     if config.num_moe_experts:
         _patch_moe_without_te()
     if args.qkv_format == "thd":
-        # train.py's validation resolves --rope-kernel auto; the tools that only build a model to convert its
-        # checkpoint (tools/convert_*.py) leave it unresolved and train nothing: megatron-core's rotation serves them
-        packed_rope.install("torch" if args.rope_kernel == "auto" else args.rope_kernel)
+        packed_rope.install(args.rope_kernel)
     provider = hooks_of(args).custom_model_provider
     spec = plugins.load_spec(args)
     vision = vision_spec(args)

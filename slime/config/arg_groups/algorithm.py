@@ -195,7 +195,8 @@ def validate_algorithm(args: argparse.Namespace) -> None:
         _check_triton_runs(args, "--log-probs-kernel")
     packs_in_megatron = train_spec(args).model_from_megatron_flags and args.qkv_format == "thd"
     if args.rope_kernel == "auto":
-        fused = getattr(args, "apply_rope_fusion", True)  # what Megatron's rope fusion means without TransformerEngine
+        # the kernel is what Megatron's rope fusion (--no-rope-fusion: off) means without TransformerEngine
+        fused = args.apply_rope_fusion
         args.rope_kernel = "triton" if packs_in_megatron and fused and _triton_runs(args) else "torch"
     if args.rope_kernel == "triton":
         _check_triton_runs(args, "--rope-kernel")

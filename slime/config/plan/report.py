@@ -426,12 +426,14 @@ class _Builder:
         if a.use_dynamic_batch_size or not self.gpu_bytes or not length or colocated_engines or self.tokens is None:
             return None
         room, best, per = 0.8 * self.gpu_bytes, None, 2 * a.micro_batch_size
+        if est.total > room:
+            return None
         while per <= self.samples_per_rank:
             after = self._estimate_with(use_dynamic_batch_size=True, max_tokens_per_gpu=per * length)
             if after > room:
                 break
             best, per = (per * length, after), per * 2
-        if best is None or est.total > room:
+        if best is None:
             return None
         return (f"hint: micro-batches of --micro-batch-size {a.micro_batch_size} ({int(self.tokens)} tokens) leave "
                 f"room: --use-dynamic-batch-size --max-tokens-per-gpu {best[0]} packs up to {best[0] // length} "
