@@ -507,7 +507,8 @@ def parse_model_flags(
     args.megatron_args = split.megatron_args
     args.train_backend = "megatron"
     args.use_cuda = _cuda_available()
-    args.rope_kernel = "torch"  # the tools build a model to convert its checkpoint and train nothing (train.py: auto)
+    if args.rope_kernel == "auto":  # the tools build a model to convert its checkpoint and train nothing
+        args.rope_kernel = "torch"
     validate_megatron(args)
     check_model_args(args)
     return tool, args
