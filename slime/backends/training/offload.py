@@ -19,7 +19,10 @@ weights. The backends say what they hold (`TrainState`); this module moves it:
 - torch optimizers' parameters (e.g. fp32 master shards) and state tensors into pinned host memory (DTensor state,
   FSDP2's, with `DTensor.to`), each put back on the device it came from (a CPU `step` counter stays on the CPU).
   The pinned host tensors are kept from one offload to the next (pinning tens of GB takes seconds; megatron-core
-  keeps its buffers' host copies the same way).
+  keeps its buffers' host copies the same way). They are made by `slime.utils.pinned.pinned_empty`, exact-size and
+  paged in by several threads, ~4x faster than torch's pinned allocator, whose blocks are also rounded up to powers
+  of two (a 4B model's first offloads took 52 s with it); a DDP chunk's parameter buffer gets its host copy the same
+  way before megatron-core's first `offload_to_cpu` (which would copy to pageable memory, then pin a copy of that).
 
 Bringing the state back can leave the optimizer's part in flight (`onload(defer_optimizer=True)`, the Megatron
 trainer's): its tensors are allocated at once, their copies are queued on a side stream, and the forward and backward
@@ -45,6 +48,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from slime.utils.pinned import pinned_empty
 
 
 @dataclass
@@ -182,7 +187,7 @@ class Offloader:
         """`t` copied (asynchronously) into the pinned host tensor kept for `container[key]`."""
         owner, host = self._host.get((id(container), key), (None, None))
         if owner is not container or host.shape != t.shape or host.dtype != t.dtype:
-            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+            host = pinned_empty(t.shape, t.dtype)
             self._host[(id(container), key)] = (container, host)
         host.copy_(t, non_blocking=True)
         return host
@@ -198,6 +203,8 @@ def _move(state: TrainState, modules: list[torch.nn.Module], device, params: boo
     for chunk in state.ddp_chunks:
         for buffer in _ddp_buffers(chunk):
             if out:
+                if params and buffer.param_data is not None and buffer.param_data_cpu is None:
+                    buffer.param_data_cpu = pinned_empty(buffer.param_data.shape, buffer.param_data.dtype)
                 buffer.offload_to_cpu(move_params=params, move_grads=grads)
             else:
                 buffer.reload_from_cpu(move_params=params, move_grads=grads)
@@ -213,7 +220,8 @@ def park_storage(t: torch.Tensor, host: torch.Tensor | None = None) -> torch.Ten
     must not be read until `unpark_storage`. Every tensor sharing the storage is parked with it."""
     whole = _storage_bytes(t)
     if host is None or host.numel() != whole.numel():
-        host = torch.empty(whole.numel(), dtype=torch.uint8, device="cpu", pin_memory=t.is_cuda)
+        size = (whole.numel(),)
+        host = pinned_empty(size, torch.uint8) if t.is_cuda else torch.empty(size, dtype=torch.uint8)
     host.copy_(whole, non_blocking=True)
     t.untyped_storage().resize_(0)
     return host
