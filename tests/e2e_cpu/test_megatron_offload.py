@@ -118,6 +118,43 @@ def _step_after(out, how: str) -> None:
     dist.destroy_process_group()
 
 
+def _buffer_round_trip(out) -> None:
+    """The distributed optimizer's parameter buffer moved twice by `_move` (the offloader's buffer move) and brought
+    back by megatron-core's `reload_from_cpu`."""
+    from tests import megatron_cpu_shim
+
+    megatron_cpu_shim.install()
+    import torch
+    import torch.distributed as dist
+
+    from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel
+    from slime.backends.training.offload import TrainState, _ddp_buffers, _move
+    from tests.args import make_args
+    from tests.conftest import model_args
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    args = make_args(*model_args("tiny-qwen3"), "--train-backend", "megatron", "--use-distributed-optimizer")
+    initialize_parallel(args)
+    model = build_model(args)
+    build_optimizer(args, model, total_steps=1)
+    state = TrainState(ddp_chunks=model)
+    buffers = [b for chunk in model for b in _ddp_buffers(chunk) if b.param_data is not None]
+    values = [p.detach().clone() for chunk in model for p in chunk.parameters()]
+    hosts, rounds = [], []
+    for _ in range(2):
+        _move(state, [], "cpu", params=True, grads=False)
+        freed = all(b.param_data.untyped_storage().nbytes() == 0 for b in buffers)
+        hosts.append([b.param_data_cpu.data_ptr() for b in buffers])
+        same_shape = all(b.param_data_cpu.shape == b.param_data.shape and b.param_data_cpu.dtype == b.param_data.dtype
+                         for b in buffers)
+        for b in buffers:
+            b.reload_from_cpu(move_params=True, move_grads=False)
+        back = all(torch.equal(p.detach(), v) for p, v in zip((p for c in model for p in c.parameters()), values))
+        rounds.append({"freed": freed, "same_shape": same_shape, "back": back})
+    out.put({"buffers": len(buffers), "rounds": rounds, "host_kept": hosts[0] == hosts[1]})
+    dist.destroy_process_group()
+
+
 def _child(target, *args) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -148,3 +185,13 @@ def test_a_parameter_moved_one_by_one_keeps_training():
     assert untouched == {**untouched, "with_main_grad": n, "moved": n} and untouched["grad_norm"] > 0
     assert parked == {**untouched, "freed": True, "restored": True}
     assert swapped == {**untouched, "restored": True, "with_main_grad": 0, "grad_norm": 0.0, "moved": 0}
+
+
+@pytest.mark.timeout(300)
+def test_the_parameter_buffers_host_copy_is_made_by_the_offloader_and_kept():
+    """megatron-core's first `offload_to_cpu` would copy the parameter buffer to pageable memory and pin a copy of
+    that (`.cpu().pin_memory()`, which fails without CUDA): the offloader gives the buffer its host copy first
+    (slime/utils/pinned.py), megatron-core copies into it, and the next offload reuses it."""
+    result = _child(_buffer_round_trip)
+    assert result["buffers"] > 0 and result["host_kept"], result
+    assert result["rounds"] == [{"freed": True, "same_shape": True, "back": True}] * 2, result
