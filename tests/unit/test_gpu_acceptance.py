@@ -225,8 +225,8 @@ REPORT = textwrap.dedent("""\
     | step | step s | handoff s | handoff / step | engine release s | engine resume s | offload s | onload s | actor GB after offload |
     | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
     | 0 | 90.00 | 40.00 | 44.4% | 1.00 | 2.00 | 13.50 | 3.00 | 1.20 |
-    | 1 | 40.00 | 3.20 | 8.0% | 0.50 | 0.60 | 2.00 | 2.00 | 1.20 |
-    | 2 | 42.00 | 3.78 | 9.0% | 0.50 | 0.60 | 2.00 | 2.50 | 1.21 |
+    | 1 | 34.00 | 2.72 | 8.0% | 0.50 | 0.60 | 2.00 | 2.00 | 1.20 |
+    | 2 | 36.00 | 3.24 | 9.0% | 0.50 | 0.60 | 2.00 | 2.50 | 1.21 |
 
     | step | after onload: alloc / reserved / process / device GB | after offload all but weights: alloc / reserved / process / device GB | after offload: alloc / reserved / process / device GB |
     | ---: | ---: | ---: | ---: |
@@ -249,7 +249,7 @@ def test_figures_and_checks_read_colocate_memory_reports():
     figures = row.figures(REPORT)
     assert figures["steps"] == "3" and figures["handoff/step"] == "8.5%" and figures["engine freed"] == "98%"
     assert figures["trainer freed"] == "98%"
-    slow = REPORT.replace("| 2 | 42.00 | 3.78 | 9.0% |", "| 2 | 42.00 | 11.76 | 28.0% |")
+    slow = REPORT.replace("| 2 | 36.00 | 3.24 | 9.0% |", "| 2 | 36.00 | 10.08 | 28.0% |")
     assert row.check(slow) == ["the handoff took 18.0% of the step (> 10%)"]
     failed = REPORT.replace("exit 0, device peak 95.0 GB", "exit 1, device peak 144.2 GB; torch.OutOfMemoryError")
     assert row.check(failed)[0].startswith("train.py exited 1: torch.OutOfMemoryError")
@@ -453,8 +453,8 @@ def test_speed_rows_fail_on_a_regression():
         "batch 64: the Triton decode attention 4.20 ms/step, slower than SDPA's 4.09", *no_256]
     assert rows[29].check(fused.replace("| 3.40 |", "| 3.70 |")) == [
         "batch 64: the KV writes fused into the Triton decode attention 3.70 ms/step, slower than apart 3.60", *no_256]
-    slow_step = REPORT.replace("| 1 | 40.00 | 3.20 | 8.0% |", "| 1 | 48.00 | 3.84 | 8.0% |")
-    assert rows[1].check(slow_step) == ["the step took 45.00 s (> 43.0 s: a speed regression)"]
+    slow_step = REPORT.replace("| 1 | 34.00 | 2.72 | 8.0% |", "| 1 | 42.00 | 3.36 | 8.0% |")
+    assert rows[1].check(slow_step) == ["the step took 39.00 s (> 38.0 s: a speed regression)"]
     assert rows[1].check(REPORT) == []
 
 
