@@ -23,6 +23,7 @@ import torch
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 THREADS = 8  # 16 measured no faster than 8 (benchmarks/pinned_alloc.py)
+PER_THREAD = 8 * 2**20  # the least a thread is started for: a small tensor's pages are written where it is made
 
 
 def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, threads: int = THREADS) -> torch.Tensor:
@@ -41,10 +42,12 @@ def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, thread
 
 
 def touch_pages(t: torch.Tensor, threads: int) -> None:
-    """One byte of every page of `t`'s memory written, the pages split among `threads` threads (none: 0)."""
+    """One byte of every page of `t`'s memory written, the pages split among up to `threads` threads of at least
+    `PER_THREAD` bytes each (none: 0)."""
     flat = t.view(-1).view(torch.uint8)
     if threads <= 0:
         return
+    threads = max(1, min(threads, flat.numel() // PER_THREAD))
     span = -(-flat.numel() // threads // PAGE) * PAGE  # each thread's share, whole pages
     starts = range(0, flat.numel(), span)
     if len(starts) == 1:
