@@ -32,6 +32,10 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from slime.utils.pinned import pinned_empty  # noqa: E402
+
 METHODS = ("torch", "torch-register", "register", "register-untouched")
 
 
@@ -43,8 +47,6 @@ def resident_gb() -> float:
 def make(method: str, nbytes: int, threads: int) -> torch.Tensor:
     if method in ("torch", "torch-register"):
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    from slime.utils.pinned import pinned_empty
-
     return pinned_empty((nbytes,), torch.uint8, threads=threads if method == "register" else 0)
 
 
@@ -89,7 +91,7 @@ def main() -> None:
     print("| method | tensors | GB | seconds | GB/s | resident host GB | pinned | H2D GB/s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for method in methods:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ)
         if method == "torch-register":
             env["PYTORCH_CUDA_ALLOC_CONF"] = (f"pinned_use_cuda_host_register:True,"
                                               f"pinned_num_register_threads:{args.threads}")

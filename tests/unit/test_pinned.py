@@ -3,8 +3,7 @@ tests/gpu/test_pinned_gpu.py)."""
 
 from __future__ import annotations
 
-import os
-
+import psutil
 import torch
 
 from slime.utils.pinned import pinned_empty, touch_pages
@@ -13,8 +12,7 @@ MB = 2**20
 
 
 def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return psutil.Process().memory_info().rss
 
 
 def test_touch_pages_makes_every_page_resident():
