@@ -189,13 +189,21 @@ def _interrupt(signum, frame):
 # ---- the machine -------------------------------------------------------------------------------------------------
 
 
+def _nvidia_smi(*args: str) -> list[str] | None:
+    """nvidia-smi's output lines for `args`; None when it cannot run."""
+    try:
+        return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True,
+                              timeout=30).stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
 def visible_gpus() -> int:
     """GPUs `nvidia-smi -L` lists, narrowed by CUDA_VISIBLE_DEVICES when set; torch's count without nvidia-smi."""
-    try:
-        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
+    listed = _nvidia_smi("-L")
+    if listed is None:
         return int(_torch_cuda("torch.cuda.device_count()") or 0)
-    count = sum(line.startswith("GPU ") for line in listed.splitlines())
+    count = sum(line.startswith("GPU ") for line in listed)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         count = min(count, len([d for d in visible.split(",") if d.strip()]))
@@ -203,21 +211,15 @@ def visible_gpus() -> int:
 
 
 def gpu_memory_gb() -> float | None:
-    """The smallest visible card's memory in GB (2^30 B, nvidia-smi's memory.total); None when unknown."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout.split()
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    mib = [float(v) for v in out if v.replace(".", "", 1).isdigit()]
+    """The smallest card's memory in GB (2^30 B, nvidia-smi's memory.total); None when unknown."""
+    mib = [float(v) for v in _nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader,nounits") or []
+           if v.strip().replace(".", "", 1).isdigit()]
     return min(mib) / 1024 if mib else None
 
 
 def gpu_name() -> str:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
-    except (OSError, subprocess.TimeoutExpired):
+    out = _nvidia_smi("--query-gpu=name,memory.total", "--format=csv,noheader")
+    if out is None:
         name = _torch_cuda("torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'")
         return f"{name} (torch; no nvidia-smi)" if name else "none (no nvidia-smi, no torch)"
     return f"{len(out)} × {out[0]}" if out else "none"
