@@ -67,6 +67,15 @@ def _norm(url: str) -> str:
     return url.rstrip("/")
 
 
+def _json(r: httpx.Response) -> dict[str, Any]:
+    """`r`'s JSON object, or {} when its body is empty or not JSON."""
+    try:
+        body = r.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
 def url_of(host: str, port: int) -> str:
     """`http://host:port` to connect to (all interfaces -> loopback; an IPv6 address in brackets)."""
     host = "127.0.0.1" if host in ("", "0.0.0.0") else host
@@ -113,8 +122,8 @@ class RouterClient:
         worker_id = None
         if r.status_code == 404:
             r = self._http.post(f"{self.url}/add_worker", params={"url": url})
-        else:
-            worker_id = r.json().get("worker_id") if r.status_code < 300 else None
+        elif r.status_code < 300:
+            worker_id = _json(r).get("worker_id")  # an accepted add may come without a body: listing decides
         if r.status_code >= 300:
             raise RuntimeError(f"router {self.url}: adding worker {url} answered {r.status_code}: {r.text[:500]}")
         self._wait(lambda: url in self.list_workers(), timeout, f"worker {url} to be listed", worker_id)
