@@ -63,7 +63,8 @@ from grpo_step import MemoryPeak  # noqa: E402 (benchmarks/ on the path first)
 MODES = {"handoff": [], "resident": ["--no-offload-rollout", "--no-offload-train"]}
 PHASE_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*memory handoff: (.+)$")
 PERF = ("step_time", "handoff_time", "engine_release_time", "engine_resume_time", "train_offload_time",
-        "train_onload_time", "actor_offload_allocated_gb")
+        "train_onload_time", "actor_offload_allocated_gb", "rollout_time", "train_time", "update_weights_time",
+        "actor_peak_gpu_gb")
 # the trainer's moves (slime/ray/handoff.py) and the figures measured after each (offload.py's memory_gb)
 MOVES = {"onload": "onload", "offload_state": "offload all but weights", "offload": "offload"}
 FIGURES = {"allocated_gb": "alloc", "reserved_gb": "reserved", "process_gb": "process", "device_gb": "device"}
@@ -268,14 +269,16 @@ def report(name: str, r: dict) -> str:
     steps = sorted(r["perf"]["step_time"])
     if steps:
         lines += ["| step | step s | handoff s | handoff / step | engine release s | engine resume s | offload s | "
-                  "onload s | actor GB after offload |",
-                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "onload s | actor GB after offload | rollout s | train s | push s | trainer allocator peak GiB |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for k in steps:
             p = {key: r["perf"][key].get(k, float("nan")) for key in PERF}
             lines.append(f"| {k} | {p['step_time']:.2f} | {p['handoff_time']:.2f} | "
                          f"{p['handoff_time'] / p['step_time']:.1%} | {p['engine_release_time']:.2f} | "
                          f"{p['engine_resume_time']:.2f} | {p['train_offload_time']:.2f} | "
-                         f"{p['train_onload_time']:.2f} | {p['actor_offload_allocated_gb']:.2f} |")
+                         f"{p['train_onload_time']:.2f} | {p['actor_offload_allocated_gb']:.2f} | "
+                         f"{p['rollout_time']:.2f} | {p['train_time']:.2f} | {p['update_weights_time']:.2f} | "
+                         f"{p['actor_peak_gpu_gb']:.1f} |")
     if any(r["perf"][key] for key in MEMORY):
         lines += ["", trainer_memory_table(r["perf"])]
     if r["timeline"]:

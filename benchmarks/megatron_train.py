@@ -1,6 +1,6 @@
 """Training throughput and MFU of the Megatron backend on one GPU, packed (thd) against padded (bshd).
 
-    python benchmarks/megatron_train.py [--shape qwen3-4b] [--seq-len 4096] [--min-len 4096] [--samples 16]
+    python benchmarks/megatron_train.py [--shape qwen3-4b] [--num-layers N] [--seq-len 4096] [--min-len 4096] [--samples 16]
                                         [--max-tokens-per-gpu 8192] [--layouts thd,bshd] [--steps 3] [--push N]
     python benchmarks/megatron_train.py --layouts thd,thd:triton     # --log-probs-kernel torch against triton
     python benchmarks/megatron_train.py --layouts thd:triton,thd:triton+rope   # and --rope-kernel triton
@@ -63,7 +63,7 @@ def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Names
     with open(data, "w") as f:
         f.write('{"prompt": "x", "label": "y"}\n')
     return parse_args([
-        *model_args(cli.shape), "--train-backend", "megatron", "--hf-checkpoint", model_dir, "--bf16",
+        *shape_args(cli), "--train-backend", "megatron", "--hf-checkpoint", model_dir, "--bf16",
         "--prompt-data", data, "--rollout-batch-size", str(cli.samples), "--n-samples-per-prompt", "1",
         "--global-batch-size", str(cli.samples), "--num-rollout", str(cli.steps + 1),
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(cli.max_tokens_per_gpu),
@@ -72,6 +72,19 @@ def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Names
         "--lr", "1e-6", "--clip-grad", "1.0", "--advantage-estimator", "grpo", "--seed", "1",
         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--colocate",
     ])  # fmt: skip
+
+
+def shape(cli) -> dict:
+    """The HF shape trained: --shape's, with --num-layers decoder layers when given."""
+    return dict(SHAPES[cli.shape], **({"num_hidden_layers": cli.num_layers} if cli.num_layers else {}))
+
+
+def shape_args(cli) -> list[str]:
+    """--shape's Megatron flags (scripts/models), --num-layers replaced when given."""
+    flags = model_args(cli.shape)
+    if cli.num_layers:
+        flags[flags.index("--num-layers") + 1] = str(cli.num_layers)
+    return flags
 
 
 def make_batch(cli, vocab_size: int):
@@ -139,7 +152,7 @@ def run_layout(cli, model_dir: str, workdir: str, layout: str) -> dict:
     finally:
         actor.shutdown()
     lengths = [len(t) for t in batch.tokens]
-    return {"layout": layout, "tokens": sum(lengths), "fwd_flops": forward_flops(SHAPES[cli.shape], lengths),
+    return {"layout": layout, "tokens": sum(lengths), "fwd_flops": forward_flops(shape(cli), lengths),
             "forward_s": min(forward), "train_s": sum(train[1:]) / cli.steps, "peak_gb": peak, "push_s": push}
 
 
@@ -202,7 +215,7 @@ def time_push(cli, actor, model_dir: str) -> list[float]:
 def report(cli, results: list[dict]) -> str:
     peak = cli.peak_tflops * 1e12
     lines = [
-        f"{cli.shape}, {cli.samples} sequences of {cli.min_len}-{cli.seq_len} tokens, "
+        f"{cli.shape}{f' ({cli.num_layers} layers)' if cli.num_layers else ''}, {cli.samples} sequences of {cli.min_len}-{cli.seq_len} tokens, "
         f"--max-tokens-per-gpu {cli.max_tokens_per_gpu}, peak {cli.peak_tflops:.0f} TFLOP/s",
         "| layout | tokens | forward s | forward tok/s | forward MFU | train s | train tok/s | train MFU | peak GB |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -215,7 +228,7 @@ def report(cli, results: list[dict]) -> str:
                      f"{r['peak_gb']:.1f} |")
     for r in results:
         if r["push_s"]:
-            gb = 2 * model_params(SHAPES[cli.shape]) / 1e9
+            gb = 2 * model_params(shape(cli)) / 1e9
             best = min(r["push_s"])
             lines.append(f"{r['layout']}: colocated weight push of {gb:.2f} GB (bf16): best {best:.3f} s, mean "
                          f"{sum(r['push_s']) / len(r['push_s']):.3f} s, {gb / best:.1f} GB/s")
@@ -225,6 +238,9 @@ def report(cli, results: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-4b", choices=sorted(MODEL_SCRIPTS))
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="train the shape with this many decoder layers (a per-layer profile of a shape whose "
+                        "optimizer state does not fit the card)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--min-len", type=int, default=None, help="shortest sequence (default: --seq-len)")
     p.add_argument("--samples", type=int, default=16)
@@ -252,7 +268,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         model_dir = cli.model_dir
         if model_dir is None:
-            model_dir, model = make_model_dir(cli.shape, root)
+            model_dir, model = make_model_dir(cli.shape, root, cli.num_layers)
             del model
             torch.cuda.empty_cache()
         results = []

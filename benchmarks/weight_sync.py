@@ -36,10 +36,12 @@ SHAPES = {
 }
 
 
-def make_model_dir(name: str, root: str) -> tuple[str, torch.nn.Module]:
+def make_model_dir(name: str, root: str, layers: int | None = None) -> tuple[str, torch.nn.Module]:
+    """A random-init bf16 HF folder of the shape `name` (`layers`: fewer decoder layers than it has)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    config = Qwen3Config(**SHAPES[name], max_position_embeddings=4096, rope_theta=1_000_000.0,
+    shape = dict(SHAPES[name], **({"num_hidden_layers": layers} if layers else {}))
+    config = Qwen3Config(**shape, max_position_embeddings=4096, rope_theta=1_000_000.0,
                          rms_norm_eps=1e-6, torch_dtype="bfloat16")
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

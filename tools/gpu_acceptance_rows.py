@@ -102,7 +102,8 @@ def pytest_outcome(out: str) -> tuple[dict[str, int], list[str]]:
 
 def colocate_runs(out: str) -> dict[str, dict]:
     """benchmarks/colocate_memory.py's report per run ("sglang, handoff"): train.py's exit, the step table's rows
-    (step, step s, handoff s, handoff %, ..., actor GB after offload last), the phase table's rows (phase, device,
+    (step, step s, handoff s, handoff %, ..., actor GB after offload, rollout s, train s, push s, trainer allocator
+    peak GiB; the last four since 2026-12-06), the phase table's rows (phase, device,
     trainer, engine GB after it, ...) and the trainer-memory verdicts it prints after a handoff run
     ({move: (passed, "+0.12 GB")})."""
     runs: dict[str, dict] = {}
@@ -152,6 +153,10 @@ def handoff_figures(run_name: str) -> Callable[[str], Figures]:
             figures.update({"step s": f"{statistics.median(s[1] for s in later):.2f}",
                             "handoff s": f"{statistics.median(s[2] for s in later):.2f}",
                             "handoff/step": f"{statistics.median(s[3] for s in later):.1f}%"})
+            if all(len(s) >= 13 for s in later):  # colocate_memory.py's phase columns (since 2026-12-06)
+                figures.update({name: f"{statistics.median(s[col] for s in later):.2f}"
+                                for col, name in ((9, "rollout s"), (10, "train s"), (11, "push s"))})
+                figures["trainer allocator peak GiB"] = f"{max(s[12] for s in later):.1f}"
         for side, col, held, left in SIDES:
             figures[f"{side} freed"] = f"{freed(run['phases'], col, held, left):.0%}"
             if run["floor"]:

@@ -222,11 +222,11 @@ def test_commands_name_files_and_benchmark_options_that_exist():
 REPORT = textwrap.dedent("""\
     qwen3-4b, megatron + sglang colocated on H200, 32 prompts x 8 samples x 1024 tokens
     ## sglang, handoff: exit 0, device peak 95.0 GB
-    | step | step s | handoff s | handoff / step | engine release s | engine resume s | offload s | onload s | actor GB after offload |
-    | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
-    | 0 | 90.00 | 40.00 | 44.4% | 1.00 | 2.00 | 13.50 | 3.00 | 1.20 |
-    | 1 | 34.00 | 2.72 | 8.0% | 0.50 | 0.60 | 2.00 | 2.00 | 1.20 |
-    | 2 | 36.00 | 3.24 | 9.0% | 0.50 | 0.60 | 2.00 | 2.50 | 1.21 |
+    | step | step s | handoff s | handoff / step | engine release s | engine resume s | offload s | onload s | actor GB after offload | rollout s | train s | push s | trainer allocator peak GiB |
+    | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+    | 0 | 90.00 | 40.00 | 44.4% | 1.00 | 2.00 | 13.50 | 3.00 | 1.20 | 15.00 | 27.00 | 2.00 | 80.0 |
+    | 1 | 34.00 | 2.72 | 8.0% | 0.50 | 0.60 | 2.00 | 2.00 | 1.20 | 14.50 | 17.50 | 0.20 | 79.1 |
+    | 2 | 36.00 | 3.24 | 9.0% | 0.50 | 0.60 | 2.00 | 2.50 | 1.21 | 14.70 | 17.10 | 0.30 | 79.4 |
 
     | step | after onload: alloc / reserved / process / device GB | after offload all but weights: alloc / reserved / process / device GB | after offload: alloc / reserved / process / device GB |
     | ---: | ---: | ---: | ---: |
@@ -249,6 +249,8 @@ def test_figures_and_checks_read_colocate_memory_reports():
     figures = row.figures(REPORT)
     assert figures["steps"] == "3" and figures["handoff/step"] == "8.5%" and figures["engine freed"] == "98%"
     assert figures["trainer freed"] == "98%"
+    assert (figures["rollout s"], figures["train s"], figures["push s"]) == ("14.60", "17.30", "0.25")
+    assert figures["trainer allocator peak GiB"] == "79.4"
     slow = REPORT.replace("| 2 | 36.00 | 3.24 | 9.0% |", "| 2 | 36.00 | 10.08 | 28.0% |")
     assert row.check(slow) == ["the handoff took 18.0% of the step (> 10%)"]
     failed = REPORT.replace("exit 0, device peak 95.0 GB", "exit 1, device peak 144.2 GB; torch.OutOfMemoryError")
