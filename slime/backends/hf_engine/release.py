@@ -11,7 +11,8 @@ copy instead and copies it back. `WeightMemory` does the same for a torch module
   has been written again (`mark_loaded`; a parameter loaded in pieces, `mark_part_loaded`, once every piece has
   been), `unloaded` names the ones that have not.
 - `cpu_backup`: the same, but the bytes are first copied into host buffers and copied back on resume. The host
-  buffers are fixed-size chunks (pinned when the device is CUDA), allocated on the first release and reused.
+  buffers are fixed-size chunks (pinned when the device is CUDA, by slime.utils.pinned: exact size, paged in by
+  several threads), allocated on the first release and reused.
 - `base_backup`: for a LoRA engine whose base is frozen: the host copy is taken once (`snapshot`, at the first
   release or the first adapter load, whichever comes first) and a release copies nothing; a resume copies it back,
   so the weights come back as the base, whatever adapter was merged into them (lora.py merges it again). The host
@@ -36,11 +37,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slime.utils.pinned import pinned_empty
+
 logger = logging.getLogger("slime.hf_engine")
 
 MODES = ("free", "cpu_backup", "base_backup", "keep")
 HOST_COPY_MODES = ("cpu_backup", "base_backup")
-HOST_CHUNK_BYTES = 1 << 28  # 256 MiB: a power of two, so torch's pinned allocator does not round it up
+HOST_CHUNK_BYTES = 1 << 28  # 256 MiB per host buffer
 
 
 @dataclass(frozen=True)
@@ -234,7 +237,8 @@ class WeightMemory:
         if not self._host:
             pin = any(s.device.type == "cuda" for s in self._storages)
             sizes = [min(HOST_CHUNK_BYTES, self.nbytes - at) for at in range(0, self.nbytes, HOST_CHUNK_BYTES)]
-            self._host = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in sizes]
+            self._host = [pinned_empty((n,), torch.uint8) if pin else torch.empty(n, dtype=torch.uint8)
+                          for n in sizes]
         for i, start, chunk, at, n in self._segments():
             self._host[chunk][at:at + n].copy_(self._bytes(i)[start:start + n], non_blocking=True)
         self._synchronize()
