@@ -2,8 +2,8 @@
 
     python benchmarks/megatron_train.py [--shape qwen3-4b] [--num-layers N] [--seq-len 4096] [--min-len 4096] [--samples 16]
                                         [--max-tokens-per-gpu 8192] [--layouts thd,bshd] [--steps 3] [--push N]
-    python benchmarks/megatron_train.py --layouts thd,thd:triton     # --log-probs-kernel torch against triton
-    python benchmarks/megatron_train.py --layouts thd:triton,thd:triton+rope   # and --rope-kernel triton
+    python benchmarks/megatron_train.py --layouts thd,thd:torch      # slime's kernels against --log-probs-kernel torch
+    python benchmarks/megatron_train.py --layouts thd,thd+nogaf,thd:torch+torchrope+nogaf   # each fused kernel off
     python benchmarks/megatron_train.py --profile 30 --profile-syncs   # a profiled step, and where the host waits
 
 A random-init model of a published Qwen3 shape (benchmarks/weight_sync.py's helper) is written as an HF folder
@@ -47,17 +47,27 @@ from weight_sync import SHAPES, make_model_dir  # noqa: E402
 from tests.args import make_args  # noqa: E402
 
 
+# a layout's `+option`s: the flags each adds
+LAYOUT_OPTIONS = {"rope": ["--rope-kernel", "triton"], "torchrope": ["--rope-kernel", "torch"],
+                  "nogaf": ["--no-gradient-accumulation-fusion"]}
+
+
 def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Namespace:
-    """`layout`: a --qkv-format, optionally suffixed `:<--log-probs-kernel>` (torch when absent), then `+rope` for
-    `--rope-kernel triton` (e.g. thd:triton+rope)."""
+    """`layout`: a --qkv-format, optionally suffixed `:<--log-probs-kernel>` (slime's default, auto, when absent),
+    then `+option`s of LAYOUT_OPTIONS (e.g. thd:torch+torchrope+nogaf: the trainer before its fused kernels)."""
     from slime.config.arguments import parse_args
 
-    qkv_format, _, kernel = layout.partition(":")
-    kernel, _, extra = kernel.partition("+")
-    if extra not in ("", "rope"):
-        raise SystemExit(f"--layouts {layout}: the part after '+' can only be 'rope' (--rope-kernel triton)")
-    kernel = kernel or "torch"
-    rope = "triton" if extra == "rope" else "torch"
+    qkv_format, _, rest = layout.partition(":")
+    if "+" in qkv_format:
+        qkv_format, _, options = qkv_format.partition("+")
+        kernel = ""
+    else:
+        kernel, _, options = rest.partition("+")
+    extra = []
+    for option in filter(None, options.split("+")):
+        if option not in LAYOUT_OPTIONS:
+            raise SystemExit(f"--layouts {layout}: unknown option +{option}; choose from {sorted(LAYOUT_OPTIONS)}")
+        extra += LAYOUT_OPTIONS[option]
 
     data = os.path.join(workdir, "prompts.jsonl")
     with open(data, "w") as f:
@@ -67,7 +77,7 @@ def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Names
         "--prompt-data", data, "--rollout-batch-size", str(cli.samples), "--n-samples-per-prompt", "1",
         "--global-batch-size", str(cli.samples), "--num-rollout", str(cli.steps + 1),
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(cli.max_tokens_per_gpu),
-        "--qkv-format", qkv_format, "--log-probs-kernel", kernel, "--rope-kernel", rope,
+        "--qkv-format", qkv_format, "--log-probs-kernel", kernel or "auto", *extra,
         "--use-distributed-optimizer", "--use-rollout-logprobs",
         "--lr", "1e-6", "--clip-grad", "1.0", "--advantage-estimator", "grpo", "--seed", "1",
         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--colocate",
@@ -246,8 +256,9 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--max-tokens-per-gpu", type=int, default=8192)
     p.add_argument("--layouts", default="thd,bshd",
-                   help="qkv formats, comma-separated; one suffixed :triton runs with --log-probs-kernel triton, "
-                   "one suffixed +rope (thd:triton+rope) with --rope-kernel triton too")
+                   help="qkv formats, comma-separated, each run with slime's default kernels; :torch / :triton "
+                        "picks --log-probs-kernel, +torchrope / +rope the --rope-kernel, +nogaf adds "
+                        "--no-gradient-accumulation-fusion (e.g. thd,thd:torch+torchrope+nogaf)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=790.0)
     p.add_argument("--push", type=int, default=0, help="also time N colocated weight pushes to an hf engine")

@@ -352,7 +352,7 @@ def decode_attention_check(out: str) -> list[str]:
     return problems
 
 
-def kernel_step_check(min_speedup: float, fast: str = "thd:triton", slow: str = "thd",
+def kernel_step_check(min_speedup: float, fast: str = "thd:triton+torchrope", slow: str = "thd:torch+torchrope",
                       what: str = "the Triton kernels", against: str = "the torch form") -> Callable[[str], list[str]]:
     """benchmarks/megatron_train.py --layouts `slow`,`fast`: the train step of layout `fast` at least `min_speedup`
     times as fast as `slow`'s (train s, the table's sixth column); by default the Triton log-prob kernels against
@@ -427,7 +427,7 @@ ROWS: tuple[Row, ...] = (
                      teacher_logprobs=r"teacher log-probs vs a transformers fp32 forward of the teacher: (.+)$")),
     Row(7, "--check-weight-update-equal vs SGLang", "weight sync",
         f"{PYTEST} tests/gpu/test_sglang_weight_check_gpu.py -k 'not moe and not triton'", timeout_s=600,
-        estimate_s=280, part="7",
+        estimate_s=330, part="7",
         must_show="SGLang's `/weights_checker` finds every tensor equal to its snapshot after the first push, from "
         "Megatron and from FSDP; then the usual versions and |Δ log-prob| < 0.05",
         figures=grab(megatron_logprob_diff=r"\[weights checker, megatron\].*?\|Δ log-prob\| (\[[^\]]*\])",
@@ -453,7 +453,7 @@ ROWS: tuple[Row, ...] = (
         figures=handoff_figures("hf, handoff"), check=handoff_check("hf, handoff", 3, 60.0), gpu_gb=FOUR_B_GB),
     Row(11, "4B resident, hf engine", "handoff",
         "python benchmarks/colocate_memory.py --rollouts hf --modes resident --steps 3 --keep-logs \"$ROW_OUT\"",
-        timeout_s=600, estimate_s=45, part="7",
+        timeout_s=600, estimate_s=45, part="6",
         must_show="without the handoff the `hf` job is refused by the memory plan before Ray starts (the `hf` "
         "engine's KV slots counted), or fails with a clear out-of-memory message naming the engine, or fits and "
         "runs its 3 steps",
@@ -589,15 +589,15 @@ ROWS: tuple[Row, ...] = (
                      moe_logprob_diff=r"\[weights checker, fsdp, qwen3_moe\].*?\|Δ log-prob\| (\[[^\]]*\])")),
     Row(27, "fused log-prob kernel (--log-probs-kernel triton)", "performance",
         f"{PYTEST} tests/gpu/test_log_probs_triton_gpu.py && python benchmarks/megatron_train.py --shape qwen3-0.6b "
-        "--seq-len 320 --samples 256 --max-tokens-per-gpu 20480 --layouts thd,thd:triton --steps 2",
+        "--seq-len 320 --samples 256 --max-tokens-per-gpu 20480 --layouts thd:torch+torchrope,thd:triton+torchrope --steps 2",
         timeout_s=600, estimate_s=120, part="perf3",
         must_show="the Triton kernels give the torch form's log-probs and entropy at the trainer's shape (15,360 "
         "response rows of a 20,480-token micro-batch, bf16, 151,936 words), each form's gradient within half a bf16 "
         "unit of fp64's plus 2^-14 of the size of its terms, with both forms' forward + "
         "backward milliseconds; then the Megatron train step of GRPO's batch (256 × 320 tokens) with each form, the "
         "Triton one ≥ 1.3x as fast (on an H100 on 2026-12-06: kernels 170.1 / 11.6 ms, steps 1.59 / 1.09 s)",
-        kind="command", figures=grab(kernel=r"\[log-probs kernel\] (.+)$", torch_step=r"^\| thd \| (.+)$",
-                                     triton_step=r"^\| thd:triton \| (.+)$"), check=kernel_step_check(1.3)),
+        kind="command", figures=grab(kernel=r"\[log-probs kernel\] (.+)$", torch_step=r"^\| thd:torch\+torchrope \| (.+)$",
+                                     triton_step=r"^\| thd:triton\+torchrope \| (.+)$"), check=kernel_step_check(1.3)),
     Row(28, "the Triton log-prob kernel in whole jobs", "performance",
         f"{PYTEST} tests/gpu/test_sglang_weight_check_gpu.py -k triton && python benchmarks/grpo_step.py --steps 4 "
         "--systems slime-sglang,trl --max-tokens-per-gpu 20480 --log-probs-kernel triton", timeout_s=600,
@@ -630,7 +630,7 @@ ROWS: tuple[Row, ...] = (
 
     Row(30, "Triton rotary embedding in the Megatron trainer (--rope-kernel triton)", "performance",
         f"{PYTEST} tests/gpu/test_fused_rope_gpu.py && python benchmarks/megatron_train.py --shape qwen3-0.6b "
-        "--seq-len 320 --samples 256 --max-tokens-per-gpu 20480 --layouts thd:triton,thd:triton+rope --steps 2",
+        "--seq-len 320 --samples 256 --max-tokens-per-gpu 20480 --layouts thd:triton+torchrope,thd:triton+rope --steps 2",
         timeout_s=600, estimate_s=120, part="perf5",
         must_show="the packed rotary embedding as one Triton kernel forward and one backward (fused_rope.py) gives "
         "megatron-core's rotation and gradient on the GPU (fp32 to 1e-5, bf16 within two units in the last place), "
@@ -638,8 +638,8 @@ ROWS: tuple[Row, ...] = (
         "with it no slower than without, the condition of its being the default (--rope-kernel auto, what rope "
         "fusion means without TransformerEngine; on an H100 on 2026-12-06: 0.98 s against 1.15 s)",
         kind="command", figures=grab(rope_step=r"^\| thd:triton\+rope \| (.+)$",
-                                     torch_rope_step=r"^\| thd:triton \| (.+)$"),
-        check=kernel_step_check(1.0, "thd:triton+rope", "thd:triton", "the Triton rotary embedding",
+                                     torch_rope_step=r"^\| thd:triton\+torchrope \| (.+)$"),
+        check=kernel_step_check(1.0, "thd:triton+rope", "thd:triton+torchrope", "the Triton rotary embedding",
                                 "megatron-core's")),
 )
 PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."9", then perf, perf2, x2

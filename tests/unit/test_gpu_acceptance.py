@@ -388,12 +388,12 @@ DECODE_REPORT = textwrap.dedent("""\
 KERNEL_STEP_REPORT = textwrap.dedent("""\
     | layout | tokens | forward s | forward tok/s | forward MFU | train s | train tok/s | train MFU | peak GB |
     | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
-    | thd | 81920 | 0.60 | 136,805 | 21.3% | 1.59 | 51,581 | 24.1% | 55.8 |
+    | thd:torch+torchrope | 81920 | 0.60 | 136,805 | 21.3% | 1.59 | 51,581 | 24.1% | 55.8 |
 
     | layout | tokens | forward s | forward tok/s | forward MFU | train s | train tok/s | train MFU | peak GB |
     | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
-    | thd:triton | 81920 | 0.41 | 200,317 | 31.2% | 1.09 | 75,395 | 35.2% | 54.5 |
-    | thd | 81920 | 0.60 | 136,805 | 21.3% | 1.59 | 51,581 | 24.1% | 55.8 |
+    | thd:triton+torchrope | 81920 | 0.41 | 200,317 | 31.2% | 1.09 | 75,395 | 35.2% | 54.5 |
+    | thd:torch+torchrope | 81920 | 0.60 | 136,805 | 21.3% | 1.59 | 51,581 | 24.1% | 55.8 |
     """)
 
 
@@ -423,8 +423,8 @@ def test_speed_rows_fail_on_a_regression():
         "train step 1.31 s with the Triton kernels against 1.59 s with the torch form: less than 1.3x (a speed "
         "regression)"]
     assert rows[27].check(KERNEL_STEP_REPORT.split("\n\n")[0]) == [
-        "megatron_train.py printed no train step for ['thd:triton']"]  # the torch layout's table alone
-    rope = KERNEL_STEP_REPORT.replace("| thd | 81920 | 0.60", "| thd:triton+rope | 81920 | 0.39").replace(
+        "megatron_train.py printed no train step for ['thd:triton+torchrope']"]  # the torch layout's table alone
+    rope = KERNEL_STEP_REPORT.replace("| thd:torch+torchrope | 81920 | 0.60", "| thd:triton+rope | 81920 | 0.39").replace(
         "| 1.59 | 51,581 |", "| 1.02 | 80,300 |")
     assert rows[30].check(rope) == []
     assert rows[30].check(rope.replace("| 1.02 | 80,300 |", "| 1.15 | 71,200 |")) == [

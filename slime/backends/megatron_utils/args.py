@@ -394,7 +394,11 @@ def _resolve(kw: dict) -> dict:
     return out
 
 
-def build_transformer_config(args: argparse.Namespace, te_available: bool | None = None):
+def build_transformer_config(args: argparse.Namespace, te_available: bool | None = None,
+                             wgrad_fusion: bool | None = None):
+    """megatron-core's TransformerConfig from slime's args. Without TransformerEngine the fusions whose kernels come
+    from it or apex are turned off, except the gradient accumulation fusion when `wgrad_fusion` (default:
+    wgrad_fusion.py's `supported()`, a CUDA check) says slime's own accumulator runs here."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
@@ -411,7 +415,12 @@ def build_transformer_config(args: argparse.Namespace, te_available: bool | None
         # These kernels come from TransformerEngine / apex; megatron-core refuses the flags without them.
         if backend == "auto":
             backend = "local"
-        kw.update(apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
+        if wgrad_fusion is None:
+            from slime.backends.megatron_utils import wgrad_fusion as fusion
+
+            wgrad_fusion = fusion.supported()
+        kw.update(apply_rope_fusion=False, persist_layer_norm=False,
+                  gradient_accumulation_fusion=kw["gradient_accumulation_fusion"] and wgrad_fusion)
         if "moe_permute_fusion" in kw:
             kw.update(moe_permute_fusion=False, moe_grouped_gemm=False)
     if importlib.util.find_spec("scaled_masked_softmax_cuda") is None:

@@ -25,7 +25,7 @@ import logging
 import torch
 
 from slime.backends.megatron_utils import args as mg_args
-from slime.backends.megatron_utils import grad_norm, lora, packed_rope, plugins
+from slime.backends.megatron_utils import grad_norm, lora, packed_rope, plugins, wgrad_fusion
 from slime.backends.megatron_utils.sandwich_norm import add_sandwich_norms
 from slime.backends.megatron_utils.sdpa_attention import with_sdpa_attention
 from slime.backends.megatron_utils.sequence_parallel_norm import with_sequence_parallel_norms
@@ -137,6 +137,8 @@ def build_model(args: argparse.Namespace, wrap: bool = True) -> list[torch.nn.Mo
     from megatron.core import parallel_state as ps
 
     config = transformer_config(args)
+    if config.gradient_accumulation_fusion and not uses_te(args):
+        config.gradient_accumulation_fusion = wgrad_fusion.install()
     if config.num_moe_experts:
         _patch_moe_without_te()
     if args.qkv_format == "thd":

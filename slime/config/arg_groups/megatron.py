@@ -268,7 +268,11 @@ def _add_runtime(parser) -> None:
     g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
     g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false")
     g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false")
-    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
+                   help="Write each weight gradient in the parameters' dtype and add it into the fp32 main_grad "
+                        "afterwards, instead of accumulating it there inside the weight-gradient GEMM (on by default; "
+                        "without TransformerEngine or apex slime's own accumulator does it on CUDA: "
+                        "megatron_utils/wgrad_fusion.py).")
     g.add_argument("--no-persist-layer-norm", dest="persist_layer_norm", action="store_false")
     g.add_argument("--use-flash-attn", action="store_true", help="Deprecated alias of --attention-backend flash.")
     g.add_argument(
