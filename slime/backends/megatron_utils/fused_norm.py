@@ -72,10 +72,11 @@ if triton is not None:
             tl.store(dw_parts + pid * N + cc, tl.sum(acc, axis=0), mask=cc < N)
 
 
-def _blocks(rows: int, n: int) -> tuple[int, int]:
+def _blocks(rows: int, n: int) -> tuple[int, int, int]:
+    """Rows and columns of a program's tile, and its warps (16 elements of each tile array per thread)."""
     block_n = triton.next_power_of_2(n)
     block_m = max(1, min(BLOCK_ELEMENTS // block_n, triton.next_power_of_2(max(rows, 1))))
-    return block_m, block_n
+    return block_m, block_n, max(1, min(16, block_m * block_n // 512))
 
 
 def _programs(blocks: int, device: torch.device) -> int:
@@ -98,9 +99,9 @@ class _RMSNorm(torch.autograd.Function):
         y = torch.empty_like(x2)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         if rows:
-            block_m, block_n = _blocks(rows, n)
+            block_m, block_n, warps = _blocks(rows, n)
             _forward_kernel[(triton.cdiv(rows, block_m),)](x2, weight, y, rstd, rows, N=n, eps=float(eps),
-                                                           BLOCK_M=block_m, BLOCK_N=block_n)
+                                                           BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = x.shape
         return y.view(x.shape)
@@ -116,12 +117,13 @@ class _RMSNorm(torch.autograd.Function):
         weight_grad = ctx.needs_input_grad[1]
         dw = None
         if rows:
-            block_m, block_n = _blocks(rows, n)
+            block_m, block_n, warps = _blocks(rows, n)
             blocks = triton.cdiv(rows, block_m)
             programs = _programs(blocks, x2.device)
             parts = torch.empty((programs, n) if weight_grad else (1,), dtype=torch.float32, device=x2.device)
             _backward_kernel[(programs,)](g2, x2, weight, rstd, dx, parts, rows, blocks, programs, N=n,
-                                          BLOCK_M=block_m, BLOCK_N=block_n, WEIGHT_GRAD=weight_grad)
+                                          BLOCK_M=block_m, BLOCK_N=block_n, WEIGHT_GRAD=weight_grad,
+                                          num_warps=warps)
             if weight_grad:
                 dw = parts.sum(0).to(weight.dtype)
         elif weight_grad:
