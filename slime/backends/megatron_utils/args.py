@@ -24,6 +24,7 @@ import logging
 import math
 import os
 
+from slime.backends.megatron_utils import wgrad_fusion as grad_accumulation
 from slime.utils.errors import SlimeArgumentError
 
 logger = logging.getLogger(__name__)
@@ -416,9 +417,7 @@ def build_transformer_config(args: argparse.Namespace, te_available: bool | None
         if backend == "auto":
             backend = "local"
         if wgrad_fusion is None:
-            from slime.backends.megatron_utils import wgrad_fusion as fusion
-
-            wgrad_fusion = fusion.supported()
+            wgrad_fusion = grad_accumulation.supported()
         kw.update(apply_rope_fusion=False, persist_layer_norm=False,
                   gradient_accumulation_fusion=kw["gradient_accumulation_fusion"] and wgrad_fusion)
         if "moe_permute_fusion" in kw:
