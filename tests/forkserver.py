@@ -3,7 +3,8 @@
 A spawned process imports torch (and megatron-core, slime, the test module) itself, seconds of CPU per rank; a
 forked one starts from the forkserver, which imported them once when the session first used it. Each rank is
 still a fresh process: the server imports modules and nothing else (no process group, no socket, no thread).
-The server is one per pytest process and exits with it."""
+The server is one per pytest process and exits with it. `spawned_result` is the one-process form: a spawned child
+(megatron-core's global state and the CPU shim stay in it) whose one result comes back through a queue."""
 
 from __future__ import annotations
 
@@ -16,3 +17,20 @@ def fork_context(*modules: str):
     session sets it, and later tests' ranks import what it lacks themselves."""
     mp.set_forkserver_preload(["torch", "torch.distributed", *modules])
     return mp.get_context("forkserver")
+
+
+def spawned_result(target, *args, timeout: float = 240):
+    """`target(queue, *args)` in a spawned process; what it put on the queue (it must exit 0). Put plain values or
+    numpy arrays: a tensor sent through the queue shares memory that is gone once the child exits."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=target, args=(out, *args), daemon=True)
+    proc.start()
+    try:
+        result = out.get(timeout=timeout)
+        proc.join(30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
+    return result

@@ -10,9 +10,9 @@ with a tensor of another device (what the offloader did before) drops it, and th
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing as mp
-
 import pytest
+
+from tests.forkserver import spawned_result
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 
@@ -52,7 +52,7 @@ def test_a_lora_models_frozen_base_moves_one_by_one():
     """LoRA (--colocate works with it): megatron-core's DDP gives buffers only to parameters that train, so with the
     distributed optimizer the adapters are in the buffer and the frozen base, in none, moves one by one; there is no
     gradient or optimizer state of the base to move."""
-    result = _child(_layout, True, True)  # distributed optimizer, LoRA
+    result = spawned_result(_layout, True, True)  # distributed optimizer, LoRA
     assert result["frozen"] > 0 and result["in_a_buffer"] == result["params"] - result["frozen"], result
     assert result["loose_are_the_frozen"] and result["loose_are_the_unbuffered"], result
 
@@ -60,7 +60,7 @@ def test_a_lora_models_frozen_base_moves_one_by_one():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("distributed_optimizer", [False, True])
 def test_parameters_outside_a_parameter_buffer_move_one_by_one(distributed_optimizer):
-    result = _child(_layout, distributed_optimizer)
+    result = spawned_result(_layout, distributed_optimizer)
     assert result["params"] > 0 and result["loose_are_the_unbuffered"], result
     if distributed_optimizer:  # every parameter is a view of the buffer, which megatron-core moves
         assert result == {**result, "loose": 0, "in_a_buffer": result["params"]}
@@ -155,21 +155,6 @@ def _buffer_round_trip(out) -> None:
     dist.destroy_process_group()
 
 
-def _child(target, *args) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=target, args=(out, *args), daemon=True)
-    proc.start()
-    try:
-        result = out.get(timeout=240)
-        proc.join(30)
-    finally:
-        if proc.is_alive():
-            proc.kill()
-    assert proc.exitcode == 0
-    return result
-
-
 @pytest.mark.timeout(600)
 def test_a_parameter_moved_one_by_one_keeps_training():
     """megatron-core DDP adds each gradient into the parameter's `main_grad` from a hook on the parameter's gradient
@@ -178,7 +163,7 @@ def test_a_parameter_moved_one_by_one_keeps_training():
     Replacing `.data` with a tensor of another type (the offloader did, with a host tensor) makes autograd drop the
     accumulator, and with it the hook: no gradient reaches `main_grad`, the optimizer steps on zeros, the weights
     stay (the GPU failure: Megatron's on-policy distillation under --colocate did not learn)."""
-    untouched, parked, swapped = (_child(_step_after, how) for how in ("untouched", "parked", "swapped"))
+    untouched, parked, swapped = (spawned_result(_step_after, how) for how in ("untouched", "parked", "swapped"))
     print(untouched, parked, swapped, sep="\n")
     n = untouched["params"]
     assert n > 0 and untouched["dtype"] == "torch.bfloat16"
@@ -192,6 +177,6 @@ def test_the_parameter_buffers_host_copy_is_made_by_the_offloader_and_kept():
     """megatron-core's first `offload_to_cpu` would copy the parameter buffer to pageable memory and pin a copy of
     that (`.cpu().pin_memory()`, which fails without CUDA): the offloader gives the buffer its host copy first
     (slime/utils/pinned.py), megatron-core copies into it, and the next offload reuses it."""
-    result = _child(_buffer_round_trip)
+    result = spawned_result(_buffer_round_trip)
     assert result["buffers"] > 0 and result["host_kept"], result
     assert result["rounds"] == [{"freed": True, "same_shape": True, "back": True}] * 2, result

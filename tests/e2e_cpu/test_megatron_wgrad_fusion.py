@@ -10,9 +10,9 @@ tests/gpu/test_wgrad_fusion_gpu.py's)."""
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing as mp
-
 import pytest
+
+from tests.forkserver import spawned_result
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 
@@ -58,27 +58,12 @@ def _main_grads(out, fused: bool, tied: bool) -> None:
     dist.destroy_process_group()
 
 
-def _child(*args) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_main_grads, args=(out, *args), daemon=True)
-    proc.start()
-    try:
-        result = out.get(timeout=240)
-        proc.join(30)
-    finally:
-        if proc.is_alive():
-            proc.kill()
-    assert proc.exitcode == 0
-    return result
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_fused_weight_gradients_equal_the_hooks_sums(tied):
     import torch
 
-    fused, plain = _child(True, tied), _child(False, tied)
+    fused, plain = spawned_result(_main_grads, True, tied), spawned_result(_main_grads, False, tied)
     assert fused["fusion"] is True and plain["fusion"] is False
     linears = 4 * 4 + 1  # qkv, proj, fc1, fc2 per layer, and the output layer; two micro-batches each
     assert fused["calls"] == 2 * linears and plain["calls"] == 0

@@ -8,18 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu.timing import cuda_ms
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def _ms(fn, repeats: int = 20) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 @pytest.mark.parametrize("shape", [(4352, 2560), (4352, 32, 128)], ids=["hidden", "q_norm"])
@@ -51,7 +42,7 @@ def test_triton_rms_norm_matches_torchs_on_the_gpu(shape):
         assert ours_err <= 1.5 * torch_err + 1e-6, (ours_err, torch_err)
 
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    ms = {name: _ms(lambda f=f: torch.autograd.grad(f(xr, wr), (xr, wr), dy))
+    ms = {name: cuda_ms(lambda f=f: torch.autograd.grad(f(xr, wr), (xr, wr), dy))
           for name, f in (("triton", lambda a, b: rms_norm(a, b, 1e-6)),
                           ("torch", lambda a, b: torch.nn.functional.rms_norm(a, (n,), b, 1e-6)))}
     print(f"[fused norm] {list(shape)} bf16 forward + backward: triton {ms['triton']:.3f} ms, torch {ms['torch']:.3f} ms")

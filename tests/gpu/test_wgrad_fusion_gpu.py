@@ -10,19 +10,9 @@ import pytest
 import torch
 
 from slime.backends.megatron_utils import wgrad_fusion
+from tests.gpu.timing import cuda_ms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def _ms(fn, repeats: int = 20) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def test_the_accumulator_adds_bf16_products_into_fp32_in_one_gemm():
@@ -44,8 +34,8 @@ def test_the_accumulator_adds_bf16_products_into_fp32_in_one_gemm():
     assert fused_error < apart_error / 4
 
     buffer = start.clone()
-    fused_ms = _ms(lambda: wgrad_fusion.accumulate(x, dy, buffer))
-    apart_ms = _ms(lambda: buffer.add_(dy.t() @ x))
+    fused_ms = cuda_ms(lambda: wgrad_fusion.accumulate(x, dy, buffer))
+    apart_ms = cuda_ms(lambda: buffer.add_(dy.t() @ x))
     print(f"[wgrad fusion] fc1's weight gradient into fp32, {tokens} tokens: fused {fused_ms:.3f} ms, "
           f"GEMM then add {apart_ms:.3f} ms")
     assert fused_ms <= apart_ms * 1.05
