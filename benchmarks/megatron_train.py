@@ -1,7 +1,8 @@
 """Training throughput and MFU of the Megatron backend on one GPU, packed (thd) against padded (bshd).
 
-    python benchmarks/megatron_train.py [--shape qwen3-4b] [--num-layers N] [--seq-len 4096] [--min-len 4096] [--samples 16]
-                                        [--max-tokens-per-gpu 8192] [--layouts thd,bshd] [--steps 3] [--push N]
+    python benchmarks/megatron_train.py [--shape qwen3-4b] [--num-layers N] [--seq-len 4096] [--min-len 4096]
+                                        [--samples 16] [--max-tokens-per-gpu 8192] [--layouts thd,bshd] [--steps 3]
+                                        [--push N]
     python benchmarks/megatron_train.py --layouts thd,thd:torch      # slime's kernels against --log-probs-kernel torch
     python benchmarks/megatron_train.py --layouts thd,thd+nogaf,thd:torch+torchrope+nogaf   # each fused kernel off
     python benchmarks/megatron_train.py --profile 30 --profile-syncs   # a profiled step, and where the host waits
@@ -225,7 +226,8 @@ def time_push(cli, actor, model_dir: str) -> list[float]:
 def report(cli, results: list[dict]) -> str:
     peak = cli.peak_tflops * 1e12
     lines = [
-        f"{cli.shape}{f' ({cli.num_layers} layers)' if cli.num_layers else ''}, {cli.samples} sequences of {cli.min_len}-{cli.seq_len} tokens, "
+        f"{cli.shape}{f' ({cli.num_layers} layers)' if cli.num_layers else ''}, "
+        f"{cli.samples} sequences of {cli.min_len}-{cli.seq_len} tokens, "
         f"--max-tokens-per-gpu {cli.max_tokens_per_gpu}, peak {cli.peak_tflops:.0f} TFLOP/s",
         "| layout | tokens | forward s | forward tok/s | forward MFU | train s | train tok/s | train MFU | peak GB |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

@@ -45,4 +45,5 @@ def test_triton_rms_norm_matches_torchs_on_the_gpu(shape):
     ms = {name: cuda_ms(lambda f=f: torch.autograd.grad(f(xr, wr), (xr, wr), dy))
           for name, f in (("triton", lambda a, b: rms_norm(a, b, 1e-6)),
                           ("torch", lambda a, b: torch.nn.functional.rms_norm(a, (n,), b, 1e-6)))}
-    print(f"[fused norm] {list(shape)} bf16 forward + backward: triton {ms['triton']:.3f} ms, torch {ms['torch']:.3f} ms")
+    print(f"[fused norm] {list(shape)} bf16 forward + backward: triton {ms['triton']:.3f} ms, "
+          f"torch {ms['torch']:.3f} ms")
