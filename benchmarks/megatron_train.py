@@ -58,14 +58,10 @@ def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Names
     then `+option`s of LAYOUT_OPTIONS (e.g. thd:torch+torchrope+nogaf: the trainer before its fused kernels)."""
     from slime.config.arguments import parse_args
 
-    qkv_format, _, rest = layout.partition(":")
-    if "+" in qkv_format:
-        qkv_format, _, options = qkv_format.partition("+")
-        kernel = ""
-    else:
-        kernel, _, options = rest.partition("+")
+    head, *options = layout.split("+")
+    qkv_format, _, kernel = head.partition(":")
     extra = []
-    for option in filter(None, options.split("+")):
+    for option in options:
         if option not in LAYOUT_OPTIONS:
             raise SystemExit(f"--layouts {layout}: unknown option +{option}; choose from {sorted(LAYOUT_OPTIONS)}")
         extra += LAYOUT_OPTIONS[option]

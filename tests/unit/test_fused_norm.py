@@ -102,3 +102,23 @@ def test_the_module_has_torchs_parameter_and_falls_back_where_it_does_not_apply(
     layer_norm = _config(False)
     layer_norm.normalization = "LayerNorm"
     assert isinstance(FusedRMSNorm(layer_norm, 64), torch.nn.LayerNorm)
+
+
+def test_the_flag_is_refused_where_it_would_not_act(monkeypatch):
+    from slime.config.arg_groups import megatron as megatron_group
+    from slime.config.arguments import SlimeArgumentError
+    from tests.args import make_args
+
+    megatron = ("--train-backend", "megatron", "--norm-kernel", "triton")
+    assert make_args().norm_kernel == "torch"
+    assert make_args(*megatron, use_cuda=True).norm_kernel == "triton"
+    with pytest.raises(SlimeArgumentError, match="--norm-kernel triton runs on CUDA only"):
+        make_args(*megatron, use_cuda=False)
+    with pytest.raises(SlimeArgumentError, match="--norm-kernel triton replaces the norms of the Megatron trainer"):
+        make_args("--train-backend", "fsdp", "--norm-kernel", "triton", use_cuda=True)
+    with pytest.raises(SlimeArgumentError, match="--spec / --custom-model-provider-path"):
+        make_args(*megatron, "--custom-model-provider-path", "tests.e2e_cpu.training_plugins:provider", use_cuda=True)
+    monkeypatch.setattr(megatron_group.megatron_model, "te_available", lambda: True)
+    with pytest.raises(SlimeArgumentError, match="TransformerEngine's layers"):
+        make_args(*megatron, use_cuda=True)
+    assert make_args(*megatron, "--transformer-impl", "local", use_cuda=True).norm_kernel == "triton"

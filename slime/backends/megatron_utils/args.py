@@ -24,7 +24,7 @@ import logging
 import math
 import os
 
-from slime.backends.megatron_utils import wgrad_fusion as grad_accumulation
+from slime.backends.megatron_utils import wgrad_fusion
 from slime.utils.errors import SlimeArgumentError
 
 logger = logging.getLogger(__name__)
@@ -396,9 +396,9 @@ def _resolve(kw: dict) -> dict:
 
 
 def build_transformer_config(args: argparse.Namespace, te_available: bool | None = None,
-                             wgrad_fusion: bool | None = None):
+                             fuse_wgrad: bool | None = None):
     """megatron-core's TransformerConfig from slime's args. Without TransformerEngine the fusions whose kernels come
-    from it or apex are turned off, except the gradient accumulation fusion when `wgrad_fusion` (default:
+    from it or apex are turned off, except the gradient accumulation fusion when `fuse_wgrad` (default:
     wgrad_fusion.py's `supported()`, a CUDA check) says slime's own accumulator runs here."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
@@ -416,10 +416,10 @@ def build_transformer_config(args: argparse.Namespace, te_available: bool | None
         # These kernels come from TransformerEngine / apex; megatron-core refuses the flags without them.
         if backend == "auto":
             backend = "local"
-        if wgrad_fusion is None:
-            wgrad_fusion = grad_accumulation.supported()
+        if fuse_wgrad is None:
+            fuse_wgrad = wgrad_fusion.supported()
         kw.update(apply_rope_fusion=False, persist_layer_norm=False,
-                  gradient_accumulation_fusion=kw["gradient_accumulation_fusion"] and wgrad_fusion)
+                  gradient_accumulation_fusion=kw["gradient_accumulation_fusion"] and fuse_wgrad)
         if "moe_permute_fusion" in kw:
             kw.update(moe_permute_fusion=False, moe_grouped_gemm=False)
     if importlib.util.find_spec("scaled_masked_softmax_cuda") is None:

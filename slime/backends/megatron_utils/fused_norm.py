@@ -31,7 +31,6 @@ except ImportError:  # refused at parse time (--norm-kernel triton needs triton)
     triton = None
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-KERNELS = ("torch", "triton")  # --norm-kernel
 BLOCK_ELEMENTS = 8192  # elements of x a program holds at once: rows x the next power of two of the hidden size
 
 if triton is not None:
