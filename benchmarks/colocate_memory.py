@@ -3,6 +3,7 @@
     python benchmarks/colocate_memory.py [--shape qwen3-4b] [--rollouts sglang,hf] [--backend megatron|fsdp]
         [--prompts 32] [--prompt-len 64] [--response-len 1024] [--steps 10] [--sglang-mem-fraction 0.6]
         [--modes handoff,resident] [--engine-weights-cpu-backup] [--growth-tolerance-gb 1.0] [--keep-logs DIR]
+        [--train-args "--norm-kernel triton ..."]
 
     # the trainer's memory over 10 push / offload cycles in a few minutes (the memory per cycle does not depend on
     # the number of samples): 4 prompts x 8 samples x 128 tokens
@@ -47,6 +48,7 @@ import datetime
 import glob
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -229,7 +231,7 @@ def run_mode(args, rollout: str, mode: str, model_dir: str, data: str, workdir: 
     tb = os.path.join(workdir, f"{name}_tb")
     log_path = os.path.join(workdir, f"{name}.log")
     extra = [*MODES[mode], *(["--sglang-enable-weights-cpu-backup"] if args.engine_weights_cpu_backup else []),
-             *extra_flags]
+             *shlex.split(args.train_args), *extra_flags]
     cmd = [*slime_command(args, model_dir, data, tb, args.backend, rollout), *extra]
     engine_logs = os.path.join(workdir, f"{name}_engine_logs")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
@@ -354,6 +356,9 @@ def main() -> None:
                    help="pass --sglang-enable-weights-cpu-backup: released engine weights are copied to host memory "
                         "and back instead of freed (and pushed again)")
     p.add_argument("--keep-logs", default="", help="a folder to copy each run's train.py log into")
+    p.add_argument("--train-args", default="",
+                   help="more train.py flags, one shell-quoted string appended to each run's command (e.g. "
+                        "\"--norm-kernel triton\"); later flags win")
     p.add_argument("--growth-tolerance-gb", type=float, default=1.0,
                    help="how much the trainer's memory after a move may grow from the second step to the last")
     args = p.parse_args()

@@ -49,7 +49,8 @@ def job_args(steps: int) -> argparse.Namespace:
     """benchmarks/colocate_memory.py's options for the short 4B job (its row 9 sizes)."""
     return argparse.Namespace(shape="qwen3-4b", backend="megatron", prompts=4, prompt_len=64, response_len=128,
                               steps=steps, micro_batch_size=4, sglang_mem_fraction=0.6,
-                              sglang_attention_backend="triton", engine_weights_cpu_backup=False, keep_logs="")
+                              sglang_attention_backend="triton", engine_weights_cpu_backup=False, keep_logs="",
+                              train_args="")
 
 
 def checkpoint_bytes(model_dir: str) -> int:
