@@ -14,7 +14,8 @@ Under context parallelism (cp > 1, packed only) each rank holds zigzag chunks of
 (`cp_layout.py`): the keys and values of the whole CP group are gathered and each local query attends to the
 keys of its sequence at positions up to its own, one SDPA call per sequence with an explicit mask.
 
-Grouped-query attention runs without copying key/value heads where the kernel supports it. Attention
+Grouped-query attention runs without copying key/value heads (SDPA's `enable_gqa`; the flash kernels take
+fewer key/value heads as they are), except under an explicit mask (context parallelism). Attention
 dropout applies in training mode only (slime keeps the model in eval mode: recomputed and trained
 log-probs must agree).
 """
@@ -135,14 +136,36 @@ class SDPAttention(torch.nn.Module):
             kwargs["window_size"] = (-1, 0)  # causal
         else:
             kwargs["is_causal"] = True
-        groups = query.shape[1] // key.shape[1]
-        if groups > 1:
+        cu = cu.to(device=query.device, dtype=torch.int32)
+        if query.shape[1] != key.shape[1]:
             if "enable_gqa" in keywords:
                 kwargs["enable_gqa"] = True
-            else:
-                key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        cu = cu.to(device=query.device, dtype=torch.int32)
+            else:  # a torch whose varlen_attn refuses fewer key/value heads, while its flash kernel takes them
+                return _GroupedFlashVarlen.apply(query, key, value, cu, max_len, self.scale)
         return fn(query, key, value, cu, cu, max_len, max_len, **kwargs)
+
+
+class _GroupedFlashVarlen(torch.autograd.Function):
+    """Causal varlen flash attention with fewer key/value heads than query heads, straight through torch's flash
+    kernels (FlashAttention-2 reads each key/value head for its group of query heads and sums their gradients):
+    what `varlen_attn(enable_gqa=True)` does in torch versions that have it, without copying the key/value heads
+    (4x their bytes for Qwen3's 32/8 heads, kept for backward) as repeating them would."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, cu, max_len: int, scale: float):
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+            query, key, value, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(query, key, value, out, lse, cu, seed, offset)
+        ctx.max_len, ctx.scale = max_len, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, cu, seed, offset = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), query, key, value, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, seed,
+            offset, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
 
 
 def with_sdpa_attention(block_spec):
