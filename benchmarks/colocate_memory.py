@@ -3,7 +3,7 @@
     python benchmarks/colocate_memory.py [--shape qwen3-4b] [--rollouts sglang,hf] [--backend megatron|fsdp]
         [--prompts 32] [--prompt-len 64] [--response-len 1024] [--steps 10] [--sglang-mem-fraction 0.6]
         [--modes handoff,resident] [--engine-weights-cpu-backup] [--growth-tolerance-gb 1.0] [--keep-logs DIR]
-        [--train-args "--norm-kernel triton ..."]
+        [--train-args "--max-tokens-per-gpu 8704 ..."]
 
     # the trainer's memory over 10 push / offload cycles in a few minutes (the memory per cycle does not depend on
     # the number of samples): 4 prompts x 8 samples x 128 tokens
@@ -358,7 +358,7 @@ def main() -> None:
     p.add_argument("--keep-logs", default="", help="a folder to copy each run's train.py log into")
     p.add_argument("--train-args", default="",
                    help="more train.py flags, one shell-quoted string appended to each run's command (e.g. "
-                        "\"--norm-kernel triton\"); later flags win")
+                        "\"--max-tokens-per-gpu 8704\"); later flags win")
     p.add_argument("--growth-tolerance-gb", type=float, default=1.0,
                    help="how much the trainer's memory after a move may grow from the second step to the last")
     args = p.parse_args()

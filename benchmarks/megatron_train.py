@@ -50,7 +50,7 @@ from tests.args import make_args  # noqa: E402
 
 # a layout's `+option`s: the flags each adds
 LAYOUT_OPTIONS = {"rope": ["--rope-kernel", "triton"], "torchrope": ["--rope-kernel", "torch"],
-                  "nogaf": ["--no-gradient-accumulation-fusion"], "norm": ["--norm-kernel", "triton"]}
+                  "nogaf": ["--no-gradient-accumulation-fusion"]}
 
 
 def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Namespace:
@@ -256,7 +256,7 @@ def main() -> None:
     p.add_argument("--layouts", default="thd,bshd",
                    help="qkv formats, comma-separated, each run with slime's default kernels; :torch / :triton "
                         "picks --log-probs-kernel, +torchrope / +rope the --rope-kernel, +nogaf adds "
-                        "--no-gradient-accumulation-fusion, +norm --norm-kernel triton (e.g. thd,thd+norm)")
+                        "--no-gradient-accumulation-fusion (e.g. thd,thd:torch+torchrope+nogaf)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=790.0)
     p.add_argument("--push", type=int, default=0, help="also time N colocated weight pushes to an hf engine")

@@ -641,18 +641,6 @@ ROWS: tuple[Row, ...] = (
                                      torch_rope_step=r"^\| thd:triton\+torchrope \| (.+)$"),
         check=kernel_step_check(1.0, "thd:triton+rope", "thd:triton+torchrope", "the Triton rotary embedding",
                                 "megatron-core's")),
-    Row(31, "Triton RMSNorm in the Megatron trainer (--norm-kernel triton)", "performance",
-        f"{PYTEST} tests/gpu/test_fused_norm_gpu.py && python benchmarks/megatron_train.py --shape qwen3-4b "
-        "--num-layers 18 --seq-len 1088 --samples 64 --max-tokens-per-gpu 4352 --layouts thd,thd+norm --steps 2",
-        timeout_s=600, estimate_s=200, part="perf3",
-        must_show="the RMSNorm as one Triton kernel forward and one backward (fused_norm.py) gives torch's at the 4B "
-        "shape's hidden and q norms for 4,352 tokens (bf16: output within two units in the last place of fp64's, "
-        "gradients as close to fp64's as torch's), with both forms' milliseconds; then the 4B shape's train step "
-        "(18 of its layers, the 4B job's micro-batches) with it no slower than with torch's, the condition of its "
-        "becoming the default (opt-in until then; not yet run on a GPU)",
-        kind="command", figures=grab(norm_kernel=r"\[fused norm\] (\[4352, 2560\].+)$",
-                                     norm_step=r"^\| thd\+norm \| (.+)$", torch_norm_step=r"^\| thd \| (.+)$"),
-        check=kernel_step_check(1.0, "thd+norm", "thd", "the Triton RMSNorm", "torch's")),
 )
 PARTS = tuple(sorted({r.part for r in ROWS}))  # "1".."9", then perf, perf2, x2
 

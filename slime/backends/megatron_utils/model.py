@@ -26,7 +26,6 @@ import torch
 
 from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import grad_norm, lora, packed_rope, plugins, wgrad_fusion
-from slime.backends.megatron_utils.fused_norm import with_fused_norms
 from slime.backends.megatron_utils.sandwich_norm import add_sandwich_norms
 from slime.backends.megatron_utils.sdpa_attention import with_sdpa_attention
 from slime.backends.megatron_utils.sequence_parallel_norm import with_sequence_parallel_norms
@@ -112,7 +111,7 @@ def _patch_moe_without_te() -> None:
 def _layer_spec(args: argparse.Namespace, config, vp_stage: int | None):
     """The built-in spec: megatron-core's GPT decoder block (TE or local layers; SDPA attention without TE) with
     GLM-4's sandwich norms when asked for; local norms that take sequence parallelism with it
-    (sequence_parallel_norm.py), or the Triton RMSNorm with --norm-kernel triton (fused_norm.py)."""
+    (sequence_parallel_norm.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     te = uses_te(args)
@@ -121,8 +120,6 @@ def _layer_spec(args: argparse.Namespace, config, vp_stage: int | None):
     if not te:
         spec = with_sdpa_attention(spec)
     spec = add_sandwich_norms(spec, config, args, te)
-    if not te and args.norm_kernel == "triton":
-        return with_fused_norms(spec)  # its norms mark their weights for sequence parallelism themselves
     return with_sequence_parallel_norms(spec) if config.sequence_parallel and not te else spec
 
 

@@ -32,19 +32,12 @@ class SequenceParallelTorchNorm:
 def with_sequence_parallel_norms(spec):
     """A copy of `spec` (a decoder block spec, a layer's ModuleSpec or any part of one) with every
     `WrappedTorchNorm` replaced by `SequenceParallelTorchNorm`."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    return swap_classes(spec, {WrappedTorchNorm: SequenceParallelTorchNorm})
-
-
-def swap_classes(spec, replace: dict):
-    """A copy of `spec` (a ModuleSpec, a dataclass of submodules, lists and dicts of them) with each class that is
-    a key of `replace` replaced by its value, at any depth."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
     def swap(obj):
-        if isinstance(obj, type) and obj in replace:
-            return replace[obj]
+        if obj is WrappedTorchNorm:
+            return SequenceParallelTorchNorm
         if isinstance(obj, list):
             return [swap(x) for x in obj]
         if isinstance(obj, dict):

@@ -134,13 +134,6 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser) -> None:
         "step of a 0.6B GRPO batch took 0.98 s with triton against 1.15 s (docs/megatron_backend.md).",
     )
     g.add_argument(
-        "--norm-kernel", choices=KERNELS, default="torch",
-        help="How the Megatron trainer's local layers (no TransformerEngine) compute RMSNorm: torch (torch.nn.RMSNorm, "
-        "megatron-core's choice; a fused forward, a backward of several kernels) or triton (one Triton kernel forward "
-        "and one backward that also sums the weight's gradient; needs CUDA and triton; other normalizations keep "
-        "torch's). Not in slime; opt-in until measured on a GPU (docs/megatron_backend.md).",
-    )
-    g.add_argument(
         "--num-critic-only-steps", type=int, default=0, help="Initial rollouts that train only the PPO critic."
     )
     g.add_argument(
@@ -211,11 +204,6 @@ def validate_algorithm(args: argparse.Namespace) -> None:
             fail(f"--rope-kernel triton rotates the Megatron trainer's packed micro-batches only, and this run trains "
                  f"with --train-backend {args.train_backend} --qkv-format {args.qkv_format}; use --train-backend "
                  "megatron --qkv-format thd, or drop the flag.")
-    if args.norm_kernel == "triton":
-        _check_triton_runs(args, "--norm-kernel")
-        if not train_spec(args).model_from_megatron_flags:
-            fail(f"--norm-kernel triton replaces the norms of the Megatron trainer's built-in layer spec, and this run "
-                 f"trains with --train-backend {args.train_backend}; use --train-backend megatron, or drop the flag.")
     if args.get_mismatch_metrics and not args.custom_tis_function_path:
         fail("--get-mismatch-metrics runs --custom-tis-function-path, which is not set; add it (e.g. "
              "slime.algorithm.tis.vanilla_tis_function) or drop the flag.")

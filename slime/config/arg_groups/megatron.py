@@ -438,13 +438,6 @@ def validate_megatron(args: argparse.Namespace) -> None:
         logger.warning("--transformer-impl transformer_engine: TransformerEngine is not installed here, so the "
                        "training ranks build megatron-core's local layer spec (torch SDPA attention); pass "
                        "--transformer-impl local to say so, or install transformer-engine.")
-    if args.norm_kernel == "triton":
-        if args.spec or args.custom_model_provider_path:
-            fail("--norm-kernel triton replaces the norms of the built-in layer spec, and this run builds its model "
-                 "with --spec / --custom-model-provider-path; drop the flag (the plugin chooses its own norms).")
-        if args.transformer_impl == "transformer_engine" and megatron_model.te_available():
-            fail("--norm-kernel triton replaces megatron-core's local norms, and TransformerEngine's layers (with "
-                 "their own fused norms) are in use; pass --transformer-impl local to use it, or drop the flag.")
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     if args.num_attention_heads and args.num_attention_heads % tp:
         fail(
