@@ -199,13 +199,20 @@ class ServerEngine:
             return None
         return self.failure_report()
 
-    def failure_report(self, since: int | None = None, when: str = "") -> str | None:
+    def failure_report(self, since: int | None = None, when: str = "", settle_s: float = 0.0) -> str | None:
         """`death_report`'s line when the server has ended; while it runs, the same line about the most telling
         error it logged after byte `since` of its log (None: nothing telling, or `since` not given); None when no
-        server was started or `shutdown` stopped it. `when` goes after the exit description ("at start-up")."""
+        server was started or `shutdown` stopped it. `when` goes after the exit description ("at start-up").
+        `settle_s`: a server that failed a check may be dying (a SIGKILL's exit takes a moment on a busy machine):
+        wait up to this long for its exit before reporting it as running."""
         if self.process is None:  # never started, or stopped by `shutdown`
             return None
         rc = self.process.poll()
+        if rc is None and settle_s > 0:
+            try:
+                rc = self.process.wait(timeout=settle_s)
+            except subprocess.TimeoutExpired:
+                pass
         alive = rc is None
         if alive and since is None:
             return None

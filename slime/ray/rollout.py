@@ -105,6 +105,9 @@ ENGINE_CLASSES = {
 }
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # what SGLang's release_memory_occupation frees with no tags
 ENGINE_QUERY_TIMEOUT_S = 30.0  # an engine actor's answer to log_size() / status() (error reports only)
+# how long a take-out waits for an engine's server that failed its health check to exit, before calling it running
+# (a killed server's exit can lag its closed port on a busy machine)
+TAKE_OUT_SETTLE_S = 2.0
 # the per-rollout request counts (a metric only): a busy engine on a loaded CPU machine may take over a second to
 # answer /server_info, and the rollout's metrics would then go without them
 COUNTS_TIMEOUT_S = 5.0
@@ -584,7 +587,8 @@ class RolloutManager:
     def _log_take_out(self, i: int) -> None:
         """The one line saying why engine i goes (its failure_report), before its server is stopped."""
         try:
-            report = ray.get(self.engines[i].failure_report.remote(), timeout=ENGINE_QUERY_TIMEOUT_S)
+            report = ray.get(self.engines[i].failure_report.remote(settle_s=TAKE_OUT_SETTLE_S),
+                             timeout=ENGINE_QUERY_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the take-out goes on
             report = f"its actor did not answer ({type(e).__name__}: {e})"
         logger.warning("taking engine %d out: %s", i, report or "its server runs but failed the health check")

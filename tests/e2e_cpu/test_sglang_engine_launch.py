@@ -229,3 +229,27 @@ def test_multi_node_engine_gets_one_actor_per_node(tmp_path, monkeypatch, tiny_m
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
         assert time.monotonic() < deadline, "a node's server outlived the shutdown"
         time.sleep(0.2)
+
+
+@pytest.mark.timeout(60)
+def test_a_server_killed_as_it_fails_a_check_is_reported_killed_not_running(tmp_path):
+    """The health monitor takes an engine out as soon as its server stops answering, which on a busy machine can be
+    before the SIGKILLed process is reapable: `failure_report(settle_s=...)` (the take-out's question) waits for the
+    exit and names the signal, where an immediate look may still see a running server; a server that keeps running
+    is reported as such (None) after the wait."""
+    import signal
+    import subprocess
+
+    eng = SGLangEngine(_args(str(tmp_path / "model")), rank=0)
+    eng.log_path = str(tmp_path / "server.log")
+    eng.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = time.monotonic()
+        assert eng.failure_report(settle_s=0.5) is None  # alive: the wait ends with nothing to report
+        assert time.monotonic() - start >= 0.5
+        os.kill(eng.process.pid, signal.SIGKILL)
+        report = eng.failure_report(settle_s=10)
+        assert report is not None and "was killed by SIGKILL" in report, report
+    finally:
+        eng.process.kill()
+        eng.process.wait()
