@@ -129,19 +129,18 @@ class SDPAttention(torch.nn.Module):
         return torch.cat(outs, dim=0)
 
     def _varlen(self, fn, keywords, query, key, value, cu, max_len):
-        kwargs = {}
+        cu = cu.to(device=query.device, dtype=torch.int32)
+        grouped = query.shape[1] != key.shape[1]
+        if grouped and "enable_gqa" not in keywords:
+            # a torch whose varlen_attn refuses fewer key/value heads, while its flash kernel takes them
+            return _GroupedFlashVarlen.apply(query, key, value, cu, max_len, self.scale)
+        kwargs = {"enable_gqa": True} if grouped else {}
         if "scale" in keywords:
             kwargs["scale"] = self.scale
         if "window_size" in keywords:
             kwargs["window_size"] = (-1, 0)  # causal
         else:
             kwargs["is_causal"] = True
-        cu = cu.to(device=query.device, dtype=torch.int32)
-        if query.shape[1] != key.shape[1]:
-            if "enable_gqa" in keywords:
-                kwargs["enable_gqa"] = True
-            else:  # a torch whose varlen_attn refuses fewer key/value heads, while its flash kernel takes them
-                return _GroupedFlashVarlen.apply(query, key, value, cu, max_len, self.scale)
         return fn(query, key, value, cu, cu, max_len, max_len, **kwargs)
 
 
