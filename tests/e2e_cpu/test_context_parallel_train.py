@@ -24,8 +24,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, re
 
 SHIM_SITE = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "plugins", "megatron_shim")
 ROLLOUTS = 3
-COMPARED = ("train/loss", "train/kl_loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff",
-            "rollout/raw_reward")
+COMPARED = ("train/loss", "train/kl_loss", "train/grad_norm", "rollout/raw_reward")
+# the mean |trainer - engine| log-prob of the sampled tokens is fp32 rounding (~1e-7): the engine's side of it
+# depends on how its requests were batched (arrival order), so two runs of the same job differ at that level too.
+# It is bounded in each run, not compared between them.
+LOGPROB_DIFF = "train/train_rollout_logprob_abs_diff"
 
 
 def train(model_dir: str, data: str, out, cp: int) -> tuple[str, list[dict]]:
@@ -65,8 +68,8 @@ def test_cp2_trains_as_cp1_through_train_py(tiny_model_dir, toy_data_path, tmp_p
         tokens = [[s["tokens"] for s in torch.load(tmp_path / f"cp{cp}" / f"rollout_{rollout_id}.pt",
                                                    weights_only=False)["samples"]] for cp in (1, 2)]
         assert tokens[0] == tokens[1], rollout_id
-    scalars = {cp: {tag: read_scalars(tb, tag) for tag in COMPARED} for cp, (tb, _) in runs.items()}
-    for tag in COMPARED:
+    scalars = {cp: {tag: read_scalars(tb, tag) for tag in (*COMPARED, LOGPROB_DIFF)} for cp, (tb, _) in runs.items()}
+    for tag in (*COMPARED, LOGPROB_DIFF):
         print(tag, "CP1", scalars[1][tag], "CP2", scalars[2][tag])
     for tag in COMPARED:
         assert sorted(scalars[1][tag]) == sorted(scalars[2][tag]) == list(range(ROLLOUTS)), tag
@@ -74,7 +77,9 @@ def test_cp2_trains_as_cp1_through_train_py(tiny_model_dir, toy_data_path, tmp_p
             assert scalars[2][tag][rollout_id] == pytest.approx(scalars[1][tag][rollout_id], rel=1e-5, abs=1e-7), \
                 (tag, rollout_id)
     # the trainer's log-probs of the engine's tokens are the engine's (fp32 on both sides), after every push
-    assert max(scalars[2]["train/train_rollout_logprob_abs_diff"].values()) < 1e-5
+    for cp in (1, 2):
+        assert sorted(scalars[cp][LOGPROB_DIFF]) == list(range(ROLLOUTS)), cp
+        assert max(scalars[cp][LOGPROB_DIFF].values()) < 1e-5, (cp, scalars[cp][LOGPROB_DIFF])
     # the step did something: a loss and gradients to compare
     assert all(v > 0 for v in scalars[1]["train/grad_norm"].values())
     assert any(v != 0 for v in scalars[1]["train/loss"].values())
