@@ -101,7 +101,7 @@ class SDPAttention(torch.nn.Module):
         if varlen is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and dropout == 0:
             fn, keywords = varlen
             if "scale" in keywords or math.isclose(self.scale, 1.0 / math.sqrt(query.shape[-1])):
-                return self._varlen(fn, keywords, query, key, value, cu, int(params.max_seqlen_q))
+                return varlen_causal(fn, keywords, query, key, value, cu, int(params.max_seqlen_q), self.scale)
         outs = []
         bounds = cu.tolist()
         for start, end in zip(bounds[:-1], bounds[1:]):
@@ -128,20 +128,23 @@ class SDPAttention(torch.nn.Module):
             outs.append(self._sdpa(q, k, v, masked.unsqueeze(0).unsqueeze(0), dropout).squeeze(0).permute(1, 0, 2))
         return torch.cat(outs, dim=0)
 
-    def _varlen(self, fn, keywords, query, key, value, cu, max_len):
-        cu = cu.to(device=query.device, dtype=torch.int32)
-        grouped = query.shape[1] != key.shape[1]
-        if grouped and "enable_gqa" not in keywords:
-            # a torch whose varlen_attn refuses fewer key/value heads, while its flash kernel takes them
-            return _GroupedFlashVarlen.apply(query, key, value, cu, max_len, self.scale)
-        kwargs = {"enable_gqa": True} if grouped else {}
-        if "scale" in keywords:
-            kwargs["scale"] = self.scale
-        if "window_size" in keywords:
-            kwargs["window_size"] = (-1, 0)  # causal
-        else:
-            kwargs["is_causal"] = True
-        return fn(query, key, value, cu, cu, max_len, max_len, **kwargs)
+
+def varlen_causal(fn, keywords: set, query, key, value, cu, max_len: int, scale: float):
+    """Causal attention of packed `[t, heads, dim]` sequences with boundaries `cu` through torch's `varlen_attn`
+    (`fn`, taking `keywords`), with the keywords this torch version has; fewer key/value heads than query heads
+    go to torch's flash kernels directly where `varlen_attn` has no `enable_gqa`."""
+    cu = cu.to(device=query.device, dtype=torch.int32)
+    grouped = query.shape[1] != key.shape[1]
+    if grouped and "enable_gqa" not in keywords:
+        return _GroupedFlashVarlen.apply(query, key, value, cu, max_len, scale)
+    kwargs = {"enable_gqa": True} if grouped else {}
+    if "scale" in keywords:
+        kwargs["scale"] = scale
+    if "window_size" in keywords:
+        kwargs["window_size"] = (-1, 0)  # causal
+    else:
+        kwargs["is_causal"] = True
+    return fn(query, key, value, cu, cu, max_len, max_len, **kwargs)
 
 
 class _GroupedFlashVarlen(torch.autograd.Function):
