@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -237,9 +239,6 @@ def test_a_server_killed_as_it_fails_a_check_is_reported_killed_not_running(tmp_
     before the SIGKILLed process is reapable: `failure_report(settle_s=...)` (the take-out's question) waits for the
     exit and names the signal, where an immediate look may still see a running server; a server that keeps running
     is reported as such (None) after the wait."""
-    import signal
-    import subprocess
-
     eng = SGLangEngine(_args(str(tmp_path / "model")), rank=0)
     eng.log_path = str(tmp_path / "server.log")
     eng.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
