@@ -13,12 +13,22 @@ Training, megatron (the largest pipeline stage is reported):
   weights, gradients and optimizer state as above;
 - reference model (a KL term): another copy of the weights; the teacher of `--use-opd --opd-type megatron`
   (the student's architecture and layout): one more;
-- activations (Korthikanti et al. 2022, flash attention so no s² term): per layer and micro-batch of T
-  tokens, T·h·(10 + 24/TP) bytes, or 34·T·h/TP with --sequence-parallel; × the stage's layers × the
-  micro-batches 1F1B keeps in flight (PP − stage). --recompute-granularity full keeps 2·T·h per layer
-  (per group of --recompute-num-layers with `uniform`) plus one group's full activations. Selective
-  recompute (--recompute-activations) only drops the attention-score term this formula already omits.
-  MoE layers are counted like dense ones (their top-k expert activations come on top);
+- activations: what one decoder layer of the local layer spec keeps for its backward, per token of a
+  micro-batch of T tokens (`layer_activation_elements`, × the activation dtype's bytes): the inputs of the two
+  norms and of the two first projections (4h; ÷TP only with --sequence-parallel, + h per extra norm of a
+  sandwich-norm layer), the fused q/k/v output (q + 2kv, which the value view keeps whole), the query (and with
+  q/k norms its unnormalised copy), the key and the output the flash kernel keeps (q + kv), the MLP's gate/up output
+  and its down projection's input (3·ffn; an MoE layer: top-k × (h + 3·expert ffn ÷ ETP) per token the rank's
+  experts see, + 3·shared ffn, + the router's scores and top-k probabilities), all but the first part ÷ TP. The
+  fp32 statistics (an RMSNorm's inverse RMS per row, flash attention's log-sum-exp per head) are left out. Counted
+  on the layer itself: tests/e2e_cpu/test_activation_plan.py tallies what autograd keeps in a Megatron layer on CPU
+  (norms, attention and rotation as slime's CUDA kernels keep them) and checks this formula against it, to the
+  byte. It is ~35% above Korthikanti et al.'s 34·T·h for Qwen3-4B, whose GQA, SwiGLU and q/k norms that formula
+  (GPT's layer, dropout masks) does not describe. × the stage's layers × the micro-batches 1F1B keeps in flight
+  (PP − stage). --recompute-granularity full keeps 2·T·h per layer (per group of --recompute-num-layers with
+  `uniform`) plus one group's full activations. Selective recompute (--recompute-activations) only drops the attention-score
+  term flash attention never stores. Multi-latent attention is estimated alike (its latents and their norms'
+  inputs, the up-projection's output, query, key, value and output), not counted on a layer;
 - logits: T × padded vocab ÷ TP × 8 B (the bf16 logits, their gradient and the fp32 chunks of the log-prob pass,
   measured at 5.9 B on CPU), last stage only.
 
@@ -26,8 +36,9 @@ Training, fsdp (this repo's backend: FSDP2 over all ranks, fp32 master shards, A
 weights, gradients (fp32) and AdamW state ÷ ranks = 16 B/param ÷ ranks (LoRA: 4 B/param of the frozen base, the
 adapters 16 B/param); the gathered embedding/output
 layer and two decoder layers in the compute dtype; a KL reference model's fp32 shards, and the OPD teacher's
-(`--opd-type megatron`: its own parameter count when --opd-teacher-load is an HF folder); activations as above
-with TP = 1 (fp32 on CPU doubles them).
+(`--opd-type megatron`: its own parameter count when --opd-teacher-load is an HF folder); activations by Korthikanti
+et al.'s 34·T·h bytes per layer (GPT's layer; not counted on the HF layer as the Megatron term is; fp32 on CPU
+doubles them).
 
 Engines (SGLang): weights = params × bytes ÷ TP (1 B for an fp8 checkpoint, else 2 B); the static pool
 is mem_fraction_static × GPU memory (SGLang's own default depends on the GPU and TP: 0.9 is assumed when
@@ -145,13 +156,40 @@ def stage_layers(args, shape: ModelShape, pp: int) -> list[int]:
         return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
-def activation_bytes_per_layer(tokens: float, hidden: int, tp: int, sequence_parallel: bool, act_bytes: int) -> float:
-    per_token = 34 / tp if sequence_parallel else 10 + 24 / tp
-    return tokens * hidden * per_token * act_bytes / 2
+def layer_activation_elements(shape: ModelShape, layer: int, tp: int = 1, sequence_parallel: bool = False,
+                              etp: int = 1) -> float:
+    """Activation elements decoder layer `layer` keeps for its backward per token on one rank (module docstring)."""
+    h = shape.hidden_size
+    replicated = (4 + max(0, shape.norms_per_layer - 2)) * h / (tp if sequence_parallel else 1)
+    if shape.mla:
+        heads = shape.num_heads / tp
+        qk = (shape.qk_nope_head_dim or 0) + (shape.qk_rope_head_dim or 0)
+        v = shape.v_head_dim or shape.head_dim
+        latents = 2 * (shape.q_lora_rank or 0) + 2 * shape.kv_lora_rank + (shape.qk_rope_head_dim or 0)
+        attention = latents + heads * ((shape.qk_nope_head_dim or 0) + v) + 2 * heads * qk + 2 * heads * v
+    else:
+        q = shape.num_heads * shape.head_dim / tp
+        kv = max(1.0, shape.num_kv_heads / tp) * shape.head_dim
+        attention = 3 * q + 3 * kv + (q if shape.qk_norm else 0)
+    if shape.moe_layers[layer]:  # tokens are split over TP by sequence parallelism and gathered over expert-TP
+        routed = shape.experts_per_token * (h + 3 * shape.moe_intermediate_size / etp)
+        router = (shape.num_experts + shape.experts_per_token) / (tp if sequence_parallel else 1)  # scores, top-k
+        mlp = routed * (etp / tp if sequence_parallel else 1) + router + 3 * shape.shared_expert_intermediate_size / tp
+    else:
+        mlp = 3 * shape.intermediate_size / tp
+    return replicated + attention + mlp
 
 
-def _activation_formula(sp: bool) -> str:
-    return "34·T·h/TP" if sp else "T·h·(10 + 24/TP)"
+def activation_bytes_per_layer(shape: ModelShape, layers: range, tokens: float, tp: int, sequence_parallel: bool,
+                               act_bytes: int, etp: int = 1) -> float:
+    """Mean bytes one of `layers` keeps for its backward at `tokens` tokens per micro-batch."""
+    total = sum(layer_activation_elements(shape, i, tp, sequence_parallel, etp) for i in layers)
+    return tokens * act_bytes * total / max(1, len(layers))
+
+
+def _activation_formula(shape: ModelShape, layers: range, tp: int, sp: bool, act_bytes: int) -> str:
+    per_token = activation_bytes_per_layer(shape, layers, 1, tp, sp, act_bytes)
+    return f"T × {per_token / 1024:,.1f} KiB (layer_activation_elements × {act_bytes} B)"
 
 
 def megatron_bytes_per_param(args) -> tuple[int, int, int, str]:
@@ -245,7 +283,9 @@ def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches
             est.items.append(Item("teacher model", per_gpu * wb, how))
         if tokens:
             in_flight = par.pp - stage if micro_batches is None else min(par.pp - stage, micro_batches)
-            full = activation_bytes_per_layer(tokens, shape.hidden_size, par.tp, sp, wb)
+            layers = range(start - n_layers, start)
+            full = activation_bytes_per_layer(shape, layers, tokens, par.tp, sp, wb, par.etp)
+            formula = _activation_formula(shape, layers, par.tp, sp, wb)
             head = (f"T={tokens:,.0f} tokens, h={shape.hidden_size}, {n_layers} layers, "
                     f"{in_flight} micro-batch(es) in flight")
             if recompute == "full":
@@ -254,14 +294,14 @@ def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches
                 if args.recompute_method == "block":
                     ck = min(group, n_layers)
                     act = (ck * kept + (n_layers - ck) * full) * in_flight
-                    how = f"{head}: {ck} recomputed layers × 2·T·h + {n_layers - ck} × {_activation_formula(sp)}"
+                    how = f"{head}: {ck} recomputed layers × 2·T·h + {n_layers - ck} × {formula}"
                 else:
                     act = math.ceil(n_layers / group) * kept * in_flight + group * full
                     how = (f"{head}: full recompute keeps 2·T·h per {group}-layer group, "
-                           f"+ {group} layer(s) × {_activation_formula(sp)} while recomputing")
+                           f"+ {group} layer(s) × {formula} while recomputing")
             else:
                 act = n_layers * full * in_flight
-                how = f"{head}: {_activation_formula(sp)} bytes per layer"
+                how = f"{head}: {formula} per layer"
             est.items.append(Item("activations", act, how))
             if last:
                 logits = tokens * vocab / par.tp * 8
@@ -339,9 +379,9 @@ def fsdp_memory(args, shape: ModelShape, tokens: float | None, with_ref: bool) -
         est.items.append(Item("teacher model", 4 * teacher / world,
                               f"--opd-type megatron: fp32 shards, {fmt_count(teacher)} params ({whose}) × 4 B ÷ {world}"))
     if tokens:
-        act = shape.num_layers * activation_bytes_per_layer(tokens, shape.hidden_size, 1, False, cb)
+        act = shape.num_layers * tokens * shape.hidden_size * 34 * cb / 2
         how = (f"T={tokens:,.0f} tokens, h={shape.hidden_size}, {shape.num_layers} layers: 34·T·h bytes per layer"
-               + (" × 2 (fp32)" if cb == 4 else ""))
+               + (" × 2 (fp32)" if cb == 4 else "") + " (Korthikanti et al.; not counted on the HF layer)")
         est.items.append(Item("activations", act, how))
         est.items.append(Item("logits", tokens * shape.vocab_size * 8,
                               f"T × vocab {shape.vocab_size} × 8 B (logits, their response rows and "
