@@ -3,12 +3,12 @@
 Builds the tiny model of `--arch` (tools/make_tiny_model.py) through slime's model provider under the test-only CPU
 shim, in bf16, and runs one packed (THD) forward with gradients on. A `saved_tensors_hooks` pack hook tallies the
 storages autograd keeps while each decoder layer runs, each storage once (a view keeps its whole storage, as on the
-GPU), parameters and storages that more than one layer keeps (the rotary tables) left out. Two modules keep other
-tensors on the CPU than their CUDA kernels do, so for them the hook records what the CUDA kernel keeps instead:
-an RMSNorm (torch's fused kernel: its input and fp32 inverse RMS per row, where the CPU decomposition keeps fp32
-copies) and the core attention (flash attention: query, key, value, output and the fp32 log-sum-exp per head).
-The rotary embedding keeps only the model's shared frequency table in slime's fused kernel, so its CPU tables
-are left out too. Writes <out>/activations.json: {"model_dir", "tokens", "layers": [bf16 bytes per token of each
+GPU), parameters and storages that more than one layer keeps left out. Three parts keep other tensors on the CPU
+than slime's CUDA kernels do, so for them the hook records what the CUDA kernel keeps instead: an RMSNorm (torch's
+fused kernel: its input and fp32 inverse RMS per row, where the CPU decomposition keeps fp32 copies), the core
+attention (flash attention: query, key, value, output and the fp32 log-sum-exp per head) and the rotary embedding
+(slime's fused kernel keeps only the model's one frequency table, megatron-core's unfused rotation cos and sin
+tables per call). Writes <out>/activations.json: {"model_dir", "tokens", "layers": [bf16 bytes per token of each
 layer], "other": [bytes per token of its other dtypes: fp32 statistics, the router's probabilities, indices]}.
 """
 
@@ -32,7 +32,7 @@ from tests.conftest import model_args  # noqa: E402
 
 
 class Tally:
-    """Storages kept for backward, per decoder layer: {layer: {key: bytes}}."""
+    """Storages kept for backward, per decoder layer: {layer: {key: (bytes, in the activation dtype)}}."""
 
     def __init__(self, params: set[int]):
         self.params = params
@@ -85,8 +85,8 @@ class Tally:
         self.keep(("log-sum-exp", id(module)), query.numel() // query.shape[-1] * 4, False)
 
     def rotary(self, apply):
-        """megatron-core's unfused rotation keeps cos and sin tables per call; the fused kernel slime runs on CUDA
-        keeps only the model's one frequency table."""
+        """`apply` (megatron-core's rotation) with nothing it keeps tallied."""
+
         def rotate(*args, **kwargs):
             self.substituted = True
             try:
