@@ -1,0 +1,189 @@
+"""Causal attention kernels at a packed micro-batch's shape (GPU): forward + backward ms and TFLOP/s.
+
+    python benchmarks/attention_kernels.py [--lengths 1088,1000,900,1088] [--heads 32] [--kv-heads 8] [--head-dim 128]
+
+The default batch is the 4B job's micro-batch (4 sequences of up to 1088 tokens, Qwen3-4B's 32 query and 8 key/value
+heads of 128). Rows:
+- `packed, slime`: what the Megatron trainer runs for packed (THD) micro-batches, `sdpa_attention.varlen_causal`
+  (torch's variable-length flash attention; on a torch whose `varlen_attn` has no `enable_gqa`, the grouped flash
+  kernels without repeated key/value heads). Its output and gradients are first checked against per-sequence SDPA in
+  fp32 (max |difference| / max |reference|).
+- `padded, <backend>`: `scaled_dot_product_attention(is_causal=True)` on the sequences right-padded to the longest,
+  [batch, heads, length, dim], under one SDPA backend, with the key/value heads as they are (`enable_gqa`) or repeated.
+  Right padding leaves every real token's causal output and gradients as they are (checked: the real tokens against
+  the same fp32 reference); the pad tokens' work is counted in the time but not in the TFLOP/s.
+- `packed, cuDNN`: torch's cuDNN attention over the cumulative lengths (`aten._cudnn_attention_forward` and its
+  autograd backward), key/value heads repeated, its output compared with slime's; a failure is the row's note.
+
+FLOPs: causal attention, 2 × 2 × heads × head_dim × L²/2 per sequence for a forward, 2.5 × that for the backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def cuda_ms(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def forward_backward(fn, inputs, grad):
+    def step():
+        for x in inputs:
+            x.grad = None
+        fn().backward(grad())
+    return step
+
+
+def per_sequence_reference(q, k, v, bounds, scale):
+    """fp32 causal SDPA one sequence at a time, key/value heads repeated: output and the inputs' gradients."""
+    group = q.shape[1] // k.shape[1]
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs = qf[a:b].transpose(0, 1)
+        ks, vs = (x[a:b].repeat_interleave(group, 1).transpose(0, 1) for x in (kf, vf))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
+    return torch.cat(outs), (qf, kf, vf)
+
+
+def real_positions(lengths: list[int], longest: int) -> torch.Tensor:
+    """Rows of the real tokens in a [sequences × longest] right-padded layout."""
+    return torch.cat([torch.arange(n) + i * longest for i, n in enumerate(lengths)])
+
+
+def pad_sequences(x: torch.Tensor, positions: torch.Tensor, batch: int, longest: int) -> torch.Tensor:
+    """Packed [tokens, heads, dim] -> right-padded [batch, heads, longest, dim] (zeros after each sequence)."""
+    out = x.new_zeros(batch * longest, *x.shape[1:])
+    out[positions.to(x.device)] = x
+    return out.view(batch, longest, *x.shape[1:]).transpose(1, 2)
+
+
+def unpad_sequences(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Right-padded [batch, heads, longest, dim] -> packed [tokens, heads, dim], the real tokens only."""
+    batch, heads, longest, dim = x.shape
+    return x.transpose(1, 2).reshape(batch * longest, heads, dim)[positions.to(x.device)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", default="1088,1000,900,1088")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("attention_kernels.py measures CUDA kernels: run it on a GPU machine")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from slime.backends.megatron_utils.sdpa_attention import _varlen_attn, varlen_causal
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    heads, kv_heads, dim, group = args.heads, args.kv_heads, args.head_dim, args.heads // args.kv_heads
+    scale, total, longest = 1 / math.sqrt(dim), sum(lengths), max(lengths)
+    flops = sum(2 * 2 * heads * dim * n * n / 2 for n in lengths) * 3.5
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    torch.manual_seed(0)
+    q = torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(total, kv_heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    grad_out = torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16)
+    print(f"{torch.__version__}, {torch.cuda.get_device_name()}, cuDNN {torch.backends.cudnn.version()}; "
+          f"lengths {lengths}, heads {heads}/{kv_heads} x {dim}", flush=True)
+
+    rows = []  # (kernel, ms or None, note)
+    varlen = _varlen_attn()
+    if varlen is None:
+        rows.append(("packed, slime", None, "this torch has no torch.nn.attention.varlen"))
+    else:
+        def packed():
+            return varlen_causal(varlen[0], varlen[1], q, k, v, cu, longest, scale)
+
+        out = packed()
+        out.backward(grad_out)
+        ref, (qf, kf, vf) = per_sequence_reference(q, k, v, bounds, scale)
+        ref.backward(grad_out.float())
+        errors = [((a.float() - b).abs().max() / b.abs().max()).item()
+                  for a, b in ((out.detach(), ref.detach()), (q.grad, qf.grad), (k.grad, kf.grad), (v.grad, vf.grad))]
+        note = "vs fp32: out {:.1e}, dq {:.1e}, dk {:.1e}, dv {:.1e}".format(*errors)
+        rows.append(("packed, slime (varlen_causal)", cuda_ms(forward_backward(packed, (q, k, v), lambda: grad_out)),
+                     note))
+
+    batch = len(lengths)
+    positions = real_positions(lengths, longest)
+    pad = functools.partial(pad_sequences, positions=positions, batch=batch, longest=longest)
+    unpad = functools.partial(unpad_sequences, positions=positions)
+
+    qp, kp, vp = (pad(x.detach()).requires_grad_() for x in (q, k, v))
+    kr, vr = (x.detach().repeat_interleave(group, 1).requires_grad_() for x in (kp, vp))
+    padded_grad = pad(grad_out)
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cuDNN", SDPBackend.CUDNN_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        for grouped in (True, False):
+            key, value = (kp, vp) if grouped else (kr, vr)
+
+            def padded():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(qp, key, value, is_causal=True, enable_gqa=grouped)
+
+            label = f"padded, {name}, key/value heads {'as they are' if grouped else 'repeated'}"
+            try:
+                out = padded()
+                for x in (qp, key, value):
+                    x.grad = None
+                out.backward(padded_grad)
+                note = ""
+                if varlen is not None:  # real tokens against the fp32 reference (repeated heads' gradients summed)
+                    dk, dv = key.grad, value.grad
+                    if not grouped:
+                        dk, dv = (g.unflatten(1, (kv_heads, group)).sum(2) for g in (dk, dv))
+                    errors = [((unpad(a).float() - b).abs().max() / b.abs().max()).item()
+                              for a, b in ((out.detach(), ref.detach()), (qp.grad, qf.grad), (dk, kf.grad),
+                                           (dv, vf.grad))]
+                    note = "vs fp32: out {:.1e}, dq {:.1e}, dk {:.1e}, dv {:.1e}".format(*errors)
+                rows.append((label, cuda_ms(forward_backward(padded, (qp, key, value), lambda: padded_grad)), note))
+            except RuntimeError as e:
+                rows.append((label, None, str(e).splitlines()[0][:80]))
+
+    kr3, vr3 = (x.detach().repeat_interleave(group, 1).requires_grad_() for x in (k, v))
+
+    def cudnn_packed():
+        return torch.ops.aten._cudnn_attention_forward(q, kr3, vr3, None, cu, cu, longest, longest, True, 0.0, True,
+                                                       False, scale=scale)[0]
+
+    label = "packed, cuDNN, key/value heads repeated"
+    try:
+        with torch.no_grad():
+            reference = varlen_causal(varlen[0], varlen[1], q, k, v, cu, longest, scale) if varlen else None
+            error = (cudnn_packed().float() - reference.float()).abs().max().item() if varlen else float("nan")
+        rows.append((label, cuda_ms(forward_backward(cudnn_packed, (q, kr3, vr3), lambda: grad_out)),
+                     f"output vs slime's: max |difference| {error:.2e}"))
+    except (RuntimeError, IndexError) as e:
+        rows.append((label, None, f"{type(e).__name__}: {str(e)[:80]}"))
+
+    print("\n| kernel | fwd + bwd ms | TFLOP/s | note |\n| --- | ---: | ---: | --- |")
+    for label, ms, note in rows:
+        shown = ("-", "-") if ms is None else (f"{ms:.3f}", f"{flops / ms / 1e9:.1f}")
+        print(f"| {label} | {shown[0]} | {shown[1]} | {note} |")
+
+
+if __name__ == "__main__":
+    main()
