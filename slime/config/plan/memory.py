@@ -180,16 +180,11 @@ def layer_activation_elements(shape: ModelShape, layer: int, tp: int = 1, sequen
     return replicated + attention + mlp
 
 
-def activation_bytes_per_layer(shape: ModelShape, layers: range, tokens: float, tp: int, sequence_parallel: bool,
-                               act_bytes: int, etp: int = 1) -> float:
-    """Mean bytes one of `layers` keeps for its backward at `tokens` tokens per micro-batch."""
+def activation_bytes_per_token(shape: ModelShape, layers: range, tp: int, sequence_parallel: bool, act_bytes: int,
+                               etp: int = 1) -> float:
+    """Mean bytes one of `layers` keeps for its backward per token of a micro-batch."""
     total = sum(layer_activation_elements(shape, i, tp, sequence_parallel, etp) for i in layers)
-    return tokens * act_bytes * total / max(1, len(layers))
-
-
-def _activation_formula(shape: ModelShape, layers: range, tp: int, sp: bool, act_bytes: int) -> str:
-    per_token = activation_bytes_per_layer(shape, layers, 1, tp, sp, act_bytes)
-    return f"T × {per_token / 1024:,.1f} KiB (layer_activation_elements × {act_bytes} B)"
+    return act_bytes * total / max(1, len(layers))
 
 
 def megatron_bytes_per_param(args) -> tuple[int, int, int, str]:
@@ -283,9 +278,9 @@ def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches
             est.items.append(Item("teacher model", per_gpu * wb, how))
         if tokens:
             in_flight = par.pp - stage if micro_batches is None else min(par.pp - stage, micro_batches)
-            layers = range(start - n_layers, start)
-            full = activation_bytes_per_layer(shape, layers, tokens, par.tp, sp, wb, par.etp)
-            formula = _activation_formula(shape, layers, par.tp, sp, wb)
+            per_token = activation_bytes_per_token(shape, range(start - n_layers, start), par.tp, sp, wb, par.etp)
+            full = tokens * per_token
+            formula = f"T × {per_token / 1024:,.1f} KiB (layer_activation_elements × {wb} B)"
             head = (f"T={tokens:,.0f} tokens, h={shape.hidden_size}, {n_layers} layers, "
                     f"{in_flight} micro-batch(es) in flight")
             if recompute == "full":
