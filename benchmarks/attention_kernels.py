@@ -3,15 +3,17 @@
     python benchmarks/attention_kernels.py [--lengths 1088,1000,900,1088] [--heads 32] [--kv-heads 8] [--head-dim 128]
 
 The default batch is the 4B job's micro-batch (4 sequences of up to 1088 tokens, Qwen3-4B's 32 query and 8 key/value
-heads of 128). Rows:
-- `packed, slime`: what the Megatron trainer runs for packed (THD) micro-batches, `sdpa_attention.varlen_causal`
-  (torch's variable-length flash attention; on a torch whose `varlen_attn` has no `enable_gqa`, the grouped flash
-  kernels without repeated key/value heads). Its output and gradients are first checked against per-sequence SDPA in
-  fp32 (max |difference| / max |reference|).
+heads of 128). Every row's output and gradients (of the real tokens) are checked against per-sequence SDPA in fp32
+(max |difference| / max |reference|). Rows:
+- `packed, slime flash`: what the Megatron trainer runs for packed (THD) micro-batches with --attention-kernel flash,
+  `sdpa_attention.varlen_causal` (torch's variable-length flash attention; on a torch whose `varlen_attn` has no
+  `enable_gqa`, the grouped flash kernels without repeated key/value heads).
+- `packed, slime cudnn`: what it runs with --attention-kernel cudnn (the default on CUDA), `sdpa_attention.
+  padded_causal`: the packed tokens scattered to right-padded rows, cuDNN's kernel, gathered back, all in the time.
 - `padded, <backend>`: `scaled_dot_product_attention(is_causal=True)` on the sequences right-padded to the longest,
   [batch, heads, length, dim], under one SDPA backend, with the key/value heads as they are (`enable_gqa`) or repeated.
-  Right padding leaves every real token's causal output and gradients as they are (checked: the real tokens against
-  the same fp32 reference); the pad tokens' work is counted in the time but not in the TFLOP/s.
+  Right padding leaves every real token's causal output and gradients as they are; the pad tokens' work is counted
+  in the time but not in the TFLOP/s (nor is it in the `packed, slime cudnn` row's).
 - `packed, cuDNN`: torch's cuDNN attention over the cumulative lengths (`aten._cudnn_attention_forward` and its
   autograd backward), key/value heads repeated, its output compared with slime's; a failure is the row's note.
 
@@ -83,7 +85,8 @@ def main() -> None:
         sys.exit("attention_kernels.py measures CUDA kernels: run it on a GPU machine")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from slime.backends.megatron_utils.sdpa_attention import _varlen_attn, varlen_causal
+    from slime.backends.megatron_utils import sdpa_attention
+    from slime.backends.megatron_utils.sdpa_attention import _varlen_attn, padded_causal, padded_rows, varlen_causal
 
     lengths = [int(x) for x in args.lengths.split(",")]
     heads, kv_heads, dim, group = args.heads, args.kv_heads, args.head_dim, args.heads // args.kv_heads
@@ -100,22 +103,36 @@ def main() -> None:
           f"lengths {lengths}, heads {heads}/{kv_heads} x {dim}", flush=True)
 
     rows = []  # (kernel, ms or None, note)
+    ref, (qf, kf, vf) = per_sequence_reference(q, k, v, bounds, scale)
+    ref.backward(grad_out.float())
+
+    def against_reference(out, dq, dk, dv) -> str:
+        errors = [((a.float() - b).abs().max() / b.abs().max()).item()
+                  for a, b in ((out, ref.detach()), (dq, qf.grad), (dk, kf.grad), (dv, vf.grad))]
+        return "vs fp32: out {:.1e}, dq {:.1e}, dk {:.1e}, dv {:.1e}".format(*errors)
+
+    def slime_row(label, fn):
+        for x in (q, k, v):
+            x.grad = None
+        out = fn()
+        out.backward(grad_out)
+        rows.append((label, cuda_ms(forward_backward(fn, (q, k, v), lambda: grad_out)),
+                     against_reference(out.detach(), q.grad, k.grad, v.grad)))
+
     varlen = _varlen_attn()
     if varlen is None:
-        rows.append(("packed, slime", None, "this torch has no torch.nn.attention.varlen"))
+        rows.append(("packed, slime flash", None, "this torch has no torch.nn.attention.varlen"))
     else:
-        def packed():
-            return varlen_causal(varlen[0], varlen[1], q, k, v, cu, longest, scale)
-
-        out = packed()
-        out.backward(grad_out)
-        ref, (qf, kf, vf) = per_sequence_reference(q, k, v, bounds, scale)
-        ref.backward(grad_out.float())
-        errors = [((a.float() - b).abs().max() / b.abs().max()).item()
-                  for a, b in ((out.detach(), ref.detach()), (q.grad, qf.grad), (k.grad, kf.grad), (v.grad, vf.grad))]
-        note = "vs fp32: out {:.1e}, dq {:.1e}, dk {:.1e}, dv {:.1e}".format(*errors)
-        rows.append(("packed, slime (varlen_causal)", cuda_ms(forward_backward(packed, (q, k, v), lambda: grad_out)),
-                     note))
+        slime_row("packed, slime flash (varlen_causal)",
+                  lambda: varlen_causal(varlen[0], varlen[1], q, k, v, cu, longest, scale))
+    sdpa_attention.install("cudnn")
+    layout = padded_rows(bounds, "cuda")
+    sdpa_attention.install("flash")
+    if layout is None:
+        rows.append(("packed, slime cudnn", None, "padding adds over half the FLOPs: it stays varlen flash"))
+    else:
+        slime_row("packed, slime cudnn (padded_causal: pad, cuDNN, gather)",
+                  lambda: padded_causal(q, k, v, layout, scale))
 
     batch = len(lengths)
     positions = real_positions(lengths, longest)
@@ -140,15 +157,10 @@ def main() -> None:
                 for x in (qp, key, value):
                     x.grad = None
                 out.backward(padded_grad)
-                note = ""
-                if varlen is not None:  # real tokens against the fp32 reference (repeated heads' gradients summed)
-                    dk, dv = key.grad, value.grad
-                    if not grouped:
-                        dk, dv = (g.unflatten(1, (kv_heads, group)).sum(2) for g in (dk, dv))
-                    errors = [((unpad(a).float() - b).abs().max() / b.abs().max()).item()
-                              for a, b in ((out.detach(), ref.detach()), (qp.grad, qf.grad), (dk, kf.grad),
-                                           (dv, vf.grad))]
-                    note = "vs fp32: out {:.1e}, dq {:.1e}, dk {:.1e}, dv {:.1e}".format(*errors)
+                dk, dv = key.grad, value.grad  # real tokens against the fp32 reference (repeated heads' summed)
+                if not grouped:
+                    dk, dv = (g.unflatten(1, (kv_heads, group)).sum(2) for g in (dk, dv))
+                note = against_reference(*(unpad(x) for x in (out.detach(), qp.grad, dk, dv)))
                 rows.append((label, cuda_ms(forward_backward(padded, (qp, key, value), lambda: padded_grad)), note))
             except RuntimeError as e:
                 rows.append((label, None, str(e).splitlines()[0][:80]))

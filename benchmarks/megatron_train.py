@@ -5,14 +5,15 @@
                                         [--push N]
     python benchmarks/megatron_train.py --layouts thd,thd:torch      # slime's kernels against --log-probs-kernel torch
     python benchmarks/megatron_train.py --layouts thd,thd+nogaf,thd:torch+torchrope+nogaf   # each fused kernel off
+    python benchmarks/megatron_train.py --layouts thd+flash,thd,bshd+flash,bshd   # --attention-kernel flash vs cudnn
     python benchmarks/megatron_train.py --profile 30 --profile-syncs   # a profiled step, and where the host waits
 
 A random-init model of a published Qwen3 shape (benchmarks/weight_sync.py's helper) is written as an HF folder
 and loaded by `MegatronTrainRayActor` (driven directly, no Ray: one rank, bf16 parameters, fp32 master weights
 in the distributed optimizer, `--use-dynamic-batch-size` micro-batches of at most `--max-tokens-per-gpu`
-tokens, SDPA / varlen flash attention without TransformerEngine). The batch: `--samples` sequences with
-lengths drawn uniformly from [--min-len, --seq-len] (default: all exactly --seq-len), the last 3/4 of each
-the "response", random tokens, group-normalised random rewards, one optimizer step per batch.
+tokens, SDPA attention without TransformerEngine: cuDNN or varlen flash by --attention-kernel). The batch:
+`--samples` sequences with lengths drawn uniformly from [--min-len, --seq-len] (default: all exactly --seq-len), the
+last 3/4 of each the "response", random tokens, group-normalised random rewards, one optimizer step per batch.
 
 Per layout it times, after one warm-up step:
 - `forward`: `compute_log_probs` over the batch (what the old-policy / reference log-probs cost);
@@ -50,7 +51,7 @@ from tests.args import make_args  # noqa: E402
 
 # a layout's `+option`s: the flags each adds
 LAYOUT_OPTIONS = {"rope": ["--rope-kernel", "triton"], "torchrope": ["--rope-kernel", "torch"],
-                  "nogaf": ["--no-gradient-accumulation-fusion"]}
+                  "nogaf": ["--no-gradient-accumulation-fusion"], "flash": ["--attention-kernel", "flash"]}
 
 
 def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Namespace:

@@ -8,7 +8,9 @@ than slime's CUDA kernels do, so for them the hook records what the CUDA kernel 
 fused kernel: its input and fp32 inverse RMS per row, where the CPU decomposition keeps fp32 copies), the core
 attention (flash attention: query, key, value, output and the fp32 log-sum-exp per head) and the rotary embedding
 (slime's fused kernel keeps only the model's one frequency table, megatron-core's unfused rotation cos and sin
-tables per call). Writes <out>/activations.json: {"model_dir", "tokens", "layers": [bf16 bytes per token of each
+tables per call). With `--attention-kernel cudnn` the micro-batch goes through the padded route
+(sdpa_attention.padded_causal), tallied as it is: its SDPA runs torch's CPU flash kernel (checked), which keeps the
+same tensors as cuDNN's. Writes <out>/activations.json: {"model_dir", "tokens", "layers": [bf16 bytes per token of each
 layer], "other": [bytes per token of its other dtypes: fp32 statistics, the router's probabilities, indices]}.
 """
 
@@ -55,12 +57,15 @@ class Tally:
             self.keep_storage(t)
         return t
 
-    def hook_layer(self, index: int, layer: torch.nn.Module) -> None:
+    def hook_layer(self, index: int, layer: torch.nn.Module, padded_attention: bool) -> None:
         layer.register_forward_pre_hook(lambda m, a: setattr(self, "layer", index))
         layer.register_forward_hook(lambda m, a, o: setattr(self, "layer", None))
         for name, module in layer.named_modules():
             if name.endswith("core_attention"):
-                self.substitute(module, self.flash_attention)
+                if padded_attention:
+                    module.register_forward_hook(self.check_padded_kernel)
+                else:
+                    self.substitute(module, self.flash_attention)
             elif type(module).__name__ == "RMSNorm":
                 self.substitute(module, self.fused_rms_norm)
 
@@ -84,6 +89,20 @@ class Tally:
             self.keep_storage(t)
         self.keep(("log-sum-exp", id(module)), query.numel() // query.shape[-1] * 4, False)
 
+    @staticmethod
+    def check_padded_kernel(module, args, out) -> None:
+        """The padded route's SDPA ran torch's CPU flash kernel, which keeps what cuDNN's does (the padded query,
+        key, value and output, the fp32 log-sum-exp per head), not the math kernel's score matrix."""
+        seen, stack = set(), [out.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is not None and fn not in seen:
+                seen.add(fn)
+                stack.extend(nxt for nxt, _ in fn.next_functions)
+        nodes = {type(fn).__name__ for fn in seen}
+        if "ScaledDotProductFlashAttentionForCpuBackward0" not in nodes:
+            raise SystemExit(f"the padded attention did not run torch's CPU flash kernel: {sorted(nodes)}")
+
     def rotary(self, apply):
         """`apply` (megatron-core's rotation) with nothing it keeps tallied."""
 
@@ -104,12 +123,14 @@ def main() -> None:
     p.add_argument("--port", type=int, default=29581)
     p.add_argument("--sequences", type=int, default=3)
     p.add_argument("--length", type=int, default=40)
+    p.add_argument("--attention-kernel", choices=("flash", "cudnn"), default="flash",
+                   help="cudnn: the packed micro-batch through the padded route (sdpa_attention.padded_causal)")
     cli = p.parse_args()
     os.makedirs(cli.out, exist_ok=True)
     import torch.distributed as dist
-    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer import attention
 
+    from slime.backends.megatron_utils.forward import packed_seq_params
     from slime.backends.megatron_utils.model import build_model, initialize_parallel
     from slime.config.arguments import parse_args
     from tools.make_tiny_model import make_tiny_model
@@ -125,6 +146,7 @@ def main() -> None:
                        "--n-samples-per-prompt", "1", "--global-batch-size", "1", "--num-rollout", "1",
                        "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--bf16"])
     initialize_parallel(args)
+    args.attention_kernel = cli.attention_kernel  # cudnn is refused on the CPU: the route runs on any device
     model = build_model(args, wrap=False)[0]
     model.eval()  # as slime trains: no dropout
     for param in model.parameters():
@@ -132,14 +154,13 @@ def main() -> None:
     tally = Tally({param.untyped_storage().data_ptr() for param in model.parameters()})
     attention.apply_rotary_pos_emb = tally.rotary(attention.apply_rotary_pos_emb)
     for index, layer in enumerate(model.decoder.layers):
-        tally.hook_layer(index, layer)
+        tally.hook_layer(index, layer, padded_attention=cli.attention_kernel == "cudnn")
 
     tokens = cli.sequences * cli.length
     ids = torch.randint(3, args.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(cli.length).repeat(cli.sequences).unsqueeze(0)
-    bounds = torch.arange(0, tokens + 1, cli.length, dtype=torch.int32)
-    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=cli.length,
-                             max_seqlen_kv=cli.length)
+    packed = packed_seq_params(list(range(0, tokens + 1, cli.length)), "cpu")
+    assert (packed.padded_rows is not None) == (cli.attention_kernel == "cudnn")
     with torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda t: t):
         model(ids, positions, None, packed_seq_params=packed)
     owners: dict = {}

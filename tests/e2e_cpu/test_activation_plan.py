@@ -3,8 +3,9 @@
 `layer_activation_elements` (slime/config/plan/memory.py) is a formula over the model's shape;
 tests/e2e_cpu/megatron_activation_worker.py tallies, on CPU, the bf16 storages autograd keeps in each decoder layer of
 a tiny model built by slime's model provider (norms, flash attention and the rotary embedding as their CUDA kernels
-keep them). The two must agree to the byte for a dense layer with q/k norms (qwen3) and without (llama), a layer with
-sandwich norms (glm4) and an MoE layer (qwen3-moe). What the formula leaves out, fp32 statistics (an RMSNorm's inverse
+keep them; under --attention-kernel cudnn the packed micro-batch through the padded route, whose SDPA on the CPU runs
+torch's CPU flash kernel, keeping what cuDNN's does). The two must agree to the byte for a dense layer with q/k norms
+(qwen3) and without (llama), a layer with sandwich norms (glm4) and an MoE layer (qwen3-moe), with either kernel. What the formula leaves out, fp32 statistics (an RMSNorm's inverse
 RMS per row, the log-sum-exp per head) and the router's fp32 scores and indices, is checked to be only that.
 """
 
@@ -28,32 +29,38 @@ WORKER = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "megatron_activation_worker
 ARCHS = ("qwen3", "llama", "glm4", "qwen3_moe")
 
 
-def tally(arch: str, out: str) -> dict:
+KERNELS = ("flash", "cudnn")
+
+
+def tally(arch: str, kernel: str, out: str) -> dict:
     os.makedirs(out, exist_ok=True)
     log = os.path.join(out, "worker.log")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
-    rc = run_script(WORKER, WORKER, ["--arch", arch, "--out", out, "--port", str(free_port())], log, env,
-                    timeout_s=300)
+    rc = run_script(WORKER, WORKER, ["--arch", arch, "--attention-kernel", kernel, "--out", out, "--port",
+                                     str(free_port())], log, env, timeout_s=300)
     assert rc == 0, open(log, errors="replace").read()[-4000:]
     with open(os.path.join(out, "activations.json")) as f:
         return json.load(f)
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict[str, dict]:
+def measured(tmp_path_factory) -> dict[tuple[str, str], dict]:
     root = tmp_path_factory.mktemp("activations")
     with ThreadPoolExecutor(2) as pool:  # one thread each: two fill CI's two cores
-        futures = {arch: pool.submit(tally, arch, str(root / arch)) for arch in ARCHS}
-        return {arch: f.result() for arch, f in futures.items()}
+        futures = {(arch, kernel): pool.submit(tally, arch, kernel, str(root / f"{arch}-{kernel}"))
+                   for arch in ARCHS for kernel in KERNELS}
+        return {key: f.result() for key, f in futures.items()}
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_the_plan_counts_what_each_layer_keeps(measured, arch):
-    result = measured[arch]
+def test_the_plan_counts_what_each_layer_keeps(measured, arch, kernel):
+    result = measured[arch, kernel]
     shape = load_model_shape(result["model_dir"])
-    planned = [2 * layer_activation_elements(shape, i) for i in range(shape.num_layers)]  # bf16
-    assert result["layers"] == planned, (arch, result["layers"], planned)
+    planned = [2 * layer_activation_elements(shape, i, padded_attention=kernel == "cudnn")  # bf16
+               for i in range(shape.num_layers)]
+    assert result["layers"] == planned, (arch, kernel, result["layers"], planned)
 
     norm_rows = shape.norms_per_layer + (shape.num_heads + shape.num_kv_heads if shape.qk_norm else 0)
     statistics = 4 * (norm_rows + shape.num_heads)  # fp32 inverse RMS per norm row, log-sum-exp per head

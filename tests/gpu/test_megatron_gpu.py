@@ -187,32 +187,40 @@ def _check_state_left_the_gpu(f: dict, logged: list[int], n: int) -> None:
         assert f["onload", "allocated_gb"][k] - f["offload", "allocated_gb"][k] >= 0.9 * back, k
 
 
+@pytest.mark.parametrize("kernel,lengths", [("flash", [5, 300, 1024, 77]), ("cudnn", [5, 300, 1024, 77]),
+                                            ("cudnn", [900, 1000, 1088, 1024])])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_sdp_attention_packed_equals_each_sequence_alone(dtype):
+def test_sdp_attention_packed_equals_each_sequence_alone(dtype, kernel, lengths):
     """SDPAttention on packed (THD) input: torch's varlen flash kernel in bf16, one SDPA call per sequence in
-    fp32; both equal each sequence attended alone (fp32 math), forward and gradients; GQA 4 query heads per
-    key/value head."""
+    fp32, or with --attention-kernel cudnn and little padding (the second batch) cuDNN's kernel on the sequences
+    right-padded; each equals each sequence attended alone (fp32 math), forward and gradients; GQA 4 query heads
+    per key/value head."""
     import types
 
     import torch.nn.functional as F
-    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from slime.backends.megatron_utils.sdpa_attention import SDPAttention
+    from slime.backends.megatron_utils import sdpa_attention
+    from slime.backends.megatron_utils.forward import packed_seq_params
 
     torch.manual_seed(0)
     config = types.SimpleNamespace(attention_dropout=0.0, kv_channels=128, window_size=None, softmax_type="vanilla")
-    attention = SDPAttention(config, 1, AttnMaskType.causal, "self")
-    lengths = [5, 300, 1024, 77]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    attention = sdpa_attention.SDPAttention(config, 1, AttnMaskType.causal, "self")
+    sdpa_attention.install(kernel)
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    params = packed_seq_params(bounds, "cuda")
+    sdpa_attention.install("flash")
+    cu = params.cu_seqlens_q
+    padded = kernel == "cudnn" and lengths[0] > 5
+    assert (params.padded_rows is not None) == padded
     total = sum(lengths)
     q = torch.randn(total, 16, 128, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(total, 4, 128, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(total, 4, 128, device="cuda", dtype=dtype, requires_grad=True)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
-                             max_seqlen_kv=max(lengths))
     out = attention(q, k, v, None, packed_seq_params=params)
     assert out.shape == (total, 16 * 128)
+    if padded and dtype == torch.bfloat16:  # cuDNN's kernel is what ran (its backward node is in the graph)
+        assert "Cudnn" in " ".join(_graph_nodes(out.grad_fn))
     out.float().square().sum().backward()
 
     refs = []
@@ -227,6 +235,15 @@ def test_sdp_attention_packed_equals_each_sequence_alone(dtype):
     assert (out.float() - ref).abs().max() / ref.abs().max() < tol
     for ours, exact in ((q.grad, qf.grad), (k.grad, kf.grad), (v.grad, vf.grad)):
         assert (ours.float() - exact).abs().max() / exact.abs().max() < tol
+
+
+def _graph_nodes(fn, seen=None) -> list[str]:
+    """The names of the autograd nodes reachable from `fn`."""
+    seen = set() if seen is None else seen
+    if fn is None or fn in seen:
+        return []
+    seen.add(fn)
+    return [type(fn).__name__, *(n for nxt, _ in fn.next_functions for n in _graph_nodes(nxt, seen))]
 
 
 def test_grouped_flash_varlen_equals_the_kernel_on_repeated_heads():

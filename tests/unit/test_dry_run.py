@@ -178,12 +178,13 @@ def test_deepseek_v3_has_671b_parameters_37b_active():
 
 def test_megatron_and_engine_memory_of_qwen3_4b_closed_form(files):
     write_config(files / "model", QWEN3_4B)
-    args = parse_args(base(
+    argv = base(
         *model_args("qwen3-4B"), "--dry-run", "--dry-run-cuda", "--actor-num-gpus-per-node", "8", "--colocate",
         "--tensor-model-parallel-size", "2", "--bf16", "--use-distributed-optimizer", "--micro-batch-size", "1",
         "--rollout-max-context-len", "4096", "--rollout-num-gpus-per-engine", "2",
         "--sglang-mem-fraction-static", "0.7",
-    ))  # fmt: skip
+    )  # fmt: skip
+    args = parse_args(argv)
     assert (args.use_cuda, args.train_backend, args.rollout_backend) == (True, "megatron", "sglang")
     shape = load_model_shape("model")
     est = training_memory(args, shape, tokens=4096, micro_batches=64, with_ref=False)
@@ -194,9 +195,15 @@ def test_megatron_and_engine_memory_of_qwen3_4b_closed_form(files):
     assert est.get("gradients") == per_gpu * 4
     assert est.get("optimizer") == per_gpu * 12 / 4  # distributed over DP 4
     # per token and layer, no sequence parallel (the 4h of norm and projection inputs whole on each TP rank), bf16:
-    # 4h + fused qkv (q + 2kv) + q's copy for its norm + query, key, output (q + kv + q) + 3·ffn, the rest ÷ TP 2
+    # 4h + fused qkv (q + 2kv) + q's copy for its norm + 3·ffn, the rest ÷ TP 2, and the attention's: on CUDA
+    # (--attention-kernel cudnn) the padded query, key, value, output (2q + 2kv) and the gathered output (q) ...
     q, kv, ffn = 32 * 128 / 2, 8 * 128 / 2, 9728 / 2
-    assert est.get("activations") == 36 * 4096 * 2 * (4 * 2560 + 4 * q + 3 * kv + 3 * ffn)
+    assert args.attention_kernel == "cudnn"
+    assert est.get("activations") == 36 * 4096 * 2 * (4 * 2560 + 5 * q + 4 * kv + 3 * ffn)
+    # ... with --attention-kernel flash the query, key and output flash attention keeps (q + kv + q)
+    flash = training_memory(parse_args([*argv, "--attention-kernel", "flash"]), shape, tokens=4096, micro_batches=64,
+                            with_ref=False)
+    assert flash.get("activations") == 36 * 4096 * 2 * (4 * 2560 + 4 * q + 3 * kv + 3 * ffn)
     assert est.get("logits") == 4096 * padded_vocab / 2 * 8
 
     mem, _ = engine_memory(args, shape, 80 * GiB)

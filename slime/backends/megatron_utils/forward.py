@@ -23,6 +23,7 @@ import torch
 from slime.algorithm.log_probs_triton import vocab_kernel
 from slime.backends.megatron_utils.cp_layout import (cp_group_size_rank, gather_cp, pad_row, padded_boundaries,
                                                      zigzag_layout)
+from slime.backends.megatron_utils.sdpa_attention import padded_rows
 from slime.backends.training.batching import MicroBatch, to_device
 from slime.observability.context_parallel import tensor_parallel_group
 
@@ -114,8 +115,11 @@ def packed_seq_params(cu_seqlens: list[int], device):
 
     cu = to_device(torch.tensor(cu_seqlens, dtype=torch.int32), device)
     longest = max(end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]))
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                           max_seqlen_kv=longest)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                             max_seqlen_kv=longest)
+    # slime's attention reads it (sdpa_attention.py): the padded layout, built here on the host once per micro-batch
+    params.padded_rows = padded_rows(cu_seqlens, device)
+    return params
 
 
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]

@@ -25,9 +25,8 @@ import logging
 import torch
 
 from slime.backends.megatron_utils import args as mg_args
-from slime.backends.megatron_utils import grad_norm, lora, packed_rope, plugins, wgrad_fusion
+from slime.backends.megatron_utils import grad_norm, lora, packed_rope, plugins, sdpa_attention, wgrad_fusion
 from slime.backends.megatron_utils.sandwich_norm import add_sandwich_norms
-from slime.backends.megatron_utils.sdpa_attention import with_sdpa_attention
 from slime.backends.megatron_utils.sequence_parallel_norm import with_sequence_parallel_norms
 from slime.backends.megatron_utils.vision_language import VisionSpec, vision_spec
 from slime.backends.megatron_utils.vision_language_model import vision_language_model_class
@@ -118,7 +117,7 @@ def _layer_spec(args: argparse.Namespace, config, vp_stage: int | None):
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=args.normalization,
                                       vp_stage=vp_stage)
     if not te:
-        spec = with_sdpa_attention(spec)
+        spec = sdpa_attention.with_sdpa_attention(spec)
     spec = add_sandwich_norms(spec, config, args, te)
     return with_sequence_parallel_norms(spec) if config.sequence_parallel and not te else spec
 
@@ -143,6 +142,7 @@ def build_model(args: argparse.Namespace, wrap: bool = True) -> list[torch.nn.Mo
         _patch_moe_without_te()
     if args.qkv_format == "thd":
         packed_rope.install(args.rope_kernel)
+    sdpa_attention.install(args.attention_kernel)
     provider = hooks_of(args).custom_model_provider
     spec = plugins.load_spec(args)
     vision = vision_spec(args)

@@ -10,6 +10,17 @@ in the local layer spec (`megatron_utils.model`) with the same constructor and f
   causally within itself only, through torch's variable-length flash attention
   (`torch.nn.attention.varlen.varlen_attn`) on CUDA in bf16/fp16, else one SDPA call per sequence.
 
+`--attention-kernel cudnn` (the default on CUDA; `install`) puts cuDNN's fused attention first among SDPA's
+kernels: padded micro-batches run it directly, and a packed micro-batch whose sequences, right-padded to the
+longest, add at most half again to the causal attention's FLOPs (`padded_rows`) is scattered to
+`[sequences, heads, longest, dim]`, attended there and gathered back: right padding leaves every real token's
+causal output and gradients as they are, and torch's cuDNN kernel has no usable packed form (its packed entry
+point ran ~100x slower than flash in torch 2.11: benchmarks/attention_kernels.py). On the H200, for the 4B
+job's micro-batch (4 × ~1000 tokens, 32/8 heads of 128) that is 0.47 ms forward + backward against varlen
+flash's 0.73, padding included. For its backward it keeps the padded query, key, value and output and the gathered
+output: per token q + kv elements more than flash with q/k norms (Qwen3), kv fewer without (Llama), as
+config/plan/memory.py counts them. `--attention-kernel flash` keeps to the flash kernels.
+
 Under context parallelism (cp > 1, packed only) each rank holds zigzag chunks of every sequence
 (`cp_layout.py`): the keys and values of the whole CP group are gathered and each local query attends to the
 keys of its sequence at positions up to its own, one SDPA call per sequence with an explicit mask.
@@ -22,14 +33,70 @@ log-probs must agree).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from slime.backends.megatron_utils.cp_layout import cp_group_size_rank, gather_cp, zigzag_layout
+from slime.backends.training.batching import to_device
+
+KERNELS = ("flash", "cudnn")  # --attention-kernel
+PADDED_FLOPS_LIMIT = 1.5  # a packed micro-batch goes padded while padding adds at most this factor to its FLOPs
+_CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                SDPBackend.MATH]
+_kernel = "flash"
+
+
+def install(kernel: str) -> None:
+    """Which fused attention this process's `SDPAttention` layers prefer (--attention-kernel)."""
+    global _kernel
+    if kernel not in KERNELS:
+        raise ValueError(f"--attention-kernel {kernel!r}: one of {list(KERNELS)}")
+    _kernel = kernel
+
+
+@dataclass(frozen=True)
+class PaddedRows:
+    """Where a packed row's tokens go when its sequences are right-padded to the longest: `positions[i]` is the
+    row of packed token i in a `[sequences × longest]` layout."""
+
+    positions: torch.Tensor
+    sequences: int
+    longest: int
+
+
+def padded_rows(cu_seqlens: list[int], device) -> PaddedRows | None:
+    """The padded layout of a packed micro-batch with boundaries `cu_seqlens`, built on the host once per
+    micro-batch; None unless --attention-kernel cudnn, or when right padding would add more than
+    PADDED_FLOPS_LIMIT to the causal attention's FLOPs (one long sequence among short ones stays packed)."""
+    lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    if _kernel != "cudnn" or not lengths:
+        return None
+    longest = max(lengths)
+    if len(lengths) * longest * longest > PADDED_FLOPS_LIMIT * sum(n * n for n in lengths):
+        return None
+    positions = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(lengths)])
+    return PaddedRows(to_device(positions, device), len(lengths), longest)
+
+
+def padded_causal(query, key, value, rows: PaddedRows, scale: float):
+    """Causal attention of packed `[t, heads, dim]` sequences run on them right-padded to
+    `[sequences, heads, longest, dim]` (zeros after each sequence), cuDNN's kernel first; `[t, heads, dim]` back."""
+
+    def pad(x):
+        full = _PadRows.apply(x, rows.positions, rows.sequences * rows.longest)
+        return full.view(rows.sequences, rows.longest, *x.shape[1:]).transpose(1, 2)
+
+    with sdpa_kernel(_CUDNN_FIRST, set_priority=True):
+        out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), is_causal=True, scale=scale,
+                                             enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).flatten(0, 1).index_select(0, rows.positions)
 
 
 @functools.cache
@@ -81,8 +148,9 @@ class SDPAttention(torch.nn.Module):
     def _sdpa(self, q, k, v, attention_mask, dropout):
         """[b, n, s, d] attention; `attention_mask` (megatron's convention: True = masked) replaces causality."""
         if attention_mask is None:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.scale,
-                                                  enable_gqa=q.shape[1] != k.shape[1])
+            with sdpa_kernel(_CUDNN_FIRST, set_priority=True) if _kernel == "cudnn" else contextlib.nullcontext():
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.scale,
+                                                      enable_gqa=q.shape[1] != k.shape[1])
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -97,6 +165,9 @@ class SDPAttention(torch.nn.Module):
         cp_size, cp_rank, cp_group = cp_group_size_rank()
         if cp_size > 1:
             return self._packed_cp(query, key, value, cu.tolist(), dropout, cp_size, cp_rank, cp_group)
+        rows = getattr(params, "padded_rows", None)  # set by forward.packed_seq_params under --attention-kernel cudnn
+        if rows is not None and dropout == 0:
+            return padded_causal(query, key, value, rows, self.scale)
         varlen = _varlen_attn()
         if varlen is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and dropout == 0:
             fn, keywords = varlen
@@ -127,6 +198,21 @@ class SDPAttention(torch.nn.Module):
             masked = torch.arange(end - start, device=query.device).unsqueeze(0) > positions[lo:hi].unsqueeze(1)
             outs.append(self._sdpa(q, k, v, masked.unsqueeze(0).unsqueeze(0), dropout).squeeze(0).permute(1, 0, 2))
         return torch.cat(outs, dim=0)
+
+
+class _PadRows(torch.autograd.Function):
+    """`x`'s rows at `positions` of a zero tensor of `size` rows. Keeps only the positions for the backward, where
+    `index_copy` would keep `x` too (the packed query, key and value, besides their padded copies)."""
+
+    @staticmethod
+    def forward(ctx, x, positions, size: int):
+        ctx.save_for_backward(positions)
+        return x.new_zeros(size, *x.shape[1:]).index_copy_(0, positions, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (positions,) = ctx.saved_tensors
+        return grad.index_select(0, positions), None, None
 
 
 def varlen_causal(fn, keywords: set, query, key, value, cu, max_len: int, scale: float):

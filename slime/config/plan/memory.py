@@ -17,7 +17,9 @@ Training, megatron (the largest pipeline stage is reported):
   micro-batch of T tokens (`layer_activation_elements`, × the activation dtype's bytes): the inputs of the two
   norms and of the two first projections (4h; ÷TP only with --sequence-parallel, + h per extra norm of a
   sandwich-norm layer), the fused q/k/v output (q + 2kv, which the value view keeps whole), the query (and with
-  q/k norms its unnormalised copy), the key and the output the flash kernel keeps (q + kv), the MLP's gate/up output
+  q/k norms its unnormalised copy), the key and the output the flash kernel keeps (q + kv) (packed micro-batches
+  under --attention-kernel cudnn: the padded query, key, value and output, 2q + 2kv at no padding, the gathered
+  output, q, and the fused output only with q/k norms, whose inputs are views of it), the MLP's gate/up output
   and its down projection's input (3·ffn; an MoE layer: top-k × (h + 3·expert ffn ÷ ETP) per token the rank's
   experts see, + 3·shared ffn, + the router's scores and top-k probabilities), all but the first part ÷ TP. The
   fp32 statistics (an RMSNorm's inverse RMS per row, flash attention's log-sum-exp per head) are left out. Counted
@@ -157,8 +159,9 @@ def stage_layers(args, shape: ModelShape, pp: int) -> list[int]:
 
 
 def layer_activation_elements(shape: ModelShape, layer: int, tp: int = 1, sequence_parallel: bool = False,
-                              etp: int = 1) -> float:
-    """Activation elements decoder layer `layer` keeps for its backward per token on one rank (module docstring)."""
+                              etp: int = 1, padded_attention: bool = False) -> float:
+    """Activation elements decoder layer `layer` keeps for its backward per token on one rank (module docstring);
+    `padded_attention`: packed micro-batches attended right-padded (--attention-kernel cudnn), padding not counted."""
     h = shape.hidden_size
     replicated = (4 + max(0, shape.norms_per_layer - 2)) * h / (tp if sequence_parallel else 1)
     if shape.mla:
@@ -170,7 +173,10 @@ def layer_activation_elements(shape: ModelShape, layer: int, tp: int = 1, sequen
     else:
         q = shape.num_heads * shape.head_dim / tp
         kv = max(1.0, shape.num_kv_heads / tp) * shape.head_dim
-        attention = 3 * q + 3 * kv + (q if shape.qk_norm else 0)
+        if padded_attention:  # the padded query, key, value and output, the gathered output (+ the fused output)
+            attention = 3 * q + 2 * kv + (2 * q + 2 * kv if shape.qk_norm else 0)
+        else:
+            attention = 3 * q + 3 * kv + (q if shape.qk_norm else 0)
     if shape.moe_layers[layer]:  # tokens are split over TP by sequence parallelism and gathered over expert-TP
         routed = shape.experts_per_token * (h + 3 * shape.moe_intermediate_size / etp)
         router = (shape.num_experts + shape.experts_per_token) / (tp if sequence_parallel else 1)  # scores, top-k
@@ -181,9 +187,9 @@ def layer_activation_elements(shape: ModelShape, layer: int, tp: int = 1, sequen
 
 
 def activation_bytes_per_token(shape: ModelShape, layers: range, tp: int, sequence_parallel: bool, act_bytes: int,
-                               etp: int = 1) -> float:
+                               etp: int = 1, padded_attention: bool = False) -> float:
     """Mean bytes one of `layers` keeps for its backward per token of a micro-batch."""
-    total = sum(layer_activation_elements(shape, i, tp, sequence_parallel, etp) for i in layers)
+    total = sum(layer_activation_elements(shape, i, tp, sequence_parallel, etp, padded_attention) for i in layers)
     return act_bytes * total / max(1, len(layers))
 
 
@@ -278,7 +284,9 @@ def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches
             est.items.append(Item("teacher model", per_gpu * wb, how))
         if tokens:
             in_flight = par.pp - stage if micro_batches is None else min(par.pp - stage, micro_batches)
-            per_token = activation_bytes_per_token(shape, range(start - n_layers, start), par.tp, sp, wb, par.etp)
+            padded = args.attention_kernel == "cudnn" and args.qkv_format == "thd" and par.cp == 1
+            per_token = activation_bytes_per_token(shape, range(start - n_layers, start), par.tp, sp, wb, par.etp,
+                                                   padded)
             full = tokens * per_token
             formula = f"T × {per_token / 1024:,.1f} KiB (layer_activation_elements × {wb} B)"
             head = (f"T={tokens:,.0f} tokens, h={shape.hidden_size}, {n_layers} layers, "

@@ -1,0 +1,87 @@
+"""`--attention-kernel cudnn`'s packed route (sdpa_attention.py): a packed micro-batch right-padded to its longest
+sequence when that adds at most half again to its causal attention FLOPs, attended there and gathered back; and
+the flag's resolution. On the CPU SDPA runs its own kernels under the same priority list, so the scatter, the
+padded causal attention and the gather are checked here exactly (fp64); tests/gpu/test_megatron_gpu.py checks
+cuDNN's kernel itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slime.backends.megatron_utils import sdpa_attention
+from slime.backends.megatron_utils.forward import packed_seq_params
+from slime.backends.megatron_utils.sdpa_attention import padded_causal, padded_rows
+from slime.utils.errors import SlimeArgumentError
+from tests.args import make_args
+
+
+@pytest.fixture
+def cudnn_kernel():
+    sdpa_attention.install("cudnn")
+    yield
+    sdpa_attention.install("flash")
+
+
+def test_the_layout_puts_each_sequence_at_the_start_of_its_own_row(cudnn_kernel):
+    rows = padded_rows([0, 6, 13, 20], "cpu")
+    assert (rows.sequences, rows.longest) == (3, 7)
+    assert rows.positions.tolist() == [*range(0, 6), *range(7, 14), *range(14, 21)]
+
+
+def test_padding_that_adds_more_than_half_the_flops_stays_packed(cudnn_kernel):
+    # 4 x 7² = 196 against 25 + 49 + 1 + 49 = 124: 1.58x
+    assert padded_rows([0, 5, 12, 13, 20], "cpu") is None
+    # two long sequences and the pad sequence sequence parallelism adds: 3 x 4096² ≈ 1.5 x (2 x 4096² + 3²)
+    assert padded_rows([0, 4096, 8192, 8195], "cpu") is not None
+    assert padded_rows([0, 4096, 8192, 8196], "cpu") is not None
+    assert padded_rows([0, 4096, 4100], "cpu") is None
+
+
+def test_flash_kernel_never_pads():
+    sdpa_attention.install("flash")
+    assert padded_rows([0, 6, 13, 20], "cpu") is None
+    assert packed_seq_params([0, 6, 13, 20], "cpu").padded_rows is None
+
+
+def test_packed_seq_params_carry_the_layout(cudnn_kernel):
+    params = packed_seq_params([0, 6, 13, 20], "cpu")
+    assert params.padded_rows.positions.tolist() == padded_rows([0, 6, 13, 20], "cpu").positions.tolist()
+    assert params.max_seqlen_q == 7
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_padded_attention_equals_each_sequence_alone(cudnn_kernel, kv_heads):
+    """Output and the three gradients, grouped (2 key/value heads for 4 query heads) and not, to fp64 rounding."""
+    cu = [0, 6, 13, 20]
+    torch.manual_seed(0)
+    q = torch.randn(20, 4, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(20, kv_heads, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = padded_causal(q, k, v, padded_rows(cu, "cpu"), 0.3)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ours = [x.grad.clone() for x in (q, k, v)]
+    qf, kf, vf = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    group = 4 // kv_heads
+    ref = torch.cat([
+        F.scaled_dot_product_attention(qf[a:b].transpose(0, 1), kf[a:b].repeat_interleave(group, 1).transpose(0, 1),
+                                       vf[a:b].repeat_interleave(group, 1).transpose(0, 1), is_causal=True,
+                                       scale=0.3).transpose(0, 1)
+        for a, b in zip(cu[:-1], cu[1:])])
+    ref.backward(grad)
+    assert out.shape == (20, 4, 8)
+    assert (out - ref).abs().max() < 1e-12
+    for mine, exact in zip(ours, (qf.grad, kf.grad, vf.grad)):
+        assert (mine - exact).abs().max() < 1e-12
+
+
+def test_auto_resolves_to_cudnn_for_the_megatron_trainer_on_cuda_only():
+    megatron = ("--train-backend", "megatron")
+    assert make_args(*megatron, use_cuda=True).attention_kernel == "cudnn"
+    assert make_args(*megatron, use_cuda=False).attention_kernel == "flash"
+    assert make_args(*megatron, "--deterministic-mode", use_cuda=True).attention_kernel == "flash"
+    assert make_args("--train-backend", "fsdp", use_cuda=True).attention_kernel == "flash"
+    assert make_args(*megatron, "--attention-kernel", "flash", use_cuda=True).attention_kernel == "flash"
+    with pytest.raises(SlimeArgumentError, match="--attention-kernel cudnn runs on CUDA only"):
+        make_args(*megatron, "--attention-kernel", "cudnn", use_cuda=False)
