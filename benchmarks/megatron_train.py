@@ -5,7 +5,7 @@
                                         [--push N]
     python benchmarks/megatron_train.py --layouts thd,thd:torch      # slime's kernels against --log-probs-kernel torch
     python benchmarks/megatron_train.py --layouts thd,thd+nogaf,thd:torch+torchrope+nogaf   # each fused kernel off
-    python benchmarks/megatron_train.py --layouts thd+flash,thd,bshd+flash,bshd   # --attention-kernel flash vs cudnn
+    python benchmarks/megatron_train.py --layouts thd,thd+cudnn,bshd,bshd+cudnn   # --attention-kernel flash vs cudnn
     python benchmarks/megatron_train.py --profile 30 --profile-syncs   # a profiled step, and where the host waits
 
 A random-init model of a published Qwen3 shape (benchmarks/weight_sync.py's helper) is written as an HF folder
@@ -51,7 +51,7 @@ from tests.args import make_args  # noqa: E402
 
 # a layout's `+option`s: the flags each adds
 LAYOUT_OPTIONS = {"rope": ["--rope-kernel", "triton"], "torchrope": ["--rope-kernel", "torch"],
-                  "nogaf": ["--no-gradient-accumulation-fusion"], "flash": ["--attention-kernel", "flash"]}
+                  "nogaf": ["--no-gradient-accumulation-fusion"], "cudnn": ["--attention-kernel", "cudnn"]}
 
 
 def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Namespace:

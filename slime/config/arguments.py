@@ -509,8 +509,6 @@ def parse_model_flags(
     args.use_cuda = _cuda_available()
     if args.rope_kernel == "auto":  # the tools build a model to convert its checkpoint and train nothing
         args.rope_kernel = "torch"
-    if args.attention_kernel == "auto":
-        args.attention_kernel = "flash"
     validate_megatron(args)
     check_model_args(args)
     return tool, args

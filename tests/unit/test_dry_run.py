@@ -195,15 +195,14 @@ def test_megatron_and_engine_memory_of_qwen3_4b_closed_form(files):
     assert est.get("gradients") == per_gpu * 4
     assert est.get("optimizer") == per_gpu * 12 / 4  # distributed over DP 4
     # per token and layer, no sequence parallel (the 4h of norm and projection inputs whole on each TP rank), bf16:
-    # 4h + fused qkv (q + 2kv) + q's copy for its norm + 3·ffn, the rest ÷ TP 2, and the attention's: on CUDA
-    # (--attention-kernel cudnn) the padded query, key, value, output (2q + 2kv) and the gathered output (q) ...
+    # 4h + fused qkv (q + 2kv) + q's copy for its norm + query, key, output (q + kv + q) + 3·ffn, the rest ÷ TP 2
     q, kv, ffn = 32 * 128 / 2, 8 * 128 / 2, 9728 / 2
-    assert args.attention_kernel == "cudnn"
-    assert est.get("activations") == 36 * 4096 * 2 * (4 * 2560 + 5 * q + 4 * kv + 3 * ffn)
-    # ... with --attention-kernel flash the query, key and output flash attention keeps (q + kv + q)
-    flash = training_memory(parse_args([*argv, "--attention-kernel", "flash"]), shape, tokens=4096, micro_batches=64,
+    assert est.get("activations") == 36 * 4096 * 2 * (4 * 2560 + 4 * q + 3 * kv + 3 * ffn)
+    # --attention-kernel cudnn: the padded query, key, value, output (2q + 2kv) and the gathered output (q) in place
+    # of flash attention's query, key and output
+    cudnn = training_memory(parse_args([*argv, "--attention-kernel", "cudnn"]), shape, tokens=4096, micro_batches=64,
                             with_ref=False)
-    assert flash.get("activations") == 36 * 4096 * 2 * (4 * 2560 + 4 * q + 3 * kv + 3 * ffn)
+    assert cudnn.get("activations") == 36 * 4096 * 2 * (4 * 2560 + 5 * q + 4 * kv + 3 * ffn)
     assert est.get("logits") == 4096 * padded_vocab / 2 * 8
 
     mem, _ = engine_memory(args, shape, 80 * GiB)

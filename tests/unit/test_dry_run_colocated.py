@@ -75,7 +75,7 @@ def test_the_resident_hf_job_is_refused_with_the_numbers_and_the_fix(job, capsys
     # the engine: 7.5 GB of bf16 weights + 108 GB of KV slots while they grow to 2048 columns
     assert ("colocated, while generating: engines weights + KV slots 115.5 GB + training state 67.4 GB = 182.9 GB > "
             "141.0 GB per GPU: drop --no-offload-train, or lower --sglang-server-concurrency") in message
-    assert ("colocated, while training: training 91.0 GB + engines weights + KV slots 115.5 GB = 206.5 GB > 141.0 GB "
+    assert ("colocated, while training: training 89.5 GB + engines weights + KV slots 115.5 GB = 205.0 GB > 141.0 GB "
             "per GPU: drop --no-offload-rollout") in message
     assert "--skip-memory-check starts the run anyway" in message
     plan = capsys.readouterr().out
@@ -91,7 +91,7 @@ def test_the_same_job_with_the_handoff_passes(job, capsys):
     plan = capsys.readouterr().out
     assert "arguments are valid; nothing was started" in plan and "== Refused ==" not in plan
     assert "colocated, generating       115.5 GB = engines weights + KV slots 115.5 GB + training state in host" in plan
-    assert "colocated, training         91.0 GB = training 91.0 GB + engines released (--offload-rollout)" in plan
+    assert "colocated, training         89.5 GB = training 89.5 GB + engines released (--offload-rollout)" in plan
 
 
 def test_the_sglang_rows_of_the_benchmark_follow_the_same_rule(job):
@@ -103,7 +103,7 @@ def test_the_sglang_rows_of_the_benchmark_follow_the_same_rule(job):
     resident = parse_args(argv(job, "sglang", "resident"))
     with pytest.raises(SlimeArgumentError) as info:
         print_plan(resident, file=open(os.devnull, "w"))
-    assert "training 91.0 GB + engines static pool 84.6 GB = 175.6 GB > 141.0 GB" in str(info.value)
+    assert "training 89.5 GB + engines static pool 84.6 GB = 174.1 GB > 141.0 GB" in str(info.value)
     assert "engines static pool 84.6 GB + training state 67.4 GB = 152.0 GB > 141.0 GB" in str(info.value)
     assert "lower --sglang-mem-fraction-static to 0.35" in str(info.value)
     print_plan(parse_args(argv(job, "sglang", "handoff")), file=open(os.devnull, "w"))
@@ -113,7 +113,7 @@ def test_skip_memory_check_turns_the_refusal_into_a_warning(job):
     args = parse_args(argv(job, "hf", "resident") + ["--skip-memory-check"])
     plan = format_plan(args)
     assert "== Refused ==" not in plan
-    assert "(not refused: --skip-memory-check)" in plan and "206.5 GB > 141.0 GB" in plan
+    assert "(not refused: --skip-memory-check)" in plan and "205.0 GB > 141.0 GB" in plan
 
 
 def test_train_py_refuses_it_before_ray_starts_on_the_gpu_it_runs_on(job, monkeypatch):

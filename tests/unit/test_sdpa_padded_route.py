@@ -76,12 +76,11 @@ def test_padded_attention_equals_each_sequence_alone(cudnn_kernel, kv_heads):
         assert (mine - exact).abs().max() < 1e-12
 
 
-def test_auto_resolves_to_cudnn_for_the_megatron_trainer_on_cuda_only():
+def test_flash_is_the_default_and_cudnn_needs_cuda_without_deterministic_mode():
     megatron = ("--train-backend", "megatron")
-    assert make_args(*megatron, use_cuda=True).attention_kernel == "cudnn"
-    assert make_args(*megatron, use_cuda=False).attention_kernel == "flash"
-    assert make_args(*megatron, "--deterministic-mode", use_cuda=True).attention_kernel == "flash"
-    assert make_args("--train-backend", "fsdp", use_cuda=True).attention_kernel == "flash"
-    assert make_args(*megatron, "--attention-kernel", "flash", use_cuda=True).attention_kernel == "flash"
+    assert make_args(*megatron, use_cuda=True).attention_kernel == "flash"
+    assert make_args(*megatron, "--attention-kernel", "cudnn", use_cuda=True).attention_kernel == "cudnn"
     with pytest.raises(SlimeArgumentError, match="--attention-kernel cudnn runs on CUDA only"):
         make_args(*megatron, "--attention-kernel", "cudnn", use_cuda=False)
+    with pytest.raises(SlimeArgumentError, match="--attention-kernel cudnn with --deterministic-mode"):
+        make_args(*megatron, "--attention-kernel", "cudnn", "--deterministic-mode", use_cuda=True)
