@@ -192,9 +192,9 @@ def _check_state_left_the_gpu(f: dict, logged: list[int], n: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_sdp_attention_packed_equals_each_sequence_alone(dtype, kernel, lengths):
     """SDPAttention on packed (THD) input: torch's varlen flash kernel in bf16, one SDPA call per sequence in
-    fp32, or with --attention-kernel cudnn and little padding (the second batch) cuDNN's kernel on the sequences
-    right-padded; each equals each sequence attended alone (fp32 math), forward and gradients; GQA 4 query heads
-    per key/value head."""
+    fp32, or with --attention-kernel cudnn and little padding (the lengths 900-1088) SDPA with cuDNN first on the
+    sequences right-padded (with much padding, 5-1024, it stays varlen flash); each equals each sequence attended
+    alone (fp32 math), forward and gradients; GQA 4 query heads per key/value head."""
     import types
 
     import torch.nn.functional as F
