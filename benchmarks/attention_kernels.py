@@ -8,7 +8,7 @@ heads of 128). Every row's output and gradients (of the real tokens) are checked
 - `packed, slime flash`: what the Megatron trainer runs for packed (THD) micro-batches with --attention-kernel flash,
   `sdpa_attention.varlen_causal` (torch's variable-length flash attention; on a torch whose `varlen_attn` has no
   `enable_gqa`, the grouped flash kernels without repeated key/value heads).
-- `packed, slime cudnn`: what it runs with --attention-kernel cudnn (the default on CUDA), `sdpa_attention.
+- `packed, slime cudnn`: what it runs with --attention-kernel cudnn (opt-in), `sdpa_attention.
   padded_causal`: the packed tokens scattered to right-padded rows, cuDNN's kernel, gathered back, all in the time.
 - `padded, <backend>`: `scaled_dot_product_attention(is_causal=True)` on the sequences right-padded to the longest,
   [batch, heads, length, dim], under one SDPA backend, with the key/value heads as they are (`enable_gqa`) or repeated.
@@ -56,11 +56,6 @@ def per_sequence_reference(q, k, v, bounds, scale):
     return torch.cat(outs), (qf, kf, vf)
 
 
-def real_positions(lengths: list[int], longest: int) -> torch.Tensor:
-    """Rows of the real tokens in a [sequences × longest] right-padded layout."""
-    return torch.cat([torch.arange(n) + i * longest for i, n in enumerate(lengths)])
-
-
 def pad_sequences(x: torch.Tensor, positions: torch.Tensor, batch: int, longest: int) -> torch.Tensor:
     """Packed [tokens, heads, dim] -> right-padded [batch, heads, longest, dim] (zeros after each sequence)."""
     out = x.new_zeros(batch * longest, *x.shape[1:])
@@ -85,8 +80,8 @@ def main() -> None:
         sys.exit("attention_kernels.py measures CUDA kernels: run it on a GPU machine")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from slime.backends.megatron_utils import sdpa_attention
-    from slime.backends.megatron_utils.sdpa_attention import _varlen_attn, padded_causal, padded_rows, varlen_causal
+    from slime.backends.megatron_utils.sdpa_attention import (_varlen_attn, padded_causal, padded_positions,
+                                                              padded_rows, varlen_causal)
 
     lengths = [int(x) for x in args.lengths.split(",")]
     heads, kv_heads, dim, group = args.heads, args.kv_heads, args.head_dim, args.heads // args.kv_heads
@@ -125,9 +120,7 @@ def main() -> None:
     else:
         slime_row("packed, slime flash (varlen_causal)",
                   lambda: varlen_causal(varlen[0], varlen[1], q, k, v, cu, longest, scale))
-    sdpa_attention.install("cudnn")
     layout = padded_rows(bounds, "cuda")
-    sdpa_attention.install("flash")
     if layout is None:
         rows.append(("packed, slime cudnn", None, "padding adds over half the FLOPs: it stays varlen flash"))
     else:
@@ -135,7 +128,7 @@ def main() -> None:
                   lambda: padded_causal(q, k, v, layout, scale))
 
     batch = len(lengths)
-    positions = real_positions(lengths, longest)
+    positions = padded_positions(lengths, longest)
     pad = functools.partial(pad_sequences, positions=positions, batch=batch, longest=longest)
     unpad = functools.partial(unpad_sequences, positions=positions)
 

@@ -21,9 +21,9 @@ from collections.abc import Callable
 import torch
 
 from slime.algorithm.log_probs_triton import vocab_kernel
+from slime.backends.megatron_utils import sdpa_attention
 from slime.backends.megatron_utils.cp_layout import (cp_group_size_rank, gather_cp, pad_row, padded_boundaries,
                                                      zigzag_layout)
-from slime.backends.megatron_utils.sdpa_attention import padded_rows
 from slime.backends.training.batching import MicroBatch, to_device
 from slime.observability.context_parallel import tensor_parallel_group
 
@@ -118,7 +118,7 @@ def packed_seq_params(cu_seqlens: list[int], device):
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                              max_seqlen_kv=longest)
     # slime's attention reads it (sdpa_attention.py): the padded layout, built here on the host once per micro-batch
-    params.padded_rows = padded_rows(cu_seqlens, device)
+    params.padded_rows = sdpa_attention.padded_rows(cu_seqlens, device) if sdpa_attention.pads_packed() else None
     return params
 
 

@@ -61,6 +61,16 @@ def install(kernel: str) -> None:
     _kernel = kernel
 
 
+def pads_packed() -> bool:
+    """Whether packed micro-batches may take the padded route (--attention-kernel cudnn)."""
+    return _kernel == "cudnn"
+
+
+def padded_positions(lengths: list[int], longest: int) -> torch.Tensor:
+    """Row of each packed token in a `[sequences × longest]` layout of sequences of `lengths`, right-padded."""
+    return torch.cat([torch.arange(n) + i * longest for i, n in enumerate(lengths)])
+
+
 @dataclass(frozen=True)
 class PaddedRows:
     """Where a packed row's tokens go when its sequences are right-padded to the longest: `positions[i]` is the
@@ -72,17 +82,16 @@ class PaddedRows:
 
 
 def padded_rows(cu_seqlens: list[int], device) -> PaddedRows | None:
-    """The padded layout of a packed micro-batch with boundaries `cu_seqlens`, built on the host once per
-    micro-batch; None unless --attention-kernel cudnn, or when right padding would add more than
-    PADDED_FLOPS_LIMIT to the causal attention's FLOPs (one long sequence among short ones stays packed)."""
+    """The padded layout of a packed micro-batch with boundaries `cu_seqlens`, built on the host; None when right
+    padding would add more than PADDED_FLOPS_LIMIT to the causal attention's FLOPs (one long sequence among short
+    ones stays packed)."""
     lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
-    if _kernel != "cudnn" or not lengths:
+    if not lengths:
         return None
     longest = max(lengths)
     if len(lengths) * longest * longest > PADDED_FLOPS_LIMIT * sum(n * n for n in lengths):
         return None
-    positions = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(lengths)])
-    return PaddedRows(to_device(positions, device), len(lengths), longest)
+    return PaddedRows(to_device(padded_positions(lengths, longest), device), len(lengths), longest)
 
 
 def padded_causal(query, key, value, rows: PaddedRows, scale: float):
