@@ -9,7 +9,9 @@ heads of 128). Every row's output and gradients (of the real tokens) are checked
   `sdpa_attention.varlen_causal` (torch's variable-length flash attention; on a torch whose `varlen_attn` has no
   `enable_gqa`, the grouped flash kernels without repeated key/value heads).
 - `packed, slime cudnn`: what it runs with --attention-kernel cudnn (opt-in), `sdpa_attention.
-  padded_causal`: the packed tokens scattered to right-padded rows, cuDNN's kernel, gathered back, all in the time.
+  padded_causal`: the packed tokens scattered to right-padded rows, cuDNN's kernel, gathered back, all in the time;
+  sequences of one length are the padded layout as they are (viewed, no scatter), and a second row times the
+  scatter and gather on them all the same.
 - `padded, <backend>`: `scaled_dot_product_attention(is_causal=True)` on the sequences right-padded to the longest,
   [batch, heads, length, dim], under one SDPA backend, with the key/value heads as they are (`enable_gqa`) or repeated.
   Right padding leaves every real token's causal output and gradients as they are; the pad tokens' work is counted
@@ -80,8 +82,8 @@ def main() -> None:
         sys.exit("attention_kernels.py measures CUDA kernels: run it on a GPU machine")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from slime.backends.megatron_utils.sdpa_attention import (_varlen_attn, padded_causal, padded_positions,
-                                                              padded_rows, varlen_causal)
+    from slime.backends.megatron_utils.sdpa_attention import (PaddedRows, _varlen_attn, padded_causal,
+                                                              padded_positions, padded_rows, varlen_causal)
 
     lengths = [int(x) for x in args.lengths.split(",")]
     heads, kv_heads, dim, group = args.heads, args.kv_heads, args.head_dim, args.heads // args.kv_heads
@@ -123,6 +125,12 @@ def main() -> None:
     layout = padded_rows(bounds, "cuda")
     if layout is None:
         rows.append(("packed, slime cudnn", None, "padding adds over half the FLOPs: it stays varlen flash"))
+    elif layout.positions is None:
+        slime_row("packed, slime cudnn (padded_causal: one length, viewed as padded rows)",
+                  lambda: padded_causal(q, k, v, layout, scale))
+        scattered = PaddedRows(torch.arange(total, device="cuda"), layout.sequences, layout.longest)
+        slime_row("packed, slime cudnn, scattered and gathered all the same",
+                  lambda: padded_causal(q, k, v, scattered, scale))
     else:
         slime_row("packed, slime cudnn (padded_causal: pad, cuDNN, gather)",
                   lambda: padded_causal(q, k, v, layout, scale))

@@ -8,10 +8,13 @@ than slime's CUDA kernels do, so for them the hook records what the CUDA kernel 
 fused kernel: its input and fp32 inverse RMS per row, where the CPU decomposition keeps fp32 copies), the core
 attention (flash attention: query, key, value, output and the fp32 log-sum-exp per head) and the rotary embedding
 (slime's fused kernel keeps only the model's one frequency table, megatron-core's unfused rotation cos and sin
-tables per call). With `--attention-kernel cudnn` the micro-batch goes through the padded route
-(sdpa_attention.padded_causal), tallied as it is: its SDPA runs torch's CPU flash kernel (checked), which keeps the
-same tensors as cuDNN's. Writes <out>/activations.json: {"model_dir", "tokens", "layers": [bf16 bytes per token of each
-layer], "other": [bytes per token of its other dtypes: fp32 statistics, the router's probabilities, indices]}.
+tables per call). `--route` picks the attention of `--attention-kernel`: flash (the default), padded (cudnn's
+route with the packed sequences scattered to padded rows and gathered back, forced here on sequences of one length so
+that no pad token enters the per-token figures) or one-length (cudnn's route as it runs on sequences of one length:
+the packed row viewed as the padded layout). Both cudnn routes run sdpa_attention.padded_causal, tallied as they are:
+its SDPA runs torch's CPU flash kernel (checked), which keeps the same tensors as cuDNN's. Writes
+<out>/activations.json: {"model_dir", "tokens", "layers": [bf16 bytes per token of each layer], "other": [bytes per
+token of its other dtypes: fp32 statistics, the router's probabilities, indices]}.
 """
 
 from __future__ import annotations
@@ -123,8 +126,8 @@ def main() -> None:
     p.add_argument("--port", type=int, default=29581)
     p.add_argument("--sequences", type=int, default=3)
     p.add_argument("--length", type=int, default=40)
-    p.add_argument("--attention-kernel", choices=("flash", "cudnn"), default="flash",
-                   help="cudnn: the packed micro-batch through the padded route (sdpa_attention.padded_causal)")
+    p.add_argument("--route", choices=("flash", "padded", "one-length"), default="flash",
+                   help="the attention route (module docstring)")
     cli = p.parse_args()
     os.makedirs(cli.out, exist_ok=True)
     import torch.distributed as dist
@@ -132,6 +135,7 @@ def main() -> None:
 
     from slime.backends.megatron_utils.forward import packed_seq_params
     from slime.backends.megatron_utils.model import build_model, initialize_parallel
+    from slime.backends.megatron_utils.sdpa_attention import PaddedRows
     from slime.config.arguments import parse_args
     from tools.make_tiny_model import make_tiny_model
 
@@ -146,7 +150,8 @@ def main() -> None:
                        "--n-samples-per-prompt", "1", "--global-batch-size", "1", "--num-rollout", "1",
                        "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--bf16"])
     initialize_parallel(args)
-    args.attention_kernel = cli.attention_kernel  # cudnn is refused on the CPU: the route runs on any device
+    cudnn = cli.route != "flash"
+    args.attention_kernel = "cudnn" if cudnn else "flash"  # cudnn is refused on the CPU: the route runs on any device
     model = build_model(args, wrap=False)[0]
     model.eval()  # as slime trains: no dropout
     for param in model.parameters():
@@ -154,13 +159,15 @@ def main() -> None:
     tally = Tally({param.untyped_storage().data_ptr() for param in model.parameters()})
     attention.apply_rotary_pos_emb = tally.rotary(attention.apply_rotary_pos_emb)
     for index, layer in enumerate(model.decoder.layers):
-        tally.hook_layer(index, layer, padded_attention=cli.attention_kernel == "cudnn")
+        tally.hook_layer(index, layer, padded_attention=cudnn)
 
     tokens = cli.sequences * cli.length
     ids = torch.randint(3, args.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(cli.length).repeat(cli.sequences).unsqueeze(0)
     packed = packed_seq_params(list(range(0, tokens + 1, cli.length)), "cpu")
-    assert (packed.padded_rows is not None) == (cli.attention_kernel == "cudnn")
+    assert (packed.padded_rows is not None) == cudnn
+    if cli.route == "padded":
+        packed.padded_rows = PaddedRows(torch.arange(tokens), cli.sequences, cli.length)
     with torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda t: t):
         model(ids, positions, None, packed_seq_params=packed)
     owners: dict = {}

@@ -188,13 +188,14 @@ def _check_state_left_the_gpu(f: dict, logged: list[int], n: int) -> None:
 
 
 @pytest.mark.parametrize("kernel,lengths", [("flash", [5, 300, 1024, 77]), ("cudnn", [5, 300, 1024, 77]),
-                                            ("cudnn", [900, 1000, 1088, 1024])])
+                                            ("cudnn", [900, 1000, 1088, 1024]), ("cudnn", [1088] * 4)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_sdp_attention_packed_equals_each_sequence_alone(dtype, kernel, lengths):
     """SDPAttention on packed (THD) input: torch's varlen flash kernel in bf16, one SDPA call per sequence in
     fp32, or with --attention-kernel cudnn and little padding (the lengths 900-1088) SDPA with cuDNN first on the
-    sequences right-padded (with much padding, 5-1024, it stays varlen flash); each equals each sequence attended
-    alone (fp32 math), forward and gradients; GQA 4 query heads per key/value head."""
+    sequences right-padded (with much padding, 5-1024, it stays varlen flash), or on one length viewed as padded rows
+    without a copy; each equals each sequence attended alone (fp32 math), forward and gradients; GQA 4 query heads
+    per key/value head."""
     import types
 
     import torch.nn.functional as F
@@ -220,7 +221,11 @@ def test_sdp_attention_packed_equals_each_sequence_alone(dtype, kernel, lengths)
     out = attention(q, k, v, None, packed_seq_params=params)
     assert out.shape == (total, 16 * 128)
     if padded and dtype == torch.bfloat16:  # cuDNN's kernel is what ran (its backward node is in the graph)
-        assert "Cudnn" in " ".join(_graph_nodes(out.grad_fn))
+        nodes = _graph_nodes(out.grad_fn)
+        assert "Cudnn" in " ".join(nodes), nodes
+        if len(set(lengths)) == 1:  # viewed, not scattered: and cuDNN wrote its output in the query's layout
+            assert params.padded_rows.positions is None
+            assert not any(x in n for n in nodes for x in ("Copy", "Clone", "Index", "Rows")), nodes
     out.float().square().sum().backward()
 
     refs = []

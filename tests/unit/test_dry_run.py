@@ -203,6 +203,14 @@ def test_megatron_and_engine_memory_of_qwen3_4b_closed_form(files):
     cudnn = training_memory(parse_args([*argv, "--attention-kernel", "cudnn"]), shape, tokens=4096, micro_batches=64,
                             with_ref=False)
     assert cudnn.get("activations") == 36 * 4096 * 2 * (4 * 2560 + 5 * q + 4 * kv + 3 * ffn)
+    # without q/k norms (Llama's layer) the padded route keeps kv less than flash: the plan counts flash's, which
+    # micro-batches of sequences of one length (viewed, not copied) and too uneven ones keep under cudnn as well
+    llama = shape_from_hf_config(dict(QWEN3_4B, architectures=["LlamaForCausalLM"], model_type="llama"))
+    assert not llama.qk_norm
+    for kernel_args in ([], ["--attention-kernel", "cudnn"]):
+        plan = training_memory(parse_args([*argv, *kernel_args]), llama, tokens=4096, micro_batches=64,
+                               with_ref=False)
+        assert plan.get("activations") == 36 * 4096 * 2 * (4 * 2560 + 3 * q + 3 * kv + 3 * ffn)
     assert est.get("logits") == 4096 * padded_vocab / 2 * 8
 
     mem, _ = engine_memory(args, shape, 80 * GiB)

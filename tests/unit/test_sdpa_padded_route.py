@@ -39,6 +39,10 @@ def test_padding_that_adds_more_than_half_the_flops_stays_packed():
     assert padded_rows([0, 4096, 4100], "cpu") is None
 
 
+def test_sequences_of_one_length_are_the_padded_layout_as_they_are():
+    rows = padded_rows([0, 7, 14, 21], "cpu")
+    assert (rows.positions, rows.sequences, rows.longest) == (None, 3, 7)
+
 def test_flash_kernel_never_pads():
     sdpa_attention.install("flash")
     assert packed_seq_params([0, 6, 13, 20], "cpu").padded_rows is None
@@ -50,14 +54,30 @@ def test_packed_seq_params_carry_the_layout(cudnn_kernel):
     assert params.max_seqlen_q == 7
 
 
+def autograd_nodes(t: torch.Tensor) -> set[str]:
+    seen, stack = set(), [t.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            stack.extend(nxt for nxt, _ in fn.next_functions)
+    return {type(fn).__name__ for fn in seen}
+
+
+@pytest.mark.parametrize("cu", [[0, 6, 13, 20], [0, 7, 14, 21]], ids=["padded", "one-length"])
 @pytest.mark.parametrize("kv_heads", [2, 4])
-def test_padded_attention_equals_each_sequence_alone(kv_heads):
-    """Output and the three gradients, grouped (2 key/value heads for 4 query heads) and not, to fp64 rounding."""
-    cu = [0, 6, 13, 20]
+def test_padded_attention_equals_each_sequence_alone(kv_heads, cu):
+    """Output and the three gradients, grouped (2 key/value heads for 4 query heads) and not, to fp64 rounding;
+    sequences of one length without a copy, others scattered and gathered without atomic additions."""
     torch.manual_seed(0)
-    q = torch.randn(20, 4, 8, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(20, kv_heads, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    t = cu[-1]
+    q = torch.randn(t, 4, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(t, kv_heads, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
     out = padded_causal(q, k, v, padded_rows(cu, "cpu"), 0.3)
+    nodes = autograd_nodes(out)
+    assert "IndexAddBackward0" not in nodes and "IndexSelectBackward0" not in nodes
+    assert ("_UnpadRowsBackward" in nodes) == (cu[-1] == 20)
+    assert not any("Copy" in n or "Clone" in n for n in nodes), nodes
     grad = torch.randn_like(out)
     out.backward(grad)
     ours = [x.grad.clone() for x in (q, k, v)]
@@ -69,7 +89,7 @@ def test_padded_attention_equals_each_sequence_alone(kv_heads):
                                        scale=0.3).transpose(0, 1)
         for a, b in zip(cu[:-1], cu[1:])])
     ref.backward(grad)
-    assert out.shape == (20, 4, 8)
+    assert out.shape == (t, 4, 8)
     assert (out - ref).abs().max() < 1e-12
     for mine, exact in zip(ours, (qf.grad, kf.grad, vf.grad)):
         assert (mine - exact).abs().max() < 1e-12

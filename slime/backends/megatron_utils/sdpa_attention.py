@@ -74,9 +74,10 @@ def padded_positions(lengths: list[int], longest: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class PaddedRows:
     """Where a packed row's tokens go when its sequences are right-padded to the longest: `positions[i]` is the
-    row of packed token i in a `[sequences × longest]` layout."""
+    row of packed token i in a `[sequences × longest]` layout; None when every sequence is `longest` long (the packed
+    row is that layout as it is)."""
 
-    positions: torch.Tensor
+    positions: torch.Tensor | None
     sequences: int
     longest: int
 
@@ -91,21 +92,26 @@ def padded_rows(cu_seqlens: list[int], device) -> PaddedRows | None:
     longest = max(lengths)
     if len(lengths) * longest * longest > PADDED_FLOPS_LIMIT * sum(n * n for n in lengths):
         return None
+    if min(lengths) == longest:
+        return PaddedRows(None, len(lengths), longest)
     return PaddedRows(to_device(padded_positions(lengths, longest), device), len(lengths), longest)
 
 
 def padded_causal(query, key, value, rows: PaddedRows, scale: float):
     """Causal attention of packed `[t, heads, dim]` sequences run on them right-padded to
-    `[sequences, heads, longest, dim]` (zeros after each sequence), cuDNN's kernel first; `[t, heads, dim]` back."""
+    `[sequences, heads, longest, dim]` (zeros after each sequence), cuDNN's kernel first; `[t, heads, dim]` back.
+    Sequences of one length are viewed in that layout, not copied."""
+    size = rows.sequences * rows.longest
 
     def pad(x):
-        full = _PadRows.apply(x, rows.positions, rows.sequences * rows.longest)
+        full = x if rows.positions is None else _PadRows.apply(x, rows.positions, size)
         return full.view(rows.sequences, rows.longest, *x.shape[1:]).transpose(1, 2)
 
     with sdpa_kernel(_CUDNN_FIRST, set_priority=True):
         out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), is_causal=True, scale=scale,
                                              enable_gqa=query.shape[1] != key.shape[1])
-    return out.transpose(1, 2).flatten(0, 1).index_select(0, rows.positions)
+    out = out.transpose(1, 2).flatten(0, 1)  # a view where the kernel wrote [sequences, longest, heads, dim]
+    return out if rows.positions is None else _UnpadRows.apply(out, rows.positions)
 
 
 @functools.cache
@@ -209,19 +215,40 @@ class SDPAttention(torch.nn.Module):
         return torch.cat(outs, dim=0)
 
 
+def _scatter_rows(x, positions, size: int):
+    """`x`'s rows at `positions` of a zero tensor of `size` rows (each position once: no atomic additions)."""
+    return x.new_zeros(size, *x.shape[1:]).index_copy_(0, positions, x)
+
+
 class _PadRows(torch.autograd.Function):
-    """`x`'s rows at `positions` of a zero tensor of `size` rows. Keeps only the positions for the backward, where
-    `index_copy` would keep `x` too (the packed query, key and value, besides their padded copies)."""
+    """`_scatter_rows` whose backward gathers. Keeps only the positions for the backward, where `index_copy` would
+    keep `x` too (the packed query, key and value, besides their padded copies)."""
 
     @staticmethod
     def forward(ctx, x, positions, size: int):
         ctx.save_for_backward(positions)
-        return x.new_zeros(size, *x.shape[1:]).index_copy_(0, positions, x)
+        return _scatter_rows(x, positions, size)
 
     @staticmethod
     def backward(ctx, grad):
         (positions,) = ctx.saved_tensors
         return grad.index_select(0, positions), None, None
+
+
+class _UnpadRows(torch.autograd.Function):
+    """The rows of `x` at `positions`, whose backward scatters the gradient back (`index_select`'s own backward adds
+    it into zeros with atomic additions, slower in bf16 and not bitwise repeatable)."""
+
+    @staticmethod
+    def forward(ctx, x, positions):
+        ctx.save_for_backward(positions)
+        ctx.size = x.shape[0]
+        return x.index_select(0, positions)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (positions,) = ctx.saved_tensors
+        return _scatter_rows(grad, positions, ctx.size), None
 
 
 def varlen_causal(fn, keywords: set, query, key, value, cu, max_len: int, scale: float):

@@ -217,8 +217,8 @@ def validate_algorithm(args: argparse.Namespace) -> None:
         fail("--attention-kernel cudnn runs on CUDA only and this run trains on the CPU; drop the flag (flash, the "
              "default).")
     if args.attention_kernel == "cudnn" and args.deterministic_mode:
-        fail("--attention-kernel cudnn with --deterministic-mode: the padded route's gather adds its gradient back with "
-             "atomic additions (nondeterministic on CUDA); drop one of the two.")
+        fail("--attention-kernel cudnn with --deterministic-mode: cuDNN's attention backward is not bitwise repeatable "
+             "in torch (cuDNN's deterministic backward is not wired into torch's SDPA); drop one of the two.")
     if args.get_mismatch_metrics and not args.custom_tis_function_path:
         fail("--get-mismatch-metrics runs --custom-tis-function-path, which is not set; add it (e.g. "
              "slime.algorithm.tis.vanilla_tis_function) or drop the flag.")

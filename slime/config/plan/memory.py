@@ -19,14 +19,15 @@ Training, megatron (the largest pipeline stage is reported):
   sandwich-norm layer), the fused q/k/v output (q + 2kv, which the value view keeps whole), the query (and with
   q/k norms its unnormalised copy), the key and the output the flash kernel keeps (q + kv) (packed micro-batches
   under --attention-kernel cudnn: the padded query, key, value and output, 2q + 2kv at no padding, the gathered
-  output, q, and the fused output only with q/k norms, whose inputs are views of it), the MLP's gate/up output
-  and its down projection's input (3·ffn; an MoE layer: top-k × (h + 3·expert ffn ÷ ETP) per token the rank's
-  experts see, + 3·shared ffn, + the router's scores and top-k probabilities), all but the first part ÷ TP. The
-  fp32 statistics (an RMSNorm's inverse RMS per row, flash attention's log-sum-exp per head) are left out. Counted
-  on the layer itself: tests/e2e_cpu/test_activation_plan.py tallies what autograd keeps in a Megatron layer on CPU
-  (norms, attention and rotation as slime's CUDA kernels keep them) and checks this formula against it, to the
-  byte. It is ~35% above Korthikanti et al.'s 34·T·h for Qwen3-4B, whose GQA, SwiGLU and q/k norms that formula
-  (GPT's layer, dropout masks) does not describe. × the stage's layers × the micro-batches 1F1B keeps in flight
+  output, q, and the fused output only with q/k norms, whose inputs are views of it; the plan takes the larger of
+  that and flash's, which sequences of one length, viewed as padded rows, and too uneven ones keep), the MLP's
+  gate/up output and its down projection's input (3·ffn; an MoE layer: top-k × (h + 3·expert ffn ÷ ETP) per token
+  the rank's experts see, + 3·shared ffn, + the router's scores and top-k probabilities), all but the first part
+  ÷ TP. The fp32 statistics (an RMSNorm's inverse RMS per row, flash attention's log-sum-exp per head) are left
+  out. Counted on the layer itself: tests/e2e_cpu/test_activation_plan.py tallies what autograd keeps in a Megatron
+  layer on CPU (norms, attention and rotation as slime's CUDA kernels keep them) and checks this formula against it,
+  on each attention route, to the byte. It is ~35% above Korthikanti et al.'s 34·T·h for Qwen3-4B, whose GQA,
+  SwiGLU and q/k norms that formula (GPT's layer, dropout masks) does not describe. × the stage's layers × the micro-batches 1F1B keeps in flight
   (PP − stage). --recompute-granularity full keeps 2·T·h per layer (per group of --recompute-num-layers with
   `uniform`) plus one group's full activations. Selective recompute (--recompute-activations) only drops the attention-score
   term flash attention never stores. Multi-latent attention is estimated alike (its latents and their norms'
@@ -284,9 +285,11 @@ def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches
             est.items.append(Item("teacher model", per_gpu * wb, how))
         if tokens:
             in_flight = par.pp - stage if micro_batches is None else min(par.pp - stage, micro_batches)
-            padded = args.attention_kernel == "cudnn" and args.qkv_format == "thd" and par.cp == 1
-            per_token = activation_bytes_per_token(shape, range(start - n_layers, start), par.tp, sp, wb, par.etp,
-                                                   padded)
+            layers = range(start - n_layers, start)
+            per_token = activation_bytes_per_token(shape, layers, par.tp, sp, wb, par.etp)
+            if args.attention_kernel == "cudnn" and args.qkv_format == "thd" and par.cp == 1:
+                # a micro-batch takes the padded route or keeps what flash does (one length: viewed; too uneven)
+                per_token = max(per_token, activation_bytes_per_token(shape, layers, par.tp, sp, wb, par.etp, True))
             full = tokens * per_token
             formula = f"T × {per_token / 1024:,.1f} KiB (layer_activation_elements × {wb} B)"
             head = (f"T={tokens:,.0f} tokens, h={shape.hidden_size}, {n_layers} layers, "
