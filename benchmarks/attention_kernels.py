@@ -19,13 +19,14 @@ heads of 128). Every row's output and gradients (of the real tokens) are checked
 - `packed, cuDNN`: torch's cuDNN attention over the cumulative lengths (`aten._cudnn_attention_forward` and its
   autograd backward), key/value heads repeated, its output compared with slime's; a failure is the row's note.
 
-FLOPs: causal attention, 2 × 2 × heads × head_dim × L²/2 per sequence for a forward, 2.5 × that for the backward.
+Times: back to back (CUDA events), and the GPU kernels' own time per step (torch.profiler), which is what a step costs
+inside a training step whose host runs ahead of the GPU. FLOPs: causal attention, 2 × 2 × heads × head_dim × L²/2 per
+sequence for a forward, 2.5 × that for the backward.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import sys
@@ -46,6 +47,21 @@ def forward_backward(fn, inputs, grad):
     return step
 
 
+def kernel_ms(step, repeats: int = 10) -> float:
+    """Milliseconds of GPU work one `step()` launches (torch.profiler: the kernels' own times summed), which the
+    back-to-back timing exceeds where the host cannot issue the step's operations as fast as the GPU runs them."""
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / repeats
+
+
+def timed(step) -> tuple[float, float]:
+    return cuda_ms(step), kernel_ms(step)
+
+
 def per_sequence_reference(q, k, v, bounds, scale):
     """fp32 causal SDPA one sequence at a time, key/value heads repeated: output and the inputs' gradients."""
     group = q.shape[1] // k.shape[1]
@@ -56,19 +72,6 @@ def per_sequence_reference(q, k, v, bounds, scale):
         ks, vs = (x[a:b].repeat_interleave(group, 1).transpose(0, 1) for x in (kf, vf))
         outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
     return torch.cat(outs), (qf, kf, vf)
-
-
-def pad_sequences(x: torch.Tensor, positions: torch.Tensor, batch: int, longest: int) -> torch.Tensor:
-    """Packed [tokens, heads, dim] -> right-padded [batch, heads, longest, dim] (zeros after each sequence)."""
-    out = x.new_zeros(batch * longest, *x.shape[1:])
-    out[positions.to(x.device)] = x
-    return out.view(batch, longest, *x.shape[1:]).transpose(1, 2)
-
-
-def unpad_sequences(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Right-padded [batch, heads, longest, dim] -> packed [tokens, heads, dim], the real tokens only."""
-    batch, heads, longest, dim = x.shape
-    return x.transpose(1, 2).reshape(batch * longest, heads, dim)[positions.to(x.device)]
 
 
 def main() -> None:
@@ -82,8 +85,8 @@ def main() -> None:
         sys.exit("attention_kernels.py measures CUDA kernels: run it on a GPU machine")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from slime.backends.megatron_utils.sdpa_attention import (PaddedRows, _varlen_attn, padded_causal,
-                                                              padded_positions, padded_rows, varlen_causal)
+    from slime.backends.megatron_utils.sdpa_attention import (PaddedRows, _varlen_attn, pad_rows, padded_causal,
+                                                              padded_rows, unpad_rows, varlen_causal)
 
     lengths = [int(x) for x in args.lengths.split(",")]
     heads, kv_heads, dim, group = args.heads, args.kv_heads, args.head_dim, args.heads // args.kv_heads
@@ -113,7 +116,7 @@ def main() -> None:
             x.grad = None
         out = fn()
         out.backward(grad_out)
-        rows.append((label, cuda_ms(forward_backward(fn, (q, k, v), lambda: grad_out)),
+        rows.append((label, timed(forward_backward(fn, (q, k, v), lambda: grad_out)),
                      against_reference(out.detach(), q.grad, k.grad, v.grad)))
 
     varlen = _varlen_attn()
@@ -122,23 +125,26 @@ def main() -> None:
     else:
         slime_row("packed, slime flash (varlen_causal)",
                   lambda: varlen_causal(varlen[0], varlen[1], q, k, v, cu, longest, scale))
-    layout = padded_rows(bounds, "cuda")
+    layout = padded_rows(bounds)
     if layout is None:
         rows.append(("packed, slime cudnn", None, "padding adds over half the FLOPs: it stays varlen flash"))
-    elif layout.positions is None:
+    elif layout.viewed:
         slime_row("packed, slime cudnn (padded_causal: one length, viewed as padded rows)",
                   lambda: padded_causal(q, k, v, layout, scale))
-        scattered = PaddedRows(torch.arange(total, device="cuda"), layout.sequences, layout.longest)
+        scattered = PaddedRows(layout.lengths, layout.longest, viewed=False)
         slime_row("packed, slime cudnn, scattered and gathered all the same",
                   lambda: padded_causal(q, k, v, scattered, scale))
     else:
         slime_row("packed, slime cudnn (padded_causal: pad, cuDNN, gather)",
                   lambda: padded_causal(q, k, v, layout, scale))
 
-    batch = len(lengths)
-    positions = padded_positions(lengths, longest)
-    pad = functools.partial(pad_sequences, positions=positions, batch=batch, longest=longest)
-    unpad = functools.partial(unpad_sequences, positions=positions)
+    batch, full = len(lengths), PaddedRows(tuple(lengths), longest, viewed=False)
+
+    def pad(x):  # packed [tokens, heads, dim] -> right-padded [batch, heads, longest, dim]
+        return pad_rows(x, full).view(batch, longest, *x.shape[1:]).transpose(1, 2)
+
+    def unpad(x):  # and back, the real tokens only
+        return unpad_rows(x.transpose(1, 2).flatten(0, 1), full)
 
     qp, kp, vp = (pad(x.detach()).requires_grad_() for x in (q, k, v))
     kr, vr = (x.detach().repeat_interleave(group, 1).requires_grad_() for x in (kp, vp))
@@ -162,7 +168,7 @@ def main() -> None:
                 if not grouped:
                     dk, dv = (g.unflatten(1, (kv_heads, group)).sum(2) for g in (dk, dv))
                 note = against_reference(*(unpad(x) for x in (out.detach(), qp.grad, dk, dv)))
-                rows.append((label, cuda_ms(forward_backward(padded, (qp, key, value), lambda: padded_grad)), note))
+                rows.append((label, timed(forward_backward(padded, (qp, key, value), lambda: padded_grad)), note))
             except RuntimeError as e:
                 rows.append((label, None, str(e).splitlines()[0][:80]))
 
@@ -177,15 +183,15 @@ def main() -> None:
         with torch.no_grad():
             reference = varlen_causal(varlen[0], varlen[1], q, k, v, cu, longest, scale) if varlen else None
             error = (cudnn_packed().float() - reference.float()).abs().max().item() if varlen else float("nan")
-        rows.append((label, cuda_ms(forward_backward(cudnn_packed, (q, kr3, vr3), lambda: grad_out)),
+        rows.append((label, timed(forward_backward(cudnn_packed, (q, kr3, vr3), lambda: grad_out)),
                      f"output vs slime's: max |difference| {error:.2e}"))
     except (RuntimeError, IndexError) as e:
         rows.append((label, None, f"{type(e).__name__}: {str(e)[:80]}"))
 
-    print("\n| kernel | fwd + bwd ms | TFLOP/s | note |\n| --- | ---: | ---: | --- |")
+    print("\n| kernel | fwd + bwd ms | of which GPU kernels | TFLOP/s | note |\n| --- | ---: | ---: | ---: | --- |")
     for label, ms, note in rows:
-        shown = ("-", "-") if ms is None else (f"{ms:.3f}", f"{flops / ms / 1e9:.1f}")
-        print(f"| {label} | {shown[0]} | {shown[1]} | {note} |")
+        shown = ("-",) * 3 if ms is None else (f"{ms[0]:.3f}", f"{ms[1]:.3f}", f"{flops / ms[0] / 1e9:.1f}")
+        print(f"| {label} | {' | '.join(shown)} | {note} |")
 
 
 if __name__ == "__main__":

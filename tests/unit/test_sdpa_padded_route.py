@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from slime.backends.megatron_utils import sdpa_attention
 from slime.backends.megatron_utils.forward import packed_seq_params
-from slime.backends.megatron_utils.sdpa_attention import padded_causal, padded_rows
+from slime.backends.megatron_utils.sdpa_attention import pad_rows, padded_causal, padded_rows, unpad_rows
 from slime.utils.errors import SlimeArgumentError
 from tests.args import make_args
 
@@ -25,23 +25,26 @@ def cudnn_kernel():
 
 
 def test_the_layout_puts_each_sequence_at_the_start_of_its_own_row():
-    rows = padded_rows([0, 6, 13, 20], "cpu")
-    assert (rows.sequences, rows.longest) == (3, 7)
-    assert rows.positions.tolist() == [*range(0, 6), *range(7, 14), *range(14, 21)]
+    rows = padded_rows([0, 6, 13, 20])
+    assert (rows.lengths, rows.sequences, rows.longest, rows.viewed) == ((6, 7, 7), 3, 7, False)
+    x = torch.arange(1, 21).unsqueeze(1).expand(20, 2)
+    padded = pad_rows(x, rows)
+    assert padded[:, 0].tolist() == [*range(1, 7), 0, *range(7, 21)] and padded[:, 1].equal(padded[:, 0])
+    assert unpad_rows(padded, rows).equal(x)
 
 
 def test_padding_that_adds_more_than_half_the_flops_stays_packed():
     # 4 x 7² = 196 against 25 + 49 + 1 + 49 = 124: 1.58x
-    assert padded_rows([0, 5, 12, 13, 20], "cpu") is None
+    assert padded_rows([0, 5, 12, 13, 20]) is None
     # two long sequences and the pad sequence sequence parallelism adds: 3 x 4096² ≈ 1.5 x (2 x 4096² + 3²)
-    assert padded_rows([0, 4096, 8192, 8195], "cpu") is not None
-    assert padded_rows([0, 4096, 8192, 8196], "cpu") is not None
-    assert padded_rows([0, 4096, 4100], "cpu") is None
+    assert padded_rows([0, 4096, 8192, 8195]) is not None
+    assert padded_rows([0, 4096, 8192, 8196]) is not None
+    assert padded_rows([0, 4096, 4100]) is None
 
 
 def test_sequences_of_one_length_are_the_padded_layout_as_they_are():
-    rows = padded_rows([0, 7, 14, 21], "cpu")
-    assert (rows.positions, rows.sequences, rows.longest) == (None, 3, 7)
+    rows = padded_rows([0, 7, 14, 21])
+    assert (rows.sequences, rows.longest, rows.viewed) == (3, 7, True)
 
 def test_flash_kernel_never_pads():
     sdpa_attention.install("flash")
@@ -50,7 +53,7 @@ def test_flash_kernel_never_pads():
 
 def test_packed_seq_params_carry_the_layout(cudnn_kernel):
     params = packed_seq_params([0, 6, 13, 20], "cpu")
-    assert params.padded_rows.positions.tolist() == padded_rows([0, 6, 13, 20], "cpu").positions.tolist()
+    assert params.padded_rows == padded_rows([0, 6, 13, 20])
     assert params.max_seqlen_q == 7
 
 
@@ -68,14 +71,13 @@ def autograd_nodes(t: torch.Tensor) -> set[str]:
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_padded_attention_equals_each_sequence_alone(kv_heads, cu):
     """Output and the three gradients, grouped (2 key/value heads for 4 query heads) and not, to fp64 rounding;
-    sequences of one length without a copy, others scattered and gathered without atomic additions."""
+    sequences of one length without a copy, others padded and gathered back by one copy each way."""
     torch.manual_seed(0)
     t = cu[-1]
     q = torch.randn(t, 4, 8, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(t, kv_heads, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    out = padded_causal(q, k, v, padded_rows(cu, "cpu"), 0.3)
+    out = padded_causal(q, k, v, padded_rows(cu), 0.3)
     nodes = autograd_nodes(out)
-    assert "IndexAddBackward0" not in nodes and "IndexSelectBackward0" not in nodes
     assert ("_UnpadRowsBackward" in nodes) == (cu[-1] == 20)
     assert not any("Copy" in n or "Clone" in n for n in nodes), nodes
     grad = torch.randn_like(out)

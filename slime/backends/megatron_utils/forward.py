@@ -118,7 +118,7 @@ def packed_seq_params(cu_seqlens: list[int], device):
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                              max_seqlen_kv=longest)
     # slime's attention reads it (sdpa_attention.py): the padded layout, built here on the host once per micro-batch
-    params.padded_rows = sdpa_attention.padded_rows(cu_seqlens, device) if sdpa_attention.pads_packed() else None
+    params.padded_rows = sdpa_attention.padded_rows(cu_seqlens) if sdpa_attention.pads_packed() else None
     return params
 
 

@@ -44,7 +44,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from slime.backends.megatron_utils.cp_layout import cp_group_size_rank, gather_cp, zigzag_layout
-from slime.backends.training.batching import to_device
 
 KERNELS = ("flash", "cudnn")  # --attention-kernel
 PADDED_FLOPS_LIMIT = 1.5  # a packed micro-batch goes padded while padding adds at most this factor to its FLOPs
@@ -66,52 +65,62 @@ def pads_packed() -> bool:
     return _kernel == "cudnn"
 
 
-def padded_positions(lengths: list[int], longest: int) -> torch.Tensor:
-    """Row of each packed token in a `[sequences × longest]` layout of sequences of `lengths`, right-padded."""
-    return torch.cat([torch.arange(n) + i * longest for i, n in enumerate(lengths)])
-
-
 @dataclass(frozen=True)
 class PaddedRows:
-    """Where a packed row's tokens go when its sequences are right-padded to the longest: `positions[i]` is the
-    row of packed token i in a `[sequences × longest]` layout; None when every sequence is `longest` long (the packed
-    row is that layout as it is)."""
+    """A packed micro-batch's sequences right-padded to the longest: `[sequences × longest]` rows, sequence i's
+    tokens at the start of row i. `viewed`: every sequence is `longest` long, so the packed row is that layout as it
+    is (viewed, not copied)."""
 
-    positions: torch.Tensor | None
-    sequences: int
+    lengths: tuple[int, ...]
     longest: int
+    viewed: bool
+
+    @property
+    def sequences(self) -> int:
+        return len(self.lengths)
 
 
-def padded_rows(cu_seqlens: list[int], device) -> PaddedRows | None:
-    """The padded layout of a packed micro-batch with boundaries `cu_seqlens`, built on the host; None when right
-    padding would add more than PADDED_FLOPS_LIMIT to the causal attention's FLOPs (one long sequence among short
-    ones stays packed)."""
-    lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+def padded_rows(cu_seqlens: list[int]) -> PaddedRows | None:
+    """The padded layout of a packed micro-batch with boundaries `cu_seqlens`; None when right padding would add
+    more than PADDED_FLOPS_LIMIT to the causal attention's FLOPs (one long sequence among short ones stays packed)."""
+    lengths = tuple(end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]))
     if not lengths:
         return None
     longest = max(lengths)
     if len(lengths) * longest * longest > PADDED_FLOPS_LIMIT * sum(n * n for n in lengths):
         return None
-    if min(lengths) == longest:
-        return PaddedRows(None, len(lengths), longest)
-    return PaddedRows(to_device(padded_positions(lengths, longest), device), len(lengths), longest)
+    return PaddedRows(lengths, longest, viewed=min(lengths) == longest)
+
+
+def pad_rows(x: torch.Tensor, rows: PaddedRows) -> torch.Tensor:
+    """Packed `[t, ...]` -> `[sequences × longest, ...]`, zeros after each sequence: one copy (`cat`)."""
+    zeros = x.new_zeros(rows.longest - min(rows.lengths), *x.shape[1:])
+    pieces = []
+    for piece, n in zip(x.split(rows.lengths), rows.lengths):
+        pieces.append(piece)
+        if n < rows.longest:
+            pieces.append(zeros[: rows.longest - n])
+    return torch.cat(pieces)
+
+
+def unpad_rows(x: torch.Tensor, rows: PaddedRows) -> torch.Tensor:
+    """`[sequences × longest, ...]` -> packed `[t, ...]`, the real tokens only: one copy (`cat`)."""
+    return torch.cat(x.split([k for n in rows.lengths for k in (n, rows.longest - n)])[::2])
 
 
 def padded_causal(query, key, value, rows: PaddedRows, scale: float):
     """Causal attention of packed `[t, heads, dim]` sequences run on them right-padded to
-    `[sequences, heads, longest, dim]` (zeros after each sequence), cuDNN's kernel first; `[t, heads, dim]` back.
-    Sequences of one length are viewed in that layout, not copied."""
-    size = rows.sequences * rows.longest
+    `[sequences, heads, longest, dim]` (zeros after each sequence), cuDNN's kernel first; `[t, heads, dim]` back."""
 
     def pad(x):
-        full = x if rows.positions is None else _PadRows.apply(x, rows.positions, size)
+        full = x if rows.viewed else _PadRows.apply(x, rows)
         return full.view(rows.sequences, rows.longest, *x.shape[1:]).transpose(1, 2)
 
     with sdpa_kernel(_CUDNN_FIRST, set_priority=True):
         out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), is_causal=True, scale=scale,
                                              enable_gqa=query.shape[1] != key.shape[1])
     out = out.transpose(1, 2).flatten(0, 1)  # a view where the kernel wrote [sequences, longest, heads, dim]
-    return out if rows.positions is None else _UnpadRows.apply(out, rows.positions)
+    return out if rows.viewed else _UnpadRows.apply(out, rows)
 
 
 @functools.cache
@@ -215,40 +224,31 @@ class SDPAttention(torch.nn.Module):
         return torch.cat(outs, dim=0)
 
 
-def _scatter_rows(x, positions, size: int):
-    """`x`'s rows at `positions` of a zero tensor of `size` rows (each position once: no atomic additions)."""
-    return x.new_zeros(size, *x.shape[1:]).index_copy_(0, positions, x)
-
-
 class _PadRows(torch.autograd.Function):
-    """`_scatter_rows` whose backward gathers. Keeps only the positions for the backward, where `index_copy` would
-    keep `x` too (the packed query, key and value, besides their padded copies)."""
+    """`pad_rows`, whose backward is `unpad_rows`: nothing kept for it but the layout (`index_copy` would keep the
+    packed query, key and value besides their padded copies; index-based copies also ran slower than `cat`)."""
 
     @staticmethod
-    def forward(ctx, x, positions, size: int):
-        ctx.save_for_backward(positions)
-        return _scatter_rows(x, positions, size)
+    def forward(ctx, x, rows: PaddedRows):
+        ctx.rows = rows
+        return pad_rows(x, rows)
 
     @staticmethod
     def backward(ctx, grad):
-        (positions,) = ctx.saved_tensors
-        return grad.index_select(0, positions), None, None
+        return unpad_rows(grad, ctx.rows), None
 
 
 class _UnpadRows(torch.autograd.Function):
-    """The rows of `x` at `positions`, whose backward scatters the gradient back (`index_select`'s own backward adds
-    it into zeros with atomic additions, slower in bf16 and not bitwise repeatable)."""
+    """`unpad_rows`, whose backward is `pad_rows` (one copy each way; `index_select`'s backward adds into zeros)."""
 
     @staticmethod
-    def forward(ctx, x, positions):
-        ctx.save_for_backward(positions)
-        ctx.size = x.shape[0]
-        return x.index_select(0, positions)
+    def forward(ctx, x, rows: PaddedRows):
+        ctx.rows = rows
+        return unpad_rows(x, rows)
 
     @staticmethod
     def backward(ctx, grad):
-        (positions,) = ctx.saved_tensors
-        return _scatter_rows(grad, positions, ctx.size), None
+        return pad_rows(grad, ctx.rows), None
 
 
 def varlen_causal(fn, keywords: set, query, key, value, cu, max_len: int, scale: float):
