@@ -12,14 +12,13 @@ in the local layer spec (`megatron_utils.model`) with the same constructor and f
 
 `--attention-kernel cudnn` (opt-in; `install`) puts cuDNN's fused attention first among SDPA's kernels: padded
 micro-batches run it directly, and a packed micro-batch whose sequences, right-padded to the longest, add at most
-half again to the causal attention's FLOPs (`padded_rows`) is scattered to `[sequences, heads, longest, dim]`,
-attended there and gathered back: right padding leaves every real token's causal output and gradients as they are,
-and torch's cuDNN kernel has no usable packed form (its packed entry point ran ~100x slower than flash in torch 2.11:
-benchmarks/attention_kernels.py). On an H100, forward + backward: 2.62 against varlen flash's 3.53 ms at 2 × 4096
-tokens, but 0.83 against 0.74 ms at the 4B job's 4 × ~1000, where the scatter and gather cost more than cuDNN's
-kernel saves (the kernel alone: 0.48 ms). For its backward it keeps the padded query, key, value and output and the
-gathered output: per token q + kv elements more than flash with q/k norms (Qwen3), kv fewer without (Llama), as
-config/plan/memory.py counts them.
+half again to the causal attention's FLOPs (`padded_rows`) is attended as `[sequences, heads, longest, dim]`:
+sequences of one length are that layout as they are (a view), others are padded by one copy (`pad_rows`) and
+gathered back by another (`unpad_rows`), each the other's backward. Right padding leaves every real token's causal
+output and gradients as they are, and torch's cuDNN kernel has no usable packed form (its packed entry point ran
+~100x slower than flash in torch 2.11: benchmarks/attention_kernels.py). For its backward the padded copy keeps the
+padded query, key, value and output and the gathered output: per token q + kv elements more than flash with q/k
+norms (Qwen3), kv fewer without (Llama); the view keeps what flash keeps (config/plan/memory.py counts the larger).
 
 Under context parallelism (cp > 1, packed only) each rank holds zigzag chunks of every sequence
 (`cp_layout.py`): the keys and values of the whole CP group are gathered and each local query attends to the
