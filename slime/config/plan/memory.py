@@ -27,8 +27,8 @@ Training, megatron (the largest pipeline stage is reported):
   out. Counted on the layer itself: tests/e2e_cpu/test_activation_plan.py tallies what autograd keeps in a Megatron
   layer on CPU (norms, attention and rotation as slime's CUDA kernels keep them) and checks this formula against it,
   on each attention route, to the byte. It is ~35% above Korthikanti et al.'s 34·T·h for Qwen3-4B, whose GQA,
-  SwiGLU and q/k norms that formula (GPT's layer, dropout masks) does not describe. × the stage's layers × the micro-batches 1F1B keeps in flight
-  (PP − stage). --recompute-granularity full keeps 2·T·h per layer (per group of --recompute-num-layers with
+  SwiGLU and q/k norms that formula (GPT's layer, dropout masks) does not describe. × the stage's layers × the
+  micro-batches 1F1B keeps in flight (PP − stage). --recompute-granularity full keeps 2·T·h per layer (per group of --recompute-num-layers with
   `uniform`) plus one group's full activations. Selective recompute (--recompute-activations) only drops the attention-score
   term flash attention never stores. Multi-latent attention is estimated alike (its latents and their norms'
   inputs, the up-projection's output, query, key, value and output), not counted on a layer;
