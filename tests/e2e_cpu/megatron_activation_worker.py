@@ -33,6 +33,7 @@ from tests import megatron_cpu_shim  # noqa: E402
 
 megatron_cpu_shim.install()
 
+from tests.autograd_graph import node_names  # noqa: E402
 from tests.conftest import model_args  # noqa: E402
 
 
@@ -96,13 +97,7 @@ class Tally:
     def check_padded_kernel(module, args, out) -> None:
         """The padded route's SDPA ran torch's CPU flash kernel, which keeps what cuDNN's does (the padded query,
         key, value and output, the fp32 log-sum-exp per head), not the math kernel's score matrix."""
-        seen, stack = set(), [out.grad_fn]
-        while stack:
-            fn = stack.pop()
-            if fn is not None and fn not in seen:
-                seen.add(fn)
-                stack.extend(nxt for nxt, _ in fn.next_functions)
-        nodes = {type(fn).__name__ for fn in seen}
+        nodes = node_names(out)
         if "ScaledDotProductFlashAttentionForCpuBackward0" not in nodes:
             raise SystemExit(f"the padded attention did not run torch's CPU flash kernel: {sorted(nodes)}")
 

@@ -112,14 +112,14 @@ def padded_causal(query, key, value, rows: PaddedRows, scale: float):
     `[sequences, heads, longest, dim]` (zeros after each sequence), cuDNN's kernel first; `[t, heads, dim]` back."""
 
     def pad(x):
-        full = x if rows.viewed else _PadRows.apply(x, rows)
+        full = x if rows.viewed else _Relayout.apply(x, rows, True)
         return full.view(rows.sequences, rows.longest, *x.shape[1:]).transpose(1, 2)
 
     with sdpa_kernel(_CUDNN_FIRST, set_priority=True):
         out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), is_causal=True, scale=scale,
                                              enable_gqa=query.shape[1] != key.shape[1])
     out = out.transpose(1, 2).flatten(0, 1)  # a view where the kernel wrote [sequences, longest, heads, dim]
-    return out if rows.viewed else _UnpadRows.apply(out, rows)
+    return out if rows.viewed else _Relayout.apply(out, rows, False)
 
 
 @functools.cache
@@ -223,31 +223,19 @@ class SDPAttention(torch.nn.Module):
         return torch.cat(outs, dim=0)
 
 
-class _PadRows(torch.autograd.Function):
-    """`pad_rows`, whose backward is `unpad_rows`: nothing kept for it but the layout (`index_copy` would keep the
-    packed query, key and value besides their padded copies; index-based copies also ran slower than `cat`)."""
+class _Relayout(torch.autograd.Function):
+    """`pad_rows` (`padding`) or `unpad_rows`, whose backward is the other: one copy each way, nothing kept but the
+    layout (`index_copy` would keep the packed query, key and value besides their padded copies, and `index_select`'s
+    backward adds into zeros with atomic additions; both ran slower than `cat` on an H100)."""
 
     @staticmethod
-    def forward(ctx, x, rows: PaddedRows):
-        ctx.rows = rows
-        return pad_rows(x, rows)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return unpad_rows(grad, ctx.rows), None
-
-
-class _UnpadRows(torch.autograd.Function):
-    """`unpad_rows`, whose backward is `pad_rows` (one copy each way; `index_select`'s backward adds into zeros)."""
-
-    @staticmethod
-    def forward(ctx, x, rows: PaddedRows):
-        ctx.rows = rows
-        return unpad_rows(x, rows)
+    def forward(ctx, x, rows: PaddedRows, padding: bool):
+        ctx.rows, ctx.padding = rows, padding
+        return pad_rows(x, rows) if padding else unpad_rows(x, rows)
 
     @staticmethod
     def backward(ctx, grad):
-        return pad_rows(grad, ctx.rows), None
+        return unpad_rows(grad, ctx.rows) if ctx.padding else pad_rows(grad, ctx.rows), None, None
 
 
 def varlen_causal(fn, keywords: set, query, key, value, cu, max_len: int, scale: float):
