@@ -47,6 +47,7 @@ def test_sequences_of_one_length_are_the_padded_layout_as_they_are():
     rows = padded_rows([0, 7, 14, 21])
     assert (rows.sequences, rows.longest, rows.viewed) == (3, 7, True)
 
+
 def test_flash_kernel_never_pads():
     sdpa_attention.install("flash")
     assert packed_seq_params([0, 6, 13, 20], "cpu").padded_rows is None
