@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.gpu.timing import cuda_ms  # noqa: E402
+from tests.gpu.timing import cuda_ms, kernel_ms  # noqa: E402
 
 
 def forward_backward(fn, inputs, grad):
@@ -47,18 +47,8 @@ def forward_backward(fn, inputs, grad):
     return step
 
 
-def kernel_ms(step, repeats: int = 10) -> float:
-    """Milliseconds of GPU work one `step()` launches (torch.profiler: the kernels' own times summed), which the
-    back-to-back timing exceeds where the host cannot issue the step's operations as fast as the GPU runs them."""
-    step()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            step()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / repeats
-
-
 def timed(step) -> tuple[float, float]:
+    """(back-to-back ms, GPU kernels' ms) of one `step()`."""
     return cuda_ms(step), kernel_ms(step)
 
 
@@ -131,14 +121,14 @@ def main() -> None:
     elif layout.viewed:
         slime_row("packed, slime cudnn (padded_causal: one length, viewed as padded rows)",
                   lambda: padded_causal(q, k, v, layout, scale))
-        scattered = PaddedRows(layout.lengths, layout.longest, viewed=False)
+        scattered = PaddedRows(layout.lengths, viewed=False)
         slime_row("packed, slime cudnn, scattered and gathered all the same",
                   lambda: padded_causal(q, k, v, scattered, scale))
     else:
         slime_row("packed, slime cudnn (padded_causal: pad, cuDNN, gather)",
                   lambda: padded_causal(q, k, v, layout, scale))
 
-    batch, full = len(lengths), PaddedRows(tuple(lengths), longest, viewed=False)
+    batch, full = len(lengths), PaddedRows(tuple(lengths), viewed=False)
 
     def pad(x):  # packed [tokens, heads, dim] -> right-padded [batch, heads, longest, dim]
         return pad_rows(x, full).view(batch, longest, *x.shape[1:]).transpose(1, 2)

@@ -120,10 +120,10 @@ def profile_round(sched, vocab: int, batch: int, prompt_len: int, top: int, labe
     """--profile: one more round of 32 new tokens under torch.profiler (after the measured one, so the timings
     above are not profiled); prints GPU kernel time against wall time and the top kernels and host operators."""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from slime.backends.hf_engine.scheduler import Request, SamplingParams
+    from tests.gpu.timing import kernel_seconds
 
     gen = torch.Generator().manual_seed(batch + 1)
     for i in range(batch):
@@ -137,7 +137,7 @@ def profile_round(sched, vocab: int, batch: int, prompt_len: int, top: int, labe
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     events = prof.key_averages()
-    kernel_s = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e6
+    kernel_s = kernel_seconds(events)
     print(f"\n[{label}] profiled round (32 new tokens): wall {wall:.3f} s, GPU kernel time {kernel_s:.3f} s "
           f"({kernel_s / wall:.0%} busy)", file=sys.stderr)
     print(events.table(sort_by="self_device_time_total", row_limit=top), file=sys.stderr)

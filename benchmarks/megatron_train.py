@@ -167,8 +167,9 @@ def run_layout(cli, model_dir: str, workdir: str, layout: str) -> dict:
 def profile_step(cli, actor, batch, layout: str) -> None:
     """--profile: one more train step under torch.profiler; prints (to stderr) wall time against GPU kernel time
     and the top kernels and host operators, so a launch-bound step (host time above kernel time) shows."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from tests.gpu.timing import kernel_seconds
 
     torch.cuda.synchronize()
     # the Python frames of each event need the verbose experimental config on recent torch (else `stack` is empty)
@@ -177,7 +178,7 @@ def profile_step(cli, actor, batch, layout: str) -> None:
                  **(stacks if cli.profile_syncs else {})) as prof:
         wall = timed(lambda: actor.train(cli.steps + 1, batch))
     events = prof.key_averages()
-    kernel_s = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e6
+    kernel_s = kernel_seconds(events)
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     print(f"\n[{layout}] profiled train step: wall {wall:.2f} s, GPU kernel time {kernel_s:.2f} s "
           f"({kernel_s / wall:.0%} busy), kernel launches {launches}", file=sys.stderr)

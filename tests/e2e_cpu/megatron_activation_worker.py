@@ -162,7 +162,7 @@ def main() -> None:
     packed = packed_seq_params(list(range(0, tokens + 1, cli.length)), "cpu")
     assert (packed.padded_rows is not None) == cudnn
     if cli.route == "padded":
-        packed.padded_rows = PaddedRows(packed.padded_rows.lengths, cli.length, viewed=False)
+        packed.padded_rows = PaddedRows(packed.padded_rows.lengths, viewed=False)
     with torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda t: t):
         model(ids, positions, None, packed_seq_params=packed)
     owners: dict = {}

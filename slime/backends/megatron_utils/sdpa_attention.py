@@ -68,15 +68,18 @@ def pads_packed() -> bool:
 class PaddedRows:
     """A packed micro-batch's sequences right-padded to the longest: `[sequences × longest]` rows, sequence i's
     tokens at the start of row i. `viewed`: every sequence is `longest` long, so the packed row is that layout as it
-    is (viewed, not copied)."""
+    is (viewed, not copied); `padded_rows` sets it, and a benchmark or test may clear it to time or tally the copy."""
 
     lengths: tuple[int, ...]
-    longest: int
     viewed: bool
 
     @property
     def sequences(self) -> int:
         return len(self.lengths)
+
+    @property
+    def longest(self) -> int:
+        return max(self.lengths)
 
 
 def padded_rows(cu_seqlens: list[int]) -> PaddedRows | None:
@@ -88,32 +91,36 @@ def padded_rows(cu_seqlens: list[int]) -> PaddedRows | None:
     longest = max(lengths)
     if len(lengths) * longest * longest > PADDED_FLOPS_LIMIT * sum(n * n for n in lengths):
         return None
-    return PaddedRows(lengths, longest, viewed=min(lengths) == longest)
+    return PaddedRows(lengths, viewed=min(lengths) == longest)
 
 
 def pad_rows(x: torch.Tensor, rows: PaddedRows) -> torch.Tensor:
     """Packed `[t, ...]` -> `[sequences × longest, ...]`, zeros after each sequence: one copy (`cat`)."""
-    zeros = x.new_zeros(rows.longest - min(rows.lengths), *x.shape[1:])
+    longest = rows.longest
+    zeros = x.new_zeros(longest - min(rows.lengths), *x.shape[1:])
     pieces = []
     for piece, n in zip(x.split(rows.lengths), rows.lengths):
         pieces.append(piece)
-        if n < rows.longest:
-            pieces.append(zeros[: rows.longest - n])
+        if n < longest:
+            pieces.append(zeros[: longest - n])
     return torch.cat(pieces)
 
 
 def unpad_rows(x: torch.Tensor, rows: PaddedRows) -> torch.Tensor:
     """`[sequences × longest, ...]` -> packed `[t, ...]`, the real tokens only: one copy (`cat`)."""
-    return torch.cat(x.split([k for n in rows.lengths for k in (n, rows.longest - n)])[::2])
+    longest = rows.longest
+    return torch.cat(x.split([k for n in rows.lengths for k in (n, longest - n)])[::2])
 
 
 def padded_causal(query, key, value, rows: PaddedRows, scale: float):
     """Causal attention of packed `[t, heads, dim]` sequences run on them right-padded to
     `[sequences, heads, longest, dim]` (zeros after each sequence), cuDNN's kernel first; `[t, heads, dim]` back."""
 
+    sequences, longest = rows.sequences, rows.longest
+
     def pad(x):
         full = x if rows.viewed else _Relayout.apply(x, rows, True)
-        return full.view(rows.sequences, rows.longest, *x.shape[1:]).transpose(1, 2)
+        return full.view(sequences, longest, *x.shape[1:]).transpose(1, 2)
 
     with sdpa_kernel(_CUDNN_FIRST, set_priority=True):
         out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), is_causal=True, scale=scale,

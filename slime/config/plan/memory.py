@@ -28,10 +28,11 @@ Training, megatron (the largest pipeline stage is reported):
   layer on CPU (norms, attention and rotation as slime's CUDA kernels keep them) and checks this formula against it,
   on each attention route, to the byte. It is ~35% above Korthikanti et al.'s 34·T·h for Qwen3-4B, whose GQA,
   SwiGLU and q/k norms that formula (GPT's layer, dropout masks) does not describe. × the stage's layers × the
-  micro-batches 1F1B keeps in flight (PP − stage). --recompute-granularity full keeps 2·T·h per layer (per group of --recompute-num-layers with
-  `uniform`) plus one group's full activations. Selective recompute (--recompute-activations) only drops the attention-score
-  term flash attention never stores. Multi-latent attention is estimated alike (its latents and their norms'
-  inputs, the up-projection's output, query, key, value and output), not counted on a layer;
+  micro-batches 1F1B keeps in flight (PP − stage). --recompute-granularity full keeps 2·T·h per layer (per group
+  of --recompute-num-layers with `uniform`) plus one group's full activations. Selective recompute
+  (--recompute-activations) only drops the attention-score term flash attention never stores. Multi-latent
+  attention is estimated alike (its latents and their norms' inputs, the up-projection's output, query, key, value
+  and output), not counted on a layer;
 - logits: T × padded vocab ÷ TP × 8 B (the bf16 logits, their gradient and the fp32 chunks of the log-prob pass,
   measured at 5.9 B on CPU), last stage only.
 
