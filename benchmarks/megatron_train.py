@@ -51,7 +51,8 @@ from tests.args import make_args  # noqa: E402
 
 # a layout's `+option`s: the flags each adds
 LAYOUT_OPTIONS = {"rope": ["--rope-kernel", "triton"], "torchrope": ["--rope-kernel", "torch"],
-                  "nogaf": ["--no-gradient-accumulation-fusion"], "cudnn": ["--attention-kernel", "cudnn"]}
+                  "nogaf": ["--no-gradient-accumulation-fusion"], "cudnn": ["--attention-kernel", "cudnn"],
+                  "unfusedadam": ["--adam-kernel", "unfused"]}
 
 
 def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Namespace:

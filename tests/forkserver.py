@@ -9,6 +9,8 @@ The server is one per pytest process and exits with it. `spawned_result` is the 
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
+import time
 
 
 def fork_context(*modules: str):
@@ -21,13 +23,23 @@ def fork_context(*modules: str):
 
 def spawned_result(target, *args, timeout: float = 240):
     """`target(queue, *args)` in a spawned process; what it put on the queue (it must exit 0). Put plain values or
-    numpy arrays: a tensor sent through the queue shares memory that is gone once the child exits."""
+    numpy arrays: a tensor sent through the queue shares memory that is gone once the child exits. The child is not
+    a daemon (megatron-core's checkpoint writer starts processes of its own) and is killed on every way out; one
+    that dies without a result fails the test at once."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=target, args=(out, *args), daemon=True)
+    proc = ctx.Process(target=target, args=(out, *args))
     proc.start()
     try:
-        result = out.get(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                result = out.get(timeout=1)
+                break
+            except queue.Empty:
+                if not proc.is_alive() or time.monotonic() > deadline:
+                    raise AssertionError(f"{target.__name__}: no result (exit code {proc.exitcode}, {timeout} s "
+                                         "allowed)") from None
         proc.join(30)
     finally:
         if proc.is_alive():

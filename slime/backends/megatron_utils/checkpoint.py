@@ -12,6 +12,7 @@ state. Simplifications: the RNG state is not saved (training uses no dropout).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from slime.backends.megatron_utils.model import unwrap
+from slime.backends.megatron_utils.model import set_adam_kernel, torch_adams, unwrap
 from slime.utils import checkpoint_layout as layout
 from slime.utils.checkpoint_layout import LATEST_FILE, RELEASE, is_torch_dist_dir, iteration_dir
 from slime.utils.lora_adapter import is_adapter_name
@@ -137,11 +138,57 @@ def load_model(ckpt: TorchDistCheckpoint, model: list[torch.nn.Module], adapters
 
 
 def load_optimizer(ckpt: TorchDistCheckpoint, model: list[torch.nn.Module], optimizer) -> None:
-    """Collective: the optimizer state (after the model weights and the optimizer are built)."""
+    """Collective: the optimizer state (after the model weights and the optimizer are built). A torch Adam (no
+    TransformerEngine) keeps its kernel (--adam-kernel), which torch's `load_state_dict` would take from the saving
+    run; under the distributed optimizer it needs `_torch_adam_loads` too."""
     from megatron.core import dist_checkpointing
 
-    sharded = _model_sharded_state_dict(model)
-    wanted = {"optimizer": optimizer.sharded_state_dict(sharded if len(model) > 1 else sharded["model"],
-                                                        is_loading=True, metadata=_OPTIMIZER_METADATA)}
-    loaded = dist_checkpointing.load(wanted, ckpt.path)
-    optimizer.load_state_dict(loaded["optimizer"])
+    fused = any(group["fused"] for adam in torch_adams(optimizer) for group in adam.param_groups)
+    with _torch_adam_loads(optimizer):
+        sharded = _model_sharded_state_dict(model)
+        wanted = {"optimizer": optimizer.sharded_state_dict(sharded if len(model) > 1 else sharded["model"],
+                                                            is_loading=True, metadata=_OPTIMIZER_METADATA)}
+        loaded = dist_checkpointing.load(wanted, ckpt.path)
+        optimizer.load_state_dict(loaded["optimizer"])
+    set_adam_kernel(optimizer, fused)
+
+
+@contextlib.contextmanager
+def _torch_adam_loads(optimizer):
+    """What megatron-core's distributed optimizer (0.16 to 0.19) lacks to load the state of torch's Adam, which it
+    steps without TransformerEngine: it reads the step count from per-parameter state that a fresh optimizer has
+    not made yet (given here zero, as torch makes it at the first step), and then copies the checkpoint's tensors
+    onto every state tensor of a parameter, the step counter included, which it skipped in the checkpoint
+    (KeyError 'step'; the count was set from the parameter groups before: each parameter keeps it here)."""
+    distributed = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
+                   if hasattr(o, "model_param_group_index_map") and torch_adams(o)]
+    for dist_opt in distributed:
+        adam = dist_opt.optimizer
+        if not adam.state:
+            _zero_adam_state(adam)
+        set_states = dist_opt._set_main_param_and_optimizer_states
+
+        def keeping_step(model_param, tensors, dist_opt=dist_opt, set_states=set_states):
+            group_index, group_order = dist_opt.model_param_group_index_map[model_param]
+            main_param = dist_opt.optimizer.param_groups[group_index]["params"][group_order]
+            step = dist_opt.optimizer.state[main_param].get("step")
+            set_states(model_param, tensors if step is None or "step" in tensors else {**tensors, "step": step})
+
+        dist_opt._set_main_param_and_optimizer_states = keeping_step  # this instance only, for this load
+    try:
+        yield
+    finally:
+        for dist_opt in distributed:
+            del dist_opt._set_main_param_and_optimizer_states
+
+
+def _zero_adam_state(adam: torch.optim.Optimizer) -> None:
+    """The state torch's Adam makes at its first step, zero, where it keeps it."""
+    for group in adam.param_groups:
+        for p in group["params"]:
+            on_device = group["fused"] or group["capturable"]
+            state = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
+                     "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(p)
+            adam.state[p] = state

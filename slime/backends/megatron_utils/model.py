@@ -8,7 +8,8 @@ in megatron-core's `DistributedDataParallel` for training (`wrap=False` for the 
 `--lora-rank` the training chunks are frozen and get LoRA adapters first (lora.py). A
 `--custom-model-provider-path` provider or a `--spec` builds the chunks instead (plugins.py). A vision-language
 --hf-checkpoint gets the GPTModel that carries its HF vision tower (vision_language.py).
-`build_optimizer` gives megatron-core's (distributed) optimizer and `OptimizerParamScheduler`.
+`build_optimizer` gives megatron-core's (distributed) optimizer, its torch Adam fused or not (`set_adam_kernel`), and
+`OptimizerParamScheduler`.
 
 Without TE, MoE experts run as `SequentialMLP` (no grouped GEMM) and attention is torch's SDPA / varlen
 flash attention (`sdpa_attention.SDPAttention`, in place of megatron-core's unfused local attention);
@@ -215,8 +216,32 @@ def build_optimizer(args: argparse.Namespace, model: list[torch.nn.Module], tota
 
     grad_norm.install()
     optimizer = get_megatron_optimizer(mg_args.build_optimizer_config(args), model)
+    set_adam_kernel(optimizer, args.adam_kernel == "fused")
     scheduler = OptimizerParamScheduler(optimizer, **mg_args.lr_scheduler_kwargs(args, total_steps))
     return optimizer, scheduler
+
+
+def torch_adams(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch Adam / AdamW optimizers inside megatron-core's optimizer (not SGD, nor the HybridDeviceOptimizer of
+    --optimizer-cpu-offload)."""
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return [o for o in inner if type(o) in (torch.optim.AdamW, torch.optim.Adam)]
+
+
+def set_adam_kernel(optimizer, fused: bool) -> None:
+    """--adam-kernel: torch's fused AdamW kernel, or torch's default, for each torch Adam megatron-core built (it
+    builds them without `fused` when TransformerEngine and Apex are absent). Called again after an optimizer
+    checkpoint is loaded: torch's `load_state_dict` takes the saving run's choice into the parameter groups. Each
+    Adam `step` counter moves to where its kernel keeps it: the parameter's device when fused (or capturable), else
+    the host."""
+    for adam in torch_adams(optimizer):
+        for group in (adam.defaults, *adam.param_groups):
+            group["fused"], group["foreach"] = (True, False) if fused else (None, None)
+        for group in adam.param_groups:
+            for p in group["params"]:
+                step = adam.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor):  # a copy each: megatron-core's load gives all one tensor
+                    adam.state[p]["step"] = step.to(p.device if fused or group["capturable"] else "cpu", copy=True)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
