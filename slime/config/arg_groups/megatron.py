@@ -224,8 +224,8 @@ def _add_parallel(parser) -> None:
         "it takes otherwise): fused (torch's fused kernel, one pass over parameters, gradients and moments) or "
         "unfused (torch's default: multi-tensor kernels on CUDA, a loop on the host). auto (the default): fused when "
         "the Megatron trainer runs on CUDA with --optimizer adam and without --optimizer-cpu-offload, else unfused. "
-        "Not in slime (its Megatron-LM steps TE's FusedAdam); on an H100 the step of 18 of Qwen3-4B's layers took "
-        "MEASURED (docs/megatron_backend.md).",
+        "Not in slime (its Megatron-LM steps TE's FusedAdam); on an H100 18 of Qwen3-4B's layers trained 16 x 4096 "
+        "tokens in 1.94 s fused against 1.98 s unfused (docs/megatron_backend.md).",
     )
     g.add_argument("--initial-loss-scale", type=float, default=2**32, help="fp16 dynamic loss scale start.")
     g.add_argument("--min-loss-scale", type=float, default=1.0)
