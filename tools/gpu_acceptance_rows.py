@@ -408,13 +408,14 @@ ROWS: tuple[Row, ...] = (
                      not_passed=r"\[contract vs sglang\].*; not passed: (.+)$")),
     Row(5, "weights-only onload, Megatron colocate + resume", "handoff",
         f"{PYTEST} tests/gpu/test_offload_gpu.py tests/gpu/test_offload_ipc_gpu.py tests/gpu/test_hf_engine_release.py "
-        "tests/gpu/test_megatron_offload_trains_gpu.py tests/gpu/test_megatron_gpu.py::"
-        "test_train_py_megatron_colocate_then_resume", timeout_s=600, estimate_s=270,
+        "tests/gpu/test_megatron_offload_trains_gpu.py tests/gpu/test_adam_kernel_gpu.py tests/gpu/test_megatron_gpu.py::"
+        "test_train_py_megatron_colocate_then_resume", timeout_s=600, estimate_s=300,
         part="2",
         must_show="the mover's two moves and the weights-only onload (fault tolerance's mid-rollout push) on CUDA; an "
         "offload frees a push bucket an engine held past the sender; the `hf` engine's release frees its weights' "
         "bytes and a complete push restores the same decode; a Megatron chunk without the distributed optimizer "
-        "trains after the offload's round trip as one that never moved; Megatron + `hf` colocated, only the weights on the GPU "
+        "trains after the offload's round trip as one that never moved; torch's fused and unfused Adam train alike and a "
+        "distributed-optimizer checkpoint of one resumes under the other; Megatron + `hf` colocated, only the weights on the GPU "
         "during a push, SIGTERM after a checkpoint, `--load` resumes at the next rollout",
         figures=grab(offload=r"^\[offload\] (.+)$", logprob_diff=r"engine/trainer \|Δ log-prob\| per rollout: (.+?);",
                      resumed=r"run 2 resumed from checkpoint (.+)$")),
