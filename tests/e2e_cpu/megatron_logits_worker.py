@@ -58,6 +58,8 @@ def main() -> None:
         argv.append("--bf16")
     argv += cli.extra.split()
     args = parse_args(argv)
+    if cli.dtype == "float32":
+        args.bf16 = False  # on a GPU the megatron backend trains in bf16 unless --fp16 (slime's rule): not here
     device = torch.device("cuda" if cuda else "cpu")
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, args.vocab_size, (4, 24), generator=gen).to(device)
