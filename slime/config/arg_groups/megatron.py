@@ -374,6 +374,7 @@ def check_slime_megatron_flags(args: argparse.Namespace) -> None:
 
 
 def _resolve_adam_kernel(args: argparse.Namespace) -> None:
+    """--adam-kernel auto → fused or unfused; fused where no torch Adam of megatron-core's steps is refused."""
     megatron_adam = train_spec(args).model_from_megatron_flags and args.optimizer == "adam"
     if args.adam_kernel == "auto":
         args.adam_kernel = "fused" if megatron_adam and args.use_cuda and not args.optimizer_cpu_offload else "unfused"
