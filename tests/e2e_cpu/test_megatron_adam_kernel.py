@@ -2,9 +2,10 @@
 default (slime/backends/megatron_utils/model.py, `set_adam_kernel`). Real megatron-core (the CPU shim here,
 tests/megatron_cpu_shim.py; on a GPU tests/gpu/test_adam_kernel_gpu.py runs the same worker), bf16 chunks with the
 distributed optimizer, one rank in a child process. Two twin chunks take the same three steps, one per kernel: their
-weights agree to rounding. Then the unfused run's torch_dist checkpoint is loaded into the fused optimizer: torch's
-`load_state_dict` takes the saving run's choice into the parameter groups, and the trainer's second call puts the
-fused kernel (and, on a GPU, the step counters on the device) back."""
+weights agree to rounding. Then a fresh fused model and optimizer resume from the unfused run's torch_dist checkpoint
+(slime/backends/megatron_utils/checkpoint.py, `load_optimizer`): megatron-core's load of torch's Adam state works, the
+fused kernel stays (torch's `load_state_dict` would take the saving run's), each parameter keeps a step counter of
+its own (on a GPU, on the device), and the next step agrees with the unfused run's."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def adam_kernels(out, root: str) -> None:
     import torch.distributed as dist
 
     from slime.backends.megatron_utils import checkpoint
-    from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel
+    from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel, torch_adams
     from slime.utils.net import free_port
 
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -50,15 +51,12 @@ def adam_kernels(out, root: str) -> None:
     optimizers = {k: build_optimizer(args[k], chunks[k], total_steps=8)[0] for k in kernels}
     initial = [p.detach().clone() for p in chunks["fused"][0].parameters()]
 
-    def adams(k: str) -> list:
-        opt = optimizers[k]
-        return [inner.optimizer for inner in getattr(opt, "chained_optimizers", [opt])]
-
     def flags(k: str) -> list:
-        return sorted({str(g["fused"]) for a in adams(k) for g in a.param_groups})
+        return sorted({str(g["fused"]) for a in torch_adams(optimizers[k]) for g in a.param_groups})
 
     def steps(k: str) -> list:
-        return sorted({f"{s['step'].device.type}:{float(s['step']):g}" for a in adams(k) for s in a.state.values()})
+        return sorted({f"{s['step'].device.type}:{float(s['step']):g}" for a in torch_adams(optimizers[k])
+                       for s in a.state.values()})
 
     def step(k: str, seed: int) -> None:
         for chunk in chunks[k]:
