@@ -415,7 +415,7 @@ ROWS: tuple[Row, ...] = (
         "offload frees a push bucket an engine held past the sender; the `hf` engine's release frees its weights' "
         "bytes and a complete push restores the same decode; a Megatron chunk without the distributed optimizer "
         "trains after the offload's round trip as one that never moved; torch's fused and unfused Adam train alike and a "
-        "distributed-optimizer checkpoint of one resumes under the other; Megatron + `hf` colocated, only the weights on the GPU "
+        "checkpoint of one resumes under the other, in megatron-core's distributed optimizer and in the fsdp trainer; Megatron + `hf` colocated, only the weights on the GPU "
         "during a push, SIGTERM after a checkpoint, `--load` resumes at the next rollout",
         figures=grab(offload=r"^\[offload\] (.+)$", logprob_diff=r"engine/trainer \|Δ log-prob\| per rollout: (.+?);",
                      resumed=r"run 2 resumed from checkpoint (.+)$")),

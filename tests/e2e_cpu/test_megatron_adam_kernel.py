@@ -13,7 +13,6 @@ import importlib.util
 
 import pytest
 
-from slime.utils.errors import SlimeArgumentError
 from tests.args import make_args
 from tests.conftest import model_args
 from tests.forkserver import spawned_result
@@ -112,19 +111,3 @@ def check_adam_kernels(result: dict, device: str) -> None:
 def test_fused_and_unfused_adam_train_alike_and_a_checkpoint_keeps_the_kernel(tmp_path):
     check_adam_kernels(spawned_result(adam_kernels, str(tmp_path)), "cpu")
 
-
-def test_auto_is_fused_on_cuda_for_megatrons_adam_only():
-    megatron_flags = (*model_args("tiny-qwen3"), "--train-backend", "megatron")
-    assert make_args(*megatron_flags, use_cuda=True).adam_kernel == "fused"
-    assert make_args(*megatron_flags, use_cuda=False).adam_kernel == "unfused"
-    assert make_args(*megatron_flags, "--optimizer", "sgd", use_cuda=True).adam_kernel == "unfused"
-    assert make_args(*megatron_flags, "--adam-kernel", "unfused", use_cuda=True).adam_kernel == "unfused"
-    assert make_args("--train-backend", "fsdp", use_cuda=False).adam_kernel == "unfused"
-
-
-def test_fused_is_refused_where_no_megatron_adam_steps():
-    with pytest.raises(SlimeArgumentError, match="--adam-kernel fused .*--train-backend fsdp"):
-        make_args("--train-backend", "fsdp", "--adam-kernel", "fused")
-    with pytest.raises(SlimeArgumentError, match="--adam-kernel fused .*--optimizer sgd"):
-        make_args(*model_args("tiny-qwen3"), "--train-backend", "megatron", "--optimizer", "sgd",
-                  "--adam-kernel", "fused")

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.fsdp_utils.checkpoint_format import checkpoint_state
+from slime.backends.training.optimizer_state import set_adam_kernel
 from slime.utils import checkpoint_layout as layout
 from slime.utils.checkpoint_layout import LATEST_FILE, is_hf_folder, iteration_dir
 
@@ -189,6 +190,7 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, che
         logger.warning("%s has no optimizer state (saved with --no-save-optim?); starting a fresh optimizer",
                        checkpoint_path)
         return False
+    fused = bool(optimizer.param_groups[0].get("fused"))  # the load takes the saving run's kernel
     init_optimizer_state(optimizer)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -196,4 +198,5 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, che
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=folder)
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    set_adam_kernel([optimizer], fused)
     return True

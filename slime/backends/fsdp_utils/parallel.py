@@ -76,9 +76,11 @@ def shard_model(model: torch.nn.Module, layers_of: torch.nn.Module, mesh, device
 
 
 def make_optimizer(model: torch.nn.Module, args: Any, lr: float) -> torch.optim.Optimizer:
+    """torch's AdamW over the trained parameters, with the kernel --adam-kernel resolved to (fused on CUDA by
+    default: torch's fused kernel takes FSDP2's DTensor parameters)."""
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
                              betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                             weight_decay=args.weight_decay)
+                             weight_decay=args.weight_decay, fused=True if args.adam_kernel == "fused" else None)
 
 
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_grad: float | None) -> float:

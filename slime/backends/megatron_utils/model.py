@@ -31,7 +31,7 @@ from slime.backends.megatron_utils.sandwich_norm import add_sandwich_norms
 from slime.backends.megatron_utils.sequence_parallel_norm import with_sequence_parallel_norms
 from slime.backends.megatron_utils.vision_language import VisionSpec, vision_spec
 from slime.backends.megatron_utils.vision_language_model import vision_language_model_class
-from slime.backends.training import freeze
+from slime.backends.training import freeze, optimizer_state
 from slime.utils.errors import SlimeArgumentError
 from slime.utils.hooks import hooks_of
 
@@ -229,19 +229,9 @@ def torch_adams(optimizer) -> list[torch.optim.Optimizer]:
 
 
 def set_adam_kernel(optimizer, fused: bool) -> None:
-    """--adam-kernel: torch's fused AdamW kernel, or torch's default, for each torch Adam megatron-core built (it
-    builds them without `fused` when TransformerEngine and Apex are absent). Called again after an optimizer
-    checkpoint is loaded: torch's `load_state_dict` takes the saving run's choice into the parameter groups. Each
-    Adam `step` counter moves to where its kernel keeps it: the parameter's device when fused (or capturable), else
-    the host."""
-    for adam in torch_adams(optimizer):
-        for group in (adam.defaults, *adam.param_groups):
-            group["fused"], group["foreach"] = (True, False) if fused else (None, None)
-        for group in adam.param_groups:
-            for p in group["params"]:
-                step = adam.state.get(p, {}).get("step")
-                if isinstance(step, torch.Tensor):  # a copy each: megatron-core's load gives all one tensor
-                    adam.state[p]["step"] = step.to(p.device if fused or group["capturable"] else "cpu", copy=True)
+    """--adam-kernel for each torch Adam megatron-core built (it builds them without `fused` when TransformerEngine
+    and Apex are absent): slime.backends.training.optimizer_state.set_adam_kernel."""
+    optimizer_state.set_adam_kernel(torch_adams(optimizer), fused)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

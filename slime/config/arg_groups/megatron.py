@@ -218,15 +218,6 @@ def _add_parallel(parser) -> None:
                         "not in fp32); saves 2 B per parameter between steps, but the optimizer step then makes fp32 "
                         "copies of them (4 B per parameter at its peak).")
     g.add_argument("--use-precision-aware-optimizer", action="store_true")
-    g.add_argument(
-        "--adam-kernel", choices=("auto", "fused", "unfused"), default="auto",
-        help="How megatron-core's Adam steps when it is torch's AdamW (no TransformerEngine or Apex, whose FusedAdam "
-        "it takes otherwise): fused (torch's fused kernel, one pass over parameters, gradients and moments) or "
-        "unfused (torch's default: multi-tensor kernels on CUDA, a loop on the host). auto (the default): fused when "
-        "the Megatron trainer runs on CUDA with --optimizer adam and without --optimizer-cpu-offload, else unfused. "
-        "Not in slime (its Megatron-LM steps TE's FusedAdam); on an H100 18 of Qwen3-4B's layers trained 16 x 4096 "
-        "tokens in 1.94 s fused against 1.98 s unfused (docs/megatron_backend.md).",
-    )
     g.add_argument("--initial-loss-scale", type=float, default=2**32, help="fp16 dynamic loss scale start.")
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale", type=float, default=None, help="Static fp16 loss scale.")
@@ -373,19 +364,6 @@ def check_slime_megatron_flags(args: argparse.Namespace) -> None:
             fail(str(e))
 
 
-def _resolve_adam_kernel(args: argparse.Namespace) -> None:
-    """--adam-kernel auto → fused or unfused; fused where no torch Adam of megatron-core's steps is refused."""
-    megatron_adam = train_spec(args).model_from_megatron_flags and args.optimizer == "adam"
-    if args.adam_kernel == "auto":
-        args.adam_kernel = "fused" if megatron_adam and args.use_cuda and not args.optimizer_cpu_offload else "unfused"
-    elif args.adam_kernel == "fused" and not megatron_adam:
-        fail(f"--adam-kernel fused picks the Megatron trainer's Adam, and this run trains with --train-backend "
-             f"{args.train_backend} --optimizer {args.optimizer}; drop the flag.")
-    elif args.adam_kernel == "fused" and args.optimizer_cpu_offload:
-        fail("--adam-kernel fused with --optimizer-cpu-offload: the offloaded optimizer (megatron-core's "
-             "HybridDeviceOptimizer) picks its own kernels; drop one of the two.")
-
-
 def trained_roles(args: argparse.Namespace) -> list[str]:
     """The roles whose training groups the run builds."""
     if args.debug_rollout_only:
@@ -440,7 +418,6 @@ def validate_megatron(args: argparse.Namespace) -> None:
     if args.recompute_granularity == "full" and args.recompute_method and args.recompute_num_layers is None:
         fail("--recompute-granularity full with --recompute-method needs --recompute-num-layers N.")
     check_slime_megatron_flags(args)
-    _resolve_adam_kernel(args)
     if args.context_parallel_size > 1 and not train_spec(args).megatron_parallelism:
         fail(
             f"--context-parallel-size {args.context_parallel_size} with --train-backend {args.train_backend}: "

@@ -42,6 +42,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                    help="slime: Adam without moments kept across optimizer steps: every step is a fresh Adam's first "
                    "(update lr·g/(|g|+eps), weight decay decoupled). Here Adam's state is reset before every step "
                    "(its memory is not saved). Needs --optimizer adam and --no-save-optim.")
+    g.add_argument(
+        "--adam-kernel", choices=("auto", "fused", "unfused"), default="auto",
+        help="How the trainer's torch AdamW steps (the fsdp trainer's; the Megatron trainer's when megatron-core "
+        "builds torch's, without TransformerEngine or Apex, whose FusedAdam it takes otherwise): fused (torch's fused "
+        "kernel, one pass over parameters, gradients and moments) or unfused (torch's default: multi-tensor kernels "
+        "on CUDA, a loop on the host). auto (the default): fused on CUDA with --optimizer adam (the fsdp trainer's "
+        "is always AdamW) and without --optimizer-cpu-offload, else unfused. Not in slime (its Megatron-LM steps TE's "
+        "FusedAdam); on an H100 18 of Qwen3-4B's layers trained 16 x 4096 tokens in 1.94 s fused against 1.98 s "
+        "unfused (docs/megatron_backend.md).",
+    )
     g.add_argument("--min-lr", type=float, default=0.0, help="Floor of the learning-rate decay.")
     g.add_argument(
         "--lr-decay-style",
@@ -145,6 +155,7 @@ def validate_train(args: argparse.Namespace) -> None:
              "adam or drop the flag.")
     if args.use_stateless_adam and not args.no_save_optim:
         fail("--use-stateless-adam keeps no Adam moments to checkpoint: add --no-save-optim (as slime requires).")
+    _resolve_adam_kernel(args)
     if train_spec(args).bf16_by_default_on_gpu and args.use_cuda and not args.fp16 and not args.bf16:
         # slime's Megatron backend always trains in bf16 unless --fp16 (its scripts pass neither); fp32 stays
         # the rule on CPU, where megatron-core runs only through the test shim.
@@ -184,6 +195,19 @@ def validate_train(args: argparse.Namespace) -> None:
              "save folder; give --ref-load DIR.")
     if args.ref_load is not None and not args.debug_rollout_only and not os.path.exists(args.ref_load):
         fail(f"--ref-load {args.ref_load}: no such checkpoint folder (cwd: {os.getcwd()}); fix the path.")
+
+
+def _resolve_adam_kernel(args: argparse.Namespace) -> None:
+    """--adam-kernel auto → fused or unfused; fused where the trainer steps no torch Adam is refused."""
+    torch_adam = args.optimizer == "adam" or not train_spec(args).model_from_megatron_flags  # fsdp: always AdamW
+    if args.adam_kernel == "auto":
+        args.adam_kernel = "fused" if torch_adam and args.use_cuda and not args.optimizer_cpu_offload else "unfused"
+    elif args.adam_kernel == "fused" and not torch_adam:
+        fail(f"--adam-kernel fused picks the kernel of the trainer's Adam, and this run trains with --optimizer "
+             f"{args.optimizer}; drop the flag.")
+    elif args.adam_kernel == "fused" and args.optimizer_cpu_offload:
+        fail("--adam-kernel fused with --optimizer-cpu-offload: the offloaded optimizer (megatron-core's "
+             "HybridDeviceOptimizer) picks its own kernels; drop one of the two.")
 
 
 def _validate_save_hf(args: argparse.Namespace) -> None:
