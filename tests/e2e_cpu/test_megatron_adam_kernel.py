@@ -5,11 +5,14 @@ distributed optimizer, one rank in a child process. Two twin chunks take the sam
 weights agree to rounding. Then a fresh fused model and optimizer resume from the unfused run's torch_dist checkpoint
 (slime/backends/megatron_utils/checkpoint.py, `load_optimizer`): megatron-core's load of torch's Adam state works, the
 fused kernel stays (torch's `load_state_dict` would take the saving run's), each parameter keeps a step counter of
-its own (on a GPU, on the device), and the next step agrees with the unfused run's."""
+its own (on a GPU, on the device), and the next step agrees with the unfused run's. A twin of the unfused run saved
+before its first step (megatron-core's save of torch's Adam then needs a state: `_give_torch_adams_state`) steps as
+the unfused run to the bit."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -43,11 +46,14 @@ def adam_kernels(out, root: str) -> None:
     args = {k: make_args(*model_args("tiny-qwen3"), "--train-backend", "megatron", "--bf16", "--lr", "1e-2",
                          "--seed", "0", "--use-distributed-optimizer", "--adam-kernel", k) for k in kernels}
     initialize_parallel(args["fused"])
-    chunks = {k: build_model(args[k]) for k in kernels}
+    args["saved_first"] = args["unfused"]  # the unfused run's twin, saved before its first step
+    chunks = {k: build_model(args[k]) for k in args}
     with torch.no_grad():
-        for a, b in zip(chunks["fused"][0].parameters(), chunks["unfused"][0].parameters()):
-            b.copy_(a)
-    optimizers = {k: build_optimizer(args[k], chunks[k], total_steps=8)[0] for k in kernels}
+        for k in ("unfused", "saved_first"):
+            for a, b in zip(chunks["fused"][0].parameters(), chunks[k][0].parameters()):
+                b.copy_(a)
+    optimizers = {k: build_optimizer(args[k], chunks[k], total_steps=8)[0] for k in args}
+    checkpoint.save(os.path.join(root, "fresh"), 0, chunks["saved_first"], optimizers["saved_first"])
     initial = [p.detach().clone() for p in chunks["fused"][0].parameters()]
 
     def flags(k: str) -> list:
@@ -69,10 +75,12 @@ def adam_kernels(out, root: str) -> None:
 
     result = {"built": {k: flags(k) for k in kernels}}
     for seed in range(3):
-        for k in kernels:
+        for k in args:
             step(k, seed)
     pairs = list(zip(chunks["fused"][0].parameters(), chunks["unfused"][0].parameters()))
     result["steps"] = {k: steps(k) for k in kernels}
+    result["saved_first_diff"] = max(float((a.float() - b.float()).abs().max()) for a, b in
+                                     zip(chunks["saved_first"][0].parameters(), chunks["unfused"][0].parameters()))
     result["max_diff"] = max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
     result["moved"] = min(float((a.float() - b.float()).abs().max()) for a, b in
                           zip(chunks["fused"][0].parameters(), initial))
@@ -99,6 +107,9 @@ def check_adam_kernels(result: dict, device: str) -> None:
     # The kernels round differently (fp32 moments and master weights); the bf16 weights agree to about a unit in
     # their last place (7.8e-3 at 1) after three steps of lr 1e-2, each of which moved every weight by about lr.
     assert result["max_diff"] < 4e-3 and result["moved"] > 1e-2, result
+    # a save before the first step gives torch's Adam the zero state of its first step (megatron-core's distributed
+    # optimizer reads the step count from it): the steps after it are a fresh Adam's, to the bit
+    assert result["saved_first_diff"] == 0.0, result
     # The fused run resumed from the unfused run's checkpoint keeps its kernel and the step count, one per parameter
     # (megatron-core's load shares one counter among them all: stepped, each parameter would add one to it).
     assert result["loaded"] == {"flags": ["True"], "steps": [f"{device}:3"]}, result

@@ -22,8 +22,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, re
 
 WORKER = os.path.join(REPO_ROOT, "tests", "e2e_cpu", "megatron_cp_worker.py")
 # an entropy bonus and the rollout's (shifted) log-probs as the old policy: a loss with every term non-zero; a clip
-# norm no gradient reaches, so that the gradients compared are the reduced ones, not rescaled to a common norm
-FLAGS = "--entropy-coef 0.01 --use-rollout-logprobs --transformer-impl local --clip-grad 1e9"
+# norm no gradient reaches, so that the gradients compared are the reduced ones, not rescaled to a common norm; no
+# distributed optimizer, whose reduce-scatter leaves each rank only its shard of the gradients rank 0's are read from
+FLAGS = ("--entropy-coef 0.01 --use-rollout-logprobs --transformer-impl local --clip-grad 1e9 "
+         "--no-use-distributed-optimizer")
 # name: (world size, flags); each CP layout is compared with the one before it
 LAYOUTS = {
     "cp1": (1, FLAGS),

@@ -30,7 +30,7 @@ def _layout(out, distributed_optimizer: bool, lora: bool = False) -> None:
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     args = make_args(*model_args("tiny-qwen3"), "--train-backend", "megatron", "--lr", "1e-3",
-                     *(["--use-distributed-optimizer"] if distributed_optimizer else []),
+                     "--use-distributed-optimizer" if distributed_optimizer else "--no-use-distributed-optimizer",
                      *(["--lora-rank", "4", "--target-modules", "all-linear", "--transformer-impl", "local"]
                        if lora else []))
     initialize_parallel(args)
@@ -86,7 +86,7 @@ def _step_after(out, how: str) -> None:
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     args = make_args(*model_args("tiny-qwen3"), "--train-backend", "megatron", "--bf16", "--lr", "1e-2",
-                     "--weight-decay", "0", "--seed", "0")
+                     "--weight-decay", "0", "--seed", "0", "--no-use-distributed-optimizer")
     initialize_parallel(args)
     torch.manual_seed(0)
     model = build_model(args)

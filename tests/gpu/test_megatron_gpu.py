@@ -164,7 +164,7 @@ def _check_state_left_the_gpu(f: dict, logged: list[int], n: int) -> None:
     """--colocate moves the trainer's state to host memory around each push: before it the optimizer state, the
     gradients and the reference model (`offload_state`), after it the weights (`offload`); `onload` brings all back
     for training. In bytes per parameter of the tiny model (n of them; megatron-core pads the vocabulary): bf16
-    weights 2 (no --use-distributed-optimizer here: megatron-core keeps them in no buffer, each moves on its own),
+    weights 2 (in megatron-core's parameter buffer: the distributed optimizer is the default, as in slime),
     bf16 gradients 2, fp32 master weights 4, Adam's two fp32 moments 8 (made by rollout 0's first step), the bf16
     reference model 2. What stays on the device is the allocator's fixed overhead, which rollout 0's training makes
     (cuBLAS workspaces, ~70 MB on the H200, more than the tiny state): so the state's departure is measured against

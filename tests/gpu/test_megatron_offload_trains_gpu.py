@@ -38,7 +38,7 @@ def _round_trip(out) -> None:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     args = make_args(*model_args("tiny-qwen3"), "--train-backend", "megatron", "--lr", "1e-2", "--weight-decay",
-                     "0", "--seed", "0")
+                     "0", "--seed", "0", "--no-use-distributed-optimizer")
     assert args.bf16 and not args.use_distributed_optimizer
     initialize_parallel(args)
     chunks = {name: build_model(args) for name in ("moved", "twin")}

@@ -397,11 +397,11 @@ def test_memory_over_the_gpu_names_the_fixes(files):
     args = parse_args(base(
         *model_args("qwen3-4B"), "--dry-run", "--dry-run-cuda", "--dry-run-gpu-gb", "80",
         "--actor-num-gpus-per-node", "8", "--rollout-num-gpus", "8", "--bf16", "--micro-batch-size", "4",
-        "--rollout-max-context-len", "8192", "--global-batch-size", "256",
+        "--rollout-max-context-len", "8192", "--global-batch-size", "256", "--no-use-distributed-optimizer",
     ))  # fmt: skip
     warning = next(w for w in format_plan(args).splitlines() if "estimated training memory" in w)
     assert "> 80.0 GB per GPU" in warning
-    assert "add --use-distributed-optimizer (→ " in warning
+    assert "drop --no-use-distributed-optimizer (→ " in warning
     assert "add --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 (→ " in warning
     assert "raise --tensor-model-parallel-size to 2 (→ " in warning
 

@@ -185,6 +185,17 @@ def test_multimodal_rope_takes_its_sections(files):
         assert "--mrope-section" in error and "64 rotary frequencies" in error
 
 
+def test_the_distributed_optimizer_is_on_unless_refused_as_slime_sets_it(files):
+    assert parse_args(base()).use_distributed_optimizer is True
+    # SGD: megatron-core's distributed optimizer checkpoints only Adam's state without TransformerEngine
+    assert parse_args(base("--optimizer", "sgd")).use_distributed_optimizer is margs._te_installed()
+    off = parse_args(base("--no-use-distributed-optimizer"))
+    assert off.use_distributed_optimizer is False and not margs.ddp_config_kwargs(off)["use_distributed_optimizer"]
+    error = error_of(base("--no-use-distributed-optimizer", "--use-precision-aware-optimizer",
+                          "--optimizer-cpu-offload", "--bf16"))
+    assert "--use-precision-aware-optimizer with --no-use-distributed-optimizer" in error
+
+
 def test_optimizer_ddp_and_schedule_kwargs(files):
     args = parse_args(base("--lr", "2e-6", "--min-lr", "1e-7", "--lr-decay-style", "cosine", "--lr-warmup-iters",
                            "5", "--use-distributed-optimizer", "--overlap-grad-reduce", "--clip-grad", "0.5"))  # fmt: skip
@@ -243,7 +254,7 @@ def test_kwargs_are_megatron_core_fields(files):
         fields = {f.name for f in dataclasses.fields(cls)}
         assert set(kwargs) <= fields, sorted(set(kwargs) - fields)
     assert margs.build_optimizer_config(args).lr == args.lr
-    assert margs.build_ddp_config(args).use_distributed_optimizer is False
+    assert margs.build_ddp_config(args).use_distributed_optimizer is True  # the default, as slime
 
 
 def test_megatron_on_gpu_trains_in_bf16_unless_fp16_as_slime_does(files):

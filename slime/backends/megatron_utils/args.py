@@ -88,11 +88,15 @@ def resolve_training_options(args: argparse.Namespace) -> None:
             "TransformerEngine is not installed here; install transformer-engine, add --optimizer-cpu-offload, or "
             "drop the flag."
         )
+    if args.use_distributed_optimizer is None:
+        # slime's megatron backend sets it for every run; but without TransformerEngine megatron-core's distributed
+        # optimizer reads Adam's step count to checkpoint its state, which torch's SGD does not keep
+        args.use_distributed_optimizer = args.optimizer == "adam" or _te_installed()
     if args.use_precision_aware_optimizer and not args.use_distributed_optimizer:
-        # slime's megatron backend always uses the distributed optimizer; megatron-core requires it here.
-        logger.info("--use-precision-aware-optimizer: using the distributed optimizer (--use-distributed-optimizer), "
-                    "which it requires")
-        args.use_distributed_optimizer = True
+        raise SlimeArgumentError(
+            "--use-precision-aware-optimizer with --no-use-distributed-optimizer: megatron-core's precision-aware "
+            "optimizer is its distributed optimizer's; drop one of the two."
+        )
     if not args.add_position_embedding and args.position_embedding_type not in ("rope", "mrope"):
         raise SlimeArgumentError(
             f"--no-position-embedding with --position-embedding-type {args.position_embedding_type}: Megatron-LM "

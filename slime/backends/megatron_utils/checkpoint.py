@@ -111,6 +111,7 @@ def save(root: str, rollout_id: int | None, model: list[torch.nn.Module], optimi
     dist.barrier()
     sharded = _model_sharded_state_dict(model)
     if optimizer is not None:
+        _give_torch_adams_state(optimizer)  # a save before the first optimizer step
         sharded["optimizer"] = optimizer.sharded_state_dict(sharded if len(model) > 1 else sharded["model"],
                                                             metadata=_OPTIMIZER_METADATA)
     dist_checkpointing.save(sharded, path)
@@ -156,16 +157,12 @@ def load_optimizer(ckpt: TorchDistCheckpoint, model: list[torch.nn.Module], opti
 @contextlib.contextmanager
 def _torch_adam_loads(optimizer):
     """What megatron-core's distributed optimizer (0.16 to 0.19) lacks to load the state of torch's Adam, which it
-    steps without TransformerEngine: it reads the step count from per-parameter state that a fresh optimizer has
-    not made yet (given here zero, as torch makes it at the first step), and then copies the checkpoint's tensors
-    onto every state tensor of a parameter, the step counter included, which it skipped in the checkpoint
-    (KeyError 'step'; the count was set from the parameter groups before: each parameter keeps it here)."""
-    distributed = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
-                   if hasattr(o, "model_param_group_index_map") and torch_adams(o)]
+    steps without TransformerEngine: the state of a fresh optimizer (`_give_torch_adams_state`), and, as it copies
+    the checkpoint's tensors onto every state tensor of a parameter, the step counter included, which it skipped in
+    the checkpoint (KeyError 'step'; the count was set from the parameter groups before), each parameter's count
+    kept."""
+    distributed = _give_torch_adams_state(optimizer)
     for dist_opt in distributed:
-        adam = dist_opt.optimizer
-        if not adam.state:
-            _zero_adam_state(adam)
         set_states = dist_opt._set_main_param_and_optimizer_states
 
         def keeping_step(model_param, tensors, dist_opt=dist_opt, set_states=set_states):
@@ -180,6 +177,19 @@ def _torch_adam_loads(optimizer):
     finally:
         for dist_opt in distributed:
             del dist_opt._set_main_param_and_optimizer_states
+
+
+def _give_torch_adams_state(optimizer) -> list:
+    """megatron-core's distributed optimizers (0.16 to 0.19) that step a torch Adam (no TransformerEngine), each
+    Adam given the zero state torch makes at its first step if it has none: their `state_dict()`, which a save and a
+    load both call, reads the step count from the per-parameter state (`assert len(steps) == 1` otherwise). The
+    next step is then a fresh Adam's first, as without it."""
+    distributed = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
+                   if hasattr(o, "model_param_group_index_map") and torch_adams(o)]
+    for dist_opt in distributed:
+        if not dist_opt.optimizer.state:
+            _zero_adam_state(dist_opt.optimizer)
+    return distributed
 
 
 def _zero_adam_state(adam: torch.optim.Optimizer) -> None:

@@ -206,7 +206,14 @@ def _add_parallel(parser) -> None:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true", help="Shard optimizer state over DP.")
+    g.add_argument(
+        "--use-distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
+        help="Shard the optimizer state (fp32 main parameters, Adam's moments) over the data-parallel ranks "
+        "(megatron-core's DistributedOptimizer). On by default for the megatron trainer, as slime turns it on for "
+        "every run (its scripts do not pass it), except --optimizer sgd without TransformerEngine (megatron-core "
+        "then checkpoints only Adam's state under it); --no-use-distributed-optimizer (not slime's) keeps a whole "
+        "copy on every rank.",
+    )
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",

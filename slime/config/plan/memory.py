@@ -8,7 +8,7 @@ Training, megatron (the largest pipeline stage is reported):
   --grad-reduce-in-bf16) or fp32 training; 16-bit buffers: 2 B, plus the 4 B fp32 copies the optimizer step makes of
   them (megatron-core's `.float()` of each main_grad shard), counted as 6 B;
 - optimizer: Adam fp32 m and v + fp32 master weights = 12 B/param in bf16/fp16 (8 B in fp32; SGD 8 / 4 B),
-  ÷ DP×CP (experts: ÷ expert-DP) with --use-distributed-optimizer;
+  ÷ DP×CP (experts: ÷ expert-DP) with the distributed optimizer (the Megatron trainer's default);
 - LoRA (--lora-rank): the base has no gradients or optimizer state; the stage's adapters (plan/lora_size.py) have
   weights, gradients and optimizer state as above;
 - reference model (a KL term): another copy of the weights; the teacher of `--use-opd --opd-type megatron`
@@ -273,10 +273,10 @@ def megatron_memory(args, shape: ModelShape, tokens: float | None, micro_batches
             if dist_opt:
                 opt = dense / par.tp / (par.dp * par.cp) + expert / (par.ep * par.etp) / par.expert_dp
                 how = f"{ob} B ({opt_what}) × params ÷ DP×CP {par.dp * par.cp}" + (
-                    f" (experts ÷ expert-DP {par.expert_dp})" if expert else "") + " (--use-distributed-optimizer)"
+                    f" (experts ÷ expert-DP {par.expert_dp})" if expert else "") + " (the distributed optimizer)"
             else:
                 opt = per_gpu
-                how = f"{ob} B ({opt_what}) × {fmt_count(per_gpu)}, not sharded (no --use-distributed-optimizer)"
+                how = f"{ob} B ({opt_what}) × {fmt_count(per_gpu)}, not sharded (--no-use-distributed-optimizer)"
             est.items.append(Item("optimizer", opt * ob, how))
         if with_ref:
             how = f"KL term: a frozen copy, {fmt_count(per_gpu)} × {wb} B"
@@ -337,7 +337,7 @@ def _megatron_lora_items(est: Estimate, args, shape: ModelShape, par: Parallel, 
     est.items.append(Item("gradients", adapter * gb, f"{head} × {gb} B (the base is frozen: none)"))
     shards = par.dp * par.cp if dist_opt else 1
     est.items.append(Item("optimizer", adapter * ob / shards, f"{ob} B ({opt_what}) × the adapter params"
-                          + (f" ÷ DP×CP {shards} (--use-distributed-optimizer)" if dist_opt else "")
+                          + (f" ÷ DP×CP {shards} (the distributed optimizer)" if dist_opt else "")
                           + "; the base has none"))
 
 

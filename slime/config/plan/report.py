@@ -466,7 +466,7 @@ class _Builder:
         if train_spec(a).megatron_parallelism:
             par = training_parallel(a)
             if not a.use_distributed_optimizer and par.dp * par.cp > 1:
-                offer("add --use-distributed-optimizer", use_distributed_optimizer=True)
+                offer("drop --no-use-distributed-optimizer", use_distributed_optimizer=True)
             if a.recompute_granularity != "full" and self.tokens:
                 offer("add --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
                       recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -484,8 +484,8 @@ class _Builder:
                 offer(f"raise --expert-model-parallel-size to {ep2}", expert_model_parallel_size=ep2)
             offer(f"double the training GPUs: --actor-num-nodes {2 * a.actor_num_nodes} (more data parallelism "
                   "to shard the optimizer over)" if a.use_distributed_optimizer else
-                  f"double the training GPUs (--actor-num-nodes {2 * a.actor_num_nodes}) with "
-                  "--use-distributed-optimizer", actor_num_nodes=2 * a.actor_num_nodes, use_distributed_optimizer=True)
+                  f"double the training GPUs (--actor-num-nodes {2 * a.actor_num_nodes}) without "
+                  "--no-use-distributed-optimizer", actor_num_nodes=2 * a.actor_num_nodes, use_distributed_optimizer=True)
         else:
             world = len(self.layout.actor)
             offer(f"double the training ranks to {2 * world} (FSDP shards the state over all of them)",
