@@ -91,7 +91,8 @@ def resolve_training_options(args: argparse.Namespace) -> None:
     if args.use_distributed_optimizer is None:
         # slime's megatron backend sets it for every run; but without TransformerEngine megatron-core's distributed
         # optimizer reads Adam's step count to checkpoint its state, which torch's SGD does not keep
-        args.use_distributed_optimizer = args.optimizer == "adam" or _te_installed()
+        args.use_distributed_optimizer = args.optimizer == "adam" or args.use_precision_aware_optimizer or \
+            _te_installed()
     if args.use_precision_aware_optimizer and not args.use_distributed_optimizer:
         raise SlimeArgumentError(
             "--use-precision-aware-optimizer with --no-use-distributed-optimizer: megatron-core's precision-aware "
