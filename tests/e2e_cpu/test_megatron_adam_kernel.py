@@ -101,20 +101,23 @@ def adam_kernels(out, root: str) -> None:
     dist.destroy_process_group()
 
 
-def check_adam_kernels(result: dict, device: str) -> None:
+def check_adam_kernels(result: dict, device: str, tolerance: float = 4e-3) -> None:
+    """What the workers here and in test_fsdp_adam_kernel.py found. `tolerance`: of the two kernels' weights after
+    three steps (and after the resumed step)."""
     assert result["built"] == {"fused": ["True"], "unfused": ["None"]}, result
     assert result["steps"] == {"fused": [f"{device}:3"], "unfused": ["cpu:3"]}, result
-    # The kernels round differently (fp32 moments and master weights); the bf16 weights agree to about a unit in
+    # The kernels round differently (fp32 moments and master weights); bf16 weights agree to about a unit in
     # their last place (7.8e-3 at 1) after three steps of lr 1e-2, each of which moved every weight by about lr.
-    assert result["max_diff"] < 4e-3 and result["moved"] > 1e-2, result
-    # a save before the first step gives torch's Adam the zero state of its first step (megatron-core's distributed
-    # optimizer reads the step count from it): the steps after it are a fresh Adam's, to the bit
-    assert result["saved_first_diff"] == 0.0, result
+    assert result["max_diff"] < tolerance and result["moved"] > 1e-2, result
+    if "saved_first_diff" in result:
+        # a save before the first step gives torch's Adam the zero state of its first step (megatron-core's
+        # distributed optimizer reads the step count from it): the steps after it are a fresh Adam's, to the bit
+        assert result["saved_first_diff"] == 0.0, result
     # The fused run resumed from the unfused run's checkpoint keeps its kernel and the step count, one per parameter
     # (megatron-core's load shares one counter among them all: stepped, each parameter would add one to it).
     assert result["loaded"] == {"flags": ["True"], "steps": [f"{device}:3"]}, result
     assert result["resumed"] == {"flags": ["True"], "steps": [f"{device}:4"]}, result
-    assert result["resumed_diff"] < 4e-3, result
+    assert result["resumed_diff"] < tolerance, result
 
 
 @megatron
