@@ -144,6 +144,7 @@ def load_optimizer(ckpt: TorchDistCheckpoint, model: list[torch.nn.Module], opti
     run; under the distributed optimizer it needs `_torch_adam_loads` too."""
     from megatron.core import dist_checkpointing
 
+    _check_optimizer_layout(ckpt, optimizer)
     fused = any(group["fused"] for adam in torch_adams(optimizer) for group in adam.param_groups)
     with _torch_adam_loads(optimizer):
         sharded = _model_sharded_state_dict(model)
@@ -152,6 +153,31 @@ def load_optimizer(ckpt: TorchDistCheckpoint, model: list[torch.nn.Module], opti
         loaded = dist_checkpointing.load(wanted, ckpt.path)
         optimizer.load_state_dict(loaded["optimizer"])
     set_adam_kernel(optimizer, fused)
+
+
+def _distributed(optimizer) -> list:
+    """megatron-core's distributed optimizers in `optimizer` (itself, or the ones it chains)."""
+    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if hasattr(o, "model_param_group_index_map")]
+
+
+def _check_optimizer_layout(ckpt: TorchDistCheckpoint, optimizer) -> None:
+    """megatron-core saves the distributed optimizer's state (fully reshardable: `optimizer.state.param.*`) and the
+    other's (`optimizer.state.fp32_param.*`, or the moments alone in fp32) under different keys, and cannot load one
+    into the other; its own error is a missing key deep in torch's checkpoint planner. Named here, with the fix."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = [k for k in FileSystemReader(ckpt.path).read_metadata().state_dict_metadata if k.startswith("optimizer.")]
+    if not keys:
+        return
+    saved = any(k.startswith("optimizer.state.param.") for k in keys)
+    running = bool(_distributed(optimizer))
+    if saved != running:
+        how = {True: "with the distributed optimizer", False: "without the distributed optimizer"}
+        flag = "--use-distributed-optimizer" if saved else "--no-use-distributed-optimizer"
+        raise ValueError(f"--load: the optimizer state in {ckpt.path} was saved {how[saved]}, and this run builds its "
+                         f"optimizer {how[running]} (on by default since 2026-12-07, as in slime); megatron-core loads "
+                         f"neither into the other. Pass {flag} to resume it, or --no-load-optim to resume the weights "
+                         "with a fresh optimizer. The checkpoint is untouched.")
 
 
 @contextlib.contextmanager
@@ -184,8 +210,7 @@ def _give_torch_adams_state(optimizer) -> list:
     Adam given the zero state torch makes at its first step if it has none: their `state_dict()`, which a save and a
     load both call, reads the step count from the per-parameter state (`assert len(steps) == 1` otherwise). The
     next step is then a fresh Adam's first, as without it."""
-    distributed = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
-                   if hasattr(o, "model_param_group_index_map") and torch_adams(o)]
+    distributed = [o for o in _distributed(optimizer) if torch_adams(o)]
     for dist_opt in distributed:
         if not dist_opt.optimizer.state:
             _zero_adam_state(dist_opt.optimizer)
