@@ -161,15 +161,16 @@ def _distributed(optimizer) -> list:
 
 
 def _check_optimizer_layout(ckpt: TorchDistCheckpoint, optimizer) -> None:
-    """megatron-core saves the distributed optimizer's state (fully reshardable: `optimizer.state.param.*`) and the
-    other's (`optimizer.state.fp32_param.*`, or the moments alone in fp32) under different keys, and cannot load one
-    into the other; its own error is a missing key deep in torch's checkpoint planner. Named here, with the fix."""
+    """megatron-core saves the distributed optimizer's state (`optimizer.state.param.*` fully reshardable, as here;
+    `optimizer.distributed.*` in its other formats) and the other's (`optimizer.state.fp32_param.*`, or the moments
+    alone in fp32) under different keys, and cannot load one into the other; its own error is a missing key deep in
+    torch's checkpoint planner. Named here, with the fix."""
     from torch.distributed.checkpoint import FileSystemReader
 
     keys = [k for k in FileSystemReader(ckpt.path).read_metadata().state_dict_metadata if k.startswith("optimizer.")]
     if not keys:
         return
-    saved = any(k.startswith("optimizer.state.param.") for k in keys)
+    saved = any(k.startswith(("optimizer.state.param.", "optimizer.distributed.")) for k in keys)
     running = bool(_distributed(optimizer))
     if saved != running:
         how = {True: "with the distributed optimizer", False: "without the distributed optimizer"}
