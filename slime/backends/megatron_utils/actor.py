@@ -34,7 +34,7 @@ import torch.distributed as dist
 from slime.backends.megatron_utils import args as mg_args
 from slime.backends.megatron_utils import checkpoint, config_check, lora, lora_weights, plugins, weights
 from slime.backends.megatron_utils.forward import response_log_probs, run_pipeline
-from slime.backends.megatron_utils.model import build_model, build_optimizer, initialize_parallel, unwrap
+from slime.backends.megatron_utils.model import build_model, build_optimizer, chained, initialize_parallel, unwrap
 from slime.backends.megatron_utils.vision_language import micro_batch_inputs, vision_spec
 from slime.backends.training import hf_save
 from slime.backends.training.offload import TrainState
@@ -286,9 +286,9 @@ class MegatronTrainRayActor(PolicyTrainer):
         """The DDP chunks' parameter/gradient buffers, the optimizer's master weights and state (its inner torch
         optimizers), the frozen reference/teacher chunks whole."""
         frozen = [chunk for model in (self.ref_model, self.teacher_model) if model is not None for chunk in model]
-        inner = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
         return TrainState(modules=frozen, ddp_chunks=list(self.model),
-                          optimizers=[opt.optimizer for opt in inner if getattr(opt, "optimizer", None) is not None])
+                          optimizers=[opt.optimizer for opt in chained(self.optimizer)
+                                      if getattr(opt, "optimizer", None) is not None])
 
     def optimizer_step(self, record: RolloutRecord, step_id: int) -> dict[str, float]:
         args, batch = self.args, record.batch

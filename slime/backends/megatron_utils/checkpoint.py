@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from slime.backends.megatron_utils.model import set_adam_kernel, torch_adams, unwrap
+from slime.backends.megatron_utils.model import chained, set_adam_kernel, torch_adams, unwrap
 from slime.utils import checkpoint_layout as layout
 from slime.utils.checkpoint_layout import LATEST_FILE, RELEASE, is_torch_dist_dir, iteration_dir
 from slime.utils.lora_adapter import is_adapter_name
@@ -157,7 +157,7 @@ def load_optimizer(ckpt: TorchDistCheckpoint, model: list[torch.nn.Module], opti
 
 def _distributed(optimizer) -> list:
     """megatron-core's distributed optimizers in `optimizer` (itself, or the ones it chains)."""
-    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if hasattr(o, "model_param_group_index_map")]
+    return [o for o in chained(optimizer) if hasattr(o, "model_param_group_index_map")]
 
 
 def _check_optimizer_layout(ckpt: TorchDistCheckpoint, optimizer) -> None:

@@ -221,11 +221,15 @@ def build_optimizer(args: argparse.Namespace, model: list[torch.nn.Module], tota
     return optimizer, scheduler
 
 
+def chained(optimizer) -> list:
+    """megatron-core's optimizers in `optimizer`: the ones it chains, or itself."""
+    return getattr(optimizer, "chained_optimizers", None) or [optimizer]
+
+
 def torch_adams(optimizer) -> list[torch.optim.Optimizer]:
     """The torch Adam / AdamW optimizers inside megatron-core's optimizer (not SGD, nor the HybridDeviceOptimizer of
     --optimizer-cpu-offload)."""
-    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
-    return [o for o in inner if type(o) in (torch.optim.AdamW, torch.optim.Adam)]
+    return [o.optimizer for o in chained(optimizer) if type(o.optimizer) in (torch.optim.AdamW, torch.optim.Adam)]
 
 
 def set_adam_kernel(optimizer, fused: bool) -> None:
