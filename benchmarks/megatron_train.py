@@ -52,7 +52,9 @@ from tests.args import make_args  # noqa: E402
 # a layout's `+option`s: the flags each adds
 LAYOUT_OPTIONS = {"rope": ["--rope-kernel", "triton"], "torchrope": ["--rope-kernel", "torch"],
                   "nogaf": ["--no-gradient-accumulation-fusion"], "cudnn": ["--attention-kernel", "cudnn"],
-                  "unfusedadam": ["--adam-kernel", "unfused"]}
+                  "unfusedadam": ["--adam-kernel", "unfused"],
+                  # no optimizer state beyond the fp32 master weights: the whole 4B's forward + backward fits 80 GB
+                  "sgd": ["--optimizer", "sgd", "--sgd-momentum", "0", "--no-use-distributed-optimizer"]}
 
 
 def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Namespace:
@@ -76,8 +78,8 @@ def slime_args(cli, model_dir: str, workdir: str, layout: str) -> argparse.Names
         "--prompt-data", data, "--rollout-batch-size", str(cli.samples), "--n-samples-per-prompt", "1",
         "--global-batch-size", str(cli.samples), "--num-rollout", str(cli.steps + 1),
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(cli.max_tokens_per_gpu),
-        "--qkv-format", qkv_format, "--log-probs-kernel", kernel or "auto", *extra,
-        "--use-distributed-optimizer", "--use-rollout-logprobs",
+        "--qkv-format", qkv_format, "--log-probs-kernel", kernel or "auto",
+        "--use-distributed-optimizer", "--use-rollout-logprobs", *extra,
         "--lr", "1e-6", "--clip-grad", "1.0", "--advantage-estimator", "grpo", "--seed", "1",
         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--colocate",
     ])  # fmt: skip

@@ -202,6 +202,9 @@ def test_optimizer_ddp_and_schedule_kwargs(files):
     opt = margs.optimizer_config_kwargs(args)
     assert (opt["lr"], opt["min_lr"], opt["clip_grad"], opt["optimizer"]) == (2e-6, 1e-7, 0.5, "adam")
     assert opt["use_distributed_optimizer"] and (opt["adam_beta1"], opt["adam_beta2"]) == (0.9, 0.95)
+    assert opt["sgd_momentum"] == 0.9  # Megatron-LM's default
+    assert margs.optimizer_config_kwargs(parse_args(base("--optimizer", "sgd", "--sgd-momentum", "0")))["sgd_momentum"] == 0
+    assert "--sgd-momentum 1.0: must lie in [0, 1)" in error_of(base("--optimizer", "sgd", "--sgd-momentum", "1.0"))
     ddp = margs.ddp_config_kwargs(args)
     assert ddp["overlap_grad_reduce"] and ddp["use_distributed_optimizer"] and not ddp["grad_reduce_in_fp32"]
     sched = margs.lr_scheduler_kwargs(args, total_steps=100)

@@ -332,6 +332,7 @@ def optimizer_config_kwargs(args: argparse.Namespace) -> dict:
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
         clip_grad=args.clip_grad,
         bf16=args.bf16,
         fp16=args.fp16,

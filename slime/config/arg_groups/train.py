@@ -73,6 +73,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9,
+                   help="Momentum of --optimizer sgd (Megatron-LM's flag and default); 0 keeps no momentum buffer.")
     g.add_argument("--clip-grad", type=float, default=1.0, help="Gradient-norm clip (0 disables it).")
     g.add_argument(
         "--micro-batch-size",
@@ -180,6 +182,8 @@ def validate_train(args: argparse.Namespace) -> None:
         fail(f"--clip-grad {args.clip_grad}: must be >= 0 (0 disables clipping).")
     if not (0.0 <= args.adam_beta1 < 1.0 and 0.0 <= args.adam_beta2 < 1.0):
         fail(f"--adam-beta1 {args.adam_beta1} / --adam-beta2 {args.adam_beta2}: each must lie in [0, 1).")
+    if not 0.0 <= args.sgd_momentum < 1.0:
+        fail(f"--sgd-momentum {args.sgd_momentum}: must lie in [0, 1).")
     if args.save_interval is not None and args.save is None:
         args.save = os.path.join("outputs", "checkpoints", run_name(args))
         logger.info("--save-interval %d without --save: checkpoints go to %s (resume with --load %s)",

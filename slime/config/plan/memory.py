@@ -202,8 +202,10 @@ def megatron_bytes_per_param(args) -> tuple[int, int, int, str]:
     gb = 4 if (args.accumulate_allreduce_grads_in_fp32 or not mixed) else 6  # 16-bit buffers + the step's fp32 copies
     if args.optimizer == "adam":
         ob, what = (12, "fp32 master + Adam m, v") if mixed else (8, "Adam m, v")
-    else:
+    elif args.sgd_momentum:
         ob, what = (8, "fp32 master + momentum") if mixed else (4, "momentum")
+    else:
+        ob, what = (4, "fp32 master") if mixed else (0, "nothing (SGD without momentum)")
     return wb, gb, ob, what
 
 
