@@ -7,6 +7,9 @@
     python benchmarks/megatron_train.py --layouts thd,thd+nogaf,thd:torch+torchrope+nogaf   # each fused kernel off
     python benchmarks/megatron_train.py --layouts thd,thd+cudnn,bshd,bshd+cudnn   # --attention-kernel flash vs cudnn
     python benchmarks/megatron_train.py --profile 30 --profile-syncs   # a profiled step, and where the host waits
+    python benchmarks/megatron_train.py --max-tokens-per-gpu 4096 --layouts thd+sgd,thd+cudnn+sgd
+        # the whole 4B on an 80 GB card: SGD without momentum keeps no optimizer state beyond the fp32 master
+        # weights (Adam's 32 GB more do not fit); the step then is forward + backward + a cheap update
 
 A random-init model of a published Qwen3 shape (benchmarks/weight_sync.py's helper) is written as an HF folder
 and loaded by `MegatronTrainRayActor` (driven directly, no Ray: one rank, bf16 parameters, fp32 master weights
