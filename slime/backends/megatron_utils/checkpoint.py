@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = layout.MEGATRON_STATE_FILE
 # The distributed optimizer's state in a canonical per-parameter form, gathered on data-parallel rank 0 at
-# save: it reloads at any TP / PP / DP layout (the default of megatron-core 0.16 cannot be saved at all).
+# save: it reloads at any TP / PP / DP layout (the default of megatron-core 0.16 cannot be saved at all). Written into
+# the checkpoint as megatron-core's content metadata, as Megatron-LM does, so a load asks for the format it was
+# saved in (`_saved_metadata`).
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -114,7 +116,7 @@ def save(root: str, rollout_id: int | None, model: list[torch.nn.Module], optimi
         _give_torch_adams_state(optimizer)  # a save before the first optimizer step
         sharded["optimizer"] = optimizer.sharded_state_dict(sharded if len(model) > 1 else sharded["model"],
                                                             metadata=_OPTIMIZER_METADATA)
-    dist_checkpointing.save(sharded, path)
+    dist_checkpointing.save(sharded, path, content_metadata=_OPTIMIZER_METADATA)
     if dist.get_rank() == 0:
         with open(os.path.join(path, STATE_FILE), "w") as f:
             json.dump(dict(state or {}, rollout_id=rollout_id), f, indent=2)
@@ -145,14 +147,26 @@ def load_optimizer(ckpt: TorchDistCheckpoint, model: list[torch.nn.Module], opti
     from megatron.core import dist_checkpointing
 
     _check_optimizer_layout(ckpt, optimizer)
+    metadata = _saved_metadata(ckpt)
     fused = any(group["fused"] for adam in torch_adams(optimizer) for group in adam.param_groups)
     with _torch_adam_loads(optimizer):
         sharded = _model_sharded_state_dict(model)
         wanted = {"optimizer": optimizer.sharded_state_dict(sharded if len(model) > 1 else sharded["model"],
-                                                            is_loading=True, metadata=_OPTIMIZER_METADATA)}
+                                                            is_loading=True, metadata=metadata)}
         loaded = dist_checkpointing.load(wanted, ckpt.path)
         optimizer.load_state_dict(loaded["optimizer"])
     set_adam_kernel(optimizer, fused)
+
+
+def _saved_metadata(ckpt: TorchDistCheckpoint) -> dict:
+    """What the optimizer's state was saved with: megatron-core's content metadata, which Megatron-LM writes (slime's
+    checkpoints: the distributed optimizer `dp_reshardable` unless `--dist-ckpt-optim-fully-reshardable`, and key
+    options such as `chained_optim_avoid_prefix`) and this repo's saves since 2026-12-07; the fully reshardable
+    format for this repo's earlier checkpoints, which hold none. megatron-core loads the state only when asked in
+    the format it was saved in."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_content_metadata(ckpt.path) or _OPTIMIZER_METADATA
 
 
 def _distributed(optimizer) -> list:
@@ -185,9 +199,10 @@ def _check_optimizer_layout(ckpt: TorchDistCheckpoint, optimizer) -> None:
 def _torch_adam_loads(optimizer):
     """What megatron-core's distributed optimizer (0.16 to 0.19) lacks to load the state of torch's Adam, which it
     steps without TransformerEngine: the state of a fresh optimizer (`_give_torch_adams_state`), and, as it copies
-    the checkpoint's tensors onto every state tensor of a parameter, the step counter included, which it skipped in
-    the checkpoint (KeyError 'step'; the count was set from the parameter groups before), each parameter's count
-    kept."""
+    the checkpoint's tensors onto every state tensor of a parameter, the step counter included, each parameter's
+    count kept, which it has just set from the saved parameter groups: no format holds it per parameter (the fully
+    reshardable one skips it: KeyError 'step'; the dp_reshardable one, Megatron-LM's, hands back the fresh
+    optimizer's zero count as if it were loaded)."""
     distributed = _give_torch_adams_state(optimizer)
     for dist_opt in distributed:
         set_states = dist_opt._set_main_param_and_optimizer_states
@@ -196,7 +211,7 @@ def _torch_adam_loads(optimizer):
             group_index, group_order = dist_opt.model_param_group_index_map[model_param]
             main_param = dist_opt.optimizer.param_groups[group_index]["params"][group_order]
             step = dist_opt.optimizer.state[main_param].get("step")
-            set_states(model_param, tensors if step is None or "step" in tensors else {**tensors, "step": step})
+            set_states(model_param, tensors if step is None else {**tensors, "step": step})
 
         dist_opt._set_main_param_and_optimizer_states = keeping_step  # this instance only, for this load
     try:
