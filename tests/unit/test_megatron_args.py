@@ -187,8 +187,13 @@ def test_multimodal_rope_takes_its_sections(files):
 
 def test_the_distributed_optimizer_is_on_unless_refused_as_slime_sets_it(files):
     assert parse_args(base()).use_distributed_optimizer is True
-    # SGD: megatron-core's distributed optimizer checkpoints only Adam's state without TransformerEngine
-    assert parse_args(base("--optimizer", "sgd")).use_distributed_optimizer is margs._te_installed()
+    # SGD: megatron-core's distributed optimizer steps Adam only (it asserts so when built)
+    assert parse_args(base("--optimizer", "sgd")).use_distributed_optimizer is False
+    assert "--use-distributed-optimizer with --optimizer sgd: megatron-core's distributed optimizer steps Adam" in \
+        error_of(base("--optimizer", "sgd", "--use-distributed-optimizer"))
+    # ... or its hybrid host optimizer, which takes SGD
+    hybrid = base("--optimizer", "sgd", "--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--bf16")
+    assert parse_args(hybrid).use_distributed_optimizer is True
     off = parse_args(base("--no-use-distributed-optimizer"))
     assert off.use_distributed_optimizer is False and not margs.ddp_config_kwargs(off)["use_distributed_optimizer"]
     error = error_of(base("--no-use-distributed-optimizer", "--use-precision-aware-optimizer",

@@ -88,11 +88,17 @@ def resolve_training_options(args: argparse.Namespace) -> None:
             "TransformerEngine is not installed here; install transformer-engine, add --optimizer-cpu-offload, or "
             "drop the flag."
         )
+    if args.optimizer == "sgd" and not args.optimizer_cpu_offload and \
+            (args.use_distributed_optimizer or args.use_precision_aware_optimizer):
+        flag = "--use-distributed-optimizer" if args.use_distributed_optimizer else "--use-precision-aware-optimizer"
+        raise SlimeArgumentError(
+            f"{flag} with --optimizer sgd: megatron-core's distributed optimizer steps Adam (or its hybrid host "
+            "optimizer) only; it asserts so when it is built, 0.16 and 0.19 alike. Drop the flag (SGD then keeps a "
+            "whole copy on every rank), add --optimizer-cpu-offload, or use --optimizer adam."
+        )
     if args.use_distributed_optimizer is None:
-        # slime's megatron backend sets it for every run; but without TransformerEngine megatron-core's distributed
-        # optimizer reads Adam's step count to checkpoint its state, which torch's SGD does not keep
-        args.use_distributed_optimizer = args.optimizer == "adam" or args.use_precision_aware_optimizer or \
-            _te_installed()
+        # slime's megatron backend sets it for every run; megatron-core's takes Adam or its hybrid host optimizer
+        args.use_distributed_optimizer = args.optimizer == "adam" or args.use_precision_aware_optimizer
     if args.use_precision_aware_optimizer and not args.use_distributed_optimizer:
         raise SlimeArgumentError(
             "--use-precision-aware-optimizer with --no-use-distributed-optimizer: megatron-core's precision-aware "

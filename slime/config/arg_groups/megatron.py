@@ -210,9 +210,9 @@ def _add_parallel(parser) -> None:
         "--use-distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
         help="Shard the optimizer state (fp32 main parameters, Adam's moments) over the data-parallel ranks "
         "(megatron-core's DistributedOptimizer). On by default for the megatron trainer, as slime turns it on for "
-        "every run (its scripts do not pass it), except --optimizer sgd without TransformerEngine (megatron-core "
-        "then checkpoints only Adam's state under it); --no-use-distributed-optimizer (not slime's) keeps a whole "
-        "copy on every rank.",
+        "every run (its scripts do not pass it), except with --optimizer sgd (megatron-core's distributed optimizer "
+        "steps Adam or its hybrid host optimizer only; asked for with sgd and without --optimizer-cpu-offload it "
+        "is refused at start); --no-use-distributed-optimizer (not slime's) keeps a whole copy on every rank.",
     )
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
