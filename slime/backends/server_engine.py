@@ -36,7 +36,7 @@ import httpx
 
 from slime.utils.engine_logs import advice, exit_description, failure_kind, telling_line
 from slime.utils.http_utils import bearer_headers, probe_get
-from slime.utils.net import free_port, node_ip
+from slime.utils.net import free_port, listener_pids, node_ip
 from slime.utils.processes import shown_command, spawn, stop_process_group
 from slime.weight_sync.delta import apply_push
 
@@ -56,6 +56,15 @@ class EngineDiedError(EngineHTTPError):
 
 class EngineNotIdleError(RuntimeError):
     """An engine still served requests when it had to be idle (before its memory is released)."""
+
+
+def _process_name(pid: int) -> str:
+    import psutil
+
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return "gone"
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -155,6 +164,7 @@ class ServerEngine:
                                    f"last lines of {self.log_path}:\n{self.log_tail()}")
             try:
                 if probe_get(url, timeout=self.health_probe_timeout_s, headers=self.auth_headers()).status_code == 200:
+                    self._check_listener_is_ours(url)
                     return
             except httpx.TransportError:
                 pass
@@ -164,6 +174,24 @@ class ServerEngine:
                                    + (f"; its log says: {line}" if line else "") + f"; log {self.log_path}\n"
                                    f"last lines of {self.log_path}:\n{self.log_tail()}")
             time.sleep(0.2)
+
+    def _check_listener_is_ours(self, url: str) -> None:
+        """A port picked free can be taken by another server before this one binds it (two runs on one machine);
+        that server may answer the health path too (sglang-router answers /health), and every call after would go to
+        it. Raises "address already in use" (init picks another port) when only other processes listen there."""
+        import psutil
+
+        listeners = listener_pids(self.port)
+        try:
+            tree = psutil.Process(self.process.pid)
+            ours = {tree.pid, *(child.pid for child in tree.children(recursive=True))}
+        except psutil.NoSuchProcess:
+            return  # it exited: the next poll reports how
+        if listeners and not listeners & ours:
+            names = ", ".join(sorted(f"{pid} ({_process_name(pid)})" for pid in listeners))
+            raise RuntimeError(f"{self._who()}: address already in use: {url} was answered by another process "
+                               f"listening on port {self.port} (pid {names}), which took the port after it was "
+                               "picked free, not by this engine's server")
 
     def log_tail(self, n_bytes: int = 4000) -> str:
         if not self.log_path or not os.path.exists(self.log_path):

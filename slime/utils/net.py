@@ -59,3 +59,12 @@ def free_port(host: str = "") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # all taken: any port the kernel gives
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def listener_pids(port: int) -> set[int]:
+    """The processes listening on TCP `port` on this machine (any address), as far as this process may see them
+    (pids of other users' processes can be hidden: those are left out)."""
+    import psutil
+
+    return {c.pid for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid is not None}

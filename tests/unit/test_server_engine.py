@@ -5,6 +5,7 @@ run: it checks the request shapes our client builds."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -12,6 +13,7 @@ import pytest
 
 from slime.backends.server_engine import EngineHTTPError, ServerEngine
 from slime.backends.sglang_utils.sglang_engine import SGLangEngine
+from slime.utils.net import free_port, listener_pids
 from tests.args import make_args
 
 
@@ -116,3 +118,52 @@ def test_sglang_lora_push_replaces_the_adapter_and_restamps_the_version():
         ("/unload_lora_adapter", {"lora_name": "slime_lora"}),
         ("/load_lora_adapter_from_tensors", {**load, "serialized_tensors": "payload2", "weight_version": "2"}),
         ("/update_weight_version", {"new_version": "2", "abort_all_requests": False})]
+
+
+SERVE_AFTER_A_WHILE = """
+import sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+time.sleep(1.0)  # the imports of a real server: the port is free for someone else meanwhile
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+class Health(BaseHTTPRequestHandler):  # another run's server: it answers the health path as the engine would
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+class DelayedServer(ServerEngine):
+    def launch_command(self, host, port):
+        return [sys.executable, "-c", SERVE_AFTER_A_WHILE, str(port)]
+
+
+def test_a_port_taken_by_another_server_before_the_bind_is_not_mistaken_for_the_engine(monkeypatch, tmp_path):
+    """Two runs on one machine: the port picked free for an engine is taken by the other run's server before the
+    engine's binds it, and that server answers the health path too. init() must not take it for the engine."""
+    monkeypatch.setenv("SLIME_ENGINE_LOG_DIR", str(tmp_path))
+    other = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    taken = other.server_address[1]
+    picks = iter([taken])
+    monkeypatch.setattr("slime.backends.server_engine.free_port", lambda host: next(picks, None) or free_port(host))
+    eng = DelayedServer(make_args(), rank=0)
+    eng.host = "127.0.0.1"
+    try:
+        url = eng.init()
+        assert url != f"http://127.0.0.1:{taken}" and eng.port != taken
+        assert listener_pids(eng.port) == {eng.process.pid}
+        assert (tmp_path / f"{eng.name}-rank0-port{taken}.log").is_file()  # the first start, stopped for the port
+    finally:
+        eng.shutdown()
+        other.shutdown()
