@@ -38,6 +38,8 @@ class TrainBackendSpec:
     expects_cuda: bool
     # Trains LoRA adapters on a frozen base (--lora-rank > 0; docs/lora.md).
     trains_lora: bool = False
+    # The --optimizer choices it steps (the others are refused at start).
+    optimizers: tuple[str, ...] = ("adam", "sgd")
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ TRAIN_BACKEND_SPECS: dict[str, TrainBackendSpec] = {
     "fsdp": TrainBackendSpec(
         name="fsdp", model_from_megatron_flags=False, megatron_parallelism=False, checkpoint_format="hf",
         has_critic=True, memory_model="fsdp", bf16_by_default_on_gpu=False, expects_cuda=False,
-        trains_lora=True,
+        trains_lora=True, optimizers=("adam",),
     ),
 }  # fmt: skip
 

@@ -71,3 +71,11 @@ def test_stateless_adam_flag_needs_adam_and_no_saved_optimizer():
         make_args("--use-stateless-adam")
     with pytest.raises(SlimeArgumentError, match="--use-stateless-adam with --optimizer sgd"):
         make_args("--use-stateless-adam", "--no-save-optim", "--optimizer", "sgd")
+
+
+def test_the_fsdp_trainer_refuses_sgd_at_start():
+    # it steps AdamW only; before, --optimizer sgd trained with AdamW without a word
+    with pytest.raises(SlimeArgumentError, match="--optimizer sgd with --train-backend fsdp: this trainer steps adam "
+                                                 "only.*--train-backend megatron"):
+        make_args("--train-backend", "fsdp", "--optimizer", "sgd")
+    assert make_args("--train-backend", "fsdp").optimizer == "adam"
