@@ -13,10 +13,10 @@ import contextlib
 import json
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save_file
+if TYPE_CHECKING:
+    import torch
 
 ALL_LINEAR = "all-linear"
 ADAPTER_DIR = "adapter"  # a save's iteration folder: the PEFT adapter beside the base model's files
@@ -98,6 +98,8 @@ def peft_names(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def write_adapter_folder(state: dict[str, torch.Tensor], config: dict, path: str) -> int:
     """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) from the adapter tensors of a full
     state dict; returns the bytes of tensors written."""
+    from safetensors.torch import save_file  # imports torch: the engines' launchers read this module without it
+
     adapter = {n: t.contiguous() for n, t in peft_names({n: t for n, t in state.items() if is_adapter_name(n)}).items()}
     os.makedirs(path, exist_ok=True)
     save_file(adapter, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})

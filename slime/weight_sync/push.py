@@ -132,7 +132,7 @@ class BroadcastGroup:
 
     def send(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str) -> None:
         names = [n for n, _ in bucket]
-        dtypes = [t.dtype for _, t in bucket]
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]  # names: the engine actor needs no torch
         shapes = [tuple(t.shape) for _, t in bucket]
         done = _start([(e, "update_weights_from_distributed", (names, dtypes, shapes, self.group_name),
                         {"weight_version": weight_version}) for e in self.engines])

@@ -17,7 +17,7 @@ class Recording:
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name, weight_version=None):
         self.pushes[-1]["names"] += list(names)
-        self.pushes[-1]["bytes"] += sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
+        self.pushes[-1]["bytes"] += sum(torch.Size(s).numel() * getattr(torch, d).itemsize  # dtype names
                                         for d, s in zip(dtypes, shapes))
         return self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name,
                                                            weight_version=weight_version)

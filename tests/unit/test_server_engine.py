@@ -167,3 +167,13 @@ def test_a_port_taken_by_another_server_before_the_bind_is_not_mistaken_for_the_
     finally:
         eng.shutdown()
         other.shutdown()
+
+
+def test_the_hf_engines_actor_imports_without_torch():
+    """The engine's Ray actor only launches and talks to its server: without torch in its imports (and dtype names,
+    not torch dtypes, in the pushes it is handed) each engine start spares ~1.5 s of CPU and ~150 MB."""
+    import subprocess
+
+    code = "import sys; sys.modules['torch'] = None; import slime.backends.hf_engine.engine"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
