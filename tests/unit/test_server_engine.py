@@ -171,7 +171,8 @@ def test_a_port_taken_by_another_server_before_the_bind_is_not_mistaken_for_the_
 
 def test_the_hf_engines_actor_imports_without_torch():
     """The engine's Ray actor only launches and talks to its server: without torch in its imports (and dtype names,
-    not torch dtypes, in the pushes it is handed) each engine start spares ~1.5 s of CPU and ~150 MB."""
+    not torch dtypes, in the pushes it is handed) each engine start spares ~1.5 s of CPU and ~175 MB
+    (measured: 43 against 218 MB resident after the imports)."""
     import subprocess
 
     code = "import sys; sys.modules['torch'] = None; import slime.backends.hf_engine.engine"

@@ -69,7 +69,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Warm-up over this share of the decay steps (--lr-decay-iters, else the run's optimizer "
                    "steps) instead of --lr-warmup-iters (Megatron-LM's rule, both backends).")
     g.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled (AdamW) weight decay.")
-    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="Optimizer (adam is AdamW). The fsdp trainer steps adam only.")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
+                   help="Optimizer (adam is AdamW). The fsdp trainer steps adam only.")
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)
@@ -159,8 +160,8 @@ def validate_train(args: argparse.Namespace) -> None:
         fail("--use-stateless-adam keeps no Adam moments to checkpoint: add --no-save-optim (as slime requires).")
     if args.optimizer not in train_spec(args).optimizers:
         fail(f"--optimizer {args.optimizer} with --train-backend {args.train_backend}: this trainer steps "
-             f"{' or '.join(train_spec(args).optimizers)} only (AdamW, as slime's FSDP backend, which refused other "
-             "optimizers); use --optimizer adam, or --train-backend megatron (with MODEL_ARGS) for SGD.")
+             f"{' or '.join(train_spec(args).optimizers)} only (torch's AdamW; slime's FSDP backend refused other "
+             "optimizers too); use --optimizer adam, or --train-backend megatron (with MODEL_ARGS) for SGD.")
     _resolve_adam_kernel(args)
     if train_spec(args).bf16_by_default_on_gpu and args.use_cuda and not args.fp16 and not args.bf16:
         # slime's Megatron backend always trains in bf16 unless --fp16 (its scripts pass neither); fp32 stays
