@@ -4,6 +4,7 @@
                                    [--steps 5] [--micro-batch-size 16] [--systems slime,trl]
                                    [--sglang-attention-backend triton] [--max-tokens-per-gpu N]
                                    [--log-probs-kernel triton] [--resident --sglang-mem-fraction 0.15]
+                                   [--train-args "--attention-kernel cudnn"]
 
 Both sides get the same random-init model (published Qwen3 dimensions, benchmarks/weight_sync.py's helper,
 loaded in fp32 and trained with bf16 compute), the same prompts (`--prompts` strings of exactly
@@ -42,6 +43,7 @@ import json
 import math
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -213,20 +215,21 @@ def run_slime(args, model_dir: str, data: str, workdir: str, name: str = "slime"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                SLIME_ENGINE_LOG_DIR=os.path.join(workdir, f"{name}_engine_logs"))
     print(f"[{name}] train.py ... (log: {log_path})", flush=True)
+    cmd = [*slime_command(args, model_dir, data, tb_dir, backend, rollout), *shlex.split(args.train_args)]
     with MemoryPeak() as mem, open(log_path, "w") as log:
-        rc = subprocess.run(slime_command(args, model_dir, data, tb_dir, backend, rollout), stdout=log,
-                            stderr=subprocess.STDOUT, env=env, cwd=workdir).returncode
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir).returncode
     if rc != 0:
         with open(log_path) as f:
             raise SystemExit(f"[{name}] train.py exited with {rc}; log tail:\n{f.read()[-4000:]}")
 
-    def per_step(tag: str) -> list[float]:
+    def per_step(tag: str, skip: int = args.warmup) -> list[float]:
         values = read_scalars(tb_dir, tag)
-        return [values[k] for k in sorted(values)][args.warmup:]
+        return [values[k] for k in sorted(values)][skip:]
 
     return {"step": per_step("perf/step_time"), "rollout": per_step("perf/rollout_time"),
             "train": per_step("perf/train_time"), "sync": per_step("perf/update_weights_time"),
             "handoff": per_step("perf/handoff_time"), "reward": per_step("rollout/raw_reward"), "peak_gb": mem.peak_gb,
+            "logprob_gap": per_step("train/train_rollout_logprob_abs_diff", skip=0),
             "handoff_parts": {part: per_step(f"perf/{part}_time") for part in HANDOFF_PARTS}}
 
 
@@ -354,6 +357,9 @@ def report(args, results: dict[str, dict]) -> str:
     for name, r in results.items():
         extra = f"; TRL grad_norm {', '.join(f'{g:.3g}' for g in r['grad_norm'])}" if "grad_norm" in r else ""
         lines.append(f"{name}: reward per step {', '.join(f'{v:.3f}' for v in r['reward'])}{extra}")
+        if r.get("logprob_gap"):
+            lines.append(f"{name}: |trainer - engine log-prob| per step, all steps: "
+                         + ", ".join(f"{v:.2e}" for v in r["logprob_gap"]))
         parts = {part: _mean(v) for part, v in (r.get("handoff_parts") or {}).items() if v}
         if parts:
             lines.append(f"{name}: handoff s per step, by phase: "
@@ -380,6 +386,9 @@ def main() -> None:
                    help="the slime systems colocated without the memory handoff (--no-offload-train "
                    "--no-offload-rollout): both sides stay on the GPU; lower --sglang-mem-fraction to fit")
     p.add_argument("--sglang-mem-fraction", type=float, default=0.3, help="slime-sglang: SGLang's static memory")
+    p.add_argument("--train-args", default="",
+                   help="more train.py flags for the slime systems, one shell-quoted string appended to each "
+                        "command (e.g. \"--attention-kernel cudnn\"); later flags win")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
