@@ -75,8 +75,12 @@ def fsdp_lora_model(model_dir: str, adapter_dir: str | None = None):
 
 @pytest.fixture(scope="module")
 def adapter(tiny_model_dir, tmp_path_factory):
-    """(folder, fsdp LoRA model): a nonzero adapter written by the fsdp side's writer."""
-    model, names = fsdp_lora_model(tiny_model_dir)
+    """(folder, fsdp LoRA model): a nonzero adapter written by the fsdp side's writer. Seeded (the A matrices are
+    LoRA's random init): otherwise it would depend on what the test process drew before, and the layouts' gaps
+    checked below with it (4.8e-7 here; one order of the suite's files drew an adapter giving 1.6e-5)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model, names = fsdp_lora_model(tiny_model_dir)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name in names:
@@ -133,8 +137,14 @@ def test_loaded_adapter_log_probs_equal_fsdp_lora_and_tp1_equals_tp2(runs, adapt
         assert other["metrics"]["train/grad_norm"] == pytest.approx(tp1["metrics"]["train/grad_norm"], rel=1e-5), name
         assert max_abs_diff(other["lp_after"], tp1["lp_after"]) < 1e-5, name
     assert abs(tp1["metrics"]["train/kl_loss"]) > 1e-4  # against the base model: the reference has no adapter
-    assert max_abs_diff(tp2["lp_after"], tp1["lp_after"]) < 1e-5
-    assert max_abs_diff(tp1["lp_after"], tp1["lp_before"]) > 1e-3  # the step moved the policy
+    moved = max_abs_diff(tp1["lp_after"], tp1["lp_before"])
+    assert moved > 1e-3  # the step moved the policy
+    # The same step under TP 2. Adam's first step is g / (|g| + eps) per element, so a gradient element within float
+    # noise of eps may step by up to lr in one layout and not the other: the gap after the step (5.1e-5 of this
+    # step's 0.64; with --optimizer sgd, whose step is linear in the gradient, 9.5e-7 of a 0.09 step) is bounded
+    # relative to how far the step moved. An update lost or doubled on one tensor-parallel shard moves the
+    # log-probs by a good part of the step itself.
+    assert max_abs_diff(tp2["lp_after"], tp1["lp_after"]) < 1e-3 * moved
 
 
 @pytest.mark.timeout(900)
