@@ -2,7 +2,8 @@
 
 It drives `FSDPTrainRayActor` directly (no Ray: the rank processes are started by the test) over a real
 gloo process group, and rank 0 writes what it saw to <out>/result.json:
-  every world size: init -> log-probs -> one train step (one optimizer step) -> log-probs;
+  every world size: init -> log-probs -> one train step (one optimizer step) -> log-probs, with the forward-only
+    log-prob passes it ran;
   1 rank: also gspo + --calculate-per-token-loss + --entropy-coef, then --use-rollout-logprobs;
   --dynamic: micro-batches by token budget (ranks then hold different splits, equalised in count);
   --full: also save -> load into a second actor (+ a third one without the optimizer state) -> train all
@@ -102,7 +103,11 @@ def main() -> None:
         lp_before = actor.compute_log_probs(batch.tokens, batch.response_lengths)
         # Rollout log-probs off by a known 0.05 so train_rollout_logprob_abs_diff has a closed form.
         batch.rollout_log_probs = [[x + 0.05 for x in row] for row in lp_before]
+        passes = []  # the store_prefix of each forward-only log-prob pass: "ref_", "" (the old policy's)
+        counted = actor.log_probs_of_rows
+        actor.log_probs_of_rows = lambda *a, **k: passes.append(a[3]) or counted(*a, **k)
         result["metrics"] = actor.train(0, batch)
+        result["log_prob_passes"] = list(passes)
         lp_after = actor.compute_log_probs(batch.tokens, batch.response_lengths)
         result.update(batch=batch.__dict__, lp_before=lp_before, lp_after=lp_after)
 
@@ -123,6 +128,11 @@ def main() -> None:
             ref_state = actor.ref_model.state_dict()
             result["ref_equals_actor"] = all(torch.equal(ref_state[k].full_tensor(), t.full_tensor())
                                              for k, t in actor.model.state_dict().items())
+            # the token rewards take the KL of the old policy to the reference: its pass runs before training
+            vars(args).update(use_rollout_logprobs=False, ref_update_interval=0, kl_coef=0.01)
+            passes.clear()
+            actor.train(3, variant)
+            result["log_prob_passes_kl_coef"] = list(passes)
 
         if cli.full:
             if engine is not None:

@@ -92,6 +92,17 @@ def test_one_train_step_moves_policy_towards_positive_advantages(runs):
 
 
 @pytest.mark.timeout(600)
+def test_one_step_with_a_reference_reuses_the_training_forward_unless_the_rewards_take_the_kl(runs):
+    # One optimizer step, a KL loss against the reference, --kl-coef 0 (slime's rule): the old log-probs are the
+    # training forward's own, so the only forward-only pass is the reference's, and the ratio is exactly 1.
+    for result in runs:
+        assert result["log_prob_passes"] == ["ref_"]
+        assert result["metrics"]["train/ppo_kl"] == 0.0
+    # --kl-coef: the advantages take KL(old policy || reference) before training, so the old policy's pass runs.
+    assert runs[0]["log_prob_passes_kl_coef"] == ["ref_", ""]
+
+
+@pytest.mark.timeout(600)
 def test_loss_variants_closed_form(runs):
     one, _ = runs
     batch = one["variant_batch"]

@@ -117,21 +117,23 @@ def test_megatron_hooks_are_called_with_slimes_arguments_and_used(tiny_model_dir
     result, calls = run(tiny_model_dir, tmp_path, monkeypatch, "megatron_hooks", "megatron", world=2, rollouts=2,
                         kl=True, skewed=True, extra=hooks)
     # Per rank: init (parallel groups up) before the policy and the reference model are built by the provider;
-    # per rollout the reference's then the old policy's log-prob pass, the postprocess hook, one optimizer step.
-    per_rollout = ["before_log_prob", "before_log_prob", "rollout_data_postprocess", "before_train_step"]
+    # per rollout the reference's log-prob pass, the postprocess hook, one optimizer step (one step per rollout
+    # and a KL loss: the old log-probs are the training forward's own, as in slime).
+    per_rollout = ["before_log_prob", "rollout_data_postprocess", "before_train_step"]
     for rank in (0, 1):
         mine = of_rank(calls, rank)
         assert [c["event"] for c in mine] == ["init", "model_provider", "model_provider", *per_rollout * 2]
         assert mine[0]["args"] == "Namespace" and mine[0]["parallel_ready"]
         assert all((c["pre_process"], c["post_process"], c["vp_stage"], c["config"]) ==
                    (True, True, None, "TransformerConfig") for c in mine[1:3])
-        assert [c["store_prefix"] for c in mine if c["event"] == "before_log_prob"] == ["ref_", "", "ref_", ""]
+        assert [c["store_prefix"] for c in mine if c["event"] == "before_log_prob"] == ["ref_", "ref_"]
         steps = [c for c in mine if c["event"] == "before_train_step"]
         assert [(c["rollout_id"], c["step_id"]) for c in steps] == [(0, 0), (1, 0)]
         assert all(c["grads_zeroed"] and c["scheduler"] == "OptimizerParamScheduler" and c["chunks"] == 1
                    for c in steps)
         post = [c for c in mine if c["event"] == "rollout_data_postprocess"]
-        assert {"log_probs", "ref_log_probs", "advantages"} <= set(post[0]["keys"])
+        assert {"ref_log_probs", "advantages"} <= set(post[0]["keys"])
+        assert "log_probs" not in post[0]["keys"]  # slime's: absent when the training forward gives them
     # Their effects: the reference model (final norm zeroed) predicts uniformly, so the KL loss is not 0 as with
     # ref = policy; the step hook set the learning rate to 0, so the weights did not move.
     assert abs(result["metrics"][0]["train/kl_loss"]) > 1e-3

@@ -194,13 +194,16 @@ class PolicyTrainer(TrainRayActor):
         record.rollout_log_probs = rollout_log_probs(args, batch, record.rows, self.device)
         has_ref = self.ref_model is not None or self.base_is_reference
         require_ref(args, has_ref)
-        # One optimizer step and no reference model: the policy that generated the log-probs of the loss is still
-        # the trained one, so the training forward's own log-probs (detached) are the old ones (one forward fewer).
-        # Not with --keep-old-actor, whose old policy is another set of weights, nor with --use-opd, whose
-        # advantages need the student's log-probs first (slime's rule). Nor with --use-rollout-entropy, which asks for
-        # the old policy's entropies before training (slime skips them when it reuses the forward).
-        record.reuse_training_forward = (len(steps) == 1 and not has_ref and not args.use_rollout_logprobs
-                                         and self.old_actor is None and not args.use_opd
+        # One optimizer step: the policy that generated the log-probs of the loss is still the trained one, so the
+        # training forward's own log-probs (detached) are the old ones (one forward fewer). slime's rule: not when
+        # the advantages need them first (the KL of the token rewards, --kl-coef against the reference; the KL loss
+        # of --use-kl-loss is the training forward's own; --use-opd's teacher term), not with a critic (ppo), not
+        # with --keep-old-actor, whose old policy is another set of weights. Here also not with
+        # --use-rollout-entropy, which asks for the old policy's entropies before training (slime skips them when
+        # it reuses the forward).
+        record.reuse_training_forward = (len(steps) == 1 and not (has_ref and args.kl_coef)
+                                         and not args.use_rollout_logprobs and self.old_actor is None
+                                         and not args.use_opd and not args.use_critic
                                          and not args.use_rollout_entropy)
         forward_only = None
         if (not (args.use_rollout_logprobs or record.reuse_training_forward) or has_ref

@@ -178,7 +178,7 @@ def advantages_and_returns(args: Any, record: RolloutRecord, values, device, gro
     inputs = AdvantageInputs(
         rewards=[batch.rewards[r] for r in rows], response_lengths=[batch.response_lengths[r] for r in rows],
         loss_masks=on_cpu(record.loss_masks), total_lengths=[len(batch.tokens[r]) for r in rows])
-    if ref_log_probs is not None:
+    if ref_log_probs is not None and old_log_probs is not None:  # (None: the training forward gives them, later)
         inputs.kl = [compute_approx_kl(old, ref, args.kl_loss_type) for old, ref in zip(old_log_probs, ref_log_probs)]
     if values is not None:
         inputs.values = [torch.as_tensor(values[r], dtype=torch.float32) for r in rows]
